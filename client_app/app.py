@@ -1,0 +1,47 @@
+"""The ClientApp: thin handlers that route each message to the method's client procedure.
+
+Every message type any registered method uses (``train``, ``evaluate``, ``query``,
+``train.<action>`` ...) gets a handler. The handler validates the incoming payload against
+the method's schema, calls the procedure, stores nothing itself (procedures persist their
+state through the runtime) and replies with the payload plus metrics (with ``partition-id``).
+"""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message, MetricRecord
+from flwr.clientapp import ClientApp
+
+from client_app.data import DATASETS
+from client_app.runtime import ClientRuntime
+from models.groups import MODEL_GROUPS
+from strategies.base import PARTITION_ID, metric_values
+from strategies.payload import read_payload
+from strategies.registry import all_message_types, client_procedure
+
+app = ClientApp()
+
+
+def handle(msg: Message, context: Context) -> Message:
+    """Run the method's handler for ``msg`` and build the reply.
+
+    Raises:
+        ConfigError, PayloadError: turned into an error reply by Flower; the server logs and
+            drops it, the round goes on.
+    """
+    client = ClientRuntime(context)
+    procedure = client_procedure(client.cfg)
+    message_type = msg.metadata.message_type
+    down, up = procedure.schemas[message_type]
+    payload = read_payload(msg.content)
+    down.validate(payload, {"C": DATASETS[client.cfg.dataset].num_classes,
+                            "d": MODEL_GROUPS[client.cfg.model_group].feature_dim})
+    config = dict(msg.content.config_records["config"]) if "config" in msg.content.config_records else {}
+    arrays, metrics = getattr(procedure, message_type.replace(".", "_"))(client, payload, config)
+    content = up.to_record(arrays)
+    content["metrics"] = MetricRecord(metric_values({**metrics, PARTITION_ID: client.partition_id}))
+    return Message(content, reply_to=msg)
+
+
+for _message_type in all_message_types():
+    _category, _, _action = _message_type.partition(".")
+    getattr(app, _category)(_action or "default")(handle)

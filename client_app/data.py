@@ -1,0 +1,279 @@
+"""Client data: load a dataset, partition it with flwr-datasets, split, decode once, augment.
+
+Loading: ``<data-dir>/<name>/{train,test}.parquet`` through Hugging Face ``datasets`` when
+the files exist (the offline copies in shared/data), the dataset's Hub id otherwise.
+Partitioning: flwr-datasets partitioners over the train split (``iid``, ``dirichlet``,
+``pathological``), after one seeded shuffle, as ``FederatedDataset`` does. Each partition is
+then split into a local train and test part with the same class proportions.
+
+A partition is decoded once per process into uint8 tensors and cached: in simulation a Ray
+actor serves many virtual clients over many rounds, so decoding per round would dominate.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torchvision.io import ImageReadMode, decode_image
+
+from common.config import ConfigError, RunConfig
+
+log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
+
+# torchvision 0.29 marks its decoders deprecated in favour of TorchCodec, which is not needed
+# for still images; the pathological partitioner warns whenever N * classes-per-client < C,
+# which is a legitimate configuration here.
+warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision")
+warnings.filterwarnings("ignore", message=r"Classes: \[.*\] will NOT be used")
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """Static facts about an image-classification dataset.
+
+    ``mean``/``std`` are per-channel normalisation constants for pixels in [0, 1].
+    ``flip``, ``erase``, ``crop_padding`` select the training augmentation.
+    """
+
+    hub_id: str
+    image_column: str
+    label_column: str
+    num_classes: int
+    channels: int
+    image_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    flip: bool
+    erase: bool
+    crop_padding: int
+
+
+# CIFAR augmentation and constants: spec fedgh.md section 8 (authors' code). The digit and
+# clothing datasets get random crops only: flipping a digit changes its meaning.
+DATASETS: dict[str, DatasetInfo] = {
+    "cifar10": DatasetInfo("uoft-cs/cifar10", "img", "label", 10, 3, 32,
+                           (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), True, True, 4),
+    "cifar100": DatasetInfo("uoft-cs/cifar100", "img", "fine_label", 100, 3, 32,
+                            (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), True, True, 4),
+    "mnist": DatasetInfo("ylecun/mnist", "image", "label", 10, 1, 28, (0.1307,), (0.3081,), False, False, 2),
+    "fashion-mnist": DatasetInfo("zalando-datasets/fashion_mnist", "image", "label", 10, 1, 28,
+                                 (0.2860,), (0.3530,), False, False, 2),
+}
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Everything that determines one client's data; hashable, so it keys the cache."""
+
+    dataset: str
+    data_dir: str
+    partitioner: str
+    num_partitions: int
+    dirichlet_alpha: float
+    classes_per_client: int
+    test_fraction: float
+    max_examples_per_client: int
+    seed: int
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, num_partitions: int, data_dir: str | None = None) -> DataSpec:
+        """Build from the run config; ``data_dir`` (a node-config value) overrides ``data-dir``."""
+        return cls(cfg.dataset, os.path.realpath(data_dir or cfg.data_dir), cfg.partitioner, num_partitions,
+                   cfg.dirichlet_alpha, cfg.classes_per_client, cfg.test_fraction,
+                   cfg.max_examples_per_client, cfg.seed)
+
+
+@dataclass
+class ClientData:
+    """One client's decoded local data.
+
+    ``train_x``/``test_x``: uint8 ``[n, channels, H, W]``; ``train_y``/``test_y``: int64 ``[n]``.
+    ``load_seconds``: wall time spent loading and decoding it (0 when it came from the cache).
+    """
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    info: DatasetInfo
+    load_seconds: float = 0.0
+
+
+def load_split(name: str, data_dir: str, split: str):
+    """Return split ``split`` of dataset ``name`` as a ``datasets.Dataset`` (images not decoded).
+
+    Uses ``<data_dir>/<name>/<split>.parquet`` when present, the Hub id otherwise.
+
+    Raises:
+        ConfigError: when the dataset is neither on disk nor reachable on the Hub.
+    """
+    from datasets import Image, load_dataset
+
+    info = DATASETS[name]
+    path = os.path.join(data_dir, name, f"{split}.parquet")
+    try:
+        if os.path.exists(path):
+            ds = load_dataset("parquet", data_files={split: path}, split=split)
+        else:
+            ds = load_dataset(info.hub_id, split=split)
+    except Exception as exc:  # offline Hub access raises several unrelated types
+        raise ConfigError(
+            f"dataset '{name}': no file {path} and the Hub dataset '{info.hub_id}' could not be loaded "
+            f"({type(exc).__name__}: {exc}); set run config key 'data-dir' (or node config 'data-dir') "
+            "to a folder holding <dataset>/train.parquet") from exc
+    ds = ds.select_columns([info.image_column, info.label_column])
+    return ds.cast_column(info.image_column, Image(decode=False))
+
+
+@lru_cache(maxsize=4)
+def _partitioner(spec: DataSpec):
+    """The flwr-datasets partitioner for ``spec``, with its (shuffled) train split attached."""
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
+
+    info = DATASETS[spec.dataset]
+    n, label = spec.num_partitions, info.label_column
+    if spec.partitioner == "iid":
+        partitioner = IidPartitioner(num_partitions=n)
+    elif spec.partitioner == "dirichlet":
+        partitioner = DirichletPartitioner(num_partitions=n, partition_by=label, alpha=spec.dirichlet_alpha,
+                                           min_partition_size=2, self_balancing=False, seed=spec.seed)
+    else:
+        partitioner = PathologicalPartitioner(num_partitions=n, partition_by=label,
+                                              num_classes_per_partition=spec.classes_per_client,
+                                              class_assignment_mode="random", seed=spec.seed)
+    partitioner.dataset = load_split(spec.dataset, spec.data_dir, "train").shuffle(seed=spec.seed)
+    return partitioner
+
+
+def stratified_split(labels: torch.Tensor, fraction: float, generator: torch.Generator
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split indices class by class: ``round(fraction * n_c)`` of each class go to the second part.
+
+    Args:
+        labels: int64 ``[n]``.
+        fraction: share of each class put in the second part, in [0, 1].
+        generator: seeded RNG, so every process derives the same split.
+
+    Returns:
+        ``(first, second)``: int64 index tensors, each sorted ascending.
+
+    A class with one sample stays in the first part (``round(fraction) == 0`` for
+    fraction < 0.5). Hugging Face's ``train_test_split(stratify_by_column=...)`` rejects
+    such classes, which Dirichlet partitions often have, hence this function.
+    """
+    first, second = [], []
+    for c in torch.unique(labels):
+        idx = torch.nonzero(labels == c).flatten()
+        idx = idx[torch.randperm(len(idx), generator=generator)]
+        k = int(round(fraction * len(idx)))
+        second.append(idx[:k])
+        first.append(idx[k:])
+    return torch.sort(torch.cat(first)).values, torch.sort(torch.cat(second)).values
+
+
+def _decode(images: list[dict], channels: int) -> torch.Tensor:
+    mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
+    return torch.stack([decode_image(torch.frombuffer(bytearray(im["bytes"]), dtype=torch.uint8), mode=mode)
+                        for im in images])
+
+
+@lru_cache(maxsize=None)
+def load_client_data(spec: DataSpec, partition_id: int) -> ClientData:
+    """Load, split and decode partition ``partition_id`` (cached per process).
+
+    Raises:
+        ConfigError: if ``partition_id`` is outside ``[0, num_partitions)`` or the partition
+            is too small to split.
+    """
+    if not 0 <= partition_id < spec.num_partitions:
+        raise ConfigError(f"partition-id {partition_id} is outside [0, {spec.num_partitions})")
+    start = time.perf_counter()
+    info = DATASETS[spec.dataset]
+    part = _partitioner(spec).load_partition(partition_id)
+    labels = torch.tensor(part[info.label_column], dtype=torch.int64)
+    g = torch.Generator().manual_seed(spec.seed * 100_003 + partition_id)
+    keep = torch.arange(len(labels))
+    if 0 < spec.max_examples_per_client < len(labels):
+        _, keep = stratified_split(labels, spec.max_examples_per_client / len(labels), g)
+    train_idx, test_idx = stratified_split(labels[keep], spec.test_fraction, g)
+    train_idx, test_idx = keep[train_idx], keep[test_idx]
+    if len(train_idx) == 0 or len(test_idx) == 0:
+        raise ConfigError(f"partition {partition_id} has {len(labels)} examples: too few for "
+                          f"test-fraction {spec.test_fraction}; use fewer clients or another partitioner")
+    order = torch.cat([train_idx, test_idx])
+    x = _decode(part.select(order.tolist())[info.image_column], info.channels)
+    n_train = len(train_idx)
+    data = ClientData(x[:n_train], labels[train_idx], x[n_train:], labels[test_idx], info)
+    data.load_seconds = time.perf_counter() - start
+    log.debug("partition %d: %d train / %d test in %.2f s", partition_id, n_train, len(test_idx), data.load_seconds)
+    return data
+
+
+def normalize(x: torch.Tensor, info: DatasetInfo) -> torch.Tensor:
+    """uint8 ``[B, C, H, W]`` -> float32 normalised with the dataset's mean/std (ToTensor + Normalize)."""
+    mean = torch.tensor(info.mean, device=x.device).view(1, -1, 1, 1)
+    std = torch.tensor(info.std, device=x.device).view(1, -1, 1, 1)
+    return (x.float() / 255.0 - mean) / std
+
+
+def augment(x: torch.Tensor, info: DatasetInfo, generator: torch.Generator) -> torch.Tensor:
+    """Training augmentation on a normalised batch ``[B, C, H, W]`` float32, drawn per image.
+
+    Order and parameters as the FedGH authors' code (spec fedgh.md section 8): horizontal
+    flip (p=0.5), random erasing (p=0.5, scale (0.04, 0.2), ratio (0.5, 2), value 0), random
+    crop with zero padding. torchvision's v2 transforms draw one set of parameters per call,
+    so a batched call would flip or crop every image alike, and per-image calls cost about a
+    third of a CNN-1 training step on this CPU; hence these few tensor ops.
+    """
+    n, c, h, w = x.shape
+    dev = x.device
+    if info.flip:
+        flip = (torch.rand(n, generator=generator) < 0.5).to(dev)
+        x = torch.where(flip.view(n, 1, 1, 1), x.flip(-1), x)
+    if info.erase:
+        apply = torch.rand(n, generator=generator) < 0.5
+        area = h * w * (0.04 + 0.16 * torch.rand(n, generator=generator))
+        ratio = torch.exp(math.log(0.5) + math.log(4.0) * torch.rand(n, generator=generator))
+        eh = (area * ratio).sqrt().round().clamp(1, h).long()
+        ew = (area / ratio).sqrt().round().clamp(1, w).long()
+        top = (torch.rand(n, generator=generator) * (h - eh + 1)).long()
+        left = (torch.rand(n, generator=generator) * (w - ew + 1)).long()
+        rows, cols = torch.arange(h), torch.arange(w)
+        in_rows = (rows >= top[:, None]) & (rows < (top + eh)[:, None])
+        in_cols = (cols >= left[:, None]) & (cols < (left + ew)[:, None])
+        mask = in_rows[:, :, None] & in_cols[:, None, :] & apply[:, None, None]
+        x = x.masked_fill(mask[:, None].to(dev), 0.0)
+    if info.crop_padding:
+        p = info.crop_padding
+        padded = F.pad(x, (p, p, p, p))
+        dy = torch.randint(0, 2 * p + 1, (n, 1), generator=generator)
+        dx = torch.randint(0, 2 * p + 1, (n, 1), generator=generator)
+        rows = (dy + torch.arange(h)).to(dev)
+        cols = (dx + torch.arange(w)).to(dev)
+        batch = torch.arange(n, device=dev).view(n, 1, 1, 1)
+        chan = torch.arange(c, device=dev).view(1, c, 1, 1)
+        x = padded[batch, chan, rows.view(n, 1, h, 1), cols.view(n, 1, 1, w)]
+    return x
+
+
+def batches(n: int, batch_size: int, generator: torch.Generator | None) -> list[torch.Tensor]:
+    """Index batches over ``n`` samples: shuffled with ``generator``, in order when it is None.
+
+    The last partial batch is kept (spec fedgh.md section 3).
+    """
+    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+    return list(torch.split(order, batch_size))
+
+
+def class_counts(labels: torch.Tensor, num_classes: int) -> np.ndarray:
+    """Per-class sample counts int64 ``[num_classes]`` of an int64 label tensor."""
+    return torch.bincount(labels, minlength=num_classes).numpy()

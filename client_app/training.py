@@ -1,0 +1,120 @@
+"""Local computations shared by the methods' client procedures: train, extract, evaluate.
+
+All take uint8 image tensors ``[n, C_in, H, W]`` and int64 labels ``[n]`` (a
+:class:`client_app.data.ClientData` split), normalise on the fly on ``device`` and never
+keep gradients outside the training loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from client_app.data import ClientData, DatasetInfo, augment, batches, normalize
+
+EVAL_BATCH = 512
+
+
+def make_sgd(params, config: Mapping[str, Any]) -> torch.optim.SGD:
+    """A fresh SGD optimiser from the message config (``lr``, ``momentum``, ``weight-decay``).
+
+    Fresh every round: no optimiser state persists (spec fedgh.md P9).
+    """
+    return torch.optim.SGD(params, lr=float(config["lr"]), momentum=float(config["momentum"]),
+                           weight_decay=float(config["weight-decay"]))
+
+
+def train_supervised(model: nn.Module, data: ClientData, config: Mapping[str, Any], device: torch.device,
+                     generator: torch.Generator,
+                     extra_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                     ) -> dict[str, float]:
+    """Train all of ``model`` with cross-entropy for ``local-epochs`` epochs on the train split.
+
+    Shuffled mini-batches of ``batch-size`` (last partial batch kept), training augmentation,
+    SGD from :func:`make_sgd`, global gradient-norm clipping at ``clip-norm`` (<= 0: off).
+    ``extra_loss(x, y)`` (normalised, augmented batch and labels) is added to the loss when given.
+
+    Returns:
+        ``train-loss`` (mean over samples of the last epoch), ``train-acc`` (fraction, last
+        epoch), ``train-seconds`` (wall time of the loop, synchronised on CUDA).
+    """
+    start = time.perf_counter()
+    model.train()
+    opt = make_sgd(model.parameters(), config)
+    clip = float(config["clip-norm"])
+    x_all, y_all = data.train_x.to(device), data.train_y.to(device)
+    loss_sum, correct, seen = 0.0, 0, 0
+    for _ in range(int(config["local-epochs"])):
+        loss_sum, correct, seen = 0.0, 0, 0
+        for idx in batches(len(y_all), int(config["batch-size"]), generator):
+            idx = idx.to(device)
+            x = augment(normalize(x_all[idx], data.info), data.info, generator)
+            y = y_all[idx]
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+            if extra_loss is not None:
+                loss = loss + extra_loss(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if clip > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            loss_sum += float(loss.detach()) * len(y)
+            correct += int((logits.detach().argmax(1) == y).sum())
+            seen += len(y)
+    _sync(device)
+    return {"train-loss": loss_sum / max(seen, 1), "train-acc": correct / max(seen, 1),
+            "train-seconds": time.perf_counter() - start}
+
+
+@torch.no_grad()
+def class_means(extractor: nn.Module, x: torch.Tensor, y: torch.Tensor, info: DatasetInfo,
+                device: torch.device, batch_size: int = EVAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact per-class mean representation over all of ``x`` (eval mode, no augmentation).
+
+    FedGH Eq. 3 (local averaged representations), FedProto/FedTGP Eq. 2 (prototypes).
+    Sums accumulate in float64 over batches and are divided once at the end, so the result
+    does not depend on ``batch_size`` (spec fedgh.md P5).
+
+    Returns:
+        ``(means, labels)``: float32 ``[k, d]`` on the CPU, rows in ascending class order,
+        and int64 ``[k]``, the k distinct classes present in ``y``. No row for absent classes.
+    """
+    was_training = extractor.training
+    extractor.eval()
+    sums: torch.Tensor | None = None
+    counts = torch.zeros(info.num_classes, dtype=torch.float64, device=device)
+    for idx in batches(len(y), batch_size, None):
+        feats = extractor(normalize(x[idx].to(device), info)).double()
+        yb = y[idx].to(device)
+        if sums is None:
+            sums = torch.zeros(info.num_classes, feats.shape[1], dtype=torch.float64, device=device)
+        sums.index_add_(0, yb, feats)
+        counts += torch.bincount(yb, minlength=info.num_classes).double()
+    extractor.train(was_training)
+    labels = torch.nonzero(counts).flatten()
+    return (sums[labels] / counts[labels, None]).float().cpu(), labels.cpu()
+
+
+@torch.no_grad()
+def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, info: DatasetInfo,
+                   device: torch.device) -> tuple[int, int, float]:
+    """Top-1 ``(correct, n, summed cross-entropy)`` of ``model`` on ``x``/``y`` in eval mode."""
+    model.eval()
+    correct, loss_sum = 0, 0.0
+    for idx in batches(len(y), EVAL_BATCH, None):
+        logits = model(normalize(x[idx].to(device), info))
+        yb = y[idx].to(device)
+        correct += int((logits.argmax(1) == yb).sum())
+        loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+    return correct, len(y), loss_sum
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,177 @@
+"""Run configuration: one typed, validated view of Flower's flat ``run_config``.
+
+Every key lives in ``[tool.flwr.app.config]`` of ``pyproject.toml`` and can be overridden
+with ``flwr run . --run-config "key=value ..."``. Method-specific keys sit in a nested
+table named after the method (``[tool.flwr.app.config.fedgh]``), which Flower flattens
+to dotted keys (``fedgh.server-lr``); :meth:`RunConfig.method_options` returns them.
+
+Both the ServerApp and the ClientApp parse the same config, so a bad value fails on the
+server before any message is sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+PARTITIONERS = ("iid", "dirichlet", "pathological")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A run-config value is missing, of the wrong type or outside its allowed values."""
+
+
+def _fail(key: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"run config key '{key}' = {value!r} is invalid: allowed values are {allowed}")
+
+
+def choice(key: str, value: Any, allowed: tuple[str, ...] | list[str]) -> str:
+    """Return ``value`` if it is one of ``allowed``.
+
+    Raises:
+        ConfigError: naming ``key`` and listing the allowed values.
+    """
+    if not isinstance(value, str) or value not in allowed:
+        raise _fail(key, value, ", ".join(repr(a) for a in allowed))
+    return value
+
+
+def number(key: str, value: Any, *, kind: type = float, low: float | None = None,
+           high: float | None = None, low_open: bool = False) -> Any:
+    """Return ``value`` as ``kind`` (int or float) if it lies in the given range.
+
+    ``low_open=True`` excludes ``low`` itself (e.g. a learning rate must be > 0).
+
+    Raises:
+        ConfigError: naming ``key`` and the allowed range.
+    """
+    ok_types = (int,) if kind is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, ok_types):
+        raise _fail(key, value, f"{'an integer' if kind is int else 'a number'}{_range_text(low, high, low_open)}")
+    v = kind(value)
+    if (low is not None and (v < low or (low_open and v == low))) or (high is not None and v > high):
+        raise _fail(key, value, f"{'integers' if kind is int else 'numbers'}{_range_text(low, high, low_open)}")
+    return v
+
+
+def flag(key: str, value: Any) -> bool:
+    """Return ``value`` if it is a bool.
+
+    Raises:
+        ConfigError: naming ``key``.
+    """
+    if not isinstance(value, bool):
+        raise _fail(key, value, "true, false")
+    return value
+
+
+def _range_text(low: float | None, high: float | None, low_open: bool) -> str:
+    parts = []
+    if low is not None:
+        parts.append(f"{'>' if low_open else '>='} {low}")
+    if high is not None:
+        parts.append(f"<= {high}")
+    return (" " + " and ".join(parts)) if parts else ""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Validated run configuration shared by server and clients.
+
+    Units: ``round_timeout`` in seconds; ``fraction_train`` and ``test_fraction`` are
+    fractions in [0, 1], never percent.
+    """
+
+    method: str
+    dataset: str
+    data_dir: str
+    partitioner: str
+    dirichlet_alpha: float
+    classes_per_client: int
+    test_fraction: float
+    max_examples_per_client: int
+    model_group: str
+    num_clients: int
+    num_server_rounds: int
+    local_epochs: int
+    batch_size: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    clip_norm: float
+    fraction_train: float
+    eval_every: int
+    seed: int
+    output_dir: str
+    device: str
+    round_timeout: float
+    extra: tuple[tuple[str, Any], ...] = ()  # other keys (method tables), sorted; a tuple keeps cfg hashable
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> RunConfig:
+        """Parse and validate a flat Flower run config.
+
+        Dataset and model-group names are checked against their registries; the method
+        name and its options are checked by ``strategies.registry``.
+
+        Raises:
+            ConfigError: on the first missing or invalid key.
+        """
+        from client_app.data import DATASETS  # registries live beside their code
+        from models.groups import MODEL_GROUPS
+
+        names = {f.name.replace("_", "-") for f in fields(cls)} - {"extra"}
+        missing = sorted(names - set(raw))
+        if missing:
+            raise ConfigError(f"run config is missing key(s): {', '.join(missing)}")
+        g = raw.__getitem__
+        cfg = cls(
+            method=_string("method", g("method")),
+            dataset=choice("dataset", g("dataset"), tuple(DATASETS)),
+            data_dir=_string("data-dir", g("data-dir")),
+            partitioner=choice("partitioner", g("partitioner"), PARTITIONERS),
+            dirichlet_alpha=number("dirichlet-alpha", g("dirichlet-alpha"), low=0, low_open=True),
+            classes_per_client=number("classes-per-client", g("classes-per-client"), kind=int, low=1),
+            test_fraction=number("test-fraction", g("test-fraction"), low=0, high=0.9, low_open=True),
+            max_examples_per_client=number("max-examples-per-client", g("max-examples-per-client"), kind=int, low=0),
+            model_group=choice("model-group", g("model-group"), tuple(MODEL_GROUPS)),
+            num_clients=number("num-clients", g("num-clients"), kind=int, low=1),
+            num_server_rounds=number("num-server-rounds", g("num-server-rounds"), kind=int, low=1),
+            local_epochs=number("local-epochs", g("local-epochs"), kind=int, low=0),
+            batch_size=number("batch-size", g("batch-size"), kind=int, low=1),
+            lr=number("lr", g("lr"), low=0),
+            momentum=number("momentum", g("momentum"), low=0, high=1),
+            weight_decay=number("weight-decay", g("weight-decay"), low=0),
+            clip_norm=number("clip-norm", g("clip-norm"), low=0),
+            fraction_train=number("fraction-train", g("fraction-train"), low=0, high=1, low_open=True),
+            eval_every=number("eval-every", g("eval-every"), kind=int, low=1),
+            seed=number("seed", g("seed"), kind=int, low=0),
+            output_dir=_string("output-dir", g("output-dir")),
+            device=choice("device", g("device"), DEVICES),
+            round_timeout=number("round-timeout", g("round-timeout"), low=0, low_open=True),
+            extra=tuple(sorted((k, v) for k, v in raw.items() if k not in names)),
+        )
+        info = DATASETS[cfg.dataset]
+        if cfg.classes_per_client > info.num_classes:
+            raise _fail("classes-per-client", cfg.classes_per_client,
+                        f"integers from 1 to {info.num_classes} for dataset '{cfg.dataset}'")
+        return cfg
+
+    def method_options(self) -> dict[str, Any]:
+        """Keys of the method's own table, without the ``<method>.`` prefix."""
+        prefix = f"{self.method}."
+        return {k[len(prefix):]: v for k, v in self.extra if k.startswith(prefix)}
+
+    def as_dict(self) -> dict[str, Any]:
+        """The full config as a flat JSON-serialisable dict with Flower's key names."""
+        out = {k.replace("_", "-"): v for k, v in asdict(self).items() if k != "extra"}
+        out.update(dict(self.extra))
+        return out
+
+
+def _string(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail(key, value, "a non-empty string")
+    return value

@@ -1,0 +1,430 @@
+"""The machinery every method shares, written once: server half and client half.
+
+Server (:class:`HeteroStrategy`, a Flower Message-API ``Strategy``):
+
+- waits for ``num-clients`` nodes, then runs a ``query`` handshake with each to learn its
+  partition id and data sizes (node ids are random; sampling and ordering by partition id
+  makes runs reproducible and methods comparable on the same clients);
+- samples ``max(1, floor(fraction-train * N))`` clients per round with a seeded RNG;
+- builds one message per client carrying only that client's payload
+  (:meth:`HeteroStrategy.train_payload` may differ per client);
+- :meth:`HeteroStrategy.exchange` sends, receives and counts payload bytes per message
+  category; :meth:`HeteroStrategy.validate` checks every reply against the method's schema
+  and drops bad ones with a log line, so one broken client never stops a round;
+- :meth:`HeteroStrategy.run_round` is one exchange + :meth:`HeteroStrategy.server_update`
+  by default; methods with sequential server updates or two exchanges per round override
+  it and call ``sample``/``message``/``exchange``/``validate`` themselves;
+- evaluates every client's personal model every ``eval-every`` rounds (and the last) and
+  writes one results row per round as it goes.
+
+Client (:class:`ClientProcedure`): one method per message type (``train``, ``evaluate``,
+``query``, or ``train_<action>`` for ``train.<action>``), each taking the client runtime,
+the validated payload and the config, and returning reply arrays and metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from client_app.data import DATASETS
+from common.config import RunConfig
+from models.groups import MODEL_GROUPS
+from strategies.payload import PayloadError, PayloadSchema, array_record, read_payload, tensor_bytes
+
+log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
+
+NO_PAYLOAD = PayloadSchema()
+#: message type -> (server->client schema, client->server schema)
+Schemas = dict[str, tuple[PayloadSchema, PayloadSchema]]
+BASE_SCHEMAS: Schemas = {"query": (NO_PAYLOAD, NO_PAYLOAD), "evaluate": (NO_PAYLOAD, NO_PAYLOAD)}
+
+#: metric key every reply carries (the client runtime adds it)
+PARTITION_ID = "partition-id"
+#: further metric keys a reply of a message category must carry
+REQUIRED_METRICS = {"evaluate": ("test-correct", "num-examples"), "query": ("num-train", "num-test")}
+
+
+@dataclass
+class ClientReply:
+    """A validated reply: who sent it, its payload arrays and its scalar metrics."""
+
+    node_id: int
+    partition_id: int
+    arrays: dict[str, np.ndarray]
+    metrics: dict[str, Any]
+
+
+def sample_size(fraction: float, num_nodes: int) -> int:
+    """Clients per round K = max(1, floor(fraction * N)) (FedGH spec section 4).
+
+    The product is rounded to 9 decimals first so that 0.29 * 100 gives 29, not 28.
+    """
+    return max(1, math.floor(round(fraction * num_nodes, 9)))
+
+
+class HeteroStrategy(Strategy):
+    """Base Strategy of all methods. Subclasses set ``schemas`` and override the hooks.
+
+    Args:
+        cfg: the validated run config.
+        results: receives one row per round and the summary (see ``server_app.results``);
+            None keeps rows in memory only (``self.rows``).
+
+    Hooks (all optional): :meth:`global_arrays`, :meth:`train_payload`,
+    :meth:`eval_payload`, :meth:`server_update`, :meth:`run_round`.
+    """
+
+    schemas: ClassVar[Schemas] = {"train": (NO_PAYLOAD, NO_PAYLOAD), **BASE_SCHEMAS}
+
+    def __init__(self, cfg: RunConfig, results: Any | None = None) -> None:
+        self.cfg = cfg
+        self.info = DATASETS[cfg.dataset]
+        self.dims = {"C": self.info.num_classes, "d": MODEL_GROUPS[cfg.model_group].feature_dim}
+        self.rng = np.random.default_rng(cfg.seed)
+        self.results = results
+        self.grid: Grid | None = None
+        self.clients: dict[int, dict[str, Any]] = {}  # node id -> handshake metrics
+        self.nodes: list[int] = []  # node ids ordered by partition id
+        self.traffic: Counter[str] = Counter()  # "<category>_bytes_<up|down>" -> bytes
+        self.dropped: Counter[str] = Counter()  # message category -> dropped replies
+        self.rows: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ hooks
+    def global_arrays(self) -> dict[str, np.ndarray]:
+        """The server's current shared arrays (e.g. FedGH's header); empty by default."""
+        return {}
+
+    def train_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
+        """Arrays sent to ``node_id`` with its train instruction. Default: :meth:`global_arrays`."""
+        return self.global_arrays()
+
+    def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
+        """Arrays sent with the evaluate instruction; none by default (clients hold their models)."""
+        return {}
+
+    def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+        """The method's server step on this round's valid train replies; returns scalar metrics."""
+        return {}
+
+    def run_round(self, server_round: int) -> dict[str, float]:
+        """One training round: sample, one train exchange, server update. Returns server metrics."""
+        messages = self.configure_train(server_round, ArrayRecord(), self.train_config(server_round), self.grid)
+        _, metrics = self.aggregate_train(server_round, self.exchange(messages))
+        return dict(metrics or {})
+
+    # ------------------------------------------------------ Flower Strategy API
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """One train message per sampled client, each with its own payload."""
+        return [self.message("train", node, self.train_payload(node, server_round), config, server_round)
+                for node in self.sample()]
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate replies, run :meth:`server_update`, return the new global arrays and metrics."""
+        valid = self.validate("train", replies)
+        start = time.perf_counter()
+        metrics = {"num-clients": len(valid), **self.server_update(server_round, valid)}
+        metrics["server-update-seconds"] = time.perf_counter() - start
+        metrics.update(_client_sums(valid, ("train-seconds", "data-seconds")))
+        arrays = self.global_arrays()
+        return (array_record(arrays) if arrays else None), MetricRecord(metric_values(metrics))
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """One evaluate message to every known client, every ``eval-every`` rounds and the last."""
+        if server_round % self.cfg.eval_every and server_round != self.cfg.num_server_rounds:
+            return []
+        return [self.message("evaluate", node, self.eval_payload(node, server_round), config, server_round)
+                for node in self.nodes]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Accuracy of the clients' personal models on their local test splits.
+
+        ``accuracy-mean`` is the unweighted mean over clients (the papers' "average test
+        accuracy"), ``accuracy-weighted`` the sample-weighted mean; both fractions in [0, 1].
+        Per-client values come as parallel lists ``partition-ids`` / ``accuracy-per-client``.
+        Any other ``test-acc-<name>`` metric is averaged unweighted into ``accuracy-mean-<name>``.
+        """
+        valid = sorted(self.validate("evaluate", replies), key=lambda r: r.partition_id)
+        if not valid:
+            return None
+        correct = np.array([r.metrics["test-correct"] for r in valid], dtype=np.float64)
+        total = np.array([r.metrics["num-examples"] for r in valid], dtype=np.float64)
+        acc = correct / np.maximum(total, 1)
+        out: dict[str, Any] = {
+            "accuracy-mean": float(acc.mean()),
+            "accuracy-weighted": float(correct.sum() / max(total.sum(), 1)),
+            "num-evaluated": len(valid),
+            "partition-ids": [r.partition_id for r in valid],
+            "accuracy-per-client": [float(a) for a in acc],
+        }
+        extra = sorted({k for r in valid for k in r.metrics if k.startswith("test-acc-")})
+        for key in extra:
+            out["accuracy-mean-" + key[len("test-acc-"):]] = float(np.mean([r.metrics[key] for r in valid
+                                                                             if key in r.metrics]))
+        return MetricRecord(out)
+
+    def summary(self) -> None:
+        """Log the method and the main settings."""
+        c = self.cfg
+        log.info("%s | %s, %s partitioner, %d clients, model group %s, %d rounds, fraction-train %.2f",
+                 type(self).__name__, c.dataset, c.partitioner, c.num_clients, c.model_group,
+                 c.num_server_rounds, c.fraction_train)
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
+              timeout: float | None = None, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None, evaluate_fn: Any = None) -> Result:
+        """Run the whole federation: wait for nodes, handshake, rounds, evaluation, results.
+
+        ``num_rounds`` and ``timeout`` default to the config's ``num-server-rounds`` and
+        ``round-timeout``; the other arguments exist for signature compatibility and are unused
+        (the server state lives in the strategy, the config in ``cfg``).
+
+        Raises:
+            RuntimeError: if fewer than ``num-clients`` nodes connect or answer the handshake
+                within ``round-timeout`` seconds.
+        """
+        self.grid = grid
+        rounds = num_rounds or self.cfg.num_server_rounds
+        self._timeout = timeout or self.cfg.round_timeout
+        self.summary()
+        self.handshake()
+        result = Result()
+        run_start = time.perf_counter()
+        for server_round in range(1, rounds + 1):
+            before = self.traffic.copy()
+            t0 = time.perf_counter()
+            train_metrics = self.run_round(server_round)
+            t1 = time.perf_counter()
+            eval_messages = list(self.configure_evaluate(server_round, ArrayRecord(),
+                                                         ConfigRecord({"server-round": server_round}), grid))
+            eval_metrics = self.aggregate_evaluate(server_round, self.exchange(eval_messages)) \
+                if eval_messages else None
+            t2 = time.perf_counter()
+            result.train_metrics_clientapp[server_round] = MetricRecord(metric_values(train_metrics))
+            if eval_metrics is not None:
+                result.evaluate_metrics_clientapp[server_round] = eval_metrics
+            row = self._row(server_round, train_metrics, eval_metrics, self.traffic - before,
+                            t1 - t0, t2 - t1, time.perf_counter() - run_start)
+            self.rows.append(row)
+            if self.results is not None:
+                self.results.write_round(row)
+            log.info(_progress_line(row, rounds))
+        arrays = self.global_arrays()
+        result.arrays = array_record(arrays)
+        if self.results is not None:
+            self.results.finish()
+        return result
+
+    # ------------------------------------------------------------- machinery
+    def handshake(self) -> None:
+        """Wait for ``num-clients`` nodes and learn each one's partition id and data sizes.
+
+        Every reply's metrics are kept in ``self.clients[node_id]`` (methods may add keys,
+        e.g. a parameter count). Nodes whose handshake fails are left out of the run.
+
+        Raises:
+            RuntimeError: too few nodes within the timeout, or two nodes claim one partition.
+        """
+        wanted, deadline = self.cfg.num_clients, time.monotonic() + self._timeout
+        while len(nodes := sorted(self.grid.get_node_ids())) < wanted:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {len(nodes)} of num-clients={wanted} nodes connected within "
+                                   f"{self._timeout:.0f} s (run config key 'round-timeout')")
+            log.info("Waiting for nodes: %d of %d connected", len(nodes), wanted)
+            time.sleep(2.0)
+        replies = self.validate("query", self.exchange(
+            [self.message("query", n, {}, ConfigRecord(), 0) for n in nodes]))
+        by_partition: dict[int, int] = {}
+        for r in replies:
+            if r.partition_id in by_partition:
+                raise RuntimeError(f"nodes {by_partition[r.partition_id]} and {r.node_id} both hold "
+                                   f"partition {r.partition_id}: check each SuperNode's --node-config")
+            by_partition[r.partition_id] = r.node_id
+            self.clients[r.node_id] = r.metrics
+        if len(replies) < wanted:
+            raise RuntimeError(f"only {len(replies)} of num-clients={wanted} nodes answered the handshake")
+        self.nodes = [by_partition[p] for p in sorted(by_partition)]
+        log.info("Handshake: %d clients, partitions %s", len(self.nodes), sorted(by_partition))
+
+    def sample(self) -> list[int]:
+        """This round's clients: K of the known nodes, seeded, returned in partition-id order."""
+        k = sample_size(self.cfg.fraction_train, len(self.nodes))
+        chosen = self.rng.choice(len(self.nodes), size=k, replace=False)
+        return [self.nodes[i] for i in sorted(chosen)]
+
+    def train_config(self, server_round: int) -> ConfigRecord:
+        """The training settings sent with every train instruction (not counted as payload)."""
+        c = self.cfg
+        return ConfigRecord({"server-round": server_round, "local-epochs": c.local_epochs,
+                             "batch-size": c.batch_size, "lr": c.lr, "momentum": c.momentum,
+                             "weight-decay": c.weight_decay, "clip-norm": c.clip_norm})
+
+    def message(self, message_type: str, node_id: int, arrays: Mapping[str, np.ndarray],
+                config: ConfigRecord, server_round: int) -> Message:
+        """A message to one node: its payload (checked against the schema) plus ``config``."""
+        content = self.schemas[message_type][0].to_record(arrays)
+        content["config"] = config
+        return Message(content, dst_node_id=node_id, message_type=message_type, group_id=str(server_round))
+
+    def exchange(self, messages: Iterable[Message]) -> list[Message]:
+        """Send ``messages``, wait for the replies, count payload bytes both ways.
+
+        Bytes are added to ``self.traffic["<category>_bytes_down"]`` (per message sent) and
+        ``["<category>_bytes_up"]`` (per reply received, valid or not).
+        """
+        messages = list(messages)
+        if not messages:
+            return []
+        for m in messages:
+            self.traffic[_category(m.metadata.message_type) + "_bytes_down"] += tensor_bytes(m.content)
+        replies = list(self.grid.send_and_receive(messages, timeout=self._timeout))
+        for r in replies:
+            if not r.has_error():
+                self.traffic[_category(r.metadata.message_type) + "_bytes_up"] += tensor_bytes(r.content)
+        missing = len(messages) - len(replies)
+        if missing:
+            log.warning("%d of %d %s replies did not arrive within %.0f s", missing, len(messages),
+                        messages[0].metadata.message_type, self._timeout)
+            self.dropped[_category(messages[0].metadata.message_type)] += missing
+        return replies
+
+    def validate(self, message_type: str, replies: Iterable[Message]) -> list[ClientReply]:
+        """Keep the replies that match the schema of ``message_type``; log and drop the rest.
+
+        A reply is dropped when it is an error, carries records other than the payload and
+        one ``metrics`` MetricRecord, lacks ``partition-id`` (or claims another partition
+        than its node did at the handshake), or its payload fails the schema.
+        """
+        up = self.schemas[message_type][1]
+        valid = []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            try:
+                if reply.has_error():
+                    raise PayloadError(f"client error {reply.error.code}: {reply.error.reason}")
+                content = reply.content
+                extra = set(content.keys()) - {"payload", "metrics"}
+                if extra or "metrics" not in content.metric_records:
+                    raise PayloadError(f"records {sorted(content.keys())}, expected payload + metrics")
+                metrics = dict(content.metric_records["metrics"])
+                pid = metrics.get(PARTITION_ID)
+                if not isinstance(pid, int):
+                    raise PayloadError("metrics lack an integer 'partition-id'")
+                absent = [k for k in REQUIRED_METRICS.get(_category(message_type), ()) if k not in metrics]
+                if absent:
+                    raise PayloadError(f"metrics lack {absent}")
+                if node in self.clients and self.clients[node][PARTITION_ID] != pid:
+                    raise PayloadError(f"partition-id {pid} differs from the handshake's "
+                                       f"{self.clients[node][PARTITION_ID]}")
+                arrays = read_payload(content)
+                up.validate(arrays, self.dims)
+                valid.append(ClientReply(node, pid, arrays, metrics))
+            except PayloadError as exc:
+                self.dropped[_category(message_type)] += 1
+                log.warning("Dropped %s reply from node %s: %s", message_type, node, exc)
+        return valid
+
+    def _row(self, server_round: int, train: Mapping[str, Any], evaluation: MetricRecord | None,
+             traffic: Mapping[str, int], train_s: float, eval_s: float, elapsed: float) -> dict[str, Any]:
+        ev = dict(evaluation) if evaluation is not None else {}
+        row: dict[str, Any] = {
+            "round": server_round,
+            "evaluated": evaluation is not None,
+            "accuracy_mean": ev.get("accuracy-mean"),
+            "accuracy_weighted": ev.get("accuracy-weighted"),
+            "bytes_up": traffic.get("train_bytes_up", 0),
+            "bytes_down": traffic.get("train_bytes_down", 0),
+            "eval_bytes_up": traffic.get("evaluate_bytes_up", 0),
+            "eval_bytes_down": traffic.get("evaluate_bytes_down", 0),
+            "num_clients": int(train.get("num-clients", 0)),
+            "round_seconds": train_s + eval_s,
+            "train_phase_seconds": train_s,
+            "eval_phase_seconds": eval_s,
+            "elapsed_seconds": elapsed,
+        }
+        if ev:
+            row["accuracy_per_client"] = dict(zip((str(p) for p in ev["partition-ids"]),
+                                                  ev["accuracy-per-client"]))
+            row.update({k.replace("-", "_"): v for k, v in ev.items() if k.startswith("accuracy-mean-")})
+        row.update({k.replace("-", "_"): v for k, v in train.items() if k != "num-clients"})
+        return row
+
+
+class ClientProcedure:
+    """Client half of a method. Subclasses set ``schemas`` and implement ``train``.
+
+    Handlers take ``(client, payload, config)``: the :class:`client_app.runtime.ClientRuntime`,
+    the validated payload arrays (name -> ndarray) and the message's ConfigRecord as a dict;
+    they return ``(arrays, metrics)``: the reply payload (must match the schema) and scalars.
+    """
+
+    schemas: ClassVar[Schemas] = HeteroStrategy.schemas
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+
+    def train(self, client, payload, config) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        raise NotImplementedError
+
+    def evaluate(self, client, payload, config) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Accuracy of the client's personal model on its local test split."""
+        from client_app.training import evaluate_model
+
+        data = client.data
+        correct, n, loss_sum = evaluate_model(client.model, data.test_x, data.test_y, data.info, client.device)
+        return {}, {"test-correct": correct, "num-examples": n, "test-acc": correct / max(n, 1),
+                    "test-loss": loss_sum / max(n, 1)}
+
+    def query(self, client, payload, config) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Handshake: data sizes (the runtime adds the partition id). Loads the data once, early."""
+        data = client.data
+        return {}, {"num-train": len(data.train_y), "num-test": len(data.test_y),
+                    "data-seconds": data.load_seconds}
+
+
+def _category(message_type: str) -> str:
+    return message_type.split(".", 1)[0]
+
+
+def _client_sums(replies: list[ClientReply], keys: tuple[str, ...]) -> dict[str, float]:
+    out = {}
+    for key in keys:
+        values = [float(r.metrics[key]) for r in replies if key in r.metrics]
+        out["client-" + key] = float(sum(values))
+        out["client-" + key.replace("seconds", "max-seconds")] = max(values, default=0.0)
+    return out
+
+
+def metric_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """MetricRecord accepts only Python int/float (and lists): cast numpy scalars, drop the rest."""
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, (bool, np.bool_)):
+            out[k] = int(v)
+        elif isinstance(v, (int, np.integer)):
+            out[k] = int(v)
+        elif isinstance(v, (float, np.floating)):
+            out[k] = float(v)
+        elif isinstance(v, list):
+            out[k] = v
+    return out
+
+
+def _progress_line(row: Mapping[str, Any], rounds: int) -> str:
+    acc = row["accuracy_mean"]
+    acc_text = f"acc mean {acc:.4f} weighted {row['accuracy_weighted']:.4f}" if acc is not None else "acc -"
+    return (f"[round {row['round']}/{rounds}] {acc_text} | clients {row['num_clients']} | "
+            f"up {row['bytes_up']} B down {row['bytes_down']} B | {row['round_seconds']:.1f} s")

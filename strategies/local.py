@@ -1,0 +1,27 @@
+"""Local (standalone) training: each client trains its own model alone, nothing is exchanged.
+
+The control every model-heterogeneous FL paper compares against ("Standalone" in FedGH
+Tables 1 and 3). Train instructions and replies carry no arrays; the server only samples,
+evaluates and records.
+"""
+
+from __future__ import annotations
+
+from strategies.base import ClientProcedure, HeteroStrategy
+from client_app.training import train_supervised
+
+
+class LocalStrategy(HeteroStrategy):
+    """Server of the Local baseline: no server state, no server step."""
+
+
+class LocalClient(ClientProcedure):
+    """Client of the Local baseline: supervised training of the personal model."""
+
+    def train(self, client, payload, config):
+        """Train on the local split; reply with metrics only."""
+        data = client.data
+        stats = train_supervised(client.model, data, config, client.device,
+                                 client.generator(int(config["server-round"])))
+        client.save_model()
+        return {}, {**stats, "num-examples": len(data.train_y)}

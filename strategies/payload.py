@@ -1,0 +1,129 @@
+"""Payload schemas: which named arrays a message carries, validated the same way for every method.
+
+A method declares, per direction, a :class:`PayloadSchema`: array name -> :class:`ArraySpec`
+with a dtype and a shape whose dimensions are ints or symbols. Symbols the server knows
+(``"C"`` classes, ``"d"`` representation size) are bound before validation; any other
+symbol (``"k"``: number of classes a client holds) is bound by its first occurrence and
+must agree across the arrays of one reply.
+
+Payload bytes are tensor bytes, numel x itemsize, summed over every array of every
+ArrayRecord in a message: serialisation framing and config/metric scalars are excluded,
+as the papers count them (spec fedgh.md section 2.2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, RecordDict
+
+#: Name of the ArrayRecord that carries a method's payload, in both directions.
+PAYLOAD = "payload"
+
+
+class PayloadError(ValueError):
+    """A payload does not match its schema (missing/extra key, shape, dtype, value)."""
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One named array of a payload.
+
+    Args:
+        shape: dims as ints or symbol names, e.g. ``("k", "d")``.
+        dtype: numpy dtype name, e.g. ``"float32"``, ``"int32"``.
+        labels: values are class ids: integers in ``[0, C)``, unique.
+    """
+
+    shape: tuple[int | str, ...]
+    dtype: str
+    labels: bool = False
+
+
+@dataclass(frozen=True)
+class PayloadSchema:
+    """Named arrays of one message direction; an empty schema means "no payload at all"."""
+
+    arrays: Mapping[str, ArraySpec] = field(default_factory=dict)
+
+    def validate(self, arrays: Mapping[str, np.ndarray], dims: Mapping[str, int]) -> dict[str, int]:
+        """Check ``arrays`` against the schema.
+
+        Args:
+            arrays: name -> ndarray, as received.
+            dims: values of the symbols the receiver knows (e.g. ``{"C": 10, "d": 500}``).
+
+        Returns:
+            The bound values of all symbols (known and free).
+
+        Raises:
+            PayloadError: on missing or extra keys, wrong dtype or shape, non-finite floats,
+                or label arrays with out-of-range or repeated class ids.
+        """
+        missing, extra = set(self.arrays) - set(arrays), set(arrays) - set(self.arrays)
+        if missing or extra:
+            raise PayloadError(f"payload keys {sorted(arrays)} != expected {sorted(self.arrays)}")
+        bound = dict(dims)
+        for name, spec in self.arrays.items():
+            a = arrays[name]
+            if a.dtype != np.dtype(spec.dtype):
+                raise PayloadError(f"'{name}' has dtype {a.dtype}, expected {spec.dtype}")
+            if a.ndim != len(spec.shape):
+                raise PayloadError(f"'{name}' has shape {a.shape}, expected {spec.shape}")
+            for axis, (dim, size) in enumerate(zip(spec.shape, a.shape)):
+                want = bound.setdefault(dim, size) if isinstance(dim, str) else dim
+                if size != want:
+                    raise PayloadError(f"'{name}' has shape {a.shape}: axis {axis} is {size}, expected "
+                                       f"{dim}={want}")
+            if a.dtype.kind == "f" and not np.isfinite(a).all():
+                raise PayloadError(f"'{name}' has non-finite values")
+            if spec.labels:
+                num_classes = bound["C"]
+                if a.size and (a.min() < 0 or a.max() >= num_classes):
+                    raise PayloadError(f"'{name}' has class ids outside [0, {num_classes})")
+                if len(np.unique(a)) != a.size:
+                    raise PayloadError(f"'{name}' has repeated class ids")
+        return bound
+
+    def to_record(self, arrays: Mapping[str, np.ndarray]) -> RecordDict:
+        """Records for a message carrying ``arrays`` (none when the schema is empty).
+
+        Raises:
+            PayloadError: if ``arrays`` does not have exactly the schema's keys and dtypes
+                (senders are checked too: a method cannot leak an undeclared array).
+        """
+        if set(arrays) != set(self.arrays):
+            raise PayloadError(f"sending keys {sorted(arrays)}, schema declares {sorted(self.arrays)}")
+        for name, a in arrays.items():
+            if a.dtype != np.dtype(self.arrays[name].dtype):
+                raise PayloadError(f"sending '{name}' as {a.dtype}, schema declares {self.arrays[name].dtype}")
+        if not self.arrays:
+            return RecordDict()
+        return RecordDict({PAYLOAD: array_record(arrays)})
+
+
+def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """An ArrayRecord holding ``arrays`` by name, in the given order."""
+    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+
+
+def read_payload(content: RecordDict) -> dict[str, np.ndarray]:
+    """The payload arrays of a message (empty when it carries none).
+
+    Raises:
+        PayloadError: if the message carries an ArrayRecord other than the payload one.
+    """
+    names = set(content.array_records)
+    if names - {PAYLOAD}:
+        raise PayloadError(f"unexpected array records {sorted(names - {PAYLOAD})}")
+    if PAYLOAD not in names:
+        return {}
+    return {k: v.numpy() for k, v in content.array_records[PAYLOAD].items()}
+
+
+def tensor_bytes(content: RecordDict) -> int:
+    """Payload bytes of a message: sum of numel x itemsize over all its arrays."""
+    return sum(int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+               for record in content.array_records.values() for a in record.values())

@@ -1,0 +1,180 @@
+"""Run the app with ``flwr run`` in Flower's Ray simulation, safely, and report the outcome.
+
+Usage: ``uv run python -m tools.run [--run-config "method='local' num-server-rounds=5"]``
+
+What plain ``flwr run . --stream`` does not do and this does (shared/notes/flower.md §0):
+
+- validates the run config before anything starts (a bad key fails in a second);
+- starts its *own* SuperLink (simulation mode, free ports, this checkout's ``.flwr`` home,
+  runtime dependency installation off) instead of the shared, detached local one, and stops
+  it on exit, so no stray process captures the next run from another checkout;
+- resolves ``data-dir`` and ``output-dir`` to absolute paths from the current directory;
+- sizes the simulation from the config (``num-clients`` virtual SuperNodes) and grants
+  each ClientApp a GPU share when one is present;
+- exits 0 only if the run's status is ``finished:completed`` (``flwr run`` exits 0 on failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def app_defaults(root: Path = ROOT) -> dict:
+    """``[tool.flwr.app.config]`` of ``pyproject.toml``, flattened to Flower's dotted keys."""
+    with open(root / "pyproject.toml", "rb") as f:
+        table = tomllib.load(f)["tool"]["flwr"]["app"]["config"]
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+        return out
+
+    return flat(table)
+
+
+def toml_value(value) -> str:
+    """A run-config value written as TOML (strings quoted, bools lower-case)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _flwr(*args: str, env: dict, capture: bool = False) -> subprocess.CompletedProcess:
+    exe = str(Path(sys.executable).with_name("flwr"))
+    return subprocess.run([exe, *args], env=env, cwd=ROOT, text=True,
+                          capture_output=capture, check=False)
+
+
+def start_superlink(env: dict, home: Path) -> tuple[subprocess.Popen, str]:
+    """Start a simulation SuperLink on free loopback ports; returns (process, address)."""
+    port, control = free_port(), free_port()
+    log_file = open(home / "superlink.log", "ab")  # noqa: SIM115 - lives as long as the process
+    exe = str(Path(sys.executable).with_name("flower-superlink"))
+    proc = subprocess.Popen(
+        [exe, "--insecure", "--simulation", "--host", "127.0.0.1", "--port", str(port),
+         "--control-api-address", f"127.0.0.1:{control}", "--database", str(home / "state.db"),
+         "--disable-runtime-dependency-installation"],
+        env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"flower-superlink exited with {proc.returncode}; see {home / 'superlink.log'}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                return proc, f"127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.5)
+    stop(proc)
+    raise RuntimeError("flower-superlink did not become healthy within 60 s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop the SuperLink and everything it started (its process group)."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_status(env: dict, run_id: int) -> str:
+    out = _flwr("list", "sim", "--run-id", str(run_id), "--format", "json", env=env, capture=True).stdout
+    runs = json.loads(out).get("runs", [])
+    return runs[0].get("status", "unknown") if runs else "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run-config", "-c", action="append", default=[],
+                        help="overrides, e.g. \"method='local' num-server-rounds=5\" (repeatable)")
+    parser.add_argument("--cpus-per-client", type=int, default=1,
+                        help="CPU cores reserved per ClientApp (Ray); parallel clients = cores / this")
+    parser.add_argument("--gpus-per-client", type=float, default=None,
+                        help="GPU share per ClientApp; default 0.25 when a GPU is visible, else 0")
+    args = parser.parse_args(argv)
+
+    from flwr.common.config import parse_config_args
+
+    from common.config import RunConfig
+    from strategies.registry import build_strategy
+
+    overrides = parse_config_args(args.run_config) if args.run_config else {}
+    config = {**app_defaults(), **overrides}
+    unknown = sorted(set(overrides) - set(app_defaults()))
+    if unknown:
+        print(f"error: unknown run config key(s) {unknown}; see [tool.flwr.app.config] in pyproject.toml")
+        return 2
+    for key in ("data-dir", "output-dir"):
+        config[key] = str(Path(config[key]).expanduser().resolve())
+    try:
+        build_strategy(RunConfig.from_dict(config))  # fail fast on any bad value, method options too
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+
+    gpus = args.gpus_per_client
+    if gpus is None:
+        import torch
+
+        gpus = 0.25 if torch.cuda.is_available() else 0.0
+    home = ROOT / ".flwr"
+    home.mkdir(exist_ok=True)
+    bin_dir = str(Path(sys.executable).parent)  # flower-superexec etc. must be on PATH for the SuperLink
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "PYTHONUNBUFFERED": "1"}
+    superlink, address = start_superlink(env, home)
+    try:
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "{address}"\ninsecure = true\n')
+        run_config = [f"{k}={toml_value(v)}" for k, v in config.items()]
+        federation = (f"num-supernodes={config['num-clients']} client-resources-num-cpus={args.cpus_per_client} "
+                      f"client-resources-num-gpus={gpus}")
+        cmd = ["run", str(ROOT), "sim", "--format", "json", "--federation-config", federation]
+        for item in run_config:
+            cmd += ["--run-config", item]
+        submitted = _flwr(*cmd, env=env, capture=True)
+        try:
+            run_id = int(json.loads(submitted.stdout)["run-id"])
+        except (ValueError, KeyError, TypeError):
+            print(submitted.stdout, submitted.stderr, sep="\n")
+            print("error: the run was not submitted")
+            return 1
+        print(f"Submitted run {run_id}; streaming its log (Ray needs tens of seconds before round 1)")
+        _flwr("log", str(run_id), "sim", "--stream", env=env)
+        status = run_status(env, run_id)
+        while not status.startswith("finished"):
+            time.sleep(2)
+            status = run_status(env, run_id)
+        print(f"Run {run_id}: {status}")
+        return 0 if status == "finished:completed" else 1
+    finally:
+        stop(superlink)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
