@@ -138,6 +138,9 @@ class HeteroStrategy(Strategy):
         metrics = {"num-clients": len(valid), **self.server_update(server_round, valid)}
         metrics["server-update-seconds"] = time.perf_counter() - start
         metrics.update(_client_sums(valid, ("train-seconds", "data-seconds")))
+        weighted = [(r.metrics["train-loss"], r.metrics.get("num-examples", 1)) for r in valid if "train-loss" in r.metrics]
+        if weighted:
+            metrics["train-loss"] = sum(l * n for l, n in weighted) / max(sum(n for _, n in weighted), 1)
         arrays = self.global_arrays()
         return (array_record(arrays) if arrays else None), MetricRecord(metric_values(metrics))
 

@@ -1,0 +1,73 @@
+"""Partitions come from flwr-datasets, splits keep class proportions, everything is seeded."""
+
+import pytest
+import torch
+
+from client_app.data import (DATASETS, DataSpec, augment, class_counts, load_client_data, normalize,
+                             stratified_split)
+from common.config import ConfigError
+from conftest import DATA_DIR
+
+
+def spec(**kw):
+    base = dict(dataset="cifar10", data_dir=str(DATA_DIR), partitioner="pathological", num_partitions=10,
+                dirichlet_alpha=0.5, classes_per_client=2, test_fraction=0.2, max_examples_per_client=0, seed=7)
+    return DataSpec(**{**base, **kw})
+
+
+def test_pathological_gives_k_classes_and_matching_test_split():
+    for pid in range(3):
+        d = load_client_data(spec(), pid)
+        train, test = class_counts(d.train_y, 10), class_counts(d.test_y, 10)
+        assert (train > 0).sum() == 2 and ((test > 0) == (train > 0)).all()
+        # same class proportions in both splits (per-class rounding only)
+        total = train + test
+        assert (abs(test - 0.2 * total) <= 0.5).all()
+        assert d.train_x.dtype == torch.uint8 and d.train_x.shape[1:] == (3, 32, 32)
+
+
+def test_same_spec_same_split_in_every_process():
+    load_client_data.cache_clear()
+    a = load_client_data(spec(max_examples_per_client=300), 4)
+    load_client_data.cache_clear()
+    b = load_client_data(spec(max_examples_per_client=300), 4)
+    assert torch.equal(a.train_y, b.train_y) and torch.equal(a.test_x, b.test_x)
+    c = load_client_data(spec(max_examples_per_client=300, seed=8), 4)
+    assert not torch.equal(a.train_y, c.train_y) or not torch.equal(a.train_x, c.train_x)
+
+
+def test_dirichlet_and_iid_and_mnist():
+    d = load_client_data(spec(partitioner="dirichlet", dirichlet_alpha=0.1, num_partitions=20), 0)
+    assert len(d.train_y) > 0 and (class_counts(d.train_y, 10) > 0).sum() < 10  # skewed
+    d = load_client_data(spec(partitioner="iid", max_examples_per_client=500), 1)
+    assert (class_counts(d.train_y, 10) > 0).sum() == 10
+    assert abs(len(d.train_y) + len(d.test_y) - 500) <= 10  # the cap rounds per class
+    m = load_client_data(spec(dataset="mnist", max_examples_per_client=200), 0)
+    assert m.train_x.shape[1:] == (1, 28, 28)
+
+
+def test_stratified_split_keeps_singletons_in_train():
+    labels = torch.tensor([0] * 10 + [1] * 5 + [2])
+    first, second = stratified_split(labels, 0.2, torch.Generator().manual_seed(0))
+    assert class_counts(labels[second], 3).tolist() == [2, 1, 0]
+    assert sorted(torch.cat([first, second]).tolist()) == list(range(16))
+
+
+def test_partition_id_out_of_range_and_missing_dataset(tmp_path):
+    with pytest.raises(ConfigError, match="partition-id 10"):
+        load_client_data(spec(), 10)
+    with pytest.raises(ConfigError, match="data-dir"):
+        load_client_data(spec(dataset="cifar100", data_dir=str(tmp_path)), 0)
+
+
+def test_augment_draws_per_image_and_keeps_shape():
+    info = DATASETS["cifar10"]
+    x = normalize(torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8), info)
+    same = x[:1].expand(64, -1, -1, -1).contiguous()
+    out = augment(same, info, torch.Generator().manual_seed(0))
+    assert out.shape == same.shape
+    distinct = {tuple(o.flatten()[:50].tolist()) for o in out}
+    assert len(distinct) > 10  # different flips/crops/erasures per image, not one for the batch
+    assert torch.equal(augment(same, info, torch.Generator().manual_seed(0)), out)  # seeded
+    erased_or_padded = (out == 0).flatten(1).any(1).float().mean()
+    assert erased_or_padded > 0.3

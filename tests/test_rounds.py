@@ -1,0 +1,109 @@
+"""Whole rounds in-process through the real ClientApp (FakeGrid, no Ray)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord
+
+from common.config import RunConfig
+from conftest import federation
+from models.groups import MODEL_GROUPS
+from server_app.app import run
+
+
+def test_client_state_persists_across_rounds(run_config):
+    # With 0 local epochs FedGH only swaps in the header, so round 2 must start from (and
+    # keep) exactly the extractor stored after round 1; a fresh model would differ.
+    rc = run_config(**{"num-server-rounds": 1})
+    strategy, grid = federation(rc)
+    strategy.start(grid)
+    after_round1 = {n: ctx.state.array_records["model"].to_torch_state_dict() for n, ctx in grid.contexts.items()}
+    rc2 = {**rc, "local-epochs": 0}
+    strategy2, _ = federation(rc2)
+    grid.contexts = {n: type(ctx)(run_id=1, node_id=n, node_config=ctx.node_config, state=ctx.state,
+                                  run_config=rc2) for n, ctx in grid.contexts.items()}
+    strategy2.start(grid)
+    for node, ctx in grid.contexts.items():
+        state = ctx.state.array_records["model"].to_torch_state_dict()
+        for key, value in state.items():
+            if key.startswith("extractor."):
+                assert torch.equal(value, after_round1[node][key]), key
+    # and training really changes the model (round 1 moved it away from its initialisation)
+    init = MODEL_GROUPS["hetero-cnn5"].build(0, 10, 3, 32, rc["seed"]).state_dict()
+    assert not torch.equal(init["extractor.0.weight"], after_round1[1000]["extractor.0.weight"])
+
+
+def test_malformed_replies_are_dropped_and_round_goes_on(run_config):
+    def corrupt(node, reply):
+        if reply.metadata.message_type != "train" or reply.has_error():
+            return reply
+        payload = reply.content.array_records["payload"]
+        lar, labels = payload["lar"].numpy().copy(), payload["lar_labels"].numpy().copy()
+        if node == 1000:
+            lar = np.zeros((lar.shape[0] + 1, lar.shape[1]), np.float32)  # wrong shape
+        elif node == 1001:
+            lar[0, 0] = np.nan  # non-finite
+        elif node == 1002:
+            labels[0] = 10  # unknown class id
+        reply.content["payload"] = ArrayRecord({"lar": Array(lar), "lar_labels": Array(labels)})
+        return reply
+
+    rc = run_config(**{"num-clients": 5, "num-server-rounds": 2})
+    strategy, grid = federation(rc, tamper=corrupt)
+    strategy.start(grid)
+    for row in strategy.rows:
+        assert row["num_clients"] == 2 and row["server_num_lars"] == 4
+        assert row["accuracy_mean"] is not None
+    assert strategy.dropped["train"] == 6
+
+
+def test_client_exception_is_dropped(run_config):
+    rc = run_config(**{"num-clients": 3, "num-server-rounds": 1})
+    strategy, grid = federation(rc)
+    # a client whose node config names a partition that does not exist raises in the ClientApp
+    grid.contexts[1002].node_config["partition-id"] = 2
+    original = grid.client_app
+
+    def flaky(msg, ctx):
+        if msg.metadata.message_type == "train" and ctx.node_id == 1001:
+            raise RuntimeError("disk full")
+        return original(msg, ctx)
+
+    grid.client_app = flaky
+    strategy.start(grid)
+    assert strategy.rows[0]["num_clients"] == 2 and strategy.dropped["train"] == 1
+
+
+def test_results_files_written_each_round_and_learning(run_config, tmp_path):
+    rc = run_config(**{"method": "local", "num-server-rounds": 3, "max-examples-per-client": 400,
+                       "local-epochs": 2, "partitioner": "iid"})
+    strategy, grid = federation(rc)
+    writer = run(grid, RunConfig.from_dict(rc), "t1")
+    rows = [json.loads(line) for line in open(writer.path / "metrics.jsonl")]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        for key in ("accuracy_mean", "accuracy_weighted", "bytes_up", "bytes_down", "num_clients", "round_seconds"):
+            assert key in r
+        assert r["bytes_up"] == r["bytes_down"] == 0  # local: nothing exchanged
+        assert r["num_clients"] == 4 and len(r["accuracy_per_client"]) == 4
+    summary = json.loads((writer.path / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 3
+    assert summary["config"]["method"] == "local" and summary["best_accuracy_mean"] >= rows[-1]["accuracy_mean"]
+    # learning: 10 iid classes, chance is 0.1; the training loss falls over the rounds
+    assert rows[-1]["accuracy_mean"] > 0.2
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    assert all(r["client_train_seconds"] > 0 for r in rows)
+
+
+def test_failed_run_is_marked_in_summary(run_config):
+    rc = run_config(**{"num-server-rounds": 1})
+    _, grid = federation(rc)
+    grid.contexts.clear()  # no node ever connects
+    rc["round-timeout"] = 0.1
+    with pytest.raises(RuntimeError, match="num-clients=4"):
+        run(grid, RunConfig.from_dict(rc), "t2")
+    summaries = list(Path(rc["output-dir"]).glob("*/summary.json"))
+    assert json.loads(summaries[0].read_text())["status"] == "failed"
