@@ -14,7 +14,7 @@ from flwr.clientapp import ClientApp
 from client_app.data import DATASETS
 from client_app.runtime import ClientRuntime
 from models.groups import MODEL_GROUPS
-from strategies.base import PARTITION_ID, metric_values
+from strategies.base import EVAL_PREFIX, PARTITION_ID, metric_values
 from strategies.payload import read_payload
 from strategies.registry import all_message_types, client_procedure
 
@@ -37,6 +37,8 @@ def handle(msg: Message, context: Context) -> Message:
                             "d": MODEL_GROUPS[client.cfg.model_group].feature_dim})
     config = dict(msg.content.config_records["config"]) if "config" in msg.content.config_records else {}
     arrays, metrics = getattr(procedure, message_type.replace(".", "_"))(client, payload, config)
+    if config.get("evaluate"):  # evaluate the just-trained personal model in the same reply
+        metrics.update({EVAL_PREFIX + k: v for k, v in procedure.evaluate(client, {}, config)[1].items()})
     content = up.to_record(arrays)
     content["metrics"] = MetricRecord(metric_values({**metrics, PARTITION_ID: client.partition_id}))
     return Message(content, reply_to=msg)

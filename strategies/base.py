@@ -53,6 +53,8 @@ BASE_SCHEMAS: Schemas = {"query": (NO_PAYLOAD, NO_PAYLOAD), "evaluate": (NO_PAYL
 PARTITION_ID = "partition-id"
 #: further metric keys a reply of a message category must carry
 REQUIRED_METRICS = {"evaluate": ("test-correct", "num-examples"), "query": ("num-train", "num-test")}
+#: prefix of evaluation metrics carried in a train reply (see ``HeteroStrategy.evaluate_in_train``)
+EVAL_PREFIX = "eval-"
 
 
 @dataclass
@@ -86,6 +88,12 @@ class HeteroStrategy(Strategy):
     """
 
     schemas: ClassVar[Schemas] = {"train": (NO_PAYLOAD, NO_PAYLOAD), **BASE_SCHEMAS}
+    #: True when the evaluated model is the client's post-training personal model and the
+    #: evaluate instruction carries no payload (FedGH section 6, Local): sampled clients then
+    #: evaluate right after training and report in the train reply, which saves one round trip
+    #: per round (in deployment, one ClientApp process per client); only clients not sampled
+    #: get a separate evaluate message.
+    evaluate_in_train: bool = False
 
     def __init__(self, cfg: RunConfig, results: Any | None = None) -> None:
         self.cfg = cfg
@@ -99,6 +107,7 @@ class HeteroStrategy(Strategy):
         self.traffic: Counter[str] = Counter()  # "<category>_bytes_<up|down>" -> bytes
         self.dropped: Counter[str] = Counter()  # message category -> dropped replies
         self.rows: list[dict[str, Any]] = []
+        self._evaluated_in_train: list[ClientReply] = []
 
     # ------------------------------------------------------------------ hooks
     def global_arrays(self) -> dict[str, np.ndarray]:
@@ -134,6 +143,10 @@ class HeteroStrategy(Strategy):
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate replies, run :meth:`server_update`, return the new global arrays and metrics."""
         valid = self.validate("train", replies)
+        self._evaluated_in_train = [
+            ClientReply(r.node_id, r.partition_id, {}, {k[len(EVAL_PREFIX):]: v for k, v in r.metrics.items()
+                                                        if k.startswith(EVAL_PREFIX)})
+            for r in valid if all(EVAL_PREFIX + k in r.metrics for k in REQUIRED_METRICS["evaluate"])]
         start = time.perf_counter()
         metrics = {"num-clients": len(valid), **self.server_update(server_round, valid)}
         metrics["server-update-seconds"] = time.perf_counter() - start
@@ -146,11 +159,12 @@ class HeteroStrategy(Strategy):
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        """One evaluate message to every known client, every ``eval-every`` rounds and the last."""
-        if server_round % self.cfg.eval_every and server_round != self.cfg.num_server_rounds:
+        """One evaluate message to every known client not evaluated in its train reply this round."""
+        if not self.is_eval_round(server_round):
             return []
+        done = {r.node_id for r in self._evaluated_in_train}
         return [self.message("evaluate", node, self.eval_payload(node, server_round), config, server_round)
-                for node in self.nodes]
+                for node in self.nodes if node not in done]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Accuracy of the clients' personal models on their local test splits.
@@ -160,7 +174,9 @@ class HeteroStrategy(Strategy):
         Per-client values come as parallel lists ``partition-ids`` / ``accuracy-per-client``.
         Any other ``test-acc-<name>`` metric is averaged unweighted into ``accuracy-mean-<name>``.
         """
-        valid = sorted(self.validate("evaluate", replies), key=lambda r: r.partition_id)
+        valid = self.validate("evaluate", replies) + self._evaluated_in_train
+        valid = sorted(valid, key=lambda r: r.partition_id)
+        self._evaluated_in_train = []
         if not valid:
             return None
         correct = np.array([r.metrics["test-correct"] for r in valid], dtype=np.float64)
@@ -214,7 +230,7 @@ class HeteroStrategy(Strategy):
             eval_messages = list(self.configure_evaluate(server_round, ArrayRecord(),
                                                          ConfigRecord({"server-round": server_round}), grid))
             eval_metrics = self.aggregate_evaluate(server_round, self.exchange(eval_messages)) \
-                if eval_messages else None
+                if self.is_eval_round(server_round) else None
             t2 = time.perf_counter()
             result.train_metrics_clientapp[server_round] = MetricRecord(metric_values(train_metrics))
             if eval_metrics is not None:
@@ -268,12 +284,20 @@ class HeteroStrategy(Strategy):
         chosen = self.rng.choice(len(self.nodes), size=k, replace=False)
         return [self.nodes[i] for i in sorted(chosen)]
 
+    def is_eval_round(self, server_round: int) -> bool:
+        """Every ``eval-every`` rounds, and the last round."""
+        return server_round % self.cfg.eval_every == 0 or server_round == self.cfg.num_server_rounds
+
     def train_config(self, server_round: int) -> ConfigRecord:
-        """The training settings sent with every train instruction (not counted as payload)."""
+        """The training settings sent with every train instruction (not counted as payload).
+
+        ``evaluate`` asks the client to evaluate after training (see ``evaluate_in_train``).
+        """
         c = self.cfg
         return ConfigRecord({"server-round": server_round, "local-epochs": c.local_epochs,
                              "batch-size": c.batch_size, "lr": c.lr, "momentum": c.momentum,
-                             "weight-decay": c.weight_decay, "clip-norm": c.clip_norm})
+                             "weight-decay": c.weight_decay, "clip-norm": c.clip_norm,
+                             "evaluate": self.evaluate_in_train and self.is_eval_round(server_round)})
 
     def message(self, message_type: str, node_id: int, arrays: Mapping[str, np.ndarray],
                 config: ConfigRecord, server_round: int) -> Message:

@@ -140,12 +140,15 @@ class FedGHStrategy(HeteroStrategy):
     """
 
     schemas = SCHEMAS
+    evaluate_in_train = True  # the primary metric is the post-training model (section 6)
 
     def __init__(self, cfg: RunConfig, results=None) -> None:
         super().__init__(cfg, results)
         self.options = FedGHOptions.from_config(cfg)
         if self.options.eval_global_head:
+            # the secondary metric needs the header *after* this round's server step
             self.schemas = SCHEMAS_GLOBAL_HEAD_EVAL
+            self.evaluate_in_train = False
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             self.header = nn.Linear(self.dims["d"], self.dims["C"])

@@ -14,6 +14,8 @@ from client_app.training import train_supervised
 class LocalStrategy(HeteroStrategy):
     """Server of the Local baseline: no server state, no server step."""
 
+    evaluate_in_train = True
+
 
 class LocalClient(ClientProcedure):
     """Client of the Local baseline: supervised training of the personal model."""

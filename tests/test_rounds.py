@@ -107,3 +107,18 @@ def test_failed_run_is_marked_in_summary(run_config):
         run(grid, RunConfig.from_dict(rc), "t2")
     summaries = list(Path(rc["output-dir"]).glob("*/summary.json"))
     assert json.loads(summaries[0].read_text())["status"] == "failed"
+
+
+def test_evaluation_in_train_reply_equals_separate_evaluation(run_config):
+    rc = run_config(**{"num-clients": 4, "num-server-rounds": 2, "fraction-train": 0.5})
+    rows = []
+    for in_train in (True, False):
+        strategy, grid = federation(rc)
+        strategy.evaluate_in_train = in_train
+        strategy.start(grid)
+        rows.append(strategy.rows)
+        kinds = [m.metadata.message_type for m in grid.sent]
+        assert kinds.count("evaluate") == (2 * 2 if in_train else 2 * 4)
+    for a, b in zip(*rows):
+        assert a["accuracy_per_client"] == b["accuracy_per_client"]
+        assert a["accuracy_mean"] == b["accuracy_mean"]

@@ -1,0 +1,48 @@
+"""The real thing: ``flwr run`` in Ray simulation through the launcher (tools/run.py)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from client_app.data import DataSpec, class_counts, load_client_data
+from common.config import RunConfig
+from conftest import DATA_DIR, ROOT, make_run_config
+
+
+def launch(overrides: dict, timeout: float = 400) -> subprocess.CompletedProcess:
+    items = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in overrides.items()]
+    cmd = [sys.executable, "-m", "tools.run"]
+    for item in items:
+        cmd += ["-c", item]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_flwr_run_learns_on_real_cifar10(tmp_path):
+    overrides = {"num-clients": 3, "num-server-rounds": 3, "max-examples-per-client": 800, "local-epochs": 3,
+                 "data-dir": str(DATA_DIR), "output-dir": str(tmp_path)}
+    proc = launch(overrides)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "finished:completed" in proc.stdout
+    (run_dir,) = list(tmp_path.iterdir())
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [r["round"] for r in rows] == [1, 2, 3] and summary["status"] == "completed"
+    assert all(r["bytes_up"] == 3 * 4_008 and r["bytes_down"] == 3 * 20_040 for r in rows)
+    # chance for a client = its majority-class share of its local test split
+    cfg = RunConfig.from_dict(make_run_config(**overrides))
+    spec = DataSpec.from_config(cfg, 3)
+    test_labels = [load_client_data(spec, p).test_y for p in range(3)]
+    chance = np.mean([class_counts(y, 10).max() / len(y) for y in test_labels])
+    assert summary["final_accuracy_mean"] > chance + 0.1, (summary["final_accuracy_mean"], chance)
+
+
+def test_failed_run_exits_non_zero(tmp_path):
+    proc = launch({"num-clients": 2, "num-server-rounds": 1, "data-dir": str(tmp_path / "nothing-here"),
+                   "output-dir": str(tmp_path / "out"), "round-timeout": 60.0})
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "finished:failed" in proc.stdout
+    summary = json.loads(next(Path(tmp_path / "out").glob("*/summary.json")).read_text())
+    assert summary["status"] == "failed"
