@@ -50,3 +50,15 @@ def test_launcher_rejects_bad_config_before_starting(capsys):
     assert main(["-c", "partitioner='shards'"]) == 2
     assert "'partitioner'" in capsys.readouterr().out
     assert main(["-c", "no-such-key=1"]) == 2
+
+
+def test_device_choice():
+    import torch
+
+    from client_app.runtime import pick_device
+
+    assert pick_device("cpu").type == "cpu"
+    assert pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="'device' = 'cuda'.*client-resources-num-gpus"):
+            pick_device("cuda")
