@@ -108,6 +108,7 @@ class HeteroStrategy(Strategy):
         self.dropped: Counter[str] = Counter()  # message category -> dropped replies
         self.rows: list[dict[str, Any]] = []
         self._evaluated_in_train: list[ClientReply] = []
+        self._timeout = cfg.round_timeout
 
     # ------------------------------------------------------------------ hooks
     def global_arrays(self) -> dict[str, np.ndarray]:
@@ -151,8 +152,9 @@ class HeteroStrategy(Strategy):
         metrics = {"num-clients": len(valid), **self.server_update(server_round, valid)}
         metrics["server-update-seconds"] = time.perf_counter() - start
         metrics.update(_client_sums(valid, ("train-seconds", "data-seconds")))
-        weighted = [(r.metrics["train-loss"], r.metrics.get("num-examples", 1)) for r in valid if "train-loss" in r.metrics]
-        if weighted:
+        weighted = [(r.metrics["train-loss"], r.metrics.get("num-examples", 1))
+                    for r in valid if "train-loss" in r.metrics]
+        if weighted:  # sample-weighted mean training loss of the round
             metrics["train-loss"] = sum(l * n for l, n in weighted) / max(sum(n for _, n in weighted), 1)
         arrays = self.global_arrays()
         return (array_record(arrays) if arrays else None), MetricRecord(metric_values(metrics))
@@ -252,10 +254,11 @@ class HeteroStrategy(Strategy):
         """Wait for ``num-clients`` nodes and learn each one's partition id and data sizes.
 
         Every reply's metrics are kept in ``self.clients[node_id]`` (methods may add keys,
-        e.g. a parameter count). Nodes whose handshake fails are left out of the run.
+        e.g. a parameter count). Nodes beyond ``num-clients`` that answer take part too.
 
         Raises:
-            RuntimeError: too few nodes within the timeout, or two nodes claim one partition.
+            RuntimeError: fewer than ``num-clients`` nodes connect or answer within
+                ``round-timeout``, or two nodes claim one partition.
         """
         wanted, deadline = self.cfg.num_clients, time.monotonic() + self._timeout
         while len(nodes := sorted(self.grid.get_node_ids())) < wanted:
