@@ -13,7 +13,6 @@ from flwr.clientapp import ClientApp
 
 from client_app.data import DATASETS
 from client_app.runtime import ClientRuntime
-from models.groups import MODEL_GROUPS
 from strategies.base import EVAL_PREFIX, PARTITION_ID, metric_values
 from strategies.payload import read_payload
 from strategies.registry import all_message_types, client_procedure
@@ -33,8 +32,7 @@ def handle(msg: Message, context: Context) -> Message:
     message_type = msg.metadata.message_type
     down, up = procedure.schemas[message_type]
     payload = read_payload(msg.content)
-    down.validate(payload, {"C": DATASETS[client.cfg.dataset].num_classes,
-                            "d": MODEL_GROUPS[client.cfg.model_group].feature_dim})
+    down.validate(payload, {"C": DATASETS[client.cfg.dataset].num_classes, "d": client.cfg.representation_dim})
     config = dict(msg.content.config_records["config"]) if "config" in msg.content.config_records else {}
     arrays, metrics = getattr(procedure, message_type.replace(".", "_"))(client, payload, config)
     if config.get("evaluate"):  # evaluate the just-trained personal model in the same reply

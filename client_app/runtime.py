@@ -75,7 +75,7 @@ class ClientRuntime:
         """The personal model: built from the model group and seed, restored from state, on device."""
         info = self.data.info
         model = MODEL_GROUPS[self.cfg.model_group].build(self.partition_id, info.num_classes, info.channels,
-                                                         info.image_size, self.cfg.seed)
+                                                         info.image_size, self.cfg.seed, self.cfg.feature_dim)
         self.restore(MODEL_STATE, model)
         return model.to(self.device)
 

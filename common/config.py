@@ -93,6 +93,7 @@ class RunConfig:
     test_fraction: float
     max_examples_per_client: int
     model_group: str
+    feature_dim: int
     num_clients: int
     num_server_rounds: int
     local_epochs: int
@@ -137,6 +138,7 @@ class RunConfig:
             test_fraction=number("test-fraction", g("test-fraction"), low=0, high=0.9, low_open=True),
             max_examples_per_client=number("max-examples-per-client", g("max-examples-per-client"), kind=int, low=0),
             model_group=choice("model-group", g("model-group"), tuple(MODEL_GROUPS)),
+            feature_dim=number("feature-dim", g("feature-dim"), kind=int, low=1),
             num_clients=number("num-clients", g("num-clients"), kind=int, low=1),
             num_server_rounds=number("num-server-rounds", g("num-server-rounds"), kind=int, low=1),
             local_epochs=number("local-epochs", g("local-epochs"), kind=int, low=0),
@@ -158,6 +160,13 @@ class RunConfig:
             raise _fail("classes-per-client", cfg.classes_per_client,
                         f"integers from 1 to {info.num_classes} for dataset '{cfg.dataset}'")
         return cfg
+
+    @property
+    def representation_dim(self) -> int:
+        """d: the representation size of every client model (500 for CNN-1..5, else ``feature-dim``)."""
+        from models.groups import MODEL_GROUPS
+
+        return MODEL_GROUPS[self.model_group].feature_dim(self.feature_dim)
 
     def method_options(self) -> dict[str, Any]:
         """Keys of the method's own table, without the ``<method>.`` prefix."""

@@ -14,16 +14,17 @@ class SplitModel(nn.Module):
             ``[B, feature_dim]`` float32.
         feature_dim: the representation size d the extractor produces.
         num_classes: number of output logits C.
+        head: representation -> logits; default ``nn.Linear(feature_dim, num_classes)``.
 
-    The head is ``nn.Linear(feature_dim, num_classes)`` with bias, so its state-dict keys
-    are ``head.weight`` [C, d] and ``head.bias`` [C] for every architecture: methods that
-    exchange a head (FedGH, FedRE) rely on that.
+    With the default head the state-dict keys are ``head.weight`` [C, d] and ``head.bias``
+    [C] for every architecture: methods that exchange a head (FedGH, FedRE) rely on that.
     """
 
-    def __init__(self, extractor: nn.Module, feature_dim: int, num_classes: int) -> None:
+    def __init__(self, extractor: nn.Module, feature_dim: int, num_classes: int,
+                 head: nn.Module | None = None) -> None:
         super().__init__()
         self.extractor = extractor
-        self.head = nn.Linear(feature_dim, num_classes)
+        self.head = head if head is not None else nn.Linear(feature_dim, num_classes)
         self.feature_dim = feature_dim
         self.num_classes = num_classes
 

@@ -1,47 +1,72 @@
-"""Model groups: which architecture each client gets.
+"""Model groups: which architecture (and head) each client gets.
 
 A group is an ordered list of architectures; client (partition) k gets
-``architectures[k mod len(architectures)]`` (FedGH's authors' code: CNN-((k mod 5)+1)).
-Every member of a group has the same representation size, so the server can know d
-from the config alone.
+``architectures[k mod len(architectures)]`` (FedGH's CNN-((k mod 5)+1), FedTGP's i mod X) and
+``heads[k mod len(heads)]`` (FedTGP's HtC4 heads, i mod 4). Every member of a group has the
+same representation size, so the server knows d from the config alone: 500 for CNN-1..5,
+the run's ``feature-dim`` K for the zoo of FedTGP.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from models.base import SplitModel
 from models.cnn import CNN_SHAPES, REPRESENTATION_DIM, build_cnn
+from models.zoo import build_zoo_model
+
+HTFE8 = ("fedavgcnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+HTC4 = ("linear", "mlp512", "mlp256", "mlp128")
 
 
 @dataclass(frozen=True)
 class ModelGroup:
-    """An ordered list of architecture names sharing one representation size ``feature_dim``."""
+    """Architectures and heads assigned round-robin; ``fixed_feature_dim`` None means K from the config."""
 
     architectures: tuple[str, ...]
-    feature_dim: int
-    builder: Callable[[str, int, int, int], SplitModel]
+    heads: tuple[str, ...] = ("linear",)
+    fixed_feature_dim: int | None = None
+
+    def feature_dim(self, k: int) -> int:
+        """Representation size d of every member, given the run's ``feature-dim`` K."""
+        return self.fixed_feature_dim or k
 
     def architecture_for(self, partition_id: int) -> str:
-        """The architecture of client ``partition_id`` (index modulo the group size)."""
+        """The extractor architecture of client ``partition_id``."""
         return self.architectures[partition_id % len(self.architectures)]
 
-    def build(self, partition_id: int, num_classes: int, in_channels: int, image_size: int,
-              seed: int) -> SplitModel:
+    def head_for(self, partition_id: int) -> str:
+        """The head of client ``partition_id`` (``linear`` unless the group has HtC4 heads)."""
+        return self.heads[partition_id % len(self.heads)]
+
+    def build(self, partition_id: int, num_classes: int, in_channels: int, image_size: int, seed: int,
+              k: int = 512) -> SplitModel:
         """Build client ``partition_id``'s model, initialised from ``seed + partition_id``.
 
         The seed is per client so that two clients of the same architecture start from
         independent weights (spec fedgh.md P10) and every process builds the same model.
         """
+        arch = self.architecture_for(partition_id)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + partition_id)
-            return self.builder(self.architecture_for(partition_id), num_classes, in_channels, image_size)
+            if arch in CNN_SHAPES:
+                return build_cnn(arch, num_classes, in_channels, image_size)
+            return build_zoo_model(arch, self.head_for(partition_id), num_classes, self.feature_dim(k),
+                                   in_channels, image_size)
 
 
 MODEL_GROUPS: dict[str, ModelGroup] = {
-    "cnn1": ModelGroup(("cnn1",), REPRESENTATION_DIM, build_cnn),
-    "hetero-cnn5": ModelGroup(tuple(CNN_SHAPES), REPRESENTATION_DIM, build_cnn),
+    "cnn1": ModelGroup(("cnn1",), fixed_feature_dim=REPRESENTATION_DIM),
+    "hetero-cnn5": ModelGroup(tuple(CNN_SHAPES), fixed_feature_dim=REPRESENTATION_DIM),
+    "htfe2": ModelGroup(("fedavgcnn", "resnet18")),
+    "htfe3": ModelGroup(("resnet10", "resnet18", "resnet34")),
+    "htfe4": ModelGroup(("fedavgcnn", "googlenet", "mobilenet_v2", "resnet18")),
+    "htfe8": ModelGroup(HTFE8),
+    "htfe9": ModelGroup(("resnet4", "resnet6", "resnet8", "resnet10", "resnet18", "resnet34", "resnet50",
+                         "resnet101", "resnet152")),
+    "htcnn8": ModelGroup(tuple(f"htcnn{i}" for i in range(1, 9))),
+    "htfe8-htc4": ModelGroup(HTFE8, heads=HTC4),
+    "res34-htc4": ModelGroup(("resnet34",), heads=HTC4),
 }

@@ -39,7 +39,6 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from client_app.data import DATASETS
 from common.config import RunConfig
-from models.groups import MODEL_GROUPS
 from strategies.payload import PayloadError, PayloadSchema, array_record, read_payload, tensor_bytes
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
@@ -98,7 +97,7 @@ class HeteroStrategy(Strategy):
     def __init__(self, cfg: RunConfig, results: Any | None = None) -> None:
         self.cfg = cfg
         self.info = DATASETS[cfg.dataset]
-        self.dims = {"C": self.info.num_classes, "d": MODEL_GROUPS[cfg.model_group].feature_dim}
+        self.dims = {"C": self.info.num_classes, "d": cfg.representation_dim}
         self.rng = np.random.default_rng(cfg.seed)
         self.results = results
         self.grid: Grid | None = None

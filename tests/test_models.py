@@ -37,3 +37,47 @@ def test_hetero_group_assignment_and_independent_inits():
     again = group.build(0, 10, 3, 32, seed=1)
     assert torch.equal(a.extractor[0].weight, again.extractor[0].weight)  # same seed, same model
     assert all(MODEL_GROUPS["cnn1"].architecture_for(k) == "cnn1" for k in range(5))
+
+
+ZOO_GROUPS = {"htfe2": (3, 32), "htfe3": (3, 32), "htfe4": (3, 32), "htfe8": (3, 32), "htfe9": (3, 32),
+              "htcnn8": (1, 28), "htfe8-htc4": (3, 32), "res34-htc4": (3, 32)}
+
+
+@pytest.mark.parametrize("group_name", ZOO_GROUPS)
+def test_every_zoo_member_builds_and_gives_k_features(group_name):
+    channels, size = ZOO_GROUPS[group_name]
+    group = MODEL_GROUPS[group_name]
+    members = max(len(group.architectures), len(group.heads))
+    x = torch.randn(2, channels, size, size)
+    for k in range(members):
+        model = group.build(k, 10, channels, size, seed=0, k=512).eval()
+        with torch.no_grad():
+            feats = model.extractor(x)
+            assert feats.shape == (2, 512), (group_name, group.architecture_for(k))
+            assert model(x).shape == (2, 10)
+
+
+def test_fixed_pooling_is_parameter_free_average():
+    from models.zoo import FixedPool, build_extractor
+
+    pool = FixedPool(512)
+    assert not list(pool.parameters())
+    x = torch.arange(2048.0).view(1, 2048)
+    assert torch.equal(pool(x)[0, :2], torch.tensor([1.5, 5.5]))  # windows of 4
+    assert torch.equal(FixedPool(512)(torch.arange(64.0).view(1, 64))[0, :9],
+                       torch.tensor([0.0] * 8 + [1.0]))  # 64 -> 512 repeats each value 8x
+    assert build_extractor("resnet18", 64, 3, 32)(torch.randn(2, 3, 32, 32)).shape == (2, 64)
+
+
+def test_htcnn8_and_small_resnets_match_spec_shapes():
+    from models.zoo import build_extractor
+
+    # HtCNN8 CNN1: one conv -> 32*12*12 = 4608 -> 512
+    net = build_extractor("htcnn1", 512, 1, 28)[0]
+    assert [m.in_features for m in net if isinstance(m, torch.nn.Linear)] == [4608]
+    net = build_extractor("htcnn8", 512, 1, 28)[0]
+    assert [m.out_features for m in net if isinstance(m, torch.nn.Linear)] == [1024, 512, 512]
+    # ResNet4 ends at 64 channels, ResNet8 at 256 (pre-pool D), then pooled to K
+    from models.zoo import small_resnet
+    assert small_resnet(1)(torch.randn(2, 3, 32, 32)).shape == (2, 64)
+    assert small_resnet(3)(torch.randn(2, 3, 32, 32)).shape == (2, 256)
