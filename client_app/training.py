@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from client_app.data import ClientData, DatasetInfo, augment, batches, normalize
+from models.base import SplitModel
 
 EVAL_BATCH = 512
 
@@ -29,15 +30,17 @@ def make_sgd(params, config: Mapping[str, Any]) -> torch.optim.SGD:
                            weight_decay=float(config["weight-decay"]))
 
 
-def train_supervised(model: nn.Module, data: ClientData, config: Mapping[str, Any], device: torch.device,
+def train_supervised(model: SplitModel, data: ClientData, config: Mapping[str, Any], device: torch.device,
                      generator: torch.Generator,
-                     extra_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                     regularizer: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
                      ) -> dict[str, float]:
     """Train all of ``model`` with cross-entropy for ``local-epochs`` epochs on the train split.
 
-    Shuffled mini-batches of ``batch-size`` (last partial batch kept), training augmentation,
-    SGD from :func:`make_sgd`, global gradient-norm clipping at ``clip-norm`` (<= 0: off).
-    ``extra_loss(x, y)`` (normalised, augmented batch and labels) is added to the loss when given.
+    Shuffled mini-batches of ``batch-size`` (last partial batch kept, except a 1-sample one
+    in a model with BatchNorm, which cannot train on it), training augmentation, SGD from
+    :func:`make_sgd`, global gradient-norm clipping at ``clip-norm`` (<= 0: off).
+    ``regularizer(representations [B, d], labels [B])`` is added to the loss when given
+    (e.g. FedProto/FedTGP's prototype term); it sees the train-mode representations.
 
     Returns:
         ``train-loss`` (mean over samples of the last epoch), ``train-acc`` (fraction, last
@@ -48,17 +51,21 @@ def train_supervised(model: nn.Module, data: ClientData, config: Mapping[str, An
     opt = make_sgd(model.parameters(), config)
     clip = float(config["clip-norm"])
     x_all, y_all = data.train_x.to(device), data.train_y.to(device)
+    min_batch = 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1
     loss_sum, correct, seen = 0.0, 0, 0
     for _ in range(int(config["local-epochs"])):
         loss_sum, correct, seen = 0.0, 0, 0
         for idx in batches(len(y_all), int(config["batch-size"]), generator):
+            if len(idx) < min_batch:
+                continue
             idx = idx.to(device)
             x = augment(normalize(x_all[idx], data.info), data.info, generator)
             y = y_all[idx]
-            logits = model(x)
+            features = model.extractor(x)
+            logits = model.head(features)
             loss = F.cross_entropy(logits, y)
-            if extra_loss is not None:
-                loss = loss + extra_loss(x, y)
+            if regularizer is not None:
+                loss = loss + regularizer(features, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if clip > 0:

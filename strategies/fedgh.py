@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from client_app.training import class_means, evaluate_model, train_supervised
-from common.config import RunConfig, choice, flag, number
+from common.config import ConfigError, RunConfig, choice, flag, number
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.payload import ArraySpec, PayloadSchema
 
@@ -68,6 +68,11 @@ class FedGHOptions:
         Raises:
             ConfigError: naming the key and its allowed values.
         """
+        from models.groups import MODEL_GROUPS
+
+        if set(MODEL_GROUPS[cfg.model_group].heads) != {"linear"}:
+            raise ConfigError(f"method 'fedgh' exchanges a linear header, but model-group '{cfg.model_group}' has "
+                              "non-linear heads; allowed: groups without HtC4 heads")
         o = {"server-mode": "per-lar", "server-lr": 0.01, "server-epochs": 1, "server-batch-size": 10,
              "server-clip-norm": 50.0, "eval-global-head": False, **cfg.method_options()}
         return cls(

@@ -13,7 +13,7 @@ as the papers count them (spec fedgh.md section 2.2).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,9 +44,17 @@ class ArraySpec:
 
 @dataclass(frozen=True)
 class PayloadSchema:
-    """Named arrays of one message direction; an empty schema means "no payload at all"."""
+    """Named arrays of one message direction; an empty schema means "no payload at all".
+
+    Args:
+        arrays: name -> spec.
+        optional: the whole payload may also be absent (e.g. no global prototypes in round 1).
+        check: extra consistency test ``check(arrays, bound_dims)`` raising PayloadError.
+    """
 
     arrays: Mapping[str, ArraySpec] = field(default_factory=dict)
+    optional: bool = False
+    check: Callable[[Mapping[str, np.ndarray], Mapping[str, int]], None] | None = None
 
     def validate(self, arrays: Mapping[str, np.ndarray], dims: Mapping[str, int]) -> dict[str, int]:
         """Check ``arrays`` against the schema.
@@ -62,6 +70,8 @@ class PayloadSchema:
             PayloadError: on missing or extra keys, wrong dtype or shape, non-finite floats,
                 or label arrays with out-of-range or repeated class ids.
         """
+        if self.optional and not arrays:
+            return dict(dims)
         missing, extra = set(self.arrays) - set(arrays), set(arrays) - set(self.arrays)
         if missing or extra:
             raise PayloadError(f"payload keys {sorted(arrays)} != expected {sorted(self.arrays)}")
@@ -85,6 +95,8 @@ class PayloadSchema:
                     raise PayloadError(f"'{name}' has class ids outside [0, {num_classes})")
                 if len(np.unique(a)) != a.size:
                     raise PayloadError(f"'{name}' has repeated class ids")
+        if self.check is not None:
+            self.check(arrays, bound)
         return bound
 
     def to_record(self, arrays: Mapping[str, np.ndarray]) -> RecordDict:
@@ -94,12 +106,12 @@ class PayloadSchema:
             PayloadError: if ``arrays`` does not have exactly the schema's keys and dtypes
                 (senders are checked too: a method cannot leak an undeclared array).
         """
-        if set(arrays) != set(self.arrays):
+        if set(arrays) != set(self.arrays) and not (self.optional and not arrays):
             raise PayloadError(f"sending keys {sorted(arrays)}, schema declares {sorted(self.arrays)}")
         for name, a in arrays.items():
             if a.dtype != np.dtype(self.arrays[name].dtype):
                 raise PayloadError(f"sending '{name}' as {a.dtype}, schema declares {self.arrays[name].dtype}")
-        if not self.arrays:
+        if not arrays:
             return RecordDict()
         return RecordDict({PAYLOAD: array_record(arrays)})
 

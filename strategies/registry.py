@@ -7,11 +7,15 @@ from functools import lru_cache
 from common.config import ConfigError, RunConfig
 from strategies.base import ClientProcedure, HeteroStrategy
 from strategies.fedgh import FedGHClient, FedGHStrategy
+from strategies.fedproto import FedProtoClient, FedProtoStrategy
+from strategies.fedtgp import FedTGPClient, FedTGPStrategy
 from strategies.local import LocalClient, LocalStrategy
 
 METHODS: dict[str, tuple[type[HeteroStrategy], type[ClientProcedure]]] = {
     "fedgh": (FedGHStrategy, FedGHClient),
     "local": (LocalStrategy, LocalClient),
+    "fedproto": (FedProtoStrategy, FedProtoClient),
+    "fedtgp": (FedTGPStrategy, FedTGPClient),
 }
 
 

@@ -1,0 +1,224 @@
+"""FedTGP: trainable global prototypes learned with adaptive-margin-enhanced contrastive learning.
+
+Zhang et al., "FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced Contrastive
+Learning for Data and Model Heterogeneity in Federated Learning", AAAI 2024; spec
+shared/specs/fedtgp.md (section numbers below refer to it).
+
+Payload (section 2):
+- up (train): ``protos`` [C_i, K] float32, eval-mode class means of the trained extractor for
+  the classes the client holds, ``proto_labels`` [C_i] int64: 4*C_i*K + 8*C_i bytes.
+- down (train from round 2, evaluate): ``global_protos`` [C, K] float32: 4*C*K bytes.
+  Nothing in round 1 (no global prototypes yet).
+
+Client (section 3): CE + lambda * prototype regulariser (default the official code's
+lambda = 10 with mean squared error; ``fedtgp.reg-form = "paper-l2"``, ``fedtgp.lambda = 0.1``
+give the paper's Eq. 11), then an eval-mode pass for the class prototypes. Inference by the
+nearest global prototype over all C classes (section 6).
+
+Server (section 4): an embedding table E [C, K] and a generator F = Linear(K, H) -> ReLU ->
+Linear(H, K) (H = ``fedtgp.hidden-dim``, 512), kept across rounds, trained for ``server-epochs``
+epochs of SGD on the round's uploads with the ACL loss (Eq. 10) and the adaptive margin
+delta(t) (the official nearest-centre rule, ``fedtgp.margin = "max-pairwise"`` for the paper's
+Eq. 9), then P̂ = F(E).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from client_app.training import class_means, train_supervised
+from common.config import RunConfig, choice, number
+from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
+from strategies.fedproto import (UPLOAD, PrototypeRegularizer, RegularizerOptions, nearest_prototype_correct,
+                                 prototype_metrics)
+from strategies.payload import ArraySpec, PayloadSchema
+
+log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
+
+GLOBAL = PayloadSchema({"global_protos": ArraySpec(("C", "d"), "float32")}, optional=True)
+SCHEMAS = {**BASE_SCHEMAS, "train": (GLOBAL, UPLOAD), "evaluate": (GLOBAL, NO_PAYLOAD)}
+
+MARGINS = ("nearest", "max-pairwise")
+
+
+@dataclass(frozen=True)
+class FedTGPOptions:
+    """``[tool.flwr.app.config.fedtgp]`` server keys (section 9); client keys in RegularizerOptions."""
+
+    margin: str
+    tau: float
+    server_epochs: int
+    server_lr: float
+    server_batch_size: int
+    hidden_dim: int
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> FedTGPOptions:
+        """Validate the ``fedtgp.*`` server keys.
+
+        Raises:
+            ConfigError: naming the key and its allowed values.
+        """
+        o = {"margin": "nearest", "tau": 100.0, "server-epochs": 100, "server-lr": 0.01,
+             "server-batch-size": 10, "hidden-dim": 512, **cfg.method_options()}
+        return cls(margin=choice("fedtgp.margin", o["margin"], MARGINS),
+                   tau=number("fedtgp.tau", o["tau"], low=0),
+                   server_epochs=number("fedtgp.server-epochs", o["server-epochs"], kind=int, low=0),
+                   server_lr=number("fedtgp.server-lr", o["server-lr"], low=0),
+                   server_batch_size=number("fedtgp.server-batch-size", o["server-batch-size"], kind=int, low=1),
+                   hidden_dim=number("fedtgp.hidden-dim", o["hidden-dim"], kind=int, low=1))
+
+
+class PrototypeGenerator(nn.Module):
+    """Trainable global prototypes: P̂ = F(E), E ~ N(0, 1) [C, K], F = Linear-ReLU-Linear (section 4)."""
+
+    def __init__(self, num_classes: int, k: int, hidden: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(num_classes, k)
+        self.mlp = nn.Sequential(nn.Linear(k, hidden), nn.ReLU(), nn.Linear(hidden, k))
+
+    def forward(self) -> torch.Tensor:
+        """All C global prototypes ``[C, K]`` float32."""
+        return self.mlp(self.embedding.weight)
+
+
+def adaptive_margin(protos: torch.Tensor, labels: torch.Tensor, tau: float, mode: str = "nearest") -> float:
+    """delta(t) from this round's uploads (section 4 step 4, section 11 items 2-4).
+
+    Q^c = unweighted mean of the uploads of class c. ``nearest`` (official code): for each
+    class its distance to the nearest other centre, then the maximum over classes.
+    ``max-pairwise`` (paper Eq. 9): the largest distance between any two centres. Both capped
+    at ``tau``; 0 when fewer than two classes were uploaded.
+
+    Args:
+        protos: float32 [M, K] uploads; labels: int64 [M].
+    """
+    classes = torch.unique(labels)
+    if len(classes) < 2:
+        return 0.0
+    centres = torch.stack([protos[labels == c].mean(0) for c in classes]).double()
+    dist = torch.cdist(centres, centres)
+    if mode == "max-pairwise":
+        value = float(dist.max())
+    else:
+        value = float(dist.masked_fill(torch.eye(len(classes), dtype=torch.bool), float("inf")).min(1).values.max())
+    return min(value, tau)
+
+
+def acl_loss(protos: torch.Tensor, labels: torch.Tensor, global_protos: torch.Tensor, delta: float) -> torch.Tensor:
+    """Adaptive-margin contrastive loss (FedTGP Eq. 10), mean over the batch.
+
+    z_{b,c} = -||p_b - P̂_c||_2 - delta * 1[c = y_b]; loss = CE(z_b, y_b). The squared distance is
+    clamped at 1e-12 before the square root so identical vectors give finite gradients
+    (section 11 item 6).
+    """
+    sq = (protos.pow(2).sum(1, keepdim=True) - 2 * protos @ global_protos.T
+          + global_protos.pow(2).sum(1)[None]).clamp_min(1e-12)
+    logits = -sq.sqrt() - delta * F.one_hot(labels, global_protos.shape[0]).to(protos.dtype)
+    return F.cross_entropy(logits, labels)
+
+
+def train_generator(generator: PrototypeGenerator, replies: list[ClientReply], opts: FedTGPOptions,
+                    rng: torch.Generator) -> dict[str, float]:
+    """Train the generator in place on this round's uploads (section 4 steps 3-5).
+
+    SGD (lr ``server-lr``, fresh each round: stateless), ``server-epochs`` epochs of shuffled
+    batches of ``server-batch-size`` (last partial batch kept). Only this round's uploads.
+
+    Returns:
+        ``server-num-protos`` (M), ``server-margin`` (delta), ``server-acl-before`` /
+        ``server-acl-after`` (mean ACL over all uploads).
+    """
+    protos = torch.from_numpy(np.concatenate([r.arrays["protos"] for r in replies])) if replies else None
+    if protos is None or len(protos) == 0:
+        return {"server-num-protos": 0}
+    labels = torch.from_numpy(np.concatenate([r.arrays["proto_labels"] for r in replies]))
+    delta = adaptive_margin(protos, labels, opts.tau, opts.margin)
+    if len(torch.unique(labels)) < 2:
+        log.warning("FedTGP: fewer than two classes uploaded this round; margin set to 0")
+    with torch.no_grad():
+        before = float(acl_loss(protos, labels, generator(), delta))
+    opt = torch.optim.SGD(generator.parameters(), lr=opts.server_lr)
+    for _ in range(opts.server_epochs):
+        for idx in torch.split(torch.randperm(len(labels), generator=rng), opts.server_batch_size):
+            loss = acl_loss(protos[idx], labels[idx], generator(), delta)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        after = float(acl_loss(protos, labels, generator(), delta))
+    return {"server-num-protos": len(labels), "server-margin": delta, "server-acl-before": before,
+            "server-acl-after": after}
+
+
+class FedTGPStrategy(HeteroStrategy):
+    """FedTGP server: the generator persists across rounds; P̂ is regenerated after every update."""
+
+    schemas = SCHEMAS
+
+    def __init__(self, cfg: RunConfig, results=None) -> None:
+        super().__init__(cfg, results)
+        RegularizerOptions.from_config(cfg)  # fail fast on bad client options
+        self.options = FedTGPOptions.from_config(cfg)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            self.generator = PrototypeGenerator(self.dims["C"], self.dims["d"], self.options.hidden_dim)
+        self.batch_rng = torch.Generator().manual_seed(cfg.seed)  # server mini-batch shuffling
+        self.global_protos: np.ndarray | None = None
+
+    def global_arrays(self) -> dict[str, np.ndarray]:
+        """``global_protos`` [C, K] after the first server update; empty before."""
+        return {} if self.global_protos is None else {"global_protos": self.global_protos.copy()}
+
+    def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
+        """Evaluation uses the global prototypes (nearest-prototype inference)."""
+        return self.global_arrays()
+
+    def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+        """Train the generator on the round's prototypes, then emit P̂ for all C classes."""
+        start = time.perf_counter()
+        metrics = train_generator(self.generator, replies, self.options, self.batch_rng)
+        if metrics["server-num-protos"] or self.global_protos is None:
+            with torch.no_grad():
+                self.global_protos = self.generator().numpy().astype(np.float32)
+        metrics["server-train-seconds"] = time.perf_counter() - start
+        return metrics
+
+
+class FedTGPClient(ClientProcedure):
+    """FedTGP client: regularise towards P̂ (from round 2), upload eval-mode class prototypes."""
+
+    schemas = SCHEMAS
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.options = RegularizerOptions.from_config(cfg)
+
+    def train(self, client, payload, config):
+        """Returns ``protos`` float32 [C_i, K] and ``proto_labels`` int64 [C_i] (section 3 steps 4-5)."""
+        data, model = client.data, client.model
+        protos = torch.from_numpy(payload["global_protos"]).to(client.device) if payload else None
+        mask = torch.ones(data.info.num_classes, dtype=torch.bool, device=client.device) if payload else None
+        stats = train_supervised(model, data, config, client.device, client.generator(int(config["server-round"])),
+                                 PrototypeRegularizer(protos, mask, self.options))
+        start = time.perf_counter()
+        means, labels = class_means(model.extractor, data.train_x, data.train_y, data.info, client.device)
+        stats["train-seconds"] += time.perf_counter() - start
+        client.save_model()
+        return ({"protos": means.numpy(), "proto_labels": labels.numpy().astype(np.int64)},
+                {**stats, "num-examples": len(data.train_y)})
+
+    def evaluate(self, client, payload, config):
+        """Nearest global prototype over all C classes; 0 correct before any P̂ exists."""
+        if not payload:
+            return {}, prototype_metrics(*nearest_prototype_correct(client, None, None))
+        protos = torch.from_numpy(payload["global_protos"])
+        return {}, prototype_metrics(*nearest_prototype_correct(
+            client, protos, torch.ones(len(protos), dtype=torch.bool)))
