@@ -52,9 +52,10 @@ class ResultsWriter:
         self._write_summary()
 
     def summary(self) -> dict[str, Any]:
-        """Final and best ``accuracy_mean`` (fractions), byte totals, seconds, status."""
+        """Final and best ``accuracy_mean`` and best ``accuracy_weighted`` (fractions), totals, status."""
         evaluated = [r for r in self.rows if r.get("accuracy_mean") is not None]
         best = max(evaluated, key=lambda r: r["accuracy_mean"], default=None)
+        best_weighted = max((r["accuracy_weighted"] for r in evaluated), default=None)
         total = {k: sum(r.get(k, 0) for r in self.rows)
                  for k in ("bytes_up", "bytes_down", "eval_bytes_up", "eval_bytes_down")}
         return {
@@ -64,6 +65,7 @@ class ResultsWriter:
             "final_accuracy_weighted": evaluated[-1]["accuracy_weighted"] if evaluated else None,
             "best_accuracy_mean": best["accuracy_mean"] if best else None,
             "best_round": best["round"] if best else None,
+            "best_accuracy_weighted": best_weighted,  # FedTGP's headline: best pooled accuracy
             **{f"total_{k}": v for k, v in total.items()},
             "total_seconds": time.perf_counter() - self.start,
             "config": self.config,

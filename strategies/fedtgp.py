@@ -35,9 +35,9 @@ from torch import nn
 
 from client_app.training import class_means, train_supervised
 from common.config import RunConfig, choice, number
-from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
-from strategies.fedproto import (UPLOAD, PrototypeRegularizer, RegularizerOptions, nearest_prototype_correct,
-                                 prototype_metrics)
+from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientReply, HeteroStrategy
+from strategies.fedproto import (UPLOAD, FedProtoClient, PrototypeRegularizer, RegularizerOptions,
+                                 nearest_prototype_correct, prototype_metrics)
 from strategies.payload import ArraySpec, PayloadSchema
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
@@ -183,23 +183,17 @@ class FedTGPStrategy(HeteroStrategy):
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """Train the generator on the round's prototypes, then emit P̂ for all C classes."""
-        start = time.perf_counter()
         metrics = train_generator(self.generator, replies, self.options, self.batch_rng)
         if metrics["server-num-protos"] or self.global_protos is None:
             with torch.no_grad():
                 self.global_protos = self.generator().numpy().astype(np.float32)
-        metrics["server-train-seconds"] = time.perf_counter() - start
         return metrics
 
 
-class FedTGPClient(ClientProcedure):
-    """FedTGP client: regularise towards P̂ (from round 2), upload eval-mode class prototypes."""
+class FedTGPClient(FedProtoClient):
+    """FedTGP client: FedProto's objective towards P̂ (from round 2), eval-mode prototypes after training."""
 
     schemas = SCHEMAS
-
-    def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
-        self.options = RegularizerOptions.from_config(cfg)
 
     def train(self, client, payload, config):
         """Returns ``protos`` float32 [C_i, K] and ``proto_labels`` int64 [C_i] (section 3 steps 4-5)."""

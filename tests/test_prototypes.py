@@ -245,3 +245,15 @@ def test_fedtgp_options_and_fedgh_head_check():
         build_strategy(RunConfig.from_dict(make_run_config(**{"model-group": "htfe8-htc4"})))
     assert isinstance(FedProtoClient(RunConfig.from_dict(make_run_config(method="fedproto"))).options,
                       RegularizerOptions)
+
+
+@pytest.mark.parametrize("method", ["fedtgp", "fedproto"])
+def test_single_class_clients(run_config, method):
+    rc = run_config(**{"dataset": "mnist", "model-group": "htcnn8", "partitioner": "pathological",
+                       "classes-per-client": 1, "num-clients": 3, "num-server-rounds": 2, "method": method,
+                       "fedtgp.server-epochs": 3})
+    strategy, grid = federation(rc)
+    strategy.start(grid)
+    for row in strategy.rows:
+        assert row["num_clients"] == 3 and row["bytes_up"] == 3 * (4 * K + 8)  # one [1, K] prototype each
+    assert strategy.rows[-1]["accuracy_mean"] is not None
