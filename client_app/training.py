@@ -79,6 +79,37 @@ def train_supervised(model: SplitModel, data: ClientData, config: Mapping[str, A
             "train-seconds": time.perf_counter() - start}
 
 
+def train_personal_model(client, config: Mapping[str, Any],
+                         regularizer: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                         ) -> dict[str, float]:
+    """Train the client's personal model (:func:`train_supervised`) with this round's RNG and persist it.
+
+    Args:
+        client: the :class:`client_app.runtime.ClientRuntime` of this message.
+        config: the train instruction's config (``server-round`` and the training settings).
+
+    Returns:
+        The training metrics plus ``num-examples`` (local training samples).
+    """
+    stats = train_supervised(client.model, client.data, config, client.device,
+                             client.generator(int(config["server-round"])), regularizer)
+    client.save_model()
+    return {**stats, "num-examples": len(client.data.train_y)}
+
+
+def trained_class_means(client, stats: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`class_means` of the client's (trained) extractor over its whole train split.
+
+    Its time is added to ``stats["train-seconds"]``: the payload computation is part of the
+    client's training compute.
+    """
+    start = time.perf_counter()
+    data = client.data
+    out = class_means(client.model.extractor, data.train_x, data.train_y, data.info, client.device)
+    stats["train-seconds"] += time.perf_counter() - start
+    return out
+
+
 @torch.no_grad()
 def class_means(extractor: nn.Module, x: torch.Tensor, y: torch.Tensor, info: DatasetInfo,
                 device: torch.device, batch_size: int = EVAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:

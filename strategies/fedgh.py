@@ -20,7 +20,6 @@ never applies this update (section 11 P1); ``server-mode = "none"`` reproduces t
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client_app.training import class_means, evaluate_model, train_supervised
+from client_app.training import evaluate_model, train_personal_model, trained_class_means
 from common.config import ConfigError, RunConfig, choice, flag, number
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.payload import ArraySpec, PayloadSchema
@@ -192,14 +191,9 @@ class FedGHClient(ClientProcedure):
 
     def train(self, client, payload, config):
         """Returns ``lar`` float32 [C_k, d] and ``lar_labels`` int32 [C_k] of the trained extractor."""
-        model, data = client.model, client.data
-        load_header(model.head, payload)
-        stats = train_supervised(model, data, config, client.device, client.generator(int(config["server-round"])))
-        start = time.perf_counter()
-        means, labels = class_means(model.extractor, data.train_x, data.train_y, data.info, client.device)
-        stats["train-seconds"] += time.perf_counter() - start
-        client.save_model()
-        stats["num-examples"] = len(data.train_y)
+        load_header(client.model.head, payload)
+        stats = train_personal_model(client, config)
+        means, labels = trained_class_means(client, stats)
         return {"lar": means.numpy(), "lar_labels": labels.numpy().astype(np.int32)}, stats
 
     def evaluate(self, client, payload, config):

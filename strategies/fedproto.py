@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from client_app.data import batches, normalize
-from client_app.training import train_supervised
+from client_app.training import train_personal_model
 from common.config import RunConfig, choice, number
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.payload import ArraySpec, PayloadError, PayloadSchema
@@ -217,11 +217,9 @@ class FedProtoClient(ClientProcedure):
             collector.add(features, labels)  # train-mode, before this batch's update (appendix step 3)
             return regularizer(features, labels)
 
-        stats = train_supervised(client.model, data, config, client.device,
-                                 client.generator(int(config["server-round"])), regularize_and_collect)
-        client.save_model()
+        stats = train_personal_model(client, config, regularize_and_collect)
         means, labels = collector.means(client.model.feature_dim)
-        return {"protos": means, "proto_labels": labels}, {**stats, "num-examples": len(data.train_y)}
+        return {"protos": means, "proto_labels": labels}, stats
 
     def evaluate(self, client, payload, config):
         """Nearest-prototype accuracy over the classes that have a global prototype."""

@@ -25,7 +25,6 @@ Eq. 9), then P̂ = F(E).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client_app.training import class_means, train_supervised
+from client_app.training import train_personal_model, trained_class_means
 from common.config import RunConfig, choice, number
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientReply, HeteroStrategy
 from strategies.fedproto import (UPLOAD, FedProtoClient, PrototypeRegularizer, RegularizerOptions,
@@ -197,17 +196,11 @@ class FedTGPClient(FedProtoClient):
 
     def train(self, client, payload, config):
         """Returns ``protos`` float32 [C_i, K] and ``proto_labels`` int64 [C_i] (section 3 steps 4-5)."""
-        data, model = client.data, client.model
         protos = torch.from_numpy(payload["global_protos"]).to(client.device) if payload else None
-        mask = torch.ones(data.info.num_classes, dtype=torch.bool, device=client.device) if payload else None
-        stats = train_supervised(model, data, config, client.device, client.generator(int(config["server-round"])),
-                                 PrototypeRegularizer(protos, mask, self.options))
-        start = time.perf_counter()
-        means, labels = class_means(model.extractor, data.train_x, data.train_y, data.info, client.device)
-        stats["train-seconds"] += time.perf_counter() - start
-        client.save_model()
-        return ({"protos": means.numpy(), "proto_labels": labels.numpy().astype(np.int64)},
-                {**stats, "num-examples": len(data.train_y)})
+        mask = torch.ones(len(protos), dtype=torch.bool, device=client.device) if payload else None
+        stats = train_personal_model(client, config, PrototypeRegularizer(protos, mask, self.options))
+        means, labels = trained_class_means(client, stats)
+        return {"protos": means.numpy(), "proto_labels": labels.numpy().astype(np.int64)}, stats
 
     def evaluate(self, client, payload, config):
         """Nearest global prototype over all C classes; 0 correct before any P̂ exists."""

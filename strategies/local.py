@@ -7,8 +7,8 @@ evaluates and records.
 
 from __future__ import annotations
 
+from client_app.training import train_personal_model
 from strategies.base import ClientProcedure, HeteroStrategy
-from client_app.training import train_supervised
 
 
 class LocalStrategy(HeteroStrategy):
@@ -22,8 +22,4 @@ class LocalClient(ClientProcedure):
 
     def train(self, client, payload, config):
         """Train on the local split; reply with metrics only."""
-        data = client.data
-        stats = train_supervised(client.model, data, config, client.device,
-                                 client.generator(int(config["server-round"])))
-        client.save_model()
-        return {}, {**stats, "num-examples": len(data.train_y)}
+        return {}, train_personal_model(client, config)

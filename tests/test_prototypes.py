@@ -10,7 +10,6 @@ from flwr.app import Context, RecordDict
 
 from client_app.data import normalize
 from client_app.runtime import ClientRuntime
-from client_app.training import class_means
 from common.config import ConfigError, RunConfig
 from conftest import federation, make_run_config
 from strategies.base import ClientReply
