@@ -19,6 +19,13 @@ from models.zoo import build_zoo_model
 
 HTFE8 = ("fedavgcnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 HTC4 = ("linear", "mlp512", "mlp256", "mlp128")
+#: FedRE's model-heterogeneous family in the authors' code order (spec fedre.md section 7)
+FEDRE10 = ("fedavgcnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
+           "vit_b_16", "vit_b_32")
+#: CPU-scale stand-in for FEDRE10 (project choice, not from the paper, spec fedre.md section 7):
+#: FedAvgCNN and conv/FC variants of different width and depth, small ResNets and ResNet-18
+FEDRE_PROXY = ("fedavgcnn", "htcnn1", "htcnn3", "htcnn4", "htcnn5", "htcnn6", "htcnn8", "resnet4", "resnet8",
+               "resnet18")
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,9 @@ MODEL_GROUPS: dict[str, ModelGroup] = {
     "htfe9": ModelGroup(("resnet4", "resnet6", "resnet8", "resnet10", "resnet18", "resnet34", "resnet50",
                          "resnet101", "resnet152")),
     "htcnn8": ModelGroup(tuple(f"htcnn{i}" for i in range(1, 9))),
+    "fedavgcnn": ModelGroup(("fedavgcnn",)),
+    "fedre10": ModelGroup(FEDRE10),
+    "fedre-proxy": ModelGroup(FEDRE_PROXY),
     "htfe8-htc4": ModelGroup(HTFE8, heads=HTC4),
     "res34-htc4": ModelGroup(("resnet34",), heads=HTC4),
 }

@@ -7,6 +7,9 @@ averages windows, D < K repeats values. It is not learned (section 11 item 11).
 - ``fedavgcnn``: Conv(32,5)+ReLU+MaxPool2, Conv(64,5)+ReLU+MaxPool2, Linear(->512)+ReLU.
 - torchvision ``googlenet`` (aux_logits=False), ``mobilenet_v2``, ``resnet18/34/50/101/152``,
   randomly initialised (``weights=None``, no download), classifier removed, ImageNet stem kept.
+- torchvision ``vit_b_16`` / ``vit_b_32`` built for the dataset's image size (32x32: 4 patches
+  or 1 patch + class token; 12 layers, width 768), heads removed: the class token [B, 768]
+  is the trunk output (FedRE spec section 7).
 - ``resnet4/6/8/10``: torchvision's ResNet with one BasicBlock per stage and 1-4 stages.
 - ``htcnn1..8`` (HtCNN8, for 1x28x28 input): 1 or 2 convs (5x5 valid + ReLU + MaxPool2, 32/64
   channels) and an FC stack ending at 512, every FC followed by ReLU.
@@ -111,8 +114,23 @@ def torchvision_trunk(name: str) -> nn.Module:
     return net
 
 
+def vit_trunk(name: str, image_size: int) -> nn.Module:
+    """A randomly initialised torchvision ViT-B (``vit_b_16``/``vit_b_32``) for ``image_size``, heads removed.
+
+    Raises:
+        ValueError: if ``image_size`` is not a multiple of the patch size (e.g. 28x28 MNIST).
+    """
+    patch = int(name[-2:])
+    if image_size % patch:
+        raise ValueError(f"{name} needs an image size divisible by {patch}, got {image_size}; "
+                         "choose a model group without ViT for this dataset")
+    net = getattr(tvm, name)(weights=None, image_size=image_size)
+    net.heads = nn.Identity()
+    return net
+
+
 EXTRACTORS = ("fedavgcnn", "googlenet", "mobilenet_v2", "resnet4", "resnet6", "resnet8", "resnet10",
-              "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", *HTCNN8)
+              "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "vit_b_16", "vit_b_32", *HTCNN8)
 HEADS = {"linear": None, "mlp512": 512, "mlp256": 256, "mlp128": 128}
 
 
@@ -128,6 +146,8 @@ def build_extractor(name: str, k: int, in_channels: int, image_size: int) -> nn.
         trunk = htcnn(name, in_channels, image_size)
     elif name.startswith("resnet") and int(name[6:]) <= 10:
         trunk = _retarget_first_conv(small_resnet({4: 1, 6: 2, 8: 3, 10: 4}[int(name[6:])]), in_channels)
+    elif name.startswith("vit_"):
+        trunk = _retarget_first_conv(vit_trunk(name, image_size), in_channels)
     elif name in EXTRACTORS:
         trunk = _retarget_first_conv(torchvision_trunk(name), in_channels)
     else:

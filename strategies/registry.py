@@ -8,6 +8,7 @@ from common.config import ConfigError, RunConfig
 from strategies.base import ClientProcedure, HeteroStrategy
 from strategies.fedgh import FedGHClient, FedGHStrategy
 from strategies.fedproto import FedProtoClient, FedProtoStrategy
+from strategies.fedre import FedREClient, FedREStrategy
 from strategies.fedtgp import FedTGPClient, FedTGPStrategy
 from strategies.local import LocalClient, LocalStrategy
 
@@ -16,6 +17,7 @@ METHODS: dict[str, tuple[type[HeteroStrategy], type[ClientProcedure]]] = {
     "local": (LocalStrategy, LocalClient),
     "fedproto": (FedProtoStrategy, FedProtoClient),
     "fedtgp": (FedTGPStrategy, FedTGPClient),
+    "fedre": (FedREStrategy, FedREClient),
 }
 
 

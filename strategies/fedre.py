@@ -1,0 +1,272 @@
+"""FedRE: one entangled representation per client trains the global classifier.
+
+"FedRE: A Representation Entanglement Framework for Model-Heterogeneous Federated
+Learning", CVPR 2026; spec shared/specs/fedre.md (section numbers below refer to it).
+
+Payload (section 2):
+- down (train and evaluate): the global head ``head.weight`` [C, d], ``head.bias`` [C],
+  float32: 4*C*(d+1) bytes per client (20,520 B for CIFAR-10, d=512).
+- up (train): ``z`` [1, d] (the entangled representation) and ``y`` [1, C] (its entangled
+  soft label: non-negative, sums to 1, non-zero on the client's present classes only),
+  float32: 4*(d+C) bytes (2,088 B for CIFAR-10). A client without training samples sends
+  nothing (P8). Nothing else travels: no per-sample representation, no prototype, no count.
+
+Client step (section 3): overwrite the head with the global head, train the whole model,
+then in eval mode entangle the trained extractor's representations with fresh random
+weights (Eq. 2 with RAP, Appendix A Eq. 12). Server step (section 4, Eq. 3): one epoch of
+SGD on the summed soft-label cross-entropy of the head over the round's (z, y) pairs.
+Evaluation (section 6): own extractor + the newest global head, sent to every client after
+the server step; the client keeps that head (P11). The authors' released loop never sends
+the head back (P1), which makes FedRE "Local"; here it is sent in every train and evaluate
+instruction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from client_app.data import DatasetInfo, batches, normalize
+from client_app.training import EVAL_BATCH, train_personal_model
+from common.config import ConfigError, RunConfig, choice, number
+from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
+from strategies.fedgh import HEADER, load_header
+from strategies.payload import ArraySpec, PayloadError, PayloadSchema
+
+#: how the client turns its representations into one (z, y) pair (section 3, Appendix A)
+RE_MODES = ("rap", "vap", "rsp", "rar", "var", "rsr", "rap-fixed")
+LOSS_REDUCTIONS = ("sum", "mean")
+SOFT_LABEL_TOLERANCE = 1e-4  # |sum(y) - 1| accepted by the server (section 4 step 2)
+_ENTANGLE_RNG = 7  # ``purpose`` of the client's entangling RNG (independent of training's)
+
+
+def _check_soft_label(arrays: Mapping[str, np.ndarray], dims: Mapping[str, int]) -> None:
+    y = arrays["y"]
+    if (y < 0).any() or abs(float(y.sum(dtype=np.float64)) - 1.0) >= SOFT_LABEL_TOLERANCE:
+        raise PayloadError(f"'y' must be non-negative and sum to 1, got min {y.min():.3g} sum {y.sum():.6f}")
+
+
+ENTANGLED = PayloadSchema({"z": ArraySpec((1, "d"), "float32"), "y": ArraySpec((1, "C"), "float32")},
+                          optional=True, check=_check_soft_label)
+SCHEMAS = {**BASE_SCHEMAS, "train": (HEADER, ENTANGLED), "evaluate": (HEADER, PayloadSchema())}
+
+
+@dataclass(frozen=True)
+class FedREOptions:
+    """``[tool.flwr.app.config.fedre]`` keys (sections 3, 4, 9 and P6).
+
+    ``re_mode``: see :func:`entangling_weights`. ``server_lr`` η_s, ``server_batch_size``
+    B_s and ``server_epochs`` of the head's SGD; ``server_loss_reduction`` ``sum`` (the
+    authors' code, default) or ``mean`` over a server batch.
+    """
+
+    re_mode: str
+    server_lr: float
+    server_batch_size: int
+    server_epochs: int
+    server_loss_reduction: str
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> FedREOptions:
+        """Validate the ``fedre.*`` keys.
+
+        Raises:
+            ConfigError: naming the key and its allowed values.
+        """
+        from models.groups import MODEL_GROUPS
+
+        if set(MODEL_GROUPS[cfg.model_group].heads) != {"linear"}:
+            raise ConfigError(f"method 'fedre' exchanges a linear head, but model-group '{cfg.model_group}' has "
+                              "non-linear heads; allowed: groups without HtC4 heads")
+        o = {"re-mode": "rap", "server-lr": 0.01, "server-batch-size": 10, "server-epochs": 1,
+             "server-loss-reduction": "sum", **cfg.method_options()}
+        return cls(
+            re_mode=choice("fedre.re-mode", o["re-mode"], RE_MODES),
+            server_lr=number("fedre.server-lr", o["server-lr"], low=0),
+            server_batch_size=number("fedre.server-batch-size", o["server-batch-size"], kind=int, low=1),
+            server_epochs=number("fedre.server-epochs", o["server-epochs"], kind=int, low=1),
+            server_loss_reduction=choice("fedre.server-loss-reduction", o["server-loss-reduction"],
+                                         LOSS_REDUCTIONS),
+        )
+
+
+def entangling_weights(labels: torch.Tensor, mode: str, generator: torch.Generator) -> torch.Tensor:
+    """Per-sample weights α [n] float64 (non-negative, summing to 1) of one entanglement.
+
+    With α the client uploads z = Σ_i α_i r_i and y = Σ_i α_i e_{y_i} (Appendix A, Eq. 12).
+    Class-level modes give α_i = w_{y_i} / n_{y_i}, i.e. z = Σ_c w_c p_c over prototypes p_c:
+
+    - ``rap`` (default): w_c = u_c / Σ u, u_c ~ U(0, 1) i.i.d. per present class, no
+      temperature (not Dirichlet, not softmax: P12); ``rap-fixed`` the same with weights
+      drawn once and reused every round (the caller passes the same RNG seed; paper Q9 "FS").
+    - ``vap``: w_c = 1/m (the average prototype).
+    - ``rsp``: one present class uniformly, w = e_c (a single prototype).
+
+    Sample-level modes: ``var`` α_i = 1/n; ``rar`` α_i = u_i / Σ u with u_i ~ U(0, 1) per
+    sample; ``rsr`` one sample uniformly (one raw representation with its one-hot label).
+
+    Args:
+        labels: int64 [n] class ids of the client's training samples, n >= 1.
+        mode: one of :data:`RE_MODES`.
+        generator: CPU RNG of this draw.
+    """
+    n = len(labels)
+    classes, inverse, counts = torch.unique(labels, return_inverse=True, return_counts=True)
+    if mode in ("rap", "rap-fixed", "vap", "rsp"):
+        if mode == "vap":
+            w = torch.full((len(classes),), 1.0 / len(classes), dtype=torch.float64)
+        elif mode == "rsp":
+            w = torch.zeros(len(classes), dtype=torch.float64)
+            w[torch.randint(len(classes), (1,), generator=generator)] = 1.0
+        else:
+            u = torch.rand(len(classes), generator=generator, dtype=torch.float64)
+            w = u / u.sum()
+        return w[inverse] / counts[inverse].double()
+    if mode == "var":
+        return torch.full((n,), 1.0 / n, dtype=torch.float64)
+    if mode == "rar":
+        u = torch.rand(n, generator=generator, dtype=torch.float64)
+        return u / u.sum()
+    if mode == "rsr":
+        alpha = torch.zeros(n, dtype=torch.float64)
+        alpha[torch.randint(n, (1,), generator=generator)] = 1.0
+        return alpha
+    raise ValueError(f"unknown re-mode {mode!r}; allowed: {RE_MODES}")
+
+
+@torch.no_grad()
+def entangle(extractor: nn.Module, x: torch.Tensor, labels: torch.Tensor, alpha: torch.Tensor, info: DatasetInfo,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entangled pair (z, y) = (Σ_i α_i r_i, Σ_i α_i e_{y_i}) (FedRE Eq. 2, Appendix A Eq. 12).
+
+    r_i = the extractor's representation of image i in eval mode without augmentation
+    (section 3 step 3); sums accumulate in float64 over every sample (no ``drop_last``, P8),
+    so the result does not depend on the batch size. Samples with α_i = 0 are skipped.
+
+    Args:
+        x: uint8 images [n, C_in, H, W]; labels: int64 [n]; alpha: float64 [n] (sums to 1).
+
+    Returns:
+        ``z`` float32 [1, d] and ``y`` float32 [1, C], on the CPU.
+    """
+    was_training = extractor.training
+    extractor.eval()
+    used = torch.nonzero(alpha).flatten()
+    z: torch.Tensor | None = None
+    for idx in batches(len(used), EVAL_BATCH, None):
+        rows = used[idx]
+        reps = extractor(normalize(x[rows].to(device), info)).double()
+        part = alpha[rows].to(device) @ reps
+        z = part if z is None else z + part
+    extractor.train(was_training)
+    y = torch.zeros(info.num_classes, dtype=torch.float64).index_add_(0, labels, alpha)
+    return z.float().cpu()[None], y.float()[None]
+
+
+def soft_label_ce(head: nn.Linear, z: torch.Tensor, y: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+    """Σ_k (or mean over k of) -Σ_c y_kc log softmax(W z_k + b)_c: FedRE Eq. 3 on z [K, d], y [K, C]."""
+    loss = -(y * F.log_softmax(head(z), dim=1)).sum(dim=1)
+    return loss.sum() if reduction == "sum" else loss.mean()
+
+
+def train_head(head: nn.Linear, replies: list[ClientReply], opts: FedREOptions,
+               generator: torch.Generator) -> dict[str, float]:
+    """The FedRE server step (Eq. 3): SGD on the head over this round's (z, y) pairs, in place.
+
+    Pairs are ordered by partition id, then shuffled with ``generator`` every epoch and split
+    into batches of ``server_batch_size``; one step of plain SGD (lr ``server_lr``, no
+    momentum, no weight decay, so stateless) per batch on the ``server_loss_reduction`` of
+    :func:`soft_label_ce`. Only this round's uploads are used; replies without a pair
+    (clients without training samples) are skipped.
+
+    Returns:
+        ``server-num-uploads``, and when there was at least one pair ``server-loss-before`` /
+        ``server-loss-after``: the mean soft-label CE over the round's pairs before and after.
+    """
+    replies = sorted((r for r in replies if r.arrays), key=lambda r: r.partition_id)
+    if not replies:
+        return {"server-num-uploads": 0}
+    z = torch.from_numpy(np.concatenate([r.arrays["z"] for r in replies]))
+    y = torch.from_numpy(np.concatenate([r.arrays["y"] for r in replies]))
+    with torch.no_grad():
+        before = float(soft_label_ce(head, z, y, "mean"))
+    opt = torch.optim.SGD(head.parameters(), lr=opts.server_lr)
+    for _ in range(opts.server_epochs):
+        for idx in torch.split(torch.randperm(len(z), generator=generator), opts.server_batch_size):
+            opt.zero_grad()
+            soft_label_ce(head, z[idx], y[idx], opts.server_loss_reduction).backward()
+            opt.step()
+    with torch.no_grad():
+        after = float(soft_label_ce(head, z, y, "mean"))
+    return {"server-num-uploads": len(z), "server-loss-before": before, "server-loss-after": after}
+
+
+class FedREStrategy(HeteroStrategy):
+    """FedRE server: holds the global head φ = Linear(d, C), trains it on (z, y), sends it to all.
+
+    φ⁰ is PyTorch's default Linear init drawn from ``seed`` (section 5). The evaluated
+    model uses the head after this round's server step, so evaluation is a separate
+    exchange with every client carrying the head (sections 4 steps 6-7, 6).
+    """
+
+    schemas = SCHEMAS
+    evaluate_in_train = False
+
+    def __init__(self, cfg: RunConfig, results=None) -> None:
+        super().__init__(cfg, results)
+        self.options = FedREOptions.from_config(cfg)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            self.head = nn.Linear(self.dims["d"], self.dims["C"])
+        self.head_generator = torch.Generator().manual_seed(cfg.seed)
+
+    def global_arrays(self) -> dict[str, np.ndarray]:
+        """The global head as ``head.weight`` [C, d] and ``head.bias`` [C], float32 copies."""
+        return {"head.weight": self.head.weight.detach().numpy().copy(),
+                "head.bias": self.head.bias.detach().numpy().copy()}
+
+    def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
+        """The head after this round's server step: clients evaluate (and keep) it."""
+        return self.global_arrays()
+
+    def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+        """Train the head on the round's entangled pairs (:func:`train_head`)."""
+        return train_head(self.head, replies, self.options, self.head_generator)
+
+
+class FedREClient(ClientProcedure):
+    """FedRE client: replace head, train the whole model, upload one entangled (z, y) (section 3)."""
+
+    schemas = SCHEMAS
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.options = FedREOptions.from_config(cfg)
+
+    def train(self, client, payload, config):
+        """Returns ``z`` float32 [1, d], ``y`` float32 [1, C] of the trained extractor (none without data)."""
+        load_header(client.model.head, payload)
+        stats = train_personal_model(client, config)
+        data = client.data
+        stats["num-classes-present"] = len(torch.unique(data.train_y))
+        if len(data.train_y) == 0:
+            return {}, stats
+        start = time.perf_counter()
+        # rap-fixed: the same seed every round gives the same weights (present classes are fixed)
+        draw_round = 0 if self.options.re_mode == "rap-fixed" else int(config["server-round"])
+        alpha = entangling_weights(data.train_y, self.options.re_mode, client.generator(draw_round, _ENTANGLE_RNG))
+        z, y = entangle(client.model.extractor, data.train_x, data.train_y, alpha, data.info, client.device)
+        stats["train-seconds"] += time.perf_counter() - start
+        return {"z": z.numpy(), "y": y.numpy()}, stats
+
+    def evaluate(self, client, payload, config):
+        """Accuracy with the client's extractor and the received global head, which the client keeps (P11)."""
+        load_header(client.model.head, payload)
+        client.save_model()
+        return super().evaluate(client, payload, config)

@@ -1,0 +1,329 @@
+"""FedRE: the verification checklist of shared/specs/fedre.md section 12, automated."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Context, RecordDict
+from torch import nn
+
+from client_app.data import DATASETS, class_counts
+from client_app.runtime import MODEL_STATE, ClientRuntime
+from client_app.training import class_means
+from common.config import ConfigError, RunConfig
+from conftest import federation
+from models.groups import MODEL_GROUPS
+from models.zoo import FixedPool
+from strategies.base import ClientReply
+from strategies.fedre import (FedREClient, FedREOptions, FedREStrategy, entangle, entangling_weights,
+                              soft_label_ce, train_head)
+from strategies.payload import PAYLOAD, array_record, tensor_bytes
+
+C, D = 10, 512
+
+
+def fedre_config(run_config, **kw):
+    return run_config(method="fedre", model_group="fedavgcnn", **kw)
+
+
+def runtime(rc, partition_id=0):
+    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": partition_id, "num-partitions": rc["num-clients"]},
+                  state=RecordDict(), run_config=rc)
+    return ClientRuntime(ctx)
+
+
+def train_config(rc, server_round=1, **kw):
+    cfg = {"server-round": server_round, "local-epochs": rc["local-epochs"], "batch-size": rc["batch-size"],
+           "lr": rc["lr"], "momentum": rc["momentum"], "weight-decay": rc["weight-decay"],
+           "clip-norm": rc["clip-norm"]}
+    return {**cfg, **kw}
+
+
+def head_payload(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"head.weight": (torch.randn(C, D, generator=g) * 0.05).numpy(),
+            "head.bias": (torch.randn(C, generator=g) * 0.05).numpy()}
+
+
+def options(**kw):
+    base = dict(re_mode="rap", server_lr=0.01, server_batch_size=10, server_epochs=1, server_loss_reduction="sum")
+    return FedREOptions(**{**base, **kw})
+
+
+def pair_replies(k=6, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in range(k):
+        classes = rng.choice(C, 2, replace=False)
+        y = np.zeros((1, C), np.float32)
+        w = rng.uniform(size=2)
+        y[0, classes] = w / w.sum()
+        z = np.abs(rng.normal(size=(1, D))).astype(np.float32)
+        out.append(ClientReply(node_id=100 + p, partition_id=p, arrays={"z": z, "y": y}, metrics={}))
+    return out
+
+
+def prototype_mix(client, y):
+    """Σ_c y_c p_c from prototypes recomputed independently from the client's *saved* model."""
+    model = MODEL_GROUPS[client.cfg.model_group].build(client.partition_id, C, 3, 32, client.cfg.seed)
+    model.load_state_dict(client.context.state.array_records[MODEL_STATE].to_torch_state_dict())
+    means, labels = class_means(model.extractor, client.data.train_x, client.data.train_y, client.data.info,
+                                torch.device("cpu"))
+    return (torch.from_numpy(y[0, labels.numpy()]).double() @ means.double()).numpy(), labels.numpy()
+
+
+# 1, 3, 4, 12: one (z, y) of the post-training extractor, a valid soft label on the present classes
+def test_upload_is_one_entangled_pair_of_the_trained_extractor(run_config):
+    rc = fedre_config(run_config, lr=0.05)
+    client = runtime(rc)
+    cfg = RunConfig.from_dict(rc)
+    alpha = entangling_weights(client.data.train_y, "rap", client.generator(1, 7))
+    z_before, _ = entangle(client.model.extractor, client.data.train_x, client.data.train_y, alpha,
+                           client.data.info, client.device)
+    arrays, metrics = FedREClient(cfg).train(client, head_payload(), train_config(rc))
+    assert set(arrays) == {"z", "y"}
+    assert arrays["z"].shape == (1, D) and arrays["y"].shape == (1, C)
+    assert arrays["z"].dtype == arrays["y"].dtype == np.float32
+    assert arrays["z"].nbytes + arrays["y"].nbytes == 4 * (D + C) == 2088
+    y = arrays["y"]
+    present = sorted(np.unique(client.data.train_y.numpy()).tolist())
+    assert (y >= 0).all() and abs(float(y.sum(dtype=np.float64)) - 1) < 1e-6
+    assert np.flatnonzero(y[0]).tolist() == present and metrics["num-classes-present"] == len(present) == 2
+    assert y.max() < 1
+    mix, labels = prototype_mix(client, y)
+    assert labels.tolist() == present
+    assert np.abs(mix - arrays["z"][0]).max() < 1e-4  # reconstruction from the saved model
+    assert np.abs(z_before.numpy() - arrays["z"]).max() > 1e-3  # not the pre-training extractor
+
+
+# 5: every member maps to d = 512; ResNet-50's mapping averages groups of 4
+@pytest.mark.parametrize("arch", ["fedavgcnn", "resnet18", "resnet50", "mobilenet_v2", "googlenet"])
+def test_entangled_representation_is_512d_for_every_family_member(arch):
+    group = MODEL_GROUPS["fedre10"]
+    model = group.build(group.architectures.index(arch), C, 3, 32, seed=0)
+    x = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
+    labels = torch.tensor([0, 0, 3, 3, 3, 7])
+
+    z, y = entangle(model.extractor, x, labels, entangling_weights(labels, "rap", torch.Generator().manual_seed(0)),
+                    DATASETS["cifar10"], torch.device("cpu"))
+    assert z.shape == (1, 512) and y.shape == (1, C)
+    assert model.head.weight.shape == (C, 512)
+
+
+def test_resnet50_mapping_is_mean_of_groups_of_four():
+    v = torch.randn(3, 2048)
+    assert torch.allclose(FixedPool(512)(v), v.view(3, 512, 4).mean(-1), atol=1e-6)
+
+
+# 6: RAP weights are U(0,1) normalised: P(y_c1 < 1/4) = 1/6 for 2 classes (Dirichlet(1) gives 1/4)
+def test_rap_weight_distribution():
+    labels = torch.tensor([2] * 5 + [6] * 3)
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([torch.zeros(C, dtype=torch.float64).index_add_(0, labels, entangling_weights(labels, "rap", g))
+                         for _ in range(3000)])
+    assert abs(float((draws[:, 2] < 0.25).double().mean()) - 1 / 6) < 0.02
+    labels = torch.tensor([0, 1, 1, 4, 4, 4, 9])
+    draws = torch.stack([torch.zeros(C, dtype=torch.float64).index_add_(0, labels, entangling_weights(labels, "rap", g))
+                         for _ in range(3000)])
+    present = draws[:, [0, 1, 4, 9]]
+    assert torch.allclose(present.mean(0), torch.full((4,), 0.25, dtype=torch.float64), atol=0.015)
+    assert bool(((present > 0) & (present < 1)).all())
+    assert torch.allclose(draws.sum(1), torch.ones(3000, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("mode", ["rap", "vap", "rsp", "rar", "var", "rsr", "rap-fixed"])
+def test_every_mode_gives_a_distribution_over_samples(mode):
+    labels = torch.tensor([1, 1, 1, 5, 8, 8])
+    alpha = entangling_weights(labels, mode, torch.Generator().manual_seed(3))
+    assert alpha.shape == (6,) and alpha.dtype == torch.float64
+    assert bool((alpha >= 0).all()) and abs(float(alpha.sum()) - 1) < 1e-12
+    y = torch.zeros(C, dtype=torch.float64).index_add_(0, labels, alpha)
+    if mode in ("rsp", "rsr"):
+        assert sorted(y.tolist()).count(1.0) == 1  # one-hot
+    elif mode == "vap":
+        assert torch.allclose(y[[1, 5, 8]], torch.full((3,), 1 / 3, dtype=torch.float64))
+    elif mode == "var":
+        assert torch.allclose(y[[1, 5, 8]], torch.tensor([0.5, 1 / 6, 1 / 3], dtype=torch.float64))
+    else:
+        assert set(torch.nonzero(y).flatten().tolist()) == {1, 5, 8}
+
+
+# 7: fresh weights every round; vap and rap-fixed repeat
+@pytest.mark.parametrize("mode,same", [("rap", False), ("vap", True), ("rap-fixed", True)])
+def test_weights_resampled_each_round_unless_fixed(run_config, mode, same):
+    rc = fedre_config(run_config, lr=0.0, **{"fedre.re-mode": mode})
+    client, procedure = runtime(rc), FedREClient(RunConfig.from_dict(rc))
+    payload = head_payload()
+    a, _ = procedure.train(client, payload, train_config(rc, 1))
+    b, _ = procedure.train(client, payload, train_config(rc, 2))
+    assert np.array_equal(a["y"], b["y"]) is same
+    assert np.array_equal(a["z"], b["z"]) is same
+    if mode == "vap":
+        assert np.allclose(a["y"][a["y"] > 0], 0.5)
+
+
+# 8: a single-class client uploads its prototype with a one-hot label
+def test_single_class_client_uploads_its_prototype(run_config):
+    rc = fedre_config(run_config)
+    client = runtime(rc)
+    data = client.data
+    keep = data.train_y == data.train_y[0]
+    client.__dict__["data"] = dataclasses.replace(data, train_x=data.train_x[keep], train_y=data.train_y[keep])
+    arrays, _ = FedREClient(RunConfig.from_dict(rc)).train(client, head_payload(), train_config(rc))
+    c = int(data.train_y[0])
+    assert arrays["y"][0].tolist() == np.eye(C, dtype=np.float32)[c].tolist()
+    proto, _ = class_means(client.model.extractor, client.data.train_x, client.data.train_y, data.info,
+                           client.device)
+    assert np.allclose(arrays["z"], proto.numpy(), atol=1e-6, rtol=0)
+
+
+# 9, 10: the server step is exactly one SGD step on the summed soft-label CE, and lowers it
+def test_server_step_is_exact():
+    torch.manual_seed(0)
+    head = nn.Linear(D, C)
+    w0, b0 = head.weight.detach().double().clone(), head.bias.detach().double().clone()
+    replies = pair_replies(6)
+    metrics = train_head(head, replies, options(), torch.Generator().manual_seed(0))
+    z = torch.from_numpy(np.concatenate([r.arrays["z"] for r in replies])).double()
+    y = torch.from_numpy(np.concatenate([r.arrays["y"] for r in replies])).double()
+    err = torch.softmax(z @ w0.T + b0, dim=1) - y
+    assert torch.allclose(head.weight.detach().double(), w0 - 0.01 * err.T @ z, atol=1e-5)
+    assert torch.allclose(head.bias.detach().double(), b0 - 0.01 * err.sum(0), atol=1e-5)
+    assert metrics["server-num-uploads"] == 6
+
+
+def test_server_loss_falls_and_no_upload_leaves_head_unchanged():
+    torch.manual_seed(1)
+    head = nn.Linear(D, C)
+    replies = pair_replies(10, seed=2)
+    metrics = train_head(head, replies, options(server_lr=1e-3), torch.Generator().manual_seed(0))
+    assert metrics["server-loss-after"] < metrics["server-loss-before"]
+    z = torch.from_numpy(np.concatenate([r.arrays["z"] for r in replies]))
+    y = torch.from_numpy(np.concatenate([r.arrays["y"] for r in replies]))
+    with torch.no_grad():
+        assert abs(float(soft_label_ce(head, z, y, "mean")) - metrics["server-loss-after"]) < 1e-6
+    before = head.weight.detach().clone()
+    assert train_head(head, [], options(), torch.Generator()) == {"server-num-uploads": 0}
+    empty = ClientReply(1, 0, {}, {})
+    assert train_head(head, [empty], options(), torch.Generator()) == {"server-num-uploads": 0}
+    assert torch.equal(head.weight, before)
+
+
+def test_mean_reduction_scales_the_step():
+    replies = pair_replies(5)
+    heads = []
+    for reduction, lr in (("sum", 0.01), ("mean", 0.05)):
+        torch.manual_seed(0)
+        heads.append(nn.Linear(D, C))
+        train_head(heads[-1], replies, options(server_loss_reduction=reduction, server_lr=lr), torch.Generator())
+    assert torch.allclose(heads[0].weight, heads[1].weight, atol=1e-6)  # sum with lr = mean with lr * K
+
+
+# 2, 11, 13: payloads and bytes over real rounds; every client holds the broadcast head after evaluation
+def test_rounds_payloads_bytes_and_head_replacement(run_config):
+    rc = fedre_config(run_config, **{"num-clients": 3, "num-server-rounds": 2})
+    strategy, grid = federation(rc)
+    result = strategy.start(grid)
+    head = strategy.global_arrays()
+    for ctx in grid.contexts.values():  # after the last evaluation: the global head, bit for bit
+        state = ctx.state.array_records[MODEL_STATE]
+        assert np.array_equal(state["head.weight"].numpy(), head["head.weight"])
+        assert np.array_equal(state["head.bias"].numpy(), head["head.bias"])
+    assert np.array_equal(result.arrays["head.weight"].numpy(), head["head.weight"])
+    extractor_shapes = {tuple(v.shape) for k, v in MODEL_GROUPS["fedavgcnn"].build(0, C, 3, 32, 0).state_dict().items()
+                        if k.startswith("extractor")}
+    sent = {t: [m for m in grid.sent if m.metadata.message_type == t] for t in ("train", "evaluate")}
+    assert len(sent["train"]) == len(sent["evaluate"]) == 6  # all clients train and are evaluated each round
+    for m in sent["train"] + sent["evaluate"]:
+        assert {k: tuple(a.shape) for k, a in m.content.array_records[PAYLOAD].items()} == \
+            {"head.weight": (C, D), "head.bias": (C,)}
+        assert tensor_bytes(m.content) == 4 * C * (D + 1) == 20520
+    for row in strategy.rows:
+        assert row["bytes_up"] == 3 * 2088 and row["bytes_down"] == 3 * 20520
+        assert row["eval_bytes_down"] == 3 * 20520 and row["eval_bytes_up"] == 0
+        assert row["server_num_uploads"] == 3
+        acc = np.array(list(row["accuracy_per_client"].values()))
+        assert len(acc) == 3 and abs(row["accuracy_mean"] - acc.mean()) < 1e-12
+    assert extractor_shapes.isdisjoint({(1, D), (1, C)})
+
+
+# 11: receiving the head changes the head only
+def test_receiving_the_head_changes_nothing_else(run_config):
+    rc = fedre_config(run_config, **{"local-epochs": 0})
+    client = runtime(rc)
+    extractor = {k: v.clone() for k, v in client.model.extractor.state_dict().items()}
+    payload = head_payload(5)
+    FedREClient(RunConfig.from_dict(rc)).train(client, payload, train_config(rc, **{"local-epochs": 0}))
+    assert np.array_equal(client.model.head.weight.detach().numpy(), payload["head.weight"])
+    assert all(torch.equal(v, client.model.extractor.state_dict()[k]) for k, v in extractor.items())
+    _, metrics = FedREClient(RunConfig.from_dict(rc)).evaluate(client, head_payload(6), {})
+    saved = client.context.state.array_records[MODEL_STATE]
+    assert np.array_equal(saved["head.weight"].numpy(), head_payload(6)["head.weight"])
+    assert 0 <= metrics["test-acc"] <= 1
+
+
+# 14: determinism
+def test_same_seed_same_round(run_config):
+    rc = fedre_config(run_config, **{"num-clients": 2, "num-server-rounds": 1})
+    heads, pairs = [], []
+    for _ in range(2):
+        uploads = []
+        strategy, grid = federation(rc, lambda node, reply: uploads.append(reply) or reply)
+        strategy.start(grid)
+        heads.append(strategy.global_arrays()["head.weight"])
+        pairs.append([{k: v.numpy() for k, v in r.content.array_records[PAYLOAD].items()}
+                      for r in uploads if r.metadata.message_type == "train"])
+    assert np.array_equal(heads[0], heads[1])
+    assert len(pairs[0]) == 2
+    for a, b in zip(*pairs):
+        assert np.array_equal(a["z"], b["z"]) and np.array_equal(a["y"], b["y"])
+
+
+# 15 and malformed uploads: a client without a pair, a bad soft label; the round goes on
+def test_missing_and_malformed_uploads(run_config):
+    def tamper(node, reply):
+        if reply.metadata.message_type != "train" or reply.has_error():
+            return reply
+        if node == 1000:  # a client without training samples sends no pair
+            del reply.content[PAYLOAD]
+        elif node == 1001:  # y does not sum to 1
+            arrays = {k: v.numpy() for k, v in reply.content.array_records[PAYLOAD].items()}
+            reply.content[PAYLOAD] = array_record({"z": arrays["z"], "y": arrays["y"] * 2})
+        return reply
+
+    rc = fedre_config(run_config, **{"num-clients": 4, "num-server-rounds": 1})
+    strategy, grid = federation(rc, tamper)
+    strategy.start(grid)
+    row = strategy.rows[0]
+    assert row["num_clients"] == 3 and row["server_num_uploads"] == 2
+    assert strategy.dropped["train"] == 1
+    assert row["accuracy_mean"] is not None and len(row["accuracy_per_client"]) == 4
+
+
+def test_degenerate_client_sends_nothing(run_config):
+    rc = fedre_config(run_config)
+    client = runtime(rc)
+    data = client.data
+    client.__dict__["data"] = dataclasses.replace(data, train_x=data.train_x[:0], train_y=data.train_y[:0])
+    arrays, metrics = FedREClient(RunConfig.from_dict(rc)).train(client, head_payload(), train_config(rc))
+    assert arrays == {} and metrics["num-examples"] == 0
+
+
+def test_learning_beats_chance_and_server_loss_falls(run_config):
+    rc = fedre_config(run_config, **{"num-clients": 3, "num-server-rounds": 4, "max-examples-per-client": 400,
+                                     "lr": 0.03, "momentum": 0.0, "weight-decay": 0.0})
+    strategy, grid = federation(rc)
+    strategy.start(grid)
+    # chance for a client = its majority-class share of its local test split
+    tests = [runtime(rc, p).data.test_y for p in range(3)]
+    chance = np.mean([class_counts(y, C).max() / len(y) for y in tests])
+    assert strategy.rows[-1]["accuracy_mean"] > chance + 0.1, (strategy.rows[-1]["accuracy_mean"], chance)
+    assert all(r["server_loss_after"] < r["server_loss_before"] for r in strategy.rows)
+
+
+def test_bad_options_fail_fast(run_config):
+    with pytest.raises(ConfigError, match="fedre.re-mode"):
+        FedREStrategy(RunConfig.from_dict(fedre_config(run_config, **{"fedre.re-mode": "gaussian"})))
+    with pytest.raises(ConfigError, match="non-linear heads"):
+        FedREStrategy(RunConfig.from_dict(run_config(method="fedre", model_group="htfe8-htc4")))
