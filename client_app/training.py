@@ -30,15 +30,21 @@ def make_sgd(params, config: Mapping[str, Any]) -> torch.optim.SGD:
                            weight_decay=float(config["weight-decay"]))
 
 
+Regularizer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``supervised_loss(images [B, C_in, H, W], logits [B, C], labels [B]) -> scalar``
+SupervisedLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def train_supervised(model: SplitModel, data: ClientData, config: Mapping[str, Any], device: torch.device,
-                     generator: torch.Generator,
-                     regularizer: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-                     ) -> dict[str, float]:
+                     generator: torch.Generator, regularizer: Regularizer | None = None,
+                     supervised_loss: SupervisedLoss | None = None) -> dict[str, float]:
     """Train all of ``model`` with cross-entropy for ``local-epochs`` epochs on the train split.
 
     Shuffled mini-batches of ``batch-size`` (last partial batch kept, except a 1-sample one
     in a model with BatchNorm, which cannot train on it), training augmentation, SGD from
     :func:`make_sgd`, global gradient-norm clipping at ``clip-norm`` (<= 0: off).
+    ``supervised_loss(images, logits, labels)`` replaces the cross-entropy when given (e.g.
+    MH-pFedHNGD's CE + distillation from a teacher that sees the same augmented images).
     ``regularizer(representations [B, d], labels [B])`` is added to the loss when given
     (e.g. FedProto/FedTGP's prototype term); it sees the train-mode representations.
 
@@ -63,7 +69,7 @@ def train_supervised(model: SplitModel, data: ClientData, config: Mapping[str, A
             y = y_all[idx]
             features = model.extractor(x)
             logits = model.head(features)
-            loss = F.cross_entropy(logits, y)
+            loss = F.cross_entropy(logits, y) if supervised_loss is None else supervised_loss(x, logits, y)
             if regularizer is not None:
                 loss = loss + regularizer(features, y)
             opt.zero_grad(set_to_none=True)
@@ -79,9 +85,8 @@ def train_supervised(model: SplitModel, data: ClientData, config: Mapping[str, A
             "train-seconds": time.perf_counter() - start}
 
 
-def train_personal_model(client, config: Mapping[str, Any],
-                         regularizer: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-                         ) -> dict[str, float]:
+def train_personal_model(client, config: Mapping[str, Any], regularizer: Regularizer | None = None,
+                         supervised_loss: SupervisedLoss | None = None) -> dict[str, float]:
     """Train the client's personal model (:func:`train_supervised`) with this round's RNG and persist it.
 
     Args:
@@ -92,7 +97,7 @@ def train_personal_model(client, config: Mapping[str, Any],
         The training metrics plus ``num-examples`` (local training samples).
     """
     stats = train_supervised(client.model, client.data, config, client.device,
-                             client.generator(int(config["server-round"])), regularizer)
+                             client.generator(int(config["server-round"])), regularizer, supervised_loss)
     client.save_model()
     return {**stats, "num-examples": len(client.data.train_y)}
 

@@ -15,6 +15,8 @@ import torch
 
 from models.base import SplitModel
 from models.cnn import CNN_SHAPES, REPRESENTATION_DIM, build_cnn
+from models.mh import FEATURE_DIM as MH_FEATURE_DIM
+from models.mh import MH_MODELS, build_mh_model
 from models.zoo import build_zoo_model
 
 HTFE8 = ("fedavgcnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
@@ -60,6 +62,8 @@ class ModelGroup:
             torch.manual_seed(seed + partition_id)
             if arch in CNN_SHAPES:
                 return build_cnn(arch, num_classes, in_channels, image_size)
+            if arch in MH_MODELS:
+                return build_mh_model(arch, num_classes, in_channels, image_size)
             return build_zoo_model(arch, self.head_for(partition_id), num_classes, self.feature_dim(k),
                                    in_channels, image_size)
 
@@ -77,6 +81,11 @@ MODEL_GROUPS: dict[str, ModelGroup] = {
     "fedavgcnn": ModelGroup(("fedavgcnn",)),
     "fedre10": ModelGroup(FEDRE10),
     "fedre-proxy": ModelGroup(FEDRE_PROXY),
+    # MH-pFedHN's zoo (spec mh-pfedhn.md section 7). The paper assigns contiguous equal blocks of
+    # client ids; round-robin gives every architecture the same number of clients (remainder to
+    # the first ones, as there) and needs no client count at build time.
+    "mh-lenet": ModelGroup(("lenet",), fixed_feature_dim=MH_FEATURE_DIM),
+    "mh-zoo": ModelGroup(("lenet", "vgg8", "mhresnet10", "mhresnet12", "mhresnet18"), fixed_feature_dim=MH_FEATURE_DIM),
     "htfe8-htc4": ModelGroup(HTFE8, heads=HTC4),
     "res34-htc4": ModelGroup(("resnet34",), heads=HTC4),
 }

@@ -126,6 +126,11 @@ class HeteroStrategy(Strategy):
         """The method's server step on this round's valid train replies; returns scalar metrics."""
         return {}
 
+    def reply_dims(self, node_id: int) -> dict[str, int]:
+        """Symbol values a reply from ``node_id`` is validated with: ``C``, ``d`` and, in
+        methods whose payload size differs per client, that client's sizes (e.g. MH-pFedHN's K_i)."""
+        return self.dims
+
     def run_round(self, server_round: int) -> dict[str, float]:
         """One training round: sample, one train exchange, server update. Returns server metrics."""
         messages = self.configure_train(server_round, ArrayRecord(), self.train_config(server_round), self.grid)
@@ -148,13 +153,8 @@ class HeteroStrategy(Strategy):
                                                         if k.startswith(EVAL_PREFIX)})
             for r in valid if all(EVAL_PREFIX + k in r.metrics for k in REQUIRED_METRICS["evaluate"])]
         start = time.perf_counter()
-        metrics = {"num-clients": len(valid), **self.server_update(server_round, valid)}
-        metrics["server-update-seconds"] = time.perf_counter() - start
-        metrics.update(_client_sums(valid, ("train-seconds", "data-seconds")))
-        weighted = [(r.metrics["train-loss"], r.metrics.get("num-examples", 1))
-                    for r in valid if "train-loss" in r.metrics]
-        if weighted:  # sample-weighted mean training loss of the round
-            metrics["train-loss"] = sum(l * n for l, n in weighted) / max(sum(n for _, n in weighted), 1)
+        server = self.server_update(server_round, valid)
+        metrics = round_metrics(valid, server, time.perf_counter() - start)
         arrays = self.global_arrays()
         return (array_record(arrays) if arrays else None), MetricRecord(metric_values(metrics))
 
@@ -359,7 +359,7 @@ class HeteroStrategy(Strategy):
                     raise PayloadError(f"partition-id {pid} differs from the handshake's "
                                        f"{self.clients[node][PARTITION_ID]}")
                 arrays = read_payload(content)
-                up.validate(arrays, self.dims)
+                up.validate(arrays, self.reply_dims(node))
                 valid.append(ClientReply(node, pid, arrays, metrics))
             except PayloadError as exc:
                 self.dropped[_category(message_type)] += 1
@@ -422,6 +422,28 @@ class ClientProcedure:
         data = client.data
         return {}, {"num-train": len(data.train_y), "num-test": len(data.test_y),
                     "data-seconds": data.load_seconds}
+
+
+def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_seconds: float) -> dict[str, Any]:
+    """The metrics of a training round every method reports.
+
+    Args:
+        replies: the round's valid train replies (of every train exchange).
+        server: the method's own server metrics.
+        server_seconds: wall time of the server's updates, seconds.
+
+    Returns:
+        ``num-clients`` (distinct clients with a valid reply), ``server-update-seconds``,
+        the clients' summed and maximal ``train-seconds``/``data-seconds``, the
+        sample-weighted mean ``train-loss``, and ``server``.
+    """
+    metrics = {"num-clients": len({r.node_id for r in replies}), **server, "server-update-seconds": server_seconds}
+    metrics.update(_client_sums(replies, ("train-seconds", "data-seconds")))
+    weighted = [(r.metrics["train-loss"], r.metrics.get("num-examples", 1))
+                for r in replies if "train-loss" in r.metrics]
+    if weighted:
+        metrics["train-loss"] = sum(l * n for l, n in weighted) / max(sum(n for _, n in weighted), 1)
+    return metrics
 
 
 def _category(message_type: str) -> str:

@@ -11,6 +11,7 @@ from strategies.fedproto import FedProtoClient, FedProtoStrategy
 from strategies.fedre import FedREClient, FedREStrategy
 from strategies.fedtgp import FedTGPClient, FedTGPStrategy
 from strategies.local import LocalClient, LocalStrategy
+from strategies.mh_pfedhn import MHpFedHNClient, MHpFedHNGDClient, MHpFedHNGDStrategy, MHpFedHNStrategy
 
 METHODS: dict[str, tuple[type[HeteroStrategy], type[ClientProcedure]]] = {
     "fedgh": (FedGHStrategy, FedGHClient),
@@ -18,6 +19,8 @@ METHODS: dict[str, tuple[type[HeteroStrategy], type[ClientProcedure]]] = {
     "fedproto": (FedProtoStrategy, FedProtoClient),
     "fedtgp": (FedTGPStrategy, FedTGPClient),
     "fedre": (FedREStrategy, FedREClient),
+    "mh-pfedhn": (MHpFedHNStrategy, MHpFedHNClient),
+    "mh-pfedhngd": (MHpFedHNGDStrategy, MHpFedHNGDClient),
 }
 
 
