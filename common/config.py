@@ -106,6 +106,7 @@ class RunConfig:
     eval_every: int
     seed: int
     output_dir: str
+    resume_from: str
     device: str
     round_timeout: float
     extra: tuple[tuple[str, Any], ...] = ()  # other keys (method tables), sorted; a tuple keeps cfg hashable
@@ -151,6 +152,7 @@ class RunConfig:
             eval_every=number("eval-every", g("eval-every"), kind=int, low=1),
             seed=number("seed", g("seed"), kind=int, low=0),
             output_dir=_string("output-dir", g("output-dir")),
+            resume_from=_optional_string("resume-from", g("resume-from")),
             device=choice("device", g("device"), DEVICES),
             round_timeout=number("round-timeout", g("round-timeout"), low=0, low_open=True),
             extra=tuple(sorted((k, v) for k, v in raw.items() if k not in names)),
@@ -178,6 +180,12 @@ class RunConfig:
         out = {k.replace("_", "-"): v for k, v in asdict(self).items() if k != "extra"}
         out.update(dict(self.extra))
         return out
+
+
+def _optional_string(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise _fail(key, value, "a string (empty: off)")
+    return value
 
 
 def _string(key: str, value: Any) -> str:

@@ -3,7 +3,9 @@
 Layout: ``<output-dir>/<UTC time>-<method>-<dataset>-<run id>/``. A row is appended and
 flushed after every round and the summary rewritten atomically, so a crash loses at most the
 round in progress. ``summary.json`` has ``status`` ``running`` until the run ends
-(``completed``) or fails (``failed``).
+(``completed``) or fails (``failed``). ``checkpoint.pt`` holds the strategy's state after the
+last completed round (server arrays, optimiser, RNG, byte counters, rows): run config key
+``resume-from`` = that folder continues the run in a new folder that starts with the old rows.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
+
+CHECKPOINT = "checkpoint.pt"
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -46,6 +52,12 @@ class ResultsWriter:
             os.fsync(f.fileno())
         self._write_summary()
 
+    def write_checkpoint(self, state: dict[str, Any]) -> None:
+        """Save the strategy's state atomically as ``checkpoint.pt`` (replaces the previous one)."""
+        tmp = self.path / (CHECKPOINT + ".tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.path / CHECKPOINT)
+
     def finish(self, status: str = "completed") -> None:
         """Mark the run ``completed`` (or ``failed``) in the summary."""
         self.status = status
@@ -75,3 +87,15 @@ class ResultsWriter:
         tmp = self.path / "summary.json.tmp"
         tmp.write_text(json.dumps(self.summary(), indent=2), encoding="utf-8")
         tmp.replace(self.path / "summary.json")
+
+
+def load_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The state saved by :meth:`ResultsWriter.write_checkpoint` in ``run_dir``.
+
+    Raises:
+        FileNotFoundError: naming the run config key when ``run_dir`` holds no checkpoint.
+    """
+    path = Path(run_dir) / CHECKPOINT
+    if not path.is_file():
+        raise FileNotFoundError(f"run config key 'resume-from' = {str(run_dir)!r}: no {CHECKPOINT} there")
+    return torch.load(path, weights_only=False)

@@ -33,12 +33,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from client_app.data import DATASETS
-from common.config import RunConfig
+from common.config import ConfigError, RunConfig
 from strategies.payload import PayloadError, PayloadSchema, array_record, read_payload, tensor_bytes
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
@@ -93,6 +94,9 @@ class HeteroStrategy(Strategy):
     #: per round (in deployment, one ClientApp process per client); only clients not sampled
     #: get a separate evaluate message.
     evaluate_in_train: bool = False
+    #: attributes holding the server state (modules, optimisers, torch Generators) saved in the
+    #: per-round checkpoint; None: the method cannot resume yet; () stateless
+    checkpointed: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self, cfg: RunConfig, results: Any | None = None) -> None:
         self.cfg = cfg
@@ -221,9 +225,10 @@ class HeteroStrategy(Strategy):
         self._timeout = timeout or self.cfg.round_timeout
         self.summary()
         self.handshake()
+        first = self.resume() + 1
         result = Result()
         run_start = time.perf_counter()
-        for server_round in range(1, rounds + 1):
+        for server_round in range(first, rounds + 1):
             before = self.traffic.copy()
             t0 = time.perf_counter()
             train_metrics = self.run_round(server_round)
@@ -241,12 +246,63 @@ class HeteroStrategy(Strategy):
             self.rows.append(row)
             if self.results is not None:
                 self.results.write_round(row)
+                self.results.write_checkpoint(self.checkpoint(server_round))
             log.info(_progress_line(row, rounds))
         arrays = self.global_arrays()
         result.arrays = array_record(arrays)
         if self.results is not None:
             self.results.finish()
         return result
+
+    # ------------------------------------------------------ checkpoint/resume
+    def server_state(self) -> dict[str, Any] | None:
+        """The method's server state for a checkpoint: the state of each attribute in ``checkpointed``.
+
+        Modules and optimisers give their ``state_dict()``, torch Generators their RNG state.
+        None when the method does not declare ``checkpointed`` (it cannot resume yet).
+        """
+        if self.checkpointed is None:
+            return None
+        return {name: (obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict())
+                for name in self.checkpointed for obj in [getattr(self, name)]}
+
+    def load_server_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`server_state` (called after the handshake, so per-client state exists)."""
+        for name, value in state.items():
+            obj = getattr(self, name)
+            obj.set_state(value) if isinstance(obj, torch.Generator) else obj.load_state_dict(value)
+
+    def checkpoint(self, server_round: int) -> dict[str, Any]:
+        """Everything needed to continue after ``server_round``: server state, RNG, counters, rows."""
+        return {"round": server_round, "method": self.cfg.method, "rng": self.rng.bit_generator.state,
+                "traffic": dict(self.traffic), "dropped": dict(self.dropped), "rows": self.rows,
+                "server": self.server_state()}
+
+    def resume(self) -> int:
+        """Restore the checkpoint named by ``resume-from``; returns its last round (0 without one).
+
+        Raises:
+            ConfigError: the checkpoint is of another method, or the method cannot resume.
+        """
+        if not self.cfg.resume_from:
+            return 0
+        from server_app.results import load_checkpoint
+
+        state = load_checkpoint(self.cfg.resume_from)
+        if state["method"] != self.cfg.method or state["server"] is None:
+            raise ConfigError(f"run config key 'resume-from' = {self.cfg.resume_from!r}: a '{state['method']}' "
+                              f"checkpoint cannot resume method '{self.cfg.method}'"
+                              + ("" if state["server"] is not None else " (this method has no server_state yet)"))
+        self.rng.bit_generator.state = state["rng"]
+        self.traffic.update(state["traffic"])
+        self.dropped.update(state["dropped"])
+        self.rows = list(state["rows"])
+        if self.results is not None:
+            for row in self.rows:
+                self.results.write_round(row)
+        self.load_server_state(state["server"])
+        log.info("Resumed from %s after round %d", self.cfg.resume_from, state["round"])
+        return int(state["round"])
 
     # ------------------------------------------------------------- machinery
     def handshake(self) -> None:

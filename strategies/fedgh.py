@@ -145,6 +145,7 @@ class FedGHStrategy(HeteroStrategy):
 
     schemas = SCHEMAS
     evaluate_in_train = True  # the primary metric is the post-training model (section 6)
+    checkpointed = ("header", "header_generator")
 
     def __init__(self, cfg: RunConfig, results=None) -> None:
         super().__init__(cfg, results)

@@ -217,6 +217,7 @@ class FedREStrategy(HeteroStrategy):
 
     schemas = SCHEMAS
     evaluate_in_train = False
+    checkpointed = ("head", "head_generator")
 
     def __init__(self, cfg: RunConfig, results=None) -> None:
         super().__init__(cfg, results)

@@ -15,6 +15,7 @@ class LocalStrategy(HeteroStrategy):
     """Server of the Local baseline: no server state, no server step."""
 
     evaluate_in_train = True
+    checkpointed = ()
 
 
 class LocalClient(ClientProcedure):

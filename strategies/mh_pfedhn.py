@@ -199,11 +199,11 @@ class MHpFedHNStrategy(HeteroStrategy):
 
     schemas = SCHEMAS
     evaluate_in_train = False  # the evaluated model is h(v_i) after the round (section 6)
+    checkpointed = ("hn", "optimizer")  # with the registry: sizes are rebuilt by the handshake
 
     def __init__(self, cfg: RunConfig, results=None) -> None:
         super().__init__(cfg, results)
         self.options = HNOptions.from_config(cfg)
-        self.torch_generator = torch.Generator().manual_seed(cfg.seed)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             self.hn = HyperNetwork(self.options)

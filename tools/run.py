@@ -129,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown run config key(s) {unknown}; see [tool.flwr.app.config] in pyproject.toml")
         return 2
-    for key in ("data-dir", "output-dir"):
-        config[key] = str(Path(config[key]).expanduser().resolve())
+    for key in ("data-dir", "output-dir", "resume-from"):
+        if config[key]:
+            config[key] = str(Path(config[key]).expanduser().resolve())
     try:
         build_strategy(RunConfig.from_dict(config))  # fail fast on any bad value, method options too
     except ValueError as exc:

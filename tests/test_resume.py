@@ -1,0 +1,61 @@
+"""Checkpoint after every round and resume: a run split in two equals the run in one go."""
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import ConfigError, RunConfig
+from conftest import federation
+from server_app.results import CHECKPOINT, ResultsWriter
+from strategies.registry import build_strategy
+
+FAST = {"mh-pfedhn.hidden-dim": 16}
+
+
+def run_with_results(rc, grid=None, name="run"):
+    from fakegrid import FakeGrid
+    from client_app.app import app as client_app
+
+    cfg = RunConfig.from_dict(rc)
+    strategy = build_strategy(cfg, ResultsWriter(cfg.output_dir, name, cfg.as_dict()))
+    grid = grid or FakeGrid(client_app, rc, cfg.num_clients)
+    strategy.start(grid)
+    return strategy, grid
+
+
+@pytest.mark.parametrize("method,extra", [("fedre", {"model-group": "fedavgcnn"}),
+                                          ("mh-pfedhn", {"model-group": "mh-lenet", **FAST}),
+                                          ("fedgh", {})])
+def test_resume_continues_exactly(run_config, method, extra):
+    base = run_config(method=method, **{"num-clients": 3, "fraction-train": 0.67, **extra})
+    whole, _ = run_with_results({**base, "num-server-rounds": 2}, name="whole")
+    first, grid = run_with_results({**base, "num-server-rounds": 1}, name="first")
+    assert (first.results.path / CHECKPOINT).is_file()
+    # the same clients (their state survives, as a SuperNode's does) and a new ServerApp
+    second, _ = run_with_results({**base, "num-server-rounds": 2, "resume-from": str(first.results.path)}, grid,
+                                 name="second")
+    assert [r["round"] for r in second.rows] == [1, 2]
+    for a, b in zip(whole.rows, second.rows):
+        assert a["accuracy_per_client"] == b["accuracy_per_client"] and a["bytes_up"] == b["bytes_up"]
+    assert second.results.summary()["rounds_completed"] == 2
+    for key, value in whole.server_state().items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, second.server_state()[key])
+        elif key in ("hn", "head", "header"):
+            assert all(torch.equal(v, second.server_state()[key][k]) for k, v in value.items())
+    assert [r["accuracy_mean"] for r in whole.rows] == [r["accuracy_mean"] for r in second.rows]
+
+
+def test_resume_refuses_other_method_and_unsupported(run_config):
+    rc = run_config(method="local", **{"num-clients": 2, "num-server-rounds": 1})
+    first, _ = run_with_results(rc)
+    strategy, grid = federation({**rc, "method": "fedgh", "resume-from": str(first.results.path)})
+    strategy.grid = grid
+    with pytest.raises(ConfigError, match="resume-from"):
+        strategy.resume()
+    strategy, _ = federation({**rc, "resume-from": str(first.results.path / "missing")})
+    with pytest.raises(FileNotFoundError, match="resume-from"):
+        strategy.resume()
+    proto, _ = federation({**rc, "method": "fedproto"})
+    assert proto.server_state() is None
+    assert np.isfinite(first.rows[0]["accuracy_mean"])
