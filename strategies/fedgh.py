@@ -42,6 +42,19 @@ SCHEMAS_GLOBAL_HEAD_EVAL = {**SCHEMAS, "evaluate": (HEADER, NO_PAYLOAD)}
 SERVER_MODES = ("per-lar", "per-client", "minibatch", "none")
 
 
+def require_linear_heads(cfg: RunConfig) -> None:
+    """Methods that exchange a linear head (FedGH, FedRE) need a model group whose heads are all linear.
+
+    Raises:
+        ConfigError: naming ``model-group`` and what is allowed.
+    """
+    from models.groups import MODEL_GROUPS
+
+    if set(MODEL_GROUPS[cfg.model_group].heads) != {"linear"}:
+        raise ConfigError(f"method '{cfg.method}' exchanges a linear head, but model-group '{cfg.model_group}' has "
+                          "non-linear heads; allowed: groups without HtC4 heads")
+
+
 @dataclass(frozen=True)
 class FedGHOptions:
     """``[tool.flwr.app.config.fedgh]`` keys (section 4 step 4, section 11 P2).
@@ -67,11 +80,7 @@ class FedGHOptions:
         Raises:
             ConfigError: naming the key and its allowed values.
         """
-        from models.groups import MODEL_GROUPS
-
-        if set(MODEL_GROUPS[cfg.model_group].heads) != {"linear"}:
-            raise ConfigError(f"method 'fedgh' exchanges a linear header, but model-group '{cfg.model_group}' has "
-                              "non-linear heads; allowed: groups without HtC4 heads")
+        require_linear_heads(cfg)
         o = {"server-mode": "per-lar", "server-lr": 0.01, "server-epochs": 1, "server-batch-size": 10,
              "server-clip-norm": 50.0, "eval-global-head": False, **cfg.method_options()}
         return cls(

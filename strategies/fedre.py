@@ -34,9 +34,9 @@ from torch import nn
 
 from client_app.data import DatasetInfo, batches, normalize
 from client_app.training import EVAL_BATCH, train_personal_model
-from common.config import ConfigError, RunConfig, choice, number
+from common.config import RunConfig, choice, number
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
-from strategies.fedgh import HEADER, load_header
+from strategies.fedgh import HEADER, load_header, require_linear_heads
 from strategies.payload import ArraySpec, PayloadError, PayloadSchema
 
 #: how the client turns its representations into one (z, y) pair (section 3, Appendix A)
@@ -79,11 +79,7 @@ class FedREOptions:
         Raises:
             ConfigError: naming the key and its allowed values.
         """
-        from models.groups import MODEL_GROUPS
-
-        if set(MODEL_GROUPS[cfg.model_group].heads) != {"linear"}:
-            raise ConfigError(f"method 'fedre' exchanges a linear head, but model-group '{cfg.model_group}' has "
-                              "non-linear heads; allowed: groups without HtC4 heads")
+        require_linear_heads(cfg)
         o = {"re-mode": "rap", "server-lr": 0.01, "server-batch-size": 10, "server-epochs": 1,
              "server-loss-reduction": "sum", **cfg.method_options()}
         return cls(

@@ -45,3 +45,22 @@ def federation(rc: dict, tamper=None):
 
     cfg = RunConfig.from_dict(rc)
     return build_strategy(cfg), FakeGrid(client_app, rc, cfg.num_clients, tamper)
+
+
+def client_runtime(rc: dict, partition_id: int = 0):
+    """A ClientRuntime of partition ``partition_id`` for run config ``rc``, with empty state."""
+    from flwr.app import Context, RecordDict
+
+    from client_app.runtime import ClientRuntime
+
+    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": partition_id, "num-partitions": rc["num-clients"]},
+                  state=RecordDict(), run_config=rc)
+    return ClientRuntime(ctx)
+
+
+def train_config(rc: dict, server_round: int = 1, **kw) -> dict:
+    """The config of a train instruction built from ``rc`` (what ``HeteroStrategy.train_config`` sends)."""
+    cfg = {"server-round": server_round, "local-epochs": rc["local-epochs"], "batch-size": rc["batch-size"],
+           "lr": rc["lr"], "momentum": rc["momentum"], "weight-decay": rc["weight-decay"],
+           "clip-norm": rc["clip-norm"]}
+    return {**cfg, **kw}

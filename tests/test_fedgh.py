@@ -5,14 +5,14 @@ import copy
 import numpy as np
 import pytest
 import torch
-from flwr.app import Context, RecordDict
+from flwr.app import RecordDict
 from torch import nn
 
 from client_app.data import normalize
 from client_app.runtime import ClientRuntime
 from client_app.training import class_means
 from common.config import RunConfig
-from conftest import federation, make_run_config
+from conftest import client_runtime, federation, make_run_config, train_config
 from strategies.base import ClientReply
 from strategies.fedgh import FedGHClient, FedGHOptions, FedGHStrategy, load_header, train_header
 from strategies.payload import tensor_bytes
@@ -21,16 +21,7 @@ C, D = 10, 500
 
 
 def runtime(rc, partition_id=0):
-    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": partition_id, "num-partitions": rc["num-clients"]},
-                  state=RecordDict(), run_config=rc)
-    return ClientRuntime(ctx)
-
-
-def train_config(rc, server_round=1, **kw):
-    cfg = {"server-round": server_round, "local-epochs": rc["local-epochs"], "batch-size": rc["batch-size"],
-           "lr": rc["lr"], "momentum": rc["momentum"], "weight-decay": rc["weight-decay"],
-           "clip-norm": rc["clip-norm"]}
-    return {**cfg, **kw}
+    return client_runtime(rc, partition_id)
 
 
 def header_payload(seed=0):

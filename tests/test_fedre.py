@@ -5,14 +5,13 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from flwr.app import Context, RecordDict
 from torch import nn
 
 from client_app.data import DATASETS, class_counts
-from client_app.runtime import MODEL_STATE, ClientRuntime
+from client_app.runtime import MODEL_STATE
 from client_app.training import class_means
 from common.config import ConfigError, RunConfig
-from conftest import federation
+from conftest import client_runtime, federation, train_config
 from models.groups import MODEL_GROUPS
 from models.zoo import FixedPool
 from strategies.base import ClientReply
@@ -28,16 +27,7 @@ def fedre_config(run_config, **kw):
 
 
 def runtime(rc, partition_id=0):
-    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": partition_id, "num-partitions": rc["num-clients"]},
-                  state=RecordDict(), run_config=rc)
-    return ClientRuntime(ctx)
-
-
-def train_config(rc, server_round=1, **kw):
-    cfg = {"server-round": server_round, "local-epochs": rc["local-epochs"], "batch-size": rc["batch-size"],
-           "lr": rc["lr"], "momentum": rc["momentum"], "weight-decay": rc["weight-decay"],
-           "clip-norm": rc["clip-norm"]}
-    return {**cfg, **kw}
+    return client_runtime(rc, partition_id)
 
 
 def head_payload(seed=0):

@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from flwr.app import Context, RecordDict
 
-from client_app.runtime import MODEL_STATE, ClientRuntime
+from client_app.runtime import MODEL_STATE
 from common.config import RunConfig
-from conftest import federation
+from conftest import client_runtime, federation, train_config
 from models.mh import build_mh_model
 from strategies.mh_pfedhn import (TEACHER_STATE, HNOptions, HyperNetwork, MHpFedHNClient, MHpFedHNGDClient,
                                   flat_delta, hn_step, kd_loss, load_flat)
@@ -46,16 +45,7 @@ def mh_config(run_config, method="mh-pfedhn", **kw):
 
 
 def runtime(rc, partition_id=0):
-    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": partition_id, "num-partitions": rc["num-clients"]},
-                  state=RecordDict(), run_config=rc)
-    return ClientRuntime(ctx)
-
-
-def train_config(rc, server_round=1, **kw):
-    cfg = {"server-round": server_round, "local-epochs": rc["local-epochs"], "batch-size": rc["batch-size"],
-           "lr": rc["lr"], "momentum": rc["momentum"], "weight-decay": rc["weight-decay"],
-           "clip-norm": rc["clip-norm"]}
-    return {**cfg, **kw}
+    return client_runtime(rc, partition_id)
 
 
 def snapshot(module):
