@@ -163,15 +163,12 @@ class FedGHStrategy(HeteroStrategy):
             # the secondary metric needs the header *after* this round's server step
             self.schemas = SCHEMAS_GLOBAL_HEAD_EVAL
             self.evaluate_in_train = False
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            self.header = nn.Linear(self.dims["d"], self.dims["C"])
+        self.header = initial_header(self.dims["d"], self.dims["C"], cfg.seed)
         self.header_generator = torch.Generator().manual_seed(cfg.seed)
 
     def global_arrays(self) -> dict[str, np.ndarray]:
-        """The header as ``head.weight`` [C, d] and ``head.bias`` [C], float32 copies."""
-        return {"head.weight": self.header.weight.detach().numpy().copy(),
-                "head.bias": self.header.bias.detach().numpy().copy()}
+        """The header (:func:`header_arrays`)."""
+        return header_arrays(self.header)
 
     def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
         """The current header when ``eval-global-head`` is on (secondary metric), else nothing."""
@@ -180,6 +177,19 @@ class FedGHStrategy(HeteroStrategy):
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """Train the header on the round's LARs (:func:`train_header`)."""
         return train_header(self.header, replies, self.options, self.header_generator)
+
+
+def initial_header(d: int, num_classes: int, seed: int) -> nn.Linear:
+    """A server's global head ``Linear(d, C)`` with PyTorch's default init drawn from ``seed``
+    (FedGH section 5, FedRE section 5), without touching the global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Linear(d, num_classes)
+
+
+def header_arrays(head: nn.Linear) -> dict[str, np.ndarray]:
+    """A head as the payload ``head.weight`` [C, d] and ``head.bias`` [C], float32 copies."""
+    return {"head.weight": head.weight.detach().numpy().copy(), "head.bias": head.bias.detach().numpy().copy()}
 
 
 def load_header(head: nn.Linear, payload: dict[str, np.ndarray]) -> None:

@@ -36,7 +36,7 @@ from client_app.data import DatasetInfo, batches, normalize
 from client_app.training import EVAL_BATCH, train_personal_model
 from common.config import RunConfig, choice, number
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
-from strategies.fedgh import HEADER, load_header, require_linear_heads
+from strategies.fedgh import HEADER, header_arrays, initial_header, load_header, require_linear_heads
 from strategies.payload import ArraySpec, PayloadError, PayloadSchema
 
 #: how the client turns its representations into one (z, y) pair (section 3, Appendix A)
@@ -218,15 +218,12 @@ class FedREStrategy(HeteroStrategy):
     def __init__(self, cfg: RunConfig, results=None) -> None:
         super().__init__(cfg, results)
         self.options = FedREOptions.from_config(cfg)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            self.head = nn.Linear(self.dims["d"], self.dims["C"])
+        self.head = initial_header(self.dims["d"], self.dims["C"], cfg.seed)
         self.head_generator = torch.Generator().manual_seed(cfg.seed)
 
     def global_arrays(self) -> dict[str, np.ndarray]:
-        """The global head as ``head.weight`` [C, d] and ``head.bias`` [C], float32 copies."""
-        return {"head.weight": self.head.weight.detach().numpy().copy(),
-                "head.bias": self.head.bias.detach().numpy().copy()}
+        """The global head (:func:`strategies.fedgh.header_arrays`)."""
+        return header_arrays(self.head)
 
     def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
         """The head after this round's server step: clients evaluate (and keep) it."""

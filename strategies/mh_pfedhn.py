@@ -361,6 +361,11 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
         return round_metrics(personal, server, seconds + personal_seconds)
 
 
+def num_params(model: nn.Module) -> int:
+    """K: the number of generated (trainable) parameters, buffers excluded."""
+    return sum(p.numel() for p in model.parameters())
+
+
 def load_flat(model: nn.Module, theta: np.ndarray, device: torch.device) -> torch.Tensor:
     """Load flat weights into ``model``'s parameters in canonical order; returns them as a tensor.
 
@@ -370,7 +375,7 @@ def load_flat(model: nn.Module, theta: np.ndarray, device: torch.device) -> torc
     Raises:
         PayloadError: if ``theta`` does not have exactly as many entries as the model has parameters.
     """
-    count = sum(p.numel() for p in model.parameters())
+    count = num_params(model)
     if theta.shape != (count,):
         raise PayloadError(f"received {theta.shape[0]} weights for a model with {count} parameters")
     flat = torch.from_numpy(theta).to(device)
@@ -387,9 +392,9 @@ def flat_delta(model: nn.Module, received: torch.Tensor) -> np.ndarray:
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """T² · KL(softmax(z_t/T) ‖ softmax(z_s/T)), batch mean (section 3; MH-pFedHN Eq. 8 with the code's weighting)."""
-    return F.kl_div(F.log_softmax(student_logits / temperature, dim=1), F.log_softmax(teacher_logits / temperature,
-                                                                                     dim=1),
-                    reduction="batchmean", log_target=True) * temperature ** 2
+    student = F.log_softmax(student_logits / temperature, dim=1)
+    teacher = F.log_softmax(teacher_logits / temperature, dim=1)
+    return F.kl_div(student, teacher, reduction="batchmean", log_target=True) * temperature ** 2
 
 
 class MHpFedHNClient(ClientProcedure):
@@ -404,7 +409,7 @@ class MHpFedHNClient(ClientProcedure):
     def query(self, client, payload, config):
         """Handshake: data sizes and ``num-params`` K_i (the only architecture disclosure)."""
         arrays, metrics = super().query(client, payload, config)
-        metrics["num-params"] = sum(p.numel() for p in client.model.parameters())
+        metrics["num-params"] = num_params(client.model)
         return arrays, metrics
 
     def train(self, client, payload, config):
@@ -439,7 +444,7 @@ class MHpFedHNGDClient(MHpFedHNClient):
     def query(self, client, payload, config):
         """Also ``global-num-params`` K_g of the public global model."""
         arrays, metrics = super().query(client, payload, config)
-        metrics["global-num-params"] = sum(p.numel() for p in self.global_model(client).parameters())
+        metrics["global-num-params"] = num_params(self.global_model(client))
         return arrays, metrics
 
     def train_global(self, client, payload, config):
