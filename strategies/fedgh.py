@@ -42,8 +42,10 @@ SCHEMAS_GLOBAL_HEAD_EVAL = {**SCHEMAS, "evaluate": (HEADER, NO_PAYLOAD)}
 SERVER_MODES = ("per-lar", "per-client", "minibatch", "none")
 
 
-def require_linear_heads(cfg: RunConfig) -> None:
+def require_linear_heads(cfg: RunConfig, payload: str) -> None:
     """Methods that exchange a linear head (FedGH, FedRE) need a model group whose heads are all linear.
+
+    ``payload`` names the exchanged head in the message (FedGH's "header", FedRE's "head").
 
     Raises:
         ConfigError: naming ``model-group`` and what is allowed.
@@ -51,7 +53,7 @@ def require_linear_heads(cfg: RunConfig) -> None:
     from models.groups import MODEL_GROUPS
 
     if set(MODEL_GROUPS[cfg.model_group].heads) != {"linear"}:
-        raise ConfigError(f"method '{cfg.method}' exchanges a linear head, but model-group '{cfg.model_group}' has "
+        raise ConfigError(f"method '{cfg.method}' exchanges a linear {payload}, but model-group '{cfg.model_group}' has "
                           "non-linear heads; allowed: groups without HtC4 heads")
 
 
@@ -80,7 +82,7 @@ class FedGHOptions:
         Raises:
             ConfigError: naming the key and its allowed values.
         """
-        require_linear_heads(cfg)
+        require_linear_heads(cfg, "header")
         o = {"server-mode": "per-lar", "server-lr": 0.01, "server-epochs": 1, "server-batch-size": 10,
              "server-clip-norm": 50.0, "eval-global-head": False, **cfg.method_options()}
         return cls(

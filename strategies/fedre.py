@@ -79,7 +79,7 @@ class FedREOptions:
         Raises:
             ConfigError: naming the key and its allowed values.
         """
-        require_linear_heads(cfg)
+        require_linear_heads(cfg, "head")
         o = {"re-mode": "rap", "server-lr": 0.01, "server-batch-size": 10, "server-epochs": 1,
              "server-loss-reduction": "sum", **cfg.method_options()}
         return cls(
