@@ -3,12 +3,17 @@
 Usage (from the repository root):
 
     uv run --frozen python -m bench.simulation [-c "method='local'"] [--cpus-per-client 1]
+        [--methods local,fedmrl,...] [--minutes 20]
 
 Runs the job through ``tools.run`` while sampling the resident memory of the whole process
 tree (launcher, SuperLink, ServerApp, Ray and its ClientApp actors) every 0.5 s, then prints
 per round: mean accuracy, payload bytes, round seconds, and the split of the round into the
 clients' training compute and everything else (data, serialisation, Ray, server step,
 evaluation messages).
+
+``--methods`` runs each listed method in turn on the same config (same partitions, seed and
+models), ``--minutes`` stops each run after that wall time (the rounds completed so far are
+reported: results are written every round), and a comparison table ends the output.
 
 The split: with ``slots`` ClientApps running in parallel (cores / cpus-per-client), a
 round's training share is ``sum(client train-seconds) / (slots * round seconds)``, where
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -43,19 +49,17 @@ def tree_rss(proc: psutil.Process) -> int:
     return total
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("-c", "--run-config", action="append", default=[])
-    parser.add_argument("--cpus-per-client", type=int, default=1)
-    parser.add_argument("--gpus-per-client", type=float, default=None)
-    args = parser.parse_args()
+def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float) -> dict | None:
+    """One ``tools.run`` job with ``config`` overrides; prints its per-round table, returns its totals.
 
+    With ``minutes`` > 0 the job is interrupted (SIGINT, so the launcher stops its SuperLink)
+    after that wall time and the rounds completed so far are reported.
+    """
     out = ROOT / "outputs" / f"bench-{int(time.time())}"
-    cmd = [sys.executable, "-m", "tools.run", "-c", f"output-dir={json.dumps(str(out))}",
-           "--cpus-per-client", str(args.cpus_per_client)]
-    if args.gpus_per_client is not None:
-        cmd += ["--gpus-per-client", str(args.gpus_per_client)]
-    for item in args.run_config:
+    cmd = [sys.executable, "-m", "tools.run", "-c", f"output-dir={json.dumps(str(out))}", "--cpus-per-client", str(cpus)]
+    if gpus is not None:
+        cmd += ["--gpus-per-client", str(gpus)]
+    for item in config:
         cmd += ["-c", item]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -65,6 +69,9 @@ def main() -> int:
     def sample() -> None:
         while proc.poll() is None:
             peak[0] = max(peak[0], tree_rss(root))
+            if minutes > 0 and time.perf_counter() - start > 60 * minutes:
+                proc.send_signal(signal.SIGINT)
+                break
             time.sleep(0.5)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -73,19 +80,19 @@ def main() -> int:
     proc.wait()
     sampler.join()
     wall = time.perf_counter() - start
-    (run_dir,) = list(out.iterdir()) if out.exists() else [None]
-    if proc.returncode != 0 or run_dir is None:
+    run_dirs = list(out.iterdir()) if out.exists() else []
+    rows = [json.loads(line) for line in open(run_dirs[0] / "metrics.jsonl")] \
+        if run_dirs and (run_dirs[0] / "metrics.jsonl").exists() else []
+    if not rows or (proc.returncode != 0 and not minutes):
         print(log[-4000:])
         print(f"run failed with exit code {proc.returncode}")
-        return 1
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    slots = max(1, (os.cpu_count() or 1) // args.cpus_per_client)
-    if args.gpus_per_client:
-        slots = min(slots, int(1 / args.gpus_per_client))
+        return None
+    slots = max(1, (os.cpu_count() or 1) // cpus)
+    if gpus:
+        slots = min(slots, int(1 / gpus))
     slots = min(slots, max(r["num_clients"] for r in rows))
 
-    print(f"results: {run_dir}")
+    print(f"results: {run_dirs[0]}")
     print(f"{'round':>5} {'acc_mean':>8} {'acc_wtd':>8} {'bytes_up':>9} {'bytes_down':>10} {'round_s':>7} "
           f"{'train_s':>7} {'other_s':>7} {'other%':>6}")
     shares = []
@@ -98,16 +105,51 @@ def main() -> int:
               f"{r['accuracy_weighted'] if acc is not None else float('nan'):>8.4f} {r['bytes_up']:>9} "
               f"{r['bytes_down']:>10} {r['round_seconds']:>7.2f} {train:>7.2f} {other:>7.2f} {100 * shares[-1]:>5.1f}%")
     steady = shares[1:] or shares
-    print(f"parallel ClientApps: {slots}")
-    print(f"final accuracy_mean {summary['final_accuracy_mean']:.4f}, best {summary['best_accuracy_mean']:.4f} "
-          f"(round {summary['best_round']})")
-    print(f"mean round {sum(r['round_seconds'] for r in rows) / len(rows):.2f} s; non-training share "
+    accs = [r["accuracy_mean"] for r in rows if r["accuracy_mean"] is not None]
+    clients = sum(r["num_clients"] for r in rows)
+    totals = {"rounds": len(rows), "final": accs[-1] if accs else float("nan"), "best": max(accs, default=float("nan")),
+              "last10": sum(accs[-10:]) / max(len(accs[-10:]), 1),
+              "round_s": sum(r["round_seconds"] for r in rows) / len(rows),
+              "up_per_client": sum(r["bytes_up"] for r in rows) / max(clients, 1),
+              "down_per_client": sum(r["bytes_down"] for r in rows) / max(clients, 1)}
+    print(f"parallel ClientApps: {slots}; rounds completed: {len(rows)}"
+          + (" (stopped by the time budget)" if proc.returncode != 0 else ""))
+    print(f"final accuracy_mean {totals['final']:.4f}, best {totals['best']:.4f}, mean of the last 10 {totals['last10']:.4f}")
+    print(f"mean round {totals['round_s']:.2f} s; non-training share "
           f"{100 * sum(steady) / len(steady):.1f}% (rounds 2+), {100 * sum(shares) / len(shares):.1f}% (all)")
-    print(f"bytes per round: up {rows[-1]['bytes_up']} down {rows[-1]['bytes_down']}; total up "
-          f"{summary['total_bytes_up']} down {summary['total_bytes_down']}")
+    print(f"bytes per round: up {rows[-1]['bytes_up']} down {rows[-1]['bytes_down']}; per client-round up "
+          f"{totals['up_per_client']:.0f} down {totals['down_per_client']:.0f}")
     print(f"wall time {wall:.1f} s (start-up, handshake, shut-down: {wall - rows[-1]['elapsed_seconds']:.1f} s)")
-    print(f"peak resident memory of the process tree: {peak[0] / 2**30:.2f} GiB")
-    return 0
+    print(f"peak resident memory of the process tree: {peak[0] / 2**30:.2f} GiB", flush=True)
+    return totals
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("-c", "--run-config", action="append", default=[])
+    parser.add_argument("--cpus-per-client", type=int, default=1)
+    parser.add_argument("--gpus-per-client", type=float, default=None)
+    parser.add_argument("--methods", default="", help="comma-separated methods to run in turn on the same config")
+    parser.add_argument("--minutes", type=float, default=0.0, help="wall-time budget per run (0: none)")
+    args = parser.parse_args()
+
+    methods = [m for m in args.methods.split(",") if m] or [None]
+    table = {}
+    for method in methods:
+        config = args.run_config + ([f"method={json.dumps(method)}"] if method else [])
+        if method:
+            print(f"=== {method}", flush=True)
+        table[method] = run_one(config, args.cpus_per_client, args.gpus_per_client, args.minutes)
+    if len(methods) > 1:
+        print(f"{'method':>12} {'rounds':>6} {'final':>7} {'best':>7} {'last10':>7} {'s/round':>8} "
+              f"{'B up/client-round':>18} {'B down/client-round':>20}")
+        for method, t in table.items():
+            if t is None:
+                print(f"{method:>12} failed")
+                continue
+            print(f"{method:>12} {t['rounds']:>6} {t['final']:>7.4f} {t['best']:>7.4f} {t['last10']:>7.4f} "
+                  f"{t['round_s']:>8.2f} {t['up_per_client']:>18.0f} {t['down_per_client']:>20.0f}")
+    return 0 if all(t is not None for t in table.values()) else 1
 
 
 if __name__ == "__main__":

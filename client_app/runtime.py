@@ -64,6 +64,9 @@ class ClientRuntime:
         self.spec = DataSpec.from_config(self.cfg, int(node.get("num-partitions", self.cfg.num_clients)),
                                          node.get("data-dir"))
         self.device = pick_device(self.cfg.device)
+        #: objects the handlers of this one message share (e.g. FedMRL's just-trained small model
+        #: for the evaluation in the same train reply); gone with the message
+        self.scratch: dict[str, object] = {}
 
     @cached_property
     def data(self) -> ClientData:

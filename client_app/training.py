@@ -31,20 +31,25 @@ def make_sgd(params, config: Mapping[str, Any]) -> torch.optim.SGD:
 
 
 Regularizer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-#: ``supervised_loss(images [B, C_in, H, W], logits [B, C], labels [B]) -> scalar``
-SupervisedLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``supervised_loss(images [B, C_in, H, W], representations [B, d], logits [B, C], labels [B]) -> scalar``
+SupervisedLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def train_supervised(model: SplitModel, data: ClientData, config: Mapping[str, Any], device: torch.device,
                      generator: torch.Generator, regularizer: Regularizer | None = None,
-                     supervised_loss: SupervisedLoss | None = None) -> dict[str, float]:
+                     supervised_loss: SupervisedLoss | None = None,
+                     clip_groups: list[list[nn.Parameter]] | None = None) -> dict[str, float]:
     """Train all of ``model`` with cross-entropy for ``local-epochs`` epochs on the train split.
 
     Shuffled mini-batches of ``batch-size`` (last partial batch kept, except a 1-sample one
     in a model with BatchNorm, which cannot train on it), training augmentation, SGD from
-    :func:`make_sgd`, global gradient-norm clipping at ``clip-norm`` (<= 0: off).
-    ``supervised_loss(images, logits, labels)`` replaces the cross-entropy when given (e.g.
-    MH-pFedHNGD's CE + distillation from a teacher that sees the same augmented images).
+    :func:`make_sgd` over all of ``model.parameters()`` (modules registered on ``model``
+    besides extractor and head, e.g. a companion model, train too), gradient-norm clipping
+    at ``clip-norm`` (<= 0: off) of each parameter list in ``clip_groups`` separately
+    (default: one group, all parameters).
+    ``supervised_loss(images, representations, logits, labels)`` replaces the cross-entropy
+    when given (e.g. MH-pFedHNGD's CE + distillation from a teacher that sees the same
+    augmented images, FML's mutual learning with a companion model).
     ``regularizer(representations [B, d], labels [B])`` is added to the loss when given
     (e.g. FedProto/FedTGP's prototype term); it sees the train-mode representations.
 
@@ -56,6 +61,7 @@ def train_supervised(model: SplitModel, data: ClientData, config: Mapping[str, A
     model.train()
     opt = make_sgd(model.parameters(), config)
     clip = float(config["clip-norm"])
+    clip_groups = clip_groups or [list(model.parameters())]
     x_all, y_all = data.train_x.to(device), data.train_y.to(device)
     min_batch = 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1
     loss_sum, correct, seen = 0.0, 0, 0
@@ -69,13 +75,14 @@ def train_supervised(model: SplitModel, data: ClientData, config: Mapping[str, A
             y = y_all[idx]
             features = model.extractor(x)
             logits = model.head(features)
-            loss = F.cross_entropy(logits, y) if supervised_loss is None else supervised_loss(x, logits, y)
+            loss = F.cross_entropy(logits, y) if supervised_loss is None else supervised_loss(x, features, logits, y)
             if regularizer is not None:
                 loss = loss + regularizer(features, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if clip > 0:
-                nn.utils.clip_grad_norm_(model.parameters(), clip)
+                for group in clip_groups:
+                    nn.utils.clip_grad_norm_(group, clip)
             opt.step()
             loss_sum += float(loss.detach()) * len(y)
             correct += int((logits.detach().argmax(1) == y).sum())
@@ -85,9 +92,21 @@ def train_supervised(model: SplitModel, data: ClientData, config: Mapping[str, A
             "train-seconds": time.perf_counter() - start}
 
 
+def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """T² · KL(softmax(z_t/T) ‖ softmax(z_s/T)), mean over the batch; the teacher's side gets no gradient
+    only if the caller detaches it (MH-pFedHNGD Eq. 8 with the code's weighting; FML, FedKD, FD)."""
+    student = F.log_softmax(student_logits / temperature, dim=1)
+    teacher = F.log_softmax(teacher_logits / temperature, dim=1)
+    return F.kl_div(student, teacher, reduction="batchmean", log_target=True) * temperature ** 2
+
+
 def train_personal_model(client, config: Mapping[str, Any], regularizer: Regularizer | None = None,
-                         supervised_loss: SupervisedLoss | None = None) -> dict[str, float]:
+                         supervised_loss: SupervisedLoss | None = None, model: SplitModel | None = None,
+                         clip_groups: list[list[nn.Parameter]] | None = None) -> dict[str, float]:
     """Train the client's personal model (:func:`train_supervised`) with this round's RNG and persist it.
+
+    ``model`` replaces the personal model in training when it is a wrapper around it (e.g.
+    FedMRL's fused model); the personal model is what gets persisted either way.
 
     Args:
         client: the :class:`client_app.runtime.ClientRuntime` of this message.
@@ -96,21 +115,23 @@ def train_personal_model(client, config: Mapping[str, Any], regularizer: Regular
     Returns:
         The training metrics plus ``num-examples`` (local training samples).
     """
-    stats = train_supervised(client.model, client.data, config, client.device,
-                             client.generator(int(config["server-round"])), regularizer, supervised_loss)
+    stats = train_supervised(model or client.model, client.data, config, client.device,
+                             client.generator(int(config["server-round"])), regularizer, supervised_loss, clip_groups)
     client.save_model()
     return {**stats, "num-examples": len(client.data.train_y)}
 
 
-def trained_class_means(client, stats: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`class_means` of the client's (trained) extractor over its whole train split.
+def trained_class_means(client, stats: dict[str, float], module: nn.Module | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`class_means` of the client's (trained) extractor, or of ``module`` (e.g. the whole
+    model, for per-class mean logits), over its whole train split.
 
     Its time is added to ``stats["train-seconds"]``: the payload computation is part of the
     client's training compute.
     """
     start = time.perf_counter()
     data = client.data
-    out = class_means(client.model.extractor, data.train_x, data.train_y, data.info, client.device)
+    out = class_means(module or client.model.extractor, data.train_x, data.train_y, data.info, client.device)
     stats["train-seconds"] += time.perf_counter() - start
     return out
 

@@ -17,6 +17,7 @@ from typing import Any
 
 PARTITIONERS = ("iid", "dirichlet", "pathological")
 DEVICES = ("auto", "cpu", "cuda")
+EVAL_CLIENTS = ("all", "trained")
 
 
 class ConfigError(ValueError):
@@ -104,6 +105,7 @@ class RunConfig:
     clip_norm: float
     fraction_train: float
     eval_every: int
+    eval_clients: str
     seed: int
     output_dir: str
     resume_from: str
@@ -150,6 +152,7 @@ class RunConfig:
             clip_norm=number("clip-norm", g("clip-norm"), low=0),
             fraction_train=number("fraction-train", g("fraction-train"), low=0, high=1, low_open=True),
             eval_every=number("eval-every", g("eval-every"), kind=int, low=1),
+            eval_clients=choice("eval-clients", g("eval-clients"), EVAL_CLIENTS),
             seed=number("seed", g("seed"), kind=int, low=0),
             output_dir=_string("output-dir", g("output-dir")),
             resume_from=_optional_string("resume-from", g("resume-from")),

@@ -94,8 +94,8 @@ class HeteroStrategy(Strategy):
     #: per round (in deployment, one ClientApp process per client); only clients not sampled
     #: get a separate evaluate message.
     evaluate_in_train: bool = False
-    #: attributes holding the server state (modules, optimisers, torch Generators) saved in the
-    #: per-round checkpoint; None: the method cannot resume yet; () stateless
+    #: attributes holding the server state (modules, optimisers, torch Generators, dicts of
+    #: arrays) saved in the per-round checkpoint; None: the method cannot resume yet; () stateless
     checkpointed: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self, cfg: RunConfig, results: Any | None = None) -> None:
@@ -107,6 +107,7 @@ class HeteroStrategy(Strategy):
         self.grid: Grid | None = None
         self.clients: dict[int, dict[str, Any]] = {}  # node id -> handshake metrics
         self.nodes: list[int] = []  # node ids ordered by partition id
+        self.sampled: list[int] = []  # the nodes of the last sample() call
         self.traffic: Counter[str] = Counter()  # "<category>_bytes_<up|down>" -> bytes
         self.dropped: Counter[str] = Counter()  # message category -> dropped replies
         self.rows: list[dict[str, Any]] = []
@@ -164,12 +165,14 @@ class HeteroStrategy(Strategy):
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        """One evaluate message to every known client not evaluated in its train reply this round."""
+        """One evaluate message to every client to evaluate (``eval-clients``: all known clients,
+        or this round's sampled ones) not already evaluated in its train reply this round."""
         if not self.is_eval_round(server_round):
             return []
         done = {r.node_id for r in self._evaluated_in_train}
+        targets = self.nodes if self.cfg.eval_clients == "all" else self.sampled
         return [self.message("evaluate", node, self.eval_payload(node, server_round), config, server_round)
-                for node in self.nodes if node not in done]
+                for node in targets if node not in done]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Accuracy of the clients' personal models on their local test splits.
@@ -258,19 +261,25 @@ class HeteroStrategy(Strategy):
     def server_state(self) -> dict[str, Any] | None:
         """The method's server state for a checkpoint: the state of each attribute in ``checkpointed``.
 
-        Modules and optimisers give their ``state_dict()``, torch Generators their RNG state.
-        None when the method does not declare ``checkpointed`` (it cannot resume yet).
+        Modules and optimisers give their ``state_dict()``, torch Generators their RNG state,
+        dicts a shallow copy. None when the method does not declare ``checkpointed`` (it
+        cannot resume yet).
         """
         if self.checkpointed is None:
             return None
-        return {name: (obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict())
-                for name in self.checkpointed for obj in [getattr(self, name)]}
+        return {name: _state_of(getattr(self, name)) for name in self.checkpointed}
 
     def load_server_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`server_state` (called after the handshake, so per-client state exists)."""
         for name, value in state.items():
             obj = getattr(self, name)
-            obj.set_state(value) if isinstance(obj, torch.Generator) else obj.load_state_dict(value)
+            if isinstance(obj, torch.Generator):
+                obj.set_state(value)
+            elif isinstance(obj, dict):
+                obj.clear()
+                obj.update(value)
+            else:
+                obj.load_state_dict(value)
 
     def checkpoint(self, server_round: int) -> dict[str, Any]:
         """Everything needed to continue after ``server_round``: server state, RNG, counters, rows."""
@@ -340,7 +349,8 @@ class HeteroStrategy(Strategy):
         """This round's clients: K of the known nodes, seeded, returned in partition-id order."""
         k = sample_size(self.cfg.fraction_train, len(self.nodes))
         chosen = self.rng.choice(len(self.nodes), size=k, replace=False)
-        return [self.nodes[i] for i in sorted(chosen)]
+        self.sampled = [self.nodes[i] for i in sorted(chosen)]
+        return list(self.sampled)
 
     def is_eval_round(self, server_round: int) -> bool:
         """Every ``eval-every`` rounds, and the last round."""
@@ -500,6 +510,12 @@ def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_
     if weighted:
         metrics["train-loss"] = sum(l * n for l, n in weighted) / max(sum(n for _, n in weighted), 1)
     return metrics
+
+
+def _state_of(obj: Any) -> Any:
+    if isinstance(obj, torch.Generator):
+        return obj.get_state()
+    return dict(obj) if isinstance(obj, dict) else obj.state_dict()
 
 
 def _category(message_type: str) -> str:

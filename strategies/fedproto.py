@@ -32,18 +32,27 @@ from common.config import RunConfig, choice, number
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.payload import ArraySpec, PayloadError, PayloadSchema
 
-UPLOAD = PayloadSchema({"protos": ArraySpec(("k", "d"), "float32"),
-                        "proto_labels": ArraySpec(("k",), "int64", labels=True)})
+
+def class_set_schemas(values: str, labels: str, width: str) -> tuple[PayloadSchema, PayloadSchema]:
+    """Schemas of a per-class payload (FedProto's prototypes, FD's logits).
+
+    Up: ``values`` [k, width] float32, one row per class the client holds, and ``labels``
+    [k] int64 (unique class ids). Down: ``values`` [a, width] float32, the rows of the
+    classes marked in ``mask`` [C] bool (``a`` = number of marked classes); optional, since
+    nothing exists before the first upload.
+    """
+    def mask_matches_rows(arrays, dims) -> None:
+        if int(arrays["mask"].sum()) != arrays[values].shape[0]:
+            raise PayloadError(f"mask marks {int(arrays['mask'].sum())} classes but {arrays[values].shape[0]} "
+                               f"'{values}' rows were sent")
+
+    upload = PayloadSchema({values: ArraySpec(("k", width), "float32"), labels: ArraySpec(("k",), "int64", labels=True)})
+    global_set = PayloadSchema({values: ArraySpec(("a", width), "float32"), "mask": ArraySpec(("C",), "bool")},
+                               optional=True, check=mask_matches_rows)
+    return upload, global_set
 
 
-def _mask_matches_rows(arrays, dims) -> None:
-    if int(arrays["mask"].sum()) != arrays["protos"].shape[0]:
-        raise PayloadError(f"mask marks {int(arrays['mask'].sum())} classes but {arrays['protos'].shape[0]} "
-                           "prototypes were sent")
-
-
-GLOBAL_SET = PayloadSchema({"protos": ArraySpec(("a", "d"), "float32"), "mask": ArraySpec(("C",), "bool")},
-                           optional=True, check=_mask_matches_rows)
+UPLOAD, GLOBAL_SET = class_set_schemas("protos", "proto_labels", "d")
 SCHEMAS = {**BASE_SCHEMAS, "train": (GLOBAL_SET, UPLOAD), "evaluate": (GLOBAL_SET, NO_PAYLOAD)}
 
 REG_FORMS = ("mse-mean", "paper-l2")
@@ -154,20 +163,43 @@ def prototype_metrics(correct: int, n: int) -> dict[str, float]:
     return {"test-correct": correct, "num-examples": n, "test-acc": correct / max(n, 1)}
 
 
-def unpack_global_set(payload: dict[str, np.ndarray], num_classes: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """FedProto's (protos [C_avail, K], mask [C]) -> full [C, K] (zeros where masked) and mask; Nones if absent."""
+def unpack_global_set(payload: dict[str, np.ndarray], num_classes: int, values: str = "protos"
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A global class set (``values`` [C_avail, w], ``mask`` [C]) -> full [C, w] float32 (zeros where
+    masked) and mask [C] bool; Nones if absent."""
     if not payload:
         return None, None
     mask = torch.from_numpy(payload["mask"].copy())
-    full = torch.zeros(num_classes, payload["protos"].shape[1])
-    full[mask] = torch.from_numpy(payload["protos"])
+    full = torch.zeros(num_classes, payload[values].shape[1])
+    full[mask] = torch.from_numpy(payload[values])
     return full, mask
+
+
+def class_average(replies: list[ClientReply], values: str, labels: str, num_classes: int, width: int
+                  ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Per-class unweighted mean over the clients that uploaded a row for the class.
+
+    FedProto's server step (prototypes), FD's (per-class logits).
+
+    Returns:
+        ``({values: float32 [a, width], "mask": bool [C]} or {} when nothing was uploaded,
+        {"server-num-rows": uploaded rows, "server-num-classes": a})``.
+    """
+    sums = np.zeros((num_classes, width), np.float64)
+    counts = np.zeros(num_classes, np.int64)
+    for r in replies:
+        np.add.at(sums, r.arrays[labels], r.arrays[values])
+        np.add.at(counts, r.arrays[labels], 1)
+    mask = counts > 0
+    out = {values: (sums[mask] / counts[mask, None]).astype(np.float32), "mask": mask} if mask.any() else {}
+    return out, {"server-num-rows": int(counts.sum()), "server-num-classes": int(mask.sum())}
 
 
 class FedProtoStrategy(HeteroStrategy):
     """FedProto server: per-class unweighted mean of this round's uploads (no learned state)."""
 
     schemas = SCHEMAS
+    checkpointed = ("global_set",)
 
     def __init__(self, cfg: RunConfig, results=None) -> None:
         super().__init__(cfg, results)
@@ -183,17 +215,9 @@ class FedProtoStrategy(HeteroStrategy):
         return self.global_arrays()
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """P̄^c = unweighted mean of the uploaded P_i^c for every class uploaded this round."""
-        k = self.dims["d"]
-        sums = np.zeros((self.dims["C"], k), np.float64)
-        counts = np.zeros(self.dims["C"], np.int64)
-        for r in replies:
-            np.add.at(sums, r.arrays["proto_labels"], r.arrays["protos"])
-            np.add.at(counts, r.arrays["proto_labels"], 1)
-        mask = counts > 0
-        self.global_set = ({"protos": (sums[mask] / counts[mask, None]).astype(np.float32), "mask": mask}
-                           if mask.any() else {})
-        return {"server-num-protos": int(counts.sum()), "server-num-classes": int(mask.sum())}
+        """P̄^c = unweighted mean of the uploaded P_i^c for every class uploaded this round (:func:`class_average`)."""
+        self.global_set, metrics = class_average(replies, "protos", "proto_labels", self.dims["C"], self.dims["d"])
+        return metrics
 
 
 class FedProtoClient(ClientProcedure):

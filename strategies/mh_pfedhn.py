@@ -42,7 +42,7 @@ from flwr.app import ConfigRecord
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from client_app.training import train_personal_model, train_supervised
+from client_app.training import kd_loss, train_personal_model, train_supervised
 from common.config import RunConfig, choice, number
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy, round_metrics
 from strategies.payload import ArraySpec, PayloadError, PayloadSchema, array_record
@@ -390,13 +390,6 @@ def flat_delta(model: nn.Module, received: torch.Tensor) -> np.ndarray:
         return (parameters_to_vector(model.parameters()) - received).cpu().numpy()
 
 
-def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """T² · KL(softmax(z_t/T) ‖ softmax(z_s/T)), batch mean (section 3; MH-pFedHN Eq. 8 with the code's weighting)."""
-    student = F.log_softmax(student_logits / temperature, dim=1)
-    teacher = F.log_softmax(teacher_logits / temperature, dim=1)
-    return F.kl_div(student, teacher, reduction="batchmean", log_target=True) * temperature ** 2
-
-
 class MHpFedHNClient(ClientProcedure):
     """MH-pFedHN client: load generated weights, train, reply the change; BN statistics stay local."""
 
@@ -473,7 +466,7 @@ class MHpFedHNGDClient(MHpFedHNClient):
         load_flat(teacher, cached["w_g"].numpy(), client.device)
         teacher.eval()
 
-        def loss(x: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        def loss(x: torch.Tensor, features: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():
                 teacher_logits = teacher(x)
             return (1 - alpha) * F.cross_entropy(logits, labels) + alpha * kd_loss(logits, teacher_logits,

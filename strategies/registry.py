@@ -6,10 +6,15 @@ from functools import lru_cache
 
 from common.config import ConfigError, RunConfig
 from strategies.base import ClientProcedure, HeteroStrategy
+from strategies.fd import FDClient, FDStrategy
 from strategies.fedgh import FedGHClient, FedGHStrategy
+from strategies.fedkd import FedKDClient, FedKDStrategy
+from strategies.fedmrl import FedMRLClient, FedMRLStrategy
 from strategies.fedproto import FedProtoClient, FedProtoStrategy
 from strategies.fedre import FedREClient, FedREStrategy
 from strategies.fedtgp import FedTGPClient, FedTGPStrategy
+from strategies.fml import FMLClient, FMLStrategy
+from strategies.lg_fedavg import LGFedAvgClient, LGFedAvgStrategy
 from strategies.local import LocalClient, LocalStrategy
 from strategies.mh_pfedhn import MHpFedHNClient, MHpFedHNGDClient, MHpFedHNGDStrategy, MHpFedHNStrategy
 
@@ -21,6 +26,11 @@ METHODS: dict[str, tuple[type[HeteroStrategy], type[ClientProcedure]]] = {
     "fedre": (FedREStrategy, FedREClient),
     "mh-pfedhn": (MHpFedHNStrategy, MHpFedHNClient),
     "mh-pfedhngd": (MHpFedHNGDStrategy, MHpFedHNGDClient),
+    "fedmrl": (FedMRLStrategy, FedMRLClient),
+    "fml": (FMLStrategy, FMLClient),
+    "fedkd": (FedKDStrategy, FedKDClient),
+    "lg-fedavg": (LGFedAvgStrategy, LGFedAvgClient),
+    "fd": (FDStrategy, FDClient),
 }
 
 

@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from client_app.runtime import MODEL_STATE
+from client_app.training import kd_loss
 from common.config import RunConfig
 from conftest import client_runtime, federation, train_config
 from models.mh import build_mh_model
 from strategies.mh_pfedhn import (TEACHER_STATE, HNOptions, HyperNetwork, MHpFedHNClient, MHpFedHNGDClient,
-                                  flat_delta, hn_step, kd_loss, load_flat)
+                                  flat_delta, hn_step, load_flat)
 from strategies.payload import PAYLOAD, array_record
 
 # spec section 7: generated parameter counts for 3x32x32 input

@@ -25,7 +25,9 @@ def run_with_results(rc, grid=None, name="run"):
 
 @pytest.mark.parametrize("method,extra", [("fedre", {"model-group": "fedavgcnn"}),
                                           ("mh-pfedhn", {"model-group": "mh-lenet", **FAST}),
-                                          ("fedgh", {})])
+                                          ("fedgh", {}), ("fedproto", {}), ("fedmrl", {}),
+                                          # constant energy: T_t depends on num-server-rounds, which differs here
+                                          ("fedkd", {"fedkd.energy-start": 0.5, "fedkd.energy-end": 0.5})])
 def test_resume_continues_exactly(run_config, method, extra):
     base = run_config(method=method, **{"num-clients": 3, "fraction-train": 0.67, **extra})
     whole, _ = run_with_results({**base, "num-server-rounds": 2}, name="whole")
@@ -41,7 +43,7 @@ def test_resume_continues_exactly(run_config, method, extra):
     for key, value in whole.server_state().items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, second.server_state()[key])
-        elif key in ("hn", "head", "header"):
+        elif key in ("hn", "head", "header", "shared"):
             assert all(torch.equal(v, second.server_state()[key][k]) for k, v in value.items())
     assert [r["accuracy_mean"] for r in whole.rows] == [r["accuracy_mean"] for r in second.rows]
 
@@ -56,6 +58,6 @@ def test_resume_refuses_other_method_and_unsupported(run_config):
     strategy, _ = federation({**rc, "resume-from": str(first.results.path / "missing")})
     with pytest.raises(FileNotFoundError, match="resume-from"):
         strategy.resume()
-    proto, _ = federation({**rc, "method": "fedproto"})
-    assert proto.server_state() is None
+    tgp, _ = federation({**rc, "method": "fedtgp"})
+    assert tgp.server_state() is None
     assert np.isfinite(first.rows[0]["accuracy_mean"])

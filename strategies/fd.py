@@ -1,0 +1,89 @@
+"""FD: Federated Distillation with per-class mean logits.
+
+Jeong et al., "Communication-Efficient On-Device Machine Learning: Federated Distillation and
+Augmentation under Non-IID Private Data", 2018; a baseline of FedMRL (spec
+shared/specs/fedmrl.md, appendix "Baselines in brief").
+
+Payload:
+- up (train): ``logits`` [k, C] float32, the mean logit vector of each class the client holds,
+  and ``logit_labels`` [k] int64: 4·k·C + 8·k bytes (96 B for 2 classes of CIFAR-10).
+- down (train): ``logits`` [a, C] float32, the global per-class logits of the classes anyone
+  uploaded, and ``mask`` [C] bool: 4·a·C + C bytes. Absent in round 1.
+
+Client step: CE(z, y) + λ·KL(softmax(ẑ_y) ‖ softmax(z)) over the samples whose label has a
+global logit ẑ_y (the spec's recommended D; HtFLlib's raw-logit soft-target CE is a quirk we
+do not copy); no distillation term before global logits exist. After training, the client
+uploads the exact per-class means of its model's logits over its whole train split in eval
+mode without augmentation (the paper averages logits seen during training; the post-training
+means describe the model that is uploaded and do not depend on batch order).
+Server step: per-class unweighted mean over the clients that uploaded the class
+(:func:`strategies.fedproto.class_average`). Inference: the personal model.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from client_app.training import kd_loss, train_personal_model, trained_class_means
+from common.config import RunConfig, number
+from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
+from strategies.fedproto import class_average, class_set_schemas, unpack_global_set
+
+UPLOAD, GLOBAL_LOGITS = class_set_schemas("logits", "logit_labels", "C")
+SCHEMAS = {**BASE_SCHEMAS, "train": (GLOBAL_LOGITS, UPLOAD)}
+
+
+def distillation_weight(cfg: RunConfig) -> float:
+    """λ from ``fd.lambda`` (default 1.0, HtFLlib's).
+
+    Raises:
+        ConfigError: a negative value.
+    """
+    return number("fd.lambda", cfg.method_options().get("lambda", 1.0), low=0)
+
+
+class FDStrategy(HeteroStrategy):
+    """FD server: averages the uploaded per-class logits per class."""
+
+    schemas = SCHEMAS
+    evaluate_in_train = True
+    checkpointed = ("global_logits",)
+
+    def __init__(self, cfg: RunConfig, results=None) -> None:
+        super().__init__(cfg, results)
+        distillation_weight(cfg)  # fail fast on bad client options
+        self.global_logits: dict = {}
+
+    def global_arrays(self):
+        """``logits`` [a, C] and ``mask`` [C] of the last round (empty before round 1's update)."""
+        return dict(self.global_logits)
+
+    def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+        """ẑ_c = mean of the uploaded per-class logits of class c."""
+        self.global_logits, metrics = class_average(replies, "logits", "logit_labels", self.dims["C"],
+                                                    self.dims["C"])
+        return metrics
+
+
+class FDClient(ClientProcedure):
+    """FD client: CE plus distillation towards the global logit of each sample's class."""
+
+    schemas = SCHEMAS
+
+    def train(self, client, payload, config):
+        """Returns ``logits`` float32 [k, C] (post-training class means) and ``logit_labels`` int64 [k]."""
+        lam = distillation_weight(self.cfg)
+        targets, mask = unpack_global_set(payload, client.data.info.num_classes, "logits")
+        if targets is not None:
+            targets, mask = targets.to(client.device), mask.to(client.device)
+
+        def distilled_loss(x, features, logits, labels):
+            ce = F.cross_entropy(logits, labels)
+            if targets is None or lam == 0 or not (known := mask[labels]).any():
+                return ce
+            # a mean over the whole batch: samples without a global logit add 0
+            return ce + lam * kd_loss(logits[known], targets[labels[known]]) * known.sum() / len(labels)
+
+        stats = train_personal_model(client, config, supervised_loss=distilled_loss)
+        means, labels = trained_class_means(client, stats, client.model)
+        return {"logits": means.numpy(), "logit_labels": labels.numpy()}, stats

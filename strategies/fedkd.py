@@ -1,0 +1,193 @@
+"""FedKD: adaptive mutual distillation with an SVD-compressed shared mentee.
+
+Wu et al., "Communication-efficient federated learning via knowledge distillation", Nature
+Communications 2022; a baseline of FedMRL (spec shared/specs/fedmrl.md, appendix "Baselines
+in brief", HtFLlib ``clientkd.py`` / ``serverkd.py``).
+
+Payload: the mentee (``fedkd.shared-model``, default CNN-5), every weight with two or more
+dims sent as its truncated SVD. A weight W of shape [m, ...] is flattened to M [m, n] and
+sent as ``<key>.u`` [m, r], ``<key>.s`` [r], ``<key>.v`` [r, n] with the smallest rank r
+whose squared singular values exceed the fraction T of the total energy (bias vectors go
+as they are). T rises linearly from ``energy-start`` (0.95) to ``energy-end`` (0.98):
+T_t = start + (end − start)·t/T for round t of T. As in HtFLlib, the *parameters* are
+compressed both ways (the original paper compresses the updates; parameters need no client
+to track the server's state, which partial participation would break): the client uploads
+its compressed trained mentee; the server reconstructs, averages (sample-weighted) and
+broadcasts the compressed average. Its bytes are 4·Σ(m·r + r + r·n) + the biases.
+
+Client step (mentor t = the private model, mentee s), per augmented batch:
+    L_t = CE_t + KL(p_s ‖ p_t)/(CE_t+CE_s) + MSE(H_t, W_h H_s)/(CE_t+CE_s)
+    L_s = CE_s + KL(p_t ‖ p_s)/(CE_t+CE_s) + MSE(W_h H_s, H_t)/(CE_t+CE_s)
+W_h = Linear(d_s -> d_t, no bias) is private and persists with the mentor. Each loss treats
+the other model's outputs as fixed targets and the adaptive factor 1/(CE_t+CE_s) as a
+constant (detached; the paper does not say, HtFLlib lets gradients through both). One SGD
+step on L_t + L_s, gradient norms clipped per module. Inference: the mentor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from client_app.training import kd_loss, train_personal_model
+from common.config import RunConfig, number
+from strategies.base import BASE_SCHEMAS, ClientReply
+from strategies.fml import shared_cnn
+from strategies.payload import ArraySpec, PayloadError, PayloadSchema
+from strategies.shared_model import SharedModelClient, SharedModelStrategy, WithCompanions, fedavg, load_arrays
+
+ALIGN_STATE = "fedkd-align"
+
+
+def energy_threshold(cfg: RunConfig, server_round: int) -> float:
+    """T_t = start + (end − start)·t/T from ``fedkd.energy-start`` / ``fedkd.energy-end`` (fractions in (0, 1]).
+
+    Raises:
+        ConfigError: a value outside (0, 1].
+    """
+    o = {"energy-start": 0.95, "energy-end": 0.98, **cfg.method_options()}
+    start = number("fedkd.energy-start", o["energy-start"], low=0, high=1, low_open=True)
+    end = number("fedkd.energy-end", o["energy-end"], low=0, high=1, low_open=True)
+    return start + (end - start) * server_round / cfg.num_server_rounds
+
+
+def compressed(shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` travels as a truncated SVD (two or more dims)."""
+    return len(shape) >= 2
+
+
+def svd_compress(state: Mapping[str, torch.Tensor], energy: float) -> dict[str, np.ndarray]:
+    """Truncated SVD of every weight with >= 2 dims, keeping the smallest rank r with
+    Σ_{i<=r} σ_i² > energy · Σ σ_i² (r = 1 for an all-zero weight); others unchanged.
+
+    Returns:
+        float32 payload arrays: ``<key>.u`` [m, r], ``<key>.s`` [r], ``<key>.v`` [r, n] or ``<key>``.
+    """
+    out: dict[str, np.ndarray] = {}
+    for key, w in state.items():
+        w = w.detach().cpu()
+        if not compressed(tuple(w.shape)):
+            out[key] = w.numpy().copy()
+            continue
+        u, s, vh = torch.linalg.svd(w.reshape(w.shape[0], -1).double(), full_matrices=False)
+        cumulative = s.pow(2).cumsum(0)
+        r = min(int((cumulative <= energy * cumulative[-1]).sum()) + 1, len(s))
+        out[key + ".u"] = u[:, :r].float().numpy()
+        out[key + ".s"] = s[:r].float().numpy()
+        out[key + ".v"] = vh[:r].float().numpy()
+    return out
+
+
+def svd_decompress(arrays: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Inverse of :func:`svd_compress`: (U·diag(s))·V reshaped to ``shapes[key]``, float32."""
+    out = {}
+    for key, shape in shapes.items():
+        if compressed(shape):
+            u, s, v = (arrays[key + part] for part in (".u", ".s", ".v"))
+            out[key] = ((u * s) @ v).reshape(shape).astype(np.float32)
+        else:
+            out[key] = arrays[key]
+    return out
+
+
+def compressed_schema(module: nn.Module) -> PayloadSchema:
+    """Schema of :func:`svd_compress`'s output for ``module``: a free rank symbol per weight,
+    checked to lie in [1, min(m, n)]."""
+    shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    specs: dict[str, ArraySpec] = {}
+    limits = {}
+    for key, shape in shapes.items():
+        if not compressed(shape):
+            specs[key] = ArraySpec(shape, "float32")
+            continue
+        m, n, rank = shape[0], int(np.prod(shape[1:])), f"r:{key}"
+        specs.update({key + ".u": ArraySpec((m, rank), "float32"), key + ".s": ArraySpec((rank,), "float32"),
+                      key + ".v": ArraySpec((rank, n), "float32")})
+        limits[rank] = min(m, n)
+
+    def ranks_in_range(arrays, dims) -> None:
+        for rank, limit in limits.items():
+            if not 1 <= dims[rank] <= limit:
+                raise PayloadError(f"rank {rank} = {dims[rank]} outside [1, {limit}]")
+
+    return PayloadSchema(specs, check=ranks_in_range)
+
+
+def fedkd_schemas(module: nn.Module) -> dict:
+    """FedKD's message schemas: the compressed ``module`` both ways in ``train``."""
+    schema = compressed_schema(module)
+    return {**BASE_SCHEMAS, "train": (schema, schema)}
+
+
+class FedKDStrategy(SharedModelStrategy):
+    """FedKD server: reconstructs the clients' mentees, averages them, broadcasts the compressed average."""
+
+    build_shared = staticmethod(shared_cnn)
+
+    def __init__(self, cfg: RunConfig, results=None) -> None:
+        energy_threshold(cfg, 1)  # fail fast on bad options
+        super().__init__(cfg, results)
+        self.schemas = fedkd_schemas(self.shared)
+        self._broadcast: tuple[int, dict[str, np.ndarray]] = (0, {})
+
+    def train_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
+        """The mentee compressed at T_t (computed once per round)."""
+        if self._broadcast[0] != server_round:
+            self._broadcast = (server_round, svd_compress(self.shared.state_dict(),
+                                                          energy_threshold(self.cfg, server_round)))
+        return self._broadcast[1]
+
+    def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+        """θ^t = sample-weighted mean of the reconstructed mentees."""
+        shapes = {k: tuple(v.shape) for k, v in self.shared.state_dict().items()}
+        full = [ClientReply(r.node_id, r.partition_id, svd_decompress(r.arrays, shapes), r.metrics) for r in replies]
+        if full:
+            load_arrays(self.shared, fedavg(full, list(shapes)))
+        return {"server-num-averaged": len(full), "svd-energy": energy_threshold(self.cfg, server_round)}
+
+
+class FedKDClient(SharedModelClient):
+    """FedKD client: mentor (private) and mentee (shared) distil into each other adaptively."""
+
+    build_shared = staticmethod(shared_cnn)
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        with torch.device("meta"):
+            self.schemas = fedkd_schemas(shared_cnn(cfg))
+        energy_threshold(cfg, 1)
+
+    def received(self, client, payload):
+        """The mentee reconstructed from the compressed payload, on the client's device."""
+        with torch.device("meta"):
+            shapes = {k: tuple(v.shape) for k, v in shared_cnn(self.cfg).state_dict().items()}
+        return super().received(client, svd_decompress(payload, shapes))
+
+    def train(self, client, payload, config):
+        """Returns the trained mentee compressed at T_t and the mentor's training metrics."""
+        mentee = self.received(client, payload)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.seed)
+            align = nn.Linear(mentee.feature_dim, client.model.feature_dim, bias=False)
+        client.restore(ALIGN_STATE, align)
+        align = align.to(client.device)
+        model = WithCompanions(client.model, mentee=mentee, align=align)
+
+        def adaptive_loss(x, features, logits, labels):
+            h_s = mentee.extractor(x)
+            mentee_logits = mentee.head(h_s)
+            mapped = align(h_s)
+            ce_t, ce_s = F.cross_entropy(logits, labels), F.cross_entropy(mentee_logits, labels)
+            scale = 1.0 / (ce_t + ce_s).detach().clamp_min(1e-8)
+            mentor = ce_t + scale * (kd_loss(logits, mentee_logits.detach()) + F.mse_loss(features, mapped.detach()))
+            student = ce_s + scale * (kd_loss(mentee_logits, logits.detach()) + F.mse_loss(mapped, features.detach()))
+            return mentor + student
+
+        stats = train_personal_model(client, config, supervised_loss=adaptive_loss, model=model,
+                                     clip_groups=model.groups)
+        client.store(ALIGN_STATE, align)
+        return svd_compress(mentee.state_dict(), energy_threshold(self.cfg, int(config["server-round"]))), stats

@@ -1,0 +1,195 @@
+"""FedMRL: a shared small model fused with each private model through Matryoshka representations.
+
+Yi et al., "Federated Model Heterogeneous Matryoshka Representation Learning", NeurIPS 2024;
+spec shared/specs/fedmrl.md (section numbers below refer to it).
+
+Payload (section 2): the small homogeneous model θ = G, its 10 tensors ``conv1.weight`` ...
+``fc3.bias`` (CNN-5 layout with FC2 -> d1, float32), server -> client and back: 4·P_θ bytes
+per direction (1,862,632 B for d1 = 100 on CIFAR-10). Never the private model, the projector
+or any representation.
+
+Client step (section 3, Eqs. 2-10): r = [G^ex(x), F_k^ex(x)] -> projector P_k -> z (d2, no
+activation); loss = m_G·CE(G^hd(z[:, :d1]), y) + m_F·CE(F_k^hd(z), y); one SGD step updates
+θ, ω_k and φ_k, each parameter set's gradient clipped separately. ω_k and φ_k persist in
+client state; θ is replaced by the broadcast every round; optimisers are fresh every round.
+
+Server step (section 4): sample-weighted FedAvg of the returned θ_k (:mod:`strategies.shared_model`).
+
+Evaluation (section 6): the deployed model is "mix-large", F_k^hd(P_k(G^ex(x) ∘ F_k^ex(x)));
+"mix-small" (G^hd on the first d1 coordinates) is reported alongside. Protocols:
+``fedmrl.eval-protocol = "official"`` (A: sampled clients evaluate right after training with
+their own θ_k^t; with run key ``eval-clients = "trained"`` only they are evaluated, as in
+the authors' code) or ``"deployment"`` (B: every evaluated client uses the aggregated θ^t).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from client_app.training import evaluate_model, train_personal_model
+from common.config import RunConfig, choice, number
+from models.base import SplitModel
+from models.cnn import CNN_SHAPES, SmallCNN
+from strategies.shared_model import SharedModelClient, SharedModelStrategy, module_arrays
+
+EVAL_PROTOCOLS = ("official", "deployment")
+INFERENCE = ("mix-large", "mix-small")
+PROJECTOR_STATE = "projector"
+#: the just-trained θ_k^t, kept for the evaluation in the same train reply (protocol A)
+TRAINED_SMALL = "fedmrl-trained-small-model"
+
+
+@dataclass(frozen=True)
+class FedMRLOptions:
+    """``[tool.flwr.app.config.fedmrl]`` keys (sections 6, 9, 11).
+
+    ``d1``: the small model's representation size (<= d2; default 100). ``small_model``:
+    the CNN-i layout of G (``cnn5``: heterogeneous setting, ``cnn1``: homogeneous).
+    ``weight_global`` / ``weight_private``: m_G, m_F. ``eval_protocol``: see the module
+    docstring. ``inference``: the primary metric's model; the other is reported as
+    ``accuracy-mean-<name>``.
+    """
+
+    d1: int
+    small_model: str
+    weight_global: float
+    weight_private: float
+    eval_protocol: str
+    inference: str
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> FedMRLOptions:
+        """Validate the ``fedmrl.*`` keys.
+
+        Raises:
+            ConfigError: naming the key and its allowed values.
+        """
+        o = {"d1": 100, "small-model": "cnn5", "weight-global": 1.0, "weight-private": 1.0,
+             "eval-protocol": "official", "inference": "mix-large", **cfg.method_options()}
+        return cls(d1=number("fedmrl.d1", o["d1"], kind=int, low=1, high=cfg.representation_dim),
+                   small_model=choice("fedmrl.small-model", o["small-model"], tuple(CNN_SHAPES)),
+                   weight_global=number("fedmrl.weight-global", o["weight-global"], low=0),
+                   weight_private=number("fedmrl.weight-private", o["weight-private"], low=0),
+                   eval_protocol=choice("fedmrl.eval-protocol", o["eval-protocol"], EVAL_PROTOCOLS),
+                   inference=choice("fedmrl.inference", o["inference"], INFERENCE))
+
+
+def small_model(cfg: RunConfig) -> SmallCNN:
+    """G: the ``fedmrl.small-model`` CNN layout with FC2 -> d1 and header d1 -> L (section 7)."""
+    from client_app.data import DATASETS
+
+    info, opts = DATASETS[cfg.dataset], FedMRLOptions.from_config(cfg)
+    return SmallCNN(opts.small_model, opts.d1, info.num_classes, info.channels, info.image_size)
+
+
+class FusedExtractor(nn.Module):
+    """x -> z = P_k(concat[G^ex(x), F_k^ex(x)]): ``[B, d2]`` float32, no activation (Eqs. 3-4, P9)."""
+
+    def __init__(self, small: SmallCNN, private_extractor: nn.Module, projector: nn.Linear) -> None:
+        super().__init__()
+        self.small, self.private_extractor, self.projector = small, private_extractor, projector
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projector(torch.cat([self.small.extractor(x), self.private_extractor(x)], dim=1))
+
+
+class MatryoshkaModel(SplitModel):
+    """The client's training/inference model: fused extractor + the private header.
+
+    ``forward`` is mix-large (section 6). ``global_head`` is G^hd, fed the first d1 fused
+    coordinates (the Matryoshka prefix, Eq. 5); :attr:`mix_small` is that path as a module.
+    ``parameters()`` covers θ, ω_k and φ_k once each.
+    """
+
+    def __init__(self, small: SmallCNN, private: SplitModel, projector: nn.Linear) -> None:
+        super().__init__(FusedExtractor(small, private.extractor, projector), private.feature_dim,
+                         private.num_classes, head=private.head)
+        self.global_head, self.d1 = small.head, small.feature_dim
+        self.groups = [list(small.parameters()), list(private.parameters()), list(projector.parameters())]
+
+    @property
+    def mix_small(self) -> nn.Module:
+        """x -> G^hd(z[:, :d1]): the "mix-small" inference model (Appendix C.3)."""
+        return nn.Sequential(self.extractor, Prefix(self.d1), self.global_head)
+
+
+class Prefix(nn.Module):
+    """The first ``n`` coordinates of ``[B, m]``."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return z[:, :self.n]
+
+
+def projector(cfg: RunConfig, d1: int) -> nn.Linear:
+    """P_k = Linear(d1 + d2 -> d2) with bias, PyTorch's default init from ``seed`` (same for every client,
+    as in the authors' code; section 5)."""
+    d2 = cfg.representation_dim
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return nn.Linear(d1 + d2, d2)
+
+
+class FedMRLStrategy(SharedModelStrategy):
+    """FedMRL server: holds θ (the small model) and averages the clients' θ_k (section 4)."""
+
+    evaluate_payload = True  # clients evaluated outside their train reply use θ^t
+    build_shared = staticmethod(small_model)
+
+    def __init__(self, cfg: RunConfig, results=None) -> None:
+        self.options = FedMRLOptions.from_config(cfg)
+        self.evaluate_in_train = self.options.eval_protocol == "official"
+        super().__init__(cfg, results)
+
+
+class FedMRLClient(SharedModelClient):
+    """FedMRL client: trains G, its private model and its projector together (section 3)."""
+
+    evaluate_payload = True
+    build_shared = staticmethod(small_model)
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.options = FedMRLOptions.from_config(cfg)
+
+    def fused(self, client, small: SmallCNN) -> MatryoshkaModel:
+        """The client's :class:`MatryoshkaModel` for ``small``, with ω_k and φ_k restored from state."""
+        proj = projector(self.cfg, self.options.d1)
+        client.restore(PROJECTOR_STATE, proj)
+        return MatryoshkaModel(small, client.model, proj.to(client.device))
+
+    def train(self, client, payload, config):
+        """Section 3 steps 1-7; returns θ_k^t (the 10 tensors of G) and the training metrics."""
+        small = self.received(client, payload)
+        model = self.fused(client, small)
+        m_g, m_f = self.options.weight_global, self.options.weight_private
+
+        def matryoshka_loss(x, z, logits, labels):
+            return m_g * F.cross_entropy(model.global_head(z[:, :model.d1]), labels) + \
+                m_f * F.cross_entropy(logits, labels)
+
+        stats = train_personal_model(client, config, supervised_loss=matryoshka_loss, model=model,
+                                     clip_groups=model.groups)
+        client.store(PROJECTOR_STATE, model.extractor.projector)
+        client.scratch[TRAINED_SMALL] = small
+        return module_arrays(small), stats
+
+    def evaluate(self, client, payload, config):
+        """Mix-large and mix-small accuracy with θ from ``payload`` (θ^t) or, without one, the θ_k^t
+        this client just trained (protocol A). The ``fedmrl.inference`` one is the primary metric."""
+        small = self.received(client, payload) if payload else client.scratch[TRAINED_SMALL]
+        model = self.fused(client, small)
+        data = client.data
+        results = {name: evaluate_model(module, data.test_x, data.test_y, data.info, client.device)
+                   for name, module in (("mix-large", model), ("mix-small", model.mix_small))}
+        correct, n, loss_sum = results[self.options.inference]
+        other = INFERENCE[1 - INFERENCE.index(self.options.inference)]
+        return {}, {"test-correct": correct, "num-examples": n, "test-acc": correct / max(n, 1),
+                    "test-loss": loss_sum / max(n, 1), f"test-acc-{other}": results[other][0] / max(n, 1)}
