@@ -116,7 +116,6 @@ def test_training_loss_gradients_and_step_count(run_config, monkeypatch):
     client, procedure, _, small = fused_model(rc)
     assert len(client.data.train_y) == 400
     seen_losses, steps = [], []
-    real_ce = F.cross_entropy
 
     import client_app.training as training
     original = training.train_supervised
