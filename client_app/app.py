@@ -27,18 +27,19 @@ def handle(msg: Message, context: Context) -> Message:
         ConfigError, PayloadError: turned into an error reply by Flower; the server logs and
             drops it, the round goes on.
     """
-    client = ClientRuntime(context)
+    config = dict(msg.content.config_records["config"]) if "config" in msg.content.config_records else {}
+    client = ClientRuntime(context, str(config.get("state-key", "in-memory")))
     procedure = client_procedure(client.cfg)
     message_type = msg.metadata.message_type
     down, up = procedure.schemas[message_type]
     payload = read_payload(msg.content)
     down.validate(payload, {"C": DATASETS[client.cfg.dataset].num_classes, "d": client.cfg.representation_dim})
-    config = dict(msg.content.config_records["config"]) if "config" in msg.content.config_records else {}
     arrays, metrics = getattr(procedure, message_type.replace(".", "_"))(client, payload, config)
     if config.get("evaluate"):  # evaluate the just-trained personal model in the same reply
         metrics.update({EVAL_PREFIX + k: v for k, v in procedure.evaluate(client, {}, config)[1].items()})
     content = up.to_record(arrays)
-    content["metrics"] = MetricRecord(metric_values({**metrics, PARTITION_ID: client.partition_id}))
+    content["metrics"] = MetricRecord(metric_values({**metrics, PARTITION_ID: client.partition_id,
+                                                     "state-restores": client.state_restores}))
     return Message(content, reply_to=msg)
 
 

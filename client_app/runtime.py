@@ -7,7 +7,10 @@ alike; module globals are shared between virtual clients (simulation) or reset e
 
 from __future__ import annotations
 
+import logging
+import os
 from functools import cached_property, lru_cache
+from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, Context
@@ -19,6 +22,8 @@ from models.base import SplitModel
 from models.groups import MODEL_GROUPS
 
 MODEL_STATE = "model"
+
+log = logging.getLogger("flwr." + __name__)
 
 
 @lru_cache(maxsize=8)
@@ -50,10 +55,17 @@ class ClientRuntime:
     """What a client procedure needs for one message.
 
     Node config keys: ``partition-id`` (required), ``num-partitions`` (default: run config
-    ``num-clients``), ``data-dir`` (optional, overrides the run config's ``data-dir``).
+    ``num-clients``), ``data-dir`` (optional, overrides the run config's ``data-dir``),
+    ``state-dir`` (optional: a folder where this node's client state is also written, so it
+    survives a SuperNode restart, which empties ``context.state``).
+
+    Args:
+        context: the message's Flower context.
+        state_key: names the run whose state this is (sent by the server in every message
+            config as ``state-key``); state lives in ``<state-dir>/<state_key>/partition-<id>/``.
     """
 
-    def __init__(self, context: Context) -> None:
+    def __init__(self, context: Context, state_key: str = "in-memory") -> None:
         self.context = context
         self.cfg = parse_run_config(context.run_config)
         node = context.node_config
@@ -64,6 +76,10 @@ class ClientRuntime:
         self.spec = DataSpec.from_config(self.cfg, int(node.get("num-partitions", self.cfg.num_clients)),
                                          node.get("data-dir"))
         self.device = pick_device(self.cfg.device)
+        state_dir = node.get("state-dir")
+        self.state_dir = (Path(str(state_dir)) / _safe(state_key) / f"partition-{self.partition_id}"
+                          if state_dir else None)
+        self.state_restores = 0  # state records read back from state-dir in this message
         #: objects the handlers of this one message share (e.g. FedMRL's just-trained small model
         #: for the evaluation in the same train reply); gone with the message
         self.scratch: dict[str, object] = {}
@@ -83,15 +99,33 @@ class ClientRuntime:
         return model.to(self.device)
 
     def restore(self, name: str, module: nn.Module) -> bool:
-        """Load ``module`` from ``context.state[name]`` if present; True when it was."""
+        """Load ``module`` from ``context.state[name]``, or else from ``state-dir``; True when found.
+
+        A record read from disk is put back into ``context.state`` and counted in ``state_restores``.
+        """
         if name not in self.context.state.array_records:
-            return False
+            path = self._state_file(name)
+            if path is None or not path.is_file():
+                return False
+            self.context.state[name] = ArrayRecord(torch.load(path, map_location="cpu", weights_only=True))
+            self.state_restores += 1
+            log.info("partition %d: restored '%s' from %s", self.partition_id, name, path)
         module.load_state_dict(self.context.state.array_records[name].to_torch_state_dict())
         return True
 
     def store(self, name: str, module: nn.Module) -> None:
-        """Save ``module``'s state dict into ``context.state[name]`` (survives rounds)."""
+        """Save ``module``'s state dict into ``context.state[name]`` (survives rounds) and, with a
+        ``state-dir``, atomically to ``<name>.pt`` there (survives a SuperNode restart)."""
         self.context.state[name] = ArrayRecord(module.state_dict())
+        path = self._state_file(name)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, tmp)
+            os.replace(tmp, path)
+
+    def _state_file(self, name: str) -> Path | None:
+        return self.state_dir / f"{_safe(name)}.pt" if self.state_dir is not None else None
 
     def save_model(self) -> None:
         """Persist the personal model."""
@@ -101,3 +135,8 @@ class ClientRuntime:
         """A CPU RNG seeded by (seed, partition, round, purpose): same draws in every process."""
         seed = ((self.cfg.seed * 1_000_003 + self.partition_id) * 10_007 + server_round) * 31 + purpose
         return torch.Generator().manual_seed(seed)
+
+
+def _safe(name: str) -> str:
+    """A file-name-safe version of ``name`` (no separators, no leading dots)."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).lstrip(".") or "_"

@@ -81,7 +81,7 @@ def _range_text(low: float | None, high: float | None, low_open: bool) -> str:
 class RunConfig:
     """Validated run configuration shared by server and clients.
 
-    Units: ``round_timeout`` in seconds; ``fraction_train`` and ``test_fraction`` are
+    Units: ``round_timeout`` and ``connect_timeout`` in seconds; ``fraction_train`` and ``test_fraction`` are
     fractions in [0, 1], never percent.
     """
 
@@ -111,6 +111,7 @@ class RunConfig:
     resume_from: str
     device: str
     round_timeout: float
+    connect_timeout: float
     extra: tuple[tuple[str, Any], ...] = ()  # other keys (method tables), sorted; a tuple keeps cfg hashable
 
     @classmethod
@@ -158,6 +159,7 @@ class RunConfig:
             resume_from=_optional_string("resume-from", g("resume-from")),
             device=choice("device", g("device"), DEVICES),
             round_timeout=number("round-timeout", g("round-timeout"), low=0, low_open=True),
+            connect_timeout=number("connect-timeout", g("connect-timeout"), low=0, low_open=True),
             extra=tuple(sorted((k, v) for k, v in raw.items() if k not in names)),
         )
         info = DATASETS[cfg.dataset]

@@ -108,6 +108,11 @@ class HeteroStrategy(Strategy):
         self.clients: dict[int, dict[str, Any]] = {}  # node id -> handshake metrics
         self.nodes: list[int] = []  # node ids ordered by partition id
         self.sampled: list[int] = []  # the nodes of the last sample() call
+        self.connected: set[int] = set()  # nodes the grid listed at the start of this round
+        self.round_dropped: set[int] = set()  # partition ids sampled/asked this round that gave no valid reply
+        #: names this run's client state on disk (node config ``state-dir``): the results folder of
+        #: the run that started it, kept by a resumed run so clients find their state again
+        self.state_key = "in-memory"
         self.traffic: Counter[str] = Counter()  # "<category>_bytes_<up|down>" -> bytes
         self.dropped: Counter[str] = Counter()  # message category -> dropped replies
         self.rows: list[dict[str, Any]] = []
@@ -172,7 +177,7 @@ class HeteroStrategy(Strategy):
         done = {r.node_id for r in self._evaluated_in_train}
         targets = self.nodes if self.cfg.eval_clients == "all" else self.sampled
         return [self.message("evaluate", node, self.eval_payload(node, server_round), config, server_round)
-                for node in targets if node not in done]
+                for node in targets if node not in done and node in self.connected]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Accuracy of the clients' personal models on their local test splits.
@@ -216,16 +221,17 @@ class HeteroStrategy(Strategy):
         """Run the whole federation: wait for nodes, handshake, rounds, evaluation, results.
 
         ``num_rounds`` and ``timeout`` default to the config's ``num-server-rounds`` and
-        ``round-timeout``; the other arguments exist for signature compatibility and are unused
+        ``round-timeout`` (the wait for a round's replies); the other arguments exist for signature compatibility and are unused
         (the server state lives in the strategy, the config in ``cfg``).
 
         Raises:
             RuntimeError: if fewer than ``num-clients`` nodes connect or answer the handshake
-                within ``round-timeout`` seconds.
+                within ``connect-timeout`` seconds.
         """
         self.grid = grid
         rounds = num_rounds or self.cfg.num_server_rounds
         self._timeout = timeout or self.cfg.round_timeout
+        self.state_key = self._initial_state_key()
         self.summary()
         self.handshake()
         first = self.resume() + 1
@@ -234,6 +240,8 @@ class HeteroStrategy(Strategy):
         for server_round in range(first, rounds + 1):
             before = self.traffic.copy()
             t0 = time.perf_counter()
+            self.round_dropped = set()
+            self.refresh_nodes()
             train_metrics = self.run_round(server_round)
             t1 = time.perf_counter()
             eval_messages = list(self.configure_evaluate(server_round, ArrayRecord(),
@@ -281,9 +289,20 @@ class HeteroStrategy(Strategy):
             else:
                 obj.load_state_dict(value)
 
+    def _initial_state_key(self) -> str:
+        if self.cfg.resume_from:
+            from server_app.results import load_checkpoint
+
+            key = load_checkpoint(self.cfg.resume_from).get("state-key")
+            if key:
+                return key
+        return self.results.path.name if self.results is not None else "in-memory"
+
     def checkpoint(self, server_round: int) -> dict[str, Any]:
-        """Everything needed to continue after ``server_round``: server state, RNG, counters, rows."""
-        return {"round": server_round, "method": self.cfg.method, "rng": self.rng.bit_generator.state,
+        """Everything needed to continue after ``server_round``: server state, RNG, counters, rows,
+        and the clients' state key."""
+        return {"round": server_round, "method": self.cfg.method, "state-key": self.state_key,
+                "rng": self.rng.bit_generator.state,
                 "traffic": dict(self.traffic), "dropped": dict(self.dropped), "rows": self.rows,
                 "server": self.server_state()}
 
@@ -322,17 +341,18 @@ class HeteroStrategy(Strategy):
 
         Raises:
             RuntimeError: fewer than ``num-clients`` nodes connect or answer within
-                ``round-timeout``, or two nodes claim one partition.
+                ``connect-timeout``, or two nodes claim one partition.
         """
-        wanted, deadline = self.cfg.num_clients, time.monotonic() + self._timeout
+        wanted, timeout = self.cfg.num_clients, self.cfg.connect_timeout
+        deadline = time.monotonic() + timeout
         while len(nodes := sorted(self.grid.get_node_ids())) < wanted:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"only {len(nodes)} of num-clients={wanted} nodes connected within "
-                                   f"{self._timeout:.0f} s (run config key 'round-timeout')")
+                                   f"{timeout:.0f} s (run config key 'connect-timeout')")
             log.info("Waiting for nodes: %d of %d connected", len(nodes), wanted)
             time.sleep(2.0)
         replies = self.validate("query", self.exchange(
-            [self.message("query", n, {}, ConfigRecord(), 0) for n in nodes]))
+            [self.message("query", n, {}, ConfigRecord(), 0) for n in nodes], max(deadline - time.monotonic(), 1.0)))
         by_partition: dict[int, int] = {}
         for r in replies:
             if r.partition_id in by_partition:
@@ -343,13 +363,46 @@ class HeteroStrategy(Strategy):
         if len(replies) < wanted:
             raise RuntimeError(f"only {len(replies)} of num-clients={wanted} nodes answered the handshake")
         self.nodes = [by_partition[p] for p in sorted(by_partition)]
+        self.connected = set(self.nodes)
         log.info("Handshake: %d clients, partitions %s", len(self.nodes), sorted(by_partition))
+
+    def refresh_nodes(self) -> None:
+        """Track nodes leaving and (re)joining between rounds (deployment: a SuperNode restarts).
+
+        Nodes the grid no longer lists are skipped when sampled (and recorded as dropped); an
+        unknown node is asked for its partition id, and when it holds a known partition it
+        replaces that partition's old node (a SuperNode restarted without a fixed node id). A
+        rejoining client restores its state from its node's ``state-dir``.
+        """
+        self.connected = set(self.grid.get_node_ids())
+        new = sorted(self.connected - set(self.clients))
+        if not new:
+            return
+        for reply in self.validate("query", self.exchange([self.message("query", n, {}, ConfigRecord(), 0)
+                                                           for n in new])):
+            index = next((i for i, n in enumerate(self.nodes)
+                          if self.clients[n][PARTITION_ID] == reply.partition_id), None)
+            if index is None:
+                log.warning("Node %s holds partition %d, which is not part of this run; ignored",
+                            reply.node_id, reply.partition_id)
+                continue
+            self.clients[reply.node_id] = reply.metrics
+            log.info("Partition %d rejoined as node %s (was %s)", reply.partition_id, reply.node_id,
+                     self.nodes[index])
+            self.nodes[index] = reply.node_id
 
     def sample(self) -> list[int]:
         """This round's clients: K of the known nodes, seeded, returned in partition-id order."""
         k = sample_size(self.cfg.fraction_train, len(self.nodes))
         chosen = self.rng.choice(len(self.nodes), size=k, replace=False)
         self.sampled = [self.nodes[i] for i in sorted(chosen)]
+        # sampling is over all partitions, so a disconnected client does not shift the RNG stream;
+        # it is recorded as dropped instead of being waited for
+        gone = [n for n in self.sampled if n not in self.connected]
+        if gone:
+            log.warning("Sampled but disconnected: partitions %s", [self.clients[n][PARTITION_ID] for n in gone])
+            self.round_dropped.update(self.clients[n][PARTITION_ID] for n in gone)
+            self.sampled = [n for n in self.sampled if n in self.connected]
         return list(self.sampled)
 
     def is_eval_round(self, server_round: int) -> bool:
@@ -371,11 +424,12 @@ class HeteroStrategy(Strategy):
                 config: ConfigRecord, server_round: int) -> Message:
         """A message to one node: its payload (checked against the schema) plus ``config``."""
         content = self.schemas[message_type][0].to_record(arrays)
-        content["config"] = config
+        content["config"] = ConfigRecord({**dict(config), "state-key": self.state_key})
         return Message(content, dst_node_id=node_id, message_type=message_type, group_id=str(server_round))
 
-    def exchange(self, messages: Iterable[Message]) -> list[Message]:
-        """Send ``messages``, wait for the replies, count payload bytes both ways.
+    def exchange(self, messages: Iterable[Message], timeout: float | None = None) -> list[Message]:
+        """Send ``messages``, wait for the replies (at most ``timeout`` s, default ``round-timeout``),
+        count payload bytes both ways.
 
         Bytes are added to ``self.traffic["<category>_bytes_down"]`` (per message sent) and
         ``["<category>_bytes_up"]`` (per reply received, valid or not).
@@ -385,15 +439,18 @@ class HeteroStrategy(Strategy):
             return []
         for m in messages:
             self.traffic[_category(m.metadata.message_type) + "_bytes_down"] += tensor_bytes(m.content)
-        replies = list(self.grid.send_and_receive(messages, timeout=self._timeout))
+        timeout = timeout or self._timeout
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
         for r in replies:
             if not r.has_error():
                 self.traffic[_category(r.metadata.message_type) + "_bytes_up"] += tensor_bytes(r.content)
-        missing = len(messages) - len(replies)
+        missing = {m.metadata.dst_node_id for m in messages} - {r.metadata.src_node_id for r in replies}
         if missing:
-            log.warning("%d of %d %s replies did not arrive within %.0f s", missing, len(messages),
-                        messages[0].metadata.message_type, self._timeout)
-            self.dropped[_category(messages[0].metadata.message_type)] += missing
+            partitions = sorted(self.clients[n][PARTITION_ID] for n in missing if n in self.clients)
+            log.warning("%d of %d %s replies did not arrive within %.0f s (partitions %s)", len(missing),
+                        len(messages), messages[0].metadata.message_type, timeout, partitions)
+            self.dropped[_category(messages[0].metadata.message_type)] += len(missing)
+            self.round_dropped.update(partitions)
         return replies
 
     def validate(self, message_type: str, replies: Iterable[Message]) -> list[ClientReply]:
@@ -429,6 +486,8 @@ class HeteroStrategy(Strategy):
                 valid.append(ClientReply(node, pid, arrays, metrics))
             except PayloadError as exc:
                 self.dropped[_category(message_type)] += 1
+                if node in self.clients:
+                    self.round_dropped.add(self.clients[node][PARTITION_ID])
                 log.warning("Dropped %s reply from node %s: %s", message_type, node, exc)
         return valid
 
@@ -445,6 +504,7 @@ class HeteroStrategy(Strategy):
             "eval_bytes_up": traffic.get("evaluate_bytes_up", 0),
             "eval_bytes_down": traffic.get("evaluate_bytes_down", 0),
             "num_clients": int(train.get("num-clients", 0)),
+            "dropped_clients": sorted(self.round_dropped),
             "round_seconds": train_s + eval_s,
             "train_phase_seconds": train_s,
             "eval_phase_seconds": eval_s,
@@ -505,6 +565,8 @@ def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_
     """
     metrics = {"num-clients": len({r.node_id for r in replies}), **server, "server-update-seconds": server_seconds}
     metrics.update(_client_sums(replies, ("train-seconds", "data-seconds")))
+    # clients that found no state in memory and restored it from their node's state-dir
+    metrics["client-state-restores"] = int(sum(r.metrics.get("state-restores", 0) for r in replies))
     weighted = [(r.metrics["train-loss"], r.metrics.get("num-examples", 1))
                 for r in replies if "train-loss" in r.metrics]
     if weighted:

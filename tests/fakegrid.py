@@ -16,19 +16,31 @@ TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = 1
 
 
 class FakeGrid(Grid):
-    """Nodes ``1000 + partition_id``; ``tamper(node_id, reply) -> reply`` can corrupt replies."""
+    """Nodes ``1000 + partition_id``; ``tamper(node_id, reply) -> reply`` can corrupt replies.
+
+    Failures: messages to a node in ``silent`` get no reply (a SuperNode killed a moment ago,
+    still listed); a node in ``gone`` is not listed either. :meth:`add_node` starts a node.
+    """
 
     def __init__(self, client_app, run_config: dict, num_nodes: int,
-                 tamper: Callable[[int, Message], Message] | None = None) -> None:
+                 tamper: Callable[[int, Message], Message] | None = None, node_config: dict | None = None) -> None:
         self.client_app = client_app
         self.tamper = tamper
-        self.contexts = {
-            1000 + p: Context(run_id=1, node_id=1000 + p,
-                              node_config={"partition-id": p, "num-partitions": num_nodes},
-                              state=RecordDict(), run_config=dict(run_config))
-            for p in range(num_nodes)
-        }
+        self.run_config, self.num_nodes, self.node_config = dict(run_config), num_nodes, dict(node_config or {})
+        self.contexts: dict[int, Context] = {}
+        for p in range(num_nodes):
+            self.add_node(1000 + p, p)
         self.sent: list[Message] = []
+        self.silent: set[int] = set()
+        self.gone: set[int] = set()
+
+    def add_node(self, node_id: int, partition_id: int) -> Context:
+        """A node with an empty state holding ``partition_id`` (a fresh or restarted SuperNode)."""
+        self.contexts[node_id] = Context(run_id=1, node_id=node_id,
+                                         node_config={"partition-id": partition_id, "num-partitions": self.num_nodes,
+                                                      **self.node_config},
+                                         state=RecordDict(), run_config=self.run_config)
+        return self.contexts[node_id]
 
     def set_run(self, run) -> None:  # pragma: no cover - unused by the strategies
         raise NotImplementedError
@@ -47,13 +59,15 @@ class FakeGrid(Grid):
         raise NotImplementedError
 
     def get_node_ids(self) -> Iterable[int]:
-        return list(self.contexts)
+        return [n for n in self.contexts if n not in self.gone]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         replies = []
         for msg in messages:
             self.sent.append(msg)
             node = msg.metadata.dst_node_id
+            if node in self.silent or node in self.gone:
+                continue
             try:
                 reply = self.client_app(msg, self.contexts[node])
             except Exception as exc:  # the real runtime turns this into an error reply, code 2

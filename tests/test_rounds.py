@@ -102,7 +102,7 @@ def test_failed_run_is_marked_in_summary(run_config):
     rc = run_config(**{"num-server-rounds": 1})
     _, grid = federation(rc)
     grid.contexts.clear()  # no node ever connects
-    rc["round-timeout"] = 0.1
+    rc["connect-timeout"] = 0.1
     with pytest.raises(RuntimeError, match="num-clients=4"):
         run(grid, RunConfig.from_dict(rc), "t2")
     summaries = list(Path(rc["output-dir"]).glob("*/summary.json"))

@@ -1,0 +1,73 @@
+"""What deployment does to a run, in-process: nodes vanish, restart empty, come back under new ids."""
+
+import torch
+
+from client_app.runtime import MODEL_STATE
+from common.config import RunConfig
+from fakegrid import FakeGrid
+from strategies.registry import build_strategy
+
+
+def deployed(rc, state_dir):
+    from client_app.app import app as client_app
+
+    cfg = RunConfig.from_dict(rc)
+    return build_strategy(cfg), FakeGrid(client_app, rc, cfg.num_clients, node_config={"state-dir": str(state_dir)})
+
+
+def saved_model(state_dir, key, partition):
+    return torch.load(state_dir / key / f"partition-{partition}" / f"{MODEL_STATE}.pt", weights_only=True)
+
+
+def test_state_is_written_to_the_node_dir_and_restored_after_a_restart(run_config, tmp_path):
+    rc = run_config(**{"num-clients": 3, "num-server-rounds": 1})
+    strategy, grid = deployed(rc, tmp_path / "state")
+    strategy.start(grid)
+    key = strategy.state_key
+    for node, ctx in grid.contexts.items():
+        on_disk = saved_model(tmp_path / "state", key, ctx.node_config["partition-id"])
+        in_memory = ctx.state.array_records[MODEL_STATE].to_torch_state_dict()
+        assert on_disk.keys() == in_memory.keys() and all(torch.equal(on_disk[k], in_memory[k]) for k in on_disk)
+    assert not list((tmp_path / "state").rglob("*.tmp"))  # written atomically: no partial files left
+    assert strategy.rows[0]["client_state_restores"] == 0
+
+    # node 1001 restarts: same node id (an authenticated SuperNode keeps its id), empty context
+    before = saved_model(tmp_path / "state", key, 1)
+    grid.add_node(1001, 1)
+    from client_app.runtime import ClientRuntime
+
+    runtime = ClientRuntime(grid.contexts[1001], key)
+    restored = runtime.model.state_dict()
+    assert runtime.state_restores == 1 and all(torch.equal(restored[k], before[k]) for k in before)
+
+
+def test_a_killed_node_is_dropped_and_rejoins_with_its_state(run_config, tmp_path):
+    rc = run_config(**{"num-clients": 3, "num-server-rounds": 4})
+    strategy, grid = deployed(rc, tmp_path / "state")
+    original_round = strategy.run_round
+    events = []
+
+    def run_round(server_round):
+        if server_round == 2:  # killed after round 1: still listed, never answers
+            grid.silent.add(1002)
+        if server_round == 3:  # its heartbeat expired: no longer listed
+            grid.gone.add(1002)
+        if server_round == 4:  # restarted under a new node id with an empty context
+            grid.add_node(2002, 2)
+            events.append(saved_model(tmp_path / "state", strategy.state_key, 2))
+        strategy.refresh_nodes()
+        return original_round(server_round)
+
+    strategy.run_round = run_round
+    strategy.start(grid)
+    rows = strategy.rows
+    assert [r["dropped_clients"] for r in rows] == [[], [2], [2], []]
+    assert [r["num_clients"] for r in rows] == [3, 2, 2, 3]
+    assert rows[-1]["client_state_restores"] == 1  # the restarted node found its model on disk
+    assert set(rows[1]["accuracy_per_client"]) == {"0", "1"} and set(rows[3]["accuracy_per_client"]) == {"0", "1", "2"}
+    assert strategy.nodes[2] == 2002
+    # what it restored is what it had saved at the end of round 1 (it missed rounds 2 and 3)
+    first = events[0]
+    now = grid.contexts[2002].state.array_records[MODEL_STATE].to_torch_state_dict()
+    assert any(not torch.equal(first[k], now[k]) for k in first)  # and it trained on from there in round 4
+    assert strategy.dropped["train"] >= 1

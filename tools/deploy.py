@@ -1,0 +1,243 @@
+"""Deploy across machines: certificates, node keys, SuperLink, SuperNodes, the CLI connection.
+
+Usage (each host runs its part; see README "Deploy across machines"):
+
+    python -m tools.deploy certs --out certs --name superlink.example.org --ip 10.0.0.5
+    python -m tools.deploy keys --out keys --nodes 3
+    python -m tools.deploy superlink --certs certs [--auth] [--port 8000] [--database state.db]
+    python -m tools.deploy connection --address 10.0.0.5:8000 --root-cert certs/ca.crt [--name deploy]
+    flwr supernode register keys/node-0.pub deploy          # once per node key, from the CLI host
+    python -m tools.deploy supernode --superlink 10.0.0.5:8000 --root-cert certs/ca.crt \\
+        --key keys/node-0 --partition-id 0 --num-partitions 3 --data-dir /data --state-dir /var/lib/mhfl
+    flwr run . deploy --run-config "method='fedgh' num-clients=3 data-dir='/data'" --stream
+
+``superlink``/``supernode`` print the exact Flower command and then replace this process with
+it (``exec``), so a service manager supervises Flower itself. TLS is the default; ``--insecure``
+is an explicit opt-in for a local test and cannot be combined with ``--auth`` (Flower's node
+authentication needs TLS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import os
+import shlex
+import sys
+from pathlib import Path
+
+#: the Flower CLIs live next to this interpreter (the project's virtual environment)
+BIN = Path(sys.executable).parent
+
+
+def write_certificates(out: Path, names: list[str], ips: list[str], days: int = 365) -> dict[str, Path]:
+    """A CA and a SuperLink server certificate signed by it, valid for ``names`` and ``ips``.
+
+    The server certificate's subjectAltName lists every DNS name and IP address clients use to
+    reach the SuperLink (SuperNodes and the ``flwr`` CLI check it); ``localhost`` and
+    ``127.0.0.1`` are always included. Keys are ECDSA P-384, written with mode 0600.
+
+    Returns:
+        ``{"ca": ca.crt, "ca-key": ca.key, "cert": server.pem, "key": server.key}`` paths.
+
+    Raises:
+        ValueError: an entry of ``ips`` is not an IP address.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, server_key = ec.generate_private_key(ec.SECP384R1()), ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "mheterofl-ca")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now)
+          .not_valid_after(now + datetime.timedelta(days=days))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    dns = list(dict.fromkeys(["localhost", *names]))
+    addresses = list(dict.fromkeys(["127.0.0.1", *ips]))
+    san = x509.SubjectAlternativeName([*(x509.DNSName(n) for n in dns),
+                                       *(x509.IPAddress(ipaddress.ip_address(a)) for a in addresses)])
+    server = (x509.CertificateBuilder()
+              .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns[-1])]))
+              .issuer_name(ca_name).public_key(server_key.public_key())
+              .serial_number(x509.random_serial_number()).not_valid_before(now)
+              .not_valid_after(now + datetime.timedelta(days=days))
+              .add_extension(san, critical=False)
+              .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+              .sign(ca_key, hashes.SHA256()))
+    paths = {"ca": out / "ca.crt", "ca-key": out / "ca.key", "cert": out / "server.pem", "key": out / "server.key"}
+    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths["cert"].write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    for name, key in (("ca-key", ca_key), ("key", server_key)):
+        _write_secret(paths[name], key.private_bytes(serialization.Encoding.PEM,
+                                                     serialization.PrivateFormat.PKCS8,
+                                                     serialization.NoEncryption()))
+    return paths
+
+
+def write_node_keys(out: Path, count: int, first: int = 0) -> list[tuple[Path, Path]]:
+    """ECDSA P-384 key pairs ``node-<i>`` (OpenSSH private key, 0600) and ``node-<i>.pub`` (OpenSSH
+    public key), the format ``flwr supernode register`` and ``--auth-supernode-private-key`` take
+    (what ``ssh-keygen -t ecdsa -b 384`` writes). Returns ``[(private, public), ...]``."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = []
+    for i in range(first, first + count):
+        key = ec.generate_private_key(ec.SECP384R1())
+        private, public = out / f"node-{i}", out / f"node-{i}.pub"
+        _write_secret(private, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                                 serialization.NoEncryption()))
+        public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                         serialization.PublicFormat.OpenSSH) + b"\n")
+        pairs.append((private, public))
+    return pairs
+
+
+def superlink_command(certs: Path | None, auth: bool, host: str = "0.0.0.0", port: int = 8000,
+                      database: str | None = None) -> list[str]:
+    """``flower-superlink`` for deployment: TLS with ``certs`` (None: insecure), node authentication
+    with ``auth``, runtime dependency installation off (the app's dependencies are preinstalled).
+
+    Raises:
+        ValueError: ``auth`` without certificates (Flower requires TLS for node authentication).
+    """
+    if auth and certs is None:
+        raise ValueError("--auth needs TLS: pass --certs (SuperNode authentication is refused without TLS)")
+    cmd = [str(BIN / "flower-superlink"), "--host", host, "--port", str(port),
+           "--disable-runtime-dependency-installation"]
+    cmd += (["--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile", str(certs / "server.pem"),
+             "--ssl-keyfile", str(certs / "server.key")] if certs else ["--insecure"])
+    cmd += ["--enable-supernode-auth"] if auth else []
+    cmd += ["--database", database] if database else []
+    return cmd
+
+
+def node_config(partition_id: int, num_partitions: int, data_dir: str | None = None,
+                state_dir: str | None = None) -> str:
+    """The ``--node-config`` string: partition, and optionally where the data and the client state live."""
+    items = {"partition-id": partition_id, "num-partitions": num_partitions, "data-dir": data_dir,
+             "state-dir": state_dir}
+    return " ".join(f"{k}={v}" if isinstance(v, int) else f'{k}="{v}"' for k, v in items.items() if v is not None)
+
+
+def supernode_command(superlink: str, root_cert: Path | None, key: Path | None, config: str,
+                      port: int = 9094, max_retries: int | None = None) -> list[str]:
+    """``flower-supernode`` connecting to ``superlink`` (host:port) over TLS trusting ``root_cert``
+    (None: insecure), authenticating with the private ``key`` when given; ``port`` is its local
+    runtime API port (one per SuperNode on a host)."""
+    cmd = [str(BIN / "flower-supernode"), "--superlink", superlink, "--node-config", config, "--port", str(port)]
+    cmd += ["--root-certificates", str(root_cert)] if root_cert else ["--insecure"]
+    cmd += ["--auth-supernode-private-key", str(key)] if key else []
+    cmd += ["--max-retries", str(max_retries)] if max_retries is not None else []
+    return cmd
+
+
+def write_connection(flwr_home: Path, name: str, address: str, root_cert: Path | None) -> Path:
+    """Add (or replace) connection ``name`` in ``<flwr_home>/config.toml`` for ``flwr run/supernode/log``."""
+    import tomllib
+
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    path = flwr_home / "config.toml"
+    config = tomllib.loads(path.read_text()) if path.is_file() else {}
+    links = config.setdefault("superlink", {})
+    links.setdefault("default", name)
+    links[name] = {"address": address, **({"root-certificates": str(root_cert.resolve())} if root_cert
+                                          else {"insecure": True})}
+    lines = ["[superlink]", f'default = "{links["default"]}"', ""]
+    for key, value in links.items():
+        if isinstance(value, dict):
+            lines.append(f"[superlink.{key}]")
+            lines += [f"{k} = {_toml(v)}" for k, v in value.items()]
+            lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+def environment() -> dict[str, str]:
+    """The environment Flower's processes need: this venv's CLIs on PATH (SuperExec, ClientApps),
+    no runtime installs, no Hub look-ups."""
+    return {**os.environ, "PATH": str(BIN) + os.pathsep + os.environ.get("PATH", ""),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1"}
+
+
+def _toml(value) -> str:
+    return "true" if value is True else "false" if value is False else f'"{value}"'
+
+
+def _write_secret(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("certs", help="CA + SuperLink certificate")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--name", action="append", default=[], help="DNS name clients use for the SuperLink (repeat)")
+    p.add_argument("--ip", action="append", default=[], help="IP address clients use for the SuperLink (repeat)")
+    p.add_argument("--days", type=int, default=365)
+    p = sub.add_parser("keys", help="SuperNode authentication key pairs")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--first", type=int, default=0)
+    p = sub.add_parser("superlink", help="start the SuperLink")
+    p.add_argument("--certs", type=Path, help="folder with ca.crt, server.pem, server.key")
+    p.add_argument("--insecure", action="store_true", help="no TLS: local tests only")
+    p.add_argument("--auth", action="store_true", help="accept only registered SuperNode keys")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--database", help="SQLite file keeping the SuperLink's state (runs, registered nodes)")
+    p = sub.add_parser("supernode", help="start a SuperNode")
+    p.add_argument("--superlink", required=True, help="host:port of the SuperLink")
+    p.add_argument("--root-cert", type=Path, help="the CA certificate (ca.crt)")
+    p.add_argument("--insecure", action="store_true", help="no TLS: local tests only")
+    p.add_argument("--key", type=Path, help="this node's private key (registered with `flwr supernode register`)")
+    p.add_argument("--partition-id", type=int, required=True)
+    p.add_argument("--num-partitions", type=int, required=True)
+    p.add_argument("--data-dir", help="absolute folder with <dataset>/train.parquet on this host")
+    p.add_argument("--state-dir", help="absolute folder where this node persists its client state")
+    p.add_argument("--port", type=int, default=9094, help="local runtime API port (distinct per node on a host)")
+    p = sub.add_parser("connection", help="write the flwr CLI connection")
+    p.add_argument("--address", required=True)
+    p.add_argument("--root-cert", type=Path)
+    p.add_argument("--name", default="deploy")
+    p.add_argument("--flwr-home", type=Path, default=Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr")))
+    args = parser.parse_args(argv)
+
+    if args.command == "certs":
+        for name, path in write_certificates(args.out, args.name, args.ip, args.days).items():
+            print(f"{name}: {path}")
+        return 0
+    if args.command == "keys":
+        for private, public in write_node_keys(args.out, args.nodes, args.first):
+            print(f"{private} {public}")
+        return 0
+    if args.command == "connection":
+        print(write_connection(args.flwr_home, args.name, args.address, args.root_cert))
+        return 0
+    if args.command == "superlink":
+        if not args.insecure and args.certs is None:
+            parser.error("pass --certs (TLS) or, for a local test only, --insecure")
+        cmd = superlink_command(None if args.insecure else args.certs, args.auth, args.host, args.port, args.database)
+    else:
+        if not args.insecure and args.root_cert is None:
+            parser.error("pass --root-cert (TLS) or, for a local test only, --insecure")
+        config = node_config(args.partition_id, args.num_partitions, args.data_dir, args.state_dir)
+        cmd = supernode_command(args.superlink, None if args.insecure else args.root_cert, args.key, config, args.port)
+    print(shlex.join(cmd), flush=True)
+    os.execve(cmd[0], cmd, environment())
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
