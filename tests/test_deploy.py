@@ -112,7 +112,7 @@ def test_tls_auth_deployment_survives_a_killed_and_restarted_supernode(tmp_path)
 
         assert wait_for(lambda: intruder.poll() is not None, 90, "the unregistered SuperNode to be refused") != 0
 
-        wait_for(lambda: len(rows_of(out)) >= 1, 240, "round 1")
+        wait_for(lambda: len(rows_of(out)) >= 1, 400, "round 1")
         stop(nodes[2])  # killed mid-run: no more replies from partition 2
         wait_for(lambda: len(rows_of(out)) >= 2, 180, "round 2 without the killed node")
         nodes[2] = supernode(2, keys[2][0])  # the same key, so the same node id
@@ -123,7 +123,7 @@ def test_tls_auth_deployment_survives_a_killed_and_restarted_supernode(tmp_path)
             runs = json.loads(listed.stdout).get("runs", []) if listed.returncode == 0 else []
             status = runs[0].get("status", "") if runs else ""
             return status if status.startswith("finished") else None
-        assert wait_for(finished, 300, "the run to finish") == "finished:completed"
+        assert wait_for(finished, 600, "the run to finish") == "finished:completed"
     finally:
         for proc in procs:
             stop(proc)
