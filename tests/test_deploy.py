@@ -11,8 +11,6 @@ Every process started here is stopped by its process-group id.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import ssl
 import subprocess
 import time
@@ -22,7 +20,7 @@ from pathlib import Path
 
 from tools.deploy import (BIN, environment, node_config, superlink_command, supernode_command, write_certificates,
                           write_connection, write_node_keys)
-from tools.run import free_port, toml_value
+from tools.run import free_port, stop, toml_value
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = ROOT.parent / "shared" / "data"
@@ -31,18 +29,6 @@ DATA_DIR = ROOT.parent / "shared" / "data"
 def start(cmd, env, log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
                             start_new_session=True)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def flwr(*args, env) -> subprocess.CompletedProcess:
