@@ -166,11 +166,16 @@ def main(argv: list[str] | None = None) -> int:
             print("error: the run was not submitted")
             return 1
         print(f"Submitted run {run_id}; streaming its log (Ray needs tens of seconds before round 1)")
-        _flwr("log", str(run_id), "sim", "--stream", env=env)
-        status = run_status(env, run_id)
-        while not status.startswith("finished"):
-            time.sleep(2)
+        try:
+            _flwr("log", str(run_id), "sim", "--stream", env=env)
             status = run_status(env, run_id)
+            while not status.startswith("finished"):
+                time.sleep(2)
+                status = run_status(env, run_id)
+        except KeyboardInterrupt:
+            # the simulation runs outside the SuperLink's process group: stop the run itself
+            _flwr("stop", str(run_id), "sim", env=env, capture=True)
+            raise
         print(f"Run {run_id}: {status}")
         return 0 if status == "finished:completed" else 1
     finally:
