@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 import numpy as np
@@ -289,13 +290,18 @@ class HeteroStrategy(Strategy):
             else:
                 obj.load_state_dict(value)
 
-    def _initial_state_key(self) -> str:
-        if self.cfg.resume_from:
-            from server_app.results import load_checkpoint
+    @cached_property
+    def _saved(self) -> dict[str, Any] | None:
+        """The ``resume-from`` checkpoint, read once (None without ``resume-from``)."""
+        if not self.cfg.resume_from:
+            return None
+        from server_app.results import load_checkpoint
 
-            key = load_checkpoint(self.cfg.resume_from).get("state-key")
-            if key:
-                return key
+        return load_checkpoint(self.cfg.resume_from)
+
+    def _initial_state_key(self) -> str:
+        if self._saved is not None and self._saved.get("state-key"):
+            return self._saved["state-key"]
         return self.results.path.name if self.results is not None else "in-memory"
 
     def checkpoint(self, server_round: int) -> dict[str, Any]:
@@ -314,9 +320,7 @@ class HeteroStrategy(Strategy):
         """
         if not self.cfg.resume_from:
             return 0
-        from server_app.results import load_checkpoint
-
-        state = load_checkpoint(self.cfg.resume_from)
+        state = self.__dict__.pop("_saved", None) or self._saved  # read once, not kept for the run
         if state["method"] != self.cfg.method or state["server"] is None:
             raise ConfigError(f"run config key 'resume-from' = {self.cfg.resume_from!r}: a '{state['method']}' "
                               f"checkpoint cannot resume method '{self.cfg.method}'"

@@ -158,14 +158,14 @@ class FedKDClient(SharedModelClient):
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         with torch.device("meta"):
-            self.schemas = fedkd_schemas(shared_cnn(cfg))
+            mentee = shared_cnn(cfg)
+        self.schemas = fedkd_schemas(mentee)
+        self.shapes = {k: tuple(v.shape) for k, v in mentee.state_dict().items()}
         energy_threshold(cfg, 1)
 
     def received(self, client, payload):
         """The mentee reconstructed from the compressed payload, on the client's device."""
-        with torch.device("meta"):
-            shapes = {k: tuple(v.shape) for k, v in shared_cnn(self.cfg).state_dict().items()}
-        return super().received(client, svd_decompress(payload, shapes))
+        return super().received(client, svd_decompress(payload, self.shapes))
 
     def train(self, client, payload, config):
         """Returns the trained mentee compressed at T_t and the mentor's training metrics."""
