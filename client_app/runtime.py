@@ -55,7 +55,7 @@ class ClientRuntime:
     """What a client procedure needs for one message.
 
     Node config keys: ``partition-id`` (required), ``num-partitions`` (default: run config
-    ``num-clients``), ``data-dir`` (optional, overrides the run config's ``data-dir``),
+    ``num-clients``; required when that is 0), ``data-dir`` (optional, overrides the run config's ``data-dir``),
     ``state-dir`` (optional: a folder where this node's client state is also written, so it
     survives a SuperNode restart, which empties ``context.state``).
 
@@ -73,6 +73,10 @@ class ClientRuntime:
             raise ConfigError("node config lacks 'partition-id' (flower-supernode --node-config "
                               "\"partition-id=0 num-partitions=N\")")
         self.partition_id = int(node["partition-id"])
+        if "num-partitions" not in node and not self.cfg.num_clients:
+            raise ConfigError("node config lacks 'num-partitions' and run config key 'num-clients' = 0 (follow "
+                              "the federation): start the SuperNode with --node-config \"partition-id=0 "
+                              "num-partitions=N\" or set num-clients=N")
         self.spec = DataSpec.from_config(self.cfg, int(node.get("num-partitions", self.cfg.num_clients)),
                                          node.get("data-dir"))
         self.device = pick_device(self.cfg.device)

@@ -18,6 +18,7 @@ from typing import Any
 PARTITIONERS = ("iid", "dirichlet", "pathological")
 DEVICES = ("auto", "cpu", "cuda")
 EVAL_CLIENTS = ("all", "trained")
+LOGGERS = ("none", "tensorboard")
 
 
 class ConfigError(ValueError):
@@ -82,7 +83,8 @@ class RunConfig:
     """Validated run configuration shared by server and clients.
 
     Units: ``round_timeout`` and ``connect_timeout`` in seconds; ``fraction_train`` and ``test_fraction`` are
-    fractions in [0, 1], never percent.
+    fractions in [0, 1], never percent. ``num_clients`` = 0 means "every node of the federation": the
+    server learns N from the nodes' ``num-partitions`` at the handshake.
     """
 
     method: str
@@ -112,6 +114,7 @@ class RunConfig:
     device: str
     round_timeout: float
     connect_timeout: float
+    logger: str
     extra: tuple[tuple[str, Any], ...] = ()  # other keys (method tables), sorted; a tuple keeps cfg hashable
 
     @classmethod
@@ -143,7 +146,7 @@ class RunConfig:
             max_examples_per_client=number("max-examples-per-client", g("max-examples-per-client"), kind=int, low=0),
             model_group=choice("model-group", g("model-group"), tuple(MODEL_GROUPS)),
             feature_dim=number("feature-dim", g("feature-dim"), kind=int, low=1),
-            num_clients=number("num-clients", g("num-clients"), kind=int, low=1),
+            num_clients=number("num-clients", g("num-clients"), kind=int, low=0),
             num_server_rounds=number("num-server-rounds", g("num-server-rounds"), kind=int, low=1),
             local_epochs=number("local-epochs", g("local-epochs"), kind=int, low=0),
             batch_size=number("batch-size", g("batch-size"), kind=int, low=1),
@@ -160,6 +163,7 @@ class RunConfig:
             device=choice("device", g("device"), DEVICES),
             round_timeout=number("round-timeout", g("round-timeout"), low=0, low_open=True),
             connect_timeout=number("connect-timeout", g("connect-timeout"), low=0, low_open=True),
+            logger=choice("logger", g("logger"), LOGGERS),
             extra=tuple(sorted((k, v) for k, v in raw.items() if k not in names)),
         )
         info = DATASETS[cfg.dataset]

@@ -6,6 +6,9 @@ round in progress. ``summary.json`` has ``status`` ``running`` until the run end
 (``completed``) or fails (``failed``). ``checkpoint.pt`` holds the strategy's state after the
 last completed round (server arrays, optimiser, RNG, byte counters, rows): run config key
 ``resume-from`` = that folder continues the run in a new folder that starts with the old rows.
+
+With run config ``logger = "tensorboard"`` every row is also written as TensorBoard scalars
+into the same folder (``tensorboard --logdir <output-dir>`` shows all runs side by side).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any
 
 import torch
 
+from common.config import ConfigError
+
 CHECKPOINT = "checkpoint.pt"
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
@@ -31,12 +36,21 @@ class ResultsWriter:
         output_dir: parent folder (created if missing).
         run_name: sub-folder name for this run.
         config: the full run config (stored in the summary).
+        logger: ``none`` or ``tensorboard`` (run config key ``logger``).
+
+    Raises:
+        ConfigError: ``logger = "tensorboard"`` without the ``tensorboard`` package.
     """
 
-    def __init__(self, output_dir: str | os.PathLike, run_name: str, config: dict[str, Any]) -> None:
+    def __init__(self, output_dir: str | os.PathLike, run_name: str, config: dict[str, Any],
+                 logger: str = "none") -> None:
         self.path = Path(output_dir).absolute() / run_name
+        writer_class = tensorboard_class(logger)
         self.path.mkdir(parents=True, exist_ok=False)
+        self.tensorboard = writer_class(log_dir=str(self.path)) if writer_class is not None else None
         self.config = config
+        #: clients taking part (known after the handshake; with ``num-clients`` = 0 the federation's size)
+        self.num_clients: int | None = None
         self.start = time.perf_counter()
         self.rows: list[dict[str, Any]] = []
         self.status = "running"
@@ -44,12 +58,18 @@ class ResultsWriter:
         log.info("Writing results to %s", self.path)
 
     def write_round(self, row: dict[str, Any]) -> None:
-        """Append one round's row to ``metrics.jsonl`` and refresh the summary."""
+        """Append one round's row to ``metrics.jsonl`` (and TensorBoard) and refresh the summary."""
         self.rows.append(row)
         with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        if self.tensorboard is not None:
+            # plain float32 scalars (7 significant digits; metrics.jsonl keeps the exact values): the only
+            # kind TensorBoard's default fast loader shows (it skips float64 tensor scalars)
+            for tag, value in scalars(row).items():
+                self.tensorboard.add_scalar(tag, value, row["round"])
+            self.tensorboard.flush()
         self._write_summary()
 
     def write_checkpoint(self, state: dict[str, Any]) -> None:
@@ -62,6 +82,8 @@ class ResultsWriter:
         """Mark the run ``completed`` (or ``failed``) in the summary."""
         self.status = status
         self._write_summary()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def summary(self) -> dict[str, Any]:
         """Final and best ``accuracy_mean`` and best ``accuracy_weighted`` (fractions), totals, status."""
@@ -72,6 +94,7 @@ class ResultsWriter:
                  for k in ("bytes_up", "bytes_down", "eval_bytes_up", "eval_bytes_down")}
         return {
             "status": self.status,
+            "num_clients": self.num_clients,
             "rounds_completed": len(self.rows),
             "final_accuracy_mean": evaluated[-1]["accuracy_mean"] if evaluated else None,
             "final_accuracy_weighted": evaluated[-1]["accuracy_weighted"] if evaluated else None,
@@ -87,6 +110,39 @@ class ResultsWriter:
         tmp = self.path / "summary.json.tmp"
         tmp.write_text(json.dumps(self.summary(), indent=2), encoding="utf-8")
         tmp.replace(self.path / "summary.json")
+
+
+def tensorboard_class(logger: str) -> type | None:
+    """``torch.utils.tensorboard.SummaryWriter`` for ``logger = "tensorboard"``, None for ``"none"``.
+
+    Raises:
+        ConfigError: naming run config key ``logger`` when the ``tensorboard`` package is missing.
+    """
+    if logger != "tensorboard":
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ConfigError("run config key 'logger' = 'tensorboard' needs the tensorboard package: "
+                          "uv sync --extra tensorboard (allowed values: 'none', 'tensorboard')") from exc
+    return SummaryWriter
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The numbers of one round row as TensorBoard tags (``round`` is the step, not a tag).
+
+    Numbers keep their key; ``accuracy_per_client`` becomes ``accuracy_per_client/<partition id>``;
+    booleans become 0/1; None (a round without evaluation), lists and strings are left out.
+    """
+    out: dict[str, float] = {}
+    for key, value in row.items():
+        if key == "round":
+            continue
+        if isinstance(value, dict):
+            out.update({f"{key}/{k}": float(v) for k, v in value.items() if isinstance(v, (int, float))})
+        elif isinstance(value, (bool, int, float)):
+            out[key] = float(value)
+    return out
 
 
 def load_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:

@@ -2,9 +2,10 @@
 
 Server (:class:`HeteroStrategy`, a Flower Message-API ``Strategy``):
 
-- waits for ``num-clients`` nodes, then runs a ``query`` handshake with each to learn its
-  partition id and data sizes (node ids are random; sampling and ordering by partition id
-  makes runs reproducible and methods comparable on the same clients);
+- runs a ``query`` handshake with every node as it connects to learn its partition id, data
+  sizes and the federation's size N (``num-clients``, or the nodes' ``num-partitions`` when
+  that is 0); node ids are random, so sampling and ordering by partition id make runs
+  reproducible and methods comparable on the same clients;
 - samples ``max(1, floor(fraction-train * N))`` clients per round with a seeded RNG;
 - builds one message per client carrying only that client's payload
   (:meth:`HeteroStrategy.train_payload` may differ per client);
@@ -53,9 +54,11 @@ BASE_SCHEMAS: Schemas = {"query": (NO_PAYLOAD, NO_PAYLOAD), "evaluate": (NO_PAYL
 #: metric key every reply carries (the client runtime adds it)
 PARTITION_ID = "partition-id"
 #: further metric keys a reply of a message category must carry
-REQUIRED_METRICS = {"evaluate": ("test-correct", "num-examples"), "query": ("num-train", "num-test")}
+REQUIRED_METRICS = {"evaluate": ("test-correct", "num-examples"), "query": ("num-train", "num-test", "num-partitions")}
 #: prefix of evaluation metrics carried in a train reply (see ``HeteroStrategy.evaluate_in_train``)
 EVAL_PREFIX = "eval-"
+#: seconds between two looks for newly connected nodes during the handshake
+NODE_POLL_SECONDS = 0.5
 
 
 @dataclass
@@ -213,7 +216,7 @@ class HeteroStrategy(Strategy):
         """Log the method and the main settings."""
         c = self.cfg
         log.info("%s | %s, %s partitioner, %d clients, model group %s, %d rounds, fraction-train %.2f",
-                 type(self).__name__, c.dataset, c.partitioner, c.num_clients, c.model_group,
+                 type(self).__name__, c.dataset, c.partitioner, len(self.nodes), c.model_group,
                  c.num_server_rounds, c.fraction_train)
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
@@ -226,15 +229,15 @@ class HeteroStrategy(Strategy):
         (the server state lives in the strategy, the config in ``cfg``).
 
         Raises:
-            RuntimeError: if fewer than ``num-clients`` nodes connect or answer the handshake
-                within ``connect-timeout`` seconds.
+            RuntimeError, ConfigError: from :meth:`handshake` (not all clients answer within
+                ``connect-timeout`` seconds, or the nodes do not fit the run config).
         """
         self.grid = grid
         rounds = num_rounds or self.cfg.num_server_rounds
         self._timeout = timeout or self.cfg.round_timeout
         self.state_key = self._initial_state_key()
-        self.summary()
         self.handshake()
+        self.summary()
         first = self.resume() + 1
         result = Result()
         run_start = time.perf_counter()
@@ -338,37 +341,71 @@ class HeteroStrategy(Strategy):
 
     # ------------------------------------------------------------- machinery
     def handshake(self) -> None:
-        """Wait for ``num-clients`` nodes and learn each one's partition id and data sizes.
+        """Learn every client of the run: its node, partition id and data sizes, and the run's size N.
 
-        Every reply's metrics are kept in ``self.clients[node_id]`` (methods may add keys,
-        e.g. a parameter count). Nodes beyond ``num-clients`` that answer take part too.
+        N is run config ``num-clients``, or with ``num-clients`` = 0 the ``num-partitions`` the nodes
+        report (Flower gives each simulated SuperNode ``partition-id`` and ``num-partitions``; a
+        deployed SuperNode has them in its ``--node-config``). Nodes are asked as they connect (a
+        simulation's virtual nodes connect over several seconds) until all N partitions have
+        answered, so which clients take part never depends on timing. Every reply's metrics are
+        kept in ``self.clients[node_id]`` (methods may add keys, e.g. a parameter count).
 
         Raises:
-            RuntimeError: fewer than ``num-clients`` nodes connect or answer within
-                ``connect-timeout``, or two nodes claim one partition.
+            ConfigError: a node reports a ``num-partitions`` other than ``num-clients`` (or than
+                another node), a partition id outside [0, N), or rejects the run config.
+            RuntimeError: not all N partitions answer within ``connect-timeout`` seconds, or two
+                nodes claim one partition.
         """
-        wanted, timeout = self.cfg.num_clients, self.cfg.connect_timeout
+        timeout = self.cfg.connect_timeout
         deadline = time.monotonic() + timeout
-        while len(nodes := sorted(self.grid.get_node_ids())) < wanted:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"only {len(nodes)} of num-clients={wanted} nodes connected within "
-                                   f"{timeout:.0f} s (run config key 'connect-timeout')")
-            log.info("Waiting for nodes: %d of %d connected", len(nodes), wanted)
-            time.sleep(2.0)
-        replies = self.validate("query", self.exchange(
-            [self.message("query", n, {}, ConfigRecord(), 0) for n in nodes], max(deadline - time.monotonic(), 1.0)))
+        wanted: int | None = self.cfg.num_clients or None  # None until a node reports num-partitions
         by_partition: dict[int, int] = {}
-        for r in replies:
-            if r.partition_id in by_partition:
-                raise RuntimeError(f"nodes {by_partition[r.partition_id]} and {r.node_id} both hold "
-                                   f"partition {r.partition_id}: check each SuperNode's --node-config")
-            by_partition[r.partition_id] = r.node_id
-            self.clients[r.node_id] = r.metrics
-        if len(replies) < wanted:
-            raise RuntimeError(f"only {len(replies)} of num-clients={wanted} nodes answered the handshake")
+        asked: set[int] = set()
+        while wanted is None or len(by_partition) < wanted:
+            if time.monotonic() > deadline:
+                size = f"num-clients={wanted}" if self.cfg.num_clients else \
+                    (f"num-partitions={wanted}" if wanted else "? (no node answered)")
+                raise RuntimeError(f"only {len(by_partition)} of {size} clients answered the handshake within "
+                                   f"{timeout:.0f} s (run config key 'connect-timeout')")
+            new = sorted(set(self.grid.get_node_ids()) - asked)
+            if new:
+                asked.update(new)
+                replies = self.exchange([self.message("query", n, {}, ConfigRecord(), 0) for n in new],
+                                        max(deadline - time.monotonic(), 1.0))
+                _raise_config_errors(replies)
+                for r in self.validate("query", replies):
+                    wanted = self._federation_size(r, wanted)
+                    if r.partition_id in by_partition:
+                        raise RuntimeError(f"nodes {by_partition[r.partition_id]} and {r.node_id} both hold "
+                                           f"partition {r.partition_id}: check each SuperNode's --node-config")
+                    by_partition[r.partition_id] = r.node_id
+                    self.clients[r.node_id] = r.metrics
+                asked -= set(new) - set(by_partition.values())  # no valid reply: ask again next time
+                log.info("Handshake: %d of %s clients answered", len(by_partition), wanted or "?")
+            if wanted is None or len(by_partition) < wanted:
+                time.sleep(NODE_POLL_SECONDS)
         self.nodes = [by_partition[p] for p in sorted(by_partition)]
         self.connected = set(self.nodes)
+        if self.results is not None:
+            self.results.num_clients = len(self.nodes)
         log.info("Handshake: %d clients, partitions %s", len(self.nodes), sorted(by_partition))
+
+    def _federation_size(self, reply: ClientReply, wanted: int | None) -> int:
+        """N after ``reply``: its ``num-partitions``, checked against ``num-clients`` and earlier nodes.
+
+        Raises:
+            ConfigError: naming both keys when they disagree, or a partition id outside [0, N).
+        """
+        n, pid = reply.metrics["num-partitions"], reply.partition_id
+        where = f"node {reply.node_id} (partition-id {pid}) has node config 'num-partitions' = {n!r}"
+        if not isinstance(n, int) or not 0 <= pid < n:
+            raise ConfigError(f"{where}: 'num-partitions' must be an integer and 'partition-id' lie in [0, it)")
+        if self.cfg.num_clients and n != self.cfg.num_clients:
+            raise ConfigError(f"run config key 'num-clients' = {self.cfg.num_clients} but {where}: set "
+                              "num-clients=0 to follow the federation, or make the two agree")
+        if wanted is not None and n != wanted:
+            raise ConfigError(f"{where}, other nodes have {wanted}: every node must have the same 'num-partitions'")
+        return n
 
     def refresh_nodes(self) -> None:
         """Track nodes leaving and (re)joining between rounds (deployment: a SuperNode restarts).
@@ -551,7 +588,7 @@ class ClientProcedure:
         """Handshake: data sizes (the runtime adds the partition id). Loads the data once, early."""
         data = client.data
         return {}, {"num-train": len(data.train_y), "num-test": len(data.test_y),
-                    "data-seconds": data.load_seconds}
+                    "num-partitions": client.spec.num_partitions, "data-seconds": data.load_seconds}
 
 
 def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_seconds: float) -> dict[str, Any]:
@@ -576,6 +613,17 @@ def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_
     if weighted:
         metrics["train-loss"] = sum(l * n for l, n in weighted) / max(sum(n for _, n in weighted), 1)
     return metrics
+
+
+def _raise_config_errors(replies: Iterable[Message]) -> None:
+    """Fail fast when a client rejected the run config (a ConfigError raised in the ClientApp).
+
+    Raises:
+        ConfigError: with the client's message, which names the offending key.
+    """
+    for r in replies:
+        if r.has_error() and "ConfigError" in r.error.reason:
+            raise ConfigError(f"node {r.metadata.src_node_id} rejected the run config: {r.error.reason}")
 
 
 def _state_of(obj: Any) -> Any:

@@ -12,24 +12,27 @@ from common.config import RunConfig
 from conftest import DATA_DIR, ROOT, make_run_config
 
 
-def launch(overrides: dict, timeout: float = 400) -> subprocess.CompletedProcess:
+def launch(overrides: dict, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     items = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in overrides.items()]
-    cmd = [sys.executable, "-m", "tools.run"]
+    cmd = [sys.executable, "-m", "tools.run", *args]
     for item in items:
         cmd += ["-c", item]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def test_flwr_run_learns_on_real_cifar10(tmp_path):
-    overrides = {"num-clients": 3, "num-server-rounds": 3, "max-examples-per-client": 800, "local-epochs": 3,
+    # no num-clients (default 0): the run takes every SuperNode of the federation, here 3
+    overrides = {"num-server-rounds": 3, "max-examples-per-client": 800, "local-epochs": 3,
                  "data-dir": str(DATA_DIR), "output-dir": str(tmp_path)}
-    proc = launch(overrides)
+    proc = launch(overrides, "--num-supernodes", "3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "finished:completed" in proc.stdout
     (run_dir,) = list(tmp_path.iterdir())
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [r["round"] for r in rows] == [1, 2, 3] and summary["status"] == "completed"
+    assert summary["config"]["num-clients"] == 0 and summary["num_clients"] == 3
+    assert all(r["num_clients"] == 3 and len(r["accuracy_per_client"]) == 3 for r in rows)
     assert all(r["bytes_up"] == 3 * 4_008 and r["bytes_down"] == 3 * 20_040 for r in rows)
     # chance for a client = its majority-class share of its local test split
     cfg = RunConfig.from_dict(make_run_config(**overrides))

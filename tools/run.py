@@ -9,8 +9,9 @@ What plain ``flwr run . --stream`` does not do and this does (shared/notes/flowe
   runtime dependency installation off) instead of the shared, detached local one, and stops
   it on exit, so no stray process captures the next run from another checkout;
 - resolves ``data-dir`` and ``output-dir`` to absolute paths from the current directory;
-- sizes the simulation from the config (``num-clients`` virtual SuperNodes) and grants
-  each ClientApp a GPU share when one is present;
+- sizes the simulation (``--num-supernodes``, default ``num-clients`` when that is set, else
+  10; with ``num-clients`` = 0 the server takes every node) and grants each ClientApp a GPU
+  share when one is present;
 - exits 0 only if the run's status is ``finished:completed`` (``flwr run`` exits 0 on failure).
 """
 
@@ -29,6 +30,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: virtual SuperNodes when neither --num-supernodes nor num-clients sets them (the README's default job)
+DEFAULT_SUPERNODES = 10
 
 
 def app_defaults(root: Path = ROOT) -> dict:
@@ -112,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run-config", "-c", action="append", default=[],
                         help="overrides, e.g. \"method='local' num-server-rounds=5\" (repeatable)")
+    parser.add_argument("--num-supernodes", type=int, default=None,
+                        help=f"virtual SuperNodes (= clients); default: run config num-clients, or "
+                             f"{DEFAULT_SUPERNODES} when that is 0 (follow the federation)")
     parser.add_argument("--cpus-per-client", type=int, default=1,
                         help="CPU cores reserved per ClientApp (Ray); parallel clients = cores / this")
     parser.add_argument("--gpus-per-client", type=float, default=None,
@@ -121,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from flwr.common.config import parse_config_args
 
     from common.config import RunConfig
+    from server_app.results import tensorboard_class
     from strategies.registry import build_strategy
 
     overrides = parse_config_args(args.run_config) if args.run_config else {}
@@ -133,9 +140,19 @@ def main(argv: list[str] | None = None) -> int:
         if config[key]:
             config[key] = str(Path(config[key]).expanduser().resolve())
     try:
-        build_strategy(RunConfig.from_dict(config))  # fail fast on any bad value, method options too
+        cfg = RunConfig.from_dict(config)
+        build_strategy(cfg)  # fail fast on any bad value, method options too
+        tensorboard_class(cfg.logger)
     except ValueError as exc:
         print(f"error: {exc}")
+        return 2
+    if args.num_supernodes is not None and args.num_supernodes < 1:
+        print(f"error: --num-supernodes {args.num_supernodes}: allowed values are integers >= 1")
+        return 2
+    supernodes = args.num_supernodes or cfg.num_clients or DEFAULT_SUPERNODES
+    if cfg.num_clients and supernodes != cfg.num_clients:
+        print(f"error: --num-supernodes {supernodes} disagrees with run config key 'num-clients' = "
+              f"{cfg.num_clients}; drop one of them (num-clients=0 follows the federation)")
         return 2
 
     gpus = args.gpus_per_client
@@ -153,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "{address}"\ninsecure = true\n')
         run_config = [f"{k}={toml_value(v)}" for k, v in config.items()]
-        federation = (f"num-supernodes={config['num-clients']} client-resources-num-cpus={args.cpus_per_client} "
+        federation = (f"num-supernodes={supernodes} client-resources-num-cpus={args.cpus_per_client} "
                       f"client-resources-num-gpus={gpus}")
         cmd = ["run", str(ROOT), "sim", "--format", "json", "--federation-config", federation]
         for item in run_config:

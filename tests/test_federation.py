@@ -1,0 +1,129 @@
+"""The run's size follows the federation (``num-clients`` = 0), and TensorBoard logging."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.config import ConfigError, RunConfig
+from conftest import federation
+from server_app.app import run
+from server_app.results import scalars
+
+
+def grid_of(rc: dict, num_nodes: int):
+    """A FakeGrid of ``num_nodes`` nodes (node config ``num-partitions`` = ``num_nodes``) for ``rc``."""
+    from client_app.app import app as client_app
+    from fakegrid import FakeGrid
+
+    return FakeGrid(client_app, rc, num_nodes)
+
+
+class TricklingGrid:
+    """Wraps a FakeGrid so that its nodes connect one at a time: each look at the node list
+    reveals one more node (a simulation's virtual nodes connect over several seconds)."""
+
+    def __init__(self, grid, connected: int = 1) -> None:
+        self.grid, self.connected = grid, connected
+        self.looks = 0
+
+    def get_node_ids(self):
+        self.looks += 1
+        nodes = list(self.grid.get_node_ids())
+        self.connected = min(self.connected + (self.looks > 1), len(nodes))
+        return nodes[:self.connected]
+
+    def __getattr__(self, name):
+        return getattr(self.grid, name)
+
+
+def test_num_clients_zero_takes_every_node_even_when_they_connect_one_by_one(run_config):
+    rc = run_config(**{"num-clients": 0, "num-server-rounds": 2})
+    grid = grid_of(rc, 5)
+    trickling = TricklingGrid(grid)
+    results = run(trickling, RunConfig.from_dict(rc), "t")
+    queries = [m for m in grid.sent if m.metadata.message_type == "query"]
+    # the handshake asked the nodes in several batches as they came, each node once
+    assert len(queries) == 5 and len({m.metadata.dst_node_id for m in queries}) == 5 and trickling.looks >= 5
+    rows = [json.loads(line) for line in open(results.path / "metrics.jsonl")]
+    assert [r["num_clients"] for r in rows] == [5, 5]
+    assert all(sorted(r["accuracy_per_client"]) == ["0", "1", "2", "3", "4"] for r in rows)
+    summary = json.loads((results.path / "summary.json").read_text())
+    assert summary["num_clients"] == 5 and summary["config"]["num-clients"] == 0
+
+
+def test_explicit_num_clients_that_disagrees_with_the_nodes_fails_fast_naming_both_keys(run_config):
+    # 5 SuperNodes but num-clients=3: before, the handshake started with whichever 3 had connected
+    rc = run_config(**{"num-clients": 3, "connect-timeout": 600.0})
+    strategy, _ = federation(rc)
+    with pytest.raises(ConfigError, match=r"'num-clients' = 3.*'num-partitions' = 5"):
+        strategy.start(grid_of(rc, 5))
+
+
+def test_nodes_must_agree_on_num_partitions(run_config):
+    rc = run_config(**{"num-clients": 0, "connect-timeout": 600.0})
+    strategy, _ = federation(rc)
+    grid = grid_of(rc, 4)
+    grid.contexts[1003].node_config["num-partitions"] = 5  # the last node belongs to another federation
+    with pytest.raises(ConfigError, match=r"'num-partitions' = 5, other nodes have 4"):
+        strategy.start(grid)
+
+
+def test_num_clients_zero_needs_num_partitions_in_the_node_config(run_config):
+    rc = run_config(**{"num-clients": 0, "connect-timeout": 600.0})
+    strategy, _ = federation(rc)
+    grid = grid_of(rc, 2)
+    for context in grid.contexts.values():
+        del context.node_config["num-partitions"]
+    with pytest.raises(ConfigError, match=r"node config lacks 'num-partitions'.*'num-clients' = 0"):
+        strategy.start(grid)
+
+
+def test_no_node_at_all_times_out_naming_the_key(run_config):
+    rc = run_config(**{"num-clients": 0, "connect-timeout": 0.2})
+    strategy, _ = federation(rc)
+    grid = grid_of(rc, 2)
+    grid.gone.update(grid.contexts)
+    with pytest.raises(RuntimeError, match=r"only 0 of \? .*'connect-timeout'"):
+        strategy.start(grid)
+
+
+def test_scalars_of_a_row():
+    row = {"round": 3, "evaluated": True, "accuracy_mean": 0.5, "accuracy_weighted": None, "bytes_up": 10,
+           "dropped_clients": [2], "accuracy_per_client": {"0": 0.25, "1": 0.75}}
+    assert scalars(row) == {"evaluated": 1.0, "accuracy_mean": 0.5, "bytes_up": 10.0,
+                            "accuracy_per_client/0": 0.25, "accuracy_per_client/1": 0.75}
+
+
+def test_tensorboard_scalars_equal_the_metrics_rows(run_config):
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rc = run_config(**{"num-clients": 3, "num-server-rounds": 3, "logger": "tensorboard", "eval-every": 2})
+    results = run(grid_of(rc, 3), RunConfig.from_dict(rc), "tb")
+    rows = [json.loads(line) for line in open(results.path / "metrics.jsonl")]
+    events = EventAccumulator(str(results.path), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    expected: dict[str, dict[int, float]] = {}
+    for row in rows:
+        for tag, value in scalars(row).items():
+            expected.setdefault(tag, {})[row["round"]] = float(np.float32(value))  # TensorBoard stores float32
+    assert logged == expected
+    # what a user looks for is there
+    assert logged["bytes_up"] == {r["round"]: float(r["bytes_up"]) for r in rows}
+    assert set(logged["accuracy_mean"]) == {2, 3}  # round 1 was not evaluated (eval-every 2)
+    assert {"accuracy_per_client/0", "server_update_seconds", "round_seconds"} <= set(logged)
+
+
+def test_tensorboard_logger_is_validated(run_config):
+    with pytest.raises(ConfigError, match="'logger'"):
+        RunConfig.from_dict(run_config(logger="wandb"))
+
+
+def test_launcher_refuses_a_federation_size_that_disagrees_with_num_clients(capsys):
+    from tools.run import main
+
+    assert main(["-c", "num-clients=3", "--num-supernodes", "5"]) == 2
+    assert "'num-clients' = 3" in capsys.readouterr().out
