@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from functools import cached_property, lru_cache
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 from flwr.app import ArrayRecord, Context
 from torch import nn
 
-from client_app.data import ClientData, DataSpec, load_client_data
+from client_app.data import ClientData, DataSpec, load_client_data, with_recipe
 from common.config import ConfigError, RunConfig
 from models.base import SplitModel
 from models.groups import MODEL_GROUPS
@@ -90,15 +91,19 @@ class ClientRuntime:
 
     @cached_property
     def data(self) -> ClientData:
-        """This client's decoded partition (cached per process)."""
-        return load_client_data(self.spec, self.partition_id)
+        """This client's decoded partition (cached per process), with the run's augmentation and
+        normalisation in its ``info`` (run config keys ``augment``, ``normalize``)."""
+        data = load_client_data(self.spec, self.partition_id)
+        return replace(data, info=with_recipe(data.info, self.cfg.augment, self.cfg.normalize))
 
     @cached_property
     def model(self) -> SplitModel:
-        """The personal model: built from the model group and seed, restored from state, on device."""
+        """The personal model: built from the model group and seed (run config ``init``), restored
+        from state, on device."""
         info = self.data.info
         model = MODEL_GROUPS[self.cfg.model_group].build(self.partition_id, info.num_classes, info.channels,
-                                                         info.image_size, self.cfg.seed, self.cfg.feature_dim)
+                                                         info.image_size, self.cfg.seed, self.cfg.feature_dim,
+                                                         identical=self.cfg.init == "identical")
         self.restore(MODEL_STATE, model)
         return model.to(self.device)
 

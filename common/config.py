@@ -19,6 +19,9 @@ PARTITIONERS = ("iid", "dirichlet", "pathological")
 DEVICES = ("auto", "cpu", "cuda")
 EVAL_CLIENTS = ("all", "trained")
 LOGGERS = ("none", "tensorboard")
+#: ``independent``: client k's model is initialised from seed + k (FedGH, FedMRL code); ``identical``:
+#: every client of one architecture starts from the same weights (HtFLlib/PFLlib: FedTGP, FedRE)
+INITS = ("independent", "identical")
 
 
 class ConfigError(ValueError):
@@ -83,7 +86,8 @@ class RunConfig:
     """Validated run configuration shared by server and clients.
 
     Units: ``round_timeout`` and ``connect_timeout`` in seconds; ``fraction_train`` and ``test_fraction`` are
-    fractions in [0, 1], never percent. ``num_clients`` = 0 means "every node of the federation": the
+    fractions in [0, 1], never percent. ``augment``, ``normalize`` and ``init`` set the training recipe
+    (see ``client_app.data.with_recipe`` and ``INITS``). ``num_clients`` = 0 means "every node of the federation": the
     server learns N from the nodes' ``num-partitions`` at the handshake.
     """
 
@@ -115,6 +119,9 @@ class RunConfig:
     round_timeout: float
     connect_timeout: float
     logger: str
+    augment: str
+    normalize: str
+    init: str
     extra: tuple[tuple[str, Any], ...] = ()  # other keys (method tables), sorted; a tuple keeps cfg hashable
 
     @classmethod
@@ -127,7 +134,7 @@ class RunConfig:
         Raises:
             ConfigError: on the first missing or invalid key.
         """
-        from client_app.data import DATASETS  # registries live beside their code
+        from client_app.data import AUGMENTATIONS, DATASETS, NORMALIZATIONS, with_recipe  # registries live beside their code
         from models.groups import MODEL_GROUPS
 
         names = {f.name.replace("_", "-") for f in fields(cls)} - {"extra"}
@@ -164,9 +171,12 @@ class RunConfig:
             round_timeout=number("round-timeout", g("round-timeout"), low=0, low_open=True),
             connect_timeout=number("connect-timeout", g("connect-timeout"), low=0, low_open=True),
             logger=choice("logger", g("logger"), LOGGERS),
+            augment=choice("augment", g("augment"), AUGMENTATIONS),
+            normalize=choice("normalize", g("normalize"), NORMALIZATIONS),
+            init=choice("init", g("init"), INITS),
             extra=tuple(sorted((k, v) for k, v in raw.items() if k not in names)),
         )
-        info = DATASETS[cfg.dataset]
+        info = with_recipe(DATASETS[cfg.dataset], cfg.augment, cfg.normalize)
         if cfg.classes_per_client > info.num_classes:
             raise _fail("classes-per-client", cfg.classes_per_client,
                         f"integers from 1 to {info.num_classes} for dataset '{cfg.dataset}'")

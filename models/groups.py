@@ -51,15 +51,18 @@ class ModelGroup:
         return self.heads[partition_id % len(self.heads)]
 
     def build(self, partition_id: int, num_classes: int, in_channels: int, image_size: int, seed: int,
-              k: int = 512) -> SplitModel:
-        """Build client ``partition_id``'s model, initialised from ``seed + partition_id``.
+              k: int = 512, identical: bool = False) -> SplitModel:
+        """Build client ``partition_id``'s model, initialised from ``seed + partition_id``, or from
+        ``seed`` alone with ``identical`` (run config ``init``).
 
-        The seed is per client so that two clients of the same architecture start from
-        independent weights (spec fedgh.md P10) and every process builds the same model.
+        Per client seeds make two clients of one architecture start from independent weights
+        (FedGH's code, fedgh.md P10); ``identical`` gives every client of one architecture the
+        same initial model, as HtFLlib/PFLlib (FedTGP, FedRE) do with ``manual_seed(0)`` before
+        building each. Either way every process builds the same model.
         """
         arch = self.architecture_for(partition_id)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed + partition_id)
+            torch.manual_seed(seed if identical else seed + partition_id)
             if arch in CNN_SHAPES:
                 return build_cnn(arch, num_classes, in_channels, image_size)
             if arch in MH_MODELS:

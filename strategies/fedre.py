@@ -14,7 +14,10 @@ Payload (section 2):
 Client step (section 3): overwrite the head with the global head, train the whole model,
 then in eval mode entangle the trained extractor's representations with fresh random
 weights (Eq. 2 with RAP, Appendix A Eq. 12). Server step (section 4, Eq. 3): one epoch of
-SGD on the summed soft-label cross-entropy of the head over the round's (z, y) pairs.
+SGD on the soft-label cross-entropy of the head over the round's (z, y) pairs, averaged over
+each server batch (revised P6: the authors' HtFLlib tree sums at lr 0.01 and overshoots, so
+FedRE fell below Local here; with at most B_s uploads the mean at lr 0.01 equals the PFLlib
+tree's summed step at lr 0.001, which produced the paper's homogeneous table).
 Evaluation (section 6): own extractor + the newest global head, sent to every client after
 the server step; the client keeps that head (P11). The authors' released loop never sends
 the head back (P1), which makes FedRE "Local"; here it is sent in every train and evaluate
@@ -41,7 +44,7 @@ from strategies.payload import ArraySpec, PayloadError, PayloadSchema
 
 #: how the client turns its representations into one (z, y) pair (section 3, Appendix A)
 RE_MODES = ("rap", "vap", "rsp", "rar", "var", "rsr", "rap-fixed")
-LOSS_REDUCTIONS = ("sum", "mean")
+LOSS_REDUCTIONS = ("mean", "sum")
 SOFT_LABEL_TOLERANCE = 1e-4  # |sum(y) - 1| accepted by the server (section 4 step 2)
 _ENTANGLE_RNG = 7  # ``purpose`` of the client's entangling RNG (independent of training's)
 
@@ -62,8 +65,8 @@ class FedREOptions:
     """``[tool.flwr.app.config.fedre]`` keys (sections 3, 4, 9 and P6).
 
     ``re_mode``: see :func:`entangling_weights`. ``server_lr`` η_s, ``server_batch_size``
-    B_s and ``server_epochs`` of the head's SGD; ``server_loss_reduction`` ``sum`` (the
-    authors' code, default) or ``mean`` over a server batch.
+    B_s and ``server_epochs`` of the head's SGD; ``server_loss_reduction`` ``mean`` over a
+    server batch (default, revised P6) or ``sum`` (the authors' HtFLlib tree).
     """
 
     re_mode: str
@@ -81,7 +84,7 @@ class FedREOptions:
         """
         require_linear_heads(cfg, "head")
         o = {"re-mode": "rap", "server-lr": 0.01, "server-batch-size": 10, "server-epochs": 1,
-             "server-loss-reduction": "sum", **cfg.method_options()}
+             "server-loss-reduction": "mean", **cfg.method_options()}
         return cls(
             re_mode=choice("fedre.re-mode", o["re-mode"], RE_MODES),
             server_lr=number("fedre.server-lr", o["server-lr"], low=0),

@@ -37,7 +37,7 @@ def head_payload(seed=0):
 
 
 def options(**kw):
-    base = dict(re_mode="rap", server_lr=0.01, server_batch_size=10, server_epochs=1, server_loss_reduction="sum")
+    base = dict(re_mode="rap", server_lr=0.01, server_batch_size=10, server_epochs=1, server_loss_reduction="mean")
     return FedREOptions(**{**base, **kw})
 
 
@@ -168,19 +168,26 @@ def test_single_class_client_uploads_its_prototype(run_config):
     assert np.allclose(arrays["z"], proto.numpy(), atol=1e-6, rtol=0)
 
 
-# 9, 10: the server step is exactly one SGD step on the summed soft-label CE, and lowers it
-def test_server_step_is_exact():
+# 9, 10: the server step is exactly one SGD step on the mean (default) or summed soft-label CE, and lowers it
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_server_step_is_exact(reduction):
     torch.manual_seed(0)
     head = nn.Linear(D, C)
     w0, b0 = head.weight.detach().double().clone(), head.bias.detach().double().clone()
     replies = pair_replies(6)
-    metrics = train_head(head, replies, options(), torch.Generator().manual_seed(0))
+    opts = options() if reduction == "mean" else options(server_loss_reduction="sum")
+    metrics = train_head(head, replies, opts, torch.Generator().manual_seed(0))
     z = torch.from_numpy(np.concatenate([r.arrays["z"] for r in replies])).double()
     y = torch.from_numpy(np.concatenate([r.arrays["y"] for r in replies])).double()
     err = torch.softmax(z @ w0.T + b0, dim=1) - y
-    assert torch.allclose(head.weight.detach().double(), w0 - 0.01 * err.T @ z, atol=1e-5)
-    assert torch.allclose(head.bias.detach().double(), b0 - 0.01 * err.sum(0), atol=1e-5)
+    step = 0.01 / (len(replies) if reduction == "mean" else 1)  # one batch: 6 uploads <= B_s = 10
+    assert torch.allclose(head.weight.detach().double(), w0 - step * err.T @ z, atol=1e-5)
+    assert torch.allclose(head.bias.detach().double(), b0 - step * err.sum(0), atol=1e-5)
     assert metrics["server-num-uploads"] == 6
+
+
+def test_default_reduction_is_mean(run_config):
+    assert FedREOptions.from_config(RunConfig.from_dict(fedre_config(run_config))).server_loss_reduction == "mean"
 
 
 def test_server_loss_falls_and_no_upload_leaves_head_unchanged():
