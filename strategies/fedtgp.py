@@ -19,7 +19,9 @@ Server (section 4): an embedding table E [C, K] and a generator F = Linear(K, H)
 Linear(H, K) (H = ``fedtgp.hidden-dim``, 512), kept across rounds, trained for ``server-epochs``
 epochs of SGD on the round's uploads with the ACL loss (Eq. 10) and the adaptive margin
 delta(t) (the official nearest-centre rule, ``fedtgp.margin = "max-pairwise"`` for the paper's
-Eq. 9), then P̂ = F(E).
+Eq. 9), then P̂ = F(E). Each round row also carries diagnostics of P̂: the smallest distance
+between two global prototypes and how far they moved since the last round (the margin grows
+by design, as in the official code; these show whether it settles).
 """
 
 from __future__ import annotations
@@ -157,10 +159,31 @@ def train_generator(generator: PrototypeGenerator, replies: list[ClientReply], o
             "server-acl-after": after}
 
 
+def prototype_diagnostics(new: np.ndarray, old: np.ndarray | None) -> dict[str, float]:
+    """How the global prototypes look after a round.
+
+    Args:
+        new: float32 [C, K] global prototypes after the server step; old: those of the round
+            before (None in the first round).
+
+    Returns:
+        ``server-proto-min-distance``: the smallest Euclidean distance between two global
+        prototypes; with ``old``, ``server-proto-shift``: the mean over classes of
+        ||P̂_c(t) - P̂_c(t-1)||_2.
+    """
+    p = torch.from_numpy(new).double()
+    dist = torch.cdist(p, p).masked_fill(torch.eye(len(p), dtype=torch.bool), float("inf"))
+    out = {"server-proto-min-distance": float(dist.min())}
+    if old is not None:
+        out["server-proto-shift"] = float((p - torch.from_numpy(old).double()).norm(dim=1).mean())
+    return out
+
+
 class FedTGPStrategy(HeteroStrategy):
     """FedTGP server: the generator persists across rounds; P̂ is regenerated after every update."""
 
     schemas = SCHEMAS
+    checkpointed = ("generator", "batch_rng", "global_set")
 
     def __init__(self, cfg: RunConfig, results=None) -> None:
         super().__init__(cfg, results)
@@ -170,11 +193,11 @@ class FedTGPStrategy(HeteroStrategy):
             torch.manual_seed(cfg.seed)
             self.generator = PrototypeGenerator(self.dims["C"], self.dims["d"], self.options.hidden_dim)
         self.batch_rng = torch.Generator().manual_seed(cfg.seed)  # server mini-batch shuffling
-        self.global_protos: np.ndarray | None = None
+        self.global_set: dict[str, np.ndarray] = {}  # "global_protos" [C, K] once the first update ran
 
     def global_arrays(self) -> dict[str, np.ndarray]:
         """``global_protos`` [C, K] after the first server update; empty before."""
-        return {} if self.global_protos is None else {"global_protos": self.global_protos.copy()}
+        return {k: v.copy() for k, v in self.global_set.items()}
 
     def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
         """Evaluation uses the global prototypes (nearest-prototype inference)."""
@@ -183,10 +206,11 @@ class FedTGPStrategy(HeteroStrategy):
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """Train the generator on the round's prototypes, then emit P̂ for all C classes."""
         metrics = train_generator(self.generator, replies, self.options, self.batch_rng)
-        if metrics["server-num-protos"] or self.global_protos is None:
+        old = self.global_set.get("global_protos")
+        if metrics["server-num-protos"] or old is None:
             with torch.no_grad():
-                self.global_protos = self.generator().numpy().astype(np.float32)
-        return metrics
+                self.global_set["global_protos"] = self.generator().numpy().astype(np.float32)
+        return {**metrics, **prototype_diagnostics(self.global_set["global_protos"], old)}
 
 
 class FedTGPClient(FedProtoClient):

@@ -220,7 +220,7 @@ def test_rounds_payloads_and_bytes(run_config, method):
     again.start(grid2)
     assert [r["accuracy_per_client"] for r in again.rows] == [r["accuracy_per_client"] for r in strategy.rows]
     if method == "fedtgp":
-        assert np.array_equal(again.global_protos, strategy.global_protos)
+        assert np.array_equal(again.global_set["global_protos"], strategy.global_set["global_protos"])
 
 
 # 11: a single-class client and an empty upload both work
@@ -256,3 +256,25 @@ def test_single_class_clients(run_config, method):
     for row in strategy.rows:
         assert row["num_clients"] == 3 and row["bytes_up"] == 3 * (4 * K + 8)  # one [1, K] prototype each
     assert strategy.rows[-1]["accuracy_mean"] is not None
+
+
+def test_fedtgp_rows_carry_prototype_diagnostics(run_config):
+    rc = run_config(**MNIST, **{"num-clients": 4, "num-server-rounds": 3, "method": "fedtgp",
+                                "fedtgp.server-epochs": 5})
+    strategy, grid = federation(rc)
+    olds = []
+    original = strategy.server_update
+
+    def spy(server_round, replies):
+        olds.append(strategy.global_set.get("global_protos"))
+        return original(server_round, replies)
+
+    strategy.server_update = spy
+    strategy.start(grid)
+    rows = strategy.rows
+    assert all(r["server_margin"] > 0 for r in rows) and "server_proto_shift" not in rows[0]
+    final = strategy.global_set["global_protos"].astype(np.float64)
+    dist = np.linalg.norm(final[:, None] - final[None], axis=2) + np.diag(np.full(10, np.inf))
+    assert rows[-1]["server_proto_min_distance"] == pytest.approx(dist.min(), rel=1e-6)
+    shift = np.linalg.norm(final - olds[-1].astype(np.float64), axis=1).mean()
+    assert rows[-1]["server_proto_shift"] == pytest.approx(shift, rel=1e-6) and shift > 0

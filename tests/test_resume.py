@@ -7,6 +7,7 @@ import torch
 from common.config import ConfigError, RunConfig
 from conftest import federation
 from server_app.results import CHECKPOINT, ResultsWriter
+from strategies.base import HeteroStrategy
 from strategies.registry import build_strategy
 
 FAST = {"mh-pfedhn.hidden-dim": 16}
@@ -26,6 +27,7 @@ def run_with_results(rc, grid=None, name="run"):
 @pytest.mark.parametrize("method,extra", [("fedre", {"model-group": "fedavgcnn"}),
                                           ("mh-pfedhn", {"model-group": "mh-lenet", **FAST}),
                                           ("fedgh", {}), ("fedproto", {}), ("fedmrl", {}),
+                                          ("fedtgp", {"fedtgp.server-epochs": 5}),
                                           # constant energy: T_t depends on num-server-rounds, which differs here
                                           ("fedkd", {"fedkd.energy-start": 0.5, "fedkd.energy-end": 0.5})])
 def test_resume_continues_exactly(run_config, method, extra):
@@ -43,8 +45,10 @@ def test_resume_continues_exactly(run_config, method, extra):
     for key, value in whole.server_state().items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, second.server_state()[key])
-        elif key in ("hn", "head", "header", "shared"):
+        elif key in ("hn", "head", "header", "shared", "generator"):
             assert all(torch.equal(v, second.server_state()[key][k]) for k, v in value.items())
+        elif key == "global_set":
+            assert all(np.array_equal(v, second.server_state()[key][k]) for k, v in value.items())
     assert [r["accuracy_mean"] for r in whole.rows] == [r["accuracy_mean"] for r in second.rows]
 
 
@@ -58,6 +62,6 @@ def test_resume_refuses_other_method_and_unsupported(run_config):
     strategy, _ = federation({**rc, "resume-from": str(first.results.path / "missing")})
     with pytest.raises(FileNotFoundError, match="resume-from"):
         strategy.resume()
-    tgp, _ = federation({**rc, "method": "fedtgp"})
-    assert tgp.server_state() is None
+    bare = HeteroStrategy(RunConfig.from_dict(rc))  # a method that declares no server state cannot resume
+    assert bare.server_state() is None
     assert np.isfinite(first.rows[0]["accuracy_mean"])
