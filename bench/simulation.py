@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -34,6 +33,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from tools.run import interrupt
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,14 +66,12 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float) ->
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     root = psutil.Process(proc.pid)
     peak = [0]
-    spawned: list[psutil.Process] = []
 
     def sample() -> None:
         while proc.poll() is None:
             peak[0] = max(peak[0], tree_rss(root))
             if minutes > 0 and time.perf_counter() - start > 60 * minutes:
-                spawned.extend(root.children(recursive=True))
-                proc.send_signal(signal.SIGINT)
+                interrupt(proc)
                 break
             time.sleep(0.5)
 
@@ -81,11 +80,6 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float) ->
     log = proc.stdout.read()
     proc.wait()
     sampler.join()
-    for child in spawned:  # whatever the interrupted launcher left behind (Ray, the simulation)
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
     wall = time.perf_counter() - start
     run_dirs = list(out.iterdir()) if out.exists() else []
     rows = [json.loads(line) for line in open(run_dirs[0] / "metrics.jsonl")] \

@@ -58,7 +58,9 @@ class ClientRuntime:
     Node config keys: ``partition-id`` (required), ``num-partitions`` (default: run config
     ``num-clients``; required when that is 0), ``data-dir`` (optional, overrides the run config's ``data-dir``),
     ``state-dir`` (optional: a folder where this node's client state is also written, so it
-    survives a SuperNode restart, which empties ``context.state``).
+    survives a SuperNode restart, which empties ``context.state``; default: run config
+    ``state-dir``, which gives simulated clients the same, so a resumed simulation continues
+    every client exactly).
 
     Args:
         context: the message's Flower context.
@@ -81,7 +83,7 @@ class ClientRuntime:
         self.spec = DataSpec.from_config(self.cfg, int(node.get("num-partitions", self.cfg.num_clients)),
                                          node.get("data-dir"))
         self.device = pick_device(self.cfg.device)
-        state_dir = node.get("state-dir")
+        state_dir = node.get("state-dir") or self.cfg.state_dir
         self.state_dir = (Path(str(state_dir)) / _safe(state_key) / f"partition-{self.partition_id}"
                           if state_dir else None)
         self.state_restores = 0  # state records read back from state-dir in this message

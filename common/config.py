@@ -115,6 +115,7 @@ class RunConfig:
     seed: int
     output_dir: str
     resume_from: str
+    state_dir: str
     device: str
     round_timeout: float
     connect_timeout: float
@@ -167,6 +168,7 @@ class RunConfig:
             seed=number("seed", g("seed"), kind=int, low=0),
             output_dir=_string("output-dir", g("output-dir")),
             resume_from=_optional_string("resume-from", g("resume-from")),
+            state_dir=_optional_string("state-dir", g("state-dir")),
             device=choice("device", g("device"), DEVICES),
             round_timeout=number("round-timeout", g("round-timeout"), low=0, low_open=True),
             connect_timeout=number("connect-timeout", g("connect-timeout"), low=0, low_open=True),

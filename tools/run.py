@@ -1,6 +1,6 @@
 """Run the app with ``flwr run`` in Flower's Ray simulation, safely, and report the outcome.
 
-Usage: ``uv run python -m tools.run [--run-config "method='local' num-server-rounds=5"]``
+Usage: ``uv run python -m tools.run [--preset presets/<name>.toml] [--run-config "method='local' num-server-rounds=5"]``
 
 What plain ``flwr run . --stream`` does not do and this does (shared/notes/flower.md §0):
 
@@ -8,7 +8,10 @@ What plain ``flwr run . --stream`` does not do and this does (shared/notes/flowe
 - starts its *own* SuperLink (simulation mode, free ports, this checkout's ``.flwr`` home,
   runtime dependency installation off) instead of the shared, detached local one, and stops
   it on exit, so no stray process captures the next run from another checkout;
-- resolves ``data-dir`` and ``output-dir`` to absolute paths from the current directory;
+- takes a preset TOML file and ``key=value`` overrides together (``flwr run`` takes one or
+  the other);
+- resolves ``data-dir``, ``output-dir``, ``resume-from`` and ``state-dir`` to absolute paths
+  from the current directory;
 - sizes the simulation (``--num-supernodes``, default ``num-clients`` when that is set, else
   10; with ``num-clients`` = 0 the server takes every node) and grants each ClientApp a GPU
   share when one is present;
@@ -105,6 +108,29 @@ def stop(proc: subprocess.Popen) -> None:
             continue
 
 
+def interrupt(proc: subprocess.Popen, grace: float = 120.0) -> None:
+    """Stop a running ``tools.run`` job as Ctrl-C would, then whatever it leaves behind.
+
+    SIGINT makes the launcher stop its run (``flwr stop``) and its SuperLink; the simulation and
+    Ray run in other process groups, so every descendant seen before the signal is killed after
+    the launcher exits (or after ``grace`` seconds, when the launcher is killed too).
+    """
+    import psutil
+
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+
+
 def run_status(env: dict, run_id: int) -> str:
     out = _flwr("list", "sim", "--run-id", str(run_id), "--format", "json", env=env, capture=True).stdout
     runs = json.loads(out).get("runs", [])
@@ -113,6 +139,9 @@ def run_status(env: dict, run_id: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default=None,
+                        help="a TOML file of run config keys (e.g. presets/fedgh-table3-cifar10.toml); "
+                             "--run-config overrides its values")
     parser.add_argument("--run-config", "-c", action="append", default=[],
                         help="overrides, e.g. \"method='local' num-server-rounds=5\" (repeatable)")
     parser.add_argument("--num-supernodes", type=int, default=None,
@@ -130,13 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     from server_app.results import tensorboard_class
     from strategies.registry import build_strategy
 
-    overrides = parse_config_args(args.run_config) if args.run_config else {}
+    overrides = parse_config_args([args.preset]) if args.preset else {}
+    overrides.update(parse_config_args(args.run_config) if args.run_config else {})
     config = {**app_defaults(), **overrides}
     unknown = sorted(set(overrides) - set(app_defaults()))
     if unknown:
         print(f"error: unknown run config key(s) {unknown}; see [tool.flwr.app.config] in pyproject.toml")
         return 2
-    for key in ("data-dir", "output-dir", "resume-from"):
+    for key in ("data-dir", "output-dir", "resume-from", "state-dir"):
         if config[key]:
             config[key] = str(Path(config[key]).expanduser().resolve())
     try:

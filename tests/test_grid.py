@@ -1,0 +1,113 @@
+"""Presets and the resumable grid runner (in-process launches over the fake grid)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from flwr.common.config import parse_config_args
+
+from common.config import RunConfig
+from conftest import DATA_DIR, ROOT
+from server_app.results import ResultsWriter
+from strategies.registry import build_strategy
+from tools.grid import newest_run, plan, run_grid
+from tools.run import app_defaults
+
+PRESETS = sorted((ROOT / "presets").glob("*.toml"))
+RUN_PRESETS = [p for p in PRESETS if not p.name.endswith(".paper.toml")]
+_run_ids = itertools.count()
+
+
+def in_process(preset: Path, overrides: dict, minutes: float) -> int:
+    """A launcher that runs the cell in this process over a fresh FakeGrid (a new simulation)."""
+    from client_app.app import app as client_app
+    from fakegrid import FakeGrid
+    from server_app.app import run
+
+    rc = {**app_defaults(), **parse_config_args([str(preset)]), **overrides, "data-dir": str(DATA_DIR)}
+    cfg = RunConfig.from_dict(rc)
+    try:
+        run(FakeGrid(client_app, rc, cfg.num_clients), cfg, f"t{next(_run_ids)}")
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def test_every_preset_parses_and_has_paper_numbers():
+    assert len(RUN_PRESETS) >= 6
+    defaults = app_defaults()
+    for preset in RUN_PRESETS:
+        config = parse_config_args([str(preset)])
+        assert set(config) <= set(defaults), preset.name  # flwr run --run-config accepts only known keys
+        cfg = RunConfig.from_dict({**defaults, **config})
+        build_strategy(cfg)  # method options valid
+        paper = parse_config_args([str(preset.with_suffix(".paper.toml"))], flatten=False)
+        assert {"paper", "setting", "metric", "ours", "target"} <= set(paper), preset.name
+        assert paper["ours"] in ("final_accuracy_mean", "final_accuracy_weighted", "best_accuracy_mean",
+                                 "best_accuracy_weighted")
+        assert all(0 < v <= 100 for v in paper.get("reported", {}).values())
+
+
+@pytest.mark.parametrize("preset", RUN_PRESETS, ids=lambda p: p.stem)
+def test_every_preset_runs_one_round_in_process(preset, tmp_path):
+    config = parse_config_args([str(preset)])
+    small = {"num-server-rounds": 1, "max-examples-per-client": 60, "local-epochs": 1,
+             "num-clients": min(config["num-clients"], 4), "fraction-train": 1.0,
+             "output-dir": str(tmp_path), "fedtgp.server-epochs": 2, "mh-pfedhn.hidden-dim": 16}
+    assert in_process(preset, small, 0) == 0
+    (run,) = tmp_path.iterdir()
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert len(rows) == 1 and rows[0]["num_clients"] == small["num-clients"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["config"]["augment"] == config["augment"] and summary["config"]["init"] == config["init"]
+
+
+def small_preset(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text('dataset = "mnist"\npartitioner = "dirichlet"\ndirichlet-alpha = 0.5\nnum-clients = 3\n'
+                    'model-group = "htcnn8"\nnum-server-rounds = 3\nmax-examples-per-client = 90\n'
+                    'batch-size = 16\naugment = "none"\nnormalize = "half"\ninit = "identical"\n'
+                    '[fedtgp]\nserver-epochs = 3\n')
+    return path
+
+
+def rows_of(cell: Path) -> list[dict]:
+    run, _ = newest_run(cell)
+    return [json.loads(line) for line in open(run / "metrics.jsonl")]
+
+
+def test_grid_interrupted_after_round_one_resumes_to_the_same_rows(tmp_path, monkeypatch):
+    preset = small_preset(tmp_path)
+    whole = run_grid(preset, ["fedtgp", "local"], [0], tmp_path / "whole", launcher=in_process)
+    assert whole == {"fedtgp-seed0": "completed", "local-seed0": "completed"}
+
+    # a crash right after round 1's checkpoint, in every cell
+    write_checkpoint = ResultsWriter.write_checkpoint
+
+    def crash(self, state):
+        write_checkpoint(self, state)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ResultsWriter, "write_checkpoint", crash)
+    split = tmp_path / "split"
+    first = run_grid(preset, ["fedtgp", "local"], [0], split, launcher=in_process)
+    assert set(first.values()) == {"stopped (exit 130)"}
+    assert plan(split / "fedtgp-seed0", 3)[0] == "resume"
+    monkeypatch.setattr(ResultsWriter, "write_checkpoint", write_checkpoint)
+    second = run_grid(preset, ["fedtgp", "local"], [0], split, launcher=in_process)
+    assert second == {"fedtgp-seed0": "resumed", "local-seed0": "resumed"}
+    for cell in ("fedtgp-seed0", "local-seed0"):
+        a, b = rows_of(tmp_path / "whole" / cell), rows_of(split / cell)
+        assert [r["round"] for r in b] == [1, 2, 3]
+        for key in ("accuracy_per_client", "accuracy_mean", "bytes_up", "bytes_down", "train_loss"):
+            assert [r.get(key) for r in a] == [r.get(key) for r in b], (cell, key)
+    # the clients continued from their saved state, not from their initial models
+    assert any((split / "fedtgp-seed0" / "client-state").rglob("model.pt"))
+    # finished cells are skipped
+    assert run_grid(preset, ["fedtgp", "local"], [0], split, launcher=in_process) == {
+        "fedtgp-seed0": "done", "local-seed0": "done"}
+    info = json.loads((split / "grid.json").read_text())
+    assert len(info["invocations"]) == 3 and info["rounds"] == 3 and info["preset_config"]["num-clients"] == 3

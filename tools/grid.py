@@ -1,0 +1,179 @@
+"""Run a preset for several methods and seeds, one after another, into one grid folder; resumable.
+
+Usage (from the repository root):
+
+    uv run --frozen python -m tools.grid presets/<name>.toml --methods fedre,local,fedgh --seeds 0,1
+        [--rounds N] [--minutes M] [--out outputs/grids/<name>]
+
+Every (method, seed) cell runs the preset through ``tools.run`` with ``method`` and ``seed``
+overridden, so all methods of one seed train on identical partitions (the partition depends on
+the dataset, partitioner, client count and seed only). Layout::
+
+    <grid>/grid.json                       preset, methods, seeds, rounds, commit, machine, invocations
+    <grid>/<method>-seed<seed>/<run>/      metrics.jsonl, summary.json, checkpoint.pt (one per launch)
+    <grid>/<method>-seed<seed>/client-state/   the clients' state (run config ``state-dir``)
+
+A cell whose newest run completed ``--rounds`` rounds (default: the preset's
+``num-server-rounds``) is skipped; one that stopped earlier (interrupted, crashed, stopped by
+``--minutes`` or given more rounds now) continues from its checkpoint with ``resume-from``,
+clients included (their state is on disk), so a grid can be stopped and continued later, also
+in another session. ``--minutes`` bounds each launch's wall time; the cell then continues at
+the next invocation. ``python -m tools.report <grid>`` summarises a grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from flwr.common.config import parse_config_args
+
+from tools.run import ROOT, interrupt
+
+GRID_FILE = "grid.json"
+STATE_DIR = "client-state"
+
+#: launcher(preset, overrides, minutes) -> exit status; the default runs ``tools.run``
+Launcher = Callable[[Path, dict, float], int]
+
+
+def cell_name(method: str, seed: int) -> str:
+    return f"{method}-seed{seed}"
+
+
+def newest_run(cell: Path) -> tuple[Path, dict] | None:
+    """The cell's run folder with the most completed rounds (the newest on a tie) and its summary."""
+    runs = []
+    for summary in cell.glob("*/summary.json"):
+        try:
+            runs.append((summary.parent, json.loads(summary.read_text())))
+        except (OSError, ValueError):
+            continue  # a summary being rewritten; the atomic rename makes this rare
+    if not runs:
+        return None
+    return max(runs, key=lambda r: (r[1].get("rounds_completed", 0), r[0].name))
+
+
+def plan(cell: Path, rounds: int) -> tuple[str, Path | None]:
+    """``("done", run)``, ``("resume", run)`` or ``("new", None)`` for a cell that should reach ``rounds``."""
+    found = newest_run(cell)
+    if found is None:
+        return "new", None
+    run, summary = found
+    if summary.get("status") == "completed" and summary.get("rounds_completed", 0) >= rounds:
+        return "done", run
+    if summary.get("rounds_completed", 0) > 0 and (run / "checkpoint.pt").is_file():
+        return "resume", run
+    return "new", None
+
+
+def launch_tools_run(preset: Path, overrides: dict, minutes: float) -> int:
+    """Run one cell through ``python -m tools.run --preset``; interrupt it after ``minutes`` (> 0)."""
+    cmd = [sys.executable, "-m", "tools.run", "--preset", str(preset)]
+    for key, value in overrides.items():
+        cmd += ["-c", f"{key}={json.dumps(value)}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    try:
+        return proc.wait(timeout=60 * minutes if minutes > 0 else None)
+    except subprocess.TimeoutExpired:
+        print(f"grid: {minutes} min budget reached; stopping this launch (the cell resumes next time)", flush=True)
+        interrupt(proc)
+        return 124
+
+
+def git_commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True, check=False).stdout.strip()
+    return out.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def record_invocation(grid: Path, preset: Path, methods: list[str], seeds: list[int], rounds: int,
+                      minutes: float, argv: list[str]) -> None:
+    """Add this invocation to ``grid.json`` (created with the preset's config on the first one)."""
+    path = grid / GRID_FILE
+    info = json.loads(path.read_text()) if path.is_file() else {
+        "preset": preset.name, "preset_config": parse_config_args([str(preset)]), "invocations": []}
+    info.update(methods=methods, seeds=seeds, rounds=rounds)
+    info["invocations"].append({
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
+        "command": "python -m tools.grid " + " ".join(argv), "minutes_per_launch": minutes,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"})
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    tmp.replace(path)
+
+
+def run_grid(preset: Path, methods: list[str], seeds: list[int], grid: Path, rounds: int | None = None,
+             minutes: float = 0.0, launcher: Launcher = launch_tools_run, argv: list[str] | None = None
+             ) -> dict[str, str]:
+    """Bring every (method, seed) cell of ``grid`` to ``rounds`` rounds; returns cell -> outcome.
+
+    Outcomes: ``done`` (already complete, skipped), ``completed``, ``resumed`` (and completed),
+    or ``stopped (exit N)`` (the launch ended early: budget, failure; it continues next time).
+
+    Raises:
+        ValueError: ``preset`` has no ``num-server-rounds`` and ``rounds`` is not given.
+    """
+    config = parse_config_args([str(preset)])
+    rounds = rounds or config.get("num-server-rounds")
+    if not rounds:
+        raise ValueError(f"{preset} sets no 'num-server-rounds': pass --rounds")
+    grid.mkdir(parents=True, exist_ok=True)
+    record_invocation(grid, preset, methods, seeds, rounds, minutes, argv or [])
+    outcomes = {}
+    for seed in seeds:
+        for method in methods:
+            cell = grid / cell_name(method, seed)
+            action, run = plan(cell, rounds)
+            if action == "done":
+                print(f"grid: {cell.name} done ({run.name}); skipped", flush=True)
+                outcomes[cell.name] = "done"
+                continue
+            overrides = {"method": method, "seed": seed, "num-server-rounds": rounds,
+                         "output-dir": str(cell), "state-dir": str(cell / STATE_DIR)}
+            if action == "resume":
+                overrides["resume-from"] = str(run)
+            print(f"grid: {cell.name}: {'resuming ' + run.name if run else 'starting'} towards {rounds} rounds",
+                  flush=True)
+            code = launcher(preset, overrides, minutes)
+            finished = plan(cell, rounds)[0] == "done"
+            outcomes[cell.name] = ("resumed" if run else "completed") if finished else f"stopped (exit {code})"
+    return outcomes
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("preset", type=Path, help="presets/<name>.toml")
+    parser.add_argument("--methods", required=True, help="comma-separated methods, e.g. fedre,local,fedgh")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per run (default: the preset's)")
+    parser.add_argument("--minutes", type=float, default=0.0, help="wall-time budget per launch (0: none)")
+    parser.add_argument("--out", type=Path, default=None, help="grid folder (default outputs/grids/<preset>)")
+    args = parser.parse_args(argv)
+    from strategies.registry import METHODS
+
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        print(f"error: unknown method(s) {unknown}; allowed: {', '.join(METHODS)}")
+        return 2
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    grid = (args.out or ROOT / "outputs" / "grids" / args.preset.stem).resolve()
+    outcomes = run_grid(args.preset.resolve(), methods, seeds, grid, args.rounds, args.minutes, argv=argv)
+    for cell, outcome in outcomes.items():
+        print(f"{cell:>24}  {outcome}")
+    print(f"grid folder: {grid}")
+    return 0 if all(o in ("done", "completed", "resumed") for o in outcomes.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
