@@ -179,7 +179,7 @@ def load_split(name: str, data_dir: str, split: str):
 
 
 @lru_cache(maxsize=4)
-def _partitioner(spec: DataSpec):
+def partitioner_for(spec: DataSpec):
     """The flwr-datasets partitioner for ``spec``, with its (shuffled) train split attached."""
     from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
 
@@ -230,9 +230,13 @@ def _decode(images: list[dict], channels: int) -> torch.Tensor:
                         for im in images])
 
 
-@lru_cache(maxsize=None)
-def load_client_data(spec: DataSpec, partition_id: int) -> ClientData:
-    """Load, split and decode partition ``partition_id`` (cached per process).
+def partition_split(spec: DataSpec, partition_id: int):
+    """Partition ``partition_id`` (images not decoded), its labels and its local train/test indices.
+
+    Returns:
+        ``(partition, labels, train_idx, test_idx)``: a ``datasets.Dataset``, int64 ``[n]``, and two
+        int64 index tensors into it (the ``max-examples-per-client`` cap applied, then the
+        stratified ``test-fraction`` split, both seeded by (seed, partition)).
 
     Raises:
         ConfigError: if ``partition_id`` is outside ``[0, num_partitions)`` or the partition
@@ -240,9 +244,8 @@ def load_client_data(spec: DataSpec, partition_id: int) -> ClientData:
     """
     if not 0 <= partition_id < spec.num_partitions:
         raise ConfigError(f"partition-id {partition_id} is outside [0, {spec.num_partitions})")
-    start = time.perf_counter()
     info = DATASETS[spec.dataset]
-    part = _partitioner(spec).load_partition(partition_id)
+    part = partitioner_for(spec).load_partition(partition_id)
     labels = torch.tensor(part[info.label_column], dtype=torch.int64)
     g = torch.Generator().manual_seed(spec.seed * 100_003 + partition_id)
     keep = torch.arange(len(labels))
@@ -253,6 +256,19 @@ def load_client_data(spec: DataSpec, partition_id: int) -> ClientData:
     if len(train_idx) == 0 or len(test_idx) == 0:
         raise ConfigError(f"partition {partition_id} has {len(labels)} examples: too few for "
                           f"test-fraction {spec.test_fraction}; use fewer clients or another partitioner")
+    return part, labels, train_idx, test_idx
+
+
+@lru_cache(maxsize=None)
+def load_client_data(spec: DataSpec, partition_id: int) -> ClientData:
+    """Load, split and decode partition ``partition_id`` (cached per process).
+
+    Raises:
+        ConfigError: see :func:`partition_split`.
+    """
+    start = time.perf_counter()
+    info = DATASETS[spec.dataset]
+    part, labels, train_idx, test_idx = partition_split(spec, partition_id)
     order = torch.cat([train_idx, test_idx])
     x = _decode(part.select(order.tolist())[info.image_column], info.channels)
     n_train = len(train_idx)

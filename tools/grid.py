@@ -3,7 +3,7 @@
 Usage (from the repository root):
 
     uv run --frozen python -m tools.grid presets/<name>.toml --methods fedre,local,fedgh --seeds 0,1
-        [--rounds N] [--minutes M] [--out outputs/grids/<name>]
+        [--rounds N] [--minutes M] [-c "local-epochs=1"] [--out outputs/grids/<name>]
 
 Every (method, seed) cell runs the preset through ``tools.run`` with ``method`` and ``seed``
 overridden, so all methods of one seed train on identical partitions (the partition depends on
@@ -18,7 +18,9 @@ A cell whose newest run completed ``--rounds`` rounds (default: the preset's
 ``--minutes`` or given more rounds now) continues from its checkpoint with ``resume-from``,
 clients included (their state is on disk), so a grid can be stopped and continued later, also
 in another session. ``--minutes`` bounds each launch's wall time; the cell then continues at
-the next invocation. ``python -m tools.report <grid>`` summarises a grid.
+the next invocation. ``-c`` overrides preset keys for every cell (e.g. fewer local epochs to
+fit a CPU budget); they are recorded in ``grid.json`` and must not change between invocations.
+``python -m tools.report <grid>`` summarises a grid.
 """
 
 from __future__ import annotations
@@ -96,11 +98,19 @@ def git_commit() -> str:
 
 
 def record_invocation(grid: Path, preset: Path, methods: list[str], seeds: list[int], rounds: int,
-                      minutes: float, argv: list[str]) -> None:
-    """Add this invocation to ``grid.json`` (created with the preset's config on the first one)."""
+                      minutes: float, argv: list[str], overrides: dict) -> None:
+    """Add this invocation to ``grid.json`` (created with the preset's config on the first one).
+
+    Raises:
+        ValueError: ``overrides`` differ from those the grid was started with.
+    """
     path = grid / GRID_FILE
     info = json.loads(path.read_text()) if path.is_file() else {
-        "preset": preset.name, "preset_config": parse_config_args([str(preset)]), "invocations": []}
+        "preset": preset.name, "preset_config": {**parse_config_args([str(preset)]), **overrides},
+        "overrides": overrides, "invocations": []}
+    if info.get("overrides", {}) != overrides:
+        raise ValueError(f"this grid was started with overrides {info.get('overrides')}, not {overrides}: "
+                         "use another --out folder")
     info.update(methods=methods, seeds=seeds, rounds=rounds)
     info["invocations"].append({
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
@@ -112,22 +122,25 @@ def record_invocation(grid: Path, preset: Path, methods: list[str], seeds: list[
 
 
 def run_grid(preset: Path, methods: list[str], seeds: list[int], grid: Path, rounds: int | None = None,
-             minutes: float = 0.0, launcher: Launcher = launch_tools_run, argv: list[str] | None = None
-             ) -> dict[str, str]:
+             minutes: float = 0.0, launcher: Launcher = launch_tools_run, argv: list[str] | None = None,
+             overrides: dict | None = None) -> dict[str, str]:
     """Bring every (method, seed) cell of ``grid`` to ``rounds`` rounds; returns cell -> outcome.
 
     Outcomes: ``done`` (already complete, skipped), ``completed``, ``resumed`` (and completed),
     or ``stopped (exit N)`` (the launch ended early: budget, failure; it continues next time).
+    ``overrides`` (run config keys) apply on top of the preset in every cell.
 
     Raises:
-        ValueError: ``preset`` has no ``num-server-rounds`` and ``rounds`` is not given.
+        ValueError: ``preset`` has no ``num-server-rounds`` and ``rounds`` is not given, or
+            ``overrides`` differ from the grid's.
     """
-    config = parse_config_args([str(preset)])
+    overrides = dict(overrides or {})
+    config = {**parse_config_args([str(preset)]), **overrides}
     rounds = rounds or config.get("num-server-rounds")
     if not rounds:
         raise ValueError(f"{preset} sets no 'num-server-rounds': pass --rounds")
     grid.mkdir(parents=True, exist_ok=True)
-    record_invocation(grid, preset, methods, seeds, rounds, minutes, argv or [])
+    record_invocation(grid, preset, methods, seeds, rounds, minutes, argv or [], overrides)
     outcomes = {}
     for seed in seeds:
         for method in methods:
@@ -137,13 +150,13 @@ def run_grid(preset: Path, methods: list[str], seeds: list[int], grid: Path, rou
                 print(f"grid: {cell.name} done ({run.name}); skipped", flush=True)
                 outcomes[cell.name] = "done"
                 continue
-            overrides = {"method": method, "seed": seed, "num-server-rounds": rounds,
-                         "output-dir": str(cell), "state-dir": str(cell / STATE_DIR)}
+            keys = {**overrides, "method": method, "seed": seed, "num-server-rounds": rounds,
+                    "output-dir": str(cell), "state-dir": str(cell / STATE_DIR)}
             if action == "resume":
-                overrides["resume-from"] = str(run)
+                keys["resume-from"] = str(run)
             print(f"grid: {cell.name}: {'resuming ' + run.name if run else 'starting'} towards {rounds} rounds",
                   flush=True)
-            code = launcher(preset, overrides, minutes)
+            code = launcher(preset, keys, minutes)
             finished = plan(cell, rounds)[0] == "done"
             outcomes[cell.name] = ("resumed" if run else "completed") if finished else f"stopped (exit {code})"
     return outcomes
@@ -157,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per run (default: the preset's)")
     parser.add_argument("--minutes", type=float, default=0.0, help="wall-time budget per launch (0: none)")
+    parser.add_argument("--run-config", "-c", action="append", default=[],
+                        help="preset keys overridden in every cell, e.g. \"local-epochs=1\" (repeatable)")
     parser.add_argument("--out", type=Path, default=None, help="grid folder (default outputs/grids/<preset>)")
     args = parser.parse_args(argv)
     from strategies.registry import METHODS
@@ -168,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     seeds = [int(s) for s in args.seeds.split(",") if s]
     grid = (args.out or ROOT / "outputs" / "grids" / args.preset.stem).resolve()
-    outcomes = run_grid(args.preset.resolve(), methods, seeds, grid, args.rounds, args.minutes, argv=argv)
+    overrides = parse_config_args(args.run_config) if args.run_config else {}
+    outcomes = run_grid(args.preset.resolve(), methods, seeds, grid, args.rounds, args.minutes, argv=argv,
+                        overrides=overrides)
     for cell, outcome in outcomes.items():
         print(f"{cell:>24}  {outcome}")
     print(f"grid folder: {grid}")

@@ -1,0 +1,323 @@
+"""Summarise a grid (``tools.grid``): a table per preset with the paper's numbers beside ours, and figures.
+
+Usage (from the repository root):
+
+    uv run --frozen python -m tools.report outputs/grids/<preset> [--out results/<preset>]
+
+Writes ``report.md`` and three PNGs (accuracy vs round, accuracy vs cumulative bytes, the
+label distribution of the partitions) into ``--out`` (default: the grid folder). With
+``--out`` it also copies ``grid.json`` and each cell's newest ``metrics.jsonl`` and
+``summary.json`` there, in the grid's layout, so ``tools.report <out>`` regenerates the same
+report from the copies alone.
+
+The table, per method over its seeds (mean ± sample std; accuracies in percent):
+final and best ``accuracy_mean`` and ``accuracy_weighted``; rounds to the paper's target
+accuracy (on the metric the paper reports, named by ``ours`` in ``presets/<preset>.paper.toml``)
+and the total bytes (training and evaluation payloads, both ways) until then; training payload
+bytes per client-round up/down; seconds per round; training FLOPs per client-round (forward +
+backward of the client's personal model, counted with ``torch.utils.flop_counter``, times its
+training samples and local epochs, averaged over clients; methods that train a second model,
+such as FedMRL, FML and FedKD, cost more than this); and the paper's number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tools.grid import GRID_FILE, newest_run
+from tools.run import ROOT, app_defaults
+
+FIGURES = ("accuracy_vs_round.png", "accuracy_vs_bytes.png", "label_distribution.png")
+
+
+@dataclass
+class Cell:
+    """One (method, seed) run of a grid: its rows (one per round) and summary."""
+
+    method: str
+    seed: int
+    rows: list[dict]
+    summary: dict
+
+    def curve(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(rounds, values) of the evaluated rounds for row key ``key``."""
+        rows = [r for r in self.rows if r.get(key) is not None]
+        return np.array([r["round"] for r in rows]), np.array([r[key] for r in rows], dtype=np.float64)
+
+    def cumulative_bytes(self) -> np.ndarray:
+        """Total payload bytes (training and evaluation, up and down) after each round."""
+        return np.cumsum([r["bytes_up"] + r["bytes_down"] + r["eval_bytes_up"] + r["eval_bytes_down"]
+                          for r in self.rows])
+
+
+def load_grid(grid: Path) -> tuple[dict, list[Cell]]:
+    """``grid.json`` and every cell's newest run (cells without a finished round are left out)."""
+    info = json.loads((grid / GRID_FILE).read_text())
+    cells = []
+    for folder in sorted(p for p in grid.iterdir() if p.is_dir() and "-seed" in p.name):
+        found = newest_run(folder)
+        if found is None or not (found[0] / "metrics.jsonl").is_file():
+            continue
+        run, summary = found
+        rows = [json.loads(line) for line in open(run / "metrics.jsonl", encoding="utf-8") if line.strip()]
+        if rows:
+            method, seed = folder.name.rsplit("-seed", 1)
+            cells.append(Cell(method, int(seed), rows, summary))
+    return info, cells
+
+
+def paper_info(preset: str) -> dict:
+    """``presets/<preset>.paper.toml`` (empty when the preset has none)."""
+    import tomllib
+
+    path = ROOT / "presets" / f"{Path(preset).stem}.paper.toml"
+    return tomllib.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (ddof 1; 0 for a single value)."""
+    a = np.asarray(values, dtype=np.float64)
+    return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
+
+
+def rounds_to_target(cell: Cell, key: str, target: float) -> int | None:
+    """First round whose ``key`` reaches ``target`` (a fraction), None if never."""
+    rounds, values = cell.curve(key)
+    hit = np.nonzero(values >= target)[0]
+    return int(rounds[hit[0]]) if len(hit) else None
+
+
+def method_stats(cells: list[Cell], key: str, target: float | None) -> dict:
+    """The table's numbers for one method's cells (its seeds)."""
+    out = {"seeds": sorted(c.seed for c in cells), "rounds": sorted({len(c.rows) for c in cells})}
+    for metric in ("accuracy_mean", "accuracy_weighted"):
+        finals = [c.curve(metric)[1][-1] for c in cells if len(c.curve(metric)[1])]
+        bests = [c.curve(metric)[1].max() for c in cells if len(c.curve(metric)[1])]
+        out[f"final_{metric}"] = mean_std(finals) if finals else None
+        out[f"best_{metric}"] = mean_std(bests) if bests else None
+    clients = sum(r["num_clients"] for c in cells for r in c.rows)
+    out["up_per_client_round"] = sum(r["bytes_up"] for c in cells for r in c.rows) / max(clients, 1)
+    out["down_per_client_round"] = sum(r["bytes_down"] for c in cells for r in c.rows) / max(clients, 1)
+    out["seconds_per_round"] = float(np.mean([r["round_seconds"] for c in cells for r in c.rows]))
+    if target is not None:
+        hits = [(rounds_to_target(c, key, target), c) for c in cells]
+        reached = [(r, c) for r, c in hits if r is not None]
+        out["reached"] = f"{len(reached)}/{len(cells)}"
+        out["rounds_to_target"] = mean_std([r for r, _ in reached]) if reached else None
+        out["bytes_to_target"] = float(np.mean([c.cumulative_bytes()[r - 1] for r, c in reached])) if reached else None
+    return out
+
+
+def training_flops(config: dict, data_dir: str | None = None) -> float:
+    """Training FLOPs per client-round: forward + backward of each client's personal model on one
+    sample (``FlopCounterMode``), times its training samples and ``local-epochs``, averaged over clients.
+
+    ``config`` is the run config of one cell (its seed fixes the partition, hence the sample counts).
+    """
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from client_app.data import DATASETS, DataSpec, partition_split
+    from common.config import RunConfig
+    from models.groups import MODEL_GROUPS
+
+    cfg = RunConfig.from_dict({**app_defaults(), **config, **({"data-dir": data_dir} if data_dir else {})})
+    info, group = DATASETS[cfg.dataset], MODEL_GROUPS[cfg.model_group]
+    spec = DataSpec.from_config(cfg, cfg.num_clients)
+    per_sample: dict[tuple[str, str], float] = {}
+    total = 0.0
+    for pid in range(cfg.num_clients):
+        key = (group.architecture_for(pid), group.head_for(pid))
+        if key not in per_sample:
+            model = group.build(pid, info.num_classes, info.channels, info.image_size, cfg.seed, cfg.feature_dim)
+            x = torch.zeros(2, info.channels, info.image_size, info.image_size)  # 2: BatchNorm in train mode
+            with FlopCounterMode(display=False) as counter:
+                model(x).sum().backward()
+            per_sample[key] = counter.get_total_flops() / 2
+        total += per_sample[key] * len(partition_split(spec, pid)[2]) * cfg.local_epochs
+    return total / cfg.num_clients
+
+
+def method_colors(methods: list[str]) -> dict[str, tuple]:
+    """One fixed colour per method, the same in every figure and report (registry order)."""
+    import matplotlib
+
+    from strategies.registry import METHODS
+
+    palette = matplotlib.colormaps["tab20"]
+    order = list(METHODS)
+    slots = [*range(0, 20, 2), 1, 3]
+    return {m: palette(slots[order.index(m) % len(slots)]) if m in order else (0.3, 0.3, 0.3, 1.0) for m in methods}
+
+
+def plot_curves(cells: list[Cell], key: str, out: Path, title: str) -> None:
+    """accuracy_vs_round.png and accuracy_vs_bytes.png: mean over seeds, band from min to max."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    methods = sorted({c.method for c in cells})
+    colors = method_colors(methods)
+    label = key.replace("_", " ")
+    for name, xlabel in (("accuracy_vs_round.png", "round"), ("accuracy_vs_bytes.png",
+                                                               "cumulative payload bytes, both ways (log scale)")):
+        fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        for method in methods:
+            runs = [c for c in cells if c.method == method]
+            n = min(len(c.curve(key)[0]) for c in runs)
+            if n == 0:
+                continue
+            acc = np.stack([100 * c.curve(key)[1][:n] for c in runs])
+            rounds = runs[0].curve(key)[0][:n]
+            if name == "accuracy_vs_round.png":
+                x = rounds
+            else:
+                x = np.mean([c.cumulative_bytes()[rounds - 1] for c in runs], axis=0)
+                if not x.any():  # no payload at all (local): a level line, not a point at 0 on a log axis
+                    ax.axhline(acc.mean(0)[-1], color=colors[method], ls="--", label=f"{method} (0 B, final)")
+                    continue
+            ax.plot(x, acc.mean(0), color=colors[method], label=f"{method} ({len(runs)} seed{'s' * (len(runs) > 1)})")
+            if len(runs) > 1:
+                ax.fill_between(x, acc.min(0), acc.max(0), color=colors[method], alpha=0.2, lw=0)
+        if name == "accuracy_vs_bytes.png":
+            ax.set_xscale("log")
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"{label} (%)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+
+
+def plot_partitions(config: dict, out: Path, data_dir: str | None = None) -> None:
+    """label_distribution.png: samples per class of every client's partition (flwr-datasets)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from flwr_datasets.visualization import plot_label_distributions
+
+    from client_app.data import DATASETS, DataSpec, partitioner_for
+    from common.config import RunConfig
+
+    cfg = RunConfig.from_dict({**app_defaults(), **config, **({"data-dir": data_dir} if data_dir else {})})
+    partitioner = partitioner_for(DataSpec.from_config(cfg, cfg.num_clients))
+    fig, ax, _ = plot_label_distributions(
+        partitioner, label_name=DATASETS[cfg.dataset].label_column, plot_type="bar", size_unit="absolute",
+        partition_id_axis="x", legend=True, legend_title="class", verbose_labels=False, figsize=(7.5, 4.5),
+        title=f"{cfg.dataset}: samples per class of each client's partition ({cfg.partitioner}, seed {cfg.seed})")
+    ax.set_xlabel("client (partition id)")
+    ax.set_ylabel("samples")
+    fig.savefig(out / "label_distribution.png", dpi=120, bbox_inches="tight")  # the legend sits outside
+    plt.close(fig)
+
+
+def pct(value: tuple[float, float] | None) -> str:
+    return "-" if value is None else f"{100 * value[0]:.2f} ± {100 * value[1]:.2f}"
+
+
+def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None) -> str:
+    """The report as Markdown."""
+    key = paper.get("ours", "final_accuracy_mean")
+    target = paper.get("target")
+    reported = paper.get("reported", {})
+    invocations = info.get("invocations", [])
+    lines = [f"# {Path(info['preset']).stem}", ""]
+    if paper:
+        lines += [f"Paper: {paper['paper']}. Setting: {paper['setting']}. The paper reports {paper['metric']}; "
+                  f"ours beside it is `{key}`.", ""]
+        if paper.get("notes"):
+            lines += [paper["notes"], ""]
+    changed = ", ".join(f"`{k}={v}`" for k, v in info.get("overrides", {}).items())
+    lines += [f"Grid: {info['rounds']} rounds per run, seeds {info['seeds']}"
+              + (f", preset changed by {changed}" if changed else ", the preset as it is") + ". Commits: "
+              + ", ".join(sorted({i['commit'] for i in invocations})) + ".", ""]
+    target_text = f"{100 * target:.0f}%" if target is not None else "target"
+    head = ["method", "seeds", "rounds", "final acc mean", "best acc mean", "final acc weighted",
+            "best acc weighted", f"rounds to {target_text}", f"bytes to {target_text}", "B up / client-round",
+            "B down / client-round", "s / round", "train GFLOPs / client-round", "paper"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, s in stats.items():
+        to_target = "-" if s.get("rounds_to_target") is None else \
+            f"{s['rounds_to_target'][0]:.1f} ({s['reached']})"
+        to_bytes = "-" if s.get("bytes_to_target") is None else f"{s['bytes_to_target']:,.0f}"
+        rounds = "/".join(str(r) for r in s["rounds"])
+        lines.append("| " + " | ".join([
+            method, ",".join(map(str, s["seeds"])), rounds, pct(s["final_accuracy_mean"]), pct(s["best_accuracy_mean"]),
+            pct(s["final_accuracy_weighted"]), pct(s["best_accuracy_weighted"]), to_target, to_bytes,
+            f"{s['up_per_client_round']:,.0f}", f"{s['down_per_client_round']:,.0f}", f"{s['seconds_per_round']:.1f}",
+            "-" if flops is None else f"{flops / 1e9:.1f}", f"{reported[method]:.2f}" if method in reported else "-",
+        ]) + " |")
+    lines += ["", "Accuracies in percent, mean ± sample std over seeds. Rounds to target: mean over the seeds that "
+              "reached it (how many in brackets); bytes to target: training and evaluation payloads, both ways, up "
+              "to that round. FLOPs: forward + backward of the personal model only.", ""]
+    lines += [f"![{f}]({f})" for f in FIGURES]
+    if invocations:
+        lines += ["", "Commands:", ""] + [f"- `{i['command']}` at {i['started']} ({i['commit']}, {i['machine']})"
+                                           for i in invocations]
+    return "\n".join(lines) + "\n"
+
+
+def copy_runs(grid: Path, out: Path) -> None:
+    """Copy ``grid.json`` and each cell's newest metrics.jsonl and summary.json into ``out`` (grid layout)."""
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(grid / GRID_FILE, out / GRID_FILE)
+    for folder in sorted(p for p in grid.iterdir() if p.is_dir() and "-seed" in p.name):
+        found = newest_run(folder)
+        if found is None:
+            continue
+        target = out / folder.name / found[0].name
+        target.mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.jsonl", "summary.json"):
+            if (found[0] / name).is_file():
+                shutil.copy2(found[0] / name, target / name)
+
+
+def report(grid: Path, out: Path | None = None, data_dir: str | None = None, figures: bool = True) -> dict:
+    """Write ``report.md`` (and the figures) for ``grid`` into ``out``; returns the per-method stats."""
+    out = out or grid
+    if out.resolve() != grid.resolve():
+        copy_runs(grid, out)
+    info, cells = load_grid(out)
+    paper = paper_info(info["preset"])
+    key = paper.get("ours", "final_accuracy_mean").split("_", 1)[1]  # accuracy_mean or accuracy_weighted
+    methods = sorted({c.method for c in cells}, key=lambda m: list(info.get("methods", [])).index(m)
+                     if m in info.get("methods", []) else 99)
+    stats = {m: method_stats([c for c in cells if c.method == m], key, paper.get("target")) for m in methods}
+    flops = None
+    if figures:
+        seeds = info.get("seeds") or [None]
+        configs = [{**info["preset_config"], **({"seed": s} if s is not None else {})} for s in seeds]
+        flops = float(np.mean([training_flops(c, data_dir) for c in configs]))
+        plot_curves(cells, key, out, f"{Path(info['preset']).stem}: {key.replace('_', ' ')} per round")
+        plot_partitions(configs[0], out, data_dir)
+    (out / "report.md").write_text(render(info, paper, stats, flops), encoding="utf-8")
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("grid", type=Path, help="a grid folder (tools.grid) or a copy written by --out")
+    parser.add_argument("--out", type=Path, default=None, help="where report.md, figures and run copies go")
+    parser.add_argument("--data-dir", default=None, help="dataset folder for the partition figure and FLOPs")
+    args = parser.parse_args(argv)
+    report(args.grid, args.out, args.data_dir)
+    print(f"wrote {(args.out or args.grid) / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
