@@ -23,7 +23,9 @@ def write_grid(grid, config):
     (grid / "grid.json").write_text(json.dumps({
         "preset": "fedre-table12-cifar10.toml", "preset_config": config, "methods": list(ACC), "seeds": [0, 1],
         "rounds": 4, "invocations": [{"started": "t", "commit": "abc", "command": "python -m tools.grid x",
-                                      "minutes_per_launch": 0, "machine": "test"}]}))
+                                      "minutes_per_launch": 0, "machine": "test"}],
+        "launches": [{"cell": f"{m}-seed{s}", "wall_seconds": 600.0, "cpu_seconds": 900.0, "exit": 0}
+                     for m in ACC for s in (0, 1)]}))
     for method, seeds in ACC.items():
         for seed, accs in seeds.items():
             run = grid / f"{method}-seed{seed}" / "20260101-000000-run"
@@ -65,6 +67,7 @@ def test_report_numbers_figures_and_regeneration(tmp_path, small_config):
         assert (out / name).stat().st_size > 10_000  # a real picture, not an empty canvas
     text = (out / "report.md").read_text()
     assert "| fedre | 0,1 | 4 | 78.00 ± 2.83 |" in text and "| 86.99 |" in text and "| 86.33 |" in text
+    assert "fedre 20 min wall, 30 min CPU" in text and "in all 0.67 h wall, 1.00 h CPU" in text
     # the results folder alone regenerates the same report
     first = text
     report(out, None, str(DATA_DIR))

@@ -31,6 +31,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -76,18 +77,82 @@ def plan(cell: Path, rounds: int) -> tuple[str, Path | None]:
     return "new", None
 
 
+class CpuMeter:
+    """CPU seconds (user + system) of a process tree, sampled every ``interval`` seconds.
+
+    Each process's last sample counts, so processes that live shorter than ``interval`` are
+    missed; the simulation's ClientApps (Ray actors), its ServerApp and the SuperLink live long.
+    """
+
+    def __init__(self, pid: int, interval: float = 2.0) -> None:
+        import psutil
+
+        self.root, self.interval = psutil.Process(pid), interval
+        self.seen: dict[tuple[int, float], float] = {}  # (pid, create time) -> CPU seconds
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self.done.is_set():
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.Error:
+                procs = []
+            for p in procs:
+                try:
+                    t = p.cpu_times()
+                    self.seen[(p.pid, p.create_time())] = t.user + t.system
+                except psutil.Error:
+                    continue
+            self.done.wait(self.interval)
+
+    def stop(self) -> float:
+        """Stop sampling; the tree's CPU seconds."""
+        self.done.set()
+        self.thread.join()
+        return sum(self.seen.values())
+
+
 def launch_tools_run(preset: Path, overrides: dict, minutes: float) -> int:
-    """Run one cell through ``python -m tools.run --preset``; interrupt it after ``minutes`` (> 0)."""
+    """Run one cell through ``python -m tools.run --preset``; interrupt it after ``minutes`` (> 0).
+
+    Prints the launch's wall and CPU seconds (``CpuMeter``) as its last line.
+    """
     cmd = [sys.executable, "-m", "tools.run", "--preset", str(preset)]
     for key, value in overrides.items():
         cmd += ["-c", f"{key}={json.dumps(value)}"]
+    start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT)
+    meter = CpuMeter(proc.pid)
     try:
-        return proc.wait(timeout=60 * minutes if minutes > 0 else None)
+        code = proc.wait(timeout=60 * minutes if minutes > 0 else None)
     except subprocess.TimeoutExpired:
         print(f"grid: {minutes} min budget reached; stopping this launch (the cell resumes next time)", flush=True)
         interrupt(proc)
-        return 124
+        code = 124
+    cpu = meter.stop()
+    print(f"grid: launch wall {time.perf_counter() - start:.0f} s, CPU {cpu:.0f} s", flush=True)
+    record_launch(Path(overrides["output-dir"]).parent, Path(overrides["output-dir"]).name,
+                  time.perf_counter() - start, cpu, code)
+    return code
+
+
+def record_launch(grid: Path, cell: str, wall: float, cpu: float, code: int) -> None:
+    """Append a launch's wall and CPU seconds to ``grid.json`` (``launches``)."""
+    info = json.loads((grid / GRID_FILE).read_text())
+    info.setdefault("launches", []).append({"cell": cell, "wall_seconds": round(wall, 1),
+                                            "cpu_seconds": round(cpu, 1), "exit": code})
+    write_info(grid, info)
+
+
+def write_info(grid: Path, info: dict) -> None:
+    """Replace ``grid.json`` atomically."""
+    tmp = grid / (GRID_FILE + ".tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    tmp.replace(grid / GRID_FILE)
 
 
 def git_commit() -> str:
@@ -116,9 +181,7 @@ def record_invocation(grid: Path, preset: Path, methods: list[str], seeds: list[
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
         "command": "python -m tools.grid " + " ".join(argv), "minutes_per_launch": minutes,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"})
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info, indent=2))
-    tmp.replace(path)
+    write_info(grid, info)
 
 
 def run_grid(preset: Path, methods: list[str], seeds: list[int], grid: Path, rounds: int | None = None,

@@ -265,6 +265,17 @@ def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None)
               "reached it (how many in brackets); bytes to target: training and evaluation payloads, both ways, up "
               "to that round. FLOPs: forward + backward of the personal model only.", ""]
     lines += [f"![{f}]({f})" for f in FIGURES]
+    launches = info.get("launches", [])
+    if launches:
+        per_method: dict[str, list[float]] = {}
+        for launch in launches:
+            totals = per_method.setdefault(launch["cell"].rsplit("-seed", 1)[0], [0.0, 0.0])
+            totals[0] += launch["wall_seconds"]
+            totals[1] += launch["cpu_seconds"]
+        lines += ["", "Time of the grid's launches (start-up included; CPU = all processes of the run): "
+                  + "; ".join(f"{m} {w / 60:.0f} min wall, {c / 60:.0f} min CPU" for m, (w, c) in per_method.items())
+                  + f"; in all {sum(w for w, _ in per_method.values()) / 3600:.2f} h wall, "
+                  f"{sum(c for _, c in per_method.values()) / 3600:.2f} h CPU."]
     if invocations:
         lines += ["", "Commands:", ""] + [f"- `{i['command']}` at {i['started']} ({i['commit']}, {i['machine']})"
                                            for i in invocations]
