@@ -291,9 +291,9 @@ def augment(x: torch.Tensor, info: DatasetInfo, generator: torch.Generator) -> t
     Order and parameters as the FedGH authors' code (spec fedgh.md section 8): horizontal
     flip (p=0.5), random erasing (p=0.5, scale (0.04, 0.2), ratio (0.5, 2), value 0), random
     crop with zero padding; each only where ``info`` enables it (:func:`with_recipe`), so
-    ``augment = "none"`` returns ``x`` itself. torchvision's v2 transforms draw one set of parameters per call,
-    so a batched call would flip or crop every image alike, and per-image calls cost about a
-    third of a CNN-1 training step on this CPU; hence these few tensor ops.
+    ``augment = "none"`` returns ``x`` itself. torchvision's v2 transforms draw one set of
+    parameters per call, so a batched call would flip or crop every image alike, and per-image
+    calls cost about a third of a CNN-1 training step on this CPU; hence these few tensor ops.
     """
     n, c, h, w = x.shape
     dev = x.device

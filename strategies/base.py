@@ -347,7 +347,8 @@ class HeteroStrategy(Strategy):
         report (Flower gives each simulated SuperNode ``partition-id`` and ``num-partitions``; a
         deployed SuperNode has them in its ``--node-config``). Nodes are asked as they connect (a
         simulation's virtual nodes connect over several seconds) until all N partitions have
-        answered, so which clients take part never depends on timing. Every reply's metrics are
+        answered, so which clients take part never depends on timing. Each node is asked once (a
+        broken node is not flooded with queries; its error is logged). Every reply's metrics are
         kept in ``self.clients[node_id]`` (methods may add keys, e.g. a parameter count).
 
         Raises:
@@ -380,7 +381,6 @@ class HeteroStrategy(Strategy):
                                            f"partition {r.partition_id}: check each SuperNode's --node-config")
                     by_partition[r.partition_id] = r.node_id
                     self.clients[r.node_id] = r.metrics
-                asked -= set(new) - set(by_partition.values())  # no valid reply: ask again next time
                 log.info("Handshake: %d of %s clients answered", len(by_partition), wanted or "?")
             if wanted is None or len(by_partition) < wanted:
                 time.sleep(NODE_POLL_SECONDS)
