@@ -123,6 +123,8 @@ class DataSpec:
     partitioner: str
     num_partitions: int
     dirichlet_alpha: float
+    dirichlet_min_size: int
+    dirichlet_self_balancing: bool
     classes_per_client: int
     test_fraction: float
     max_examples_per_client: int
@@ -132,7 +134,7 @@ class DataSpec:
     def from_config(cls, cfg: RunConfig, num_partitions: int, data_dir: str | None = None) -> DataSpec:
         """Build from the run config; ``data_dir`` (a node-config value) overrides ``data-dir``."""
         return cls(cfg.dataset, os.path.realpath(data_dir or cfg.data_dir), cfg.partitioner, num_partitions,
-                   cfg.dirichlet_alpha, cfg.classes_per_client, cfg.test_fraction,
+                   cfg.dirichlet_alpha, cfg.dirichlet_min_size, cfg.dirichlet_self_balancing, cfg.classes_per_client, cfg.test_fraction,
                    cfg.max_examples_per_client, cfg.seed)
 
 
@@ -189,7 +191,8 @@ def partitioner_for(spec: DataSpec):
         partitioner = IidPartitioner(num_partitions=n)
     elif spec.partitioner == "dirichlet":
         partitioner = DirichletPartitioner(num_partitions=n, partition_by=label, alpha=spec.dirichlet_alpha,
-                                           min_partition_size=2, self_balancing=False, seed=spec.seed)
+                                           min_partition_size=spec.dirichlet_min_size,
+                                           self_balancing=spec.dirichlet_self_balancing, seed=spec.seed)
     else:
         partitioner = PathologicalPartitioner(num_partitions=n, partition_by=label,
                                               num_classes_per_partition=spec.classes_per_client,

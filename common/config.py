@@ -96,6 +96,8 @@ class RunConfig:
     data_dir: str
     partitioner: str
     dirichlet_alpha: float
+    dirichlet_min_size: int
+    dirichlet_self_balancing: bool
     classes_per_client: int
     test_fraction: float
     max_examples_per_client: int
@@ -149,6 +151,8 @@ class RunConfig:
             data_dir=_string("data-dir", g("data-dir")),
             partitioner=choice("partitioner", g("partitioner"), PARTITIONERS),
             dirichlet_alpha=number("dirichlet-alpha", g("dirichlet-alpha"), low=0, low_open=True),
+            dirichlet_min_size=number("dirichlet-min-size", g("dirichlet-min-size"), kind=int, low=1),
+            dirichlet_self_balancing=flag("dirichlet-self-balancing", g("dirichlet-self-balancing")),
             classes_per_client=number("classes-per-client", g("classes-per-client"), kind=int, low=1),
             test_fraction=number("test-fraction", g("test-fraction"), low=0, high=0.9, low_open=True),
             max_examples_per_client=number("max-examples-per-client", g("max-examples-per-client"), kind=int, low=0),

@@ -1,5 +1,6 @@
 """Partitions come from flwr-datasets, splits keep class proportions, everything is seeded."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from conftest import DATA_DIR
 
 def spec(**kw):
     base = dict(dataset="cifar10", data_dir=str(DATA_DIR), partitioner="pathological", num_partitions=10,
-                dirichlet_alpha=0.5, classes_per_client=2, test_fraction=0.2, max_examples_per_client=0, seed=7)
+                dirichlet_alpha=0.5, dirichlet_min_size=2, dirichlet_self_balancing=False, classes_per_client=2, test_fraction=0.2, max_examples_per_client=0, seed=7)
     return DataSpec(**{**base, **kw})
 
 
@@ -71,3 +72,17 @@ def test_augment_draws_per_image_and_keeps_shape():
     assert torch.equal(augment(same, info, torch.Generator().manual_seed(0)), out)  # seeded
     erased_or_padded = (out == 0).flatten(1).any(1).float().mean()
     assert erased_or_padded > 0.3
+
+
+def test_dirichlet_min_size_and_self_balancing():
+    from client_app.data import partition_split
+
+    def sizes(**kw):
+        sp = spec(partitioner="dirichlet", dirichlet_alpha=0.1, seed=0, **kw)
+        return [len(partition_split(sp, p)[1]) for p in range(10)]
+
+    plain, balanced = sizes(), sizes(dirichlet_min_size=40, dirichlet_self_balancing=True)
+    assert sum(plain) == sum(balanced) == 50_000
+    assert min(balanced) >= 40
+    # PFLlib's rule: a client above the average (5,000) gets no further class, so sizes spread less
+    assert max(balanced) < max(plain) and np.std(balanced) < np.std(plain)
