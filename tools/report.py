@@ -146,18 +146,19 @@ def training_flops(config: dict, data_dir: str | None = None) -> float:
 
 
 def method_colors(methods: list[str]) -> dict[str, tuple]:
-    """One fixed colour per method, the same in every figure and report (registry order)."""
+    """One fixed colour per method, the same in every figure and report (registry order): the ten
+    colours of tab10, then black and dark goldenrod; grey for an unknown name."""
     import matplotlib
+    from matplotlib.colors import to_rgba
 
     from strategies.registry import METHODS
 
-    palette = matplotlib.colormaps["tab20"]
+    palette = [*matplotlib.colormaps["tab10"].colors, to_rgba("black"), to_rgba("darkgoldenrod")]
     order = list(METHODS)
-    slots = [*range(0, 20, 2), 1, 3]
-    return {m: palette(slots[order.index(m) % len(slots)]) if m in order else (0.3, 0.3, 0.3, 1.0) for m in methods}
+    return {m: palette[order.index(m) % len(palette)] if m in order else to_rgba("grey") for m in methods}
 
 
-def plot_curves(cells: list[Cell], key: str, out: Path, title: str) -> None:
+def plot_curves(cells: list[Cell], key: str, out: Path, preset: str) -> None:
     """accuracy_vs_round.png and accuracy_vs_bytes.png: mean over seeds, band from min to max."""
     import matplotlib
 
@@ -194,7 +195,7 @@ def plot_curves(cells: list[Cell], key: str, out: Path, title: str) -> None:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"{label} (%)")
-        ax.set_title(title)
+        ax.set_title(f"{preset}: {label} per {'round' if name == 'accuracy_vs_round.png' else 'payload bytes'}")
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
         fig.tight_layout()
@@ -215,12 +216,13 @@ def plot_partitions(config: dict, out: Path, data_dir: str | None = None) -> Non
 
     cfg = RunConfig.from_dict({**app_defaults(), **config, **({"data-dir": data_dir} if data_dir else {})})
     partitioner = partitioner_for(DataSpec.from_config(cfg, cfg.num_clients))
-    fig, ax, _ = plot_label_distributions(
+    fig, ax, counts = plot_label_distributions(
         partitioner, label_name=DATASETS[cfg.dataset].label_column, plot_type="bar", size_unit="absolute",
         partition_id_axis="x", legend=True, legend_title="class", verbose_labels=False, figsize=(7.5, 4.5),
         title=f"{cfg.dataset}: samples per class of each client's partition ({cfg.partitioner}, seed {cfg.seed})")
     ax.set_xlabel("client (partition id)")
     ax.set_ylabel("samples")
+    ax.set_ylim(0, 1.05 * counts.sum(axis=1).max())  # flwr-datasets' default limit can cut the tallest bars
     fig.savefig(out / "label_distribution.png", dpi=120, bbox_inches="tight")  # the legend sits outside
     plt.close(fig)
 
@@ -313,7 +315,7 @@ def report(grid: Path, out: Path | None = None, data_dir: str | None = None, fig
         seeds = info.get("seeds") or [None]
         configs = [{**info["preset_config"], **({"seed": s} if s is not None else {})} for s in seeds]
         flops = float(np.mean([training_flops(c, data_dir) for c in configs]))
-        plot_curves(cells, key, out, f"{Path(info['preset']).stem}: {key.replace('_', ' ')} per round")
+        plot_curves(cells, key, out, Path(info["preset"]).stem)
         plot_partitions(configs[0], out, data_dir)
     (out / "report.md").write_text(render(info, paper, stats, flops), encoding="utf-8")
     return stats
