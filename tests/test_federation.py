@@ -61,23 +61,29 @@ def test_explicit_num_clients_that_disagrees_with_the_nodes_fails_fast_naming_bo
         strategy.start(grid_of(rc, 5))
 
 
-def test_nodes_must_agree_on_num_partitions(run_config):
+def handshake_fails(run_config, num_nodes: int, edit, error: type, match: str) -> None:
+    """With ``num-clients=0``, nodes whose node configs ``edit(grid)`` changed make the run fail fast."""
     rc = run_config(**{"num-clients": 0, "connect-timeout": 600.0})
     strategy, _ = federation(rc)
-    grid = grid_of(rc, 4)
-    grid.contexts[1003].node_config["num-partitions"] = 5  # the last node belongs to another federation
-    with pytest.raises(ConfigError, match=r"'num-partitions' = 5, other nodes have 4"):
+    grid = grid_of(rc, num_nodes)
+    edit(grid)
+    with pytest.raises(error, match=match):
         strategy.start(grid)
+
+
+def test_nodes_must_agree_on_num_partitions(run_config):
+    def other_federation(grid):  # the last node belongs to another federation
+        grid.contexts[1003].node_config["num-partitions"] = 5
+
+    handshake_fails(run_config, 4, other_federation, ConfigError, r"'num-partitions' = 5, other nodes have 4")
 
 
 def test_num_clients_zero_needs_num_partitions_in_the_node_config(run_config):
-    rc = run_config(**{"num-clients": 0, "connect-timeout": 600.0})
-    strategy, _ = federation(rc)
-    grid = grid_of(rc, 2)
-    for context in grid.contexts.values():
-        del context.node_config["num-partitions"]
-    with pytest.raises(ConfigError, match=r"node config lacks 'num-partitions'.*'num-clients' = 0"):
-        strategy.start(grid)
+    def no_size(grid):
+        for context in grid.contexts.values():
+            del context.node_config["num-partitions"]
+
+    handshake_fails(run_config, 2, no_size, ConfigError, r"node config lacks 'num-partitions'.*'num-clients' = 0")
 
 
 def test_no_node_at_all_times_out_naming_the_key(run_config):

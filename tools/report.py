@@ -98,8 +98,9 @@ def method_stats(cells: list[Cell], key: str, target: float | None) -> dict:
     """The table's numbers for one method's cells (its seeds)."""
     out = {"seeds": sorted(c.seed for c in cells), "rounds": sorted({len(c.rows) for c in cells})}
     for metric in ("accuracy_mean", "accuracy_weighted"):
-        finals = [c.curve(metric)[1][-1] for c in cells if len(c.curve(metric)[1])]
-        bests = [c.curve(metric)[1].max() for c in cells if len(c.curve(metric)[1])]
+        curves = [values for values in (c.curve(metric)[1] for c in cells) if len(values)]
+        finals = [values[-1] for values in curves]
+        bests = [values.max() for values in curves]
         out[f"final_{metric}"] = mean_std(finals) if finals else None
         out[f"best_{metric}"] = mean_std(bests) if bests else None
     clients = sum(r["num_clients"] for c in cells for r in c.rows)
