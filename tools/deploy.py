@@ -6,7 +6,7 @@ Usage (each host runs its part; see README "Deploy across machines"):
     python -m tools.deploy keys --out keys --nodes 3
     python -m tools.deploy superlink --certs certs [--auth] [--port 8000] [--database state.db]
     python -m tools.deploy connection --address 10.0.0.5:8000 --root-cert certs/ca.crt [--name deploy]
-    flwr supernode register keys/node-0.pub deploy          # once per node key, from the CLI host
+    python -m tools.deploy register --connection deploy keys/node-*.pub   # from the CLI host
     python -m tools.deploy supernode --superlink 10.0.0.5:8000 --root-cert certs/ca.crt \\
         --key keys/node-0 --partition-id 0 --num-partitions 3 --data-dir /data --state-dir /var/lib/mhfl
     flwr run . deploy --run-config "method='fedgh' num-clients=3 data-dir='/data'" --stream
@@ -24,7 +24,9 @@ import datetime
 import ipaddress
 import os
 import shlex
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 #: the Flower CLIs live next to this interpreter (the project's virtual environment)
@@ -160,6 +162,35 @@ def write_connection(flwr_home: Path, name: str, address: str, root_cert: Path |
     return path
 
 
+def register_nodes(public_keys: list[Path], connection: str, timeout: float = 0.0) -> list[str]:
+    """Register each SuperNode public key with the SuperLink of CLI ``connection``
+    (``flwr supernode register``), waiting up to ``timeout`` seconds for the SuperLink to answer.
+
+    A key the SuperLink already holds counts as registered, so a restarted stack (whose SuperLink
+    kept its database) registers nothing twice. Returns one line per key for the log.
+
+    Raises:
+        RuntimeError: a key was refused, or the SuperLink did not answer within ``timeout``.
+    """
+    lines = []
+    for key in public_keys:
+        deadline = time.monotonic() + timeout
+        while True:
+            done = subprocess.run([str(BIN / "flwr"), "supernode", "register", str(key), connection],
+                                  capture_output=True, text=True, env=environment())
+            said = (done.stdout + done.stderr).strip()
+            if done.returncode == 0 or "already in use" in said:
+                lines.append(f"{key}: " + ("registered" if done.returncode == 0 else "registered before"))
+                break
+            if "unavailable" not in said.lower():  # anything but "the SuperLink is not up yet"
+                raise RuntimeError(f"registering {key} failed: {said}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the SuperLink of connection '{connection}' did not answer within "
+                                   f"{timeout:.0f} s: {said}")
+            time.sleep(1.0)
+    return lines
+
+
 def environment() -> dict[str, str]:
     """The environment Flower's processes need: this venv's CLIs on PATH (SuperExec, ClientApps),
     no runtime installs, no Hub look-ups."""
@@ -190,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--first", type=int, default=0)
+    p = sub.add_parser("register", help="register SuperNode public keys with the SuperLink")
+    p.add_argument("keys", type=Path, nargs="+", help="public key files (node-<i>.pub)")
+    p.add_argument("--connection", default="deploy", help="flwr CLI connection of the SuperLink")
+    p.add_argument("--timeout", type=float, default=0.0, help="seconds to wait for the SuperLink to answer")
     p = sub.add_parser("superlink", help="start the SuperLink")
     p.add_argument("--certs", type=Path, help="folder with ca.crt, server.pem, server.key")
     p.add_argument("--insecure", action="store_true", help="no TLS: local tests only")
@@ -221,6 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keys":
         for private, public in write_node_keys(args.out, args.nodes, args.first):
             print(f"{private} {public}")
+        return 0
+    if args.command == "register":
+        try:
+            print("\n".join(register_nodes(args.keys, args.connection, args.timeout)), flush=True)
+        except RuntimeError as error:
+            print(error, file=sys.stderr)
+            return 1
         return 0
     if args.command == "connection":
         print(write_connection(args.flwr_home, args.name, args.address, args.root_cert))

@@ -1,0 +1,280 @@
+"""The docker compose demo end to end: build, start, run FedGH through the SuperLink, check, tear down.
+
+    uv run --frozen python -m tools.compose_demo [--rounds 3] [--data-dir ../shared/data]
+
+1. A Docker engine: the one that answers, else ``docker/dockerd.sh start`` (no bridge, no
+   iptables; stopped again at the end).
+2. Flower's base images at the ``uv.lock`` version: used when present, else pulled, else built
+   locally by ``docker/local-images.sh`` (for machines with no container registry).
+3. ``docker compose build``, then ``up``: certificates and node keys, the SuperLink (TLS,
+   SuperNode authentication), the registration of the 3 node keys, 3 SuperNodes and the
+   SuperExecs. With no bridge network the stack runs with ``docker/compose.loopback.yml``.
+4. ``flwr run`` of this app through the SuperLink (a CLI connection in a temporary FLWR_HOME,
+   trusting the stack's CA), FedGH for ``--rounds`` rounds on 3 clients.
+5. Checks: the run finished completed, every round has the 3 clients, and every round's
+   ``bytes_down``/``bytes_up`` equal the FedGH payload sizes computed here from the partitions
+   (4*C*(d+1) per client down, 4*C_k*(d+1) up, C_k the classes of client k's training split).
+6. ``docker compose down -v`` (containers, network, volumes) and the engine stopped if this
+   started it, also on failure or Ctrl-C. Images are kept, so a second demo builds from cache.
+
+Prints build seconds, start-up seconds (``up`` until the 3 SuperNodes are online), seconds per
+round, the checks and the tail of the stack's log; exits 0 only if every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+from tools.deploy import BIN, environment, write_connection
+from tools.run import app_defaults, toml_value
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+COMPONENTS = ("superlink", "supernode", "superexec")
+NUM_NODES = 3  # docker/compose.yml's SuperNodes
+
+
+def demo_run_config(rounds: int) -> dict:
+    """The run config of the demo's FedGH job, as paths inside the containers."""
+    return {"method": "fedgh", "num-clients": NUM_NODES, "num-server-rounds": rounds,
+            "max-examples-per-client": 200, "batch-size": 32, "data-dir": "/data",
+            "output-dir": "/app/outputs", "round-timeout": 300.0}
+
+
+def fedgh_payload_bytes(run_config: dict, data_dir: str) -> tuple[int, int]:
+    """``(bytes_down, bytes_up)`` of one FedGH training round over all clients of ``run_config``
+    (pyproject defaults filled in), computed from the partitions in ``data_dir``: the header is
+    4*C*(d+1) bytes to each client, client k sends 4*C_k*(d+1) bytes (FedGH payload, see
+    strategies/fedgh.py). Reads labels only (no image decoding).
+
+    Raises:
+        ConfigError: the run config is invalid (key named).
+    """
+    from client_app.data import DATASETS, DataSpec, partition_split
+    from common.config import RunConfig
+
+    cfg = RunConfig.from_dict({**app_defaults(), **run_config, "data-dir": data_dir})
+    spec = DataSpec.from_config(cfg, cfg.num_clients)
+    d, c = cfg.representation_dim, DATASETS[cfg.dataset].num_classes
+    down = cfg.num_clients * 4 * c * (d + 1)
+    up = 0
+    for partition in range(cfg.num_clients):
+        _, labels, train_idx, _ = partition_split(spec, partition)
+        up += 4 * len(labels[train_idx].unique()) * (d + 1)
+    return down, up
+
+
+def check_rows(rows: list[dict], summary: dict, rounds: int, down: int, up: int) -> list[str]:
+    """What is wrong with a finished demo run's rows and summary (empty: every check passed)."""
+    problems = []
+    if summary.get("status") != "completed":
+        problems.append(f"summary status {summary.get('status')!r}, expected 'completed'")
+    if [r["round"] for r in rows] != list(range(1, rounds + 1)):
+        problems.append(f"rounds {[r['round'] for r in rows]}, expected 1..{rounds}")
+    for r in rows:
+        if r["num_clients"] != NUM_NODES or r["dropped_clients"]:
+            problems.append(f"round {r['round']}: {r['num_clients']} clients, dropped {r['dropped_clients']}")
+        if (r["bytes_down"], r["bytes_up"]) != (down, up):
+            problems.append(f"round {r['round']}: bytes down/up {r['bytes_down']}/{r['bytes_up']}, "
+                            f"expected {down}/{up}")
+    return problems
+
+
+class Stack:
+    """``docker compose`` on docker/compose.yml (+ the loopback override when ``loopback``)."""
+
+    def __init__(self, loopback: bool, data_dir: Path):
+        files = ["compose.yml"] + (["compose.loopback.yml"] if loopback else [])
+        self.base = ["docker", "compose", *(a for f in files for a in ("-f", str(DOCKER / f)))]
+        self.env = {**os.environ, "DATA_DIR": str(data_dir.resolve())}
+
+    def __call__(self, *args: str, check: bool = True, capture: bool = False) -> subprocess.CompletedProcess:
+        done = subprocess.run([*self.base, *args], env=self.env, text=True, capture_output=capture)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"docker compose {' '.join(args)} exited {done.returncode}: "
+                               f"{(done.stderr or '')[-2000:]}")
+        return done
+
+
+def engine_up() -> bool:
+    return subprocess.run(["docker", "info"], capture_output=True).returncode == 0
+
+
+def flower_images(version: str) -> str:
+    """Make ``flwr/<component>:<version>`` available: present, pulled, or built locally.
+    Returns which of the three it was."""
+    images = [f"flwr/{c}:{version}" for c in COMPONENTS]
+    if all(subprocess.run(["docker", "image", "inspect", i], capture_output=True).returncode == 0 for i in images):
+        return "present"
+    if all(subprocess.run(["docker", "pull", "-q", i], capture_output=True).returncode == 0 for i in images):
+        return "pulled"
+    subprocess.run([str(DOCKER / "local-images.sh")], check=True)
+    return "built locally (docker/local-images.sh)"
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def flwr_json(*args: str, env: dict) -> dict:
+    done = subprocess.run([str(BIN / "flwr"), *args, "--format", "json"], env=env, cwd=ROOT,
+                          capture_output=True, text=True)
+    try:
+        return json.loads(done.stdout)
+    except json.JSONDecodeError:
+        return {}
+
+
+def has_bridge() -> bool:
+    """Whether the engine has its default bridge network (not with docker/dockerd.sh)."""
+    names = subprocess.run(["docker", "network", "ls", "--format", "{{.Name}}"], capture_output=True, text=True)
+    return "bridge" in names.stdout.split()
+
+
+def demo(stack: Stack, rounds: int, data_dir: Path, work: Path) -> int:
+    """Steps 2-5 of the module docstring on a running engine; returns the exit status."""
+    version = next(p["version"] for p in tomllib.loads((ROOT / "uv.lock").read_text())["package"]
+                   if p["name"] == "flwr")
+    print(f"flwr {version} images: {flower_images(version)}", flush=True)
+    run_config = demo_run_config(rounds)
+    down, up = fedgh_payload_bytes(run_config, str(data_dir))
+
+    t0 = time.monotonic()
+    stack("build")
+    build_s = time.monotonic() - t0
+    print(f"build: {build_s:.1f} s", flush=True)
+
+    try:
+        return run_on_stack(stack, rounds, work, run_config, (down, up), build_s)
+    except BaseException:
+        print("--- log tail ---\n" + stack("logs", "--no-color", "--tail", "15", capture=True, check=False).stdout)
+        raise
+
+
+def run_on_stack(stack: Stack, rounds: int, work: Path, run_config: dict, payload: tuple[int, int],
+                 build_s: float) -> int:
+    """Steps 3-5 after the build: up, run, check; returns the exit status."""
+    down, up = payload
+    t0 = time.monotonic()
+    stack("up", "-d")
+    stack("cp", "certs:/certs/ca.crt", str(work / "ca.crt"))
+    env = {**environment(), "FLWR_HOME": str(work / "flwr-home")}
+    write_connection(work / "flwr-home", "docker", "127.0.0.1:8000", work / "ca.crt")
+
+    def online():
+        nodes = flwr_json("supernode", "list", "docker", env=env).get("nodes", [])
+        return sum(n.get("status") == "online" for n in nodes) >= NUM_NODES
+    wait_for(online, 300, f"{NUM_NODES} SuperNodes to be online")
+    startup_s = time.monotonic() - t0
+    print(f"start-up (up until {NUM_NODES} SuperNodes online): {startup_s:.1f} s", flush=True)
+
+    cmd = ["run", str(ROOT), "docker"]
+    for k, v in run_config.items():
+        cmd += ["--run-config", f"{k}={toml_value(v)}"]
+    t0 = time.monotonic()
+    submitted = flwr_json(*cmd, env=env)
+    if "run-id" not in submitted:
+        raise RuntimeError(f"flwr run was refused: {submitted}")
+    run_id = str(submitted["run-id"])
+
+    def finished():
+        runs = flwr_json("list", "docker", "--run-id", run_id, env=env).get("runs", [])
+        status = runs[0].get("status", "") if runs else ""
+        return status if status.startswith("finished") else None
+    status = wait_for(finished, 300 + 300 * rounds, f"run {run_id} to finish", poll=2.0)
+    run_s = time.monotonic() - t0
+    print(f"run {run_id}: {status} in {run_s:.1f} s", flush=True)
+
+    stack("cp", "superexec-serverapp:/app/outputs", str(work / "outputs"))
+    run_dirs = [p.parent for p in (work / "outputs").glob("*/summary.json")]
+    if len(run_dirs) != 1:
+        raise RuntimeError(f"expected one run folder in the outputs volume, found {run_dirs}")
+    rows = [json.loads(line) for line in (run_dirs[0] / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dirs[0] / "summary.json").read_text())
+    seconds = [r["round_seconds"] for r in rows]
+    print("seconds per round:", " ".join(f"{s:.1f}" for s in seconds),
+          f"(median {statistics.median(seconds):.1f})" if seconds else "", flush=True)
+    print(f"final accuracy (mean over clients): {summary.get('final_accuracy_mean')}", flush=True)
+    problems = check_rows(rows, summary, rounds, down, up)
+    print("--- log tail ---\n" + stack("logs", "--no-color", "--tail", "15", capture=True, check=False).stdout)
+    for problem in problems:
+        print("CHECK FAILED:", problem, flush=True)
+    if problems:
+        return 1
+    print(f"checks passed: {rounds} rounds completed, {NUM_NODES} clients each, payload bytes exact "
+          f"(down {down} B, up {up} B per round)", flush=True)
+    print(f"build_s={build_s:.1f} startup_s={startup_s:.1f} "
+          f"round_s={statistics.median(seconds):.1f}", flush=True)
+    return 0
+
+
+def shielded(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a clean-up command shielded from a second Ctrl-C or SIGTERM (a half-done
+    ``compose down`` leaves containers and volumes behind): the signals are ignored meanwhile
+    and the command runs in its own session, out of reach of the terminal's Ctrl-C."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, start_new_session=True)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data",
+                        help="host folder with <dataset>/train.parquet, mounted read-only at /data")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+
+    # `docker compose down` must run on SIGTERM too, not only on Ctrl-C
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    started_engine = False
+    try:
+        if not engine_up():
+            out = subprocess.run([str(DOCKER / "dockerd.sh"), "start"], check=True, capture_output=True,
+                                 text=True).stdout
+            started_engine = out.startswith("started")
+            print("docker engine:", out.strip(), flush=True)
+        loopback = not has_bridge()
+        print("network:", "host (docker/compose.loopback.yml: the engine has no bridge)" if loopback
+              else "bridge", flush=True)
+        stack = Stack(loopback, args.data_dir)
+        with tempfile.TemporaryDirectory(prefix="mheterofl-compose-") as work:
+            try:
+                return demo(stack, args.rounds, args.data_dir, Path(work))
+            finally:
+                done = shielded([*stack.base, "down", "-v", "--remove-orphans", "--timeout", "10"], stack.env)
+                print("stack removed (docker compose down -v)" if done.returncode == 0
+                      else f"docker compose down failed: {done.stderr[-1000:]}", flush=True)
+    except (RuntimeError, subprocess.CalledProcessError) as error:
+        print(f"demo failed: {error}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("demo interrupted", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        if started_engine:
+            print("docker engine:", shielded([str(DOCKER / "dockerd.sh"), "stop"]).stdout.strip(), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
