@@ -28,9 +28,12 @@ if ! docker image inspect "$BASE" >/dev/null 2>&1; then
   echo "base image $BASE imported ($(( $(date +%s) - start )) s)"
 fi
 
+log=$(mktemp)
 for component in superlink supernode superexec; do
   docker build --network host --target "$component" --build-arg "FLWR_VERSION=$VERSION" \
-    -t "flwr/$component:$VERSION" -f docker/local/Dockerfile docker/local >/dev/null
+    -t "flwr/$component:$VERSION" -f docker/local/Dockerfile docker/local >"$log" 2>&1 \
+    || { tail -30 "$log" >&2; rm -f "$log"; exit 1; }
   echo "built flwr/$component:$VERSION"
 done
+rm -f "$log"
 echo "local Flower images at $VERSION in $(( $(date +%s) - start )) s"

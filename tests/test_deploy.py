@@ -18,8 +18,8 @@ import urllib.request
 from pathlib import Path
 
 
-from tools.deploy import (BIN, environment, node_config, superlink_command, supernode_command, write_certificates,
-                          write_connection, write_node_keys)
+from tools.deploy import (BIN, environment, node_config, register_nodes, superlink_command, supernode_command,
+                          write_certificates, write_connection, write_node_keys)
 from tools.run import free_port, stop, toml_value
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,9 +73,10 @@ def test_tls_auth_deployment_survives_a_killed_and_restarted_supernode(tmp_path)
                 return False
         wait_for(healthy, 60, "the SuperLink (TLS) to become healthy")
 
-        for private, public in keys[:3]:
-            registered = flwr("supernode", "register", str(public), "deploy", env=env)
-            assert registered.returncode == 0, registered.stdout + registered.stderr
+        publics = [public for _, public in keys[:3]]
+        assert register_nodes(publics, "deploy", env=env) == [f"{k}: registered" for k in publics]
+        # registering again (a restarted stack) keeps the key: no error, no second node
+        assert register_nodes(publics[:1], "deploy", env=env) == [f"{publics[0]}: registered before"]
 
         def supernode(i: int, key: Path) -> subprocess.Popen:
             config = node_config(i, 3, str(DATA_DIR), str(tmp_path / f"state-{i}"))

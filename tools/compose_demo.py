@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -106,6 +107,17 @@ class Stack:
         return done
 
 
+def log_tail(stack: Stack, lines: int = 15) -> str:
+    """The last ``lines`` log lines of every service, without terminal colour codes."""
+    logs = stack("logs", "--no-color", "--tail", str(lines), capture=True, check=False).stdout
+    return "--- log tail ---\n" + re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", logs)
+
+
+def locked_flwr() -> str:
+    """The flwr version of uv.lock (the tag of the flwr/* images)."""
+    return next(p["version"] for p in tomllib.loads((ROOT / "uv.lock").read_text())["package"] if p["name"] == "flwr")
+
+
 def engine_up() -> bool:
     return subprocess.run(["docker", "info"], capture_output=True).returncode == 0
 
@@ -149,21 +161,19 @@ def has_bridge() -> bool:
 
 def demo(stack: Stack, rounds: int, data_dir: Path, work: Path) -> int:
     """Steps 2-5 of the module docstring on a running engine; returns the exit status."""
-    version = next(p["version"] for p in tomllib.loads((ROOT / "uv.lock").read_text())["package"]
-                   if p["name"] == "flwr")
-    print(f"flwr {version} images: {flower_images(version)}", flush=True)
+    print(f"flwr {locked_flwr()} images: {flower_images(locked_flwr())}", flush=True)
     run_config = demo_run_config(rounds)
     down, up = fedgh_payload_bytes(run_config, str(data_dir))
 
     t0 = time.monotonic()
-    stack("build")
+    stack("build", capture=True)
     build_s = time.monotonic() - t0
     print(f"build: {build_s:.1f} s", flush=True)
 
     try:
         return run_on_stack(stack, rounds, work, run_config, (down, up), build_s)
     except BaseException:
-        print("--- log tail ---\n" + stack("logs", "--no-color", "--tail", "15", capture=True, check=False).stdout)
+        print(log_tail(stack))
         raise
 
 
@@ -172,8 +182,8 @@ def run_on_stack(stack: Stack, rounds: int, work: Path, run_config: dict, payloa
     """Steps 3-5 after the build: up, run, check; returns the exit status."""
     down, up = payload
     t0 = time.monotonic()
-    stack("up", "-d")
-    stack("cp", "certs:/certs/ca.crt", str(work / "ca.crt"))
+    stack("up", "-d", capture=True)
+    stack("cp", "certs:/certs/ca.crt", str(work / "ca.crt"), capture=True)
     env = {**environment(), "FLWR_HOME": str(work / "flwr-home")}
     write_connection(work / "flwr-home", "docker", "127.0.0.1:8000", work / "ca.crt")
 
@@ -201,7 +211,7 @@ def run_on_stack(stack: Stack, rounds: int, work: Path, run_config: dict, payloa
     run_s = time.monotonic() - t0
     print(f"run {run_id}: {status} in {run_s:.1f} s", flush=True)
 
-    stack("cp", "superexec-serverapp:/app/outputs", str(work / "outputs"))
+    stack("cp", "superexec-serverapp:/app/outputs", str(work / "outputs"), capture=True)
     run_dirs = [p.parent for p in (work / "outputs").glob("*/summary.json")]
     if len(run_dirs) != 1:
         raise RuntimeError(f"expected one run folder in the outputs volume, found {run_dirs}")
@@ -212,7 +222,7 @@ def run_on_stack(stack: Stack, rounds: int, work: Path, run_config: dict, payloa
           f"(median {statistics.median(seconds):.1f})" if seconds else "", flush=True)
     print(f"final accuracy (mean over clients): {summary.get('final_accuracy_mean')}", flush=True)
     problems = check_rows(rows, summary, rounds, down, up)
-    print("--- log tail ---\n" + stack("logs", "--no-color", "--tail", "15", capture=True, check=False).stdout)
+    print(log_tail(stack))
     for problem in problems:
         print("CHECK FAILED:", problem, flush=True)
     if problems:

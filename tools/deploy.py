@@ -162,9 +162,11 @@ def write_connection(flwr_home: Path, name: str, address: str, root_cert: Path |
     return path
 
 
-def register_nodes(public_keys: list[Path], connection: str, timeout: float = 0.0) -> list[str]:
+def register_nodes(public_keys: list[Path], connection: str, timeout: float = 0.0,
+                   env: dict[str, str] | None = None) -> list[str]:
     """Register each SuperNode public key with the SuperLink of CLI ``connection``
     (``flwr supernode register``), waiting up to ``timeout`` seconds for the SuperLink to answer.
+    ``env``: the CLI's environment (default :func:`environment`; ``FLWR_HOME`` finds the connection).
 
     A key the SuperLink already holds counts as registered, so a restarted stack (whose SuperLink
     kept its database) registers nothing twice. Returns one line per key for the log.
@@ -177,7 +179,7 @@ def register_nodes(public_keys: list[Path], connection: str, timeout: float = 0.
         deadline = time.monotonic() + timeout
         while True:
             done = subprocess.run([str(BIN / "flwr"), "supernode", "register", str(key), connection],
-                                  capture_output=True, text=True, env=environment())
+                                  capture_output=True, text=True, env=env or environment())
             said = (done.stdout + done.stderr).strip()
             if done.returncode == 0 or "already in use" in said:
                 lines.append(f"{key}: " + ("registered" if done.returncode == 0 else "registered before"))
