@@ -16,6 +16,8 @@
    (4*C*(d+1) per client down, 4*C_k*(d+1) up, C_k the classes of client k's training split).
 6. ``docker compose down -v`` (containers, network, volumes) and the engine stopped if this
    started it, also on failure or Ctrl-C. Images are kept, so a second demo builds from cache.
+   It refuses to start beside an existing ``mheterofl`` stack (not its to remove) or when
+   something else listens on the stack's 127.0.0.1 ports.
 
 Prints build seconds, start-up seconds (``up`` until the 3 SuperNodes are online), seconds per
 round, the checks and the tail of the stack's log; exits 0 only if every check passed.
@@ -27,7 +29,9 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -153,6 +157,17 @@ def flwr_json(*args: str, env: dict) -> dict:
         return {}
 
 
+def ports_in_use(ports: list[int]) -> list[int]:
+    """Which of ``ports`` something on 127.0.0.1 already listens on."""
+    busy = []
+    for port in ports:
+        with socket.socket() as s:
+            s.settimeout(1.0)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                busy.append(port)
+    return busy
+
+
 def has_bridge() -> bool:
     """Whether the engine has its default bridge network (not with docker/dockerd.sh)."""
     names = subprocess.run(["docker", "network", "ls", "--format", "{{.Name}}"], capture_output=True, text=True)
@@ -181,6 +196,10 @@ def run_on_stack(stack: Stack, rounds: int, work: Path, run_config: dict, payloa
                  build_s: float) -> int:
     """Steps 3-5 after the build: up, run, check; returns the exit status."""
     down, up = payload
+    # the CLI talks to 127.0.0.1:8000 in both network modes: it must be this stack's SuperLink
+    busy = ports_in_use([8000] + ([9094, 9095, 9096] if "compose.loopback.yml" in " ".join(stack.base) else []))
+    if busy:
+        raise RuntimeError(f"127.0.0.1 port(s) {busy} already in use: stop what listens there first")
     t0 = time.monotonic()
     stack("up", "-d", capture=True)
     stack("cp", "certs:/certs/ca.crt", str(work / "ca.crt"), capture=True)
@@ -259,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     started_engine = False
     try:
+        if shutil.which("docker") is None or subprocess.run(["docker", "compose", "version"],
+                                                            capture_output=True).returncode != 0:
+            raise RuntimeError("needs the docker CLI with the compose plugin: run docker/setup-host.sh (as root)")
         if not engine_up():
             out = subprocess.run([str(DOCKER / "dockerd.sh"), "start"], check=True, capture_output=True,
                                  text=True).stdout
@@ -268,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         print("network:", "host (docker/compose.loopback.yml: the engine has no bridge)" if loopback
               else "bridge", flush=True)
         stack = Stack(loopback, args.data_dir)
+        if stack("ps", "-a", "-q", capture=True).stdout.split():
+            # not ours to remove: the demo tears down only what it created
+            raise RuntimeError("a 'mheterofl' compose stack already exists: "
+                               "docker compose -f docker/compose.yml down -v, then run the demo again")
         with tempfile.TemporaryDirectory(prefix="mheterofl-compose-") as work:
             try:
                 return demo(stack, args.rounds, args.data_dir, Path(work))
