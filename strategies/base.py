@@ -519,6 +519,7 @@ class HeteroStrategy(Strategy):
                 absent = [k for k in REQUIRED_METRICS.get(_category(message_type), ()) if k not in metrics]
                 if absent:
                     raise PayloadError(f"metrics lack {absent}")
+                check_metrics(metrics, self.clients.get(node), _category(message_type))
                 if node in self.clients and self.clients[node][PARTITION_ID] != pid:
                     raise PayloadError(f"partition-id {pid} differs from the handshake's "
                                        f"{self.clients[node][PARTITION_ID]}")
@@ -613,6 +614,42 @@ def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_
     if weighted:
         metrics["train-loss"] = sum(l * n for l, n in weighted) / max(sum(n for _, n in weighted), 1)
     return metrics
+
+
+def check_metrics(metrics: Mapping[str, Any], known: Mapping[str, Any] | None, category: str) -> None:
+    """Reject a reply's metrics that the server could not safely use.
+
+    Every value must be a finite int or float (a MetricRecord may also hold lists, which no
+    client sends and the aggregations cannot use). Example counts must be non-negative integers
+    within what the client reported at the handshake (``known``; None for the handshake
+    itself): a train reply's ``num-examples`` at most its ``num-train``, an evaluation's
+    ``num-examples`` at most its ``num-test`` and ``test-correct`` at most ``num-examples``
+    (also for the ``eval-`` metrics inside a train reply), so one client cannot claim to
+    outweigh the others in a sample-weighted mean.
+
+    Raises:
+        PayloadError: naming the metric.
+    """
+    for key, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise PayloadError(f"metric '{key}' = {value!r} is not a finite number")
+    counts = [k for k in ("num-train", "num-test", "num-examples", "test-correct", EVAL_PREFIX + "num-examples",
+                          EVAL_PREFIX + "test-correct") if k in metrics]
+    for key in counts:
+        if not isinstance(metrics[key], int) or metrics[key] < 0:
+            raise PayloadError(f"metric '{key}' = {metrics[key]!r} is not a non-negative integer")
+    if known is None:
+        return
+    limits = {"num-examples": known.get("num-train" if category == "train" else "num-test"),
+              EVAL_PREFIX + "num-examples": known.get("num-test")}
+    for key, limit in limits.items():
+        if key in metrics and limit is not None and metrics[key] > limit:
+            raise PayloadError(f"metric '{key}' = {metrics[key]} exceeds the {limit} examples "
+                               "the client reported at the handshake")
+    for prefix in ("", EVAL_PREFIX):
+        correct, total = metrics.get(prefix + "test-correct"), metrics.get(prefix + "num-examples")
+        if correct is not None and total is not None and correct > total:
+            raise PayloadError(f"metric '{prefix}test-correct' = {correct} exceeds '{prefix}num-examples' = {total}")
 
 
 def _raise_config_errors(replies: Iterable[Message]) -> None:

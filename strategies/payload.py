@@ -13,8 +13,10 @@ as the papers count them (spec fedgh.md section 2.2).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from io import BytesIO
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
@@ -121,18 +123,59 @@ def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
 
 
-def read_payload(content: RecordDict) -> dict[str, np.ndarray]:
-    """The payload arrays of a message (empty when it carries none).
+#: dtype kinds a payload may carry: bool, signed and unsigned integers, floats
+PAYLOAD_DTYPE_KINDS = "biuf"
+
+
+def decode_array(name: str, array: Array) -> np.ndarray:
+    """One received array, decoded only after its bytes were checked (nothing from the sender
+    is trusted: a wrong ``Array.numpy()`` call could allocate what an npy header claims).
+
+    Checked before decoding: Flower's numpy serialisation (``stype``), a readable npy header
+    (format 1.0 or 2.0), a plain numeric dtype (:data:`PAYLOAD_DTYPE_KINDS`, no structured or
+    object dtypes), the header's shape x itemsize equal to the bytes that follow it (so a
+    declared shape cannot make the receiver allocate more than it received), and the Array's
+    ``dtype``/``shape`` fields equal to the header's (byte counts are read from those fields).
 
     Raises:
-        PayloadError: if the message carries an ArrayRecord other than the payload one.
+        PayloadError: naming ``name`` and what is wrong.
+    """
+    if array.stype != "numpy.ndarray":
+        raise PayloadError(f"'{name}' is serialised as {array.stype!r}, expected 'numpy.ndarray'")
+    buffer = BytesIO(array.data)
+    try:
+        version = np.lib.format.read_magic(buffer)
+        readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+        if version not in readers:
+            raise ValueError(f"npy format {version}")
+        shape, fortran_order, dtype = readers[version](buffer)
+    except (ValueError, TypeError, OSError, EOFError, SyntaxError) as exc:
+        raise PayloadError(f"'{name}' is not a readable npy array: {exc}") from exc
+    if dtype.hasobject or dtype.fields is not None or dtype.kind not in PAYLOAD_DTYPE_KINDS:
+        raise PayloadError(f"'{name}' has dtype {dtype}, not a plain numeric one")
+    declared = math.prod(shape) * dtype.itemsize
+    if declared != len(array.data) - buffer.tell():
+        raise PayloadError(f"'{name}' declares shape {shape} ({declared} bytes) but carries "
+                           f"{len(array.data) - buffer.tell()} bytes")
+    if tuple(array.shape) != tuple(shape) or array.dtype != str(dtype):
+        raise PayloadError(f"'{name}' is labelled {array.dtype} {tuple(array.shape)} but holds {dtype} {shape}")
+    return np.frombuffer(array.data, dtype=dtype, offset=buffer.tell()).reshape(
+        shape, order="F" if fortran_order else "C").copy()
+
+
+def read_payload(content: RecordDict) -> dict[str, np.ndarray]:
+    """The payload arrays of a message (empty when it carries none), each through :func:`decode_array`.
+
+    Raises:
+        PayloadError: if the message carries an ArrayRecord other than the payload one, or
+            an array fails :func:`decode_array`.
     """
     names = set(content.array_records)
     if names - {PAYLOAD}:
         raise PayloadError(f"unexpected array records {sorted(names - {PAYLOAD})}")
     if PAYLOAD not in names:
         return {}
-    return {k: v.numpy() for k, v in content.array_records[PAYLOAD].items()}
+    return {k: decode_array(k, v) for k, v in content.array_records[PAYLOAD].items()}
 
 
 def tensor_bytes(content: RecordDict) -> int:
