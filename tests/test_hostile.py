@@ -1,0 +1,139 @@
+"""Hostile and faulty clients, through the fake grid: no reply may crash or poison a run.
+
+Each attack tampers with the train replies of one node (partition 1). The run must go on, the
+reply must be dropped and counted (the partition is in the round's ``dropped_clients``), and the
+server's global state must equal that of a run in which the same reply was simply lost.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import tracemalloc
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+
+from conftest import federation
+from strategies.payload import PAYLOAD
+
+ATTACKER = 1001  # node of partition 1 in the fake grid
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def with_payload(reply: Message, arrays: dict[str, Array]) -> Message:
+    reply.content = RecordDict({PAYLOAD: ArrayRecord(arrays), "metrics": reply.content.metric_records["metrics"]})
+    return reply
+
+
+def with_metrics(reply: Message, **changes) -> Message:
+    metrics = MetricRecord({**dict(reply.content.metric_records["metrics"]), **changes})
+    reply.content = RecordDict({**dict(reply.content.array_records), "metrics": metrics})
+    return reply
+
+
+def lost(reply: Message) -> Message:
+    """A reply the server cannot use at all (no records): dropped without a word about its payload."""
+    reply.content = RecordDict()
+    return reply
+
+
+def run(run_config, attack, rounds: int = 2):
+    """(rows, global arrays) of a FedGH run whose partition-1 train replies go through ``attack``."""
+    rc = run_config(**{"num-clients": 3, "num-server-rounds": rounds})
+
+    def tamper(node, reply):
+        if node == ATTACKER and reply.metadata.message_type == "train" and not reply.has_error():
+            return attack(reply)
+        return reply
+    strategy, grid = federation(rc, tamper)
+    strategy.start(grid)
+    return strategy.rows, {k: v.copy() for k, v in strategy.global_arrays().items()}
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """The same run with partition 1's train replies lost."""
+    from conftest import make_run_config
+
+    out = tmp_path_factory.mktemp("baseline")
+    return run(lambda **o: make_run_config(**{"output-dir": str(out), **o}), lost)
+
+
+def assert_dropped_like_lost(rows, arrays, baseline):
+    base_rows, base_arrays = baseline
+    assert [r["round"] for r in rows] == [r["round"] for r in base_rows]
+    for row in rows:
+        assert 1 in row["dropped_clients"] and row["num_clients"] == 2
+    assert arrays.keys() == base_arrays.keys()
+    for k in arrays:
+        assert np.isfinite(arrays[k]).all() and np.array_equal(arrays[k], base_arrays[k]), k
+
+
+def test_hostile_npz_blob_is_dropped(run_config, baseline):
+    def attack(reply):
+        buffer = io.BytesIO()
+        np.savez(buffer, lar=np.zeros((2, 500), np.float32))
+        return with_payload(reply, {"lar": Array("float32", (2, 500), "numpy.ndarray", buffer.getvalue()),
+                                    "lar_labels": Array(np.array([0, 1], np.int32))})
+    assert_dropped_like_lost(*run(run_config, attack), baseline)
+
+
+def test_hostile_torch_typed_and_truncated_arrays_are_dropped(run_config, baseline):
+    def torch_typed(reply):
+        arrays = dict(reply.content.array_records[PAYLOAD])
+        a = arrays["lar"]
+        arrays["lar"] = Array(a.dtype, a.shape, "torch.Tensor", a.data)
+        return with_payload(reply, arrays)
+
+    def truncated(reply):
+        arrays = dict(reply.content.array_records[PAYLOAD])
+        a = arrays["lar"]
+        arrays["lar"] = Array(a.dtype, a.shape, a.stype, a.data[: len(a.data) // 2])
+        return with_payload(reply, arrays)
+    assert_dropped_like_lost(*run(run_config, torch_typed), baseline)
+    assert_dropped_like_lost(*run(run_config, truncated), baseline)
+
+
+def test_hostile_huge_declared_shape_allocates_nothing(run_config, baseline):
+    """An npy header claiming (1, 2e9) float32 (7.45 GiB) with a few bytes behind it."""
+    header = npy_bytes(np.zeros((1, 2), np.float32)).replace(b"(1, 2)", b"(1, 2000000000)")
+    header = header[:-8]  # drop the 2 values: the data is what the header says minus everything
+
+    def attack(reply):
+        arrays = dict(reply.content.array_records[PAYLOAD])
+        arrays["lar"] = Array("float32", (1, 2_000_000_000), "numpy.ndarray", header + b"\0" * 64)
+        return with_payload(reply, arrays)
+    tracemalloc.start()
+    try:
+        rows, arrays = run(run_config, attack, rounds=1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 30, f"peak {peak / 2**30:.2f} GiB"
+    assert 1 in rows[0]["dropped_clients"] and rows[0]["num_clients"] == 2
+
+
+def test_hostile_mislabelled_array_is_dropped(run_config, baseline):
+    """Array fields that disagree with the bytes (byte counts read them) are refused."""
+    def attack(reply):
+        arrays = dict(reply.content.array_records[PAYLOAD])
+        a = arrays["lar"]
+        arrays["lar"] = Array(a.dtype, (1, 500), a.stype, a.data)
+        return with_payload(reply, arrays)
+    assert_dropped_like_lost(*run(run_config, attack), baseline)
+
+
+@pytest.mark.parametrize("metrics", [{"train-loss": [1.0, 2.0]}, {"train-loss": math.inf},
+                                     {"num-examples": 10**15}, {"num-examples": -1},
+                                     {"eval-test-correct": 10**6}, {"train-seconds": math.nan}])
+def test_hostile_metrics_are_dropped(run_config, baseline, metrics):
+    """List-valued, non-finite and out-of-range metrics (a num-examples claim above the client's
+    handshake size would outweigh the others in any sample-weighted mean)."""
+    assert_dropped_like_lost(*run(run_config, lambda reply: with_metrics(reply, **metrics)), baseline)
