@@ -59,9 +59,11 @@ class FDStrategy(HeteroStrategy):
         return dict(self.global_logits)
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """ẑ_c = mean of the uploaded per-class logits of class c."""
-        self.global_logits, metrics = class_average(replies, "logits", "logit_labels", self.dims["C"],
-                                                    self.dims["C"])
+        """ẑ_c = mean of the uploaded per-class logits of class c; a round without a single valid
+        reply keeps the previous global logits (as FedProto keeps its prototypes)."""
+        global_logits, metrics = class_average(replies, "logits", "logit_labels", self.dims["C"], self.dims["C"])
+        if replies:
+            self.global_logits = global_logits
         return metrics
 
 

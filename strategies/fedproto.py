@@ -215,8 +215,14 @@ class FedProtoStrategy(HeteroStrategy):
         return self.global_arrays()
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """P̄^c = unweighted mean of the uploaded P_i^c for every class uploaded this round (:func:`class_average`)."""
-        self.global_set, metrics = class_average(replies, "protos", "proto_labels", self.dims["C"], self.dims["d"])
+        """P̄^c = unweighted mean of the uploaded P_i^c for every class uploaded this round (:func:`class_average`).
+
+        A round without a single valid reply keeps the previous global set: no upload is no
+        evidence, and clients would otherwise train without the regulariser next round.
+        """
+        global_set, metrics = class_average(replies, "protos", "proto_labels", self.dims["C"], self.dims["d"])
+        if replies:
+            self.global_set = global_set
         return metrics
 
 

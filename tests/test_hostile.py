@@ -137,3 +137,33 @@ def test_hostile_metrics_are_dropped(run_config, baseline, metrics):
     """List-valued, non-finite and out-of-range metrics (a num-examples claim above the client's
     handshake size would outweigh the others in any sample-weighted mean)."""
     assert_dropped_like_lost(*run(run_config, lambda reply: with_metrics(reply, **metrics)), baseline)
+
+
+@pytest.mark.parametrize("method, state", [("fedproto", "global_set"), ("fd", "global_logits")])
+def test_hostile_empty_round_keeps_the_global_state(run_config, method, state):
+    """FedProto/FD: a round in which every train reply is unusable keeps the last global
+    prototypes/logits (and sends them in the next round) instead of forgetting them."""
+    rc = run_config(**{"method": method, "num-clients": 3, "num-server-rounds": 3})
+    seen = []
+
+    def tamper(node, reply):
+        if reply.metadata.message_type == "train":
+            seen.append(node)
+            if 4 <= len(seen) <= 6:  # every reply of round 2
+                return lost(reply)
+        return reply
+    strategy, grid = federation(rc, tamper)
+    kept = []
+    original = strategy.server_update
+
+    def server_update(server_round, replies):
+        metrics = original(server_round, replies)
+        kept.append({k: v.copy() for k, v in getattr(strategy, state).items()})
+        return metrics
+    strategy.server_update = server_update
+    strategy.start(grid)
+    assert [r["num_clients"] for r in strategy.rows] == [3, 0, 3]
+    assert kept[0] and kept[1].keys() == kept[0].keys()
+    assert all(np.array_equal(kept[1][k], kept[0][k]) for k in kept[0])
+    round3 = [m for m in grid.sent if m.metadata.message_type == "train"][6:]
+    assert all(m.content.array_records for m in round3)  # round 3 still carries the global state
