@@ -8,7 +8,6 @@ alike; module globals are shared between virtual clients (simulation) or reset e
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -19,6 +18,7 @@ from torch import nn
 
 from client_app.data import ClientData, DataSpec, load_client_data, with_recipe
 from common.config import ConfigError, RunConfig
+from common.files import atomic_write
 from models.base import SplitModel
 from models.groups import MODEL_GROUPS
 
@@ -118,7 +118,13 @@ class ClientRuntime:
             path = self._state_file(name)
             if path is None or not path.is_file():
                 return False
-            self.context.state[name] = ArrayRecord(torch.load(path, map_location="cpu", weights_only=True))
+            try:
+                saved = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as exc:  # torn or foreign file: start afresh rather than fail every message
+                log.warning("partition %d: ignoring unreadable state file %s (%s: %s)", self.partition_id, path,
+                            type(exc).__name__, exc)
+                return False
+            self.context.state[name] = ArrayRecord(saved)
             self.state_restores += 1
             log.info("partition %d: restored '%s' from %s", self.partition_id, name, path)
         module.load_state_dict(self.context.state.array_records[name].to_torch_state_dict())
@@ -131,9 +137,8 @@ class ClientRuntime:
         path = self._state_file(name)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, tmp)
-            os.replace(tmp, path)
+            state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+            atomic_write(path, lambda f: torch.save(state, f))
 
     def _state_file(self, name: str) -> Path | None:
         return self.state_dir / f"{_safe(name)}.pt" if self.state_dir is not None else None

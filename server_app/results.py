@@ -20,9 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from common.config import ConfigError
+from common.files import atomic_write
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -73,10 +75,9 @@ class ResultsWriter:
         self._write_summary()
 
     def write_checkpoint(self, state: dict[str, Any]) -> None:
-        """Save the strategy's state atomically as ``checkpoint.pt`` (replaces the previous one)."""
-        tmp = self.path / (CHECKPOINT + ".tmp")
-        torch.save(state, tmp)
-        tmp.replace(self.path / CHECKPOINT)
+        """Save the strategy's state atomically and durably as ``checkpoint.pt`` (replaces the
+        previous one), numpy arrays stored as tensors so that it loads with ``weights_only=True``."""
+        atomic_write(self.path / CHECKPOINT, lambda f: torch.save(_to_tensors(state), f))
 
     def finish(self, status: str = "completed") -> None:
         """Mark the run ``completed`` (or ``failed``) in the summary."""
@@ -107,9 +108,8 @@ class ResultsWriter:
         }
 
     def _write_summary(self) -> None:
-        tmp = self.path / "summary.json.tmp"
-        tmp.write_text(json.dumps(self.summary(), indent=2), encoding="utf-8")
-        tmp.replace(self.path / "summary.json")
+        text = json.dumps(self.summary(), indent=2).encode("utf-8")
+        atomic_write(self.path / "summary.json", lambda f: f.write(text))
 
 
 def tensorboard_class(logger: str) -> type | None:
@@ -145,13 +145,49 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+#: key of the dict that stands for a numpy array in a checkpoint (see :func:`_to_tensors`)
+NDARRAY = "__ndarray__"
+
+
+def _to_tensors(obj: Any) -> Any:
+    """``obj`` with every numpy array (in dicts, lists, tuples) replaced by ``{NDARRAY: tensor}``
+    and numpy scalars by Python numbers: what ``torch.load(weights_only=True)`` accepts."""
+    if isinstance(obj, np.ndarray):
+        return {NDARRAY: torch.from_numpy(np.ascontiguousarray(obj).copy())}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: _to_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_tensors(v) for v in obj)
+    return obj
+
+
+def _to_arrays(obj: Any) -> Any:
+    """The inverse of :func:`_to_tensors`."""
+    if isinstance(obj, dict):
+        if obj.keys() == {NDARRAY}:
+            return obj[NDARRAY].numpy()
+        return {k: _to_arrays(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_arrays(v) for v in obj)
+    return obj
+
+
 def load_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """The state saved by :meth:`ResultsWriter.write_checkpoint` in ``run_dir``.
+    """The state saved by :meth:`ResultsWriter.write_checkpoint` in ``run_dir``, read with
+    ``weights_only=True``: a checkpoint cannot run code (a pickle placed in a ``resume-from``
+    folder is refused, not executed).
 
     Raises:
         FileNotFoundError: naming the run config key when ``run_dir`` holds no checkpoint.
+        ConfigError: naming the run config key when the file is not a checkpoint of ours.
     """
     path = Path(run_dir) / CHECKPOINT
     if not path.is_file():
         raise FileNotFoundError(f"run config key 'resume-from' = {str(run_dir)!r}: no {CHECKPOINT} there")
-    return torch.load(path, weights_only=False)
+    try:
+        return _to_arrays(torch.load(path, weights_only=True))
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError... for foreign files
+        raise ConfigError(f"run config key 'resume-from' = {str(run_dir)!r}: {CHECKPOINT} is not a checkpoint "
+                          f"this system wrote ({type(exc).__name__}); refusing to load it") from exc

@@ -12,6 +12,7 @@ import math
 import tracemalloc
 
 import numpy as np
+import torch
 import pytest
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
@@ -167,3 +168,80 @@ def test_hostile_empty_round_keeps_the_global_state(run_config, method, state):
     assert all(np.array_equal(kept[1][k], kept[0][k]) for k in kept[0])
     round3 = [m for m in grid.sent if m.metadata.message_type == "train"][6:]
     assert all(m.content.array_records for m in round3)  # round 3 still carries the global state
+
+
+class _Payload:
+    """A pickle that would leave a marker file behind if it were ever unpickled."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_hostile_pickle_checkpoint_is_refused_not_run(tmp_path):
+    from common.config import ConfigError
+    from server_app.results import CHECKPOINT, load_checkpoint
+
+    marker = tmp_path / "code-ran"
+    torch.save({"round": 1, "server": _Payload(marker)}, tmp_path / CHECKPOINT)
+    with pytest.raises(ConfigError, match="resume-from"):
+        load_checkpoint(tmp_path)
+    assert not marker.exists()
+
+
+def test_hostile_checkpoint_round_trips_numpy_state(run_config, tmp_path):
+    """A real checkpoint (numpy arrays, RNG states, rows) loads with weights_only=True unchanged."""
+    from server_app.results import ResultsWriter, load_checkpoint
+
+    state = {"round": 2, "rng": np.random.default_rng(3).bit_generator.state, "rows": [{"a": None, "b": [1.5]}],
+             "server": {"global_set": {"protos": np.arange(6, dtype=np.float32).reshape(2, 3),
+                                       "mask": np.array([True, False])}, "generator": torch.Generator().get_state()}}
+    writer = ResultsWriter.__new__(ResultsWriter)
+    writer.path = tmp_path
+    writer.write_checkpoint(state)
+    loaded = load_checkpoint(tmp_path)
+    assert loaded["rng"] == state["rng"] and loaded["rows"] == state["rows"]
+    for k, v in state["server"]["global_set"].items():
+        assert loaded["server"]["global_set"][k].dtype == v.dtype and np.array_equal(loaded["server"]["global_set"][k], v)
+    assert torch.equal(loaded["server"]["generator"], state["server"]["generator"])
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary left
+
+
+def test_hostile_torn_state_file_is_ignored_and_rewritten(run_config, tmp_path):
+    """A half-written client state file (a crash mid-write by an older version, a full disk)
+    must not make that partition fail on every later message: it trains afresh and saves anew."""
+    from client_app.runtime import MODEL_STATE
+    from fakegrid import FakeGrid
+    from client_app.app import app as client_app
+    from common.config import RunConfig
+    from strategies.registry import build_strategy
+
+    rc = run_config(**{"num-clients": 3, "num-server-rounds": 1})
+    cfg = RunConfig.from_dict(rc)
+    strategy = build_strategy(cfg)
+    grid = FakeGrid(client_app, rc, 3, node_config={"state-dir": str(tmp_path / "state")})
+    torn = tmp_path / "state" / strategy.state_key / "partition-1" / f"{MODEL_STATE}.pt"
+    torn.parent.mkdir(parents=True)
+    buffer = io.BytesIO()
+    torch.save({"w": torch.zeros(1000)}, buffer)
+    torn.write_bytes(buffer.getvalue()[:500])
+    strategy.start(grid)
+    (row,) = strategy.rows
+    assert row["num_clients"] == 3 and row["dropped_clients"] == [] and row["client_state_restores"] == 0
+    assert torch.load(torn, weights_only=True).keys()  # rewritten whole after training
+
+
+def test_hostile_failed_write_keeps_the_old_file(tmp_path):
+    from common.files import atomic_write
+
+    path = tmp_path / "state.pt"
+    path.write_bytes(b"old")
+
+    def crash(f):
+        f.write(b"half")
+        raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(path, crash)
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["state.pt"]
