@@ -59,6 +59,8 @@ REQUIRED_METRICS = {"evaluate": ("test-correct", "num-examples"), "query": ("num
 EVAL_PREFIX = "eval-"
 #: seconds between two looks for newly connected nodes during the handshake
 NODE_POLL_SECONDS = 0.5
+#: seconds a node that connected mid-run has to answer the partition query (at most ``round-timeout``)
+QUERY_SECONDS = 120.0
 
 
 @dataclass
@@ -114,6 +116,12 @@ class HeteroStrategy(Strategy):
         self.sampled: list[int] = []  # the nodes of the last sample() call
         self.connected: set[int] = set()  # nodes the grid listed at the start of this round
         self.round_dropped: set[int] = set()  # partition ids sampled/asked this round that gave no valid reply
+        self.refreshes = 0  # refresh_nodes() calls so far
+        #: node id -> (queries it missed, refresh count from which it is asked again)
+        self.silent_nodes: dict[int, tuple[int, int]] = {}
+        #: node id -> handshake metrics of a node whose claim on a held partition waits for the holder to go
+        self.claims: dict[int, dict[str, Any]] = {}
+        self.outsiders: set[int] = set()  # nodes that hold a partition outside this run: not asked again
         #: names this run's client state on disk (node config ``state-dir``): the results folder of
         #: the run that started it, kept by a resumed run so clients find their state again
         self.state_key = "in-memory"
@@ -354,8 +362,10 @@ class HeteroStrategy(Strategy):
         Raises:
             ConfigError: a node reports a ``num-partitions`` other than ``num-clients`` (or than
                 another node), a partition id outside [0, N), or rejects the run config.
-            RuntimeError: not all N partitions answer within ``connect-timeout`` seconds, or two
-                nodes claim one partition.
+            RuntimeError: not all N partitions answer within ``connect-timeout`` seconds.
+
+        A second node claiming a partition already answered for is ignored (logged, counted as a
+        dropped query): the first claim stands and the run goes on.
         """
         timeout = self.cfg.connect_timeout
         deadline = time.monotonic() + timeout
@@ -376,9 +386,13 @@ class HeteroStrategy(Strategy):
                 _raise_config_errors(replies)
                 for r in self.validate("query", replies):
                     wanted = self._federation_size(r, wanted)
-                    if r.partition_id in by_partition:
-                        raise RuntimeError(f"nodes {by_partition[r.partition_id]} and {r.node_id} both hold "
-                                           f"partition {r.partition_id}: check each SuperNode's --node-config")
+                    if r.partition_id in by_partition:  # the first claim stands; the run goes on
+                        log.warning("Node %s also claims partition %d, held by node %s: ignored (check each "
+                                    "SuperNode's --node-config)", r.node_id, r.partition_id,
+                                    by_partition[r.partition_id])
+                        self.dropped["query"] += 1
+                        self.claims[r.node_id] = r.metrics
+                        continue
                     by_partition[r.partition_id] = r.node_id
                     self.clients[r.node_id] = r.metrics
                 log.info("Handshake: %d of %s clients answered", len(by_partition), wanted or "?")
@@ -410,27 +424,47 @@ class HeteroStrategy(Strategy):
     def refresh_nodes(self) -> None:
         """Track nodes leaving and (re)joining between rounds (deployment: a SuperNode restarts).
 
-        Nodes the grid no longer lists are skipped when sampled (and recorded as dropped); an
-        unknown node is asked for its partition id, and when it holds a known partition it
-        replaces that partition's old node (a SuperNode restarted without a fixed node id). A
-        rejoining client restores its state from its node's ``state-dir``.
+        Nodes the grid no longer lists are skipped when sampled (and recorded as dropped). An
+        unknown node is asked once for its partition id. It takes a partition over only when the
+        partition's node is gone from the grid (a SuperNode restarted without a fixed node id);
+        a claim on a partition whose node is still connected is refused and kept waiting, so no
+        node can take a connected client's place (and its personal payload), and it is granted
+        without a new query once that node is gone. A node that gives no valid answer within
+        :data:`QUERY_SECONDS` is asked again only after 1, 2, 4, ... rounds, so a silent or broken
+        node cannot stall every round; a node holding a partition outside this run is not asked
+        again. A rejoining client restores its state from its node's ``state-dir``.
         """
         self.connected = set(self.grid.get_node_ids())
-        new = sorted(self.connected - set(self.clients))
-        if not new:
-            return
-        for reply in self.validate("query", self.exchange([self.message("query", n, {}, ConfigRecord(), 0)
-                                                           for n in new])):
-            index = next((i for i, n in enumerate(self.nodes)
-                          if self.clients[n][PARTITION_ID] == reply.partition_id), None)
-            if index is None:
+        self.refreshes += 1
+        self.claims = {n: c for n, c in self.claims.items() if n in self.connected}
+        new = sorted(n for n in self.connected - set(self.clients) - set(self.claims) - self.outsiders
+                     if self.silent_nodes.get(n, (0, 0))[1] <= self.refreshes)
+        valid = self.validate("query", self.exchange([self.message("query", n, {}, ConfigRecord(), 0) for n in new],
+                                                      min(QUERY_SECONDS, self.cfg.round_timeout)))
+        answered = {r.node_id for r in valid}
+        for node in set(new) - answered:  # no reply, or none we can use
+            misses = self.silent_nodes.get(node, (0, 0))[0] + 1
+            self.silent_nodes[node] = (misses, self.refreshes + 2 ** (misses - 1))
+        for reply in valid:
+            self.silent_nodes.pop(reply.node_id, None)
+            if any(self.clients[n][PARTITION_ID] == reply.partition_id for n in self.nodes):
+                self.claims[reply.node_id] = reply.metrics
+            else:
+                self.outsiders.add(reply.node_id)
                 log.warning("Node %s holds partition %d, which is not part of this run; ignored",
                             reply.node_id, reply.partition_id)
+        for node, metrics in sorted(self.claims.items()):
+            index = next(i for i, n in enumerate(self.nodes) if self.clients[n][PARTITION_ID] == metrics[PARTITION_ID])
+            if self.nodes[index] in self.connected:
+                if node in answered:
+                    log.warning("Node %s claims partition %d, held by connected node %s: refused until that "
+                                "node is gone", node, metrics[PARTITION_ID], self.nodes[index])
+                    self.dropped["query"] += 1
                 continue
-            self.clients[reply.node_id] = reply.metrics
-            log.info("Partition %d rejoined as node %s (was %s)", reply.partition_id, reply.node_id,
-                     self.nodes[index])
-            self.nodes[index] = reply.node_id
+            del self.claims[node]
+            self.clients[node] = metrics
+            log.info("Partition %d rejoined as node %s (was %s)", metrics[PARTITION_ID], node, self.nodes[index])
+            self.nodes[index] = node
 
     def sample(self) -> list[int]:
         """This round's clients: K of the known nodes, seeded, returned in partition-id order."""

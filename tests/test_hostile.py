@@ -245,3 +245,78 @@ def test_hostile_failed_write_keeps_the_old_file(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         atomic_write(path, crash)
     assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["state.pt"]
+
+
+def _fedgh(run_config, rounds, **grid_options):
+    from client_app.app import app as client_app
+    from common.config import RunConfig
+    from fakegrid import FakeGrid
+    from strategies.registry import build_strategy
+
+    rc = run_config(**{"num-clients": 3, "num-server-rounds": rounds})
+    return build_strategy(RunConfig.from_dict(rc)), FakeGrid(client_app, rc, 3, **grid_options)
+
+
+def test_hostile_impostor_cannot_take_a_connected_partition(run_config):
+    """A new node claiming partition 1 while node 1001 is connected is refused: 1001 keeps
+    training and the impostor never receives that client's payload."""
+    strategy, grid = _fedgh(run_config, 3)
+    original = strategy.run_round
+
+    def run_round(server_round):
+        if server_round == 2:
+            grid.add_node(6666, 1)  # joins before round 3's refresh
+        return original(server_round)
+    strategy.run_round = run_round
+    strategy.start(grid)
+    assert strategy.nodes == [1000, 1001, 1002] and strategy.dropped["query"] == 1
+    assert [r["num_clients"] for r in strategy.rows] == [3, 3, 3]
+    to_impostor = [m.metadata.message_type for m in grid.sent if m.metadata.dst_node_id == 6666]
+    assert to_impostor == ["query"]
+
+
+def test_hostile_duplicate_claim_at_the_handshake_drops_the_later_node(run_config):
+    strategy, grid = _fedgh(run_config, 1)
+    grid.add_node(6666, 0)  # a fourth node claiming partition 0, listed after node 1000
+    strategy.start(grid)
+    assert strategy.nodes == [1000, 1001, 1002] and strategy.dropped["query"] == 1
+    assert strategy.rows[0]["num_clients"] == 3
+
+
+def test_hostile_silent_new_node_is_asked_with_backoff(run_config):
+    """A node that connects but never answers is asked in rounds 1, 2 and 4 of 6, not every
+    round (each ask costs up to QUERY_SECONDS of waiting in a deployment)."""
+    strategy, grid = _fedgh(run_config, 6)
+    original = strategy.handshake
+
+    def handshake():
+        original()
+        grid.add_node(6666, 2)
+        grid.silent.add(6666)
+    strategy.handshake = handshake
+    strategy.start(grid)
+    assert sum(m.metadata.dst_node_id == 6666 for m in grid.sent) == 3
+    assert [r["num_clients"] for r in strategy.rows] == [3] * 6
+
+
+def test_hostile_restarted_node_takes_its_partition_once_the_old_one_is_gone(run_config):
+    """Without node auth a restarted SuperNode has a new id while the old one may still be listed:
+    its claim waits (no new query) and is granted in the first round the old node is gone."""
+    strategy, grid = _fedgh(run_config, 4)
+    original = strategy.run_round
+
+    def run_round(server_round):
+        if server_round == 1:
+            grid.silent.add(1002)  # killed, still listed
+            grid.add_node(2002, 2)  # restarted under a new id
+        if server_round == 2:
+            grid.gone.add(1002)  # its heartbeat expired
+        if server_round == 1:  # a node of another federation: asked once, then left alone
+            grid.add_node(7777, 9).node_config["num-partitions"] = 10
+        return original(server_round)
+    strategy.run_round = run_round
+    strategy.start(grid)
+    assert strategy.nodes == [1000, 1001, 2002]
+    assert [r["num_clients"] for r in strategy.rows] == [2, 2, 3, 3]
+    assert sum(m.metadata.dst_node_id == 2002 and m.metadata.message_type == "query" for m in grid.sent) == 1
+    assert sum(m.metadata.dst_node_id == 7777 for m in grid.sent) == 1
