@@ -59,6 +59,8 @@ REQUIRED_METRICS = {"evaluate": ("test-correct", "num-examples"), "query": ("num
 EVAL_PREFIX = "eval-"
 #: seconds between two looks for newly connected nodes during the handshake
 NODE_POLL_SECONDS = 0.5
+#: run config keys a resumed run may set differently from the run that wrote its checkpoint
+RESUMABLE_CHANGES = ("num-server-rounds", "resume-from")
 #: seconds a node that connected mid-run has to answer the partition query (at most ``round-timeout``)
 QUERY_SECONDS = 120.0
 
@@ -318,7 +320,8 @@ class HeteroStrategy(Strategy):
     def checkpoint(self, server_round: int) -> dict[str, Any]:
         """Everything needed to continue after ``server_round``: server state, RNG, counters, rows,
         and the clients' state key."""
-        return {"round": server_round, "method": self.cfg.method, "state-key": self.state_key,
+        return {"round": server_round, "method": self.cfg.method, "config": self.cfg.as_dict(),
+                "state-key": self.state_key,
                 "rng": self.rng.bit_generator.state,
                 "traffic": dict(self.traffic), "dropped": dict(self.dropped), "rows": self.rows,
                 "server": self.server_state()}
@@ -327,7 +330,9 @@ class HeteroStrategy(Strategy):
         """Restore the checkpoint named by ``resume-from``; returns its last round (0 without one).
 
         Raises:
-            ConfigError: the checkpoint is of another method, or the method cannot resume.
+            ConfigError: the checkpoint is of another method, the method cannot resume, or the
+                checkpoint's run config differs in any key but ``num-server-rounds`` (and
+                ``resume-from`` itself): the keys are named.
         """
         if not self.cfg.resume_from:
             return 0
@@ -336,6 +341,13 @@ class HeteroStrategy(Strategy):
             raise ConfigError(f"run config key 'resume-from' = {self.cfg.resume_from!r}: a '{state['method']}' "
                               f"checkpoint cannot resume method '{self.cfg.method}'"
                               + ("" if state["server"] is not None else " (this method has no server_state yet)"))
+        saved, now = state.get("config", {}), self.cfg.as_dict()
+        differ = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
+        if differ:
+            raise ConfigError(f"run config key 'resume-from' = {self.cfg.resume_from!r}: the checkpoint's run used "
+                              "other values for " + ", ".join(f"'{k}' ({saved.get(k)!r}, now {now.get(k)!r})"
+                                                             for k in differ)
+                              + "; only 'num-server-rounds' may change on resume")
         self.rng.bit_generator.state = state["rng"]
         self.traffic.update(state["traffic"])
         self.dropped.update(state["dropped"])
