@@ -44,7 +44,8 @@ class DatasetInfo:
     (by default FedGH's code's: ImageNet statistics for CIFAR-10, the dataset's own otherwise);
     ``dataset_mean``/``dataset_std`` are the dataset's own statistics. ``flip``, ``erase``,
     ``crop_padding`` (0: no crop) select the training augmentation. :func:`with_recipe` applies
-    the run config keys ``augment`` and ``normalize``.
+    the run config keys ``augment`` and ``normalize``. ``train_size`` is the number of examples in
+    the split that is partitioned (an upper bound on any client's data size).
     """
 
     hub_id: str
@@ -60,6 +61,7 @@ class DatasetInfo:
     crop_padding: int
     dataset_mean: tuple[float, ...]
     dataset_std: tuple[float, ...]
+    train_size: int
 
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -70,13 +72,13 @@ CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
 # get random crops only (flipping a digit changes its meaning) and their own statistics.
 DATASETS: dict[str, DatasetInfo] = {
     "cifar10": DatasetInfo("uoft-cs/cifar10", "img", "label", 10, 3, 32, IMAGENET_MEAN, IMAGENET_STD,
-                           True, True, 4, CIFAR10_MEAN, CIFAR10_STD),
+                           True, True, 4, CIFAR10_MEAN, CIFAR10_STD, 50_000),
     "cifar100": DatasetInfo("uoft-cs/cifar100", "img", "fine_label", 100, 3, 32, CIFAR100_MEAN, CIFAR100_STD,
-                            True, True, 4, CIFAR100_MEAN, CIFAR100_STD),
+                            True, True, 4, CIFAR100_MEAN, CIFAR100_STD, 50_000),
     "mnist": DatasetInfo("ylecun/mnist", "image", "label", 10, 1, 28, (0.1307,), (0.3081,), False, False, 2,
-                         (0.1307,), (0.3081,)),
+                         (0.1307,), (0.3081,), 60_000),
     "fashion-mnist": DatasetInfo("zalando-datasets/fashion_mnist", "image", "label", 10, 1, 28,
-                                 (0.2860,), (0.3530,), False, False, 2, (0.2860,), (0.3530,)),
+                                 (0.2860,), (0.3530,), False, False, 2, (0.2860,), (0.3530,), 60_000),
 }
 
 #: run config ``augment``: ``auto`` = the dataset's default above; the others name what is applied

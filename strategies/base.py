@@ -25,6 +25,7 @@ the validated payload and the config, and returning reply arrays and metrics.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -155,6 +156,10 @@ class HeteroStrategy(Strategy):
         methods whose payload size differs per client, that client's sizes (e.g. MH-pFedHN's K_i)."""
         return self.dims
 
+    def check_reply(self, message_type: str, metrics: Mapping[str, Any]) -> None:
+        """The method's own checks of a reply's metrics before anything is used (e.g. a claimed
+        model size); raise PayloadError to drop the reply. None by default."""
+
     def run_round(self, server_round: int) -> dict[str, float]:
         """One training round: sample, one train exchange, server update. Returns server metrics."""
         messages = self.configure_train(server_round, ArrayRecord(), self.train_config(server_round), self.grid)
@@ -256,7 +261,13 @@ class HeteroStrategy(Strategy):
             t0 = time.perf_counter()
             self.round_dropped = set()
             self.refresh_nodes()
+            before_state = copy.deepcopy(self.server_state())
             train_metrics = self.run_round(server_round)
+            if before_state is not None and not _finite(self.server_state()):
+                # the server would send non-finite state to every client from now on: undo this round's update
+                self.load_server_state(before_state)
+                train_metrics["server-rolled-back"] = 1
+                log.warning("Round %d: the server update made the server state non-finite; rolled back", server_round)
             t1 = time.perf_counter()
             eval_messages = list(self.configure_evaluate(server_round, ArrayRecord(),
                                                          ConfigRecord({"server-round": server_round}), grid))
@@ -565,7 +576,8 @@ class HeteroStrategy(Strategy):
                 absent = [k for k in REQUIRED_METRICS.get(_category(message_type), ()) if k not in metrics]
                 if absent:
                     raise PayloadError(f"metrics lack {absent}")
-                check_metrics(metrics, self.clients.get(node), _category(message_type))
+                check_metrics(metrics, self.clients.get(node), _category(message_type), self.info.train_size)
+                self.check_reply(message_type, metrics)
                 if node in self.clients and self.clients[node][PARTITION_ID] != pid:
                     raise PayloadError(f"partition-id {pid} differs from the handshake's "
                                        f"{self.clients[node][PARTITION_ID]}")
@@ -662,13 +674,15 @@ def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_
     return metrics
 
 
-def check_metrics(metrics: Mapping[str, Any], known: Mapping[str, Any] | None, category: str) -> None:
+def check_metrics(metrics: Mapping[str, Any], known: Mapping[str, Any] | None, category: str,
+                  dataset_size: int) -> None:
     """Reject a reply's metrics that the server could not safely use.
 
     Every value must be a finite int or float (a MetricRecord may also hold lists, which no
-    client sends and the aggregations cannot use). Example counts must be non-negative integers
-    within what the client reported at the handshake (``known``; None for the handshake
-    itself): a train reply's ``num-examples`` at most its ``num-train``, an evaluation's
+    client sends and the aggregations cannot use). Example counts must be non-negative integers:
+    at the handshake (``known`` None) ``num-train`` + ``num-test`` at most ``dataset_size`` (the
+    partitioned split's size), later within what the client reported at the handshake
+    (``known``): a train reply's ``num-examples`` at most its ``num-train``, an evaluation's
     ``num-examples`` at most its ``num-test`` and ``test-correct`` at most ``num-examples``
     (also for the ``eval-`` metrics inside a train reply), so one client cannot claim to
     outweigh the others in a sample-weighted mean.
@@ -685,6 +699,10 @@ def check_metrics(metrics: Mapping[str, Any], known: Mapping[str, Any] | None, c
         if not isinstance(metrics[key], int) or metrics[key] < 0:
             raise PayloadError(f"metric '{key}' = {metrics[key]!r} is not a non-negative integer")
     if known is None:
+        claimed = metrics.get("num-train", 0) + metrics.get("num-test", 0)
+        if claimed > dataset_size:
+            raise PayloadError(f"metrics 'num-train' + 'num-test' = {claimed} exceed the dataset's {dataset_size} "
+                               "examples")
         return
     limits = {"num-examples": known.get("num-train" if category == "train" else "num-test"),
               EVAL_PREFIX + "num-examples": known.get("num-test")}
@@ -713,6 +731,19 @@ def _state_of(obj: Any) -> Any:
     if isinstance(obj, torch.Generator):
         return obj.get_state()
     return dict(obj) if isinstance(obj, dict) else obj.state_dict()
+
+
+def _finite(state: Any) -> bool:
+    """Whether every float tensor and array in a (nested) server state is finite."""
+    if isinstance(state, torch.Tensor):
+        return not state.is_floating_point() or bool(torch.isfinite(state).all())
+    if isinstance(state, np.ndarray):
+        return state.dtype.kind != "f" or bool(np.isfinite(state).all())
+    if isinstance(state, dict):
+        return all(_finite(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(_finite(v) for v in state)
+    return not isinstance(state, float) or math.isfinite(state)
 
 
 def _category(message_type: str) -> str:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,8 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from client_app.training import kd_loss, train_personal_model, train_supervised
 from common.config import RunConfig, choice, number
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy, round_metrics
+from models.groups import MODEL_GROUPS
+from models.mh import build_mh_model
 from strategies.payload import ArraySpec, PayloadError, PayloadSchema, array_record
 
 SCHEDULES = ("sequential", "parallel")
@@ -226,6 +229,32 @@ class MHpFedHNStrategy(HeteroStrategy):
             torch.manual_seed(self.cfg.seed + 1)
             for node in self.nodes:
                 self.register(self.key(node), self._reported(node, "num-params"))
+
+    @cached_property
+    def max_params(self) -> int:
+        """The largest K a client of this run can have: the largest model of the run's model group
+        or the public global model, counted on the meta device (nothing is allocated)."""
+        group, info = MODEL_GROUPS[self.cfg.model_group], self.info
+        with torch.device("meta"):
+            models = [group.build(pid, info.num_classes, info.channels, info.image_size, self.cfg.seed,
+                                  self.cfg.feature_dim) for pid in range(len(group.architectures) * len(group.heads))]
+            models.append(build_mh_model(self.options.global_model, info.num_classes, info.channels, info.image_size))
+        return max(num_params(m) for m in models)
+
+    def check_reply(self, message_type: str, metrics) -> None:
+        """A handshake's ``num-params`` (and GD's ``global-num-params``) must lie in [1, :attr:`max_params`]:
+        the server allocates a hypernetwork head of that size (a claim of 1e8 would take ~51 GB).
+
+        Raises:
+            PayloadError: naming the metric and the bound.
+        """
+        if message_type != "query":
+            return
+        for name in ("num-params", "global-num-params"):
+            value = metrics.get(name)
+            if value is not None and not (isinstance(value, int) and 1 <= value <= self.max_params):
+                raise PayloadError(f"metric '{name}' = {value!r} is outside [1, {self.max_params}] (the largest "
+                                   f"model of model group '{self.cfg.model_group}')")
 
     def register(self, key: str, num_params: int) -> None:
         """Register a client (or the global model) and give its new parameters to Adam."""
@@ -428,8 +457,6 @@ class MHpFedHNGDClient(MHpFedHNClient):
 
     def global_model(self, client) -> nn.Module:
         """A fresh instance of the public global architecture (``global-model``)."""
-        from models.mh import build_mh_model
-
         info = client.data.info
         return build_mh_model(self.options.global_model, info.num_classes, info.channels,
                               info.image_size).to(client.device)

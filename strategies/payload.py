@@ -23,6 +23,8 @@ from flwr.app import Array, ArrayRecord, RecordDict
 
 #: Name of the ArrayRecord that carries a method's payload, in both directions.
 PAYLOAD = "payload"
+#: default bound on the magnitude of a float payload entry (see :class:`ArraySpec` ``max_abs``)
+MAX_ABS = 1e6
 
 
 class PayloadError(ValueError):
@@ -37,11 +39,16 @@ class ArraySpec:
         shape: dims as ints or symbol names, e.g. ``("k", "d")``.
         dtype: numpy dtype name, e.g. ``"float32"``, ``"int32"``.
         labels: values are class ids: integers in ``[0, C)``, unique.
+        max_abs: largest magnitude a float entry may have. Finite values far beyond anything
+            a trained model produces (a representation of 1e30, a weight delta of 3e38) would
+            still poison a server step; the default :data:`MAX_ABS` is orders of magnitude above
+            honest payloads, so it changes no honest result.
     """
 
     shape: tuple[int | str, ...]
     dtype: str
     labels: bool = False
+    max_abs: float = MAX_ABS
 
 
 @dataclass(frozen=True)
@@ -69,8 +76,9 @@ class PayloadSchema:
             The bound values of all symbols (known and free).
 
         Raises:
-            PayloadError: on missing or extra keys, wrong dtype or shape, non-finite floats,
-                or label arrays with out-of-range or repeated class ids.
+            PayloadError: on missing or extra keys, wrong dtype or shape, non-finite floats or
+                floats above the spec's magnitude bound, or label arrays with out-of-range or
+                repeated class ids.
         """
         if self.optional and not arrays:
             return dict(dims)
@@ -89,8 +97,12 @@ class PayloadSchema:
                 if size != want:
                     raise PayloadError(f"'{name}' has shape {a.shape}: axis {axis} is {size}, expected "
                                        f"{dim}={want}")
-            if a.dtype.kind == "f" and not np.isfinite(a).all():
-                raise PayloadError(f"'{name}' has non-finite values")
+            if a.dtype.kind == "f" and a.size:
+                if not np.isfinite(a).all():
+                    raise PayloadError(f"'{name}' has non-finite values")
+                if np.abs(a).max() > spec.max_abs:
+                    raise PayloadError(f"'{name}' has entries of magnitude {np.abs(a).max():.3g}, above the "
+                                       f"bound {spec.max_abs:.3g}")
             if spec.labels:
                 num_classes = bound["C"]
                 if a.size and (a.min() < 0 or a.max() >= num_classes):

@@ -320,3 +320,76 @@ def test_hostile_restarted_node_takes_its_partition_once_the_old_one_is_gone(run
     assert [r["num_clients"] for r in strategy.rows] == [2, 2, 3, 3]
     assert sum(m.metadata.dst_node_id == 2002 and m.metadata.message_type == "query" for m in grid.sent) == 1
     assert sum(m.metadata.dst_node_id == 7777 for m in grid.sent) == 1
+
+
+def test_hostile_num_params_claim_is_bounded_by_the_model_group(run_config):
+    """MH-pFedHN allocates a hypernetwork head of the claimed size K: a claim above the largest
+    model of the run's group (here 1e8, ~51 GB of head) is dropped before anything is allocated."""
+    from common.config import RunConfig
+    from strategies.mh_pfedhn import num_params
+
+    rc = run_config(**{"method": "mh-pfedhn", "model-group": "mh-lenet", "num-clients": 3, "num-server-rounds": 1,
+                       "connect-timeout": 1.0})
+
+    def tamper(node, reply):
+        if node == ATTACKER and reply.metadata.message_type == "query":
+            return with_metrics(reply, **{"num-params": 10**8})
+        return reply
+    strategy, grid = federation(rc, tamper)
+    with pytest.raises(RuntimeError, match="only 2 of num-clients=3"):
+        strategy.start(grid)
+    assert strategy.dropped["query"] >= 1 and "p1" not in strategy.hn.sizes  # no head was made for the claim
+    # the bound is the group's largest model: an honest client's K is within it
+    from models.groups import MODEL_GROUPS
+
+    cfg = RunConfig.from_dict(rc)
+    assert num_params(MODEL_GROUPS["mh-lenet"].build(0, 10, 3, 32, cfg.seed)) <= strategy.max_params < 10**8
+
+
+def test_hostile_handshake_size_claim_beyond_the_dataset_is_dropped(run_config):
+    """num-train bounds every later num-examples claim, so it is itself bounded by the dataset."""
+    rc = run_config(**{"num-clients": 3, "num-server-rounds": 1, "connect-timeout": 1.0})
+
+    def tamper(node, reply):
+        if node == ATTACKER and reply.metadata.message_type == "query":
+            return with_metrics(reply, **{"num-train": 10**9})
+        return reply
+    strategy, grid = federation(rc, tamper)
+    with pytest.raises(RuntimeError, match="only 2 of num-clients=3"):
+        strategy.start(grid)
+    assert strategy.dropped["query"] == 1 and ATTACKER not in strategy.clients
+
+
+@pytest.mark.parametrize("value", [1e30, 3e38])
+def test_hostile_huge_finite_uploads_are_dropped(run_config, baseline, value):
+    """Finite but absurd magnitudes (a representation of 1e30 would drive FedGH's header, FedRE's
+    head or FedTGP's generator far off in one step) are refused by the schema's bound."""
+    def attack(reply):
+        arrays = dict(reply.content.array_records[PAYLOAD])
+        lar = arrays["lar"].numpy().copy()
+        lar[0, 0] = value
+        arrays["lar"] = Array(lar)
+        return with_payload(reply, arrays)
+    assert_dropped_like_lost(*run(run_config, attack), baseline)
+
+
+def test_hostile_update_that_breaks_the_server_state_is_rolled_back(run_config):
+    """Whatever gets through: a server update that leaves the state non-finite is undone, the
+    round is recorded as rolled back, and the next round sends the last finite state."""
+    rc = run_config(**{"num-clients": 3, "num-server-rounds": 3})
+    strategy, grid = federation(rc)
+    original = strategy.server_update
+    headers = []
+
+    def server_update(server_round, replies):
+        metrics = original(server_round, replies)
+        if server_round == 2:
+            strategy.header.weight.data[0, 0] = float("nan")
+        headers.append({k: v.copy() for k, v in strategy.global_arrays().items()})
+        return metrics
+    strategy.server_update = server_update
+    strategy.start(grid)
+    assert [r.get("server_rolled_back", 0) for r in strategy.rows] == [0, 1, 0]
+    round3 = [m for m in grid.sent if m.metadata.message_type == "train"][6:9]
+    sent = round3[0].content.array_records[PAYLOAD]["head.weight"].numpy()
+    assert np.isfinite(sent).all() and np.array_equal(sent, headers[0]["head.weight"])
