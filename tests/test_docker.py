@@ -180,3 +180,23 @@ def test_gpu_override_reserves_a_gpu_for_every_clientapp_service():
     for service in gpu.values():
         (device,) = service["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and device["count"] == 1
+
+
+def test_secrets_are_mounted_only_where_needed():
+    """The CA key is in no running container; the SuperLink's TLS key only in the SuperLink;
+    node keys read-only in the SuperNodes (and the one-shot services that make or register them)."""
+    services = compose()["services"]
+
+    def mounting(volume):
+        return {n for n, s in services.items() for v in s.get("volumes", []) if v.split(":")[0] == volume}
+    assert mounting("ca-key") == {"certs"}
+    assert mounting("superlink-tls") == {"certs", "superlink"}
+    assert mounting("node-keys") == {"certs", "register"} | {n for n in services if n.startswith("supernode-")}
+    for name, service in services.items():
+        if name != "certs":
+            assert all(v.endswith(":ro") for v in service.get("volumes", [])
+                       if v.split(":")[0] in ("certs", "superlink-tls", "node-keys")), name
+    link = services["superlink"]["command"]
+    assert link[link.index("--ssl-keyfile") + 1].startswith("/tls/") and "superlink-tls:/tls:ro" in services[
+        "superlink"]["volumes"]
+    assert "--ca-key-dir /ca" in services["certs"]["command"][0]

@@ -393,3 +393,26 @@ def test_hostile_update_that_breaks_the_server_state_is_rolled_back(run_config):
     round3 = [m for m in grid.sent if m.metadata.message_type == "train"][6:9]
     sent = round3[0].content.array_records[PAYLOAD]["head.weight"].numpy()
     assert np.isfinite(sent).all() and np.array_equal(sent, headers[0]["head.weight"])
+
+
+def test_hostile_secrets_are_private_and_never_written_through_a_link(tmp_path):
+    import os
+    import stat
+
+    from tools.deploy import write_certificates, write_node_keys
+
+    out = tmp_path / "certs"
+    out.mkdir()
+    (out / "server.key").write_bytes(b"old")
+    (out / "server.key").chmod(0o644)  # a readable file left from before
+    paths = write_certificates(out, [], [])
+    assert paths["ca-key"].parent == tmp_path / "certs-ca" and not (out / "ca.key").exists()
+    for name in ("ca-key", "key"):
+        assert stat.S_IMODE(paths[name].stat().st_mode) == 0o600, name
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    target = tmp_path / "elsewhere"
+    os.symlink(target, keys / "node-0")  # a link planted where the private key goes
+    with pytest.raises(OSError):
+        write_node_keys(keys, 1)
+    assert not target.exists()

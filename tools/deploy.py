@@ -33,15 +33,19 @@ from pathlib import Path
 BIN = Path(sys.executable).parent
 
 
-def write_certificates(out: Path, names: list[str], ips: list[str], days: int = 365) -> dict[str, Path]:
+def write_certificates(out: Path, names: list[str], ips: list[str], days: int = 365,
+                       ca_key_dir: Path | None = None) -> dict[str, Path]:
     """A CA and a SuperLink server certificate signed by it, valid for ``names`` and ``ips``.
 
     The server certificate's subjectAltName lists every DNS name and IP address clients use to
     reach the SuperLink (SuperNodes and the ``flwr`` CLI check it); ``localhost`` and
-    ``127.0.0.1`` are always included. Keys are ECDSA P-384, written with mode 0600.
+    ``127.0.0.1`` are always included. Keys are ECDSA P-384, written with mode 0600. The CA key
+    goes to ``ca_key_dir`` (default ``<out>-ca``), apart from the files that are copied to
+    hosts: whoever holds it can impersonate the SuperLink.
 
     Returns:
-        ``{"ca": ca.crt, "ca-key": ca.key, "cert": server.pem, "key": server.key}`` paths.
+        ``{"ca": <out>/ca.crt, "ca-key": <ca_key_dir>/ca.key, "cert": <out>/server.pem,
+        "key": <out>/server.key}``.
 
     Raises:
         ValueError: an entry of ``ips`` is not an IP address.
@@ -72,7 +76,10 @@ def write_certificates(out: Path, names: list[str], ips: list[str], days: int = 
               .add_extension(san, critical=False)
               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
               .sign(ca_key, hashes.SHA256()))
-    paths = {"ca": out / "ca.crt", "ca-key": out / "ca.key", "cert": out / "server.pem", "key": out / "server.key"}
+    ca_key_dir = ca_key_dir or out.with_name(out.name + "-ca")
+    ca_key_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    paths = {"ca": out / "ca.crt", "ca-key": ca_key_dir / "ca.key", "cert": out / "server.pem",
+             "key": out / "server.key"}
     paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths["cert"].write_bytes(server.public_bytes(serialization.Encoding.PEM))
     for name, key in (("ca-key", ca_key), ("key", server_key)):
@@ -206,7 +213,14 @@ def _toml(value) -> str:
 
 
 def _write_secret(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Write a private key readable by its owner only: mode 0600 also when the file existed with
+    another mode, and never through a symlink (``O_NOFOLLOW``: a link planted at ``path`` is refused).
+
+    Raises:
+        OSError: ``path`` is a symlink (ELOOP) or cannot be written.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
 
@@ -219,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", action="append", default=[], help="DNS name clients use for the SuperLink (repeat)")
     p.add_argument("--ip", action="append", default=[], help="IP address clients use for the SuperLink (repeat)")
     p.add_argument("--days", type=int, default=365)
+    p.add_argument("--ca-key-dir", type=Path, help="where the CA key goes (default <out>-ca); keep it off the hosts")
     p = sub.add_parser("keys", help="SuperNode authentication key pairs")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--nodes", type=int, required=True)
@@ -252,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "certs":
-        for name, path in write_certificates(args.out, args.name, args.ip, args.days).items():
+        for name, path in write_certificates(args.out, args.name, args.ip, args.days, args.ca_key_dir).items():
             print(f"{name}: {path}")
         return 0
     if args.command == "keys":
