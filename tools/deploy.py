@@ -4,14 +4,16 @@ Usage (each host runs its part; see README "Deploy across machines"):
 
     python -m tools.deploy certs --out certs --name superlink.example.org --ip 10.0.0.5
     python -m tools.deploy keys --out keys --nodes 3
-    python -m tools.deploy superlink --certs certs [--auth] [--port 8000] [--database state.db]
+    python -m tools.deploy superlink --certs certs --auth --host 127.0.0.1 --port 8001 [--database state.db]
+    python -m tools.deploy proxy --certs certs --listen 0.0.0.0:8000 --superlink 127.0.0.1:8001 \\
+        --operator 10.0.0.9                                   # Control API for the CLI host only
     python -m tools.deploy connection --address 10.0.0.5:8000 --root-cert certs/ca.crt [--name deploy]
     python -m tools.deploy register --connection deploy keys/node-*.pub   # from the CLI host
     python -m tools.deploy supernode --superlink 10.0.0.5:8000 --root-cert certs/ca.crt \\
         --key keys/node-0 --partition-id 0 --num-partitions 3 --data-dir /data --state-dir /var/lib/mhfl
     flwr run . deploy --run-config "method='fedgh' num-clients=3 data-dir='/data'" --stream
 
-``superlink``/``supernode`` print the exact Flower command and then replace this process with
+``superlink``/``supernode``/``proxy`` print the exact command and then replace this process with
 it (``exec``), so a service manager supervises Flower itself. TLS is the default; ``--insecure``
 is an explicit opt-in for a local test and cannot be combined with ``--auth`` (Flower's node
 authentication needs TLS).
@@ -148,6 +150,90 @@ def supernode_command(superlink: str, root_cert: Path | None, key: Path | None, 
     return cmd
 
 
+#: path prefixes of Flower 1.41's SuperLink HTTP APIs, which all share one port
+#: (flwr/superlink/routers/fleet, flwr/superlink/routers/control, flwr/supercore/routers/runtime)
+FLEET_PATH, CONTROL_PATH, RUNTIME_PATH = "/v1/fleet/", "/v1/control/", "/v1/runtime/"
+
+
+def proxy_config(folder: Path, certs: Path, listen: str, superlink: str, operators: list[str]) -> Path:
+    """An nginx configuration that puts the SuperLink behind a TLS reverse proxy: the Fleet API
+    (SuperNodes) and ``/health`` from anywhere, the Control API (``flwr run/stop/list/supernode``)
+    only from the ``operators`` addresses or networks, everything else (the Runtime API of
+    ServerApps, which reach the SuperLink on loopback directly) from nowhere.
+
+    In Flower 1.41 the three APIs share one port and Flower has no per-API access control, so
+    without this anyone holding ``ca.crt`` could submit a run (whose ClientApp then runs on every
+    SuperNode) or stop the real one. The proxy terminates TLS with the SuperLink's certificate
+    and key (so clients keep trusting ``ca.crt``) and forwards over TLS to ``superlink``
+    (host:port, a loopback address of the SuperLink's host), verifying its certificate against
+    the CA. Streaming (``flwr log --stream``) and large payloads pass unbuffered.
+
+    Returns:
+        The path of the written ``nginx.conf`` in ``folder`` (which also receives the pid file,
+        logs and nginx's temporary files).
+
+    Raises:
+        ValueError: ``operators`` is empty (the Control API would be reachable by no one).
+    """
+    if not operators:
+        raise ValueError("give at least one --operator address (the hosts allowed to use the flwr CLI)")
+    folder = folder.absolute()
+    for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (folder / "tmp" / sub).mkdir(parents=True, exist_ok=True)
+    certs = certs.absolute()
+    allow = "".join(f"            allow {a};\n" for a in operators)
+    forward = f"""proxy_pass https://{superlink};
+            proxy_ssl_trusted_certificate {certs / 'ca.crt'};
+            proxy_ssl_verify on;
+            proxy_ssl_name localhost;"""
+    text = f"""# written by `python -m tools.deploy proxy`: the SuperLink behind a reverse proxy (see its docstring)
+worker_processes 1;
+pid {folder / 'nginx.pid'};
+error_log {folder / 'error.log'} warn;
+events {{}}
+http {{
+    access_log {folder / 'access.log'};
+    client_body_temp_path {folder / 'tmp/client_body'};
+    proxy_temp_path {folder / 'tmp/proxy'};
+    fastcgi_temp_path {folder / 'tmp/fastcgi'};
+    uwsgi_temp_path {folder / 'tmp/uwsgi'};
+    scgi_temp_path {folder / 'tmp/scgi'};
+    client_max_body_size 0;
+    proxy_http_version 1.1;
+    proxy_buffering off;
+    proxy_request_buffering off;
+    proxy_read_timeout 3600s;
+    proxy_send_timeout 3600s;
+    server {{
+        listen {listen} ssl;
+        ssl_certificate {certs / 'server.pem'};
+        ssl_certificate_key {certs / 'server.key'};
+        location {FLEET_PATH} {{
+            {forward}
+        }}
+        location = /health {{
+            {forward}
+        }}
+        location {CONTROL_PATH} {{
+{allow}            deny all;
+            {forward}
+        }}
+        location / {{
+            return 403;
+        }}
+    }}
+}}
+"""
+    path = folder / "nginx.conf"
+    path.write_text(text)
+    return path
+
+
+def proxy_command(config: Path) -> list[str]:
+    """``nginx`` in the foreground with ``config`` (from :func:`proxy_config`)."""
+    return ["nginx", "-c", str(config), "-g", "daemon off;"]
+
+
 def write_connection(flwr_home: Path, name: str, address: str, root_cert: Path | None) -> Path:
     """Add (or replace) connection ``name`` in ``<flwr_home>/config.toml`` for ``flwr run/supernode/log``."""
     import tomllib
@@ -249,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--database", help="SQLite file keeping the SuperLink's state (runs, registered nodes)")
+    p = sub.add_parser("proxy", help="start the reverse proxy in front of the SuperLink (nginx)")
+    p.add_argument("--certs", type=Path, required=True, help="folder with ca.crt, server.pem, server.key")
+    p.add_argument("--listen", default="0.0.0.0:8000", help="public address:port (SuperNodes, flwr CLI)")
+    p.add_argument("--superlink", default="127.0.0.1:8001", help="the SuperLink's loopback address:port")
+    p.add_argument("--operator", action="append", default=[],
+                   help="address or network allowed to use the Control API (repeat)")
+    p.add_argument("--out", type=Path, default=Path("proxy"), help="folder for nginx.conf, logs, temp files")
     p = sub.add_parser("supernode", help="start a SuperNode")
     p.add_argument("--superlink", required=True, help="host:port of the SuperLink")
     p.add_argument("--root-cert", type=Path, help="the CA certificate (ca.crt)")
@@ -284,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "connection":
         print(write_connection(args.flwr_home, args.name, args.address, args.root_cert))
         return 0
+    if args.command == "proxy":
+        cmd = proxy_command(proxy_config(args.out, args.certs, args.listen, args.superlink, args.operator))
+        print(shlex.join(cmd), flush=True)
+        os.execvp(cmd[0], cmd)
     if args.command == "superlink":
         if not args.insecure and args.certs is None:
             parser.error("pass --certs (TLS) or, for a local test only, --insecure")
