@@ -28,9 +28,11 @@ def handle(msg: Message, context: Context) -> Message:
             drops it, the round goes on.
     """
     config = dict(msg.content.config_records["config"]) if "config" in msg.content.config_records else {}
-    client = ClientRuntime(context, str(config.get("state-key", "in-memory")))
-    procedure = client_procedure(client.cfg)
     message_type = msg.metadata.message_type
+    training_round = int(config["server-round"]) if message_type.startswith("train") and "server-round" in config \
+        else None
+    client = ClientRuntime(context, str(config.get("state-key", "in-memory")), training_round)
+    procedure = client_procedure(client.cfg)
     down, up = procedure.schemas[message_type]
     payload = read_payload(msg.content)
     down.validate(payload, {"C": DATASETS[client.cfg.dataset].num_classes, "d": client.cfg.representation_dim})
@@ -39,7 +41,8 @@ def handle(msg: Message, context: Context) -> Message:
         metrics.update({EVAL_PREFIX + k: v for k, v in procedure.evaluate(client, {}, config)[1].items()})
     content = up.to_record(arrays)
     content["metrics"] = MetricRecord(metric_values({**metrics, PARTITION_ID: client.partition_id,
-                                                     "state-restores": client.state_restores}))
+                                                     "state-restores": client.state_restores,
+                                                     "state-rollbacks": client.state_rollbacks}))
     return Message(content, reply_to=msg)
 
 

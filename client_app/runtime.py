@@ -8,12 +8,13 @@ alike; module globals are shared between virtual clients (simulation) or reset e
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 from functools import cached_property, lru_cache
 from pathlib import Path
 
 import torch
-from flwr.app import ArrayRecord, Context
+from flwr.app import ArrayRecord, ConfigRecord, Context
 from torch import nn
 
 from client_app.data import ClientData, DataSpec, load_client_data, with_recipe
@@ -23,6 +24,10 @@ from models.base import SplitModel
 from models.groups import MODEL_GROUPS
 
 MODEL_STATE = "model"
+#: context.state ConfigRecord: record name -> the round in which it was stored
+STAMPS = "state-rounds"
+#: suffix of the version a record replaced (kept for a resumed server that repeats a round)
+PREVIOUS = ".prev"
 
 log = logging.getLogger("flwr." + __name__)
 
@@ -66,10 +71,14 @@ class ClientRuntime:
         context: the message's Flower context.
         state_key: names the run whose state this is (sent by the server in every message
             config as ``state-key``); state lives in ``<state-dir>/<state_key>/partition-<id>/``.
+        training_round: the ``server-round`` of a train message, None otherwise (see
+            :meth:`store` and :meth:`restore`).
     """
 
-    def __init__(self, context: Context, state_key: str = "in-memory") -> None:
+    def __init__(self, context: Context, state_key: str = "in-memory", training_round: int | None = None) -> None:
         self.context = context
+        #: the server round of a train message (None for other messages): stamps stored state
+        self.training_round = training_round
         self.cfg = parse_run_config(context.run_config)
         node = context.node_config
         if "partition-id" not in node:
@@ -87,6 +96,7 @@ class ClientRuntime:
         self.state_dir = (Path(str(state_dir)) / _safe(state_key) / f"partition-{self.partition_id}"
                           if state_dir else None)
         self.state_restores = 0  # state records read back from state-dir in this message
+        self.state_rollbacks = 0  # state records rolled back because they were ahead of the server
         #: objects the handlers of this one message share (e.g. FedMRL's just-trained small model
         #: for the evaluation in the same train reply); gone with the message
         self.scratch: dict[str, object] = {}
@@ -113,32 +123,86 @@ class ClientRuntime:
         """Load ``module`` from ``context.state[name]``, or else from ``state-dir``; True when found.
 
         A record read from disk is put back into ``context.state`` and counted in ``state_restores``.
+        In a train message of round t, a record stamped t or later is ahead of the server: the
+        server crashed after this client trained round t and resumed from its checkpoint of
+        round t-1. The record is then rolled back to the version stored before it (stamped
+        earlier), or dropped when there is none, so the client trains round t again from where
+        the server's checkpoint left it (``state_rollbacks`` counts this).
         """
-        if name not in self.context.state.array_records:
-            path = self._state_file(name)
-            if path is None or not path.is_file():
+        if name not in self.context.state.array_records and not self._read(name):
+            return False
+        stamps = self._stamps()
+        if self.training_round is not None and stamps.get(name, 0) >= self.training_round:
+            prev = name + PREVIOUS
+            if prev not in self.context.state.array_records:
+                self._read(prev)
+            has_prev = prev in self.context.state.array_records and stamps.get(prev, 0) < self.training_round
+            log.warning("partition %d: '%s' is from round %d, ahead of the server's round %d; %s",
+                        self.partition_id, name, stamps.get(name, 0), self.training_round,
+                        f"rolled back to round {stamps.get(prev, 0)}" if has_prev else "starting afresh")
+            self.state_rollbacks += 1
+            if not has_prev:
+                del self.context.state[name]
                 return False
-            try:
-                saved = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as exc:  # torn or foreign file: start afresh rather than fail every message
-                log.warning("partition %d: ignoring unreadable state file %s (%s: %s)", self.partition_id, path,
-                            type(exc).__name__, exc)
-                return False
-            self.context.state[name] = ArrayRecord(saved)
-            self.state_restores += 1
-            log.info("partition %d: restored '%s' from %s", self.partition_id, name, path)
+            self.context.state[name] = self.context.state.array_records[prev]
+            stamps[name] = stamps.get(prev, 0)
+            self.context.state[STAMPS] = ConfigRecord(stamps)
         module.load_state_dict(self.context.state.array_records[name].to_torch_state_dict())
         return True
 
     def store(self, name: str, module: nn.Module) -> None:
         """Save ``module``'s state dict into ``context.state[name]`` (survives rounds) and, with a
-        ``state-dir``, atomically to ``<name>.pt`` there (survives a SuperNode restart)."""
+        ``state-dir``, atomically and durably to ``<name>.pt`` there (survives a SuperNode restart).
+
+        In a train message the record is stamped with the round, and the version it replaces
+        (from an earlier round) is kept as ``<name>.prev`` (in memory and on disk): what
+        :meth:`restore` rolls back to when a resumed server repeats a round. Each record is
+        stored at most once per round (true of every method).
+        """
+        stamps = self._stamps()
+        prev, path = name + PREVIOUS, self._state_file(name)
+        if self.training_round is not None and name in self.context.state.array_records \
+                and stamps.get(name, 0) < self.training_round:
+            self.context.state[prev] = self.context.state.array_records[name]
+            stamps[prev] = stamps.get(name, 0)
+            if path is not None and path.is_file():
+                os.replace(path, self._state_file(prev))
+        if self.training_round is not None:
+            stamps[name] = self.training_round
         self.context.state[name] = ArrayRecord(module.state_dict())
-        path = self._state_file(name)
+        self.context.state[STAMPS] = ConfigRecord(stamps)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-            atomic_write(path, lambda f: torch.save(state, f))
+            saved = {"round": stamps.get(name, 0), "state": {k: v.detach().cpu() for k, v in module.state_dict().items()}}
+            atomic_write(path, lambda f: torch.save(saved, f))
+
+    def _stamps(self) -> dict[str, int]:
+        """Record name -> the round it was stored in (0: unknown)."""
+        record = self.context.state.config_records.get(STAMPS)
+        return {k: int(v) for k, v in record.items()} if record is not None else {}
+
+    def _read(self, name: str) -> bool:
+        """Read record ``name`` (and its round stamp) from ``state-dir`` into ``context.state``.
+
+        A torn or foreign file is logged and ignored (the client starts afresh rather than fail
+        on every later message). Returns whether a record was read.
+        """
+        path = self._state_file(name)
+        if path is None or not path.is_file():
+            return False
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            log.warning("partition %d: ignoring unreadable state file %s (%s: %s)", self.partition_id, path,
+                        type(exc).__name__, exc)
+            return False
+        stamped = isinstance(saved, dict) and saved.keys() == {"round", "state"}
+        self.context.state[name] = ArrayRecord(saved["state"] if stamped else saved)
+        self.context.state[STAMPS] = ConfigRecord({**self._stamps(), name: int(saved["round"]) if stamped else 0})
+        if not name.endswith(PREVIOUS):
+            self.state_restores += 1
+            log.info("partition %d: restored '%s' from %s", self.partition_id, name, path)
+        return True
 
     def _state_file(self, name: str) -> Path | None:
         return self.state_dir / f"{_safe(name)}.pt" if self.state_dir is not None else None

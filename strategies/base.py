@@ -667,6 +667,8 @@ def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_
     metrics.update(_client_sums(replies, ("train-seconds", "data-seconds")))
     # clients that found no state in memory and restored it from their node's state-dir
     metrics["client-state-restores"] = int(sum(r.metrics.get("state-restores", 0) for r in replies))
+    # clients whose state was ahead of a resumed server (it crashed after they trained) and was rolled back
+    metrics["client-state-rollbacks"] = int(sum(r.metrics.get("state-rollbacks", 0) for r in replies))
     weighted = [(r.metrics["train-loss"], r.metrics.get("num-examples", 1))
                 for r in replies if "train-loss" in r.metrics]
     if weighted:

@@ -16,7 +16,8 @@ def deployed(rc, state_dir):
 
 
 def saved_model(state_dir, key, partition):
-    return torch.load(state_dir / key / f"partition-{partition}" / f"{MODEL_STATE}.pt", weights_only=True)
+    saved = torch.load(state_dir / key / f"partition-{partition}" / f"{MODEL_STATE}.pt", weights_only=True)
+    return saved["state"]  # stamped with its round: {"round": r, "state": state dict}
 
 
 def test_state_is_written_to_the_node_dir_and_restored_after_a_restart(run_config, tmp_path):

@@ -78,3 +78,34 @@ def test_resume_refuses_a_changed_run_config_naming_the_keys(run_config):
     strategy, grid = federation({**rc, "num-server-rounds": 3, "resume-from": str(first.results.path)})
     strategy.grid = grid
     assert strategy.resume() == 1  # the round count alone may change
+
+
+@pytest.mark.parametrize("state_dir", [False, True])
+def test_resume_after_a_crash_mid_round_repeats_it_exactly(run_config, tmp_path, state_dir):
+    """The clients trained round 2 and stored their state, then the server crashed before its
+    round-2 checkpoint. The resumed server repeats round 2; the clients, one training ahead,
+    roll their state back to round 1 first, so the rows equal those of the run in one go (with
+    the state in memory, and with it on disk after the SuperNodes restarted too)."""
+    base = run_config(method="fedmrl", **{"num-clients": 3, **({"state-dir": str(tmp_path / "state")}
+                                                                 if state_dir else {})})
+    whole, _ = run_with_results({**base, "num-server-rounds": 2}, name="whole")
+    first, grid = run_with_results({**base, "num-server-rounds": 1}, name="first")
+    resumed = {**base, "num-server-rounds": 2, "resume-from": str(first.results.path)}
+
+    cfg = RunConfig.from_dict(resumed)
+    crashing = build_strategy(cfg, ResultsWriter(cfg.output_dir, "crashed", cfg.as_dict()))
+
+    def crash(server_round, replies):
+        raise RuntimeError("server killed after the clients trained")
+    crashing.server_update = crash
+    with pytest.raises(RuntimeError, match="server killed"):
+        crashing.start(grid)
+    if state_dir:  # the SuperNodes restart too: only the state on disk is left
+        for node, ctx in list(grid.contexts.items()):
+            grid.add_node(node, ctx.node_config["partition-id"])
+
+    second, _ = run_with_results(resumed, grid, name="second")
+    assert [r["round"] for r in second.rows] == [1, 2]
+    assert second.rows[1]["client_state_rollbacks"] >= 3  # every client was one training ahead
+    for a, b in zip(whole.rows, second.rows):
+        assert a["accuracy_per_client"] == b["accuracy_per_client"] and a["train_loss"] == b["train_loss"]
