@@ -24,9 +24,9 @@ from models.base import SplitModel
 from models.groups import MODEL_GROUPS
 
 MODEL_STATE = "model"
-#: context.state ConfigRecord: record name -> the round in which it was stored
+#: context.state ConfigRecord: record name -> the round stamped on its file in state-dir
 STAMPS = "state-rounds"
-#: suffix of the version a record replaced (kept for a resumed server that repeats a round)
+#: suffix of the file a record replaced on disk (kept for a resumed server that repeats a round)
 PREVIOUS = ".prev"
 
 log = logging.getLogger("flwr." + __name__)
@@ -77,7 +77,7 @@ class ClientRuntime:
 
     def __init__(self, context: Context, state_key: str = "in-memory", training_round: int | None = None) -> None:
         self.context = context
-        #: the server round of a train message (None for other messages): stamps stored state
+        #: the server round of a train message (None for other messages): stamps the state on disk
         self.training_round = training_round
         self.cfg = parse_run_config(context.run_config)
         node = context.node_config
@@ -123,30 +123,29 @@ class ClientRuntime:
         """Load ``module`` from ``context.state[name]``, or else from ``state-dir``; True when found.
 
         A record read from disk is put back into ``context.state`` and counted in ``state_restores``.
-        In a train message of round t, a record stamped t or later is ahead of the server: the
-        server crashed after this client trained round t and resumed from its checkpoint of
-        round t-1. The record is then rolled back to the version stored before it (stamped
-        earlier), or dropped when there is none, so the client trains round t again from where
-        the server's checkpoint left it (``state_rollbacks`` counts this).
+        Records on disk carry the round that stored them. In a train message of round t, a
+        record on disk stamped t or later is ahead of the server: the server crashed after this
+        client trained round t and a new run resumed from the checkpoint of round t-1 (a new
+        Flower run starts with an empty ``context.state``, so only the disk can be ahead). The
+        version it replaced (``<name>.prev.pt``) is used instead, or none when that is not
+        older, so the client repeats round t from where the server's checkpoint left it
+        (``state_rollbacks`` counts this).
         """
-        if name not in self.context.state.array_records and not self._read(name):
-            return False
-        stamps = self._stamps()
-        if self.training_round is not None and stamps.get(name, 0) >= self.training_round:
-            prev = name + PREVIOUS
-            if prev not in self.context.state.array_records:
-                self._read(prev)
-            has_prev = prev in self.context.state.array_records and stamps.get(prev, 0) < self.training_round
-            log.warning("partition %d: '%s' is from round %d, ahead of the server's round %d; %s",
-                        self.partition_id, name, stamps.get(name, 0), self.training_round,
-                        f"rolled back to round {stamps.get(prev, 0)}" if has_prev else "starting afresh")
-            self.state_rollbacks += 1
-            if not has_prev:
-                del self.context.state[name]
+        if name not in self.context.state.array_records:
+            saved = self._read(name)
+            if saved is not None and self.training_round is not None and saved[0] >= self.training_round:
+                previous = self._read(name + PREVIOUS)
+                usable = previous is not None and previous[0] < self.training_round
+                log.warning("partition %d: '%s' on disk is from round %d, ahead of the server's round %d; %s",
+                            self.partition_id, name, saved[0], self.training_round,
+                            f"rolled back to round {previous[0]}" if usable else "starting afresh")
+                self.state_rollbacks += 1
+                saved = previous if usable else None
+            if saved is None:
                 return False
-            self.context.state[name] = self.context.state.array_records[prev]
-            stamps[name] = stamps.get(prev, 0)
-            self.context.state[STAMPS] = ConfigRecord(stamps)
+            self.context.state[name] = ArrayRecord(saved[1])
+            self._stamp(name, saved[0])
+            self.state_restores += 1
         module.load_state_dict(self.context.state.array_records[name].to_torch_state_dict())
         return True
 
@@ -154,55 +153,48 @@ class ClientRuntime:
         """Save ``module``'s state dict into ``context.state[name]`` (survives rounds) and, with a
         ``state-dir``, atomically and durably to ``<name>.pt`` there (survives a SuperNode restart).
 
-        In a train message the record is stamped with the round, and the version it replaces
-        (from an earlier round) is kept as ``<name>.prev`` (in memory and on disk): what
-        :meth:`restore` rolls back to when a resumed server repeats a round. Each record is
-        stored at most once per round (true of every method).
+        On disk a record is stamped with the round of the train message that stored it, and the
+        file it replaces is kept as ``<name>.prev.pt``: what :meth:`restore` rolls back to when
+        a resumed server repeats a round. Each record is stored at most once per round (true of
+        every method), so the replaced file is always from an earlier round.
         """
-        stamps = self._stamps()
-        prev, path = name + PREVIOUS, self._state_file(name)
-        if self.training_round is not None and name in self.context.state.array_records \
-                and stamps.get(name, 0) < self.training_round:
-            self.context.state[prev] = self.context.state.array_records[name]
-            stamps[prev] = stamps.get(name, 0)
-            if path is not None and path.is_file():
-                os.replace(path, self._state_file(prev))
-        if self.training_round is not None:
-            stamps[name] = self.training_round
         self.context.state[name] = ArrayRecord(module.state_dict())
-        self.context.state[STAMPS] = ConfigRecord(stamps)
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            saved = {"round": stamps.get(name, 0), "state": {k: v.detach().cpu() for k, v in module.state_dict().items()}}
-            atomic_write(path, lambda f: torch.save(saved, f))
+        path = self._state_file(name)
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        round_ = self.training_round or 0
+        if path.is_file() and self._stamps().get(name) != round_:
+            os.replace(path, self._state_file(name + PREVIOUS))
+        saved = {"round": round_, "state": {k: v.detach().cpu() for k, v in module.state_dict().items()}}
+        atomic_write(path, lambda f: torch.save(saved, f))
+        self._stamp(name, round_)
 
     def _stamps(self) -> dict[str, int]:
-        """Record name -> the round it was stored in (0: unknown)."""
+        """Record name -> the round stamped on its file in ``state-dir`` (as read or written)."""
         record = self.context.state.config_records.get(STAMPS)
         return {k: int(v) for k, v in record.items()} if record is not None else {}
 
-    def _read(self, name: str) -> bool:
-        """Read record ``name`` (and its round stamp) from ``state-dir`` into ``context.state``.
+    def _stamp(self, name: str, round_: int) -> None:
+        self.context.state[STAMPS] = ConfigRecord({**self._stamps(), name: round_})
 
-        A torn or foreign file is logged and ignored (the client starts afresh rather than fail
-        on every later message). Returns whether a record was read.
-        """
+    def _read(self, name: str) -> tuple[int, dict] | None:
+        """``(round, state dict)`` of record ``name`` in ``state-dir`` (round 0 for files written
+        before stamping), or None when there is none. A torn or foreign file is logged and
+        ignored: the client starts afresh rather than fail on every later message."""
         path = self._state_file(name)
         if path is None or not path.is_file():
-            return False
+            return None
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:
             log.warning("partition %d: ignoring unreadable state file %s (%s: %s)", self.partition_id, path,
                         type(exc).__name__, exc)
-            return False
-        stamped = isinstance(saved, dict) and saved.keys() == {"round", "state"}
-        self.context.state[name] = ArrayRecord(saved["state"] if stamped else saved)
-        self.context.state[STAMPS] = ConfigRecord({**self._stamps(), name: int(saved["round"]) if stamped else 0})
-        if not name.endswith(PREVIOUS):
-            self.state_restores += 1
-            log.info("partition %d: restored '%s' from %s", self.partition_id, name, path)
-        return True
+            return None
+        log.info("partition %d: read '%s' from %s", self.partition_id, name, path)
+        if isinstance(saved, dict) and saved.keys() == {"round", "state"}:
+            return int(saved["round"]), saved["state"]
+        return 0, saved
 
     def _state_file(self, name: str) -> Path | None:
         return self.state_dir / f"{_safe(name)}.pt" if self.state_dir is not None else None
