@@ -45,9 +45,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from client_app.training import kd_loss, train_personal_model, train_supervised
 from common.config import RunConfig, choice, number
-from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy, round_metrics
 from models.groups import MODEL_GROUPS
 from models.mh import build_mh_model
+from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy, round_metrics
 from strategies.payload import ArraySpec, PayloadError, PayloadSchema, array_record
 
 SCHEDULES = ("sequential", "parallel")

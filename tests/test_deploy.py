@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import ssl
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
 
 from tools.deploy import (BIN, environment, node_config, register_nodes, superlink_command, supernode_command,
                           write_certificates, write_connection, write_node_keys)
-from tools.run import free_port, stop, toml_value
+from tools.run import free_port, run_status, stop, toml_value, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = ROOT.parent / "shared" / "data"
@@ -33,16 +32,6 @@ def start(cmd, env, log: Path) -> subprocess.Popen:
 
 def flwr(*args, env) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "flwr"), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def rows_of(out: Path) -> list[dict]:
@@ -106,9 +95,7 @@ def test_tls_auth_deployment_survives_a_killed_and_restarted_supernode(tmp_path)
         procs.append(nodes[2])
 
         def finished():
-            listed = flwr("list", "deploy", "--run-id", str(run_id), "--format", "json", env=env)
-            runs = json.loads(listed.stdout).get("runs", []) if listed.returncode == 0 else []
-            status = runs[0].get("status", "") if runs else ""
+            status = run_status(env, run_id, "deploy")
             return status if status.startswith("finished") else None
         assert wait_for(finished, 600, "the run to finish") == "finished:completed"
     finally:

@@ -6,22 +6,18 @@ version."""
 import re
 import subprocess
 import sys
-import tomllib
 from functools import cache
 from pathlib import Path
 
 import yaml
 from flwr.common.config import parse_config_args
 
+from tools.compose_demo import locked_flwr
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 BIN = Path(sys.executable).parent
 CLI = {"superlink": "flower-superlink", "supernode": "flower-supernode", "superexec": "flower-superexec"}
-
-
-def locked_flwr() -> str:
-    lock = tomllib.loads((ROOT / "uv.lock").read_text())
-    return next(p["version"] for p in lock["package"] if p["name"] == "flwr")
 
 
 @cache

@@ -45,15 +45,19 @@ def lost(reply: Message) -> Message:
     return reply
 
 
+def attacker(message_type: str, attack):
+    """A fake-grid ``tamper`` passing partition 1's replies of ``message_type`` through ``attack``."""
+    def tamper(node, reply):
+        if node == ATTACKER and reply.metadata.message_type == message_type and not reply.has_error():
+            return attack(reply)
+        return reply
+    return tamper
+
+
 def run(run_config, attack, rounds: int = 2):
     """(rows, global arrays) of a FedGH run whose partition-1 train replies go through ``attack``."""
     rc = run_config(**{"num-clients": 3, "num-server-rounds": rounds})
-
-    def tamper(node, reply):
-        if node == ATTACKER and reply.metadata.message_type == "train" and not reply.has_error():
-            return attack(reply)
-        return reply
-    strategy, grid = federation(rc, tamper)
+    strategy, grid = federation(rc, attacker("train", attack))
     strategy.start(grid)
     return strategy.rows, {k: v.copy() for k, v in strategy.global_arrays().items()}
 
@@ -330,12 +334,7 @@ def test_hostile_num_params_claim_is_bounded_by_the_model_group(run_config):
 
     rc = run_config(**{"method": "mh-pfedhn", "model-group": "mh-lenet", "num-clients": 3, "num-server-rounds": 1,
                        "connect-timeout": 1.0})
-
-    def tamper(node, reply):
-        if node == ATTACKER and reply.metadata.message_type == "query":
-            return with_metrics(reply, **{"num-params": 10**8})
-        return reply
-    strategy, grid = federation(rc, tamper)
+    strategy, grid = federation(rc, attacker("query", lambda reply: with_metrics(reply, **{"num-params": 10**8})))
     with pytest.raises(RuntimeError, match="only 2 of num-clients=3"):
         strategy.start(grid)
     assert strategy.dropped["query"] >= 1 and "p1" not in strategy.hn.sizes  # no head was made for the claim
@@ -349,12 +348,7 @@ def test_hostile_num_params_claim_is_bounded_by_the_model_group(run_config):
 def test_hostile_handshake_size_claim_beyond_the_dataset_is_dropped(run_config):
     """num-train bounds every later num-examples claim, so it is itself bounded by the dataset."""
     rc = run_config(**{"num-clients": 3, "num-server-rounds": 1, "connect-timeout": 1.0})
-
-    def tamper(node, reply):
-        if node == ATTACKER and reply.metadata.message_type == "query":
-            return with_metrics(reply, **{"num-train": 10**9})
-        return reply
-    strategy, grid = federation(rc, tamper)
+    strategy, grid = federation(rc, attacker("query", lambda reply: with_metrics(reply, **{"num-train": 10**9})))
     with pytest.raises(RuntimeError, match="only 2 of num-clients=3"):
         strategy.start(grid)
     assert strategy.dropped["query"] == 1 and ATTACKER not in strategy.clients

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from test_deploy import flwr, start, wait_for
+from test_deploy import flwr, start
 from tools.deploy import (node_config, proxy_command, proxy_config, register_nodes, superlink_command,
                           supernode_command, environment, write_certificates, write_connection, write_node_keys)
-from tools.run import free_port, stop
+from tools.run import free_port, stop, wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("nginx") is None,
                                 reason="nginx is not installed (apt-get install nginx; .ci/run installs it)")

@@ -41,7 +41,7 @@ import tomllib
 from pathlib import Path
 
 from tools.deploy import BIN, environment, write_connection
-from tools.run import app_defaults, toml_value
+from tools.run import app_defaults, run_status, toml_value, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -138,16 +138,6 @@ def flower_images(version: str) -> str:
     return "built locally (docker/local-images.sh)"
 
 
-def wait_for(predicate, timeout: float, what: str, poll: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 def flwr_json(*args: str, env: dict) -> dict:
     done = subprocess.run([str(BIN / "flwr"), *args, "--format", "json"], env=env, cwd=ROOT,
                           capture_output=True, text=True)
@@ -220,11 +210,10 @@ def run_on_stack(stack: Stack, rounds: int, work: Path, run_config: dict, payloa
     submitted = flwr_json(*cmd, env=env)
     if "run-id" not in submitted:
         raise RuntimeError(f"flwr run was refused: {submitted}")
-    run_id = str(submitted["run-id"])
+    run_id = int(submitted["run-id"])
 
     def finished():
-        runs = flwr_json("list", "docker", "--run-id", run_id, env=env).get("runs", [])
-        status = runs[0].get("status", "") if runs else ""
+        status = run_status(env, run_id, "docker")
         return status if status.startswith("finished") else None
     status = wait_for(finished, 300 + 300 * rounds, f"run {run_id} to finish", poll=2.0)
     run_s = time.monotonic() - t0
@@ -301,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 done = shielded([*stack.base, "down", "-v", "--remove-orphans", "--timeout", "10"], stack.env)
                 print("stack removed (docker compose down -v)" if done.returncode == 0
                       else f"docker compose down failed: {done.stderr[-1000:]}", flush=True)
-    except (RuntimeError, subprocess.CalledProcessError) as error:
+    except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as error:
         print(f"demo failed: {error}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:

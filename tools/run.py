@@ -131,10 +131,30 @@ def interrupt(proc: subprocess.Popen, grace: float = 120.0) -> None:
             pass
 
 
-def run_status(env: dict, run_id: int) -> str:
-    out = _flwr("list", "sim", "--run-id", str(run_id), "--format", "json", env=env, capture=True).stdout
-    runs = json.loads(out).get("runs", [])
+def run_status(env: dict, run_id: int, connection: str = "sim") -> str:
+    """The status of run ``run_id`` on CLI ``connection`` (``finished:completed``, ...; ``unknown``
+    when the SuperLink does not answer or lists no such run)."""
+    out = _flwr("list", connection, "--run-id", str(run_id), "--format", "json", env=env, capture=True).stdout
+    try:
+        runs = json.loads(out).get("runs", [])
+    except json.JSONDecodeError:
+        return "unknown"
     return runs[0].get("status", "unknown") if runs else "unknown"
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
+    """``predicate()``'s first truthy value, asked every ``poll`` seconds.
+
+    Raises:
+        TimeoutError: naming ``what`` when ``timeout`` seconds pass first.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def main(argv: list[str] | None = None) -> int:
