@@ -43,7 +43,8 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from client_app.data import DATASETS
 from common.config import ConfigError, RunConfig
-from strategies.payload import PayloadError, PayloadSchema, array_record, read_payload, tensor_bytes
+from strategies.payload import (PayloadError, PayloadSchema, array_record, clip_outlier_rows, read_payload,
+                               tensor_bytes)
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -119,6 +120,7 @@ class HeteroStrategy(Strategy):
         self.sampled: list[int] = []  # the nodes of the last sample() call
         self.connected: set[int] = set()  # nodes the grid listed at the start of this round
         self.round_dropped: set[int] = set()  # partition ids sampled/asked this round that gave no valid reply
+        self.round_clipped = 0  # uploaded rows scaled down to the round's outlier bound this round
         self.refreshes = 0  # refresh_nodes() calls so far
         #: node id -> (queries it missed, refresh count from which it is asked again)
         self.silent_nodes: dict[int, tuple[int, int]] = {}
@@ -260,6 +262,7 @@ class HeteroStrategy(Strategy):
             before = self.traffic.copy()
             t0 = time.perf_counter()
             self.round_dropped = set()
+            self.round_clipped = 0
             self.refresh_nodes()
             before_state = copy.deepcopy(self.server_state())
             train_metrics = self.run_round(server_round)
@@ -589,6 +592,11 @@ class HeteroStrategy(Strategy):
                 if node in self.clients:
                     self.round_dropped.add(self.clients[node][PARTITION_ID])
                 log.warning("Dropped %s reply from node %s: %s", message_type, node, exc)
+        clipped = clip_outlier_rows(up, [r.arrays for r in valid])
+        if clipped:
+            self.round_clipped += clipped
+            log.warning("Scaled down %d uploaded %s rows to the round's outlier bound (ArraySpec.row_norm_factor)",
+                        clipped, message_type)
         return valid
 
     def _row(self, server_round: int, train: Mapping[str, Any], evaluation: MetricRecord | None,
@@ -605,6 +613,7 @@ class HeteroStrategy(Strategy):
             "eval_bytes_down": traffic.get("evaluate_bytes_down", 0),
             "num_clients": int(train.get("num-clients", 0)),
             "dropped_clients": sorted(self.round_dropped),
+            "clipped_rows": self.round_clipped,
             "round_seconds": train_s + eval_s,
             "train_phase_seconds": train_s,
             "eval_phase_seconds": eval_s,

@@ -30,11 +30,11 @@ from torch import nn
 from client_app.training import evaluate_model, train_personal_model, trained_class_means
 from common.config import ConfigError, RunConfig, choice, flag, number
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
-from strategies.payload import ArraySpec, PayloadSchema
+from strategies.payload import ROW_NORM_FACTOR, ArraySpec, PayloadSchema
 
 HEADER = PayloadSchema({"head.weight": ArraySpec(("C", "d"), "float32"),
                         "head.bias": ArraySpec(("C",), "float32")})
-LARS = PayloadSchema({"lar": ArraySpec(("k", "d"), "float32"),
+LARS = PayloadSchema({"lar": ArraySpec(("k", "d"), "float32", row_norm_factor=ROW_NORM_FACTOR),
                       "lar_labels": ArraySpec(("k",), "int32", labels=True)})
 SCHEMAS = {**BASE_SCHEMAS, "train": (HEADER, LARS)}
 SCHEMAS_GLOBAL_HEAD_EVAL = {**SCHEMAS, "evaluate": (HEADER, NO_PAYLOAD)}

@@ -37,7 +37,7 @@ from client_app.training import kd_loss, train_personal_model
 from common.config import RunConfig, number
 from strategies.base import BASE_SCHEMAS, ClientReply
 from strategies.fml import shared_cnn
-from strategies.payload import ArraySpec, PayloadError, PayloadSchema
+from strategies.payload import MAX_ABS, ArraySpec, PayloadError, PayloadSchema
 from strategies.shared_model import SharedModelClient, SharedModelStrategy, WithCompanions, fedavg, load_arrays
 
 ALIGN_STATE = "fedkd-align"
@@ -96,7 +96,7 @@ def svd_decompress(arrays: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[
 
 def compressed_schema(module: nn.Module) -> PayloadSchema:
     """Schema of :func:`svd_compress`'s output for ``module``: a free rank symbol per weight,
-    checked to lie in [1, min(m, n)]."""
+    checked to lie in [1, min(m, n)], and every rebuilt weight finite and within ``MAX_ABS``."""
     shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     specs: dict[str, ArraySpec] = {}
     limits = {}
@@ -109,12 +109,17 @@ def compressed_schema(module: nn.Module) -> PayloadSchema:
                       key + ".v": ArraySpec((rank, n), "float32")})
         limits[rank] = min(m, n)
 
-    def ranks_in_range(arrays, dims) -> None:
+    def ranks_and_weights_in_range(arrays, dims) -> None:
         for rank, limit in limits.items():
             if not 1 <= dims[rank] <= limit:
                 raise PayloadError(f"rank {rank} = {dims[rank]} outside [1, {limit}]")
+        # factors within the entry bound can still multiply to a huge (or infinite) weight
+        with np.errstate(over="ignore", invalid="ignore"):
+            for key, weight in svd_decompress(arrays, shapes).items():
+                if not np.isfinite(weight).all() or np.abs(weight).max() > MAX_ABS:
+                    raise PayloadError(f"'{key}' rebuilt from its SVD factors has entries beyond {MAX_ABS:.3g}")
 
-    return PayloadSchema(specs, check=ranks_in_range)
+    return PayloadSchema(specs, check=ranks_and_weights_in_range)
 
 
 def fedkd_schemas(module: nn.Module) -> dict:

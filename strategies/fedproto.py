@@ -30,7 +30,7 @@ from client_app.data import batches, normalize
 from client_app.training import train_personal_model
 from common.config import RunConfig, choice, number
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
-from strategies.payload import ArraySpec, PayloadError, PayloadSchema
+from strategies.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, PayloadSchema
 
 
 def class_set_schemas(values: str, labels: str, width: str) -> tuple[PayloadSchema, PayloadSchema]:
@@ -46,7 +46,8 @@ def class_set_schemas(values: str, labels: str, width: str) -> tuple[PayloadSche
             raise PayloadError(f"mask marks {int(arrays['mask'].sum())} classes but {arrays[values].shape[0]} "
                                f"'{values}' rows were sent")
 
-    upload = PayloadSchema({values: ArraySpec(("k", width), "float32"), labels: ArraySpec(("k",), "int64", labels=True)})
+    upload = PayloadSchema({values: ArraySpec(("k", width), "float32", row_norm_factor=ROW_NORM_FACTOR),
+                            labels: ArraySpec(("k",), "int64", labels=True)})
     global_set = PayloadSchema({values: ArraySpec(("a", width), "float32"), "mask": ArraySpec(("C",), "bool")},
                                optional=True, check=mask_matches_rows)
     return upload, global_set

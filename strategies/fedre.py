@@ -40,7 +40,7 @@ from client_app.training import EVAL_BATCH, train_personal_model
 from common.config import RunConfig, choice, number
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.fedgh import HEADER, header_arrays, initial_header, load_header, require_linear_heads
-from strategies.payload import ArraySpec, PayloadError, PayloadSchema
+from strategies.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, PayloadSchema
 
 #: how the client turns its representations into one (z, y) pair (section 3, Appendix A)
 RE_MODES = ("rap", "vap", "rsp", "rar", "var", "rsr", "rap-fixed")
@@ -55,7 +55,7 @@ def _check_soft_label(arrays: Mapping[str, np.ndarray], dims: Mapping[str, int])
         raise PayloadError(f"'y' must be non-negative and sum to 1, got min {y.min():.3g} sum {y.sum():.6f}")
 
 
-ENTANGLED = PayloadSchema({"z": ArraySpec((1, "d"), "float32"), "y": ArraySpec((1, "C"), "float32")},
+ENTANGLED = PayloadSchema({"z": ArraySpec((1, "d"), "float32", row_norm_factor=ROW_NORM_FACTOR), "y": ArraySpec((1, "C"), "float32")},
                           optional=True, check=_check_soft_label)
 SCHEMAS = {**BASE_SCHEMAS, "train": (HEADER, ENTANGLED), "evaluate": (HEADER, PayloadSchema())}
 

@@ -54,12 +54,24 @@ def attacker(message_type: str, attack):
     return tamper
 
 
-def run(run_config, attack, rounds: int = 2):
-    """(rows, global arrays) of a FedGH run whose partition-1 train replies go through ``attack``."""
-    rc = run_config(**{"num-clients": 3, "num-server-rounds": rounds})
+def state_arrays(state, prefix: str = "") -> dict[str, np.ndarray]:
+    """A strategy's ``server_state()`` flattened to name -> ndarray (modules, optimisers, RNGs)."""
+    if isinstance(state, dict):
+        return {k: v for key, value in state.items() for k, v in state_arrays(value, f"{prefix}{key}.").items()}
+    if isinstance(state, (list, tuple)):
+        return {k: v for i, value in enumerate(state) for k, v in state_arrays(value, f"{prefix}{i}.").items()}
+    if isinstance(state, torch.Tensor):
+        return {prefix: state.detach().cpu().numpy().copy()}
+    return {prefix: np.asarray(state).copy()} if isinstance(state, (np.ndarray, int, float)) else {}
+
+
+def run(run_config, attack, rounds: int = 2, **options):
+    """(rows, server state) of a run (FedGH unless ``options`` say otherwise) whose partition-1
+    train replies go through ``attack``."""
+    rc = run_config(**{"num-clients": 3, "num-server-rounds": rounds, **options})
     strategy, grid = federation(rc, attacker("train", attack))
     strategy.start(grid)
-    return strategy.rows, {k: v.copy() for k, v in strategy.global_arrays().items()}
+    return strategy.rows, state_arrays(strategy.server_state())
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +88,10 @@ def assert_dropped_like_lost(rows, arrays, baseline):
     assert [r["round"] for r in rows] == [r["round"] for r in base_rows]
     for row in rows:
         assert 1 in row["dropped_clients"] and row["num_clients"] == 2
-    assert arrays.keys() == base_arrays.keys()
+    assert arrays and arrays.keys() == base_arrays.keys()
     for k in arrays:
-        assert np.isfinite(arrays[k]).all() and np.array_equal(arrays[k], base_arrays[k]), k
+        assert (arrays[k].dtype.kind != "f" or np.isfinite(arrays[k]).all()) and np.array_equal(arrays[k],
+                                                                                                base_arrays[k]), k
 
 
 def test_hostile_npz_blob_is_dropped(run_config, baseline):
@@ -354,17 +367,82 @@ def test_hostile_handshake_size_claim_beyond_the_dataset_is_dropped(run_config):
     assert strategy.dropped["query"] == 1 and ATTACKER not in strategy.clients
 
 
-@pytest.mark.parametrize("value", [1e30, 3e38])
-def test_hostile_huge_finite_uploads_are_dropped(run_config, baseline, value):
-    """Finite but absurd magnitudes (a representation of 1e30 would drive FedGH's header, FedRE's
-    head or FedTGP's generator far off in one step) are refused by the schema's bound."""
+def scaled(key: str, value: float):
+    """An attack setting one entry of payload array ``key`` to ``value``."""
     def attack(reply):
         arrays = dict(reply.content.array_records[PAYLOAD])
-        lar = arrays["lar"].numpy().copy()
-        lar[0, 0] = value
-        arrays["lar"] = Array(lar)
+        a = arrays[key].numpy().copy()
+        a.reshape(-1)[0] = value
+        arrays[key] = Array(a)
         return with_payload(reply, arrays)
-    assert_dropped_like_lost(*run(run_config, attack), baseline)
+    return attack
+
+
+MH = {"model-group": "mh-lenet"}
+
+
+@pytest.mark.parametrize("method, key, value, options", [
+    ("fedgh", "lar", 1e30, {}), ("fedgh", "lar", 3e38, {}), ("fedre", "z", 1e30, {}),
+    ("fedtgp", "protos", 1e38, {"fedtgp.server-epochs": 2}), ("fedproto", "protos", 1e38, {}),
+    ("fd", "logits", 1e38, {}), ("mh-pfedhn", "delta_theta", 3e38, MH)])
+def test_hostile_huge_finite_uploads_are_dropped(run_config, method, key, value, options):
+    """Finite but absurd magnitudes (FedRE's z = 1e30 would drive the head to ~1e28 in one
+    step, FedTGP's prototypes of 1e38 make the generator NaN, an MH-pFedHN delta of 3e38 the
+    shared trunk) are refused by the schema's bound: the method's server state equals that of
+    a run in which the reply was lost."""
+    options = {"method": method, **options}
+    assert_dropped_like_lost(*run(run_config, scaled(key, value), 1, **options),
+                             run(run_config, lost, 1, **options))
+
+
+def test_hostile_rebuilt_fedkd_weights_beyond_the_bound_are_dropped(run_config):
+    """FedKD: SVD factors each within the entry bound can rebuild a weight of ~1e18 (or inf);
+    the rebuilt weights are checked, so the mentee stays what it is without the reply."""
+    def attack(reply):
+        arrays = dict(reply.content.array_records[PAYLOAD])
+        for key in [k for k in arrays if k.endswith((".u", ".s", ".v"))][:3]:
+            arrays[key] = Array(np.full_like(arrays[key].numpy(), 1e6))
+        return with_payload(reply, arrays)
+    assert_dropped_like_lost(*run(run_config, attack, 1, method="fedkd"), run(run_config, lost, 1, method="fedkd"))
+
+
+@pytest.mark.parametrize("method", ["lg-fedavg", "fedmrl"])
+def test_hostile_num_examples_beyond_the_handshake_is_dropped(run_config, method):
+    """FedAvg family: a claim of 1e15 training examples would make the mean that client's own
+    model; claims above the handshake's ``num-train`` are dropped."""
+    assert_dropped_like_lost(*run(run_config, lambda reply: with_metrics(reply, **{"num-examples": 10**15}), 1,
+                                  method=method),
+                             run(run_config, lost, 1, method=method))
+
+
+def test_hostile_outlying_representation_is_scaled_to_the_round_bound(run_config):
+    """FedRE's server step has no clipping: a z within the entry bound but ~1e5 times the others'
+    length would dominate the head. It is scaled to ROW_NORM_FACTOR times the longest other
+    upload, counted in ``clipped_rows``; honest rounds clip nothing."""
+    from strategies.payload import ROW_NORM_FACTOR
+
+    def attack(reply):
+        arrays = dict(reply.content.array_records[PAYLOAD])
+        arrays["z"] = Array(np.full_like(arrays["z"].numpy(), 1e5))
+        return with_payload(reply, arrays)
+    seen = []
+    rc = run_config(**{"method": "fedre", "num-clients": 3, "num-server-rounds": 2})
+    strategy, grid = federation(rc, attacker("train", attack))
+    original = strategy.server_update
+
+    def server_update(server_round, replies):
+        seen.append({r.partition_id: float(np.linalg.norm(r.arrays["z"])) for r in replies})
+        return original(server_round, replies)
+    strategy.server_update = server_update
+    strategy.start(grid)
+    assert [r["clipped_rows"] for r in strategy.rows] == [1, 1]
+    for norms in seen:
+        honest = max(norms[0], norms[2])
+        assert norms[1] == pytest.approx(ROW_NORM_FACTOR * honest, rel=1e-5)
+    weights = state_arrays(strategy.server_state())["head.weight."]
+    assert np.isfinite(weights).all() and np.abs(weights).max() < 1  # 0.06 here; unclipped 333 after two rounds
+    honest_rows, _ = run(run_config, lambda reply: reply, 2, method="fedre")
+    assert [r["clipped_rows"] for r in honest_rows] == [0, 0]
 
 
 def test_hostile_update_that_breaks_the_server_state_is_rolled_back(run_config):
