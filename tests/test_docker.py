@@ -70,7 +70,9 @@ def test_every_flag_exists_in_the_flwr_clis():
 def test_topology_tls_data_and_state():
     services = compose()["services"]
     link = services["superlink"]
-    assert link["ports"] == ["8000:8000"] and "--insecure" not in link["command"]
+    assert link["ports"] == ["127.0.0.1:8000:8000"] and "--insecure" not in link["command"]
+    # the Control API shares the port: nothing but the SuperLink publishes, and only on loopback
+    assert [name for name, service in services.items() if service.get("ports")] == ["superlink"]
     for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--disable-runtime-dependency-installation",
                  "--enable-supernode-auth"):
         assert flag in link["command"]
