@@ -8,16 +8,38 @@ state through the runtime) and replies with the payload plus metrics (with ``par
 
 from __future__ import annotations
 
+import os
+import time
+
 from flwr.app import Context, Message, MetricRecord
 from flwr.clientapp import ClientApp
 
-from client_app.data import DATASETS
+from client_app.data import DATASETS, load_client_data
 from client_app.runtime import ClientRuntime
 from strategies.base import EVAL_PREFIX, PARTITION_ID, metric_values
 from strategies.payload import read_payload
 from strategies.registry import all_message_types, client_procedure
 
 app = ClientApp()
+_first_message = [True]
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux ``/proc``; 0.0 where that is not available)."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            started = int(stat.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+            return max(0.0, float(uptime.read().split()[0]) - started)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def startup_metrics() -> dict[str, float]:
+    """``app-start-seconds``: process start to this handler for the process's first message
+    (interpreter, imports, app load: what every deployed message pays, since Flower starts a
+    fresh ClientApp process per message), 0 for later messages of a long-lived process."""
+    first, _first_message[0] = _first_message[0], False
+    return {"app-start-seconds": process_age() if first else 0.0}
 
 
 def handle(msg: Message, context: Context) -> Message:
@@ -27,6 +49,7 @@ def handle(msg: Message, context: Context) -> Message:
         ConfigError, PayloadError: turned into an error reply by Flower; the server logs and
             drops it, the round goes on.
     """
+    started = startup_metrics()
     config = dict(msg.content.config_records["config"]) if "config" in msg.content.config_records else {}
     message_type = msg.metadata.message_type
     training_round = int(config["server-round"]) if message_type.startswith("train") and "server-round" in config \
@@ -36,7 +59,12 @@ def handle(msg: Message, context: Context) -> Message:
     down, up = procedure.schemas[message_type]
     payload = read_payload(msg.content)
     down.validate(payload, {"C": DATASETS[client.cfg.dataset].num_classes, "d": client.cfg.representation_dim})
+    cached = load_client_data.cache_info().currsize
+    start = time.perf_counter()
     arrays, metrics = getattr(procedure, message_type.replace(".", "_"))(client, payload, config)
+    metrics.update(started, **{"handler-seconds": time.perf_counter() - start})
+    if load_client_data.cache_info().currsize > cached:  # this message loaded the partition
+        metrics["data-seconds"] = client.data.load_seconds
     if config.get("evaluate"):  # evaluate the just-trained personal model in the same reply
         metrics.update({EVAL_PREFIX + k: v for k, v in procedure.evaluate(client, {}, config)[1].items()})
     content = up.to_record(arrays)

@@ -8,10 +8,15 @@ then split into a local train and test part with the same class proportions.
 
 A partition is decoded once per process into uint8 tensors and cached: in simulation a Ray
 actor serves many virtual clients over many rounds, so decoding per round would dominate.
+With a cache folder (node config ``cache-dir``) the decoded tensors are also written to disk
+once and memory-mapped by later processes: a deployed ClientApp is a fresh process per message,
+which would otherwise load Hugging Face ``datasets``, partition and decode on every message.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -19,13 +24,14 @@ import time
 import warnings
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torchvision.io import ImageReadMode, decode_image
 
 from common.config import ConfigError, RunConfig
+from common.files import atomic_write
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -230,6 +236,8 @@ def stratified_split(labels: torch.Tensor, fraction: float, generator: torch.Gen
 
 
 def _decode(images: list[dict], channels: int) -> torch.Tensor:
+    from torchvision.io import ImageReadMode, decode_image  # torchvision costs seconds to import
+
     mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
     return torch.stack([decode_image(torch.frombuffer(bytearray(im["bytes"]), dtype=torch.uint8), mode=mode)
                         for im in images])
@@ -264,20 +272,71 @@ def partition_split(spec: DataSpec, partition_id: int):
     return part, labels, train_idx, test_idx
 
 
+#: bump when the cached tensors' meaning changes, so older cache files miss
+CACHE_FORMAT = 1
+
+
+def partition_key(spec: DataSpec, partition_id: int) -> str:
+    """A hex digest of everything that determines partition ``partition_id``'s tensors: the
+    :class:`DataSpec`, the partition id, :data:`CACHE_FORMAT` and the size and modification time
+    of the on-disk train split (so a replaced data file misses)."""
+    path = os.path.join(spec.data_dir, spec.dataset, "train.parquet")
+    stamp = (os.stat(path).st_size, os.stat(path).st_mtime_ns) if os.path.exists(path) else None
+    text = repr((CACHE_FORMAT, dataclasses.astuple(spec), partition_id, stamp))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+TENSORS = ("train_x", "train_y", "test_x", "test_y")
+
+
+def _read_cache(path: Path, key: str) -> dict[str, torch.Tensor] | None:
+    """The cached tensors of ``path`` when it holds ``key``'s partition whole, else None."""
+    try:
+        saved = torch.load(path, mmap=True, weights_only=True)
+        if saved.get("key") == key and all(isinstance(saved.get(t), torch.Tensor) for t in TENSORS) \
+                and len(saved["train_x"]) == len(saved["train_y"]) and len(saved["test_x"]) == len(saved["test_y"]):
+            return saved
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # a torn or foreign file raises whatever its bytes make torch raise
+        log.warning("ignoring unreadable partition cache %s (%s: %s)", path, type(exc).__name__, exc)
+        return None
+    log.warning("ignoring partition cache %s: it holds other data", path)
+    return None
+
+
 @lru_cache(maxsize=None)
-def load_client_data(spec: DataSpec, partition_id: int) -> ClientData:
+def load_client_data(spec: DataSpec, partition_id: int, cache_dir: str | None = None) -> ClientData:
     """Load, split and decode partition ``partition_id`` (cached per process).
+
+    With ``cache_dir``, the decoded tensors are read from
+    ``<cache_dir>/partition-<id>-<key>.pt`` (:func:`partition_key`, memory-mapped) when that file
+    is whole and holds this partition; otherwise they are decoded and the file written
+    atomically. A torn, foreign or unreadable file is ignored and rewritten.
 
     Raises:
         ConfigError: see :func:`partition_split`.
     """
     start = time.perf_counter()
     info = DATASETS[spec.dataset]
+    path = None
+    if cache_dir:
+        key = partition_key(spec, partition_id)
+        path = Path(cache_dir) / f"partition-{partition_id}-{key}.pt"
+        saved = _read_cache(path, key)
+        if saved is not None:
+            data = ClientData(*(saved[t] for t in TENSORS), info)
+            data.load_seconds = time.perf_counter() - start
+            return data
     part, labels, train_idx, test_idx = partition_split(spec, partition_id)
     order = torch.cat([train_idx, test_idx])
     x = _decode(part.select(order.tolist())[info.image_column], info.channels)
     n_train = len(train_idx)
     data = ClientData(x[:n_train], labels[train_idx], x[n_train:], labels[test_idx], info)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {t: getattr(data, t).contiguous().clone() for t in TENSORS}
+        atomic_write(path, lambda f: torch.save({"key": key, **tensors}, f))
     data.load_seconds = time.perf_counter() - start
     log.debug("partition %d: %d train / %d test in %.2f s", partition_id, n_train, len(test_idx), data.load_seconds)
     return data

@@ -65,7 +65,10 @@ class ClientRuntime:
     ``state-dir`` (optional: a folder where this node's client state is also written, so it
     survives a SuperNode restart, which empties ``context.state``; default: run config
     ``state-dir``, which gives simulated clients the same, so a resumed simulation continues
-    every client exactly).
+    every client exactly),
+    ``cache-dir`` (optional: a folder for the decoded partition, written once and memory-mapped
+    by later messages' processes; default ``<node state-dir>/partition-cache`` when the node
+    has a ``state-dir``, else none: in memory only).
 
     Args:
         context: the message's Flower context.
@@ -95,6 +98,10 @@ class ClientRuntime:
         state_dir = node.get("state-dir") or self.cfg.state_dir
         self.state_dir = (Path(str(state_dir)) / _safe(state_key) / f"partition-{self.partition_id}"
                           if state_dir else None)
+        cache_dir = node.get("cache-dir") or (Path(str(node["state-dir"])) / "partition-cache"
+                                              if node.get("state-dir") else None)
+        #: where the decoded partition is cached on disk (str, or None: in memory only)
+        self.cache_dir = str(cache_dir) if cache_dir else None
         self.state_restores = 0  # state records read back from state-dir in this message
         self.state_rollbacks = 0  # state records rolled back because they were ahead of the server
         #: objects the handlers of this one message share (e.g. FedMRL's just-trained small model
@@ -105,7 +112,7 @@ class ClientRuntime:
     def data(self) -> ClientData:
         """This client's decoded partition (cached per process), with the run's augmentation and
         normalisation in its ``info`` (run config keys ``augment``, ``normalize``)."""
-        data = load_client_data(self.spec, self.partition_id)
+        data = load_client_data(self.spec, self.partition_id, self.cache_dir)
         return replace(data, info=with_recipe(data.info, self.cfg.augment, self.cfg.normalize))
 
     @cached_property

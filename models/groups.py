@@ -17,7 +17,6 @@ from models.base import SplitModel
 from models.cnn import CNN_SHAPES, REPRESENTATION_DIM, build_cnn
 from models.mh import FEATURE_DIM as MH_FEATURE_DIM
 from models.mh import MH_MODELS, build_mh_model
-from models.zoo import build_zoo_model
 
 HTFE8 = ("fedavgcnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 HTC4 = ("linear", "mlp512", "mlp256", "mlp128")
@@ -67,6 +66,8 @@ class ModelGroup:
                 return build_cnn(arch, num_classes, in_channels, image_size)
             if arch in MH_MODELS:
                 return build_mh_model(arch, num_classes, in_channels, image_size)
+            from models.zoo import build_zoo_model  # torchvision takes seconds to import: only for zoo groups
+
             return build_zoo_model(arch, self.head_for(partition_id), num_classes, self.feature_dim(k),
                                    in_channels, image_size)
 

@@ -669,11 +669,12 @@ def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_
 
     Returns:
         ``num-clients`` (distinct clients with a valid reply), ``server-update-seconds``,
-        the clients' summed and maximal ``train-seconds``/``data-seconds``, the
+        the clients' summed and maximal ``train-seconds``, ``data-seconds`` (partition loads),
+        ``app-start-seconds`` (process start to handler) and ``handler-seconds``, the
         sample-weighted mean ``train-loss``, and ``server``.
     """
     metrics = {"num-clients": len({r.node_id for r in replies}), **server, "server-update-seconds": server_seconds}
-    metrics.update(_client_sums(replies, ("train-seconds", "data-seconds")))
+    metrics.update(_client_sums(replies, ("train-seconds", "data-seconds", "app-start-seconds", "handler-seconds")))
     # clients that found no state in memory and restored it from their node's state-dir
     metrics["client-state-restores"] = int(sum(r.metrics.get("state-restores", 0) for r in replies))
     # clients whose state was ahead of a resumed server (it crashed after they trained) and was rolled back

@@ -86,3 +86,43 @@ def test_dirichlet_min_size_and_self_balancing():
     assert min(balanced) >= 40
     # PFLlib's rule: a client above the average (5,000) gets no further class, so sizes spread less
     assert max(balanced) < max(plain) and np.std(balanced) < np.std(plain)
+
+
+def test_partition_cache_hit_equals_a_fresh_decode_and_changed_keys_miss(tmp_path):
+    from client_app.data import partition_key
+
+    s = spec(max_examples_per_client=120)
+    fresh = load_client_data.__wrapped__(s, 1)
+    written = load_client_data.__wrapped__(s, 1, str(tmp_path))
+    files = list(tmp_path.glob("partition-1-*.pt"))
+    assert len(files) == 1 and partition_key(s, 1) in files[0].name
+    hit = load_client_data.__wrapped__(s, 1, str(tmp_path))
+    for name in ("train_x", "train_y", "test_x", "test_y"):
+        assert torch.equal(getattr(hit, name), getattr(fresh, name)), name
+        assert torch.equal(getattr(written, name), getattr(fresh, name)), name
+    assert hit.info == fresh.info
+    # anything that changes the partition changes the key: another partition, seed, cap or partitioner
+    keys = {partition_key(s, 1), partition_key(s, 2), partition_key(spec(max_examples_per_client=120, seed=1), 1),
+            partition_key(spec(max_examples_per_client=100), 1),
+            partition_key(spec(max_examples_per_client=120, partitioner="iid"), 1)}
+    assert len(keys) == 5
+    load_client_data.__wrapped__(s, 2, str(tmp_path))
+    assert len(list(tmp_path.glob("partition-*.pt"))) == 2
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "other-partition"])
+def test_partition_cache_ignores_a_torn_or_foreign_file_and_rewrites_it(tmp_path, damage):
+    s = spec(max_examples_per_client=120)
+    fresh = load_client_data.__wrapped__(s, 1, str(tmp_path))
+    path = next(tmp_path.glob("partition-1-*.pt"))
+    if damage == "truncate":  # a write cut short (by a crash without the atomic rename)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif damage == "garbage":
+        path.write_bytes(b"\x00" * 1000)
+    else:  # another partition's file under this name
+        load_client_data.__wrapped__(s, 2, str(tmp_path))
+        path.write_bytes(next(tmp_path.glob("partition-2-*.pt")).read_bytes())
+    again = load_client_data.__wrapped__(s, 1, str(tmp_path))
+    assert torch.equal(again.train_x, fresh.train_x) and torch.equal(again.test_y, fresh.test_y)
+    saved = torch.load(path, weights_only=True)  # rewritten whole
+    assert torch.equal(saved["train_x"], fresh.train_x)

@@ -1,0 +1,104 @@
+"""Benchmark a real deployment round: where the time goes between the clients' compute and the round.
+
+Usage (from the repository root):
+
+    uv run --frozen python -m bench.deployment [--nodes 3] [--rounds 4] [-c "method='fedproto'"]
+
+Starts a SuperLink and ``--nodes`` SuperNodes on loopback with TLS and node authentication
+(:mod:`tools.loopback`, i.e. :mod:`tools.deploy`'s commands), runs one job (default FedGH,
+CIFAR-10, 200 examples per client, batch 32), stops everything it started, and prints per round:
+
+- ``round_s``: the round's wall time at the server (train and evaluate exchanges);
+- ``compute_s``: the slowest client's training (``train-seconds``: local training and payload);
+- ``overhead_s``: round_s - compute_s;
+- per message, the slowest client's ``app_start_s`` (its process start to the handler: the
+  interpreter, imports and app load that Flower's short-lived ClientApp processes pay on
+  every message), ``data_s`` (loading and decoding the partition) and ``handler_s``.
+
+It also times the import floor, ``python -c "import torch, flwr"`` (best of 3, before and after
+the job), on the same machine in the same run, so the overhead can be read against it when the
+machine is noisy. The last line is ``overhead_s=<median overhead of rounds 2..> import_floor_s=<floor>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tools.loopback import LoopbackDeployment, rows_of
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR = ROOT.parent / "shared" / "data"
+
+
+def import_floor(repeats: int = 3) -> float:
+    """Best wall time of ``python -c "import torch, flwr"`` over ``repeats`` runs, seconds."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch, flwr"], check=True)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def parse_value(text: str):
+    """A ``-c key=value`` value: int, float, bool or string (quotes optional)."""
+    import tomllib
+
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
+    parser.add_argument("-c", "--config", action="append", default=[], metavar="KEY=VALUE",
+                        help="run-config override (repeatable)")
+    args = parser.parse_args(argv)
+    floor = [import_floor()]
+    with tempfile.TemporaryDirectory(prefix="bench-deployment-") as tmp:
+        folder = Path(tmp)
+        out = folder / "outputs"
+        run_config = {"method": "fedgh", "num-clients": args.nodes, "num-server-rounds": args.rounds,
+                      "max-examples-per-client": 200, "batch-size": 32, "data-dir": str(args.data_dir),
+                      "output-dir": str(out), "round-timeout": 300.0}
+        for item in args.config:
+            key, _, value = item.partition("=")
+            run_config[key.strip()] = parse_value(value.strip())
+        start = time.perf_counter()
+        with LoopbackDeployment(folder, args.nodes, args.data_dir) as deployment:
+            deployment.start()
+            started = time.perf_counter() - start
+            run_id = deployment.submit(run_config)
+            status = deployment.finished(run_id, 60 * 60)
+        rows = rows_of(out)
+    floor.append(import_floor())
+    print(f"deployment: {args.nodes} SuperNodes on loopback, TLS + node auth; start {started:.1f} s; "
+          f"run {status}; {run_config['method']}")
+    header = ("round", "round_s", "compute_s", "overhead_s", "app_start_s", "data_s", "handler_s", "clients")
+    print(" ".join(f"{h:>11}" for h in header))
+    overheads = []
+    for r in rows:
+        compute = r.get("client_train_max_seconds", 0.0)
+        overhead = r["round_seconds"] - compute
+        overheads.append(overhead)
+        values = (r["round"], r["round_seconds"], compute, overhead, r.get("client_app_start_max_seconds", 0.0),
+                  r.get("client_data_max_seconds", 0.0), r.get("client_handler_max_seconds", 0.0), r["num_clients"])
+        print(" ".join(f"{v:>11.2f}" if isinstance(v, float) else f"{v:>11}" for v in values))
+    later = overheads[1:] or overheads
+    print(f"import floor (python -c 'import torch, flwr', best of 3): before {floor[0]:.2f} s, after {floor[1]:.2f} s")
+    print(f"overhead_s={statistics.median(later):.2f} import_floor_s={min(floor):.2f}")
+    return 0 if status == "finished:completed" and rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
