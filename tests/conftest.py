@@ -22,8 +22,9 @@ DATA_DIR = ROOT.parent / "shared" / "data"
 def make_run_config(**overrides) -> dict:
     """pyproject defaults + small, fast settings + ``overrides`` (keys with '-' or '_')."""
     rc = app_defaults()
+    # round-timeout: the fake grid answers at once, so only a silent node waits for it
     rc.update({"data-dir": str(DATA_DIR), "num-clients": 4, "num-server-rounds": 2,
-               "max-examples-per-client": 200, "batch-size": 32})
+               "max-examples-per-client": 200, "batch-size": 32, "round-timeout": 0.5})
     rc.update({k.replace("_", "-"): v for k, v in overrides.items()})
     return rc
 

@@ -6,7 +6,9 @@ runtime need a task identity, set here once.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
+from uuid import uuid4
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
@@ -19,7 +21,8 @@ class FakeGrid(Grid):
     """Nodes ``1000 + partition_id``; ``tamper(node_id, reply) -> reply`` can corrupt replies.
 
     Failures: messages to a node in ``silent`` get no reply (a SuperNode killed a moment ago,
-    still listed); a node in ``gone`` is not listed either. :meth:`add_node` starts a node.
+    still listed); a node in ``gone`` is not listed either; a node in ``delay`` answers late.
+    :meth:`add_node` starts a node.
     """
 
     def __init__(self, client_app, run_config: dict, num_nodes: int,
@@ -33,6 +36,9 @@ class FakeGrid(Grid):
         self.sent: list[Message] = []
         self.silent: set[int] = set()
         self.gone: set[int] = set()
+        self.delay: dict[int, float] = {}  # node id -> seconds before its replies can be pulled
+        self.outbox: dict[str, tuple[float, Message]] = {}  # message id -> (available from, reply)
+        self.pulls = 0
 
     def add_node(self, node_id: int, partition_id: int) -> Context:
         """A node with an empty state holding ``partition_id`` (a fresh or restarted SuperNode)."""
@@ -52,18 +58,17 @@ class FakeGrid(Grid):
     def create_message(self, *args, **kwargs):  # pragma: no cover
         raise NotImplementedError
 
-    def push_messages(self, messages):  # pragma: no cover
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids):  # pragma: no cover
-        raise NotImplementedError
 
     def get_node_ids(self) -> Iterable[int]:
         return [n for n in self.contexts if n not in self.gone]
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        replies = []
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        """Deliver each message to its node's ClientApp now; its reply becomes pullable after
+        ``delay[node]`` seconds (0 by default). Returns the message ids."""
+        ids = []
         for msg in messages:
+            msg.metadata.__dict__["_message_id"] = str(uuid4())
+            ids.append(msg.metadata.message_id)
             self.sent.append(msg)
             node = msg.metadata.dst_node_id
             if node in self.silent or node in self.gone:
@@ -72,5 +77,18 @@ class FakeGrid(Grid):
                 reply = self.client_app(msg, self.contexts[node])
             except Exception as exc:  # the real runtime turns this into an error reply, code 2
                 reply = Message(Error(code=2, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
-            replies.append(self.tamper(node, reply) if self.tamper else reply)
-        return replies
+            reply = self.tamper(node, reply) if self.tamper else reply
+            self.outbox[msg.metadata.message_id] = (time.monotonic() + self.delay.get(node, 0.0), reply)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        """The replies to ``message_ids`` that are available now (each returned once)."""
+        self.pulls += 1
+        now, ready = time.monotonic(), []
+        for mid in message_ids:
+            if mid in self.outbox and self.outbox[mid][0] <= now:
+                ready.append(self.outbox.pop(mid)[1])
+        return ready
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        raise AssertionError("the strategies exchange through push_messages/pull_messages")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -133,3 +134,46 @@ def test_launcher_refuses_a_federation_size_that_disagrees_with_num_clients(caps
 
     assert main(["-c", "num-clients=3", "--num-supernodes", "5"]) == 2
     assert "'num-clients' = 3" in capsys.readouterr().out
+
+
+def _handshaken(run_config):
+    from flwr.app import ConfigRecord
+
+    strategy, grid = federation(run_config(**{"num-clients": 3}))
+    strategy.grid = grid
+    strategy.handshake()
+    grid.pulls = 0
+    return strategy, grid, [strategy.message("query", n, {}, ConfigRecord(), 0) for n in strategy.nodes]
+
+
+def test_pull_loop_returns_as_soon_as_all_replies_are_in(run_config):
+    strategy, grid, messages = _handshaken(run_config)
+    grid.delay[1001] = 0.2
+    start = time.monotonic()
+    replies = strategy.exchange(messages, timeout=30.0)
+    elapsed = time.monotonic() - start
+    assert 0.2 <= elapsed < 1.0, elapsed  # waited for the late reply, not for the timeout
+    assert [r.metadata.src_node_id for r in replies] == [1000, 1001, 1002]  # in the order sent
+    assert strategy.round_dropped == set() and grid.pulls >= 2
+
+    grid.delay.clear()
+    grid.pulls = 0
+    start = time.monotonic()
+    strategy.exchange(messages_again(strategy), timeout=30.0)
+    assert grid.pulls == 1 and time.monotonic() - start < 0.5  # all in at the first look: no sleep at all
+
+
+def messages_again(strategy):
+    from flwr.app import ConfigRecord
+
+    return [strategy.message("query", n, {}, ConfigRecord(), 0) for n in strategy.nodes]
+
+
+def test_pull_loop_honours_the_timeout_and_records_late_clients_as_dropped(run_config):
+    strategy, grid, messages = _handshaken(run_config)
+    grid.delay[1002] = 60.0  # answers far too late
+    start = time.monotonic()
+    replies = strategy.exchange(messages, timeout=0.3)
+    assert 0.3 <= time.monotonic() - start < 1.0
+    assert [r.metadata.src_node_id for r in replies] == [1000, 1001]
+    assert strategy.round_dropped == {2} and strategy.dropped["query"] == 1
