@@ -73,6 +73,11 @@ def test_topology_tls_data_and_state():
     assert link["ports"] == ["127.0.0.1:8000:8000"] and "--insecure" not in link["command"]
     # the Control API shares the port: nothing but the SuperLink publishes, and only on loopback
     assert [name for name, service in services.items() if service.get("ports")] == ["superlink"]
+    from tools.deploy import TASK_POLL_SECONDS
+
+    for name, service in services.items():  # SuperExecs look for tasks as often as tools.deploy's do
+        if name.startswith("superexec"):
+            assert float(service["environment"]["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"]) == TASK_POLL_SECONDS, name
     for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--disable-runtime-dependency-installation",
                  "--enable-supernode-auth"):
         assert flag in link["command"]

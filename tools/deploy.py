@@ -286,10 +286,17 @@ def register_nodes(public_keys: list[Path], connection: str, timeout: float = 0.
     return lines
 
 
+#: seconds between a SuperExec's looks for a new task (Flower's default 1 s): a deployed message
+#: waits for it once to get a ClientApp (or ServerApp) process started
+TASK_POLL_SECONDS = 0.1
+
+
 def environment() -> dict[str, str]:
     """The environment Flower's processes need: this venv's CLIs on PATH (SuperExec, ClientApps),
-    no runtime installs, no Hub look-ups."""
-    return {**os.environ, "PATH": str(BIN) + os.pathsep + os.environ.get("PATH", ""),
+    no runtime installs, no Hub look-ups, SuperExecs that look for tasks every
+    :data:`TASK_POLL_SECONDS` (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``; one already set is kept)."""
+    return {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(TASK_POLL_SECONDS), **os.environ,
+            "PATH": str(BIN) + os.pathsep + os.environ.get("PATH", ""),
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1"}
 
