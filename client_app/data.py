@@ -8,9 +8,10 @@ then split into a local train and test part with the same class proportions.
 
 A partition is decoded once per process into uint8 tensors and cached: in simulation a Ray
 actor serves many virtual clients over many rounds, so decoding per round would dominate.
-With a cache folder (node config ``cache-dir``) the decoded tensors are also written to disk
-once and memory-mapped by later processes: a deployed ClientApp is a fresh process per message,
-which would otherwise load Hugging Face ``datasets``, partition and decode on every message.
+The decoded tensors are also written to disk once (a cache folder, see
+``client_app.runtime.ClientRuntime``) and memory-mapped by later processes: a deployed ClientApp
+is a fresh process per message, and every run would otherwise load Hugging Face ``datasets``,
+partition and decode again.
 """
 
 from __future__ import annotations
@@ -305,6 +306,11 @@ def _read_cache(path: Path, key: str) -> dict[str, torch.Tensor] | None:
     return None
 
 
+def _cache_file(spec: DataSpec, partition_id: int, cache_dir: str) -> tuple[Path, str]:
+    key = partition_key(spec, partition_id)
+    return Path(cache_dir) / f"partition-{partition_id}-{key}.pt", key
+
+
 @lru_cache(maxsize=None)
 def load_client_data(spec: DataSpec, partition_id: int, cache_dir: str | None = None) -> ClientData:
     """Load, split and decode partition ``partition_id`` (cached per process).
@@ -319,10 +325,8 @@ def load_client_data(spec: DataSpec, partition_id: int, cache_dir: str | None = 
     """
     start = time.perf_counter()
     info = DATASETS[spec.dataset]
-    path = None
     if cache_dir:
-        key = partition_key(spec, partition_id)
-        path = Path(cache_dir) / f"partition-{partition_id}-{key}.pt"
+        path, key = _cache_file(spec, partition_id, cache_dir)
         saved = _read_cache(path, key)
         if saved is not None:
             data = ClientData(*(saved[t] for t in TENSORS), info)
@@ -333,13 +337,29 @@ def load_client_data(spec: DataSpec, partition_id: int, cache_dir: str | None = 
     x = _decode(part.select(order.tolist())[info.image_column], info.channels)
     n_train = len(train_idx)
     data = ClientData(x[:n_train], labels[train_idx], x[n_train:], labels[test_idx], info)
-    if path is not None:
+    if cache_dir:
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {t: getattr(data, t).contiguous().clone() for t in TENSORS}
         atomic_write(path, lambda f: torch.save({"key": key, **tensors}, f))
     data.load_seconds = time.perf_counter() - start
     log.debug("partition %d: %d train / %d test in %.2f s", partition_id, n_train, len(test_idx), data.load_seconds)
     return data
+
+
+def partition_sizes(spec: DataSpec, partition_id: int, cache_dir: str | None = None) -> tuple[int, int]:
+    """(local train, local test) sizes of partition ``partition_id`` without decoding an image:
+    from the memory-mapped cache file when it is whole, else from the partitioner's labels
+    (:func:`partition_split`, which also raises its errors here, early).
+
+    Raises:
+        ConfigError: see :func:`partition_split`.
+    """
+    if cache_dir:
+        saved = _read_cache(*_cache_file(spec, partition_id, cache_dir))
+        if saved is not None:
+            return len(saved["train_y"]), len(saved["test_y"])
+    _, _, train_idx, test_idx = partition_split(spec, partition_id)
+    return len(train_idx), len(test_idx)
 
 
 def normalize(x: torch.Tensor, info: DatasetInfo) -> torch.Tensor:

@@ -17,7 +17,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from torch import nn
 
-from client_app.data import ClientData, DataSpec, load_client_data, with_recipe
+from client_app.data import (DATASETS, ClientData, DatasetInfo, DataSpec, load_client_data, partition_sizes,
+                             with_recipe)
 from common.config import ConfigError, RunConfig
 from common.files import atomic_write
 from models.base import SplitModel
@@ -40,6 +41,12 @@ def _parse(items: tuple) -> RunConfig:
 def parse_run_config(run_config) -> RunConfig:
     """The validated :class:`RunConfig` of a Flower ``run_config`` (parsed once per process)."""
     return _parse(tuple(sorted(run_config.items())))
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/mheterofl/partitions`` (``~/.cache/...`` without it): decoded partitions of
+    nodes without a ``cache-dir`` or ``state-dir``, e.g. every simulated client."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mheterofl" / "partitions"
 
 
 def pick_device(name: str) -> torch.device:
@@ -67,8 +74,8 @@ class ClientRuntime:
     ``state-dir``, which gives simulated clients the same, so a resumed simulation continues
     every client exactly),
     ``cache-dir`` (optional: a folder for the decoded partition, written once and memory-mapped
-    by later messages' processes; default ``<node state-dir>/partition-cache`` when the node
-    has a ``state-dir``, else none: in memory only).
+    by later messages' processes and runs; default ``<node state-dir>/partition-cache`` when the
+    node has a ``state-dir``, else :func:`default_cache_dir`).
 
     Args:
         context: the message's Flower context.
@@ -98,10 +105,9 @@ class ClientRuntime:
         state_dir = node.get("state-dir") or self.cfg.state_dir
         self.state_dir = (Path(str(state_dir)) / _safe(state_key) / f"partition-{self.partition_id}"
                           if state_dir else None)
-        cache_dir = node.get("cache-dir") or (Path(str(node["state-dir"])) / "partition-cache"
-                                              if node.get("state-dir") else None)
-        #: where the decoded partition is cached on disk (str, or None: in memory only)
-        self.cache_dir = str(cache_dir) if cache_dir else None
+        #: where the decoded partition is cached on disk
+        self.cache_dir = str(node.get("cache-dir") or (Path(str(node["state-dir"])) / "partition-cache"
+                                                       if node.get("state-dir") else default_cache_dir()))
         self.state_restores = 0  # state records read back from state-dir in this message
         self.state_rollbacks = 0  # state records rolled back because they were ahead of the server
         #: objects the handlers of this one message share (e.g. FedMRL's just-trained small model
@@ -109,17 +115,27 @@ class ClientRuntime:
         self.scratch: dict[str, object] = {}
 
     @cached_property
+    def info(self) -> DatasetInfo:
+        """The dataset's facts with the run's augmentation and normalisation (run config keys
+        ``augment``, ``normalize``); loads no data."""
+        return with_recipe(DATASETS[self.spec.dataset], self.cfg.augment, self.cfg.normalize)
+
+    @cached_property
     def data(self) -> ClientData:
-        """This client's decoded partition (cached per process), with the run's augmentation and
-        normalisation in its ``info`` (run config keys ``augment``, ``normalize``)."""
-        data = load_client_data(self.spec, self.partition_id, self.cache_dir)
-        return replace(data, info=with_recipe(data.info, self.cfg.augment, self.cfg.normalize))
+        """This client's decoded partition (cached per process and on disk), with :attr:`info`."""
+        return replace(load_client_data(self.spec, self.partition_id, self.cache_dir), info=self.info)
+
+    def data_sizes(self) -> tuple[int, int]:
+        """(local train, local test) example counts, without decoding images (:func:`partition_sizes`)."""
+        if "data" in self.__dict__:
+            return len(self.data.train_y), len(self.data.test_y)
+        return partition_sizes(self.spec, self.partition_id, self.cache_dir)
 
     @cached_property
     def model(self) -> SplitModel:
         """The personal model: built from the model group and seed (run config ``init``), restored
         from state, on device."""
-        info = self.data.info
+        info = self.info
         model = MODEL_GROUPS[self.cfg.model_group].build(self.partition_id, info.num_classes, info.channels,
                                                          info.image_size, self.cfg.seed, self.cfg.feature_dim,
                                                          identical=self.cfg.init == "identical")

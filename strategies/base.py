@@ -396,7 +396,8 @@ class HeteroStrategy(Strategy):
         dropped query): the first claim stands and the run goes on.
         """
         timeout = self.cfg.connect_timeout
-        deadline = time.monotonic() + timeout
+        began = time.monotonic()
+        deadline = began + timeout
         wanted: int | None = self.cfg.num_clients or None  # None until a node reports num-partitions
         by_partition: dict[int, int] = {}
         asked: set[int] = set()
@@ -423,7 +424,11 @@ class HeteroStrategy(Strategy):
                         continue
                     by_partition[r.partition_id] = r.node_id
                     self.clients[r.node_id] = r.metrics
-                log.info("Handshake: %d of %s clients answered", len(by_partition), wanted or "?")
+                log.info("Handshake: %d of %s clients answered, %.1f s after the handshake began (slowest "
+                         "client: %.1f s from its process start to the handler, %.1f s loading its partition)",
+                         len(by_partition), wanted or "?", time.monotonic() - began,
+                         max((m.get("app-start-seconds", 0.0) for m in self.clients.values()), default=0.0),
+                         max((m.get("data-seconds", 0.0) for m in self.clients.values()), default=0.0))
             if wanted is None or len(by_partition) < wanted:
                 time.sleep(NODE_POLL_SECONDS)
         self.nodes = [by_partition[p] for p in sorted(by_partition)]
@@ -677,10 +682,12 @@ class ClientProcedure:
                     "test-loss": loss_sum / max(n, 1)}
 
     def query(self, client, payload, config) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        """Handshake: data sizes (the runtime adds the partition id). Loads the data once, early."""
-        data = client.data
-        return {}, {"num-train": len(data.train_y), "num-test": len(data.test_y),
-                    "num-partitions": client.spec.num_partitions, "data-seconds": data.load_seconds}
+        """Handshake: data sizes (the runtime adds the partition id), from the partition's labels
+        or its cache file, without decoding images; a partition that cannot be split fails here."""
+        start = time.perf_counter()
+        num_train, num_test = client.data_sizes()
+        return {}, {"num-train": num_train, "num-test": num_test, "num-partitions": client.spec.num_partitions,
+                    "data-seconds": time.perf_counter() - start}
 
 
 def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_seconds: float) -> dict[str, Any]:

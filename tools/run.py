@@ -73,26 +73,35 @@ def _flwr(*args: str, env: dict, capture: bool = False) -> subprocess.CompletedP
 
 
 def start_superlink(env: dict, home: Path) -> tuple[subprocess.Popen, str]:
-    """Start a simulation SuperLink on free loopback ports; returns (process, address)."""
+    """Start a simulation SuperLink on free loopback ports; returns (process, address) at once
+    (it takes seconds to come up: :func:`wait_healthy`)."""
     port, control = free_port(), free_port()
-    log_file = open(home / "superlink.log", "ab")  # noqa: SIM115 - lives as long as the process
-    exe = str(Path(sys.executable).with_name("flower-superlink"))
-    proc = subprocess.Popen(
-        [exe, "--insecure", "--simulation", "--host", "127.0.0.1", "--port", str(port),
-         "--control-api-address", f"127.0.0.1:{control}", "--database", str(home / "state.db"),
-         "--disable-runtime-dependency-installation"],
-        env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 60
+    with open(home / "superlink.log", "ab") as log_file:
+        exe = str(Path(sys.executable).with_name("flower-superlink"))
+        proc = subprocess.Popen(
+            [exe, "--insecure", "--simulation", "--host", "127.0.0.1", "--port", str(port),
+             "--control-api-address", f"127.0.0.1:{control}", "--database", str(home / "state.db"),
+             "--disable-runtime-dependency-installation"],
+            env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, f"127.0.0.1:{port}"
+
+
+def wait_healthy(proc: subprocess.Popen, address: str, home: Path, timeout: float = 60.0) -> None:
+    """Wait until the SuperLink at ``address`` answers ``/health``.
+
+    Raises:
+        RuntimeError: it exited (see ``<home>/superlink.log``) or did not answer within ``timeout`` s.
+    """
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"flower-superlink exited with {proc.returncode}; see {home / 'superlink.log'}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return proc, f"127.0.0.1:{port}"
+            with urllib.request.urlopen(f"http://{address}/health", timeout=1):
+                return
         except OSError:
-            time.sleep(0.5)
-    stop(proc)
-    raise RuntimeError("flower-superlink did not become healthy within 60 s")
+            time.sleep(0.2)
+    raise RuntimeError(f"flower-superlink did not become healthy within {timeout:.0f} s")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -173,6 +182,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="GPU share per ClientApp; default 0.25 when a GPU is visible, else 0")
     args = parser.parse_args(argv)
 
+    # the SuperLink takes seconds to start: it comes up while the config is validated
+    home = ROOT / ".flwr"
+    home.mkdir(exist_ok=True)
+    bin_dir = str(Path(sys.executable).parent)  # flower-superexec etc. must be on PATH for the SuperLink
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "FLWR_HOME": str(home),
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "PYTHONUNBUFFERED": "1"}
+    superlink, address = start_superlink(env, home)
+    try:
+        return _validate_and_run(args, env, home, superlink, address)
+    finally:
+        stop(superlink)
+
+
+def _validate_and_run(args, env: dict, home: Path, superlink: subprocess.Popen, address: str) -> int:
     from flwr.common.config import parse_config_args
 
     from common.config import RunConfig
@@ -210,43 +233,35 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         gpus = 0.25 if torch.cuda.is_available() else 0.0
-    home = ROOT / ".flwr"
-    home.mkdir(exist_ok=True)
-    bin_dir = str(Path(sys.executable).parent)  # flower-superexec etc. must be on PATH for the SuperLink
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "PYTHONUNBUFFERED": "1"}
-    superlink, address = start_superlink(env, home)
+    wait_healthy(superlink, address, home)
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "{address}"\ninsecure = true\n')
+    run_config = [f"{k}={toml_value(v)}" for k, v in config.items()]
+    federation = (f"num-supernodes={supernodes} client-resources-num-cpus={args.cpus_per_client} "
+                  f"client-resources-num-gpus={gpus}")
+    cmd = ["run", str(ROOT), "sim", "--format", "json", "--federation-config", federation]
+    for item in run_config:
+        cmd += ["--run-config", item]
+    submitted = _flwr(*cmd, env=env, capture=True)
     try:
-        (home / "config.toml").write_text(
-            f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "{address}"\ninsecure = true\n')
-        run_config = [f"{k}={toml_value(v)}" for k, v in config.items()]
-        federation = (f"num-supernodes={supernodes} client-resources-num-cpus={args.cpus_per_client} "
-                      f"client-resources-num-gpus={gpus}")
-        cmd = ["run", str(ROOT), "sim", "--format", "json", "--federation-config", federation]
-        for item in run_config:
-            cmd += ["--run-config", item]
-        submitted = _flwr(*cmd, env=env, capture=True)
-        try:
-            run_id = int(json.loads(submitted.stdout)["run-id"])
-        except (ValueError, KeyError, TypeError):
-            print(submitted.stdout, submitted.stderr, sep="\n")
-            print("error: the run was not submitted")
-            return 1
-        print(f"Submitted run {run_id}; streaming its log (Ray needs tens of seconds before round 1)")
-        try:
-            _flwr("log", str(run_id), "sim", "--stream", env=env)
+        run_id = int(json.loads(submitted.stdout)["run-id"])
+    except (ValueError, KeyError, TypeError):
+        print(submitted.stdout, submitted.stderr, sep="\n")
+        print("error: the run was not submitted")
+        return 1
+    print(f"Submitted run {run_id}; streaming its log (Ray needs tens of seconds before round 1)")
+    try:
+        _flwr("log", str(run_id), "sim", "--stream", env=env)
+        status = run_status(env, run_id)
+        while not status.startswith("finished"):
+            time.sleep(2)
             status = run_status(env, run_id)
-            while not status.startswith("finished"):
-                time.sleep(2)
-                status = run_status(env, run_id)
-        except KeyboardInterrupt:
-            # the simulation runs outside the SuperLink's process group: stop the run itself
-            _flwr("stop", str(run_id), "sim", env=env, capture=True)
-            raise
-        print(f"Run {run_id}: {status}")
-        return 0 if status == "finished:completed" else 1
-    finally:
-        stop(superlink)
+    except KeyboardInterrupt:
+        # the simulation runs outside the SuperLink's process group: stop the run itself
+        _flwr("stop", str(run_id), "sim", env=env, capture=True)
+        raise
+    print(f"Run {run_id}: {status}")
+    return 0 if status == "finished:completed" else 1
 
 
 if __name__ == "__main__":
