@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from test_deploy import flwr, start
 from tools.deploy import (node_config, proxy_command, proxy_config, register_nodes, superlink_command,
                           supernode_command, environment, write_certificates, write_connection, write_node_keys)
+from tools.loopback import flwr_cli, spawn
 from tools.run import free_port, stop, wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("nginx") is None,
@@ -45,11 +45,11 @@ def test_proxy_admits_nodes_everywhere_and_the_control_api_only_from_the_operato
     write_connection(tmp_path / "flwr-home", "proxied", f"127.0.0.1:{public_port}", certs["ca"])
     procs: list[subprocess.Popen] = []
     try:
-        procs.append(start(superlink_command(tmp_path / "certs", auth=True, host="127.0.0.1", port=link_port,
+        procs.append(spawn(superlink_command(tmp_path / "certs", auth=True, host="127.0.0.1", port=link_port,
                                              database=str(tmp_path / "state.db")), env, tmp_path / "superlink.log"))
         config = proxy_config(tmp_path / "proxy", tmp_path / "certs", f"127.0.0.1:{public_port}",
                               f"127.0.0.1:{link_port}", ["127.0.0.1"])
-        procs.append(start(proxy_command(config), env, tmp_path / "proxy.log"))
+        procs.append(spawn(proxy_command(config), env, tmp_path / "proxy.log"))
 
         def healthy():
             try:
@@ -67,12 +67,12 @@ def test_proxy_admits_nodes_everywhere_and_the_control_api_only_from_the_operato
         # the operator's CLI works through the proxy: registration (Control API) ...
         assert register_nodes([public], "proxied", timeout=30, env=env) == [f"{public}: registered"]
         # ... and an authenticated SuperNode comes online through it (Fleet API)
-        procs.append(start(supernode_command(f"127.0.0.1:{public_port}", certs["ca"], private,
+        procs.append(spawn(supernode_command(f"127.0.0.1:{public_port}", certs["ca"], private,
                                              node_config(0, 1), port=free_port(), max_retries=3),
                            env, tmp_path / "supernode.log"))
 
         def online():
-            listed = flwr("supernode", "list", "proxied", "--format", "json", env=env)
+            listed = flwr_cli("supernode", "list", "proxied", "--format", "json", env=env)
             nodes = json.loads(listed.stdout).get("nodes", []) if listed.returncode == 0 else []
             return any(n.get("status") == "online" for n in nodes)
         wait_for(online, 90, "the SuperNode to come online through the proxy")

@@ -22,6 +22,17 @@ ROOT = Path(__file__).resolve().parents[1]
 CONNECTION = "deploy"
 
 
+def spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """Start ``cmd`` in its own session (stop it with ``tools.run.stop``), output appended to ``log``."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def flwr_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The ``flwr`` CLI of this environment with ``args`` (output captured, 120 s at most)."""
+    return subprocess.run([str(BIN / "flwr"), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
 class LoopbackDeployment:
     """SuperLink + SuperNodes on 127.0.0.1, TLS and node authentication; a context manager.
 
@@ -45,9 +56,7 @@ class LoopbackDeployment:
         self.registered: list[str] = []  # register_nodes' lines, one per key
 
     def _spawn(self, cmd: list[str], log: str) -> subprocess.Popen:
-        with open(self.logs / log, "ab") as out:
-            proc = subprocess.Popen(cmd, env=self.env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+        proc = spawn(cmd, self.env, self.logs / log)
         self.procs.append(proc)
         return proc
 
@@ -91,10 +100,10 @@ class LoopbackDeployment:
         Raises:
             RuntimeError: the CLI refused the run (its output is in the message).
         """
-        cmd = [str(BIN / "flwr"), "run", str(ROOT), CONNECTION, "--format", "json"]
+        cmd = ["run", str(ROOT), CONNECTION, "--format", "json"]
         for k, v in run_config.items():
             cmd += ["--run-config", f"{k}={toml_value(v)}"]
-        done = subprocess.run(cmd, env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        done = flwr_cli(*cmd, env=self.env)
         try:
             return int(json.loads(done.stdout)["run-id"])
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
