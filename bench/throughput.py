@@ -1,0 +1,89 @@
+"""Client training throughput: our training loop against a plain PyTorch loop on the same work.
+
+Usage (from the repository root):
+
+    uv run --frozen python -m bench.throughput [--archs cnn1,fedavgcnn,resnet18] [--batches 10,32]
+        [--examples 320] [--threads 1]
+
+For each architecture and batch size, one epoch over the same CIFAR-10 partition (uint8 tensors
+from :func:`client_app.data.load_client_data`), the same model built from the same seed, the
+same normalisation and augmentation (:func:`client_app.data.augment`) and SGD(lr 0.01, momentum
+0.9), on ``--threads`` intra-op threads (1: a ClientApp in simulation gets one core), timed as:
+
+- ``ours``: :func:`client_app.training.train_supervised` (what every method's client runs);
+- ``plain``: the textbook loop (forward, cross-entropy, ``zero_grad``, ``backward``, ``step``)
+  with ``torch.optim.SGD``'s default implementation;
+- ``plain-foreach`` / ``plain-fused``: the same with ``SGD(foreach=True)`` / ``SGD(fused=True)``.
+
+Each is run twice and the faster epoch is kept (the first pays one-off costs). Prints images
+per second per variant and ours relative to plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from client_app.data import DATASETS, DataSpec, augment, batches, load_client_data, normalize
+from client_app.training import train_supervised
+from models.groups import ModelGroup
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR = ROOT.parent / "shared" / "data"
+CONFIG = {"lr": 0.01, "momentum": 0.9, "weight-decay": 0.0, "clip-norm": 0.0, "local-epochs": 1}
+
+
+def plain_epoch(model, data, batch_size: int, generator: torch.Generator, optimizer: dict) -> float:
+    """Seconds of one epoch of the plain loop with ``torch.optim.SGD(**optimizer)``."""
+    start = time.perf_counter()
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=CONFIG["lr"], momentum=CONFIG["momentum"], **optimizer)
+    for idx in batches(len(data.train_y), batch_size, generator):
+        if len(idx) < 2:  # as ours: BatchNorm cannot train on one sample
+            continue
+        x = augment(normalize(data.train_x[idx], data.info), data.info, generator)
+        loss = F.cross_entropy(model.head(model.extractor(x)), data.train_y[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--archs", default="cnn1,fedavgcnn,resnet18")
+    parser.add_argument("--batches", default="10,32")
+    parser.add_argument("--examples", type=int, default=320)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    spec = DataSpec("cifar10", str(DATA_DIR.resolve()), "iid", 10, 0.5, 2, False, 2, 0.2, args.examples, 0)
+    data = load_client_data(spec, 0)
+    info = DATASETS["cifar10"]
+    print(f"CIFAR-10, {len(data.train_y)} training images, {args.threads} thread(s), torch {torch.__version__}")
+    print(f"{'arch':>10} {'batch':>5} {'ours':>8} {'plain':>8} {'foreach':>8} {'fused':>8} {'ours/plain':>10}  (images/s)")
+    variants = {"plain": {}, "plain-foreach": {"foreach": True}, "plain-fused": {"fused": True}}
+    for arch in args.archs.split(","):
+        group = ModelGroup((arch,))
+        for batch_size in (int(b) for b in args.batches.split(",")):
+            def model():
+                return group.build(0, info.num_classes, info.channels, info.image_size, seed=0)
+            config = {**CONFIG, "batch-size": batch_size}
+            ours = min(train_supervised(model(), data, config, torch.device("cpu"),
+                                        torch.Generator().manual_seed(0))["train-seconds"] for _ in range(2))
+            plain = {name: min(plain_epoch(model(), data, batch_size, torch.Generator().manual_seed(0), options)
+                               for _ in range(2)) for name, options in variants.items()}
+            n = len(data.train_y)
+            print(f"{arch:>10} {batch_size:>5} {n / ours:>8.1f} {n / plain['plain']:>8.1f} "
+                  f"{n / plain['plain-foreach']:>8.1f} {n / plain['plain-fused']:>8.1f} "
+                  f"{plain['plain'] / ours:>10.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
