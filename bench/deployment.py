@@ -17,7 +17,8 @@ CIFAR-10, 200 examples per client, batch 32), stops everything it started, and p
 
 It also times the import floor, ``python -c "import torch, flwr"`` (best of 3, before and after
 the job), on the same machine in the same run, so the overhead can be read against it when the
-machine is noisy. The last line is ``overhead_s=<median overhead of rounds 2..> import_floor_s=<floor>``.
+machine is noisy, and the same with ``torch._dynamo``, which the first ``torch.optim`` optimizer
+of every process imports (seconds that ``compute_s`` of a fresh process includes). The last line is ``overhead_s=<median overhead of rounds 2..> import_floor_s=<floor>``.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = ROOT.parent / "shared" / "data"
 
 
-def import_floor(repeats: int = 3) -> float:
-    """Best wall time of ``python -c "import torch, flwr"`` over ``repeats`` runs, seconds."""
+def import_floor(modules: str = "torch, flwr", repeats: int = 3) -> float:
+    """Best wall time of ``python -c "import <modules>"`` over ``repeats`` runs, seconds."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import torch, flwr"], check=True)
+        subprocess.run([sys.executable, "-c", f"import {modules}"], check=True)
         times.append(time.perf_counter() - start)
     return min(times)
 
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             status = deployment.finished(run_id, 60 * 60)
         rows = rows_of(out)
     floor.append(import_floor())
+    # the first torch.optim optimizer of a process imports torch._dynamo (Optimizer.__init__ is
+    # wrapped by torch._disable_dynamo), so a training message cannot start below this
+    training_floor = import_floor("torch, flwr, torch._dynamo")
     print(f"deployment: {args.nodes} SuperNodes on loopback, TLS + node auth; start {started:.1f} s; "
           f"run {status}; {run_config['method']}")
     header = ("round", "round_s", "compute_s", "overhead_s", "app_start_s", "data_s", "handler_s", "clients")
@@ -95,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                   r.get("client_data_max_seconds", 0.0), r.get("client_handler_max_seconds", 0.0), r["num_clients"])
         print(" ".join(f"{v:>11.2f}" if isinstance(v, float) else f"{v:>11}" for v in values))
     later = overheads[1:] or overheads
-    print(f"import floor (python -c 'import torch, flwr', best of 3): before {floor[0]:.2f} s, after {floor[1]:.2f} s")
+    print(f"import floor (python -c 'import torch, flwr', best of 3): before {floor[0]:.2f} s, after {floor[1]:.2f} s; "
+          f"with torch._dynamo (imported by the first torch.optim optimizer): {training_floor:.2f} s")
     print(f"overhead_s={statistics.median(later):.2f} import_floor_s={min(floor):.2f}")
     return 0 if status == "finished:completed" and rows else 1
 
