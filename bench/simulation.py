@@ -120,6 +120,13 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float) ->
           f"{100 * sum(steady) / len(steady):.1f}% (rounds 2+), {100 * sum(shares) / len(shares):.1f}% (all)")
     print(f"bytes per round: up {rows[-1]['bytes_up']} down {rows[-1]['bytes_down']}; per client-round up "
           f"{totals['up_per_client']:.0f} down {totals['down_per_client']:.0f}")
+    work = {}
+    for r in rows:
+        for arch, rate in r.get("train_images_per_second", {}).items():
+            work.setdefault(arch, []).append(rate)
+    if work:
+        print("client training, images/s per ClientApp (mean over rounds): "
+              + ", ".join(f"{arch} {sum(v) / len(v):.1f}" for arch, v in sorted(work.items())))
     print(f"wall time {wall:.1f} s (start-up, handshake, shut-down: {wall - rows[-1]['elapsed_seconds']:.1f} s)")
     print(f"peak resident memory of the process tree: {peak[0] / 2**30:.2f} GiB", flush=True)
     return totals

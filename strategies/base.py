@@ -43,6 +43,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from client_app.data import DATASETS
 from common.config import ConfigError, RunConfig
+from models.groups import MODEL_GROUPS
 from strategies.payload import (PayloadError, PayloadSchema, array_record, clip_outlier_rows, read_payload,
                                tensor_bytes)
 
@@ -123,6 +124,8 @@ class HeteroStrategy(Strategy):
         self.connected: set[int] = set()  # nodes the grid listed at the start of this round
         self.round_dropped: set[int] = set()  # partition ids sampled/asked this round that gave no valid reply
         self.round_clipped = 0  # uploaded rows scaled down to the round's outlier bound this round
+        #: architecture -> [training images, client train-seconds] of this round's valid train replies
+        self.round_work: dict[str, list[float]] = {}
         self.refreshes = 0  # refresh_nodes() calls so far
         #: node id -> (queries it missed, refresh count from which it is asked again)
         self.silent_nodes: dict[int, tuple[int, int]] = {}
@@ -265,6 +268,7 @@ class HeteroStrategy(Strategy):
             t0 = time.perf_counter()
             self.round_dropped = set()
             self.round_clipped = 0
+            self.round_work = {}
             self.refresh_nodes()
             before_state = copy.deepcopy(self.server_state())
             train_metrics = self.run_round(server_round)
@@ -621,12 +625,24 @@ class HeteroStrategy(Strategy):
                 if node in self.clients:
                     self.round_dropped.add(self.clients[node][PARTITION_ID])
                 log.warning("Dropped %s reply from node %s: %s", message_type, node, exc)
+        if _category(message_type) == "train":
+            self._count_work(valid)
         clipped = clip_outlier_rows(up, [r.arrays for r in valid])
         if clipped:
             self.round_clipped += clipped
             log.warning("Scaled down %d uploaded %s rows to the round's outlier bound (ArraySpec.row_norm_factor)",
                         clipped, message_type)
         return valid
+
+    def _count_work(self, replies: list[ClientReply]) -> None:
+        """Add the replies' training images (``num-examples`` x ``local-epochs``) and ``train-seconds``
+        to :attr:`round_work` under each client's architecture (its model group's, by partition)."""
+        group = MODEL_GROUPS[self.cfg.model_group]
+        for r in replies:
+            if "train-seconds" in r.metrics and "num-examples" in r.metrics:
+                work = self.round_work.setdefault(group.architecture_for(r.partition_id), [0.0, 0.0])
+                work[0] += float(r.metrics["num-examples"]) * self.cfg.local_epochs
+                work[1] += float(r.metrics["train-seconds"])
 
     def _row(self, server_round: int, train: Mapping[str, Any], evaluation: MetricRecord | None,
              traffic: Mapping[str, int], train_s: float, eval_s: float, elapsed: float) -> dict[str, Any]:
@@ -643,6 +659,9 @@ class HeteroStrategy(Strategy):
             "num_clients": int(train.get("num-clients", 0)),
             "dropped_clients": sorted(self.round_dropped),
             "clipped_rows": self.round_clipped,
+            # images per second of client training (with its payload computation), per architecture
+            "train_images_per_second": {arch: images / seconds for arch, (images, seconds)
+                                        in sorted(self.round_work.items()) if seconds > 0},
             "round_seconds": train_s + eval_s,
             "train_phase_seconds": train_s,
             "eval_phase_seconds": eval_s,

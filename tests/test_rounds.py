@@ -96,6 +96,13 @@ def test_results_files_written_each_round_and_learning(run_config, tmp_path):
     assert rows[-1]["accuracy_mean"] > 0.2
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
     assert all(r["client_train_seconds"] > 0 for r in rows)
+    # throughput per architecture: images (num-examples x local-epochs) over the clients' train-seconds
+    from models.groups import MODEL_GROUPS
+
+    archs = {MODEL_GROUPS[rc["model-group"]].architecture_for(p) for p in range(4)}
+    assert len(archs) == 4  # hetero-cnn5: one architecture per client here
+    for r in rows:
+        assert set(r["train_images_per_second"]) == archs and all(v > 0 for v in r["train_images_per_second"].values())
 
 
 def test_failed_run_is_marked_in_summary(run_config):
