@@ -2,7 +2,7 @@
 
 Usage (from the repository root):
 
-    uv run --frozen python -m bench.simulation [-c "method='local'"] [--cpus-per-client 1]
+    uv run --frozen python -m bench.simulation [--preset presets/<name>.toml] [-c "method='local'"] [--cpus-per-client 1]
         [--methods local,fedmrl,...] [--minutes 20]
 
 Runs the job through ``tools.run`` while sampling the resident memory of the whole process
@@ -50,7 +50,7 @@ def tree_rss(proc: psutil.Process) -> int:
     return total
 
 
-def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float) -> dict | None:
+def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, preset: str | None = None) -> dict | None:
     """One ``tools.run`` job with ``config`` overrides; prints its per-round table, returns its totals.
 
     With ``minutes`` > 0 the job is interrupted (SIGINT, so the launcher stops its SuperLink)
@@ -58,6 +58,7 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float) ->
     """
     out = ROOT / "outputs" / f"bench-{int(time.time())}"
     cmd = [sys.executable, "-m", "tools.run", "-c", f"output-dir={json.dumps(str(out))}", "--cpus-per-client", str(cpus)]
+    cmd += ["--preset", preset] if preset else []
     if gpus is not None:
         cmd += ["--gpus-per-client", str(gpus)]
     for item in config:
@@ -134,6 +135,7 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float) ->
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default=None, help="a preset TOML (as tools.run --preset); -c overrides it")
     parser.add_argument("-c", "--run-config", action="append", default=[])
     parser.add_argument("--cpus-per-client", type=int, default=1)
     parser.add_argument("--gpus-per-client", type=float, default=None)
@@ -147,7 +149,7 @@ def main() -> int:
         config = args.run_config + ([f"method={json.dumps(method)}"] if method else [])
         if method:
             print(f"=== {method}", flush=True)
-        table[method] = run_one(config, args.cpus_per_client, args.gpus_per_client, args.minutes)
+        table[method] = run_one(config, args.cpus_per_client, args.gpus_per_client, args.minutes, args.preset)
     if len(methods) > 1:
         print(f"{'method':>12} {'rounds':>6} {'final':>7} {'best':>7} {'last10':>7} {'s/round':>8} "
               f"{'B up/client-round':>18} {'B down/client-round':>20}")
