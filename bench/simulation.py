@@ -39,15 +39,21 @@ from tools.run import interrupt
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tree_rss(proc: psutil.Process) -> int:
-    """Resident bytes of ``proc`` and all its descendants."""
-    total = 0
+def tree_memory(proc: psutil.Process) -> tuple[int, int]:
+    """(RSS, PSS) bytes summed over ``proc`` and all its descendants.
+
+    The RSS sum counts every shared page (torch's libraries, Ray's shared memory) once per
+    process that maps it; PSS splits each shared page among its processes, so its sum is what
+    the tree really occupies.
+    """
+    rss = pss = 0
     for p in [proc, *proc.children(recursive=True)]:
         try:
-            total += p.memory_info().rss
+            info = p.memory_full_info()
+            rss, pss = rss + info.rss, pss + info.pss
         except psutil.Error:
             pass
-    return total
+    return rss, pss
 
 
 def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, preset: str | None = None) -> dict | None:
@@ -66,11 +72,11 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     root = psutil.Process(proc.pid)
-    peak = [0]
+    peak = [0, 0]  # RSS sum, PSS sum
 
     def sample() -> None:
         while proc.poll() is None:
-            peak[0] = max(peak[0], tree_rss(root))
+            peak[:] = [max(a, b) for a, b in zip(peak, tree_memory(root))]
             if minutes > 0 and time.perf_counter() - start > 60 * minutes:
                 interrupt(proc)
                 break
@@ -129,7 +135,8 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
         print("client training, images/s per ClientApp (mean over rounds): "
               + ", ".join(f"{arch} {sum(v) / len(v):.1f}" for arch, v in sorted(work.items())))
     print(f"wall time {wall:.1f} s (start-up, handshake, shut-down: {wall - rows[-1]['elapsed_seconds']:.1f} s)")
-    print(f"peak resident memory of the process tree: {peak[0] / 2**30:.2f} GiB", flush=True)
+    print(f"peak memory of the process tree: {peak[1] / 2**30:.2f} GiB PSS (shared pages split among their "
+          f"processes), {peak[0] / 2**30:.2f} GiB summed RSS (shared pages counted once per process)", flush=True)
     return totals
 
 

@@ -195,12 +195,31 @@ def main(argv: list[str] | None = None) -> int:
         stop(superlink)
 
 
-def _validate_and_run(args, env: dict, home: Path, superlink: subprocess.Popen, address: str) -> int:
-    from flwr.common.config import parse_config_args
-
+def check_config(config: dict) -> tuple[str | None, int, bool]:
+    """(error message or None, run config ``num-clients``, whether a GPU is visible) of ``config``:
+    everything the ServerApp would reject, method options included. Runs in a child process
+    (:func:`_validate_and_run`), so that torch and the methods are not kept in this launcher's
+    memory for the whole run."""
     from common.config import RunConfig
     from server_app.results import tensorboard_class
     from strategies.registry import build_strategy
+
+    try:
+        cfg = RunConfig.from_dict(config)
+        build_strategy(cfg)  # fail fast on any bad value, method options too
+        tensorboard_class(cfg.logger)
+    except ValueError as exc:
+        return str(exc), 0, False
+    import torch
+
+    return None, cfg.num_clients, torch.cuda.is_available()
+
+
+def _validate_and_run(args, env: dict, home: Path, superlink: subprocess.Popen, address: str) -> int:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from flwr.common.config import parse_config_args
 
     overrides = parse_config_args([args.preset]) if args.preset else {}
     overrides.update(parse_config_args(args.run_config) if args.run_config else {})
@@ -212,27 +231,22 @@ def _validate_and_run(args, env: dict, home: Path, superlink: subprocess.Popen, 
     for key in ("data-dir", "output-dir", "resume-from", "state-dir"):
         if config[key]:
             config[key] = str(Path(config[key]).expanduser().resolve())
-    try:
-        cfg = RunConfig.from_dict(config)
-        build_strategy(cfg)  # fail fast on any bad value, method options too
-        tensorboard_class(cfg.logger)
-    except ValueError as exc:
-        print(f"error: {exc}")
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        error, num_clients, gpu = pool.submit(check_config, config).result()
+    if error:
+        print(f"error: {error}")
         return 2
     if args.num_supernodes is not None and args.num_supernodes < 1:
         print(f"error: --num-supernodes {args.num_supernodes}: allowed values are integers >= 1")
         return 2
-    supernodes = args.num_supernodes or cfg.num_clients or DEFAULT_SUPERNODES
-    if cfg.num_clients and supernodes != cfg.num_clients:
+    supernodes = args.num_supernodes or num_clients or DEFAULT_SUPERNODES
+    if num_clients and supernodes != num_clients:
         print(f"error: --num-supernodes {supernodes} disagrees with run config key 'num-clients' = "
-              f"{cfg.num_clients}; drop one of them (num-clients=0 follows the federation)")
+              f"{num_clients}; drop one of them (num-clients=0 follows the federation)")
         return 2
-
     gpus = args.gpus_per_client
     if gpus is None:
-        import torch
-
-        gpus = 0.25 if torch.cuda.is_available() else 0.0
+        gpus = 0.25 if gpu else 0.0
     wait_healthy(superlink, address, home)
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "{address}"\ninsecure = true\n')
