@@ -35,7 +35,7 @@ from models.groups import ModelGroup
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = ROOT.parent / "shared" / "data"
-CONFIG = {"lr": 0.01, "momentum": 0.9, "weight-decay": 0.0, "clip-norm": 0.0, "local-epochs": 1}
+CONFIG = {"lr": 0.01, "momentum": 0.9, "weight-decay": 0.0, "clip-norm": 0.0, "local-epochs": 1, "precision": "fp32"}
 
 
 def plain_epoch(model, data, batch_size: int, generator: torch.Generator, optimizer: dict) -> float:

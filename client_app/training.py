@@ -52,6 +52,8 @@ def train_supervised(model: SplitModel, data: ClientData, config: Mapping[str, A
     augmented images, FML's mutual learning with a companion model).
     ``regularizer(representations [B, d], labels [B])`` is added to the loss when given
     (e.g. FedProto/FedTGP's prototype term); it sees the train-mode representations.
+    ``precision`` ``bf16`` runs the forward pass and the loss under bfloat16 autocast (weights,
+    gradients and the optimiser stay float32); ``fp32`` (the papers' recipe) does not.
 
     Returns:
         ``train-loss`` (mean over samples of the last epoch), ``train-acc`` (fraction, last
@@ -63,6 +65,7 @@ def train_supervised(model: SplitModel, data: ClientData, config: Mapping[str, A
     clip = float(config["clip-norm"])
     clip_groups = clip_groups or [list(model.parameters())]
     x_all, y_all = data.train_x.to(device), data.train_y.to(device)
+    bf16 = config["precision"] == "bf16"
     min_batch = 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1
     loss_sum, correct, seen = 0.0, 0, 0
     for _ in range(int(config["local-epochs"])):
@@ -73,11 +76,12 @@ def train_supervised(model: SplitModel, data: ClientData, config: Mapping[str, A
             idx = idx.to(device)
             x = augment(normalize(x_all[idx], data.info), data.info, generator)
             y = y_all[idx]
-            features = model.extractor(x)
-            logits = model.head(features)
-            loss = F.cross_entropy(logits, y) if supervised_loss is None else supervised_loss(x, features, logits, y)
-            if regularizer is not None:
-                loss = loss + regularizer(features, y)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                features = model.extractor(x)
+                logits = model.head(features)
+                loss = F.cross_entropy(logits, y) if supervised_loss is None else supervised_loss(x, features, logits, y)
+                if regularizer is not None:
+                    loss = loss + regularizer(features, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if clip > 0:

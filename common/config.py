@@ -17,6 +17,8 @@ from typing import Any
 
 PARTITIONERS = ("iid", "dirichlet", "pathological")
 DEVICES = ("auto", "cpu", "cuda")
+#: run config ``precision``: ``fp32`` (default, the papers' recipe) or ``bf16`` autocast of local training
+PRECISIONS = ("fp32", "bf16")
 EVAL_CLIENTS = ("all", "trained")
 LOGGERS = ("none", "tensorboard")
 #: ``independent``: client k's model is initialised from seed + k (FedGH, FedMRL code); ``identical``:
@@ -119,6 +121,7 @@ class RunConfig:
     resume_from: str
     state_dir: str
     device: str
+    precision: str
     round_timeout: float
     connect_timeout: float
     logger: str
@@ -174,6 +177,7 @@ class RunConfig:
             resume_from=_optional_string("resume-from", g("resume-from")),
             state_dir=_optional_string("state-dir", g("state-dir")),
             device=choice("device", g("device"), DEVICES),
+            precision=choice("precision", g("precision"), PRECISIONS),
             round_timeout=number("round-timeout", g("round-timeout"), low=0, low_open=True),
             connect_timeout=number("connect-timeout", g("connect-timeout"), low=0, low_open=True),
             logger=choice("logger", g("logger"), LOGGERS),

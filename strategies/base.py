@@ -529,7 +529,7 @@ class HeteroStrategy(Strategy):
         c = self.cfg
         return ConfigRecord({"server-round": server_round, "local-epochs": c.local_epochs,
                              "batch-size": c.batch_size, "lr": c.lr, "momentum": c.momentum,
-                             "weight-decay": c.weight_decay, "clip-norm": c.clip_norm,
+                             "weight-decay": c.weight_decay, "clip-norm": c.clip_norm, "precision": c.precision,
                              "evaluate": self.evaluate_in_train and self.is_eval_round(server_round)})
 
     def message(self, message_type: str, node_id: int, arrays: Mapping[str, np.ndarray],

@@ -63,5 +63,5 @@ def train_config(rc: dict, server_round: int = 1, **kw) -> dict:
     """The config of a train instruction built from ``rc`` (what ``HeteroStrategy.train_config`` sends)."""
     cfg = {"server-round": server_round, "local-epochs": rc["local-epochs"], "batch-size": rc["batch-size"],
            "lr": rc["lr"], "momentum": rc["momentum"], "weight-decay": rc["weight-decay"],
-           "clip-norm": rc["clip-norm"]}
+           "clip-norm": rc["clip-norm"], "precision": rc["precision"]}
     return {**cfg, **kw}

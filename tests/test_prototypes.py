@@ -32,7 +32,7 @@ def runtime(rc, partition_id=0):
 
 def train_config(rc, **kw):
     return {"server-round": 1, "local-epochs": rc["local-epochs"], "batch-size": rc["batch-size"], "lr": rc["lr"],
-            "momentum": 0.0, "weight-decay": 0.0, "clip-norm": 0.0, **kw}
+            "momentum": 0.0, "weight-decay": 0.0, "clip-norm": 0.0, "precision": "fp32", **kw}
 
 
 def tgp_options(**kw):

@@ -97,8 +97,6 @@ def test_results_files_written_each_round_and_learning(run_config, tmp_path):
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
     assert all(r["client_train_seconds"] > 0 for r in rows)
     # throughput per architecture: images (num-examples x local-epochs) over the clients' train-seconds
-    from models.groups import MODEL_GROUPS
-
     archs = {MODEL_GROUPS[rc["model-group"]].architecture_for(p) for p in range(4)}
     assert len(archs) == 4  # hetero-cnn5: one architecture per client here
     for r in rows:
@@ -129,3 +127,27 @@ def test_evaluation_in_train_reply_equals_separate_evaluation(run_config):
     for a, b in zip(*rows):
         assert a["accuracy_per_client"] == b["accuracy_per_client"]
         assert a["accuracy_mean"] == b["accuracy_mean"]
+
+
+def test_bf16_precision_trains_in_bfloat16_and_learns(run_config):
+    """``precision = "bf16"``: the forward pass runs in bfloat16 (the logits are bf16), weights and
+    gradients stay float32, the loss still falls, and the result differs from fp32's."""
+    from client_app.training import train_supervised
+    from conftest import client_runtime, train_config
+
+    rc = run_config(**{"max-examples-per-client": 300, "partitioner": "iid", "model-group": "cnn1"})
+    results = {}
+    for precision in ("fp32", "bf16"):
+        client = client_runtime(rc)
+        seen = []
+        hook = client.model.head.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+        config = train_config(rc, **{"precision": precision, "local-epochs": 1})
+        first = train_supervised(client.model, client.data, config, client.device, torch.Generator().manual_seed(0))
+        for _ in range(3):
+            last = train_supervised(client.model, client.data, config, client.device, torch.Generator().manual_seed(1))
+        hook.remove()
+        assert set(seen) == {torch.bfloat16 if precision == "bf16" else torch.float32}
+        assert all(p.dtype == torch.float32 for p in client.model.parameters())
+        assert last["train-loss"] < first["train-loss"]
+        results[precision] = torch.cat([p.detach().flatten() for p in client.model.parameters()])
+    assert not torch.equal(results["fp32"], results["bf16"])
