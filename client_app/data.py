@@ -339,8 +339,7 @@ def load_client_data(spec: DataSpec, partition_id: int, cache_dir: str | None = 
     data = ClientData(x[:n_train], labels[train_idx], x[n_train:], labels[test_idx], info)
     if cache_dir:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {t: getattr(data, t).contiguous().clone() for t in TENSORS}
-        atomic_write(path, lambda f: torch.save({"key": key, **tensors}, f))
+        atomic_write(path, lambda f: torch.save({"key": key, **{t: getattr(data, t) for t in TENSORS}}, f))
     data.load_seconds = time.perf_counter() - start
     log.debug("partition %d: %d train / %d test in %.2f s", partition_id, n_train, len(test_idx), data.load_seconds)
     return data

@@ -457,7 +457,7 @@ class MHpFedHNGDClient(MHpFedHNClient):
 
     def global_model(self, client) -> nn.Module:
         """A fresh instance of the public global architecture (``global-model``)."""
-        info = client.data.info
+        info = client.info
         return build_mh_model(self.options.global_model, info.num_classes, info.channels,
                               info.image_size).to(client.device)
 

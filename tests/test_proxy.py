@@ -19,8 +19,8 @@ import pytest
 
 from tools.deploy import (node_config, proxy_command, proxy_config, register_nodes, superlink_command,
                           supernode_command, environment, write_certificates, write_connection, write_node_keys)
-from tools.loopback import flwr_cli, spawn
-from tools.run import free_port, stop, wait_for
+from tools.loopback import spawn
+from tools.run import flwr_cli, free_port, stop, wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("nginx") is None,
                                 reason="nginx is not installed (apt-get install nginx; .ci/run installs it)")
@@ -72,7 +72,7 @@ def test_proxy_admits_nodes_everywhere_and_the_control_api_only_from_the_operato
                            env, tmp_path / "supernode.log"))
 
         def online():
-            listed = flwr_cli("supernode", "list", "proxied", "--format", "json", env=env)
+            listed = flwr_cli("supernode", "list", "proxied", "--format", "json", env=env, timeout=120)
             nodes = json.loads(listed.stdout).get("nodes", []) if listed.returncode == 0 else []
             return any(n.get("status") == "online" for n in nodes)
         wait_for(online, 90, "the SuperNode to come online through the proxy")

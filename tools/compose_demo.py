@@ -40,8 +40,8 @@ import time
 import tomllib
 from pathlib import Path
 
-from tools.deploy import BIN, environment, write_connection
-from tools.run import app_defaults, run_status, toml_value, wait_for
+from tools.deploy import environment, write_connection
+from tools.run import app_defaults, flwr_cli, run_status, toml_value, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -139,8 +139,7 @@ def flower_images(version: str) -> str:
 
 
 def flwr_json(*args: str, env: dict) -> dict:
-    done = subprocess.run([str(BIN / "flwr"), *args, "--format", "json"], env=env, cwd=ROOT,
-                          capture_output=True, text=True)
+    done = flwr_cli(*args, "--format", "json", env=env)
     try:
         return json.loads(done.stdout)
     except json.JSONDecodeError:

@@ -14,9 +14,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tools.deploy import (BIN, environment, node_config, register_nodes, superlink_command, supernode_command,
+from tools.deploy import (environment, node_config, register_nodes, superlink_command, supernode_command,
                           write_certificates, write_connection, write_node_keys)
-from tools.run import free_port, run_status, stop, toml_value, wait_for
+from tools.run import flwr_cli, free_port, run_status, stop, toml_value, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CONNECTION = "deploy"
@@ -26,11 +26,6 @@ def spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     """Start ``cmd`` in its own session (stop it with ``tools.run.stop``), output appended to ``log``."""
     with open(log, "ab") as out:
         return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def flwr_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """The ``flwr`` CLI of this environment with ``args`` (output captured, 120 s at most)."""
-    return subprocess.run([str(BIN / "flwr"), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 class LoopbackDeployment:
@@ -103,7 +98,7 @@ class LoopbackDeployment:
         cmd = ["run", str(ROOT), CONNECTION, "--format", "json"]
         for k, v in run_config.items():
             cmd += ["--run-config", f"{k}={toml_value(v)}"]
-        done = flwr_cli(*cmd, env=self.env)
+        done = flwr_cli(*cmd, env=self.env, timeout=300)
         try:
             return int(json.loads(done.stdout)["run-id"])
         except (json.JSONDecodeError, KeyError, TypeError) as exc:

@@ -66,10 +66,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _flwr(*args: str, env: dict, capture: bool = False) -> subprocess.CompletedProcess:
+def flwr_cli(*args: str, env: dict, capture: bool = True, timeout: float | None = None
+             ) -> subprocess.CompletedProcess:
+    """The ``flwr`` CLI of this environment with ``args``, run from the repository root; output
+    captured unless ``capture`` is False (e.g. ``flwr log --stream``)."""
     exe = str(Path(sys.executable).with_name("flwr"))
-    return subprocess.run([exe, *args], env=env, cwd=ROOT, text=True,
-                          capture_output=capture, check=False)
+    return subprocess.run([exe, *args], env=env, cwd=ROOT, text=True, capture_output=capture, check=False,
+                          timeout=timeout)
 
 
 def start_superlink(env: dict, home: Path) -> tuple[subprocess.Popen, str]:
@@ -143,7 +146,7 @@ def interrupt(proc: subprocess.Popen, grace: float = 120.0) -> None:
 def run_status(env: dict, run_id: int, connection: str = "sim") -> str:
     """The status of run ``run_id`` on CLI ``connection`` (``finished:completed``, ...; ``unknown``
     when the SuperLink does not answer or lists no such run)."""
-    out = _flwr("list", connection, "--run-id", str(run_id), "--format", "json", env=env, capture=True).stdout
+    out = flwr_cli("list", connection, "--run-id", str(run_id), "--format", "json", env=env).stdout
     try:
         runs = json.loads(out).get("runs", [])
     except json.JSONDecodeError:
@@ -256,7 +259,7 @@ def _validate_and_run(args, env: dict, home: Path, superlink: subprocess.Popen, 
     cmd = ["run", str(ROOT), "sim", "--format", "json", "--federation-config", federation]
     for item in run_config:
         cmd += ["--run-config", item]
-    submitted = _flwr(*cmd, env=env, capture=True)
+    submitted = flwr_cli(*cmd, env=env)
     try:
         run_id = int(json.loads(submitted.stdout)["run-id"])
     except (ValueError, KeyError, TypeError):
@@ -265,14 +268,14 @@ def _validate_and_run(args, env: dict, home: Path, superlink: subprocess.Popen, 
         return 1
     print(f"Submitted run {run_id}; streaming its log (Ray needs tens of seconds before round 1)")
     try:
-        _flwr("log", str(run_id), "sim", "--stream", env=env)
+        flwr_cli("log", str(run_id), "sim", "--stream", env=env, capture=False)
         status = run_status(env, run_id)
         while not status.startswith("finished"):
             time.sleep(2)
             status = run_status(env, run_id)
     except KeyboardInterrupt:
         # the simulation runs outside the SuperLink's process group: stop the run itself
-        _flwr("stop", str(run_id), "sim", env=env, capture=True)
+        flwr_cli("stop", str(run_id), "sim", env=env)
         raise
     print(f"Run {run_id}: {status}")
     return 0 if status == "finished:completed" else 1
