@@ -9,7 +9,9 @@ Runs the job through ``tools.run`` while sampling the resident memory of the who
 tree (launcher, SuperLink, ServerApp, Ray and its ClientApp actors) every 0.5 s, then prints
 per round: mean accuracy, payload bytes, round seconds, and the split of the round into the
 clients' training compute and everything else (data, serialisation, Ray, server step,
-evaluation messages).
+evaluation messages). It also splits the start-up (launch to round 1) at the launcher's log
+lines: the launcher (SuperLink, config check, ``flwr run``), Flower's simulation start, the
+ServerApp's start, and Ray's start with the handshake (every client's first message).
 
 ``--methods`` runs each listed method in turn on the same config (same partitions, seed and
 models), ``--minutes`` stops each run after that wall time (the rounds completed so far are
@@ -39,21 +41,59 @@ from tools.run import interrupt
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tree_memory(proc: psutil.Process) -> tuple[int, int]:
-    """(RSS, PSS) bytes summed over ``proc`` and all its descendants.
+def _kind(p: psutil.Process) -> str:
+    """A short label for a process of the tree: Ray workers by their title, Python by its module
+    or script, anything else by its executable."""
+    name = p.name()
+    cmd = p.cmdline()
+    if name.startswith("ray::") or not cmd:
+        return name
+    if "-m" in cmd[:-1]:
+        return cmd[cmd.index("-m") + 1]
+    scripts = [os.path.basename(t) for t in cmd[:3] if not os.path.basename(t).startswith(("python", "-"))]
+    return scripts[0] if scripts else name
+
+
+def tree_memory(proc: psutil.Process) -> tuple[int, int, dict[str, tuple[int, int]]]:
+    """(RSS, PSS, {process kind: (count, PSS)}) bytes summed over ``proc`` and its descendants.
 
     The RSS sum counts every shared page (torch's libraries, Ray's shared memory) once per
     process that maps it; PSS splits each shared page among its processes, so its sum is what
     the tree really occupies.
     """
     rss = pss = 0
+    kinds: dict[str, tuple[int, int]] = {}
     for p in [proc, *proc.children(recursive=True)]:
         try:
             info = p.memory_full_info()
-            rss, pss = rss + info.rss, pss + info.pss
+            kind = _kind(p)
         except psutil.Error:
-            pass
-    return rss, pss
+            continue
+        rss, pss = rss + info.rss, pss + info.pss
+        count, total = kinds.get(kind, (0, 0))
+        kinds[kind] = (count + 1, total + info.pss)
+    return rss, pss, kinds
+
+
+#: log lines that end each start-up phase: the launcher has submitted the run, Flower's simulation
+#: process is up, the ServerApp has started (its handshake begins), every client has answered
+STARTUP_MARKS = (("launcher", "Submitted run"), ("simulation start", "Starting Flower Simulation"),
+                 ("ServerApp start", "Writing results to"), ("Ray start + handshake", "Handshake: "))
+
+
+def startup_split(lines: list[tuple[float, str]]) -> str:
+    """Seconds from launch to round 1, split at :data:`STARTUP_MARKS` (the first line holding each
+    mark) of ``lines`` = ``[(seconds since launch, log line)]``; the handshake line's own summary
+    (its seconds and the slowest client's process start-up) follows."""
+    parts, last, handshake = [], 0.0, ""
+    for phase, mark in STARTUP_MARKS:
+        hit = next(((t, line) for t, line in lines if mark in line), None)
+        if hit is None:
+            return "start-up split: not found (" + phase + ")"
+        parts.append(f"{phase} {hit[0] - last:.1f} s")
+        last, handshake = hit[0], hit[1]
+    detail = handshake.split("Handshake: ", 1)[1].strip()
+    return f"start-up, launch to round 1: {last:.1f} s = " + " + ".join(parts) + f" ({detail})"
 
 
 def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, preset: str | None = None) -> dict | None:
@@ -73,10 +113,15 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     root = psutil.Process(proc.pid)
     peak = [0, 0]  # RSS sum, PSS sum
+    at_peak: dict[str, tuple[int, int]] = {}  # the PSS split by process kind when the PSS sum peaked
 
     def sample() -> None:
         while proc.poll() is None:
-            peak[:] = [max(a, b) for a, b in zip(peak, tree_memory(root))]
+            rss, pss, kinds = tree_memory(root)
+            if pss > peak[1]:
+                at_peak.clear()
+                at_peak.update(kinds)
+            peak[:] = [max(peak[0], rss), max(peak[1], pss)]
             if minutes > 0 and time.perf_counter() - start > 60 * minutes:
                 interrupt(proc)
                 break
@@ -84,7 +129,8 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    log = proc.stdout.read()
+    lines = [(time.perf_counter() - start, line) for line in proc.stdout]  # (seconds since launch, line)
+    log = "".join(line for _, line in lines)
     proc.wait()
     sampler.join()
     wall = time.perf_counter() - start
@@ -135,8 +181,12 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
         print("client training, images/s per ClientApp (mean over rounds): "
               + ", ".join(f"{arch} {sum(v) / len(v):.1f}" for arch, v in sorted(work.items())))
     print(f"wall time {wall:.1f} s (start-up, handshake, shut-down: {wall - rows[-1]['elapsed_seconds']:.1f} s)")
+    print(startup_split(lines))
     print(f"peak memory of the process tree: {peak[1] / 2**30:.2f} GiB PSS (shared pages split among their "
-          f"processes), {peak[0] / 2**30:.2f} GiB summed RSS (shared pages counted once per process)", flush=True)
+          f"processes), {peak[0] / 2**30:.2f} GiB summed RSS (shared pages counted once per process)")
+    print("PSS at its peak by process: " + ", ".join(
+        f"{kind} x{count} {total / 2**20:.0f} MiB" for kind, (count, total) in
+        sorted(at_peak.items(), key=lambda item: -item[1][1])), flush=True)
     return totals
 
 
