@@ -63,7 +63,11 @@ def tree_memory(proc: psutil.Process) -> tuple[int, int, dict[str, tuple[int, in
     """
     rss = pss = 0
     kinds: dict[str, tuple[int, int]] = {}
-    for p in [proc, *proc.children(recursive=True)]:
+    try:
+        tree = [proc, *proc.children(recursive=True)]
+    except psutil.Error:  # a process of the tree exited during the walk: skip this sample
+        return 0, 0, {}
+    for p in tree:
         try:
             info = p.memory_full_info()
             kind = _kind(p)
