@@ -18,7 +18,8 @@ CIFAR-10, 200 examples per client, batch 32), stops everything it started, and p
 It also times the import floor, ``python -c "import torch, flwr"`` (best of 3, before and after
 the job), on the same machine in the same run, so the overhead can be read against it when the
 machine is noisy, and the same with ``torch._dynamo``, which the first ``torch.optim`` optimizer
-of every process imports (seconds that ``compute_s`` of a fresh process includes). The last line is ``overhead_s=<median overhead of rounds 2..> import_floor_s=<floor>``.
+of every process imports (seconds that ``compute_s`` of a fresh process includes). The last line
+is ``overhead_s=<median overhead of rounds 2..> import_floor_s=<floor>``.
 """
 
 from __future__ import annotations
@@ -62,16 +63,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
-    parser.add_argument("-c", "--config", action="append", default=[], metavar="KEY=VALUE",
-                        help="run-config override (repeatable)")
+    parser.add_argument(
+        "-c", "--config", action="append", default=[], metavar="KEY=VALUE", help="run-config override (repeatable)"
+    )
     args = parser.parse_args(argv)
     floor = [import_floor()]
     with tempfile.TemporaryDirectory(prefix="bench-deployment-") as tmp:
         folder = Path(tmp)
         out = folder / "outputs"
-        run_config = {"method": "fedgh", "num-clients": args.nodes, "num-server-rounds": args.rounds,
-                      "max-examples-per-client": 200, "batch-size": 32, "data-dir": str(args.data_dir),
-                      "output-dir": str(out), "round-timeout": 300.0}
+        run_config = {
+            "method": "fedgh",
+            "num-clients": args.nodes,
+            "num-server-rounds": args.rounds,
+            "max-examples-per-client": 200,
+            "batch-size": 32,
+            "data-dir": str(args.data_dir),
+            "output-dir": str(out),
+            "round-timeout": 300.0,
+        }
         for item in args.config:
             key, _, value = item.partition("=")
             run_config[key.strip()] = parse_value(value.strip())
@@ -86,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     # the first torch.optim optimizer of a process imports torch._dynamo (Optimizer.__init__ is
     # wrapped by torch._disable_dynamo), so a training message cannot start below this
     training_floor = import_floor("torch, flwr, torch._dynamo")
-    print(f"deployment: {args.nodes} SuperNodes on loopback, TLS + node auth; start {started:.1f} s; "
-          f"run {status}; {run_config['method']}")
+    print(
+        f"deployment: {args.nodes} SuperNodes on loopback, TLS + node auth; start {started:.1f} s; "
+        f"run {status}; {run_config['method']}"
+    )
     header = ("round", "round_s", "compute_s", "overhead_s", "app_start_s", "data_s", "handler_s", "clients")
     print(" ".join(f"{h:>11}" for h in header))
     overheads = []
@@ -95,12 +106,22 @@ def main(argv: list[str] | None = None) -> int:
         compute = r.get("client_train_max_seconds", 0.0)
         overhead = r["round_seconds"] - compute
         overheads.append(overhead)
-        values = (r["round"], r["round_seconds"], compute, overhead, r.get("client_app_start_max_seconds", 0.0),
-                  r.get("client_data_max_seconds", 0.0), r.get("client_handler_max_seconds", 0.0), r["num_clients"])
+        values = (
+            r["round"],
+            r["round_seconds"],
+            compute,
+            overhead,
+            r.get("client_app_start_max_seconds", 0.0),
+            r.get("client_data_max_seconds", 0.0),
+            r.get("client_handler_max_seconds", 0.0),
+            r["num_clients"],
+        )
         print(" ".join(f"{v:>11.2f}" if isinstance(v, float) else f"{v:>11}" for v in values))
     later = overheads[1:] or overheads
-    print(f"import floor (python -c 'import torch, flwr', best of 3): before {floor[0]:.2f} s, after {floor[1]:.2f} s; "
-          f"with torch._dynamo (imported by the first torch.optim optimizer): {training_floor:.2f} s")
+    print(
+        f"import floor (python -c 'import torch, flwr', best of 3): before {floor[0]:.2f} s, after {floor[1]:.2f} s; "
+        f"with torch._dynamo (imported by the first torch.optim optimizer): {training_floor:.2f} s"
+    )
     print(f"overhead_s={statistics.median(later):.2f} import_floor_s={min(floor):.2f}")
     return 0 if status == "finished:completed" and rows else 1
 

@@ -2,8 +2,8 @@
 
 Usage (from the repository root):
 
-    uv run --frozen python -m bench.simulation [--preset presets/<name>.toml] [-c "method='local'"] [--cpus-per-client 1]
-        [--methods local,fedmrl,...] [--minutes 20]
+    uv run --frozen python -m bench.simulation [--preset presets/<name>.toml] [-c "method='local'"]
+        [--cpus-per-client 1] [--methods local,fedmrl,...] [--minutes 20]
 
 Runs the job through ``tools.run`` while sampling the resident memory of the whole process
 tree (launcher, SuperLink, ServerApp, Ray and its ClientApp actors) every 0.5 s, then prints
@@ -36,6 +36,7 @@ from pathlib import Path
 
 import psutil
 
+from common.files import read_rows
 from tools.run import interrupt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,8 +82,12 @@ def tree_memory(proc: psutil.Process) -> tuple[int, int, dict[str, tuple[int, in
 
 #: log lines that end each start-up phase: the launcher has submitted the run, Flower's simulation
 #: process is up, the ServerApp has started (its handshake begins), every client has answered
-STARTUP_MARKS = (("launcher", "Submitted run"), ("simulation start", "Starting Flower Simulation"),
-                 ("ServerApp start", "Writing results to"), ("Ray start + handshake", "Handshake: "))
+STARTUP_MARKS = (
+    ("launcher", "Submitted run"),
+    ("simulation start", "Starting Flower Simulation"),
+    ("ServerApp start", "Writing results to"),
+    ("Ray start + handshake", "Handshake: "),
+)
 
 
 def startup_split(lines: list[tuple[float, str]]) -> str:
@@ -107,7 +112,15 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
     after that wall time and the rounds completed so far are reported.
     """
     out = ROOT / "outputs" / f"bench-{int(time.time())}"
-    cmd = [sys.executable, "-m", "tools.run", "-c", f"output-dir={json.dumps(str(out))}", "--cpus-per-client", str(cpus)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tools.run",
+        "-c",
+        f"output-dir={json.dumps(str(out))}",
+        "--cpus-per-client",
+        str(cpus),
+    ]
     cmd += ["--preset", preset] if preset else []
     if gpus is not None:
         cmd += ["--gpus-per-client", str(gpus)]
@@ -139,8 +152,7 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
     sampler.join()
     wall = time.perf_counter() - start
     run_dirs = list(out.iterdir()) if out.exists() else []
-    rows = [json.loads(line) for line in open(run_dirs[0] / "metrics.jsonl")] \
-        if run_dirs and (run_dirs[0] / "metrics.jsonl").exists() else []
+    rows = read_rows(run_dirs[0]) if run_dirs else []
     if not rows or (proc.returncode != 0 and not minutes):
         print(log[-4000:])
         print(f"run failed with exit code {proc.returncode}")
@@ -151,46 +163,72 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
     slots = min(slots, max(r["num_clients"] for r in rows))
 
     print(f"results: {run_dirs[0]}")
-    print(f"{'round':>5} {'acc_mean':>8} {'acc_wtd':>8} {'bytes_up':>9} {'bytes_down':>10} {'round_s':>7} "
-          f"{'train_s':>7} {'other_s':>7} {'other%':>6}")
+    print(
+        f"{'round':>5} {'acc_mean':>8} {'acc_wtd':>8} {'bytes_up':>9} {'bytes_down':>10} {'round_s':>7} "
+        f"{'train_s':>7} {'other_s':>7} {'other%':>6}"
+    )
     shares = []
     for r in rows:
         train = r["client_train_seconds"] / slots
         other = r["round_seconds"] - train
         shares.append(other / r["round_seconds"])
         acc = r["accuracy_mean"]
-        print(f"{r['round']:>5} {acc if acc is not None else float('nan'):>8.4f} "
-              f"{r['accuracy_weighted'] if acc is not None else float('nan'):>8.4f} {r['bytes_up']:>9} "
-              f"{r['bytes_down']:>10} {r['round_seconds']:>7.2f} {train:>7.2f} {other:>7.2f} {100 * shares[-1]:>5.1f}%")
+        print(
+            f"{r['round']:>5} {acc if acc is not None else float('nan'):>8.4f} "
+            f"{r['accuracy_weighted'] if acc is not None else float('nan'):>8.4f} {r['bytes_up']:>9} "
+            f"{r['bytes_down']:>10} {r['round_seconds']:>7.2f} {train:>7.2f} {other:>7.2f} {100 * shares[-1]:>5.1f}%"
+        )
     steady = shares[1:] or shares
     accs = [r["accuracy_mean"] for r in rows if r["accuracy_mean"] is not None]
     clients = sum(r["num_clients"] for r in rows)
-    totals = {"rounds": len(rows), "final": accs[-1] if accs else float("nan"), "best": max(accs, default=float("nan")),
-              "last10": sum(accs[-10:]) / max(len(accs[-10:]), 1),
-              "round_s": sum(r["round_seconds"] for r in rows) / len(rows),
-              "up_per_client": sum(r["bytes_up"] for r in rows) / max(clients, 1),
-              "down_per_client": sum(r["bytes_down"] for r in rows) / max(clients, 1)}
-    print(f"parallel ClientApps: {slots}; rounds completed: {len(rows)}"
-          + (" (stopped by the time budget)" if proc.returncode != 0 else ""))
-    print(f"final accuracy_mean {totals['final']:.4f}, best {totals['best']:.4f}, mean of the last 10 {totals['last10']:.4f}")
-    print(f"mean round {totals['round_s']:.2f} s; non-training share "
-          f"{100 * sum(steady) / len(steady):.1f}% (rounds 2+), {100 * sum(shares) / len(shares):.1f}% (all)")
-    print(f"bytes per round: up {rows[-1]['bytes_up']} down {rows[-1]['bytes_down']}; per client-round up "
-          f"{totals['up_per_client']:.0f} down {totals['down_per_client']:.0f}")
+    totals = {
+        "rounds": len(rows),
+        "final": accs[-1] if accs else float("nan"),
+        "best": max(accs, default=float("nan")),
+        "last10": sum(accs[-10:]) / max(len(accs[-10:]), 1),
+        "round_s": sum(r["round_seconds"] for r in rows) / len(rows),
+        "up_per_client": sum(r["bytes_up"] for r in rows) / max(clients, 1),
+        "down_per_client": sum(r["bytes_down"] for r in rows) / max(clients, 1),
+    }
+    print(
+        f"parallel ClientApps: {slots}; rounds completed: {len(rows)}"
+        + (" (stopped by the time budget)" if proc.returncode != 0 else "")
+    )
+    print(
+        f"final accuracy_mean {totals['final']:.4f}, best {totals['best']:.4f}, "
+        f"mean of the last 10 {totals['last10']:.4f}"
+    )
+    print(
+        f"mean round {totals['round_s']:.2f} s; non-training share "
+        f"{100 * sum(steady) / len(steady):.1f}% (rounds 2+), {100 * sum(shares) / len(shares):.1f}% (all)"
+    )
+    print(
+        f"bytes per round: up {rows[-1]['bytes_up']} down {rows[-1]['bytes_down']}; per client-round up "
+        f"{totals['up_per_client']:.0f} down {totals['down_per_client']:.0f}"
+    )
     work = {}
     for r in rows:
         for arch, rate in r.get("train_images_per_second", {}).items():
             work.setdefault(arch, []).append(rate)
     if work:
-        print("client training, images/s per ClientApp (mean over rounds): "
-              + ", ".join(f"{arch} {sum(v) / len(v):.1f}" for arch, v in sorted(work.items())))
+        print(
+            "client training, images/s per ClientApp (mean over rounds): "
+            + ", ".join(f"{arch} {sum(v) / len(v):.1f}" for arch, v in sorted(work.items()))
+        )
     print(f"wall time {wall:.1f} s (start-up, handshake, shut-down: {wall - rows[-1]['elapsed_seconds']:.1f} s)")
     print(startup_split(lines))
-    print(f"peak memory of the process tree: {peak[1] / 2**30:.2f} GiB PSS (shared pages split among their "
-          f"processes), {peak[0] / 2**30:.2f} GiB summed RSS (shared pages counted once per process)")
-    print("PSS at its peak by process: " + ", ".join(
-        f"{kind} x{count} {total / 2**20:.0f} MiB" for kind, (count, total) in
-        sorted(at_peak.items(), key=lambda item: -item[1][1])), flush=True)
+    print(
+        f"peak memory of the process tree: {peak[1] / 2**30:.2f} GiB PSS (shared pages split among their "
+        f"processes), {peak[0] / 2**30:.2f} GiB summed RSS (shared pages counted once per process)"
+    )
+    print(
+        "PSS at its peak by process: "
+        + ", ".join(
+            f"{kind} x{count} {total / 2**20:.0f} MiB"
+            for kind, (count, total) in sorted(at_peak.items(), key=lambda item: -item[1][1])
+        ),
+        flush=True,
+    )
     return totals
 
 
@@ -212,14 +250,18 @@ def main() -> int:
             print(f"=== {method}", flush=True)
         table[method] = run_one(config, args.cpus_per_client, args.gpus_per_client, args.minutes, args.preset)
     if len(methods) > 1:
-        print(f"{'method':>12} {'rounds':>6} {'final':>7} {'best':>7} {'last10':>7} {'s/round':>8} "
-              f"{'B up/client-round':>18} {'B down/client-round':>20}")
+        print(
+            f"{'method':>12} {'rounds':>6} {'final':>7} {'best':>7} {'last10':>7} {'s/round':>8} "
+            f"{'B up/client-round':>18} {'B down/client-round':>20}"
+        )
         for method, t in table.items():
             if t is None:
                 print(f"{method:>12} failed")
                 continue
-            print(f"{method:>12} {t['rounds']:>6} {t['final']:>7.4f} {t['best']:>7.4f} {t['last10']:>7.4f} "
-                  f"{t['round_s']:>8.2f} {t['up_per_client']:>18.0f} {t['down_per_client']:>20.0f}")
+            print(
+                f"{method:>12} {t['rounds']:>6} {t['final']:>7.4f} {t['best']:>7.4f} {t['last10']:>7.4f} "
+                f"{t['round_s']:>8.2f} {t['up_per_client']:>18.0f} {t['down_per_client']:>20.0f}"
+            )
     return 0 if all(t is not None for t in table.values()) else 1
 
 

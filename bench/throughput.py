@@ -66,22 +66,37 @@ def main(argv: list[str] | None = None) -> int:
     data = load_client_data(spec, 0)
     info = DATASETS["cifar10"]
     print(f"CIFAR-10, {len(data.train_y)} training images, {args.threads} thread(s), torch {torch.__version__}")
-    print(f"{'arch':>10} {'batch':>5} {'ours':>8} {'plain':>8} {'foreach':>8} {'fused':>8} {'ours/plain':>10}  (images/s)")
+    print(
+        f"{'arch':>10} {'batch':>5} {'ours':>8} {'plain':>8} {'foreach':>8} {'fused':>8} {'ours/plain':>10}  (images/s)"
+    )
     variants = {"plain": {}, "plain-foreach": {"foreach": True}, "plain-fused": {"fused": True}}
     for arch in args.archs.split(","):
         group = ModelGroup((arch,))
         for batch_size in (int(b) for b in args.batches.split(",")):
-            def model():
+
+            def model(group=group):
                 return group.build(0, info.num_classes, info.channels, info.image_size, seed=0)
+
             config = {**CONFIG, "batch-size": batch_size}
-            ours = min(train_supervised(model(), data, config, torch.device("cpu"),
-                                        torch.Generator().manual_seed(0))["train-seconds"] for _ in range(2))
-            plain = {name: min(plain_epoch(model(), data, batch_size, torch.Generator().manual_seed(0), options)
-                               for _ in range(2)) for name, options in variants.items()}
+            ours = min(
+                train_supervised(model(), data, config, torch.device("cpu"), torch.Generator().manual_seed(0))[
+                    "train-seconds"
+                ]
+                for _ in range(2)
+            )
+            plain = {
+                name: min(
+                    plain_epoch(model(), data, batch_size, torch.Generator().manual_seed(0), options) for _ in range(2)
+                )
+                for name, options in variants.items()
+            }
             n = len(data.train_y)
-            print(f"{arch:>10} {batch_size:>5} {n / ours:>8.1f} {n / plain['plain']:>8.1f} "
-                  f"{n / plain['plain-foreach']:>8.1f} {n / plain['plain-fused']:>8.1f} "
-                  f"{plain['plain'] / ours:>10.2f}", flush=True)
+            print(
+                f"{arch:>10} {batch_size:>5} {n / ours:>8.1f} {n / plain['plain']:>8.1f} "
+                f"{n / plain['plain-foreach']:>8.1f} {n / plain['plain-fused']:>8.1f} "
+                f"{plain['plain'] / ours:>10.2f}",
+                flush=True,
+            )
     return 0
 
 

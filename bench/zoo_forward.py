@@ -28,8 +28,10 @@ def main() -> None:
     args = parser.parse_args()
     group = MODEL_GROUPS[args.group]
     x = torch.randn(args.batch, args.channels, args.size, args.size)
-    print(f"group {args.group}, batch {args.batch}x{args.channels}x{args.size}x{args.size}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"group {args.group}, batch {args.batch}x{args.channels}x{args.size}x{args.size}, "
+        f"{torch.get_num_threads()} threads"
+    )
     print(f"{'member':>14} {'params':>12} {'forward_s':>10}")
     for k, arch in enumerate(group.architectures):
         model = group.build(k, 10, args.channels, args.size, seed=0).eval()

@@ -52,8 +52,9 @@ def handle(msg: Message, context: Context) -> Message:
     started = startup_metrics()
     config = dict(msg.content.config_records["config"]) if "config" in msg.content.config_records else {}
     message_type = msg.metadata.message_type
-    training_round = int(config["server-round"]) if message_type.startswith("train") and "server-round" in config \
-        else None
+    training_round = (
+        int(config["server-round"]) if message_type.startswith("train") and "server-round" in config else None
+    )
     client = ClientRuntime(context, str(config.get("state-key", "in-memory")), training_round)
     procedure = client_procedure(client.cfg)
     down, up = procedure.schemas[message_type]
@@ -68,9 +69,16 @@ def handle(msg: Message, context: Context) -> Message:
     if config.get("evaluate"):  # evaluate the just-trained personal model in the same reply
         metrics.update({EVAL_PREFIX + k: v for k, v in procedure.evaluate(client, {}, config)[1].items()})
     content = up.to_record(arrays)
-    content["metrics"] = MetricRecord(metric_values({**metrics, PARTITION_ID: client.partition_id,
-                                                     "state-restores": client.state_restores,
-                                                     "state-rollbacks": client.state_rollbacks}))
+    content["metrics"] = MetricRecord(
+        metric_values(
+            {
+                **metrics,
+                PARTITION_ID: client.partition_id,
+                "state-restores": client.state_restores,
+                "state-rollbacks": client.state_rollbacks,
+            }
+        )
+    )
     return Message(content, reply_to=msg)
 
 

@@ -24,7 +24,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -78,14 +78,57 @@ CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
 # Default recipe: FedGH's code (fedgh.md section 8) for CIFAR; the digit and clothing datasets
 # get random crops only (flipping a digit changes its meaning) and their own statistics.
 DATASETS: dict[str, DatasetInfo] = {
-    "cifar10": DatasetInfo("uoft-cs/cifar10", "img", "label", 10, 3, 32, IMAGENET_MEAN, IMAGENET_STD,
-                           True, True, 4, CIFAR10_MEAN, CIFAR10_STD, 50_000),
-    "cifar100": DatasetInfo("uoft-cs/cifar100", "img", "fine_label", 100, 3, 32, CIFAR100_MEAN, CIFAR100_STD,
-                            True, True, 4, CIFAR100_MEAN, CIFAR100_STD, 50_000),
-    "mnist": DatasetInfo("ylecun/mnist", "image", "label", 10, 1, 28, (0.1307,), (0.3081,), False, False, 2,
-                         (0.1307,), (0.3081,), 60_000),
-    "fashion-mnist": DatasetInfo("zalando-datasets/fashion_mnist", "image", "label", 10, 1, 28,
-                                 (0.2860,), (0.3530,), False, False, 2, (0.2860,), (0.3530,), 60_000),
+    "cifar10": DatasetInfo(
+        "uoft-cs/cifar10",
+        "img",
+        "label",
+        10,
+        3,
+        32,
+        IMAGENET_MEAN,
+        IMAGENET_STD,
+        True,
+        True,
+        4,
+        CIFAR10_MEAN,
+        CIFAR10_STD,
+        50_000,
+    ),
+    "cifar100": DatasetInfo(
+        "uoft-cs/cifar100",
+        "img",
+        "fine_label",
+        100,
+        3,
+        32,
+        CIFAR100_MEAN,
+        CIFAR100_STD,
+        True,
+        True,
+        4,
+        CIFAR100_MEAN,
+        CIFAR100_STD,
+        50_000,
+    ),
+    "mnist": DatasetInfo(
+        "ylecun/mnist", "image", "label", 10, 1, 28, (0.1307,), (0.3081,), False, False, 2, (0.1307,), (0.3081,), 60_000
+    ),
+    "fashion-mnist": DatasetInfo(
+        "zalando-datasets/fashion_mnist",
+        "image",
+        "label",
+        10,
+        1,
+        28,
+        (0.2860,),
+        (0.3530,),
+        False,
+        False,
+        2,
+        (0.2860,),
+        (0.3530,),
+        60_000,
+    ),
 }
 
 #: run config ``augment``: ``auto`` = the dataset's default above; the others name what is applied
@@ -109,12 +152,18 @@ def with_recipe(info: DatasetInfo, augment: str = "auto", normalize: str = "auto
         ConfigError: ``imagenet`` statistics for a dataset that is not RGB.
     """
     if augment != "auto":
-        info = replace(info, flip="flip" in augment, erase="erase" in augment,
-                       crop_padding=info.crop_padding if "crop" in augment else 0)
+        info = replace(
+            info,
+            flip="flip" in augment,
+            erase="erase" in augment,
+            crop_padding=info.crop_padding if "crop" in augment else 0,
+        )
     if normalize == "imagenet":
         if info.channels != 3:
-            raise ConfigError(f"run config key 'normalize' = 'imagenet' needs RGB images; this dataset has "
-                              f"{info.channels} channel(s): allowed values are 'auto', 'dataset', 'half'")
+            raise ConfigError(
+                f"run config key 'normalize' = 'imagenet' needs RGB images; this dataset has "
+                f"{info.channels} channel(s): allowed values are 'auto', 'dataset', 'half'"
+            )
         info = replace(info, mean=IMAGENET_MEAN, std=IMAGENET_STD)
     elif normalize == "dataset":
         info = replace(info, mean=info.dataset_mean, std=info.dataset_std)
@@ -142,9 +191,19 @@ class DataSpec:
     @classmethod
     def from_config(cls, cfg: RunConfig, num_partitions: int, data_dir: str | None = None) -> DataSpec:
         """Build from the run config; ``data_dir`` (a node-config value) overrides ``data-dir``."""
-        return cls(cfg.dataset, os.path.realpath(data_dir or cfg.data_dir), cfg.partitioner, num_partitions,
-                   cfg.dirichlet_alpha, cfg.dirichlet_min_size, cfg.dirichlet_self_balancing, cfg.classes_per_client, cfg.test_fraction,
-                   cfg.max_examples_per_client, cfg.seed)
+        return cls(
+            cfg.dataset,
+            os.path.realpath(data_dir or cfg.data_dir),
+            cfg.partitioner,
+            num_partitions,
+            cfg.dirichlet_alpha,
+            cfg.dirichlet_min_size,
+            cfg.dirichlet_self_balancing,
+            cfg.classes_per_client,
+            cfg.test_fraction,
+            cfg.max_examples_per_client,
+            cfg.seed,
+        )
 
 
 @dataclass
@@ -184,7 +243,8 @@ def load_split(name: str, data_dir: str, split: str):
         raise ConfigError(
             f"dataset '{name}': no file {path} and the Hub dataset '{info.hub_id}' could not be loaded "
             f"({type(exc).__name__}: {exc}); set run config key 'data-dir' (or node config 'data-dir') "
-            "to a folder holding <dataset>/train.parquet") from exc
+            "to a folder holding <dataset>/train.parquet"
+        ) from exc
     ds = ds.select_columns([info.image_column, info.label_column])
     return ds.cast_column(info.image_column, Image(decode=False))
 
@@ -199,19 +259,29 @@ def partitioner_for(spec: DataSpec):
     if spec.partitioner == "iid":
         partitioner = IidPartitioner(num_partitions=n)
     elif spec.partitioner == "dirichlet":
-        partitioner = DirichletPartitioner(num_partitions=n, partition_by=label, alpha=spec.dirichlet_alpha,
-                                           min_partition_size=spec.dirichlet_min_size,
-                                           self_balancing=spec.dirichlet_self_balancing, seed=spec.seed)
+        partitioner = DirichletPartitioner(
+            num_partitions=n,
+            partition_by=label,
+            alpha=spec.dirichlet_alpha,
+            min_partition_size=spec.dirichlet_min_size,
+            self_balancing=spec.dirichlet_self_balancing,
+            seed=spec.seed,
+        )
     else:
-        partitioner = PathologicalPartitioner(num_partitions=n, partition_by=label,
-                                              num_classes_per_partition=spec.classes_per_client,
-                                              class_assignment_mode="random", seed=spec.seed)
+        partitioner = PathologicalPartitioner(
+            num_partitions=n,
+            partition_by=label,
+            num_classes_per_partition=spec.classes_per_client,
+            class_assignment_mode="random",
+            seed=spec.seed,
+        )
     partitioner.dataset = load_split(spec.dataset, spec.data_dir, "train").shuffle(seed=spec.seed)
     return partitioner
 
 
-def stratified_split(labels: torch.Tensor, fraction: float, generator: torch.Generator
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def stratified_split(
+    labels: torch.Tensor, fraction: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Split indices class by class: ``round(fraction * n_c)`` of each class go to the second part.
 
     Args:
@@ -240,8 +310,9 @@ def _decode(images: list[dict], channels: int) -> torch.Tensor:
     from torchvision.io import ImageReadMode, decode_image  # torchvision costs seconds to import
 
     mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
-    return torch.stack([decode_image(torch.frombuffer(bytearray(im["bytes"]), dtype=torch.uint8), mode=mode)
-                        for im in images])
+    return torch.stack(
+        [decode_image(torch.frombuffer(bytearray(im["bytes"]), dtype=torch.uint8), mode=mode) for im in images]
+    )
 
 
 def partition_split(spec: DataSpec, partition_id: int):
@@ -268,8 +339,10 @@ def partition_split(spec: DataSpec, partition_id: int):
     train_idx, test_idx = stratified_split(labels[keep], spec.test_fraction, g)
     train_idx, test_idx = keep[train_idx], keep[test_idx]
     if len(train_idx) == 0 or len(test_idx) == 0:
-        raise ConfigError(f"partition {partition_id} has {len(labels)} examples: too few for "
-                          f"test-fraction {spec.test_fraction}; use fewer clients or another partitioner")
+        raise ConfigError(
+            f"partition {partition_id} has {len(labels)} examples: too few for "
+            f"test-fraction {spec.test_fraction}; use fewer clients or another partitioner"
+        )
     return part, labels, train_idx, test_idx
 
 
@@ -294,8 +367,12 @@ def _read_cache(path: Path, key: str) -> dict[str, torch.Tensor] | None:
     """The cached tensors of ``path`` when it holds ``key``'s partition whole, else None."""
     try:
         saved = torch.load(path, mmap=True, weights_only=True)
-        if saved.get("key") == key and all(isinstance(saved.get(t), torch.Tensor) for t in TENSORS) \
-                and len(saved["train_x"]) == len(saved["train_y"]) and len(saved["test_x"]) == len(saved["test_y"]):
+        if (
+            saved.get("key") == key
+            and all(isinstance(saved.get(t), torch.Tensor) for t in TENSORS)
+            and len(saved["train_x"]) == len(saved["train_y"])
+            and len(saved["test_x"]) == len(saved["test_y"])
+        ):
             return saved
     except FileNotFoundError:
         return None
@@ -311,7 +388,7 @@ def _cache_file(spec: DataSpec, partition_id: int, cache_dir: str) -> tuple[Path
     return Path(cache_dir) / f"partition-{partition_id}-{key}.pt", key
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_client_data(spec: DataSpec, partition_id: int, cache_dir: str | None = None) -> ClientData:
     """Load, split and decode partition ``partition_id`` (cached per process).
 

@@ -17,8 +17,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from torch import nn
 
-from client_app.data import (DATASETS, ClientData, DatasetInfo, DataSpec, load_client_data, partition_sizes,
-                             with_recipe)
+from client_app.data import DATASETS, ClientData, DatasetInfo, DataSpec, load_client_data, partition_sizes, with_recipe
 from common.config import ConfigError, RunConfig
 from common.files import atomic_write
 from models.base import SplitModel
@@ -56,9 +55,11 @@ def pick_device(name: str) -> torch.device:
         ConfigError: for ``cuda`` when no GPU is visible.
     """
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("run config key 'device' = 'cuda' but no GPU is visible to this ClientApp; "
-                          "allowed values are 'auto', 'cpu', 'cuda' (in simulation grant GPUs with "
-                          "client-resources-num-gpus > 0)")
+        raise ConfigError(
+            "run config key 'device' = 'cuda' but no GPU is visible to this ClientApp; "
+            "allowed values are 'auto', 'cpu', 'cuda' (in simulation grant GPUs with "
+            "client-resources-num-gpus > 0)"
+        )
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     return torch.device("cuda")
@@ -92,22 +93,29 @@ class ClientRuntime:
         self.cfg = parse_run_config(context.run_config)
         node = context.node_config
         if "partition-id" not in node:
-            raise ConfigError("node config lacks 'partition-id' (flower-supernode --node-config "
-                              "\"partition-id=0 num-partitions=N\")")
+            raise ConfigError(
+                "node config lacks 'partition-id' (flower-supernode --node-config \"partition-id=0 num-partitions=N\")"
+            )
         self.partition_id = int(node["partition-id"])
         if "num-partitions" not in node and not self.cfg.num_clients:
-            raise ConfigError("node config lacks 'num-partitions' and run config key 'num-clients' = 0 (follow "
-                              "the federation): start the SuperNode with --node-config \"partition-id=0 "
-                              "num-partitions=N\" or set num-clients=N")
-        self.spec = DataSpec.from_config(self.cfg, int(node.get("num-partitions", self.cfg.num_clients)),
-                                         node.get("data-dir"))
+            raise ConfigError(
+                "node config lacks 'num-partitions' and run config key 'num-clients' = 0 (follow "
+                'the federation): start the SuperNode with --node-config "partition-id=0 '
+                'num-partitions=N" or set num-clients=N'
+            )
+        self.spec = DataSpec.from_config(
+            self.cfg, int(node.get("num-partitions", self.cfg.num_clients)), node.get("data-dir")
+        )
         self.device = pick_device(self.cfg.device)
         state_dir = node.get("state-dir") or self.cfg.state_dir
-        self.state_dir = (Path(str(state_dir)) / _safe(state_key) / f"partition-{self.partition_id}"
-                          if state_dir else None)
+        self.state_dir = (
+            Path(str(state_dir)) / _safe(state_key) / f"partition-{self.partition_id}" if state_dir else None
+        )
         #: where the decoded partition is cached on disk
-        self.cache_dir = str(node.get("cache-dir") or (Path(str(node["state-dir"])) / "partition-cache"
-                                                       if node.get("state-dir") else default_cache_dir()))
+        self.cache_dir = str(
+            node.get("cache-dir")
+            or (Path(str(node["state-dir"])) / "partition-cache" if node.get("state-dir") else default_cache_dir())
+        )
         self.state_restores = 0  # state records read back from state-dir in this message
         self.state_rollbacks = 0  # state records rolled back because they were ahead of the server
         #: objects the handlers of this one message share (e.g. FedMRL's just-trained small model
@@ -136,9 +144,15 @@ class ClientRuntime:
         """The personal model: built from the model group and seed (run config ``init``), restored
         from state, on device."""
         info = self.info
-        model = MODEL_GROUPS[self.cfg.model_group].build(self.partition_id, info.num_classes, info.channels,
-                                                         info.image_size, self.cfg.seed, self.cfg.feature_dim,
-                                                         identical=self.cfg.init == "identical")
+        model = MODEL_GROUPS[self.cfg.model_group].build(
+            self.partition_id,
+            info.num_classes,
+            info.channels,
+            info.image_size,
+            self.cfg.seed,
+            self.cfg.feature_dim,
+            identical=self.cfg.init == "identical",
+        )
         self.restore(MODEL_STATE, model)
         return model.to(self.device)
 
@@ -159,9 +173,14 @@ class ClientRuntime:
             if saved is not None and self.training_round is not None and saved[0] >= self.training_round:
                 previous = self._read(name + PREVIOUS)
                 usable = previous is not None and previous[0] < self.training_round
-                log.warning("partition %d: '%s' on disk is from round %d, ahead of the server's round %d; %s",
-                            self.partition_id, name, saved[0], self.training_round,
-                            f"rolled back to round {previous[0]}" if usable else "starting afresh")
+                log.warning(
+                    "partition %d: '%s' on disk is from round %d, ahead of the server's round %d; %s",
+                    self.partition_id,
+                    name,
+                    saved[0],
+                    self.training_round,
+                    f"rolled back to round {previous[0]}" if usable else "starting afresh",
+                )
                 self.state_rollbacks += 1
                 saved = previous if usable else None
             if saved is None:
@@ -211,8 +230,13 @@ class ClientRuntime:
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:
-            log.warning("partition %d: ignoring unreadable state file %s (%s: %s)", self.partition_id, path,
-                        type(exc).__name__, exc)
+            log.warning(
+                "partition %d: ignoring unreadable state file %s (%s: %s)",
+                self.partition_id,
+                path,
+                type(exc).__name__,
+                exc,
+            )
             return None
         log.info("partition %d: read '%s' from %s", self.partition_id, name, path)
         if isinstance(saved, dict) and saved.keys() == {"round", "state"}:

@@ -26,8 +26,9 @@ def make_sgd(params, config: Mapping[str, Any]) -> torch.optim.SGD:
 
     Fresh every round: no optimiser state persists (spec fedgh.md P9).
     """
-    return torch.optim.SGD(params, lr=float(config["lr"]), momentum=float(config["momentum"]),
-                           weight_decay=float(config["weight-decay"]))
+    return torch.optim.SGD(
+        params, lr=float(config["lr"]), momentum=float(config["momentum"]), weight_decay=float(config["weight-decay"])
+    )
 
 
 Regularizer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -35,10 +36,16 @@ Regularizer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 SupervisedLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def train_supervised(model: SplitModel, data: ClientData, config: Mapping[str, Any], device: torch.device,
-                     generator: torch.Generator, regularizer: Regularizer | None = None,
-                     supervised_loss: SupervisedLoss | None = None,
-                     clip_groups: list[list[nn.Parameter]] | None = None) -> dict[str, float]:
+def train_supervised(
+    model: SplitModel,
+    data: ClientData,
+    config: Mapping[str, Any],
+    device: torch.device,
+    generator: torch.Generator,
+    regularizer: Regularizer | None = None,
+    supervised_loss: SupervisedLoss | None = None,
+    clip_groups: list[list[nn.Parameter]] | None = None,
+) -> dict[str, float]:
     """Train all of ``model`` with cross-entropy for ``local-epochs`` epochs on the train split.
 
     Shuffled mini-batches of ``batch-size`` (last partial batch kept, except a 1-sample one
@@ -79,7 +86,9 @@ def train_supervised(model: SplitModel, data: ClientData, config: Mapping[str, A
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 features = model.extractor(x)
                 logits = model.head(features)
-                loss = F.cross_entropy(logits, y) if supervised_loss is None else supervised_loss(x, features, logits, y)
+                loss = (
+                    F.cross_entropy(logits, y) if supervised_loss is None else supervised_loss(x, features, logits, y)
+                )
                 if regularizer is not None:
                     loss = loss + regularizer(features, y)
             opt.zero_grad(set_to_none=True)
@@ -92,8 +101,11 @@ def train_supervised(model: SplitModel, data: ClientData, config: Mapping[str, A
             correct += int((logits.detach().argmax(1) == y).sum())
             seen += len(y)
     _sync(device)
-    return {"train-loss": loss_sum / max(seen, 1), "train-acc": correct / max(seen, 1),
-            "train-seconds": time.perf_counter() - start}
+    return {
+        "train-loss": loss_sum / max(seen, 1),
+        "train-acc": correct / max(seen, 1),
+        "train-seconds": time.perf_counter() - start,
+    }
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -101,12 +113,17 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
     only if the caller detaches it (MH-pFedHNGD Eq. 8 with the code's weighting; FML, FedKD, FD)."""
     student = F.log_softmax(student_logits / temperature, dim=1)
     teacher = F.log_softmax(teacher_logits / temperature, dim=1)
-    return F.kl_div(student, teacher, reduction="batchmean", log_target=True) * temperature ** 2
+    return F.kl_div(student, teacher, reduction="batchmean", log_target=True) * temperature**2
 
 
-def train_personal_model(client, config: Mapping[str, Any], regularizer: Regularizer | None = None,
-                         supervised_loss: SupervisedLoss | None = None, model: SplitModel | None = None,
-                         clip_groups: list[list[nn.Parameter]] | None = None) -> dict[str, float]:
+def train_personal_model(
+    client,
+    config: Mapping[str, Any],
+    regularizer: Regularizer | None = None,
+    supervised_loss: SupervisedLoss | None = None,
+    model: SplitModel | None = None,
+    clip_groups: list[list[nn.Parameter]] | None = None,
+) -> dict[str, float]:
     """Train the client's personal model (:func:`train_supervised`) with this round's RNG and persist it.
 
     ``model`` replaces the personal model in training when it is a wrapper around it (e.g.
@@ -119,14 +136,23 @@ def train_personal_model(client, config: Mapping[str, Any], regularizer: Regular
     Returns:
         The training metrics plus ``num-examples`` (local training samples).
     """
-    stats = train_supervised(model or client.model, client.data, config, client.device,
-                             client.generator(int(config["server-round"])), regularizer, supervised_loss, clip_groups)
+    stats = train_supervised(
+        model or client.model,
+        client.data,
+        config,
+        client.device,
+        client.generator(int(config["server-round"])),
+        regularizer,
+        supervised_loss,
+        clip_groups,
+    )
     client.save_model()
     return {**stats, "num-examples": len(client.data.train_y)}
 
 
-def trained_class_means(client, stats: dict[str, float], module: nn.Module | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def trained_class_means(
+    client, stats: dict[str, float], module: nn.Module | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`class_means` of the client's (trained) extractor, or of ``module`` (e.g. the whole
     model, for per-class mean logits), over its whole train split.
 
@@ -141,8 +167,14 @@ def trained_class_means(client, stats: dict[str, float], module: nn.Module | Non
 
 
 @torch.no_grad()
-def class_means(extractor: nn.Module, x: torch.Tensor, y: torch.Tensor, info: DatasetInfo,
-                device: torch.device, batch_size: int = EVAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+def class_means(
+    extractor: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    info: DatasetInfo,
+    device: torch.device,
+    batch_size: int = EVAL_BATCH,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact per-class mean representation over all of ``x`` (eval mode, no augmentation).
 
     FedGH Eq. 3 (local averaged representations), FedProto/FedTGP Eq. 2 (prototypes).
@@ -170,8 +202,9 @@ def class_means(extractor: nn.Module, x: torch.Tensor, y: torch.Tensor, info: Da
 
 
 @torch.no_grad()
-def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, info: DatasetInfo,
-                   device: torch.device) -> tuple[int, int, float]:
+def evaluate_model(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, info: DatasetInfo, device: torch.device
+) -> tuple[int, int, float]:
     """Top-1 ``(correct, n, summed cross-entropy)`` of ``model`` on ``x``/``y`` in eval mode."""
     model.eval()
     correct, loss_sum = 0, 0.0

@@ -45,8 +45,15 @@ def choice(key: str, value: Any, allowed: tuple[str, ...] | list[str]) -> str:
     return value
 
 
-def number(key: str, value: Any, *, kind: type = float, low: float | None = None,
-           high: float | None = None, low_open: bool = False) -> Any:
+def number(
+    key: str,
+    value: Any,
+    *,
+    kind: type = float,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> Any:
     """Return ``value`` as ``kind`` (int or float) if it lies in the given range.
 
     ``low_open=True`` excludes ``low`` itself (e.g. a learning rate must be > 0).
@@ -140,7 +147,12 @@ class RunConfig:
         Raises:
             ConfigError: on the first missing or invalid key.
         """
-        from client_app.data import AUGMENTATIONS, DATASETS, NORMALIZATIONS, with_recipe  # registries live beside their code
+        from client_app.data import (  # registries live beside their code
+            AUGMENTATIONS,
+            DATASETS,
+            NORMALIZATIONS,
+            with_recipe,
+        )
         from models.groups import MODEL_GROUPS
 
         names = {f.name.replace("_", "-") for f in fields(cls)} - {"extra"}
@@ -188,8 +200,11 @@ class RunConfig:
         )
         info = with_recipe(DATASETS[cfg.dataset], cfg.augment, cfg.normalize)
         if cfg.classes_per_client > info.num_classes:
-            raise _fail("classes-per-client", cfg.classes_per_client,
-                        f"integers from 1 to {info.num_classes} for dataset '{cfg.dataset}'")
+            raise _fail(
+                "classes-per-client",
+                cfg.classes_per_client,
+                f"integers from 1 to {info.num_classes} for dataset '{cfg.dataset}'",
+            )
         return cfg
 
     @property
@@ -202,7 +217,7 @@ class RunConfig:
     def method_options(self) -> dict[str, Any]:
         """Keys of the method's own table, without the ``<method>.`` prefix."""
         prefix = f"{self.method}."
-        return {k[len(prefix):]: v for k, v in self.extra if k.startswith(prefix)}
+        return {k[len(prefix) :]: v for k, v in self.extra if k.startswith(prefix)}
 
     def as_dict(self) -> dict[str, Any]:
         """The full config as a flat JSON-serialisable dict with Flower's key names."""

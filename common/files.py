@@ -1,12 +1,14 @@
-"""Files that survive a crash: atomic, durable writes shared by the server's results and the clients' state."""
+"""Files that survive a crash: atomic, durable writes shared by the server's results and the clients'
+state; and the reader of a run's round rows."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -33,3 +35,16 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         os.fsync(folder)
     finally:
         os.close(folder)
+
+
+#: the per-round rows of a run, one JSON object per line (written by ``server_app.results``)
+ROWS_FILE = "metrics.jsonl"
+
+
+def read_rows(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The round rows in ``<run_dir>/metrics.jsonl`` in file order, blank lines skipped; ``[]``
+    when the run wrote none yet."""
+    path = Path(run_dir) / ROWS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -20,8 +20,7 @@ class SplitModel(nn.Module):
     [C] for every architecture: methods that exchange a head (FedGH, FedRE) rely on that.
     """
 
-    def __init__(self, extractor: nn.Module, feature_dim: int, num_classes: int,
-                 head: nn.Module | None = None) -> None:
+    def __init__(self, extractor: nn.Module, feature_dim: int, num_classes: int, head: nn.Module | None = None) -> None:
         super().__init__()
         self.extractor = extractor
         self.head = head if head is not None else nn.Linear(feature_dim, num_classes)

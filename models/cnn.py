@@ -29,11 +29,17 @@ def cnn_extractor(c2: int, h1: int, in_channels: int, image_size: int) -> nn.Seq
     """The CNN-i feature extractor: images ``[B, in_channels, S, S]`` -> ``[B, 500]`` float32, >= 0."""
     side = ((image_size - 4) // 2 - 4) // 2
     return nn.Sequential(
-        nn.Conv2d(in_channels, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, c2, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(in_channels, 16, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, c2, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
         nn.Flatten(),
-        nn.Linear(c2 * side * side, h1), nn.ReLU(),
-        nn.Linear(h1, REPRESENTATION_DIM), nn.ReLU(),
+        nn.Linear(c2 * side * side, h1),
+        nn.ReLU(),
+        nn.Linear(h1, REPRESENTATION_DIM),
+        nn.ReLU(),
     )
 
 
@@ -79,8 +85,19 @@ class SmallCNN(nn.Module):
     @property
     def extractor(self) -> nn.Sequential:
         """conv1 ... fc2 + ReLU: images -> representations ``[B, d]`` float32, >= 0 (a view, not a copy)."""
-        return nn.Sequential(self.conv1, nn.ReLU(), nn.MaxPool2d(2), self.conv2, nn.ReLU(), nn.MaxPool2d(2),
-                             nn.Flatten(), self.fc1, nn.ReLU(), self.fc2, nn.ReLU())
+        return nn.Sequential(
+            self.conv1,
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            self.conv2,
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            self.fc1,
+            nn.ReLU(),
+            self.fc2,
+            nn.ReLU(),
+        )
 
     @property
     def head(self) -> nn.Linear:

@@ -21,12 +21,32 @@ from models.mh import MH_MODELS, build_mh_model
 HTFE8 = ("fedavgcnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 HTC4 = ("linear", "mlp512", "mlp256", "mlp128")
 #: FedRE's model-heterogeneous family in the authors' code order (spec fedre.md section 7)
-FEDRE10 = ("fedavgcnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
-           "vit_b_16", "vit_b_32")
+FEDRE10 = (
+    "fedavgcnn",
+    "googlenet",
+    "mobilenet_v2",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+    "vit_b_16",
+    "vit_b_32",
+)
 #: CPU-scale stand-in for FEDRE10 (project choice, not from the paper, spec fedre.md section 7):
 #: FedAvgCNN and conv/FC variants of different width and depth, small ResNets and ResNet-18
-FEDRE_PROXY = ("fedavgcnn", "htcnn1", "htcnn3", "htcnn4", "htcnn5", "htcnn6", "htcnn8", "resnet4", "resnet8",
-               "resnet18")
+FEDRE_PROXY = (
+    "fedavgcnn",
+    "htcnn1",
+    "htcnn3",
+    "htcnn4",
+    "htcnn5",
+    "htcnn6",
+    "htcnn8",
+    "resnet4",
+    "resnet8",
+    "resnet18",
+)
 
 
 @dataclass(frozen=True)
@@ -49,8 +69,16 @@ class ModelGroup:
         """The head of client ``partition_id`` (``linear`` unless the group has HtC4 heads)."""
         return self.heads[partition_id % len(self.heads)]
 
-    def build(self, partition_id: int, num_classes: int, in_channels: int, image_size: int, seed: int,
-              k: int = 512, identical: bool = False) -> SplitModel:
+    def build(
+        self,
+        partition_id: int,
+        num_classes: int,
+        in_channels: int,
+        image_size: int,
+        seed: int,
+        k: int = 512,
+        identical: bool = False,
+    ) -> SplitModel:
         """Build client ``partition_id``'s model, initialised from ``seed + partition_id``, or from
         ``seed`` alone with ``identical`` (run config ``init``).
 
@@ -68,8 +96,9 @@ class ModelGroup:
                 return build_mh_model(arch, num_classes, in_channels, image_size)
             from models.zoo import build_zoo_model  # torchvision takes seconds to import: only for zoo groups
 
-            return build_zoo_model(arch, self.head_for(partition_id), num_classes, self.feature_dim(k),
-                                   in_channels, image_size)
+            return build_zoo_model(
+                arch, self.head_for(partition_id), num_classes, self.feature_dim(k), in_channels, image_size
+            )
 
 
 MODEL_GROUPS: dict[str, ModelGroup] = {
@@ -79,8 +108,9 @@ MODEL_GROUPS: dict[str, ModelGroup] = {
     "htfe3": ModelGroup(("resnet10", "resnet18", "resnet34")),
     "htfe4": ModelGroup(("fedavgcnn", "googlenet", "mobilenet_v2", "resnet18")),
     "htfe8": ModelGroup(HTFE8),
-    "htfe9": ModelGroup(("resnet4", "resnet6", "resnet8", "resnet10", "resnet18", "resnet34", "resnet50",
-                         "resnet101", "resnet152")),
+    "htfe9": ModelGroup(
+        ("resnet4", "resnet6", "resnet8", "resnet10", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+    ),
     "htcnn8": ModelGroup(tuple(f"htcnn{i}" for i in range(1, 9))),
     "fedavgcnn": ModelGroup(("fedavgcnn",)),
     "fedre10": ModelGroup(FEDRE10),

@@ -66,24 +66,52 @@ def build_mh_extractor(name: str, in_channels: int, image_size: int) -> nn.Modul
     """
     if name == "lenet":
         side = image_size // 4
-        return nn.Sequential(nn.Conv2d(in_channels, 16, 3, 1, 1), nn.ReLU(), nn.MaxPool2d(2),
-                             nn.Conv2d(16, 32, 3, 1, 1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-                             nn.Linear(32 * side * side, 108), nn.ReLU(), nn.Linear(108, FEATURE_DIM), nn.ReLU())
+        return nn.Sequential(
+            nn.Conv2d(in_channels, 16, 3, 1, 1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, 1, 1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * side * side, 108),
+            nn.ReLU(),
+            nn.Linear(108, FEATURE_DIM),
+            nn.ReLU(),
+        )
     if name == "vgg8":
         layers: list[nn.Module] = []
         cin = in_channels
         for width in (16, 32, 64):
-            layers += [nn.Conv2d(cin, width, 3, 1, 1), nn.ReLU(), nn.Conv2d(width, width, 3, 1, 1), nn.ReLU(),
-                       nn.MaxPool2d(2)]
+            layers += [
+                nn.Conv2d(cin, width, 3, 1, 1),
+                nn.ReLU(),
+                nn.Conv2d(width, width, 3, 1, 1),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+            ]
             cin = width
         side = image_size // 8
-        return nn.Sequential(*layers, nn.Flatten(), nn.Linear(64 * side * side, 180), nn.ReLU(), nn.Dropout(0.5),
-                             nn.Linear(180, FEATURE_DIM), nn.ReLU(), nn.Dropout(0.5))
+        return nn.Sequential(
+            *layers,
+            nn.Flatten(),
+            nn.Linear(64 * side * side, 180),
+            nn.ReLU(),
+            nn.Dropout(0.5),
+            nn.Linear(180, FEATURE_DIM),
+            nn.ReLU(),
+            nn.Dropout(0.5),
+        )
     if name in RESNET_BLOCKS:
         return _resnet(RESNET_BLOCKS[name], in_channels)
     if name == "mlp":
-        return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size * image_size, 128), nn.ReLU(),
-                             nn.Linear(128, FEATURE_DIM), nn.ReLU())
+        return nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(in_channels * image_size * image_size, 128),
+            nn.ReLU(),
+            nn.Linear(128, FEATURE_DIM),
+            nn.ReLU(),
+        )
     raise KeyError(name)
 
 

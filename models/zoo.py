@@ -47,8 +47,18 @@ def _retarget_first_conv(model: nn.Module, in_channels: int) -> nn.Module:
     for parent in model.modules():
         for name, child in parent.named_children():
             if isinstance(child, nn.Conv2d):
-                setattr(parent, name, nn.Conv2d(in_channels, child.out_channels, child.kernel_size, child.stride,
-                                                child.padding, bias=child.bias is not None))
+                setattr(
+                    parent,
+                    name,
+                    nn.Conv2d(
+                        in_channels,
+                        child.out_channels,
+                        child.kernel_size,
+                        child.stride,
+                        child.padding,
+                        bias=child.bias is not None,
+                    ),
+                )
                 return model
     raise ValueError("model has no Conv2d")
 
@@ -62,15 +72,28 @@ def _conv_side(size: int, convs: int) -> int:
 def fedavgcnn(in_channels: int, image_size: int) -> nn.Module:
     """The 4-layer FedAvgCNN up to its 512-d hidden layer."""
     side = _conv_side(image_size, 2)
-    return nn.Sequential(nn.Conv2d(in_channels, 32, 5), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(32, 64, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-                         nn.Linear(64 * side * side, 512), nn.ReLU())
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 32, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * side * side, 512),
+        nn.ReLU(),
+    )
 
 
 #: HtCNN8: name -> (number of convs, FC widths after flatten), spec section 7 table
 HTCNN8: dict[str, tuple[int, tuple[int, ...]]] = {
-    "htcnn1": (1, (512,)), "htcnn2": (2, (512,)), "htcnn3": (1, (512, 512)), "htcnn4": (2, (512, 512)),
-    "htcnn5": (1, (1024, 512)), "htcnn6": (2, (1024, 512)), "htcnn7": (1, (1024, 512, 512)),
+    "htcnn1": (1, (512,)),
+    "htcnn2": (2, (512,)),
+    "htcnn3": (1, (512, 512)),
+    "htcnn4": (2, (512, 512)),
+    "htcnn5": (1, (1024, 512)),
+    "htcnn6": (2, (1024, 512)),
+    "htcnn7": (1, (1024, 512, 512)),
     "htcnn8": (2, (1024, 512, 512)),
 }
 
@@ -122,15 +145,32 @@ def vit_trunk(name: str, image_size: int) -> nn.Module:
     """
     patch = int(name[-2:])
     if image_size % patch:
-        raise ValueError(f"{name} needs an image size divisible by {patch}, got {image_size}; "
-                         "choose a model group without ViT for this dataset")
+        raise ValueError(
+            f"{name} needs an image size divisible by {patch}, got {image_size}; "
+            "choose a model group without ViT for this dataset"
+        )
     net = getattr(tvm, name)(weights=None, image_size=image_size)
     net.heads = nn.Identity()
     return net
 
 
-EXTRACTORS = ("fedavgcnn", "googlenet", "mobilenet_v2", "resnet4", "resnet6", "resnet8", "resnet10",
-              "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "vit_b_16", "vit_b_32", *HTCNN8)
+EXTRACTORS = (
+    "fedavgcnn",
+    "googlenet",
+    "mobilenet_v2",
+    "resnet4",
+    "resnet6",
+    "resnet8",
+    "resnet10",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+    "vit_b_16",
+    "vit_b_32",
+    *HTCNN8,
+)
 HEADS = {"linear": None, "mlp512": 512, "mlp256": 256, "mlp128": 128}
 
 
@@ -155,10 +195,12 @@ def build_extractor(name: str, k: int, in_channels: int, image_size: int) -> nn.
     return nn.Sequential(trunk, FixedPool(k))
 
 
-def build_zoo_model(extractor: str, head: str, num_classes: int, k: int, in_channels: int,
-                    image_size: int) -> SplitModel:
+def build_zoo_model(
+    extractor: str, head: str, num_classes: int, k: int, in_channels: int, image_size: int
+) -> SplitModel:
     """A :class:`SplitModel` of a zoo extractor (feature dim ``k``) and head ``head`` (see ``HEADS``)."""
     hidden = HEADS[head]
-    head_module = None if hidden is None else nn.Sequential(nn.Linear(k, hidden), nn.ReLU(),
-                                                            nn.Linear(hidden, num_classes))
+    head_module = (
+        None if hidden is None else nn.Sequential(nn.Linear(k, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+    )
     return SplitModel(build_extractor(extractor, k, in_channels, image_size), k, num_classes, head_module)

@@ -22,8 +22,7 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str) -> ResultsWriter:
     """
     strategy = build_strategy(cfg)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    results = ResultsWriter(cfg.output_dir, f"{stamp}-{cfg.method}-{cfg.dataset}-{run_id}", cfg.as_dict(),
-                            cfg.logger)
+    results = ResultsWriter(cfg.output_dir, f"{stamp}-{cfg.method}-{cfg.dataset}-{run_id}", cfg.as_dict(), cfg.logger)
     strategy.results = results
     try:
         strategy.start(grid)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from common.config import ConfigError
-from common.files import atomic_write
+from common.files import ROWS_FILE, atomic_write
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -44,8 +44,9 @@ class ResultsWriter:
         ConfigError: ``logger = "tensorboard"`` without the ``tensorboard`` package.
     """
 
-    def __init__(self, output_dir: str | os.PathLike, run_name: str, config: dict[str, Any],
-                 logger: str = "none") -> None:
+    def __init__(
+        self, output_dir: str | os.PathLike, run_name: str, config: dict[str, Any], logger: str = "none"
+    ) -> None:
         self.path = Path(output_dir).absolute() / run_name
         writer_class = tensorboard_class(logger)
         self.path.mkdir(parents=True, exist_ok=False)
@@ -62,7 +63,7 @@ class ResultsWriter:
     def write_round(self, row: dict[str, Any]) -> None:
         """Append one round's row to ``metrics.jsonl`` (and TensorBoard) and refresh the summary."""
         self.rows.append(row)
-        with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as f:
+        with open(self.path / ROWS_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -91,8 +92,10 @@ class ResultsWriter:
         evaluated = [r for r in self.rows if r.get("accuracy_mean") is not None]
         best = max(evaluated, key=lambda r: r["accuracy_mean"], default=None)
         best_weighted = max((r["accuracy_weighted"] for r in evaluated), default=None)
-        total = {k: sum(r.get(k, 0) for r in self.rows)
-                 for k in ("bytes_up", "bytes_down", "eval_bytes_up", "eval_bytes_down")}
+        total = {
+            k: sum(r.get(k, 0) for r in self.rows)
+            for k in ("bytes_up", "bytes_down", "eval_bytes_up", "eval_bytes_down")
+        }
         return {
             "status": self.status,
             "num_clients": self.num_clients,
@@ -123,8 +126,10 @@ def tensorboard_class(logger: str) -> type | None:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:
-        raise ConfigError("run config key 'logger' = 'tensorboard' needs the tensorboard package: "
-                          "uv sync --extra tensorboard (allowed values: 'none', 'tensorboard')") from exc
+        raise ConfigError(
+            "run config key 'logger' = 'tensorboard' needs the tensorboard package: "
+            "uv sync --extra tensorboard (allowed values: 'none', 'tensorboard')"
+        ) from exc
     return SummaryWriter
 
 
@@ -189,5 +194,7 @@ def load_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:
     try:
         return _to_arrays(torch.load(path, weights_only=True))
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError... for foreign files
-        raise ConfigError(f"run config key 'resume-from' = {str(run_dir)!r}: {CHECKPOINT} is not a checkpoint "
-                          f"this system wrote ({type(exc).__name__}); refusing to load it") from exc
+        raise ConfigError(
+            f"run config key 'resume-from' = {str(run_dir)!r}: {CHECKPOINT} is not a checkpoint "
+            f"this system wrote ({type(exc).__name__}); refusing to load it"
+        ) from exc

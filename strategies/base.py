@@ -44,8 +44,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from client_app.data import DATASETS
 from common.config import ConfigError, RunConfig
 from models.groups import MODEL_GROUPS
-from strategies.payload import (PayloadError, PayloadSchema, array_record, clip_outlier_rows, read_payload,
-                               tensor_bytes)
+from strategies.payload import PayloadError, PayloadSchema, array_record, clip_outlier_rows, read_payload, tensor_bytes
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -174,36 +173,50 @@ class HeteroStrategy(Strategy):
         return dict(metrics or {})
 
     # ------------------------------------------------------ Flower Strategy API
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """One train message per sampled client, each with its own payload."""
-        return [self.message("train", node, self.train_payload(node, server_round), config, server_round)
-                for node in self.sample()]
+        return [
+            self.message("train", node, self.train_payload(node, server_round), config, server_round)
+            for node in self.sample()
+        ]
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]
-                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate replies, run :meth:`server_update`, return the new global arrays and metrics."""
         valid = self.validate("train", replies)
         self._evaluated_in_train = [
-            ClientReply(r.node_id, r.partition_id, {}, {k[len(EVAL_PREFIX):]: v for k, v in r.metrics.items()
-                                                        if k.startswith(EVAL_PREFIX)})
-            for r in valid if all(EVAL_PREFIX + k in r.metrics for k in REQUIRED_METRICS["evaluate"])]
+            ClientReply(
+                r.node_id,
+                r.partition_id,
+                {},
+                {k[len(EVAL_PREFIX) :]: v for k, v in r.metrics.items() if k.startswith(EVAL_PREFIX)},
+            )
+            for r in valid
+            if all(EVAL_PREFIX + k in r.metrics for k in REQUIRED_METRICS["evaluate"])
+        ]
         start = time.perf_counter()
         server = self.server_update(server_round, valid)
         metrics = round_metrics(valid, server, time.perf_counter() - start)
         arrays = self.global_arrays()
         return (array_record(arrays) if arrays else None), MetricRecord(metric_values(metrics))
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """One evaluate message to every client to evaluate (``eval-clients``: all known clients,
         or this round's sampled ones) not already evaluated in its train reply this round."""
         if not self.is_eval_round(server_round):
             return []
         done = {r.node_id for r in self._evaluated_in_train}
         targets = self.nodes if self.cfg.eval_clients == "all" else self.sampled
-        return [self.message("evaluate", node, self.eval_payload(node, server_round), config, server_round)
-                for node in targets if node not in done and node in self.connected]
+        return [
+            self.message("evaluate", node, self.eval_payload(node, server_round), config, server_round)
+            for node in targets
+            if node not in done and node in self.connected
+        ]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Accuracy of the clients' personal models on their local test splits.
@@ -230,25 +243,40 @@ class HeteroStrategy(Strategy):
         }
         extra = sorted({k for r in valid for k in r.metrics if k.startswith("test-acc-")})
         for key in extra:
-            out["accuracy-mean-" + key[len("test-acc-"):]] = float(np.mean([r.metrics[key] for r in valid
-                                                                             if key in r.metrics]))
+            out["accuracy-mean-" + key[len("test-acc-") :]] = float(
+                np.mean([r.metrics[key] for r in valid if key in r.metrics])
+            )
         return MetricRecord(out)
 
     def summary(self) -> None:
         """Log the method and the main settings."""
         c = self.cfg
-        log.info("%s | %s, %s partitioner, %d clients, model group %s, %d rounds, fraction-train %.2f",
-                 type(self).__name__, c.dataset, c.partitioner, len(self.nodes), c.model_group,
-                 c.num_server_rounds, c.fraction_train)
+        log.info(
+            "%s | %s, %s partitioner, %d clients, model group %s, %d rounds, fraction-train %.2f",
+            type(self).__name__,
+            c.dataset,
+            c.partitioner,
+            len(self.nodes),
+            c.model_group,
+            c.num_server_rounds,
+            c.fraction_train,
+        )
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
-              timeout: float | None = None, train_config: ConfigRecord | None = None,
-              evaluate_config: ConfigRecord | None = None, evaluate_fn: Any = None) -> Result:
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord | None = None,
+        num_rounds: int | None = None,
+        timeout: float | None = None,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Any = None,
+    ) -> Result:
         """Run the whole federation: wait for nodes, handshake, rounds, evaluation, results.
 
         ``num_rounds`` and ``timeout`` default to the config's ``num-server-rounds`` and
-        ``round-timeout`` (the wait for a round's replies); the other arguments exist for signature compatibility and are unused
-        (the server state lives in the strategy, the config in ``cfg``).
+        ``round-timeout`` (the wait for a round's replies); the other arguments exist for signature
+        compatibility and are unused (the server state lives in the strategy, the config in ``cfg``).
 
         Raises:
             RuntimeError, ConfigError: from :meth:`handshake` (not all clients answer within
@@ -278,16 +306,27 @@ class HeteroStrategy(Strategy):
                 train_metrics["server-rolled-back"] = 1
                 log.warning("Round %d: the server update made the server state non-finite; rolled back", server_round)
             t1 = time.perf_counter()
-            eval_messages = list(self.configure_evaluate(server_round, ArrayRecord(),
-                                                         ConfigRecord({"server-round": server_round}), grid))
-            eval_metrics = self.aggregate_evaluate(server_round, self.exchange(eval_messages)) \
-                if self.is_eval_round(server_round) else None
+            eval_messages = list(
+                self.configure_evaluate(server_round, ArrayRecord(), ConfigRecord({"server-round": server_round}), grid)
+            )
+            eval_metrics = (
+                self.aggregate_evaluate(server_round, self.exchange(eval_messages))
+                if self.is_eval_round(server_round)
+                else None
+            )
             t2 = time.perf_counter()
             result.train_metrics_clientapp[server_round] = MetricRecord(metric_values(train_metrics))
             if eval_metrics is not None:
                 result.evaluate_metrics_clientapp[server_round] = eval_metrics
-            row = self._row(server_round, train_metrics, eval_metrics, self.traffic - before,
-                            t1 - t0, t2 - t1, time.perf_counter() - run_start)
+            row = self._row(
+                server_round,
+                train_metrics,
+                eval_metrics,
+                self.traffic - before,
+                t1 - t0,
+                t2 - t1,
+                time.perf_counter() - run_start,
+            )
             self.rows.append(row)
             if self.results is not None:
                 self.results.write_round(row)
@@ -340,11 +379,17 @@ class HeteroStrategy(Strategy):
     def checkpoint(self, server_round: int) -> dict[str, Any]:
         """Everything needed to continue after ``server_round``: server state, RNG, counters, rows,
         and the clients' state key."""
-        return {"round": server_round, "method": self.cfg.method, "config": self.cfg.as_dict(),
-                "state-key": self.state_key,
-                "rng": self.rng.bit_generator.state,
-                "traffic": dict(self.traffic), "dropped": dict(self.dropped), "rows": self.rows,
-                "server": self.server_state()}
+        return {
+            "round": server_round,
+            "method": self.cfg.method,
+            "config": self.cfg.as_dict(),
+            "state-key": self.state_key,
+            "rng": self.rng.bit_generator.state,
+            "traffic": dict(self.traffic),
+            "dropped": dict(self.dropped),
+            "rows": self.rows,
+            "server": self.server_state(),
+        }
 
     def resume(self) -> int:
         """Restore the checkpoint named by ``resume-from``; returns its last round (0 without one).
@@ -358,16 +403,20 @@ class HeteroStrategy(Strategy):
             return 0
         state = self.__dict__.pop("_saved", None) or self._saved  # read once, not kept for the run
         if state["method"] != self.cfg.method or state["server"] is None:
-            raise ConfigError(f"run config key 'resume-from' = {self.cfg.resume_from!r}: a '{state['method']}' "
-                              f"checkpoint cannot resume method '{self.cfg.method}'"
-                              + ("" if state["server"] is not None else " (this method has no server_state yet)"))
+            raise ConfigError(
+                f"run config key 'resume-from' = {self.cfg.resume_from!r}: a '{state['method']}' "
+                f"checkpoint cannot resume method '{self.cfg.method}'"
+                + ("" if state["server"] is not None else " (this method has no server_state yet)")
+            )
         saved, now = state.get("config", {}), self.cfg.as_dict()
         differ = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
         if differ:
-            raise ConfigError(f"run config key 'resume-from' = {self.cfg.resume_from!r}: the checkpoint's run used "
-                              "other values for " + ", ".join(f"'{k}' ({saved.get(k)!r}, now {now.get(k)!r})"
-                                                             for k in differ)
-                              + "; only 'num-server-rounds' may change on resume")
+            raise ConfigError(
+                f"run config key 'resume-from' = {self.cfg.resume_from!r}: the checkpoint's run used "
+                "other values for "
+                + ", ".join(f"'{k}' ({saved.get(k)!r}, now {now.get(k)!r})" for k in differ)
+                + "; only 'num-server-rounds' may change on resume"
+            )
         self.rng.bit_generator.state = state["rng"]
         self.traffic.update(state["traffic"])
         self.dropped.update(state["dropped"])
@@ -407,32 +456,47 @@ class HeteroStrategy(Strategy):
         asked: set[int] = set()
         while wanted is None or len(by_partition) < wanted:
             if time.monotonic() > deadline:
-                size = f"num-clients={wanted}" if self.cfg.num_clients else \
-                    (f"num-partitions={wanted}" if wanted else "? (no node answered)")
-                raise RuntimeError(f"only {len(by_partition)} of {size} clients answered the handshake within "
-                                   f"{timeout:.0f} s (run config key 'connect-timeout')")
+                size = (
+                    f"num-clients={wanted}"
+                    if self.cfg.num_clients
+                    else (f"num-partitions={wanted}" if wanted else "? (no node answered)")
+                )
+                raise RuntimeError(
+                    f"only {len(by_partition)} of {size} clients answered the handshake within "
+                    f"{timeout:.0f} s (run config key 'connect-timeout')"
+                )
             new = sorted(set(self.grid.get_node_ids()) - asked)
             if new:
                 asked.update(new)
-                replies = self.exchange([self.message("query", n, {}, ConfigRecord(), 0) for n in new],
-                                        max(deadline - time.monotonic(), 1.0))
+                replies = self.exchange(
+                    [self.message("query", n, {}, ConfigRecord(), 0) for n in new],
+                    max(deadline - time.monotonic(), 1.0),
+                )
                 _raise_config_errors(replies)
                 for r in self.validate("query", replies):
                     wanted = self._federation_size(r, wanted)
                     if r.partition_id in by_partition:  # the first claim stands; the run goes on
-                        log.warning("Node %s also claims partition %d, held by node %s: ignored (check each "
-                                    "SuperNode's --node-config)", r.node_id, r.partition_id,
-                                    by_partition[r.partition_id])
+                        log.warning(
+                            "Node %s also claims partition %d, held by node %s: ignored (check each "
+                            "SuperNode's --node-config)",
+                            r.node_id,
+                            r.partition_id,
+                            by_partition[r.partition_id],
+                        )
                         self.dropped["query"] += 1
                         self.claims[r.node_id] = r.metrics
                         continue
                     by_partition[r.partition_id] = r.node_id
                     self.clients[r.node_id] = r.metrics
-                log.info("Handshake: %d of %s clients answered, %.1f s after the handshake began (slowest "
-                         "client: %.1f s from its process start to the handler, %.1f s loading its partition)",
-                         len(by_partition), wanted or "?", time.monotonic() - began,
-                         max((m.get("app-start-seconds", 0.0) for m in self.clients.values()), default=0.0),
-                         max((m.get("data-seconds", 0.0) for m in self.clients.values()), default=0.0))
+                log.info(
+                    "Handshake: %d of %s clients answered, %.1f s after the handshake began (slowest "
+                    "client: %.1f s from its process start to the handler, %.1f s loading its partition)",
+                    len(by_partition),
+                    wanted or "?",
+                    time.monotonic() - began,
+                    max((m.get("app-start-seconds", 0.0) for m in self.clients.values()), default=0.0),
+                    max((m.get("data-seconds", 0.0) for m in self.clients.values()), default=0.0),
+                )
             if wanted is None or len(by_partition) < wanted:
                 time.sleep(NODE_POLL_SECONDS)
         self.nodes = [by_partition[p] for p in sorted(by_partition)]
@@ -452,8 +516,10 @@ class HeteroStrategy(Strategy):
         if not isinstance(n, int) or not 0 <= pid < n:
             raise ConfigError(f"{where}: 'num-partitions' must be an integer and 'partition-id' lie in [0, it)")
         if self.cfg.num_clients and n != self.cfg.num_clients:
-            raise ConfigError(f"run config key 'num-clients' = {self.cfg.num_clients} but {where}: set "
-                              "num-clients=0 to follow the federation, or make the two agree")
+            raise ConfigError(
+                f"run config key 'num-clients' = {self.cfg.num_clients} but {where}: set "
+                "num-clients=0 to follow the federation, or make the two agree"
+            )
         if wanted is not None and n != wanted:
             raise ConfigError(f"{where}, other nodes have {wanted}: every node must have the same 'num-partitions'")
         return n
@@ -474,10 +540,18 @@ class HeteroStrategy(Strategy):
         self.connected = set(self.grid.get_node_ids())
         self.refreshes += 1
         self.claims = {n: c for n, c in self.claims.items() if n in self.connected}
-        new = sorted(n for n in self.connected - set(self.clients) - set(self.claims) - self.outsiders
-                     if self.silent_nodes.get(n, (0, 0))[1] <= self.refreshes)
-        valid = self.validate("query", self.exchange([self.message("query", n, {}, ConfigRecord(), 0) for n in new],
-                                                      min(QUERY_SECONDS, self.cfg.round_timeout)))
+        new = sorted(
+            n
+            for n in self.connected - set(self.clients) - set(self.claims) - self.outsiders
+            if self.silent_nodes.get(n, (0, 0))[1] <= self.refreshes
+        )
+        valid = self.validate(
+            "query",
+            self.exchange(
+                [self.message("query", n, {}, ConfigRecord(), 0) for n in new],
+                min(QUERY_SECONDS, self.cfg.round_timeout),
+            ),
+        )
         answered = {r.node_id for r in valid}
         for node in set(new) - answered:  # no reply, or none we can use
             misses = self.silent_nodes.get(node, (0, 0))[0] + 1
@@ -488,14 +562,21 @@ class HeteroStrategy(Strategy):
                 self.claims[reply.node_id] = reply.metrics
             else:
                 self.outsiders.add(reply.node_id)
-                log.warning("Node %s holds partition %d, which is not part of this run; ignored",
-                            reply.node_id, reply.partition_id)
+                log.warning(
+                    "Node %s holds partition %d, which is not part of this run; ignored",
+                    reply.node_id,
+                    reply.partition_id,
+                )
         for node, metrics in sorted(self.claims.items()):
             index = next(i for i, n in enumerate(self.nodes) if self.clients[n][PARTITION_ID] == metrics[PARTITION_ID])
             if self.nodes[index] in self.connected:
                 if node in answered:
-                    log.warning("Node %s claims partition %d, held by connected node %s: refused until that "
-                                "node is gone", node, metrics[PARTITION_ID], self.nodes[index])
+                    log.warning(
+                        "Node %s claims partition %d, held by connected node %s: refused until that node is gone",
+                        node,
+                        metrics[PARTITION_ID],
+                        self.nodes[index],
+                    )
                     self.dropped["query"] += 1
                 continue
             del self.claims[node]
@@ -527,13 +608,23 @@ class HeteroStrategy(Strategy):
         ``evaluate`` asks the client to evaluate after training (see ``evaluate_in_train``).
         """
         c = self.cfg
-        return ConfigRecord({"server-round": server_round, "local-epochs": c.local_epochs,
-                             "batch-size": c.batch_size, "lr": c.lr, "momentum": c.momentum,
-                             "weight-decay": c.weight_decay, "clip-norm": c.clip_norm, "precision": c.precision,
-                             "evaluate": self.evaluate_in_train and self.is_eval_round(server_round)})
+        return ConfigRecord(
+            {
+                "server-round": server_round,
+                "local-epochs": c.local_epochs,
+                "batch-size": c.batch_size,
+                "lr": c.lr,
+                "momentum": c.momentum,
+                "weight-decay": c.weight_decay,
+                "clip-norm": c.clip_norm,
+                "precision": c.precision,
+                "evaluate": self.evaluate_in_train and self.is_eval_round(server_round),
+            }
+        )
 
-    def message(self, message_type: str, node_id: int, arrays: Mapping[str, np.ndarray],
-                config: ConfigRecord, server_round: int) -> Message:
+    def message(
+        self, message_type: str, node_id: int, arrays: Mapping[str, np.ndarray], config: ConfigRecord, server_round: int
+    ) -> Message:
         """A message to one node: its payload (checked against the schema) plus ``config``."""
         content = self.schemas[message_type][0].to_record(arrays)
         content["config"] = ConfigRecord({**dict(config), "state-key": self.state_key})
@@ -559,8 +650,14 @@ class HeteroStrategy(Strategy):
         missing = {m.metadata.dst_node_id for m in messages} - {r.metadata.src_node_id for r in replies}
         if missing:
             partitions = sorted(self.clients[n][PARTITION_ID] for n in missing if n in self.clients)
-            log.warning("%d of %d %s replies did not arrive within %.0f s (partitions %s)", len(missing),
-                        len(messages), messages[0].metadata.message_type, timeout, partitions)
+            log.warning(
+                "%d of %d %s replies did not arrive within %.0f s (partitions %s)",
+                len(missing),
+                len(messages),
+                messages[0].metadata.message_type,
+                timeout,
+                partitions,
+            )
             self.dropped[_category(messages[0].metadata.message_type)] += len(missing)
             self.round_dropped.update(partitions)
         return replies
@@ -615,8 +712,9 @@ class HeteroStrategy(Strategy):
                 check_metrics(metrics, self.clients.get(node), _category(message_type), self.info.train_size)
                 self.check_reply(message_type, metrics)
                 if node in self.clients and self.clients[node][PARTITION_ID] != pid:
-                    raise PayloadError(f"partition-id {pid} differs from the handshake's "
-                                       f"{self.clients[node][PARTITION_ID]}")
+                    raise PayloadError(
+                        f"partition-id {pid} differs from the handshake's {self.clients[node][PARTITION_ID]}"
+                    )
                 arrays = read_payload(content)
                 up.validate(arrays, self.reply_dims(node))
                 valid.append(ClientReply(node, pid, arrays, metrics))
@@ -630,8 +728,11 @@ class HeteroStrategy(Strategy):
         clipped = clip_outlier_rows(up, [r.arrays for r in valid])
         if clipped:
             self.round_clipped += clipped
-            log.warning("Scaled down %d uploaded %s rows to the round's outlier bound (ArraySpec.row_norm_factor)",
-                        clipped, message_type)
+            log.warning(
+                "Scaled down %d uploaded %s rows to the round's outlier bound (ArraySpec.row_norm_factor)",
+                clipped,
+                message_type,
+            )
         return valid
 
     def _count_work(self, replies: list[ClientReply]) -> None:
@@ -644,8 +745,16 @@ class HeteroStrategy(Strategy):
                 work[0] += float(r.metrics["num-examples"]) * self.cfg.local_epochs
                 work[1] += float(r.metrics["train-seconds"])
 
-    def _row(self, server_round: int, train: Mapping[str, Any], evaluation: MetricRecord | None,
-             traffic: Mapping[str, int], train_s: float, eval_s: float, elapsed: float) -> dict[str, Any]:
+    def _row(
+        self,
+        server_round: int,
+        train: Mapping[str, Any],
+        evaluation: MetricRecord | None,
+        traffic: Mapping[str, int],
+        train_s: float,
+        eval_s: float,
+        elapsed: float,
+    ) -> dict[str, Any]:
         ev = dict(evaluation) if evaluation is not None else {}
         row: dict[str, Any] = {
             "round": server_round,
@@ -660,16 +769,16 @@ class HeteroStrategy(Strategy):
             "dropped_clients": sorted(self.round_dropped),
             "clipped_rows": self.round_clipped,
             # images per second of client training (with its payload computation), per architecture
-            "train_images_per_second": {arch: images / seconds for arch, (images, seconds)
-                                        in sorted(self.round_work.items()) if seconds > 0},
+            "train_images_per_second": {
+                arch: images / seconds for arch, (images, seconds) in sorted(self.round_work.items()) if seconds > 0
+            },
             "round_seconds": train_s + eval_s,
             "train_phase_seconds": train_s,
             "eval_phase_seconds": eval_s,
             "elapsed_seconds": elapsed,
         }
         if ev:
-            row["accuracy_per_client"] = dict(zip((str(p) for p in ev["partition-ids"]),
-                                                  ev["accuracy-per-client"]))
+            row["accuracy_per_client"] = dict(zip((str(p) for p in ev["partition-ids"]), ev["accuracy-per-client"]))
             row.update({k.replace("-", "_"): v for k, v in ev.items() if k.startswith("accuracy-mean-")})
         row.update({k.replace("-", "_"): v for k, v in train.items() if k != "num-clients"})
         return row
@@ -697,16 +806,24 @@ class ClientProcedure:
 
         data = client.data
         correct, n, loss_sum = evaluate_model(client.model, data.test_x, data.test_y, data.info, client.device)
-        return {}, {"test-correct": correct, "num-examples": n, "test-acc": correct / max(n, 1),
-                    "test-loss": loss_sum / max(n, 1)}
+        return {}, {
+            "test-correct": correct,
+            "num-examples": n,
+            "test-acc": correct / max(n, 1),
+            "test-loss": loss_sum / max(n, 1),
+        }
 
     def query(self, client, payload, config) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Handshake: data sizes (the runtime adds the partition id), from the partition's labels
         or its cache file, without decoding images; a partition that cannot be split fails here."""
         start = time.perf_counter()
         num_train, num_test = client.data_sizes()
-        return {}, {"num-train": num_train, "num-test": num_test, "num-partitions": client.spec.num_partitions,
-                    "data-seconds": time.perf_counter() - start}
+        return {}, {
+            "num-train": num_train,
+            "num-test": num_test,
+            "num-partitions": client.spec.num_partitions,
+            "data-seconds": time.perf_counter() - start,
+        }
 
 
 def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_seconds: float) -> dict[str, Any]:
@@ -729,15 +846,17 @@ def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_
     metrics["client-state-restores"] = int(sum(r.metrics.get("state-restores", 0) for r in replies))
     # clients whose state was ahead of a resumed server (it crashed after they trained) and was rolled back
     metrics["client-state-rollbacks"] = int(sum(r.metrics.get("state-rollbacks", 0) for r in replies))
-    weighted = [(r.metrics["train-loss"], r.metrics.get("num-examples", 1))
-                for r in replies if "train-loss" in r.metrics]
+    weighted = [
+        (r.metrics["train-loss"], r.metrics.get("num-examples", 1)) for r in replies if "train-loss" in r.metrics
+    ]
     if weighted:
-        metrics["train-loss"] = sum(l * n for l, n in weighted) / max(sum(n for _, n in weighted), 1)
+        metrics["train-loss"] = sum(loss * n for loss, n in weighted) / max(sum(n for _, n in weighted), 1)
     return metrics
 
 
-def check_metrics(metrics: Mapping[str, Any], known: Mapping[str, Any] | None, category: str,
-                  dataset_size: int) -> None:
+def check_metrics(
+    metrics: Mapping[str, Any], known: Mapping[str, Any] | None, category: str, dataset_size: int
+) -> None:
     """Reject a reply's metrics that the server could not safely use.
 
     Every value must be a finite int or float (a MetricRecord may also hold lists, which no
@@ -755,23 +874,37 @@ def check_metrics(metrics: Mapping[str, Any], known: Mapping[str, Any] | None, c
     for key, value in metrics.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise PayloadError(f"metric '{key}' = {value!r} is not a finite number")
-    counts = [k for k in ("num-train", "num-test", "num-examples", "test-correct", EVAL_PREFIX + "num-examples",
-                          EVAL_PREFIX + "test-correct") if k in metrics]
+    counts = [
+        k
+        for k in (
+            "num-train",
+            "num-test",
+            "num-examples",
+            "test-correct",
+            EVAL_PREFIX + "num-examples",
+            EVAL_PREFIX + "test-correct",
+        )
+        if k in metrics
+    ]
     for key in counts:
         if not isinstance(metrics[key], int) or metrics[key] < 0:
             raise PayloadError(f"metric '{key}' = {metrics[key]!r} is not a non-negative integer")
     if known is None:
         claimed = metrics.get("num-train", 0) + metrics.get("num-test", 0)
         if claimed > dataset_size:
-            raise PayloadError(f"metrics 'num-train' + 'num-test' = {claimed} exceed the dataset's {dataset_size} "
-                               "examples")
+            raise PayloadError(
+                f"metrics 'num-train' + 'num-test' = {claimed} exceed the dataset's {dataset_size} examples"
+            )
         return
-    limits = {"num-examples": known.get("num-train" if category == "train" else "num-test"),
-              EVAL_PREFIX + "num-examples": known.get("num-test")}
+    limits = {
+        "num-examples": known.get("num-train" if category == "train" else "num-test"),
+        EVAL_PREFIX + "num-examples": known.get("num-test"),
+    }
     for key, limit in limits.items():
         if key in metrics and limit is not None and metrics[key] > limit:
-            raise PayloadError(f"metric '{key}' = {metrics[key]} exceeds the {limit} examples "
-                               "the client reported at the handshake")
+            raise PayloadError(
+                f"metric '{key}' = {metrics[key]} exceeds the {limit} examples the client reported at the handshake"
+            )
     for prefix in ("", EVAL_PREFIX):
         correct, total = metrics.get(prefix + "test-correct"), metrics.get(prefix + "num-examples")
         if correct is not None and total is not None and correct > total:
@@ -825,9 +958,7 @@ def metric_values(values: Mapping[str, Any]) -> dict[str, Any]:
     """MetricRecord accepts only Python int/float (and lists): cast numpy scalars, drop the rest."""
     out = {}
     for k, v in values.items():
-        if isinstance(v, (bool, np.bool_)):
-            out[k] = int(v)
-        elif isinstance(v, (int, np.integer)):
+        if isinstance(v, (bool, np.bool_, int, np.integer)):
             out[k] = int(v)
         elif isinstance(v, (float, np.floating)):
             out[k] = float(v)
@@ -839,5 +970,7 @@ def metric_values(values: Mapping[str, Any]) -> dict[str, Any]:
 def _progress_line(row: Mapping[str, Any], rounds: int) -> str:
     acc = row["accuracy_mean"]
     acc_text = f"acc mean {acc:.4f} weighted {row['accuracy_weighted']:.4f}" if acc is not None else "acc -"
-    return (f"[round {row['round']}/{rounds}] {acc_text} | clients {row['num_clients']} | "
-            f"up {row['bytes_up']} B down {row['bytes_down']} B | {row['round_seconds']:.1f} s")
+    return (
+        f"[round {row['round']}/{rounds}] {acc_text} | clients {row['num_clients']} | "
+        f"up {row['bytes_up']} B down {row['bytes_down']} B | {row['round_seconds']:.1f} s"
+    )

@@ -32,10 +32,13 @@ from common.config import ConfigError, RunConfig, choice, flag, number
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.payload import ROW_NORM_FACTOR, ArraySpec, PayloadSchema
 
-HEADER = PayloadSchema({"head.weight": ArraySpec(("C", "d"), "float32"),
-                        "head.bias": ArraySpec(("C",), "float32")})
-LARS = PayloadSchema({"lar": ArraySpec(("k", "d"), "float32", row_norm_factor=ROW_NORM_FACTOR),
-                      "lar_labels": ArraySpec(("k",), "int32", labels=True)})
+HEADER = PayloadSchema({"head.weight": ArraySpec(("C", "d"), "float32"), "head.bias": ArraySpec(("C",), "float32")})
+LARS = PayloadSchema(
+    {
+        "lar": ArraySpec(("k", "d"), "float32", row_norm_factor=ROW_NORM_FACTOR),
+        "lar_labels": ArraySpec(("k",), "int32", labels=True),
+    }
+)
 SCHEMAS = {**BASE_SCHEMAS, "train": (HEADER, LARS)}
 SCHEMAS_GLOBAL_HEAD_EVAL = {**SCHEMAS, "evaluate": (HEADER, NO_PAYLOAD)}
 
@@ -53,8 +56,10 @@ def require_linear_heads(cfg: RunConfig, payload: str) -> None:
     from models.groups import MODEL_GROUPS
 
     if set(MODEL_GROUPS[cfg.model_group].heads) != {"linear"}:
-        raise ConfigError(f"method '{cfg.method}' exchanges a linear {payload}, but model-group '{cfg.model_group}' has "
-                          "non-linear heads; allowed: groups without HtC4 heads")
+        raise ConfigError(
+            f"method '{cfg.method}' exchanges a linear {payload}, but model-group '{cfg.model_group}' has "
+            "non-linear heads; allowed: groups without HtC4 heads"
+        )
 
 
 @dataclass(frozen=True)
@@ -83,8 +88,15 @@ class FedGHOptions:
             ConfigError: naming the key and its allowed values.
         """
         require_linear_heads(cfg, "header")
-        o = {"server-mode": "per-lar", "server-lr": 0.01, "server-epochs": 1, "server-batch-size": 10,
-             "server-clip-norm": 50.0, "eval-global-head": False, **cfg.method_options()}
+        o = {
+            "server-mode": "per-lar",
+            "server-lr": 0.01,
+            "server-epochs": 1,
+            "server-batch-size": 10,
+            "server-clip-norm": 50.0,
+            "eval-global-head": False,
+            **cfg.method_options(),
+        }
         return cls(
             server_mode=choice("fedgh.server-mode", o["server-mode"], SERVER_MODES),
             server_lr=number("fedgh.server-lr", o["server-lr"], low=0),
@@ -114,8 +126,9 @@ def header_batches(sizes: list[int], opts: FedGHOptions, generator: torch.Genera
     return out
 
 
-def train_header(header: nn.Linear, replies: list[ClientReply], opts: FedGHOptions,
-                 generator: torch.Generator) -> dict[str, float]:
+def train_header(
+    header: nn.Linear, replies: list[ClientReply], opts: FedGHOptions, generator: torch.Generator
+) -> dict[str, float]:
     """The FedGH server step (Eq. 4): train ``header`` in place on this round's LARs.
 
     Replies are ordered by partition id, rows inside a reply by class (section 4 step 2), so
@@ -132,8 +145,9 @@ def train_header(header: nn.Linear, replies: list[ClientReply], opts: FedGHOptio
         return {"server-num-lars": 0}
     ordered = [np.argsort(r.arrays["lar_labels"], kind="stable") for r in replies]
     reps = torch.from_numpy(np.concatenate([r.arrays["lar"][o] for r, o in zip(replies, ordered)]))
-    labels = torch.from_numpy(np.concatenate([r.arrays["lar_labels"][o] for r, o in zip(replies, ordered)])
-                              .astype(np.int64))
+    labels = torch.from_numpy(
+        np.concatenate([r.arrays["lar_labels"][o] for r, o in zip(replies, ordered)]).astype(np.int64)
+    )
     with torch.no_grad():
         before = float(F.cross_entropy(header(reps), labels))
     opt = torch.optim.SGD(header.parameters(), lr=opts.server_lr)
@@ -229,4 +243,3 @@ class FedGHClient(ClientProcedure):
             correct, n, _ = evaluate_model(global_model, data.test_x, data.test_y, data.info, client.device)
             metrics["test-acc-global-head"] = correct / max(n, 1)
         return arrays, metrics
-

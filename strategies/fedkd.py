@@ -109,8 +109,13 @@ def compressed_schema(module: nn.Module) -> PayloadSchema:
             specs[key] = ArraySpec(shape, "float32")
             continue
         m, n, rank = shape[0], int(np.prod(shape[1:])), f"r:{key}"
-        specs.update({key + ".u": ArraySpec((m, rank), "float32"), key + ".s": ArraySpec((rank,), "float32"),
-                      key + ".v": ArraySpec((rank, n), "float32")})
+        specs.update(
+            {
+                key + ".u": ArraySpec((m, rank), "float32"),
+                key + ".s": ArraySpec((rank,), "float32"),
+                key + ".v": ArraySpec((rank, n), "float32"),
+            }
+        )
         limits[rank] = min(m, n)
 
     def ranks_and_weights_in_range(arrays, dims) -> None:
@@ -123,8 +128,10 @@ def compressed_schema(module: nn.Module) -> PayloadSchema:
                 u, s, v = (arrays[key + part].astype(np.float64) for part in (".u", ".s", ".v"))
                 bound = float(np.abs(u * s).sum(axis=1).max() * np.abs(v).max())
                 if bound > MAX_ABS:
-                    raise PayloadError(f"'{key}' rebuilt from its SVD factors could have entries of magnitude "
-                                       f"{bound:.3g}, beyond {MAX_ABS:.3g}")
+                    raise PayloadError(
+                        f"'{key}' rebuilt from its SVD factors could have entries of magnitude "
+                        f"{bound:.3g}, beyond {MAX_ABS:.3g}"
+                    )
 
     return PayloadSchema(specs, check=ranks_and_weights_in_range)
 
@@ -149,8 +156,10 @@ class FedKDStrategy(SharedModelStrategy):
     def train_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
         """The mentee compressed at T_t (computed once per round)."""
         if self._broadcast[0] != server_round:
-            self._broadcast = (server_round, svd_compress(self.shared.state_dict(),
-                                                          energy_threshold(self.cfg, server_round)))
+            self._broadcast = (
+                server_round,
+                svd_compress(self.shared.state_dict(), energy_threshold(self.cfg, server_round)),
+            )
         return self._broadcast[1]
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
@@ -199,7 +208,8 @@ class FedKDClient(SharedModelClient):
             student = ce_s + scale * (kd_loss(mentee_logits, logits.detach()) + F.mse_loss(mapped, features.detach()))
             return mentor + student
 
-        stats = train_personal_model(client, config, supervised_loss=adaptive_loss, model=model,
-                                     clip_groups=model.groups)
+        stats = train_personal_model(
+            client, config, supervised_loss=adaptive_loss, model=model, clip_groups=model.groups
+        )
         client.store(ALIGN_STATE, align)
         return svd_compress(mentee.state_dict(), energy_threshold(self.cfg, int(config["server-round"]))), stats

@@ -68,14 +68,23 @@ class FedMRLOptions:
         Raises:
             ConfigError: naming the key and its allowed values.
         """
-        o = {"d1": 100, "small-model": "cnn5", "weight-global": 1.0, "weight-private": 1.0,
-             "eval-protocol": "official", "inference": "mix-large", **cfg.method_options()}
-        return cls(d1=number("fedmrl.d1", o["d1"], kind=int, low=1, high=cfg.representation_dim),
-                   small_model=choice("fedmrl.small-model", o["small-model"], tuple(CNN_SHAPES)),
-                   weight_global=number("fedmrl.weight-global", o["weight-global"], low=0),
-                   weight_private=number("fedmrl.weight-private", o["weight-private"], low=0),
-                   eval_protocol=choice("fedmrl.eval-protocol", o["eval-protocol"], EVAL_PROTOCOLS),
-                   inference=choice("fedmrl.inference", o["inference"], INFERENCE))
+        o = {
+            "d1": 100,
+            "small-model": "cnn5",
+            "weight-global": 1.0,
+            "weight-private": 1.0,
+            "eval-protocol": "official",
+            "inference": "mix-large",
+            **cfg.method_options(),
+        }
+        return cls(
+            d1=number("fedmrl.d1", o["d1"], kind=int, low=1, high=cfg.representation_dim),
+            small_model=choice("fedmrl.small-model", o["small-model"], tuple(CNN_SHAPES)),
+            weight_global=number("fedmrl.weight-global", o["weight-global"], low=0),
+            weight_private=number("fedmrl.weight-private", o["weight-private"], low=0),
+            eval_protocol=choice("fedmrl.eval-protocol", o["eval-protocol"], EVAL_PROTOCOLS),
+            inference=choice("fedmrl.inference", o["inference"], INFERENCE),
+        )
 
 
 def small_model(cfg: RunConfig) -> SmallCNN:
@@ -106,8 +115,12 @@ class MatryoshkaModel(SplitModel):
     """
 
     def __init__(self, small: SmallCNN, private: SplitModel, projector: nn.Linear) -> None:
-        super().__init__(FusedExtractor(small, private.extractor, projector), private.feature_dim,
-                         private.num_classes, head=private.head)
+        super().__init__(
+            FusedExtractor(small, private.extractor, projector),
+            private.feature_dim,
+            private.num_classes,
+            head=private.head,
+        )
         self.global_head, self.d1 = small.head, small.feature_dim
         self.groups = [list(small.parameters()), list(private.parameters()), list(projector.parameters())]
 
@@ -125,7 +138,7 @@ class Prefix(nn.Module):
         self.n = n
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return z[:, :self.n]
+        return z[:, : self.n]
 
 
 def projector(cfg: RunConfig, d1: int) -> nn.Linear:
@@ -172,11 +185,13 @@ class FedMRLClient(SharedModelClient):
         m_g, m_f = self.options.weight_global, self.options.weight_private
 
         def matryoshka_loss(x, z, logits, labels):
-            return m_g * F.cross_entropy(model.global_head(z[:, :model.d1]), labels) + \
-                m_f * F.cross_entropy(logits, labels)
+            return m_g * F.cross_entropy(model.global_head(z[:, : model.d1]), labels) + m_f * F.cross_entropy(
+                logits, labels
+            )
 
-        stats = train_personal_model(client, config, supervised_loss=matryoshka_loss, model=model,
-                                     clip_groups=model.groups)
+        stats = train_personal_model(
+            client, config, supervised_loss=matryoshka_loss, model=model, clip_groups=model.groups
+        )
         client.store(PROJECTOR_STATE, model.extractor.projector)
         client.scratch[TRAINED_SMALL] = small
         return module_arrays(small), stats
@@ -187,9 +202,16 @@ class FedMRLClient(SharedModelClient):
         small = self.received(client, payload) if payload else client.scratch[TRAINED_SMALL]
         model = self.fused(client, small)
         data = client.data
-        results = {name: evaluate_model(module, data.test_x, data.test_y, data.info, client.device)
-                   for name, module in (("mix-large", model), ("mix-small", model.mix_small))}
+        results = {
+            name: evaluate_model(module, data.test_x, data.test_y, data.info, client.device)
+            for name, module in (("mix-large", model), ("mix-small", model.mix_small))
+        }
         correct, n, loss_sum = results[self.options.inference]
         other = INFERENCE[1 - INFERENCE.index(self.options.inference)]
-        return {}, {"test-correct": correct, "num-examples": n, "test-acc": correct / max(n, 1),
-                    "test-loss": loss_sum / max(n, 1), f"test-acc-{other}": results[other][0] / max(n, 1)}
+        return {}, {
+            "test-correct": correct,
+            "num-examples": n,
+            "test-acc": correct / max(n, 1),
+            "test-loss": loss_sum / max(n, 1),
+            f"test-acc-{other}": results[other][0] / max(n, 1),
+        }

@@ -41,15 +41,25 @@ def class_set_schemas(values: str, labels: str, width: str) -> tuple[PayloadSche
     classes marked in ``mask`` [C] bool (``a`` = number of marked classes); optional, since
     nothing exists before the first upload.
     """
+
     def mask_matches_rows(arrays, dims) -> None:
         if int(arrays["mask"].sum()) != arrays[values].shape[0]:
-            raise PayloadError(f"mask marks {int(arrays['mask'].sum())} classes but {arrays[values].shape[0]} "
-                               f"'{values}' rows were sent")
+            raise PayloadError(
+                f"mask marks {int(arrays['mask'].sum())} classes but {arrays[values].shape[0]} "
+                f"'{values}' rows were sent"
+            )
 
-    upload = PayloadSchema({values: ArraySpec(("k", width), "float32", row_norm_factor=ROW_NORM_FACTOR),
-                            labels: ArraySpec(("k",), "int64", labels=True)})
-    global_set = PayloadSchema({values: ArraySpec(("a", width), "float32"), "mask": ArraySpec(("C",), "bool")},
-                               optional=True, check=mask_matches_rows)
+    upload = PayloadSchema(
+        {
+            values: ArraySpec(("k", width), "float32", row_norm_factor=ROW_NORM_FACTOR),
+            labels: ArraySpec(("k",), "int64", labels=True),
+        }
+    )
+    global_set = PayloadSchema(
+        {values: ArraySpec(("a", width), "float32"), "mask": ArraySpec(("C",), "bool")},
+        optional=True,
+        check=mask_matches_rows,
+    )
     return upload, global_set
 
 
@@ -79,8 +89,10 @@ class RegularizerOptions:
             ConfigError: naming the key and its allowed values.
         """
         o = {"lambda": 10.0, "reg-form": "mse-mean", **cfg.method_options()}
-        return cls(lam=number(f"{cfg.method}.lambda", o["lambda"], low=0),
-                   form=choice(f"{cfg.method}.reg-form", o["reg-form"], REG_FORMS))
+        return cls(
+            lam=number(f"{cfg.method}.lambda", o["lambda"], low=0),
+            form=choice(f"{cfg.method}.reg-form", o["reg-form"], REG_FORMS),
+        )
 
 
 class PrototypeRegularizer:
@@ -164,8 +176,9 @@ def prototype_metrics(correct: int, n: int) -> dict[str, float]:
     return {"test-correct": correct, "num-examples": n, "test-acc": correct / max(n, 1)}
 
 
-def unpack_global_set(payload: dict[str, np.ndarray], num_classes: int, values: str = "protos"
-                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def unpack_global_set(
+    payload: dict[str, np.ndarray], num_classes: int, values: str = "protos"
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """A global class set (``values`` [C_avail, w], ``mask`` [C]) -> full [C, w] float32 (zeros where
     masked) and mask [C] bool; Nones if absent."""
     if not payload:
@@ -176,8 +189,9 @@ def unpack_global_set(payload: dict[str, np.ndarray], num_classes: int, values: 
     return full, mask
 
 
-def class_average(replies: list[ClientReply], values: str, labels: str, num_classes: int, width: int
-                  ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+def class_average(
+    replies: list[ClientReply], values: str, labels: str, num_classes: int, width: int
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Per-class unweighted mean over the clients that uploaded a row for the class.
 
     FedProto's server step (prototypes), FD's (per-class logits).

@@ -55,8 +55,11 @@ def _check_soft_label(arrays: Mapping[str, np.ndarray], dims: Mapping[str, int])
         raise PayloadError(f"'y' must be non-negative and sum to 1, got min {y.min():.3g} sum {y.sum():.6f}")
 
 
-ENTANGLED = PayloadSchema({"z": ArraySpec((1, "d"), "float32", row_norm_factor=ROW_NORM_FACTOR), "y": ArraySpec((1, "C"), "float32")},
-                          optional=True, check=_check_soft_label)
+ENTANGLED = PayloadSchema(
+    {"z": ArraySpec((1, "d"), "float32", row_norm_factor=ROW_NORM_FACTOR), "y": ArraySpec((1, "C"), "float32")},
+    optional=True,
+    check=_check_soft_label,
+)
 SCHEMAS = {**BASE_SCHEMAS, "train": (HEADER, ENTANGLED), "evaluate": (HEADER, PayloadSchema())}
 
 
@@ -83,15 +86,20 @@ class FedREOptions:
             ConfigError: naming the key and its allowed values.
         """
         require_linear_heads(cfg, "head")
-        o = {"re-mode": "rap", "server-lr": 0.01, "server-batch-size": 10, "server-epochs": 1,
-             "server-loss-reduction": "mean", **cfg.method_options()}
+        o = {
+            "re-mode": "rap",
+            "server-lr": 0.01,
+            "server-batch-size": 10,
+            "server-epochs": 1,
+            "server-loss-reduction": "mean",
+            **cfg.method_options(),
+        }
         return cls(
             re_mode=choice("fedre.re-mode", o["re-mode"], RE_MODES),
             server_lr=number("fedre.server-lr", o["server-lr"], low=0),
             server_batch_size=number("fedre.server-batch-size", o["server-batch-size"], kind=int, low=1),
             server_epochs=number("fedre.server-epochs", o["server-epochs"], kind=int, low=1),
-            server_loss_reduction=choice("fedre.server-loss-reduction", o["server-loss-reduction"],
-                                         LOSS_REDUCTIONS),
+            server_loss_reduction=choice("fedre.server-loss-reduction", o["server-loss-reduction"], LOSS_REDUCTIONS),
         )
 
 
@@ -140,8 +148,14 @@ def entangling_weights(labels: torch.Tensor, mode: str, generator: torch.Generat
 
 
 @torch.no_grad()
-def entangle(extractor: nn.Module, x: torch.Tensor, labels: torch.Tensor, alpha: torch.Tensor, info: DatasetInfo,
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def entangle(
+    extractor: nn.Module,
+    x: torch.Tensor,
+    labels: torch.Tensor,
+    alpha: torch.Tensor,
+    info: DatasetInfo,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The entangled pair (z, y) = (Σ_i α_i r_i, Σ_i α_i e_{y_i}) (FedRE Eq. 2, Appendix A Eq. 12).
 
     r_i = the extractor's representation of image i in eval mode without augmentation
@@ -174,8 +188,9 @@ def soft_label_ce(head: nn.Linear, z: torch.Tensor, y: torch.Tensor, reduction: 
     return loss.sum() if reduction == "sum" else loss.mean()
 
 
-def train_head(head: nn.Linear, replies: list[ClientReply], opts: FedREOptions,
-               generator: torch.Generator) -> dict[str, float]:
+def train_head(
+    head: nn.Linear, replies: list[ClientReply], opts: FedREOptions, generator: torch.Generator
+) -> dict[str, float]:
     """The FedRE server step (Eq. 3): SGD on the head over this round's (z, y) pairs, in place.
 
     Pairs are ordered by partition id, then shuffled with ``generator`` every epoch and split

@@ -37,8 +37,14 @@ from torch import nn
 from client_app.training import train_personal_model, trained_class_means
 from common.config import RunConfig, choice, number
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientReply, HeteroStrategy
-from strategies.fedproto import (UPLOAD, FedProtoClient, PrototypeRegularizer, RegularizerOptions,
-                                 nearest_prototype_correct, prototype_metrics)
+from strategies.fedproto import (
+    UPLOAD,
+    FedProtoClient,
+    PrototypeRegularizer,
+    RegularizerOptions,
+    nearest_prototype_correct,
+    prototype_metrics,
+)
 from strategies.payload import ArraySpec, PayloadSchema
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
@@ -67,14 +73,23 @@ class FedTGPOptions:
         Raises:
             ConfigError: naming the key and its allowed values.
         """
-        o = {"margin": "nearest", "tau": 100.0, "server-epochs": 100, "server-lr": 0.01,
-             "server-batch-size": 10, "hidden-dim": 512, **cfg.method_options()}
-        return cls(margin=choice("fedtgp.margin", o["margin"], MARGINS),
-                   tau=number("fedtgp.tau", o["tau"], low=0),
-                   server_epochs=number("fedtgp.server-epochs", o["server-epochs"], kind=int, low=0),
-                   server_lr=number("fedtgp.server-lr", o["server-lr"], low=0),
-                   server_batch_size=number("fedtgp.server-batch-size", o["server-batch-size"], kind=int, low=1),
-                   hidden_dim=number("fedtgp.hidden-dim", o["hidden-dim"], kind=int, low=1))
+        o = {
+            "margin": "nearest",
+            "tau": 100.0,
+            "server-epochs": 100,
+            "server-lr": 0.01,
+            "server-batch-size": 10,
+            "hidden-dim": 512,
+            **cfg.method_options(),
+        }
+        return cls(
+            margin=choice("fedtgp.margin", o["margin"], MARGINS),
+            tau=number("fedtgp.tau", o["tau"], low=0),
+            server_epochs=number("fedtgp.server-epochs", o["server-epochs"], kind=int, low=0),
+            server_lr=number("fedtgp.server-lr", o["server-lr"], low=0),
+            server_batch_size=number("fedtgp.server-batch-size", o["server-batch-size"], kind=int, low=1),
+            hidden_dim=number("fedtgp.hidden-dim", o["hidden-dim"], kind=int, low=1),
+        )
 
 
 class PrototypeGenerator(nn.Module):
@@ -120,14 +135,16 @@ def acl_loss(protos: torch.Tensor, labels: torch.Tensor, global_protos: torch.Te
     clamped at 1e-12 before the square root so identical vectors give finite gradients
     (section 11 item 6).
     """
-    sq = (protos.pow(2).sum(1, keepdim=True) - 2 * protos @ global_protos.T
-          + global_protos.pow(2).sum(1)[None]).clamp_min(1e-12)
+    sq = (
+        protos.pow(2).sum(1, keepdim=True) - 2 * protos @ global_protos.T + global_protos.pow(2).sum(1)[None]
+    ).clamp_min(1e-12)
     logits = -sq.sqrt() - delta * F.one_hot(labels, global_protos.shape[0]).to(protos.dtype)
     return F.cross_entropy(logits, labels)
 
 
-def train_generator(generator: PrototypeGenerator, replies: list[ClientReply], opts: FedTGPOptions,
-                    rng: torch.Generator) -> dict[str, float]:
+def train_generator(
+    generator: PrototypeGenerator, replies: list[ClientReply], opts: FedTGPOptions, rng: torch.Generator
+) -> dict[str, float]:
     """Train the generator in place on this round's uploads (section 4 steps 3-5).
 
     SGD (lr ``server-lr``, fresh each round: stateless), ``server-epochs`` epochs of shuffled
@@ -155,8 +172,12 @@ def train_generator(generator: PrototypeGenerator, replies: list[ClientReply], o
             opt.step()
     with torch.no_grad():
         after = float(acl_loss(protos, labels, generator(), delta))
-    return {"server-num-protos": len(labels), "server-margin": delta, "server-acl-before": before,
-            "server-acl-after": after}
+    return {
+        "server-num-protos": len(labels),
+        "server-margin": delta,
+        "server-acl-before": before,
+        "server-acl-after": after,
+    }
 
 
 def prototype_diagnostics(new: np.ndarray, old: np.ndarray | None) -> dict[str, float]:
@@ -231,5 +252,6 @@ class FedTGPClient(FedProtoClient):
         if not payload:
             return {}, prototype_metrics(*nearest_prototype_correct(client, None, None))
         protos = torch.from_numpy(payload["global_protos"])
-        return {}, prototype_metrics(*nearest_prototype_correct(
-            client, protos, torch.ones(len(protos), dtype=torch.bool)))
+        return {}, prototype_metrics(
+            *nearest_prototype_correct(client, protos, torch.ones(len(protos), dtype=torch.bool))
+        )

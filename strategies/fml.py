@@ -76,6 +76,5 @@ class FMLClient(SharedModelClient):
             shared = beta * F.cross_entropy(meme_logits, labels) + (1 - beta) * kd_loss(meme_logits, logits.detach())
             return private + shared
 
-        stats = train_personal_model(client, config, supervised_loss=mutual_loss, model=model,
-                                     clip_groups=model.groups)
+        stats = train_personal_model(client, config, supervised_loss=mutual_loss, model=model, clip_groups=model.groups)
         return module_arrays(meme), stats

@@ -54,11 +54,18 @@ SCHEDULES = ("sequential", "parallel")
 #: the public architectures a GD global model may use (the client builds it; the server never does)
 GLOBAL_MODELS = ("lenet", "vgg8", "mhresnet10", "mhresnet12", "mhresnet18", "mlp")
 THETA = PayloadSchema({"theta": ArraySpec(("K",), "float32")})
-SCHEMAS = {**BASE_SCHEMAS,
-           "train": (THETA, PayloadSchema({"delta_theta": ArraySpec(("K",), "float32")})),
-           "evaluate": (THETA, PayloadSchema())}
-SCHEMAS_GD = {**SCHEMAS, "train.global": (PayloadSchema({"w_g": ArraySpec(("G",), "float32")}),
-                                          PayloadSchema({"delta_w_g": ArraySpec(("G",), "float32")}))}
+SCHEMAS = {
+    **BASE_SCHEMAS,
+    "train": (THETA, PayloadSchema({"delta_theta": ArraySpec(("K",), "float32")})),
+    "evaluate": (THETA, PayloadSchema()),
+}
+SCHEMAS_GD = {
+    **SCHEMAS,
+    "train.global": (
+        PayloadSchema({"w_g": ArraySpec(("G",), "float32")}),
+        PayloadSchema({"delta_w_g": ArraySpec(("G",), "float32")}),
+    ),
+}
 GLOBAL_KEY = "global"
 TEACHER_STATE = "global-teacher"  # client state: this round's untrained w_g, the KD teacher
 
@@ -92,9 +99,19 @@ class HNOptions:
             ConfigError: naming the key and its allowed values.
         """
         m = cfg.method
-        o = {"chunk-size": 3072, "embedding-dim": 64, "hidden-dim": 128, "embedding-std": 0.002,
-             "server-lr": 2e-4, "server-clip-norm": 50.0, "schedule": "sequential", "global-model": "lenet",
-             "kd-alpha": 0.01, "kd-temperature": 20.0, **cfg.method_options()}
+        o = {
+            "chunk-size": 3072,
+            "embedding-dim": 64,
+            "hidden-dim": 128,
+            "embedding-std": 0.002,
+            "server-lr": 2e-4,
+            "server-clip-norm": 50.0,
+            "schedule": "sequential",
+            "global-model": "lenet",
+            "kd-alpha": 0.01,
+            "kd-temperature": 20.0,
+            **cfg.method_options(),
+        }
         return cls(
             chunk_size=number(f"{m}.chunk-size", o["chunk-size"], kind=int, low=1),
             embedding_dim=number(f"{m}.embedding-dim", o["embedding-dim"], kind=int, low=1),
@@ -137,8 +154,9 @@ class HyperNetwork(nn.Module):
         super().__init__()
         self.opts = opts
         h = opts.hidden_dim
-        self.trunk = nn.Sequential(nn.Linear(opts.embedding_dim, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(),
-                                   nn.Linear(h, h), nn.ReLU())
+        self.trunk = nn.Sequential(
+            nn.Linear(opts.embedding_dim, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU()
+        )
         self.heads = nn.ModuleDict()
         self.embeddings = nn.ParameterDict()
         self.sizes: dict[str, int] = {}  # key -> K
@@ -174,8 +192,9 @@ class HyperNetwork(nn.Module):
         return self.head_of(key)(self.trunk(self.embeddings[key])).flatten()[: self.sizes[key]]
 
 
-def hn_step(hn: HyperNetwork, optimizer: torch.optim.Optimizer, key: str, delta: torch.Tensor,
-            clip_norm: float) -> None:
+def hn_step(
+    hn: HyperNetwork, optimizer: torch.optim.Optimizer, key: str, delta: torch.Tensor, clip_norm: float
+) -> None:
     """One Adam step of the hypernetwork from a client's weight change (section 4).
 
     Sets grad = ∇_φ -<h(v_key; φ), sg(delta)> = -J^T delta on the trunk, the head of the
@@ -236,8 +255,10 @@ class MHpFedHNStrategy(HeteroStrategy):
         or the public global model, counted on the meta device (nothing is allocated)."""
         group, info = MODEL_GROUPS[self.cfg.model_group], self.info
         with torch.device("meta"):
-            models = [group.build(pid, info.num_classes, info.channels, info.image_size, self.cfg.seed,
-                                  self.cfg.feature_dim) for pid in range(len(group.architectures) * len(group.heads))]
+            models = [
+                group.build(pid, info.num_classes, info.channels, info.image_size, self.cfg.seed, self.cfg.feature_dim)
+                for pid in range(len(group.architectures) * len(group.heads))
+            ]
             models.append(build_mh_model(self.options.global_model, info.num_classes, info.channels, info.image_size))
         return max(num_params(m) for m in models)
 
@@ -253,8 +274,10 @@ class MHpFedHNStrategy(HeteroStrategy):
         for name in ("num-params", "global-num-params"):
             value = metrics.get(name)
             if value is not None and not (isinstance(value, int) and 1 <= value <= self.max_params):
-                raise PayloadError(f"metric '{name}' = {value!r} is outside [1, {self.max_params}] (the largest "
-                                   f"model of model group '{self.cfg.model_group}')")
+                raise PayloadError(
+                    f"metric '{name}' = {value!r} is outside [1, {self.max_params}] (the largest "
+                    f"model of model group '{self.cfg.model_group}')"
+                )
 
     def register(self, key: str, num_params: int) -> None:
         """Register a client (or the global model) and give its new parameters to Adam."""
@@ -265,8 +288,10 @@ class MHpFedHNStrategy(HeteroStrategy):
     def _reported(self, node: int, name: str) -> int:
         value = self.clients[node].get(name)
         if not isinstance(value, int) or value <= 0:
-            raise RuntimeError(f"node {node} reported {name}={value!r} at the handshake; expected a positive "
-                               "integer (is the ClientApp running the same method?)")
+            raise RuntimeError(
+                f"node {node} reported {name}={value!r} at the handshake; expected a positive "
+                "integer (is the ClientApp running the same method?)"
+            )
         return value
 
     def reply_dims(self, node_id: int) -> dict[str, int]:
@@ -297,8 +322,9 @@ class MHpFedHNStrategy(HeteroStrategy):
         replies, server, seconds = self.personal_phase(server_round, self.sample(), self.personal_config(server_round))
         return round_metrics(replies, server, seconds)
 
-    def personal_phase(self, server_round: int, nodes: list[int], config: ConfigRecord
-                       ) -> tuple[list[ClientReply], dict[str, Any], float]:
+    def personal_phase(
+        self, server_round: int, nodes: list[int], config: ConfigRecord
+    ) -> tuple[list[ClientReply], dict[str, Any], float]:
         """Send generated weights to ``nodes`` in a random order and step the HN per valid reply.
 
         Returns:
@@ -318,8 +344,13 @@ class MHpFedHNStrategy(HeteroStrategy):
         def step(reply: ClientReply) -> None:
             nonlocal server_seconds
             start = time.perf_counter()
-            hn_step(self.hn, self.optimizer, self.key(reply.node_id), torch.from_numpy(reply.arrays["delta_theta"]),
-                    self.options.server_clip_norm)
+            hn_step(
+                self.hn,
+                self.optimizer,
+                self.key(reply.node_id),
+                torch.from_numpy(reply.arrays["delta_theta"]),
+                self.options.server_clip_norm,
+            )
             server_seconds += time.perf_counter() - start
 
         if self.options.schedule == "sequential":
@@ -350,8 +381,10 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
         super().handshake()
         sizes = {self._reported(node, "global-num-params") for node in self.nodes}
         if len(sizes) != 1:
-            raise RuntimeError(f"clients report different global-num-params {sorted(sizes)}: they must share the "
-                               f"public global model ('{self.cfg.method}.global-model')")
+            raise RuntimeError(
+                f"clients report different global-num-params {sorted(sizes)}: they must share the "
+                f"public global model ('{self.cfg.method}.global-model')"
+            )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed + 2)
             self.register(GLOBAL_KEY, sizes.pop())
@@ -371,20 +404,28 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
         with torch.no_grad():
             w_g = self.hn.generate(GLOBAL_KEY).numpy().copy()
         seconds = time.perf_counter() - start
-        replies = self.validate("train.global", self.exchange(
-            [self.message("train.global", n, {"w_g": w_g}, config, server_round) for n in nodes]))
+        replies = self.validate(
+            "train.global",
+            self.exchange([self.message("train.global", n, {"w_g": w_g}, config, server_round) for n in nodes]),
+        )
         start = time.perf_counter()
         server: dict[str, Any] = {"server-global-replies": len(replies)}
         if replies:
             sizes = np.array([r.metrics.get("num-examples", 0) for r in replies], dtype=np.float64)
             weights = sizes / sizes.sum() if sizes.sum() > 0 else np.full(len(replies), 1 / len(replies))
             mean_delta = sum(w * r.arrays["delta_w_g"].astype(np.float64) for w, r in zip(weights, replies))
-            hn_step(self.hn, self.optimizer, GLOBAL_KEY, torch.from_numpy(mean_delta.astype(np.float32)),
-                    self.options.server_clip_norm)
+            hn_step(
+                self.hn,
+                self.optimizer,
+                GLOBAL_KEY,
+                torch.from_numpy(mean_delta.astype(np.float32)),
+                self.options.server_clip_norm,
+            )
             server["global-train-loss"] = float(np.dot(weights, [r.metrics.get("train-loss", 0.0) for r in replies]))
         seconds += time.perf_counter() - start
-        personal, metrics, personal_seconds = self.personal_phase(server_round, nodes,
-                                                                  self.personal_config(server_round))
+        personal, metrics, personal_seconds = self.personal_phase(
+            server_round, nodes, self.personal_config(server_round)
+        )
         server.update(metrics)
         server["server-hn-steps"] += int(bool(replies))
         return round_metrics(personal, server, seconds + personal_seconds)
@@ -458,8 +499,9 @@ class MHpFedHNGDClient(MHpFedHNClient):
     def global_model(self, client) -> nn.Module:
         """A fresh instance of the public global architecture (``global-model``)."""
         info = client.info
-        return build_mh_model(self.options.global_model, info.num_classes, info.channels,
-                              info.image_size).to(client.device)
+        return build_mh_model(self.options.global_model, info.num_classes, info.channels, info.image_size).to(
+            client.device
+        )
 
     def query(self, client, payload, config):
         """Also ``global-num-params`` K_g of the public global model."""
@@ -475,9 +517,15 @@ class MHpFedHNGDClient(MHpFedHNClient):
         model = self.global_model(client)
         received = load_flat(model, payload["w_g"], client.device)
         client.context.state[TEACHER_STATE] = array_record(
-            {"w_g": payload["w_g"], "round": np.array([int(config["server-round"])], dtype=np.int64)})
-        stats = train_supervised(model, client.data, {**config, "clip-norm": 0.0}, client.device,
-                                 client.generator(int(config["server-round"]), 1))
+            {"w_g": payload["w_g"], "round": np.array([int(config["server-round"])], dtype=np.int64)}
+        )
+        stats = train_supervised(
+            model,
+            client.data,
+            {**config, "clip-norm": 0.0},
+            client.device,
+            client.generator(int(config["server-round"]), 1),
+        )
         return {"delta_w_g": flat_delta(model, received)}, {**stats, "num-examples": len(client.data.train_y)}
 
     def supervised_loss(self, client, config):
@@ -496,6 +544,6 @@ class MHpFedHNGDClient(MHpFedHNClient):
         def loss(x: torch.Tensor, features: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():
                 teacher_logits = teacher(x)
-            return (1 - alpha) * F.cross_entropy(logits, labels) + alpha * kd_loss(logits, teacher_logits,
-                                                                                   temperature)
+            return (1 - alpha) * F.cross_entropy(logits, labels) + alpha * kd_loss(logits, teacher_logits, temperature)
+
         return loss

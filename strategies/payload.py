@@ -103,14 +103,14 @@ class PayloadSchema:
             for axis, (dim, size) in enumerate(zip(spec.shape, a.shape)):
                 want = bound.setdefault(dim, size) if isinstance(dim, str) else dim
                 if size != want:
-                    raise PayloadError(f"'{name}' has shape {a.shape}: axis {axis} is {size}, expected "
-                                       f"{dim}={want}")
+                    raise PayloadError(f"'{name}' has shape {a.shape}: axis {axis} is {size}, expected {dim}={want}")
             if a.dtype.kind == "f" and a.size:
                 if not np.isfinite(a).all():
                     raise PayloadError(f"'{name}' has non-finite values")
                 if np.abs(a).max() > spec.max_abs:
-                    raise PayloadError(f"'{name}' has entries of magnitude {np.abs(a).max():.3g}, above the "
-                                       f"bound {spec.max_abs:.3g}")
+                    raise PayloadError(
+                        f"'{name}' has entries of magnitude {np.abs(a).max():.3g}, above the bound {spec.max_abs:.3g}"
+                    )
             if spec.labels:
                 num_classes = bound["C"]
                 if a.size and (a.min() < 0 or a.max() >= num_classes):
@@ -167,8 +167,7 @@ def clip_outlier_rows(schema: PayloadSchema, uploads: list[dict[str, np.ndarray]
         present = [u for u in uploads if name in u and u[name].size]
         if spec.row_norm_factor is None or len(present) < 3:
             continue
-        norms = [np.linalg.norm(u[name].astype(np.float64).reshape(-1, u[name].shape[-1]), axis=1)
-                 for u in present]
+        norms = [np.linalg.norm(u[name].astype(np.float64).reshape(-1, u[name].shape[-1]), axis=1) for u in present]
         bound = spec.row_norm_factor * sorted((float(np.median(n)) for n in norms), reverse=True)[1]
         if bound <= 0:  # the other uploads' rows are all zero: no scale to compare with
             continue
@@ -219,12 +218,16 @@ def decode_array(name: str, array: Array) -> np.ndarray:
         raise PayloadError(f"'{name}' has dtype {dtype}, not a plain numeric one")
     declared = math.prod(shape) * dtype.itemsize
     if declared != len(array.data) - buffer.tell():
-        raise PayloadError(f"'{name}' declares shape {shape} ({declared} bytes) but carries "
-                           f"{len(array.data) - buffer.tell()} bytes")
+        raise PayloadError(
+            f"'{name}' declares shape {shape} ({declared} bytes) but carries {len(array.data) - buffer.tell()} bytes"
+        )
     if tuple(array.shape) != tuple(shape) or array.dtype != str(dtype):
         raise PayloadError(f"'{name}' is labelled {array.dtype} {tuple(array.shape)} but holds {dtype} {shape}")
-    return np.frombuffer(array.data, dtype=dtype, offset=buffer.tell()).reshape(
-        shape, order="F" if fortran_order else "C").copy()
+    return (
+        np.frombuffer(array.data, dtype=dtype, offset=buffer.tell())
+        .reshape(shape, order="F" if fortran_order else "C")
+        .copy()
+    )
 
 
 def read_payload(content: RecordDict) -> dict[str, np.ndarray]:
@@ -244,5 +247,8 @@ def read_payload(content: RecordDict) -> dict[str, np.ndarray]:
 
 def tensor_bytes(content: RecordDict) -> int:
     """Payload bytes of a message: sum of numel x itemsize over all its arrays."""
-    return sum(int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
-               for record in content.array_records.values() for a in record.values())
+    return sum(
+        int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+        for record in content.array_records.values()
+        for a in record.values()
+    )

@@ -36,8 +36,10 @@ METHODS: dict[str, tuple[type[HeteroStrategy], type[ClientProcedure]]] = {
 
 def _method(cfg: RunConfig) -> tuple[type[HeteroStrategy], type[ClientProcedure]]:
     if cfg.method not in METHODS:
-        raise ConfigError(f"run config key 'method' = {cfg.method!r} is invalid: allowed values are "
-                          + ", ".join(repr(m) for m in METHODS))
+        raise ConfigError(
+            f"run config key 'method' = {cfg.method!r} is invalid: allowed values are "
+            + ", ".join(repr(m) for m in METHODS)
+        )
     return METHODS[cfg.method]
 
 

@@ -64,8 +64,9 @@ def fedavg(replies: list[ClientReply], keys: list[str]) -> dict[str, np.ndarray]
         raise PayloadError("no replies to average")
     weights = np.array([float(r.metrics.get("num-examples", 0)) for r in replies])
     weights = weights / weights.sum() if weights.sum() > 0 else np.full(len(replies), 1 / len(replies))
-    return {k: sum(w * r.arrays[k].astype(np.float64) for w, r in zip(weights, replies)).astype(np.float32)
-            for k in keys}
+    return {
+        k: sum(w * r.arrays[k].astype(np.float64) for w, r in zip(weights, replies)).astype(np.float32) for k in keys
+    }
 
 
 class SharedModelStrategy(HeteroStrategy):

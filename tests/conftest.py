@@ -23,8 +23,16 @@ def make_run_config(**overrides) -> dict:
     """pyproject defaults + small, fast settings + ``overrides`` (keys with '-' or '_')."""
     rc = app_defaults()
     # round-timeout: the fake grid answers at once, so only a silent node waits for it
-    rc.update({"data-dir": str(DATA_DIR), "num-clients": 4, "num-server-rounds": 2,
-               "max-examples-per-client": 200, "batch-size": 32, "round-timeout": 0.5})
+    rc.update(
+        {
+            "data-dir": str(DATA_DIR),
+            "num-clients": 4,
+            "num-server-rounds": 2,
+            "max-examples-per-client": 200,
+            "batch-size": 32,
+            "round-timeout": 0.5,
+        }
+    )
     rc.update({k.replace("_", "-"): v for k, v in overrides.items()})
     return rc
 
@@ -32,8 +40,10 @@ def make_run_config(**overrides) -> dict:
 @pytest.fixture
 def run_config(tmp_path):
     """Factory: a run-config dict writing results under the test's tmp folder."""
+
     def factory(**overrides):
         return make_run_config(**{"output-dir": str(tmp_path / "outputs"), **overrides})
+
     return factory
 
 
@@ -54,14 +64,26 @@ def client_runtime(rc: dict, partition_id: int = 0):
 
     from client_app.runtime import ClientRuntime
 
-    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": partition_id, "num-partitions": rc["num-clients"]},
-                  state=RecordDict(), run_config=rc)
+    ctx = Context(
+        run_id=1,
+        node_id=1,
+        node_config={"partition-id": partition_id, "num-partitions": rc["num-clients"]},
+        state=RecordDict(),
+        run_config=rc,
+    )
     return ClientRuntime(ctx)
 
 
 def train_config(rc: dict, server_round: int = 1, **kw) -> dict:
     """The config of a train instruction built from ``rc`` (what ``HeteroStrategy.train_config`` sends)."""
-    cfg = {"server-round": server_round, "local-epochs": rc["local-epochs"], "batch-size": rc["batch-size"],
-           "lr": rc["lr"], "momentum": rc["momentum"], "weight-decay": rc["weight-decay"],
-           "clip-norm": rc["clip-norm"], "precision": rc["precision"]}
+    cfg = {
+        "server-round": server_round,
+        "local-epochs": rc["local-epochs"],
+        "batch-size": rc["batch-size"],
+        "lr": rc["lr"],
+        "momentum": rc["momentum"],
+        "weight-decay": rc["weight-decay"],
+        "clip-norm": rc["clip-norm"],
+        "precision": rc["precision"],
+    }
     return {**cfg, **kw}

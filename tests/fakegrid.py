@@ -25,8 +25,14 @@ class FakeGrid(Grid):
     :meth:`add_node` starts a node.
     """
 
-    def __init__(self, client_app, run_config: dict, num_nodes: int,
-                 tamper: Callable[[int, Message], Message] | None = None, node_config: dict | None = None) -> None:
+    def __init__(
+        self,
+        client_app,
+        run_config: dict,
+        num_nodes: int,
+        tamper: Callable[[int, Message], Message] | None = None,
+        node_config: dict | None = None,
+    ) -> None:
         self.client_app = client_app
         self.tamper = tamper
         self.run_config, self.num_nodes, self.node_config = dict(run_config), num_nodes, dict(node_config or {})
@@ -42,10 +48,13 @@ class FakeGrid(Grid):
 
     def add_node(self, node_id: int, partition_id: int) -> Context:
         """A node with an empty state holding ``partition_id`` (a fresh or restarted SuperNode)."""
-        self.contexts[node_id] = Context(run_id=1, node_id=node_id,
-                                         node_config={"partition-id": partition_id, "num-partitions": self.num_nodes,
-                                                      **self.node_config},
-                                         state=RecordDict(), run_config=self.run_config)
+        self.contexts[node_id] = Context(
+            run_id=1,
+            node_id=node_id,
+            node_config={"partition-id": partition_id, "num-partitions": self.num_nodes, **self.node_config},
+            state=RecordDict(),
+            run_config=self.run_config,
+        )
         return self.contexts[node_id]
 
     def set_run(self, run) -> None:  # pragma: no cover - unused by the strategies
@@ -57,7 +66,6 @@ class FakeGrid(Grid):
 
     def create_message(self, *args, **kwargs):  # pragma: no cover
         raise NotImplementedError
-
 
     def get_node_ids(self) -> Iterable[int]:
         return [n for n in self.contexts if n not in self.gone]

@@ -13,17 +13,20 @@ def test_defaults_are_valid():
     assert build_strategy(cfg).options.server_mode == "per-lar"
 
 
-@pytest.mark.parametrize("key,value,fragment", [
-    ("partitioner", "shards", "'iid', 'dirichlet', 'pathological'"),
-    ("dataset", "imagenet", "'cifar10'"),
-    ("model-group", "resnet", "'cnn1', 'hetero-cnn5'"),
-    ("fraction-train", 0.0, "> 0"),
-    ("fraction-train", 1.5, "<= 1"),
-    ("num-server-rounds", 2.5, "an integer"),
-    ("lr", "fast", "a number"),
-    ("device", "tpu", "'auto', 'cpu', 'cuda'"),
-    ("classes-per-client", 11, "from 1 to 10"),
-])
+@pytest.mark.parametrize(
+    "key,value,fragment",
+    [
+        ("partitioner", "shards", "'iid', 'dirichlet', 'pathological'"),
+        ("dataset", "imagenet", "'cifar10'"),
+        ("model-group", "resnet", "'cnn1', 'hetero-cnn5'"),
+        ("fraction-train", 0.0, "> 0"),
+        ("fraction-train", 1.5, "<= 1"),
+        ("num-server-rounds", 2.5, "an integer"),
+        ("lr", "fast", "a number"),
+        ("device", "tpu", "'auto', 'cpu', 'cuda'"),
+        ("classes-per-client", 11, "from 1 to 10"),
+    ],
+)
 def test_bad_value_names_key_and_allowed_values(key, value, fragment):
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict(make_run_config(**{key: value}))

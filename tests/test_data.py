@@ -4,15 +4,25 @@ import numpy as np
 import pytest
 import torch
 
-from client_app.data import (DATASETS, DataSpec, augment, class_counts, load_client_data, normalize,
-                             stratified_split)
+from client_app.data import DATASETS, DataSpec, augment, class_counts, load_client_data, normalize, stratified_split
 from common.config import ConfigError
 from conftest import DATA_DIR
 
 
 def spec(**kw):
-    base = dict(dataset="cifar10", data_dir=str(DATA_DIR), partitioner="pathological", num_partitions=10,
-                dirichlet_alpha=0.5, dirichlet_min_size=2, dirichlet_self_balancing=False, classes_per_client=2, test_fraction=0.2, max_examples_per_client=0, seed=7)
+    base = dict(
+        dataset="cifar10",
+        data_dir=str(DATA_DIR),
+        partitioner="pathological",
+        num_partitions=10,
+        dirichlet_alpha=0.5,
+        dirichlet_min_size=2,
+        dirichlet_self_balancing=False,
+        classes_per_client=2,
+        test_fraction=0.2,
+        max_examples_per_client=0,
+        seed=7,
+    )
     return DataSpec(**{**base, **kw})
 
 
@@ -102,9 +112,13 @@ def test_partition_cache_hit_equals_a_fresh_decode_and_changed_keys_miss(tmp_pat
         assert torch.equal(getattr(written, name), getattr(fresh, name)), name
     assert hit.info == fresh.info
     # anything that changes the partition changes the key: another partition, seed, cap or partitioner
-    keys = {partition_key(s, 1), partition_key(s, 2), partition_key(spec(max_examples_per_client=120, seed=1), 1),
-            partition_key(spec(max_examples_per_client=100), 1),
-            partition_key(spec(max_examples_per_client=120, partitioner="iid"), 1)}
+    keys = {
+        partition_key(s, 1),
+        partition_key(s, 2),
+        partition_key(spec(max_examples_per_client=120, seed=1), 1),
+        partition_key(spec(max_examples_per_client=100), 1),
+        partition_key(spec(max_examples_per_client=120, partitioner="iid"), 1),
+    }
     assert len(keys) == 5
     load_client_data.__wrapped__(s, 2, str(tmp_path))
     assert len(list(tmp_path.glob("partition-*.pt"))) == 2

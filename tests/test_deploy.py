@@ -31,8 +31,16 @@ def test_tls_auth_deployment_survives_a_killed_and_restarted_supernode(tmp_path)
         assert register_nodes(publics[:1], CONNECTION, env=deployment.env) == [f"{publics[0]}: registered before"]
         intruder = deployment.supernode(3, key_index=3)  # partition 3 with an unregistered key
 
-        run_config = {"method": "fedgh", "num-clients": 3, "num-server-rounds": 4, "max-examples-per-client": 200,
-                      "batch-size": 32, "data-dir": str(DATA_DIR), "output-dir": str(out), "round-timeout": 90.0}
+        run_config = {
+            "method": "fedgh",
+            "num-clients": 3,
+            "num-server-rounds": 4,
+            "max-examples-per-client": 200,
+            "batch-size": 32,
+            "data-dir": str(DATA_DIR),
+            "output-dir": str(out),
+            "round-timeout": 90.0,
+        }
         run_id = deployment.submit(run_config)
 
         assert wait_for(lambda: intruder.poll() is not None, 90, "the unregistered SuperNode to be refused") != 0

@@ -78,14 +78,25 @@ def test_topology_tls_data_and_state():
     for name, service in services.items():  # SuperExecs look for tasks as often as tools.deploy's do
         if name.startswith("superexec"):
             assert float(service["environment"]["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"]) == TASK_POLL_SECONDS, name
-    for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--disable-runtime-dependency-installation",
-                 "--enable-supernode-auth"):
+    for flag in (
+        "--ssl-ca-certfile",
+        "--ssl-certfile",
+        "--ssl-keyfile",
+        "--disable-runtime-dependency-installation",
+        "--enable-supernode-auth",
+    ):
         assert flag in link["command"]
     assert link["command"][link["command"].index("--isolation") + 1] == "process"
     assert link["depends_on"]["certs"]["condition"] == "service_completed_successfully"
-    assert "/app/deploy.py certs" in services["certs"]["command"][0] and "--name superlink" in services["certs"]["command"][0]
+    assert (
+        "/app/deploy.py certs" in services["certs"]["command"][0]
+        and "--name superlink" in services["certs"]["command"][0]
+    )
     serverapp = services["superexec-serverapp"]["command"]
-    assert serverapp[serverapp.index("--runtime-api-address") + 1] == "superlink:8000" and "--root-certificates" in serverapp
+    assert (
+        serverapp[serverapp.index("--runtime-api-address") + 1] == "superlink:8000"
+        and "--root-certificates" in serverapp
+    )
 
     nodes = {n: s for n, s in services.items() if n.startswith("supernode-")}
     assert len(nodes) >= 3
@@ -111,7 +122,7 @@ def test_topology_tls_data_and_state():
     # the certs service makes one key pair per node; register registers exactly those keys
     assert f"keys --out /keys --nodes {len(nodes)}" in services["certs"]["command"][0]
     register = services["register"]
-    assert register["command"][0].split("deploy.py register")[1].split()[-len(nodes):] == registered
+    assert register["command"][0].split("deploy.py register")[1].split()[-len(nodes) :] == registered
     assert "node-keys:/keys:ro" in register["volumes"] and register["depends_on"] == ["superlink"]
     assert register["environment"]["SUPERLINK"] == "superlink:8000"
 
@@ -125,7 +136,8 @@ def test_each_image_is_built_once():
             built[service["image"]] = name
         else:
             assert service["pull_policy"] == "never" and service["image"] in {
-                s["image"] for s in services.values() if "build" in s}, name
+                s["image"] for s in services.values() if "build" in s
+            }, name
     # the build context is the repository root: .dockerignore lets through exactly what is copied
     copied = set()
     for dockerfile in DOCKER.glob("Dockerfile.*"):
@@ -170,7 +182,7 @@ def test_local_images_mirror_the_official_layout():
     for tool, cli in CLI.items():
         assert re.search(rf"FROM base AS {tool}\nENTRYPOINT \[\"{cli}\"\]", text), tool
     assert "--uid 49999 app" in text and "WORKDIR /app\nUSER app\nENV HOME=/app" in text
-    assert "/python/venv/bin/pip install --no-cache-dir \"flwr==${FLWR_VERSION}\"" in text
+    assert '/python/venv/bin/pip install --no-cache-dir "flwr==${FLWR_VERSION}"' in text
     assert "PATH=/python/venv/bin:$PATH" in text
     script = (DOCKER / "local-images.sh").read_text()
     assert 'p["name"] == "flwr"' in script and '-t "flwr/$component:$VERSION"' in script
@@ -192,14 +204,20 @@ def test_secrets_are_mounted_only_where_needed():
 
     def mounting(volume):
         return {n for n, s in services.items() for v in s.get("volumes", []) if v.split(":")[0] == volume}
+
     assert mounting("ca-key") == {"certs"}
     assert mounting("superlink-tls") == {"certs", "superlink"}
     assert mounting("node-keys") == {"certs", "register"} | {n for n in services if n.startswith("supernode-")}
     for name, service in services.items():
         if name != "certs":
-            assert all(v.endswith(":ro") for v in service.get("volumes", [])
-                       if v.split(":")[0] in ("certs", "superlink-tls", "node-keys")), name
+            assert all(
+                v.endswith(":ro")
+                for v in service.get("volumes", [])
+                if v.split(":")[0] in ("certs", "superlink-tls", "node-keys")
+            ), name
     link = services["superlink"]["command"]
-    assert link[link.index("--ssl-keyfile") + 1].startswith("/tls/") and "superlink-tls:/tls:ro" in services[
-        "superlink"]["volumes"]
+    assert (
+        link[link.index("--ssl-keyfile") + 1].startswith("/tls/")
+        and "superlink-tls:/tls:ro" in services["superlink"]["volumes"]
+    )
     assert "--ca-key-dir /ca" in services["certs"]["command"][0]

@@ -9,6 +9,7 @@ import numpy as np
 
 from client_app.data import DataSpec, class_counts, load_client_data
 from common.config import RunConfig
+from common.files import read_rows
 from conftest import DATA_DIR, ROOT, make_run_config
 
 
@@ -22,13 +23,18 @@ def launch(overrides: dict, *args: str, timeout: float = 400) -> subprocess.Comp
 
 def test_flwr_run_learns_on_real_cifar10(tmp_path):
     # no num-clients (default 0): the run takes every SuperNode of the federation, here 3
-    overrides = {"num-server-rounds": 3, "max-examples-per-client": 800, "local-epochs": 3,
-                 "data-dir": str(DATA_DIR), "output-dir": str(tmp_path)}
+    overrides = {
+        "num-server-rounds": 3,
+        "max-examples-per-client": 800,
+        "local-epochs": 3,
+        "data-dir": str(DATA_DIR),
+        "output-dir": str(tmp_path),
+    }
     proc = launch(overrides, "--num-supernodes", "3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "finished:completed" in proc.stdout
     (run_dir,) = list(tmp_path.iterdir())
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    rows = read_rows(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [r["round"] for r in rows] == [1, 2, 3] and summary["status"] == "completed"
     assert summary["config"]["num-clients"] == 0 and summary["num_clients"] == 3
@@ -43,8 +49,15 @@ def test_flwr_run_learns_on_real_cifar10(tmp_path):
 
 
 def test_failed_run_exits_non_zero(tmp_path):
-    proc = launch({"num-clients": 2, "num-server-rounds": 1, "data-dir": str(tmp_path / "nothing-here"),
-                   "output-dir": str(tmp_path / "out"), "round-timeout": 60.0})
+    proc = launch(
+        {
+            "num-clients": 2,
+            "num-server-rounds": 1,
+            "data-dir": str(tmp_path / "nothing-here"),
+            "output-dir": str(tmp_path / "out"),
+            "round-timeout": 60.0,
+        }
+    )
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "finished:failed" in proc.stdout
     summary = json.loads(next(Path(tmp_path / "out").glob("*/summary.json")).read_text())

@@ -25,7 +25,7 @@ def test_state_is_written_to_the_node_dir_and_restored_after_a_restart(run_confi
     strategy, grid = deployed(rc, tmp_path / "state")
     strategy.start(grid)
     key = strategy.state_key
-    for node, ctx in grid.contexts.items():
+    for ctx in grid.contexts.values():
         on_disk = saved_model(tmp_path / "state", key, ctx.node_config["partition-id"])
         in_memory = ctx.state.array_records[MODEL_STATE].to_torch_state_dict()
         assert on_disk.keys() == in_memory.keys() and all(torch.equal(on_disk[k], in_memory[k]) for k in on_disk)

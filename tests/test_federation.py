@@ -8,6 +8,7 @@ import time
 import pytest
 
 from common.config import ConfigError, RunConfig
+from common.files import read_rows
 from conftest import federation
 from server_app.app import run
 from server_app.results import scalars
@@ -33,7 +34,7 @@ class TricklingGrid:
         self.looks += 1
         nodes = list(self.grid.get_node_ids())
         self.connected = min(self.connected + (self.looks > 1), len(nodes))
-        return nodes[:self.connected]
+        return nodes[: self.connected]
 
     def __getattr__(self, name):
         return getattr(self.grid, name)
@@ -47,7 +48,7 @@ def test_num_clients_zero_takes_every_node_even_when_they_connect_one_by_one(run
     queries = [m for m in grid.sent if m.metadata.message_type == "query"]
     # the handshake asked the nodes in several batches as they came, each node once
     assert len(queries) == 5 and len({m.metadata.dst_node_id for m in queries}) == 5 and trickling.looks >= 5
-    rows = [json.loads(line) for line in open(results.path / "metrics.jsonl")]
+    rows = read_rows(results.path)
     assert [r["num_clients"] for r in rows] == [5, 5]
     assert all(sorted(r["accuracy_per_client"]) == ["0", "1", "2", "3", "4"] for r in rows)
     summary = json.loads((results.path / "summary.json").read_text())
@@ -97,10 +98,22 @@ def test_no_node_at_all_times_out_naming_the_key(run_config):
 
 
 def test_scalars_of_a_row():
-    row = {"round": 3, "evaluated": True, "accuracy_mean": 0.5, "accuracy_weighted": None, "bytes_up": 10,
-           "dropped_clients": [2], "accuracy_per_client": {"0": 0.25, "1": 0.75}}
-    assert scalars(row) == {"evaluated": 1.0, "accuracy_mean": 0.5, "bytes_up": 10.0,
-                            "accuracy_per_client/0": 0.25, "accuracy_per_client/1": 0.75}
+    row = {
+        "round": 3,
+        "evaluated": True,
+        "accuracy_mean": 0.5,
+        "accuracy_weighted": None,
+        "bytes_up": 10,
+        "dropped_clients": [2],
+        "accuracy_per_client": {"0": 0.25, "1": 0.75},
+    }
+    assert scalars(row) == {
+        "evaluated": 1.0,
+        "accuracy_mean": 0.5,
+        "bytes_up": 10.0,
+        "accuracy_per_client/0": 0.25,
+        "accuracy_per_client/1": 0.75,
+    }
 
 
 def test_tensorboard_scalars_equal_the_metrics_rows(run_config):
@@ -109,7 +122,7 @@ def test_tensorboard_scalars_equal_the_metrics_rows(run_config):
 
     rc = run_config(**{"num-clients": 3, "num-server-rounds": 3, "logger": "tensorboard", "eval-every": 2})
     results = run(grid_of(rc, 3), RunConfig.from_dict(rc), "tb")
-    rows = [json.loads(line) for line in open(results.path / "metrics.jsonl")]
+    rows = read_rows(results.path)
     events = EventAccumulator(str(results.path), size_guidance={"scalars": 0})
     events.Reload()
     logged = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}

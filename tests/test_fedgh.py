@@ -26,8 +26,7 @@ def runtime(rc, partition_id=0):
 
 def header_payload(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {"head.weight": (torch.randn(C, D, generator=g) * 0.01).numpy(),
-            "head.bias": torch.zeros(C).numpy()}
+    return {"head.weight": (torch.randn(C, D, generator=g) * 0.01).numpy(), "head.bias": torch.zeros(C).numpy()}
 
 
 def synthetic_replies(num_clients=10, classes=2, seed=0):
@@ -38,14 +37,19 @@ def synthetic_replies(num_clients=10, classes=2, seed=0):
     for k in range(num_clients):
         labels = np.sort(rng.choice(C, classes, replace=False)).astype(np.int32)
         lar = (patterns[labels] + 0.1 * np.abs(rng.normal(size=(classes, D)))).astype(np.float32)
-        out.append(ClientReply(node_id=100 + k, partition_id=k, arrays={"lar": lar, "lar_labels": labels},
-                               metrics={}))
+        out.append(ClientReply(node_id=100 + k, partition_id=k, arrays={"lar": lar, "lar_labels": labels}, metrics={}))
     return out
 
 
 def options(**kw):
-    base = dict(server_mode="per-lar", server_lr=0.01, server_epochs=1, server_batch_size=10,
-                server_clip_norm=50.0, eval_global_head=False)
+    base = dict(
+        server_mode="per-lar",
+        server_lr=0.01,
+        server_epochs=1,
+        server_batch_size=10,
+        server_clip_norm=50.0,
+        eval_global_head=False,
+    )
     return FedGHOptions(**{**base, **kw})
 
 
@@ -58,8 +62,9 @@ def fresh_header(seed=0):
 def test_uplink_holds_exact_lars_of_trained_extractor(run_config):
     rc = run_config()
     client = runtime(rc)
-    before, _ = class_means(client.model.extractor, client.data.train_x, client.data.train_y, client.data.info,
-                            client.device)
+    before, _ = class_means(
+        client.model.extractor, client.data.train_x, client.data.train_y, client.data.info, client.device
+    )
     arrays, metrics = FedGHClient(RunConfig.from_dict(rc)).train(client, header_payload(), train_config(rc))
     assert set(arrays) == {"lar", "lar_labels"}
     labels = np.unique(client.data.train_y.numpy())
@@ -201,8 +206,9 @@ def test_unweighted_and_weighted_accuracy(run_config):
     replies = []
     for node, (acc, n) in zip(grid.contexts, [(1.0, 10), (0.0, 1000)]):
         msg = strategy.message("evaluate", node, {}, strategy.train_config(1), 1)
-        content = RecordDict({"metrics": MetricRecord({"partition-id": node - 1000, "test-correct": int(acc * n),
-                                                       "num-examples": n})})
+        content = RecordDict(
+            {"metrics": MetricRecord({"partition-id": node - 1000, "test-correct": int(acc * n), "num-examples": n})}
+        )
         replies.append(Message(content, reply_to=msg))
     out = strategy.aggregate_evaluate(1, replies)
     assert out["accuracy-mean"] == pytest.approx(0.5)
@@ -230,8 +236,9 @@ def test_wrong_representation_size_is_rejected(run_config):
         if reply.metadata.message_type == "train" and node == 1001:
             payload = reply.content.array_records["payload"]
             lar = payload["lar"].numpy()[:, :499].copy()
-            reply.content["payload"] = type(payload)({"lar": type(payload["lar"])(lar),
-                                                      "lar_labels": payload["lar_labels"]})
+            reply.content["payload"] = type(payload)(
+                {"lar": type(payload["lar"])(lar), "lar_labels": payload["lar_labels"]}
+            )
         return reply
 
     grid.tamper = shrink

@@ -18,8 +18,18 @@ from strategies.fedmrl import PROJECTOR_STATE, FedMRLClient, FedMRLStrategy, sma
 from strategies.payload import PAYLOAD, PayloadError, tensor_bytes
 from strategies.shared_model import fedavg, module_arrays
 
-SMALL_KEYS = ["conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "fc1.weight", "fc1.bias",
-              "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]
+SMALL_KEYS = [
+    "conv1.weight",
+    "conv1.bias",
+    "conv2.weight",
+    "conv2.bias",
+    "fc1.weight",
+    "fc1.bias",
+    "fc2.weight",
+    "fc2.bias",
+    "fc3.weight",
+    "fc3.bias",
+]
 #: shapes that only the private models (CNN-1..5 fc1, private header) and the projector have
 PRIVATE_SHAPES = {(2000, 800), (2000, 400), (1000, 800), (800, 800), (500, 600), (10, 500)}
 
@@ -49,9 +59,18 @@ def test_payload_is_exactly_the_small_model_both_ways(run_config):
     strategy, grid, replies = captured_federation(rc)
     strategy.start(grid)
     trains = [m for m in grid.sent if m.metadata.message_type == "train"]
-    expected = {"conv1.weight": (16, 3, 5, 5), "conv1.bias": (16,), "conv2.weight": (32, 16, 5, 5),
-                "conv2.bias": (32,), "fc1.weight": (500, 800), "fc1.bias": (500,), "fc2.weight": (100, 500),
-                "fc2.bias": (100,), "fc3.weight": (10, 100), "fc3.bias": (10,)}
+    expected = {
+        "conv1.weight": (16, 3, 5, 5),
+        "conv1.bias": (16,),
+        "conv2.weight": (32, 16, 5, 5),
+        "conv2.bias": (32,),
+        "fc1.weight": (500, 800),
+        "fc1.bias": (500,),
+        "fc2.weight": (100, 500),
+        "fc2.bias": (100,),
+        "fc3.weight": (10, 100),
+        "fc3.bias": (10,),
+    }
     train_replies = [r for r in replies if r.metadata.message_type == "train"]
     assert len(trains) == len(train_replies) == 4
     for m in trains + train_replies:
@@ -64,8 +83,10 @@ def test_payload_is_exactly_the_small_model_both_ways(run_config):
     assert strategy.rows[0]["bytes_up"] == strategy.rows[0]["bytes_down"] == 4 * 1_862_632
 
 
-@pytest.mark.parametrize("dataset,d1,params", [("cifar10", 100, 465_658), ("cifar100", 100, 474_748),
-                                               ("cifar10", 200, 516_758), ("cifar10", 500, 670_058)])
+@pytest.mark.parametrize(
+    "dataset,d1,params",
+    [("cifar10", 100, 465_658), ("cifar100", 100, 474_748), ("cifar10", 200, 516_758), ("cifar10", 500, 670_058)],
+)
 def test_byte_formula(run_config, dataset, d1, params):
     cfg = RunConfig.from_dict(mrl_config(run_config, dataset=dataset, **{"fedmrl.d1": d1}))
     model = small_model(cfg)
@@ -74,8 +95,10 @@ def test_byte_formula(run_config, dataset, d1, params):
 
 
 def test_schema_does_not_depend_on_the_private_model(run_config):
-    schemas = [FedMRLClient(RunConfig.from_dict(mrl_config(run_config, model_group=g))).schemas["train"]
-               for g in ("hetero-cnn5", "cnn1")]
+    schemas = [
+        FedMRLClient(RunConfig.from_dict(mrl_config(run_config, model_group=g))).schemas["train"]
+        for g in ("hetero-cnn5", "cnn1")
+    ]
     assert schemas[0] == schemas[1]
     assert FedMRLStrategy(RunConfig.from_dict(mrl_config(run_config))).schemas["train"] == schemas[0]
 
@@ -106,18 +129,21 @@ def matryoshka_terms(model, small, private, x, y):
     """An independent recomputation of CE(G^hd(z[:, :d1]), y) and CE(F^hd(z), y)."""
     r = torch.cat([small.extractor(x), private.extractor(x)], 1)
     z = model.extractor.projector(r)
-    return F.cross_entropy(small.fc3(z[:, :small.feature_dim]), y), F.cross_entropy(private.head(z), y)
+    return F.cross_entropy(small.fc3(z[:, : small.feature_dim]), y), F.cross_entropy(private.head(z), y)
 
 
 # 5, 6, 12: the training loss, gradient flow, step count
 def test_training_loss_gradients_and_step_count(run_config, monkeypatch):
-    rc = mrl_config(run_config, **{"max-examples-per-client": 500, "batch-size": 512, "local-epochs": 10,
-                                   "weight-decay": 0.0, "momentum": 0.0})
+    rc = mrl_config(
+        run_config,
+        **{"max-examples-per-client": 500, "batch-size": 512, "local-epochs": 10, "weight-decay": 0.0, "momentum": 0.0},
+    )
     client, procedure, _, small = fused_model(rc)
     assert len(client.data.train_y) == 400
     seen_losses, steps = [], []
 
     import client_app.training as training
+
     original = training.train_supervised
 
     def spy(model, data, config, device, generator, regularizer=None, supervised_loss=None, clip_groups=None):
@@ -133,6 +159,7 @@ def test_training_loss_gradients_and_step_count(run_config, monkeypatch):
                     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters()), name
                 model.zero_grad()
             return loss
+
         return original(model, data, config, device, generator, regularizer, recorded, clip_groups)
 
     monkeypatch.setattr(training, "train_supervised", spy)
@@ -163,6 +190,7 @@ def test_zero_weight_gives_zero_header_gradient(run_config, zero, head):
 def test_fedavg_weights_by_training_samples():
     def reply(value, n):
         return ClientReply(1, 0, {"w": np.full((2, 3), value, np.float32)}, {"num-examples": n})
+
     assert np.allclose(fedavg([reply(0, 1), reply(1, 3)], ["w"])["w"], 0.75)
     single = reply(0.3, 5)
     assert np.array_equal(fedavg([single], ["w"])["w"], single.arrays["w"])
@@ -177,7 +205,7 @@ def test_state_persists_theta_is_replaced_and_idle_clients_untouched(run_config)
     sampled = {strategy.clients[n]["partition-id"] for n in strategy.sampled}
     cfg = RunConfig.from_dict(rc)
     procedure = FedMRLClient(cfg)
-    for node, ctx in grid.contexts.items():
+    for ctx in grid.contexts.values():
         pid = ctx.node_config["partition-id"]
         if pid not in sampled:  # never trained: nothing stored, so the initial ω and φ
             assert set(ctx.state.array_records) == set()
@@ -214,8 +242,10 @@ def test_inference_dependencies(run_config):
 
 # 15 and the protocols: smoke run, degenerate clients
 def test_protocol_a_learns_and_evaluates_only_sampled_clients(run_config):
-    rc = mrl_config(run_config, **{"num-server-rounds": 5, "eval-clients": "trained", "local-epochs": 2,
-                                   "max-examples-per-client": 400})
+    rc = mrl_config(
+        run_config,
+        **{"num-server-rounds": 5, "eval-clients": "trained", "local-epochs": 2, "max-examples-per-client": 400},
+    )
     strategy, grid = federation(rc)
     strategy.start(grid)
     rows = strategy.rows
@@ -231,8 +261,7 @@ def test_protocol_a_learns_and_evaluates_only_sampled_clients(run_config):
 
 
 def test_protocol_b_evaluates_everyone_with_the_aggregated_model(run_config):
-    rc = mrl_config(run_config, **{"num-server-rounds": 1, "fraction-train": 0.5,
-                                   "fedmrl.eval-protocol": "deployment"})
+    rc = mrl_config(run_config, **{"num-server-rounds": 1, "fraction-train": 0.5, "fedmrl.eval-protocol": "deployment"})
     strategy, grid = federation(rc)
     strategy.start(grid)
     evaluates = [m for m in grid.sent if m.metadata.message_type == "evaluate"]
@@ -249,8 +278,9 @@ def test_single_class_client_sends_the_full_model_and_empty_test_is_safe(run_con
     client, procedure, _, small = fused_model(rc)
     data = client.data
     keep = data.train_y == data.train_y[0]
-    client.__dict__["data"] = dataclasses.replace(data, train_x=data.train_x[keep], train_y=data.train_y[keep],
-                                                  test_x=data.test_x[:0], test_y=data.test_y[:0])
+    client.__dict__["data"] = dataclasses.replace(
+        data, train_x=data.train_x[keep], train_y=data.train_y[keep], test_x=data.test_x[:0], test_y=data.test_y[:0]
+    )
     arrays, stats = procedure.train(client, module_arrays(small), train_config(rc))
     assert list(arrays) == SMALL_KEYS and stats["num-examples"] == int(keep.sum())
     _, metrics = procedure.evaluate(client, {}, {})
@@ -297,9 +327,11 @@ def test_lg_fedavg_shares_only_the_head_and_learns(run_config):
         assert shapes_of(m) == {"head.weight": (10, 500), "head.bias": (10,)}
         assert tensor_bytes(m.content) == 20_040
     # the server's head is the sample-weighted mean of the last replies
-    last = replies[-rc["num-clients"]:]
+    last = replies[-rc["num-clients"] :]
     weights = np.array([r.content.metric_records["metrics"]["num-examples"] for r in last], np.float64)
-    mean = sum(w * r.content.array_records[PAYLOAD]["head.weight"].numpy() for w, r in zip(weights, last)) / weights.sum()
+    mean = (
+        sum(w * r.content.array_records[PAYLOAD]["head.weight"].numpy() for w, r in zip(weights, last)) / weights.sum()
+    )
     assert np.allclose(module_arrays(strategy.shared)["head.weight"], mean, atol=1e-6)
     assert_learns(rc, strategy)
     with pytest.raises(ConfigError, match="non-linear heads"):
@@ -316,8 +348,10 @@ def test_fd_uploads_per_class_logits_and_learns(run_config):
     assert PAYLOAD not in rounds[0].content.array_records  # round 1: no global logits yet
     # the distillation term pulls towards the global logit of the label
     client = client_runtime(rc, 0)
-    payload = {"logits": np.eye(10, dtype=np.float32)[client.data.train_y[:1].numpy()] * 20,
-               "mask": np.eye(10, dtype=bool)[client.data.train_y[0].item()]}
+    payload = {
+        "logits": np.eye(10, dtype=np.float32)[client.data.train_y[:1].numpy()] * 20,
+        "mask": np.eye(10, dtype=bool)[client.data.train_y[0].item()],
+    }
     assert FDClient(RunConfig.from_dict(rc)).train(client, payload, train_config(rc))[1]["train-loss"] > 0
     assert_learns(rc, strategy)
 
@@ -337,13 +371,19 @@ def test_svd_compression():
 
 
 def test_fedkd_payload_is_compressed_and_learns(run_config):
-    rc, strategy, grid, replies = baseline_run(run_config, "fedkd", **{"fedkd.energy-start": 0.5,
-                                                                       "fedkd.energy-end": 0.6})
+    rc, strategy, grid, replies = baseline_run(
+        run_config, "fedkd", **{"fedkd.energy-start": 0.5, "fedkd.energy-end": 0.6}
+    )
     full = 4 * 670_058
     for r in replies:
         arrays = {k: v.numpy() for k, v in r.content.array_records[PAYLOAD].items()}
-        assert {k.rsplit(".", 1)[0] for k in arrays if k.endswith(".u")} == {"conv1.weight", "conv2.weight",
-                                                                             "fc1.weight", "fc2.weight", "fc3.weight"}
+        assert {k.rsplit(".", 1)[0] for k in arrays if k.endswith(".u")} == {
+            "conv1.weight",
+            "conv2.weight",
+            "fc1.weight",
+            "fc2.weight",
+            "fc3.weight",
+        }
         assert tensor_bytes(r.content) < full
     schema = compressed_schema(SmallCNN("cnn5", 500, 10))
     bad = svd_compress(SmallCNN("cnn5", 500, 10).state_dict(), 0.5)

@@ -15,8 +15,15 @@ from conftest import client_runtime, federation, train_config
 from models.groups import MODEL_GROUPS
 from models.zoo import FixedPool
 from strategies.base import ClientReply
-from strategies.fedre import (FedREClient, FedREOptions, FedREStrategy, entangle, entangling_weights,
-                              soft_label_ce, train_head)
+from strategies.fedre import (
+    FedREClient,
+    FedREOptions,
+    FedREStrategy,
+    entangle,
+    entangling_weights,
+    soft_label_ce,
+    train_head,
+)
 from strategies.payload import PAYLOAD, array_record, tensor_bytes
 
 C, D = 10, 512
@@ -32,8 +39,10 @@ def runtime(rc, partition_id=0):
 
 def head_payload(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {"head.weight": (torch.randn(C, D, generator=g) * 0.05).numpy(),
-            "head.bias": (torch.randn(C, generator=g) * 0.05).numpy()}
+    return {
+        "head.weight": (torch.randn(C, D, generator=g) * 0.05).numpy(),
+        "head.bias": (torch.randn(C, generator=g) * 0.05).numpy(),
+    }
 
 
 def options(**kw):
@@ -58,8 +67,9 @@ def prototype_mix(client, y):
     """Σ_c y_c p_c from prototypes recomputed independently from the client's *saved* model."""
     model = MODEL_GROUPS[client.cfg.model_group].build(client.partition_id, C, 3, 32, client.cfg.seed)
     model.load_state_dict(client.context.state.array_records[MODEL_STATE].to_torch_state_dict())
-    means, labels = class_means(model.extractor, client.data.train_x, client.data.train_y, client.data.info,
-                                torch.device("cpu"))
+    means, labels = class_means(
+        model.extractor, client.data.train_x, client.data.train_y, client.data.info, torch.device("cpu")
+    )
     return (torch.from_numpy(y[0, labels.numpy()]).double() @ means.double()).numpy(), labels.numpy()
 
 
@@ -69,8 +79,9 @@ def test_upload_is_one_entangled_pair_of_the_trained_extractor(run_config):
     client = runtime(rc)
     cfg = RunConfig.from_dict(rc)
     alpha = entangling_weights(client.data.train_y, "rap", client.generator(1, 7))
-    z_before, _ = entangle(client.model.extractor, client.data.train_x, client.data.train_y, alpha,
-                           client.data.info, client.device)
+    z_before, _ = entangle(
+        client.model.extractor, client.data.train_x, client.data.train_y, alpha, client.data.info, client.device
+    )
     arrays, metrics = FedREClient(cfg).train(client, head_payload(), train_config(rc))
     assert set(arrays) == {"z", "y"}
     assert arrays["z"].shape == (1, D) and arrays["y"].shape == (1, C)
@@ -95,8 +106,14 @@ def test_entangled_representation_is_512d_for_every_family_member(arch):
     x = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
     labels = torch.tensor([0, 0, 3, 3, 3, 7])
 
-    z, y = entangle(model.extractor, x, labels, entangling_weights(labels, "rap", torch.Generator().manual_seed(0)),
-                    DATASETS["cifar10"], torch.device("cpu"))
+    z, y = entangle(
+        model.extractor,
+        x,
+        labels,
+        entangling_weights(labels, "rap", torch.Generator().manual_seed(0)),
+        DATASETS["cifar10"],
+        torch.device("cpu"),
+    )
     assert z.shape == (1, 512) and y.shape == (1, C)
     assert model.head.weight.shape == (C, 512)
 
@@ -110,12 +127,20 @@ def test_resnet50_mapping_is_mean_of_groups_of_four():
 def test_rap_weight_distribution():
     labels = torch.tensor([2] * 5 + [6] * 3)
     g = torch.Generator().manual_seed(0)
-    draws = torch.stack([torch.zeros(C, dtype=torch.float64).index_add_(0, labels, entangling_weights(labels, "rap", g))
-                         for _ in range(3000)])
+    draws = torch.stack(
+        [
+            torch.zeros(C, dtype=torch.float64).index_add_(0, labels, entangling_weights(labels, "rap", g))
+            for _ in range(3000)
+        ]
+    )
     assert abs(float((draws[:, 2] < 0.25).double().mean()) - 1 / 6) < 0.02
     labels = torch.tensor([0, 1, 1, 4, 4, 4, 9])
-    draws = torch.stack([torch.zeros(C, dtype=torch.float64).index_add_(0, labels, entangling_weights(labels, "rap", g))
-                         for _ in range(3000)])
+    draws = torch.stack(
+        [
+            torch.zeros(C, dtype=torch.float64).index_add_(0, labels, entangling_weights(labels, "rap", g))
+            for _ in range(3000)
+        ]
+    )
     present = draws[:, [0, 1, 4, 9]]
     assert torch.allclose(present.mean(0), torch.full((4,), 0.25, dtype=torch.float64), atol=0.015)
     assert bool(((present > 0) & (present < 1)).all())
@@ -163,8 +188,7 @@ def test_single_class_client_uploads_its_prototype(run_config):
     arrays, _ = FedREClient(RunConfig.from_dict(rc)).train(client, head_payload(), train_config(rc))
     c = int(data.train_y[0])
     assert arrays["y"][0].tolist() == np.eye(C, dtype=np.float32)[c].tolist()
-    proto, _ = class_means(client.model.extractor, client.data.train_x, client.data.train_y, data.info,
-                           client.device)
+    proto, _ = class_means(client.model.extractor, client.data.train_x, client.data.train_y, data.info, client.device)
     assert np.allclose(arrays["z"], proto.numpy(), atol=1e-6, rtol=0)
 
 
@@ -228,13 +252,18 @@ def test_rounds_payloads_bytes_and_head_replacement(run_config):
         assert np.array_equal(state["head.weight"].numpy(), head["head.weight"])
         assert np.array_equal(state["head.bias"].numpy(), head["head.bias"])
     assert np.array_equal(result.arrays["head.weight"].numpy(), head["head.weight"])
-    extractor_shapes = {tuple(v.shape) for k, v in MODEL_GROUPS["fedavgcnn"].build(0, C, 3, 32, 0).state_dict().items()
-                        if k.startswith("extractor")}
+    extractor_shapes = {
+        tuple(v.shape)
+        for k, v in MODEL_GROUPS["fedavgcnn"].build(0, C, 3, 32, 0).state_dict().items()
+        if k.startswith("extractor")
+    }
     sent = {t: [m for m in grid.sent if m.metadata.message_type == t] for t in ("train", "evaluate")}
     assert len(sent["train"]) == len(sent["evaluate"]) == 6  # all clients train and are evaluated each round
     for m in sent["train"] + sent["evaluate"]:
-        assert {k: tuple(a.shape) for k, a in m.content.array_records[PAYLOAD].items()} == \
-            {"head.weight": (C, D), "head.bias": (C,)}
+        assert {k: tuple(a.shape) for k, a in m.content.array_records[PAYLOAD].items()} == {
+            "head.weight": (C, D),
+            "head.bias": (C,),
+        }
         assert tensor_bytes(m.content) == 4 * C * (D + 1) == 20520
     for row in strategy.rows:
         assert row["bytes_up"] == 3 * 2088 and row["bytes_down"] == 3 * 20520
@@ -266,11 +295,16 @@ def test_same_seed_same_round(run_config):
     heads, pairs = [], []
     for _ in range(2):
         uploads = []
-        strategy, grid = federation(rc, lambda node, reply: uploads.append(reply) or reply)
+        strategy, grid = federation(rc, lambda node, reply, uploads=uploads: uploads.append(reply) or reply)
         strategy.start(grid)
         heads.append(strategy.global_arrays()["head.weight"])
-        pairs.append([{k: v.numpy() for k, v in r.content.array_records[PAYLOAD].items()}
-                      for r in uploads if r.metadata.message_type == "train"])
+        pairs.append(
+            [
+                {k: v.numpy() for k, v in r.content.array_records[PAYLOAD].items()}
+                for r in uploads
+                if r.metadata.message_type == "train"
+            ]
+        )
     assert np.array_equal(heads[0], heads[1])
     assert len(pairs[0]) == 2
     for a, b in zip(*pairs):
@@ -308,8 +342,17 @@ def test_degenerate_client_sends_nothing(run_config):
 
 
 def test_learning_beats_chance_and_server_loss_falls(run_config):
-    rc = fedre_config(run_config, **{"num-clients": 3, "num-server-rounds": 4, "max-examples-per-client": 400,
-                                     "lr": 0.03, "momentum": 0.0, "weight-decay": 0.0})
+    rc = fedre_config(
+        run_config,
+        **{
+            "num-clients": 3,
+            "num-server-rounds": 4,
+            "max-examples-per-client": 400,
+            "lr": 0.03,
+            "momentum": 0.0,
+            "weight-decay": 0.0,
+        },
+    )
     strategy, grid = federation(rc)
     strategy.start(grid)
     # chance for a client = its majority-class share of its local test split

@@ -11,6 +11,7 @@ import pytest
 from flwr.common.config import parse_config_args
 
 from common.config import RunConfig
+from common.files import read_rows
 from conftest import DATA_DIR, ROOT
 from server_app.results import ResultsWriter
 from strategies.registry import build_strategy
@@ -47,20 +48,31 @@ def test_every_preset_parses_and_has_paper_numbers():
         build_strategy(cfg)  # method options valid
         paper = tomllib.loads(preset.with_suffix(".paper.toml").read_text())
         assert {"paper", "setting", "metric", "ours", "target"} <= set(paper), preset.name
-        assert paper["ours"] in ("final_accuracy_mean", "final_accuracy_weighted", "best_accuracy_mean",
-                                 "best_accuracy_weighted")
+        assert paper["ours"] in (
+            "final_accuracy_mean",
+            "final_accuracy_weighted",
+            "best_accuracy_mean",
+            "best_accuracy_weighted",
+        )
         assert all(0 < v <= 100 for v in paper.get("reported", {}).values())
 
 
 @pytest.mark.parametrize("preset", RUN_PRESETS, ids=lambda p: p.stem)
 def test_every_preset_runs_one_round_in_process(preset, tmp_path):
     config = parse_config_args([str(preset)])
-    small = {"num-server-rounds": 1, "max-examples-per-client": 60, "local-epochs": 1,
-             "num-clients": min(config["num-clients"], 4), "fraction-train": 1.0,
-             "output-dir": str(tmp_path), "fedtgp.server-epochs": 2, "mh-pfedhn.hidden-dim": 16}
+    small = {
+        "num-server-rounds": 1,
+        "max-examples-per-client": 60,
+        "local-epochs": 1,
+        "num-clients": min(config["num-clients"], 4),
+        "fraction-train": 1.0,
+        "output-dir": str(tmp_path),
+        "fedtgp.server-epochs": 2,
+        "mh-pfedhn.hidden-dim": 16,
+    }
     assert in_process(preset, small, 0) == 0
     (run,) = tmp_path.iterdir()
-    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    rows = read_rows(run)
     assert len(rows) == 1 and rows[0]["num_clients"] == small["num-clients"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["config"]["augment"] == config["augment"] and summary["config"]["init"] == config["init"]
@@ -68,16 +80,18 @@ def test_every_preset_runs_one_round_in_process(preset, tmp_path):
 
 def small_preset(tmp_path: Path) -> Path:
     path = tmp_path / "tiny.toml"
-    path.write_text('dataset = "mnist"\npartitioner = "dirichlet"\ndirichlet-alpha = 0.5\nnum-clients = 3\n'
-                    'model-group = "htcnn8"\nnum-server-rounds = 3\nmax-examples-per-client = 90\n'
-                    'batch-size = 16\naugment = "none"\nnormalize = "half"\ninit = "identical"\n'
-                    '[fedtgp]\nserver-epochs = 3\n')
+    path.write_text(
+        'dataset = "mnist"\npartitioner = "dirichlet"\ndirichlet-alpha = 0.5\nnum-clients = 3\n'
+        'model-group = "htcnn8"\nnum-server-rounds = 3\nmax-examples-per-client = 90\n'
+        'batch-size = 16\naugment = "none"\nnormalize = "half"\ninit = "identical"\n'
+        "[fedtgp]\nserver-epochs = 3\n"
+    )
     return path
 
 
 def rows_of(cell: Path) -> list[dict]:
     run, _ = newest_run(cell)
-    return [json.loads(line) for line in open(run / "metrics.jsonl")]
+    return read_rows(run)
 
 
 def test_grid_interrupted_after_round_one_resumes_to_the_same_rows(tmp_path, monkeypatch):
@@ -109,6 +123,8 @@ def test_grid_interrupted_after_round_one_resumes_to_the_same_rows(tmp_path, mon
     assert any((split / "fedtgp-seed0" / "client-state").rglob("model.pt"))
     # finished cells are skipped
     assert run_grid(preset, ["fedtgp", "local"], [0], split, launcher=in_process) == {
-        "fedtgp-seed0": "done", "local-seed0": "done"}
+        "fedtgp-seed0": "done",
+        "local-seed0": "done",
+    }
     info = json.loads((split / "grid.json").read_text())
     assert len(info["invocations"]) == 3 and info["rounds"] == 3 and info["preset_config"]["num-clients"] == 3

@@ -12,8 +12,8 @@ import math
 import tracemalloc
 
 import numpy as np
-import torch
 import pytest
+import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from conftest import federation
@@ -47,10 +47,12 @@ def lost(reply: Message) -> Message:
 
 def attacker(message_type: str, attack):
     """A fake-grid ``tamper`` passing partition 1's replies of ``message_type`` through ``attack``."""
+
     def tamper(node, reply):
         if node == ATTACKER and reply.metadata.message_type == message_type and not reply.has_error():
             return attack(reply)
         return reply
+
     return tamper
 
 
@@ -90,16 +92,23 @@ def assert_dropped_like_lost(rows, arrays, baseline):
         assert 1 in row["dropped_clients"] and row["num_clients"] == 2
     assert arrays and arrays.keys() == base_arrays.keys()
     for k in arrays:
-        assert (arrays[k].dtype.kind != "f" or np.isfinite(arrays[k]).all()) and np.array_equal(arrays[k],
-                                                                                                base_arrays[k]), k
+        assert (arrays[k].dtype.kind != "f" or np.isfinite(arrays[k]).all()) and np.array_equal(
+            arrays[k], base_arrays[k]
+        ), k
 
 
 def test_hostile_npz_blob_is_dropped(run_config, baseline):
     def attack(reply):
         buffer = io.BytesIO()
         np.savez(buffer, lar=np.zeros((2, 500), np.float32))
-        return with_payload(reply, {"lar": Array("float32", (2, 500), "numpy.ndarray", buffer.getvalue()),
-                                    "lar_labels": Array(np.array([0, 1], np.int32))})
+        return with_payload(
+            reply,
+            {
+                "lar": Array("float32", (2, 500), "numpy.ndarray", buffer.getvalue()),
+                "lar_labels": Array(np.array([0, 1], np.int32)),
+            },
+        )
+
     assert_dropped_like_lost(*run(run_config, attack), baseline)
 
 
@@ -115,6 +124,7 @@ def test_hostile_torch_typed_and_truncated_arrays_are_dropped(run_config, baseli
         a = arrays["lar"]
         arrays["lar"] = Array(a.dtype, a.shape, a.stype, a.data[: len(a.data) // 2])
         return with_payload(reply, arrays)
+
     assert_dropped_like_lost(*run(run_config, torch_typed), baseline)
     assert_dropped_like_lost(*run(run_config, truncated), baseline)
 
@@ -128,6 +138,7 @@ def test_hostile_huge_declared_shape_allocates_nothing(run_config, baseline):
         arrays = dict(reply.content.array_records[PAYLOAD])
         arrays["lar"] = Array("float32", (1, 2_000_000_000), "numpy.ndarray", header + b"\0" * 64)
         return with_payload(reply, arrays)
+
     tracemalloc.start()
     try:
         rows, arrays = run(run_config, attack, rounds=1)
@@ -140,17 +151,27 @@ def test_hostile_huge_declared_shape_allocates_nothing(run_config, baseline):
 
 def test_hostile_mislabelled_array_is_dropped(run_config, baseline):
     """Array fields that disagree with the bytes (byte counts read them) are refused."""
+
     def attack(reply):
         arrays = dict(reply.content.array_records[PAYLOAD])
         a = arrays["lar"]
         arrays["lar"] = Array(a.dtype, (1, 500), a.stype, a.data)
         return with_payload(reply, arrays)
+
     assert_dropped_like_lost(*run(run_config, attack), baseline)
 
 
-@pytest.mark.parametrize("metrics", [{"train-loss": [1.0, 2.0]}, {"train-loss": math.inf},
-                                     {"num-examples": 10**15}, {"num-examples": -1},
-                                     {"eval-test-correct": 10**6}, {"train-seconds": math.nan}])
+@pytest.mark.parametrize(
+    "metrics",
+    [
+        {"train-loss": [1.0, 2.0]},
+        {"train-loss": math.inf},
+        {"num-examples": 10**15},
+        {"num-examples": -1},
+        {"eval-test-correct": 10**6},
+        {"train-seconds": math.nan},
+    ],
+)
 def test_hostile_metrics_are_dropped(run_config, baseline, metrics):
     """List-valued, non-finite and out-of-range metrics (a num-examples claim above the client's
     handshake size would outweigh the others in any sample-weighted mean)."""
@@ -170,6 +191,7 @@ def test_hostile_empty_round_keeps_the_global_state(run_config, method, state):
             if 4 <= len(seen) <= 6:  # every reply of round 2
                 return lost(reply)
         return reply
+
     strategy, grid = federation(rc, tamper)
     kept = []
     original = strategy.server_update
@@ -178,6 +200,7 @@ def test_hostile_empty_round_keeps_the_global_state(run_config, method, state):
         metrics = original(server_round, replies)
         kept.append({k: v.copy() for k, v in getattr(strategy, state).items()})
         return metrics
+
     strategy.server_update = server_update
     strategy.start(grid)
     assert [r["num_clients"] for r in strategy.rows] == [3, 0, 3]
@@ -212,16 +235,24 @@ def test_hostile_checkpoint_round_trips_numpy_state(run_config, tmp_path):
     """A real checkpoint (numpy arrays, RNG states, rows) loads with weights_only=True unchanged."""
     from server_app.results import ResultsWriter, load_checkpoint
 
-    state = {"round": 2, "rng": np.random.default_rng(3).bit_generator.state, "rows": [{"a": None, "b": [1.5]}],
-             "server": {"global_set": {"protos": np.arange(6, dtype=np.float32).reshape(2, 3),
-                                       "mask": np.array([True, False])}, "generator": torch.Generator().get_state()}}
+    state = {
+        "round": 2,
+        "rng": np.random.default_rng(3).bit_generator.state,
+        "rows": [{"a": None, "b": [1.5]}],
+        "server": {
+            "global_set": {"protos": np.arange(6, dtype=np.float32).reshape(2, 3), "mask": np.array([True, False])},
+            "generator": torch.Generator().get_state(),
+        },
+    }
     writer = ResultsWriter.__new__(ResultsWriter)
     writer.path = tmp_path
     writer.write_checkpoint(state)
     loaded = load_checkpoint(tmp_path)
     assert loaded["rng"] == state["rng"] and loaded["rows"] == state["rows"]
     for k, v in state["server"]["global_set"].items():
-        assert loaded["server"]["global_set"][k].dtype == v.dtype and np.array_equal(loaded["server"]["global_set"][k], v)
+        assert loaded["server"]["global_set"][k].dtype == v.dtype and np.array_equal(
+            loaded["server"]["global_set"][k], v
+        )
     assert torch.equal(loaded["server"]["generator"], state["server"]["generator"])
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary left
 
@@ -229,10 +260,10 @@ def test_hostile_checkpoint_round_trips_numpy_state(run_config, tmp_path):
 def test_hostile_torn_state_file_is_ignored_and_rewritten(run_config, tmp_path):
     """A half-written client state file (a crash mid-write by an older version, a full disk)
     must not make that partition fail on every later message: it trains afresh and saves anew."""
-    from client_app.runtime import MODEL_STATE
-    from fakegrid import FakeGrid
     from client_app.app import app as client_app
+    from client_app.runtime import MODEL_STATE
     from common.config import RunConfig
+    from fakegrid import FakeGrid
     from strategies.registry import build_strategy
 
     rc = run_config(**{"num-clients": 3, "num-server-rounds": 1})
@@ -259,6 +290,7 @@ def test_hostile_failed_write_keeps_the_old_file(tmp_path):
     def crash(f):
         f.write(b"half")
         raise OSError("disk full")
+
     with pytest.raises(OSError, match="disk full"):
         atomic_write(path, crash)
     assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["state.pt"]
@@ -284,6 +316,7 @@ def test_hostile_impostor_cannot_take_a_connected_partition(run_config):
         if server_round == 2:
             grid.add_node(6666, 1)  # joins before round 3's refresh
         return original(server_round)
+
     strategy.run_round = run_round
     strategy.start(grid)
     assert strategy.nodes == [1000, 1001, 1002] and strategy.dropped["query"] == 1
@@ -310,6 +343,7 @@ def test_hostile_silent_new_node_is_asked_with_backoff(run_config):
         original()
         grid.add_node(6666, 2)
         grid.silent.add(6666)
+
     strategy.handshake = handshake
     strategy.start(grid)
     assert sum(m.metadata.dst_node_id == 6666 for m in grid.sent) == 3
@@ -331,6 +365,7 @@ def test_hostile_restarted_node_takes_its_partition_once_the_old_one_is_gone(run
         if server_round == 1:  # a node of another federation: asked once, then left alone
             grid.add_node(7777, 9).node_config["num-partitions"] = 10
         return original(server_round)
+
     strategy.run_round = run_round
     strategy.start(grid)
     assert strategy.nodes == [1000, 1001, 2002]
@@ -345,8 +380,15 @@ def test_hostile_num_params_claim_is_bounded_by_the_model_group(run_config):
     from common.config import RunConfig
     from strategies.mh_pfedhn import num_params
 
-    rc = run_config(**{"method": "mh-pfedhn", "model-group": "mh-lenet", "num-clients": 3, "num-server-rounds": 1,
-                       "connect-timeout": 1.0})
+    rc = run_config(
+        **{
+            "method": "mh-pfedhn",
+            "model-group": "mh-lenet",
+            "num-clients": 3,
+            "num-server-rounds": 1,
+            "connect-timeout": 1.0,
+        }
+    )
     strategy, grid = federation(rc, attacker("query", lambda reply: with_metrics(reply, **{"num-params": 10**8})))
     with pytest.raises(RuntimeError, match="only 2 of num-clients=3"):
         strategy.start(grid)
@@ -369,40 +411,51 @@ def test_hostile_handshake_size_claim_beyond_the_dataset_is_dropped(run_config):
 
 def scaled(key: str, value: float):
     """An attack setting one entry of payload array ``key`` to ``value``."""
+
     def attack(reply):
         arrays = dict(reply.content.array_records[PAYLOAD])
         a = arrays[key].numpy().copy()
         a.reshape(-1)[0] = value
         arrays[key] = Array(a)
         return with_payload(reply, arrays)
+
     return attack
 
 
 MH = {"model-group": "mh-lenet"}
 
 
-@pytest.mark.parametrize("method, key, value, options", [
-    ("fedgh", "lar", 1e30, {}), ("fedgh", "lar", 3e38, {}), ("fedre", "z", 1e30, {}),
-    ("fedtgp", "protos", 1e38, {"fedtgp.server-epochs": 2}), ("fedproto", "protos", 1e38, {}),
-    ("fd", "logits", 1e38, {}), ("mh-pfedhn", "delta_theta", 3e38, MH)])
+@pytest.mark.parametrize(
+    "method, key, value, options",
+    [
+        ("fedgh", "lar", 1e30, {}),
+        ("fedgh", "lar", 3e38, {}),
+        ("fedre", "z", 1e30, {}),
+        ("fedtgp", "protos", 1e38, {"fedtgp.server-epochs": 2}),
+        ("fedproto", "protos", 1e38, {}),
+        ("fd", "logits", 1e38, {}),
+        ("mh-pfedhn", "delta_theta", 3e38, MH),
+    ],
+)
 def test_hostile_huge_finite_uploads_are_dropped(run_config, method, key, value, options):
     """Finite but absurd magnitudes (FedRE's z = 1e30 would drive the head to ~1e28 in one
     step, FedTGP's prototypes of 1e38 make the generator NaN, an MH-pFedHN delta of 3e38 the
     shared trunk) are refused by the schema's bound: the method's server state equals that of
     a run in which the reply was lost."""
     options = {"method": method, **options}
-    assert_dropped_like_lost(*run(run_config, scaled(key, value), 1, **options),
-                             run(run_config, lost, 1, **options))
+    assert_dropped_like_lost(*run(run_config, scaled(key, value), 1, **options), run(run_config, lost, 1, **options))
 
 
 def test_hostile_rebuilt_fedkd_weights_beyond_the_bound_are_dropped(run_config):
     """FedKD: SVD factors each within the entry bound can rebuild a weight of ~1e18 (or inf);
     the rebuilt weights are checked, so the mentee stays what it is without the reply."""
+
     def attack(reply):
         arrays = dict(reply.content.array_records[PAYLOAD])
         for key in [k for k in arrays if k.endswith((".u", ".s", ".v"))][:3]:
             arrays[key] = Array(np.full_like(arrays[key].numpy(), 1e6))
         return with_payload(reply, arrays)
+
     assert_dropped_like_lost(*run(run_config, attack, 1, method="fedkd"), run(run_config, lost, 1, method="fedkd"))
 
 
@@ -410,9 +463,10 @@ def test_hostile_rebuilt_fedkd_weights_beyond_the_bound_are_dropped(run_config):
 def test_hostile_num_examples_beyond_the_handshake_is_dropped(run_config, method):
     """FedAvg family: a claim of 1e15 training examples would make the mean that client's own
     model; claims above the handshake's ``num-train`` are dropped."""
-    assert_dropped_like_lost(*run(run_config, lambda reply: with_metrics(reply, **{"num-examples": 10**15}), 1,
-                                  method=method),
-                             run(run_config, lost, 1, method=method))
+    assert_dropped_like_lost(
+        *run(run_config, lambda reply: with_metrics(reply, **{"num-examples": 10**15}), 1, method=method),
+        run(run_config, lost, 1, method=method),
+    )
 
 
 def test_hostile_outlying_representation_is_scaled_to_the_round_bound(run_config):
@@ -425,6 +479,7 @@ def test_hostile_outlying_representation_is_scaled_to_the_round_bound(run_config
         arrays = dict(reply.content.array_records[PAYLOAD])
         arrays["z"] = Array(np.full_like(arrays["z"].numpy(), 1e5))
         return with_payload(reply, arrays)
+
     seen = []
     rc = run_config(**{"method": "fedre", "num-clients": 3, "num-server-rounds": 2})
     strategy, grid = federation(rc, attacker("train", attack))
@@ -433,6 +488,7 @@ def test_hostile_outlying_representation_is_scaled_to_the_round_bound(run_config
     def server_update(server_round, replies):
         seen.append({r.partition_id: float(np.linalg.norm(r.arrays["z"])) for r in replies})
         return original(server_round, replies)
+
     strategy.server_update = server_update
     strategy.start(grid)
     assert [r["clipped_rows"] for r in strategy.rows] == [1, 1]
@@ -459,6 +515,7 @@ def test_hostile_update_that_breaks_the_server_state_is_rolled_back(run_config):
             strategy.header.weight.data[0, 0] = float("nan")
         headers.append({k: v.copy() for k, v in strategy.global_arrays().items()})
         return metrics
+
     strategy.server_update = server_update
     strategy.start(grid)
     assert [r.get("server_rolled_back", 0) for r in strategy.rows] == [0, 1, 0]

@@ -7,8 +7,13 @@ from models.cnn import build_cnn
 from models.groups import MODEL_GROUPS
 
 # spec fedgh.md section 7: #params for C=10 and C=100
-SPEC_PARAMS = {"cnn1": (2_621_558, 2_666_648), "cnn2": (1_815_142, 1_860_232), "cnn3": (1_320_558, 1_365_648),
-               "cnn4": (1_060_358, 1_105_448), "cnn5": (670_058, 715_148)}
+SPEC_PARAMS = {
+    "cnn1": (2_621_558, 2_666_648),
+    "cnn2": (1_815_142, 1_860_232),
+    "cnn3": (1_320_558, 1_365_648),
+    "cnn4": (1_060_358, 1_105_448),
+    "cnn5": (670_058, 715_148),
+}
 
 
 @pytest.mark.parametrize("name", SPEC_PARAMS)
@@ -39,8 +44,16 @@ def test_hetero_group_assignment_and_independent_inits():
     assert all(MODEL_GROUPS["cnn1"].architecture_for(k) == "cnn1" for k in range(5))
 
 
-ZOO_GROUPS = {"htfe2": (3, 32), "htfe3": (3, 32), "htfe4": (3, 32), "htfe8": (3, 32), "htfe9": (3, 32),
-              "htcnn8": (1, 28), "htfe8-htc4": (3, 32), "res34-htc4": (3, 32)}
+ZOO_GROUPS = {
+    "htfe2": (3, 32),
+    "htfe3": (3, 32),
+    "htfe4": (3, 32),
+    "htfe8": (3, 32),
+    "htfe9": (3, 32),
+    "htcnn8": (1, 28),
+    "htfe8-htc4": (3, 32),
+    "res34-htc4": (3, 32),
+}
 
 
 @pytest.mark.parametrize("group_name", ZOO_GROUPS)
@@ -64,8 +77,9 @@ def test_fixed_pooling_is_parameter_free_average():
     assert not list(pool.parameters())
     x = torch.arange(2048.0).view(1, 2048)
     assert torch.equal(pool(x)[0, :2], torch.tensor([1.5, 5.5]))  # windows of 4
-    assert torch.equal(FixedPool(512)(torch.arange(64.0).view(1, 64))[0, :9],
-                       torch.tensor([0.0] * 8 + [1.0]))  # 64 -> 512 repeats each value 8x
+    assert torch.equal(
+        FixedPool(512)(torch.arange(64.0).view(1, 64))[0, :9], torch.tensor([0.0] * 8 + [1.0])
+    )  # 64 -> 512 repeats each value 8x
     assert build_extractor("resnet18", 64, 3, 32)(torch.randn(2, 3, 32, 32)).shape == (2, 64)
 
 
@@ -79,5 +93,6 @@ def test_htcnn8_and_small_resnets_match_spec_shapes():
     assert [m.out_features for m in net if isinstance(m, torch.nn.Linear)] == [1024, 512, 512]
     # ResNet4 ends at 64 channels, ResNet8 at 256 (pre-pool D), then pooled to K
     from models.zoo import small_resnet
+
     assert small_resnet(1)(torch.randn(2, 3, 32, 32)).shape == (2, 64)
     assert small_resnet(3)(torch.randn(2, 3, 32, 32)).shape == (2, 256)

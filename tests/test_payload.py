@@ -19,17 +19,20 @@ def test_valid_payload_binds_free_symbol():
     assert LARS.validate(lars(3), DIMS)["k"] == 3
 
 
-@pytest.mark.parametrize("payload,fragment", [
-    ({**lars(2), "lar": np.ones((2, 499), np.float32)}, "expected d=500"),
-    ({**lars(2), "lar": np.ones((3, 500), np.float32)}, "expected k=3"),
-    ({**lars(2), "lar": np.full((2, 500), np.nan, np.float32)}, "non-finite"),
-    (lars(labels=[0, 10]), "outside [0, 10)"),
-    (lars(labels=[-1, 3]), "outside [0, 10)"),
-    (lars(labels=[4, 4]), "repeated"),
-    ({**lars(2), "lar": np.ones((2, 500), np.float64)}, "dtype float64"),
-    ({**lars(2), "counts": np.ones(2, np.int32)}, "keys"),
-    ({"lar": np.ones((2, 500), np.float32)}, "keys"),
-])
+@pytest.mark.parametrize(
+    "payload,fragment",
+    [
+        ({**lars(2), "lar": np.ones((2, 499), np.float32)}, "expected d=500"),
+        ({**lars(2), "lar": np.ones((3, 500), np.float32)}, "expected k=3"),
+        ({**lars(2), "lar": np.full((2, 500), np.nan, np.float32)}, "non-finite"),
+        (lars(labels=[0, 10]), "outside [0, 10)"),
+        (lars(labels=[-1, 3]), "outside [0, 10)"),
+        (lars(labels=[4, 4]), "repeated"),
+        ({**lars(2), "lar": np.ones((2, 500), np.float64)}, "dtype float64"),
+        ({**lars(2), "counts": np.ones(2, np.int32)}, "keys"),
+        ({"lar": np.ones((2, 500), np.float32)}, "keys"),
+    ],
+)
 def test_malformed_payload_is_rejected(payload, fragment):
     with pytest.raises(PayloadError) as err:
         LARS.validate(payload, DIMS)

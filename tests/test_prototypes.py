@@ -13,10 +13,22 @@ from client_app.runtime import ClientRuntime
 from common.config import ConfigError, RunConfig
 from conftest import federation, make_run_config
 from strategies.base import ClientReply
-from strategies.fedproto import (FedProtoClient, FedProtoStrategy, PrototypeRegularizer, RegularizerOptions,
-                                 nearest_prototype_correct)
-from strategies.fedtgp import (FedTGPClient, FedTGPOptions, FedTGPStrategy, PrototypeGenerator, acl_loss,
-                               adaptive_margin, train_generator)
+from strategies.fedproto import (
+    FedProtoClient,
+    FedProtoStrategy,
+    PrototypeRegularizer,
+    RegularizerOptions,
+    nearest_prototype_correct,
+)
+from strategies.fedtgp import (
+    FedTGPClient,
+    FedTGPOptions,
+    FedTGPStrategy,
+    PrototypeGenerator,
+    acl_loss,
+    adaptive_margin,
+    train_generator,
+)
 from strategies.local import LocalClient
 from strategies.payload import tensor_bytes
 
@@ -25,14 +37,28 @@ MNIST = {"dataset": "mnist", "model-group": "htcnn8", "partitioner": "dirichlet"
 
 
 def runtime(rc, partition_id=0):
-    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": partition_id, "num-partitions": rc["num-clients"]},
-                  state=RecordDict(), run_config=rc)
+    ctx = Context(
+        run_id=1,
+        node_id=1,
+        node_config={"partition-id": partition_id, "num-partitions": rc["num-clients"]},
+        state=RecordDict(),
+        run_config=rc,
+    )
     return ClientRuntime(ctx)
 
 
 def train_config(rc, **kw):
-    return {"server-round": 1, "local-epochs": rc["local-epochs"], "batch-size": rc["batch-size"], "lr": rc["lr"],
-            "momentum": 0.0, "weight-decay": 0.0, "clip-norm": 0.0, "precision": "fp32", **kw}
+    return {
+        "server-round": 1,
+        "local-epochs": rc["local-epochs"],
+        "batch-size": rc["batch-size"],
+        "lr": rc["lr"],
+        "momentum": 0.0,
+        "weight-decay": 0.0,
+        "clip-norm": 0.0,
+        "precision": "fp32",
+        **kw,
+    }
 
 
 def tgp_options(**kw):
@@ -100,8 +126,13 @@ def test_generator_learns_and_persists():
     assert dist.argmin(1).tolist() == list(range(5))
     strategy = FedTGPStrategy(RunConfig.from_dict(make_run_config(method="fedtgp", **{"model-group": "htfe2"})))
     strategy.dims = {"C": 10, "d": K}
-    strategy.server_update(1, [ClientReply(0, 0, {"protos": r.arrays["protos"], "proto_labels": r.arrays["proto_labels"]},
-                                           {}) for r in replies])
+    strategy.server_update(
+        1,
+        [
+            ClientReply(0, 0, {"protos": r.arrays["protos"], "proto_labels": r.arrays["proto_labels"]}, {})
+            for r in replies
+        ],
+    )
     after_round1 = copy.deepcopy(strategy.generator.state_dict())
     assert any(not torch.equal(after_round1[k], v) for k, v in fresh.items())
     start_round2 = copy.deepcopy(strategy.generator.state_dict())
@@ -124,8 +155,9 @@ def test_upload_is_eval_mode_class_means(run_config):
         train_feats = model.extractor(normalize(client.data.train_x, client.data.info))
     for row, c in zip(arrays["protos"], labels):
         np.testing.assert_allclose(row, feats[client.data.train_y == int(c)].mean(0).numpy(), rtol=1e-4, atol=1e-5)
-    assert not np.allclose(arrays["protos"][0], train_feats[client.data.train_y == int(labels[0])].mean(0).numpy(),
-                           atol=1e-5)
+    assert not np.allclose(
+        arrays["protos"][0], train_feats[client.data.train_y == int(labels[0])].mean(0).numpy(), atol=1e-5
+    )
 
 
 # 9: lambda = 0 is Local step for step; the regulariser vanishes (with its gradient) at P = f(x)
@@ -135,14 +167,15 @@ def test_regulariser_sanity(run_config):
     payload = {"global_protos": np.random.default_rng(0).normal(size=(10, K)).astype(np.float32)}
     FedTGPClient(RunConfig.from_dict(rc)).train(a, payload, train_config(rc))
     LocalClient(RunConfig.from_dict(rc)).train(b, {}, train_config(rc))
-    for (ka, va), (kb, vb) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+    for (ka, va), vb in zip(a.model.state_dict().items(), b.model.state_dict().values()):
         assert torch.equal(va, vb), ka
     feats = torch.randn(4, K, requires_grad=True)
     labels = torch.tensor([0, 1, 2, 3])
     protos = torch.zeros(10, K)
     protos[labels] = feats.detach()
     value = PrototypeRegularizer(protos, torch.ones(10, dtype=torch.bool), RegularizerOptions(10.0, "mse-mean"))(
-        feats, labels)
+        feats, labels
+    )
     value.backward()
     assert float(value.detach()) == 0.0 and float(feats.grad.abs().max()) == 0.0
     paper = PrototypeRegularizer(protos, torch.ones(10, dtype=torch.bool), RegularizerOptions(10.0, "paper-l2"))
@@ -166,8 +199,9 @@ def test_nearest_prototype_inference(run_config):
         client.model.head.weight.mul_(-3.0)
     assert nearest_prototype_correct(client, protos, mask) == (correct, n)
     # prototypes equal to the true class means of the client's own features classify well above chance
-    true = torch.stack([feats[data.test_y == c].mean(0) if (data.test_y == c).any() else torch.full((K,), 1e6)
-                        for c in range(10)])
+    true = torch.stack(
+        [feats[data.test_y == c].mean(0) if (data.test_y == c).any() else torch.full((K,), 1e6) for c in range(10)]
+    )
     assert nearest_prototype_correct(client, true, mask)[0] / n > 0.5
     # FedProto: a class without a global prototype is never predicted
     only = torch.zeros(10, dtype=torch.bool)
@@ -179,9 +213,18 @@ def test_nearest_prototype_inference(run_config):
 def test_fedproto_server_is_unweighted_class_mean():
     strategy = FedProtoStrategy(RunConfig.from_dict(make_run_config(method="fedproto", **{"model-group": "htfe2"})))
     rng = np.random.default_rng(0)
-    replies = [ClientReply(i, i, {"protos": rng.normal(size=(len(l), K)).astype(np.float32),
-                                  "proto_labels": np.array(l, np.int64)}, {})
-               for i, l in enumerate([[0, 2], [2], [2, 5]])]
+    replies = [
+        ClientReply(
+            i,
+            i,
+            {
+                "protos": rng.normal(size=(len(labels), K)).astype(np.float32),
+                "proto_labels": np.array(labels, np.int64),
+            },
+            {},
+        )
+        for i, labels in enumerate([[0, 2], [2], [2, 5]])
+    ]
     strategy.server_update(1, replies)
     out = strategy.global_arrays()
     assert out["mask"].tolist() == [c in (0, 2, 5) for c in range(10)]
@@ -194,8 +237,7 @@ def test_fedproto_server_is_unweighted_class_mean():
 # 2, 8, 12, 13, 14 over whole rounds: payload keys, byte formulas, round 1, determinism
 @pytest.mark.parametrize("method", ["fedtgp", "fedproto"])
 def test_rounds_payloads_and_bytes(run_config, method):
-    rc = run_config(**MNIST, **{"num-clients": 5, "num-server-rounds": 2, "method": method,
-                                "fedtgp.server-epochs": 5})
+    rc = run_config(**MNIST, **{"num-clients": 5, "num-server-rounds": 2, "method": method, "fedtgp.server-epochs": 5})
     strategy, grid = federation(rc)
     strategy.start(grid)
     train_msgs = [m for m in grid.sent if m.metadata.message_type == "train"]
@@ -240,17 +282,28 @@ def test_fedtgp_options_and_fedgh_head_check():
     with pytest.raises(ConfigError, match="'fedtgp.reg-form'"):
         FedTGPStrategy(RunConfig.from_dict(make_run_config(method="fedtgp", **{"fedtgp.reg-form": "l1"})))
     from strategies.registry import build_strategy
+
     with pytest.raises(ConfigError, match="fedgh.*linear header"):
         build_strategy(RunConfig.from_dict(make_run_config(**{"model-group": "htfe8-htc4"})))
-    assert isinstance(FedProtoClient(RunConfig.from_dict(make_run_config(method="fedproto"))).options,
-                      RegularizerOptions)
+    assert isinstance(
+        FedProtoClient(RunConfig.from_dict(make_run_config(method="fedproto"))).options, RegularizerOptions
+    )
 
 
 @pytest.mark.parametrize("method", ["fedtgp", "fedproto"])
 def test_single_class_clients(run_config, method):
-    rc = run_config(**{"dataset": "mnist", "model-group": "htcnn8", "partitioner": "pathological",
-                       "classes-per-client": 1, "num-clients": 3, "num-server-rounds": 2, "method": method,
-                       "fedtgp.server-epochs": 3})
+    rc = run_config(
+        **{
+            "dataset": "mnist",
+            "model-group": "htcnn8",
+            "partitioner": "pathological",
+            "classes-per-client": 1,
+            "num-clients": 3,
+            "num-server-rounds": 2,
+            "method": method,
+            "fedtgp.server-epochs": 3,
+        }
+    )
     strategy, grid = federation(rc)
     strategy.start(grid)
     for row in strategy.rows:
@@ -259,8 +312,9 @@ def test_single_class_clients(run_config, method):
 
 
 def test_fedtgp_rows_carry_prototype_diagnostics(run_config):
-    rc = run_config(**MNIST, **{"num-clients": 4, "num-server-rounds": 3, "method": "fedtgp",
-                                "fedtgp.server-epochs": 5})
+    rc = run_config(
+        **MNIST, **{"num-clients": 4, "num-server-rounds": 3, "method": "fedtgp", "fedtgp.server-epochs": 5}
+    )
     strategy, grid = federation(rc)
     olds = []
     original = strategy.server_update

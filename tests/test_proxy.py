@@ -17,13 +17,24 @@ from pathlib import Path
 
 import pytest
 
-from tools.deploy import (node_config, proxy_command, proxy_config, register_nodes, superlink_command,
-                          supernode_command, environment, write_certificates, write_connection, write_node_keys)
+from tools.deploy import (
+    environment,
+    node_config,
+    proxy_command,
+    proxy_config,
+    register_nodes,
+    superlink_command,
+    supernode_command,
+    write_certificates,
+    write_connection,
+    write_node_keys,
+)
 from tools.loopback import spawn
 from tools.run import flwr_cli, free_port, stop, wait_for
 
-pytestmark = pytest.mark.skipif(shutil.which("nginx") is None,
-                                reason="nginx is not installed (apt-get install nginx; .ci/run installs it)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("nginx") is None, reason="nginx is not installed (apt-get install nginx; .ci/run installs it)"
+)
 
 
 def status(port: int, path: str, source: str, ca: Path) -> int:
@@ -40,15 +51,23 @@ def status(port: int, path: str, source: str, ca: Path) -> int:
 def test_proxy_admits_nodes_everywhere_and_the_control_api_only_from_the_operator(tmp_path):
     env = {**environment(), "FLWR_HOME": str(tmp_path / "flwr-home")}
     certs = write_certificates(tmp_path / "certs", [], [])
-    (private, public), = write_node_keys(tmp_path / "keys", 1)
+    ((private, public),) = write_node_keys(tmp_path / "keys", 1)
     link_port, public_port = free_port(), free_port()
     write_connection(tmp_path / "flwr-home", "proxied", f"127.0.0.1:{public_port}", certs["ca"])
     procs: list[subprocess.Popen] = []
     try:
-        procs.append(spawn(superlink_command(tmp_path / "certs", auth=True, host="127.0.0.1", port=link_port,
-                                             database=str(tmp_path / "state.db")), env, tmp_path / "superlink.log"))
-        config = proxy_config(tmp_path / "proxy", tmp_path / "certs", f"127.0.0.1:{public_port}",
-                              f"127.0.0.1:{link_port}", ["127.0.0.1"])
+        procs.append(
+            spawn(
+                superlink_command(
+                    tmp_path / "certs", auth=True, host="127.0.0.1", port=link_port, database=str(tmp_path / "state.db")
+                ),
+                env,
+                tmp_path / "superlink.log",
+            )
+        )
+        config = proxy_config(
+            tmp_path / "proxy", tmp_path / "certs", f"127.0.0.1:{public_port}", f"127.0.0.1:{link_port}", ["127.0.0.1"]
+        )
         procs.append(spawn(proxy_command(config), env, tmp_path / "proxy.log"))
 
         def healthy():
@@ -56,6 +75,7 @@ def test_proxy_admits_nodes_everywhere_and_the_control_api_only_from_the_operato
                 return status(public_port, "/health", "127.0.0.1", certs["ca"]) != 502 or None
             except OSError:
                 return None
+
         wait_for(healthy, 60, "the SuperLink behind the proxy")
 
         control = "/v1/control/list-runs"
@@ -67,14 +87,21 @@ def test_proxy_admits_nodes_everywhere_and_the_control_api_only_from_the_operato
         # the operator's CLI works through the proxy: registration (Control API) ...
         assert register_nodes([public], "proxied", timeout=30, env=env) == [f"{public}: registered"]
         # ... and an authenticated SuperNode comes online through it (Fleet API)
-        procs.append(spawn(supernode_command(f"127.0.0.1:{public_port}", certs["ca"], private,
-                                             node_config(0, 1), port=free_port(), max_retries=3),
-                           env, tmp_path / "supernode.log"))
+        procs.append(
+            spawn(
+                supernode_command(
+                    f"127.0.0.1:{public_port}", certs["ca"], private, node_config(0, 1), port=free_port(), max_retries=3
+                ),
+                env,
+                tmp_path / "supernode.log",
+            )
+        )
 
         def online():
             listed = flwr_cli("supernode", "list", "proxied", "--format", "json", env=env, timeout=120)
             nodes = json.loads(listed.stdout).get("nodes", []) if listed.returncode == 0 else []
             return any(n.get("status") == "online" for n in nodes)
+
         wait_for(online, 90, "the SuperNode to come online through the proxy")
     finally:
         for proc in procs:

@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from client_app.data import (CIFAR10_MEAN, DATASETS, IMAGENET_MEAN, IMAGENET_STD, augment, normalize,
-                             with_recipe)
+from client_app.data import CIFAR10_MEAN, DATASETS, IMAGENET_MEAN, IMAGENET_STD, augment, normalize, with_recipe
 from common.config import ConfigError, RunConfig
 from conftest import client_runtime
 from models.groups import MODEL_GROUPS
@@ -24,7 +23,7 @@ def windows(x: torch.Tensor, pad: int) -> torch.Tensor:
     """Every crop window of the zero-padded image ``x`` [C, H, W]: [(2 pad + 1)^2, C, H, W]."""
     padded = F.pad(x, (pad, pad, pad, pad))
     h, w = x.shape[1:]
-    return torch.stack([padded[:, dy:dy + h, dx:dx + w] for dy in range(2 * pad + 1) for dx in range(2 * pad + 1)])
+    return torch.stack([padded[:, dy : dy + h, dx : dx + w] for dy in range(2 * pad + 1) for dx in range(2 * pad + 1)])
 
 
 def best_window(out: torch.Tensor, x: torch.Tensor, pad: int, flips: bool) -> tuple[int, bool, torch.Tensor]:
@@ -46,8 +45,9 @@ def test_augment_none_gives_the_same_batch_for_any_draw():
     b = augment(x, info, torch.Generator().manual_seed(2))
     assert torch.equal(a, b) and torch.equal(a, x)
     # while the default recipe draws differently per generator
-    assert not torch.equal(augment(x, CIFAR, torch.Generator().manual_seed(1)),
-                           augment(x, CIFAR, torch.Generator().manual_seed(2)))
+    assert not torch.equal(
+        augment(x, CIFAR, torch.Generator().manual_seed(1)), augment(x, CIFAR, torch.Generator().manual_seed(2))
+    )
 
 
 def test_crop_only_shifts():
@@ -77,7 +77,7 @@ def test_flip_erase_crop_erases_rectangles_in_some_images():
             erased += 1
             assert (out[i][:, mask] == 0).all()  # only erased (zeroed) pixels differ
             rows, cols = mask.any(1).nonzero().flatten(), mask.any(0).nonzero().flatten()
-            assert mask[rows.min():rows.max() + 1, cols.min():cols.max() + 1].all()  # a rectangle
+            assert mask[rows.min() : rows.max() + 1, cols.min() : cols.max() + 1].all()  # a rectangle
     assert 0.25 * len(x) < erased < 0.75 * len(x)  # p = 0.5
 
 

@@ -20,29 +20,66 @@ CLIENTS = 3
 
 def write_grid(grid, config):
     grid.mkdir()
-    (grid / "grid.json").write_text(json.dumps({
-        "preset": "fedre-table12-cifar10.toml", "preset_config": config, "methods": list(ACC), "seeds": [0, 1],
-        "rounds": 4, "invocations": [{"started": "t", "commit": "abc", "command": "python -m tools.grid x",
-                                      "minutes_per_launch": 0, "machine": "test"}],
-        "launches": [{"cell": f"{m}-seed{s}", "wall_seconds": 600.0, "cpu_seconds": 900.0, "exit": 0}
-                     for m in ACC for s in (0, 1)]}))
+    (grid / "grid.json").write_text(
+        json.dumps(
+            {
+                "preset": "fedre-table12-cifar10.toml",
+                "preset_config": config,
+                "methods": list(ACC),
+                "seeds": [0, 1],
+                "rounds": 4,
+                "invocations": [
+                    {
+                        "started": "t",
+                        "commit": "abc",
+                        "command": "python -m tools.grid x",
+                        "minutes_per_launch": 0,
+                        "machine": "test",
+                    }
+                ],
+                "launches": [
+                    {"cell": f"{m}-seed{s}", "wall_seconds": 600.0, "cpu_seconds": 900.0, "exit": 0}
+                    for m in ACC
+                    for s in (0, 1)
+                ],
+            }
+        )
+    )
     for method, seeds in ACC.items():
         for seed, accs in seeds.items():
             run = grid / f"{method}-seed{seed}" / "20260101-000000-run"
             run.mkdir(parents=True)
             up, down = BYTES[method]
-            rows = [{"round": r + 1, "accuracy_weighted": a, "accuracy_mean": a - 0.1, "bytes_up": up * CLIENTS,
-                     "bytes_down": down * CLIENTS, "eval_bytes_up": 0, "eval_bytes_down": down * CLIENTS,
-                     "num_clients": CLIENTS, "round_seconds": 2.0 + seed}
-                    for r, a in enumerate(accs)]
+            rows = [
+                {
+                    "round": r + 1,
+                    "accuracy_weighted": a,
+                    "accuracy_mean": a - 0.1,
+                    "bytes_up": up * CLIENTS,
+                    "bytes_down": down * CLIENTS,
+                    "eval_bytes_up": 0,
+                    "eval_bytes_down": down * CLIENTS,
+                    "num_clients": CLIENTS,
+                    "round_seconds": 2.0 + seed,
+                }
+                for r, a in enumerate(accs)
+            ]
             (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             (run / "summary.json").write_text(json.dumps({"status": "completed", "rounds_completed": 4}))
 
 
 @pytest.fixture
 def small_config():
-    return {"dataset": "mnist", "partitioner": "dirichlet", "dirichlet-alpha": 0.5, "num-clients": CLIENTS,
-            "model-group": "htcnn8", "max-examples-per-client": 60, "local-epochs": 2, "data-dir": str(DATA_DIR)}
+    return {
+        "dataset": "mnist",
+        "partitioner": "dirichlet",
+        "dirichlet-alpha": 0.5,
+        "num-clients": CLIENTS,
+        "model-group": "htcnn8",
+        "max-examples-per-client": 60,
+        "local-epochs": 2,
+        "data-dir": str(DATA_DIR),
+    }
 
 
 def test_report_numbers_figures_and_regeneration(tmp_path, small_config):

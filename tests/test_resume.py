@@ -14,8 +14,8 @@ FAST = {"mh-pfedhn.hidden-dim": 16}
 
 
 def run_with_results(rc, grid=None, name="run"):
-    from fakegrid import FakeGrid
     from client_app.app import app as client_app
+    from fakegrid import FakeGrid
 
     cfg = RunConfig.from_dict(rc)
     strategy = build_strategy(cfg, ResultsWriter(cfg.output_dir, name, cfg.as_dict()))
@@ -24,20 +24,28 @@ def run_with_results(rc, grid=None, name="run"):
     return strategy, grid
 
 
-@pytest.mark.parametrize("method,extra", [("fedre", {"model-group": "fedavgcnn"}),
-                                          ("mh-pfedhn", {"model-group": "mh-lenet", **FAST}),
-                                          ("fedgh", {}), ("fedproto", {}), ("fedmrl", {}),
-                                          ("fedtgp", {"fedtgp.server-epochs": 5}),
-                                          # constant energy: T_t depends on num-server-rounds, which differs here
-                                          ("fedkd", {"fedkd.energy-start": 0.5, "fedkd.energy-end": 0.5})])
+@pytest.mark.parametrize(
+    "method,extra",
+    [
+        ("fedre", {"model-group": "fedavgcnn"}),
+        ("mh-pfedhn", {"model-group": "mh-lenet", **FAST}),
+        ("fedgh", {}),
+        ("fedproto", {}),
+        ("fedmrl", {}),
+        ("fedtgp", {"fedtgp.server-epochs": 5}),
+        # constant energy: T_t depends on num-server-rounds, which differs here
+        ("fedkd", {"fedkd.energy-start": 0.5, "fedkd.energy-end": 0.5}),
+    ],
+)
 def test_resume_continues_exactly(run_config, method, extra):
     base = run_config(method=method, **{"num-clients": 3, "fraction-train": 0.67, **extra})
     whole, _ = run_with_results({**base, "num-server-rounds": 2}, name="whole")
     first, grid = run_with_results({**base, "num-server-rounds": 1}, name="first")
     assert (first.results.path / CHECKPOINT).is_file()
     # the same clients (their state survives, as a SuperNode's does) and a new ServerApp
-    second, _ = run_with_results({**base, "num-server-rounds": 2, "resume-from": str(first.results.path)}, grid,
-                                 name="second")
+    second, _ = run_with_results(
+        {**base, "num-server-rounds": 2, "resume-from": str(first.results.path)}, grid, name="second"
+    )
     assert [r["round"] for r in second.rows] == [1, 2]
     for a, b in zip(whole.rows, second.rows):
         assert a["accuracy_per_client"] == b["accuracy_per_client"] and a["bytes_up"] == b["bytes_up"]
@@ -95,6 +103,7 @@ def test_resume_after_a_crash_mid_round_repeats_it_exactly(run_config, tmp_path)
 
     def crash(server_round, replies):
         raise RuntimeError("server killed after the clients trained")
+
     crashing.server_update = crash
     with pytest.raises(RuntimeError, match="server killed"):
         crashing.start(grid)

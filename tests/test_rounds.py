@@ -9,6 +9,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from common.config import RunConfig
+from common.files import read_rows
 from conftest import federation
 from models.groups import MODEL_GROUPS
 from server_app.app import run
@@ -23,8 +24,10 @@ def test_client_state_persists_across_rounds(run_config):
     after_round1 = {n: ctx.state.array_records["model"].to_torch_state_dict() for n, ctx in grid.contexts.items()}
     rc2 = {**rc, "local-epochs": 0}
     strategy2, _ = federation(rc2)
-    grid.contexts = {n: type(ctx)(run_id=1, node_id=n, node_config=ctx.node_config, state=ctx.state,
-                                  run_config=rc2) for n, ctx in grid.contexts.items()}
+    grid.contexts = {
+        n: type(ctx)(run_id=1, node_id=n, node_config=ctx.node_config, state=ctx.state, run_config=rc2)
+        for n, ctx in grid.contexts.items()
+    }
     strategy2.start(grid)
     for node, ctx in grid.contexts.items():
         state = ctx.state.array_records["model"].to_torch_state_dict()
@@ -78,11 +81,18 @@ def test_client_exception_is_dropped(run_config):
 
 
 def test_results_files_written_each_round_and_learning(run_config, tmp_path):
-    rc = run_config(**{"method": "local", "num-server-rounds": 3, "max-examples-per-client": 400,
-                       "local-epochs": 2, "partitioner": "iid"})
+    rc = run_config(
+        **{
+            "method": "local",
+            "num-server-rounds": 3,
+            "max-examples-per-client": 400,
+            "local-epochs": 2,
+            "partitioner": "iid",
+        }
+    )
     strategy, grid = federation(rc)
     writer = run(grid, RunConfig.from_dict(rc), "t1")
-    rows = [json.loads(line) for line in open(writer.path / "metrics.jsonl")]
+    rows = read_rows(writer.path)
     assert [r["round"] for r in rows] == [1, 2, 3]
     for r in rows:
         for key in ("accuracy_mean", "accuracy_weighted", "bytes_up", "bytes_down", "num_clients", "round_seconds"):
@@ -140,7 +150,7 @@ def test_bf16_precision_trains_in_bfloat16_and_learns(run_config):
     for precision in ("fp32", "bf16"):
         client = client_runtime(rc)
         seen = []
-        hook = client.model.head.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+        hook = client.model.head.register_forward_hook(lambda m, i, out, seen=seen: seen.append(out.dtype))
         config = train_config(rc, **{"precision": precision, "local-epochs": 1})
         first = train_supervised(client.model, client.data, config, client.device, torch.Generator().manual_seed(0))
         for _ in range(3):

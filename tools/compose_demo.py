@@ -40,6 +40,7 @@ import time
 import tomllib
 from pathlib import Path
 
+from common.files import read_rows
 from tools.deploy import environment, write_connection
 from tools.run import app_defaults, flwr_cli, run_status, toml_value, wait_for
 
@@ -51,9 +52,16 @@ NUM_NODES = 3  # docker/compose.yml's SuperNodes
 
 def demo_run_config(rounds: int) -> dict:
     """The run config of the demo's FedGH job, as paths inside the containers."""
-    return {"method": "fedgh", "num-clients": NUM_NODES, "num-server-rounds": rounds,
-            "max-examples-per-client": 200, "batch-size": 32, "data-dir": "/data",
-            "output-dir": "/app/outputs", "round-timeout": 300.0}
+    return {
+        "method": "fedgh",
+        "num-clients": NUM_NODES,
+        "num-server-rounds": rounds,
+        "max-examples-per-client": 200,
+        "batch-size": 32,
+        "data-dir": "/data",
+        "output-dir": "/app/outputs",
+        "round-timeout": 300.0,
+    }
 
 
 def fedgh_payload_bytes(run_config: dict, data_dir: str) -> tuple[int, int]:
@@ -90,8 +98,9 @@ def check_rows(rows: list[dict], summary: dict, rounds: int, down: int, up: int)
         if r["num_clients"] != NUM_NODES or r["dropped_clients"]:
             problems.append(f"round {r['round']}: {r['num_clients']} clients, dropped {r['dropped_clients']}")
         if (r["bytes_down"], r["bytes_up"]) != (down, up):
-            problems.append(f"round {r['round']}: bytes down/up {r['bytes_down']}/{r['bytes_up']}, "
-                            f"expected {down}/{up}")
+            problems.append(
+                f"round {r['round']}: bytes down/up {r['bytes_down']}/{r['bytes_up']}, expected {down}/{up}"
+            )
     return problems
 
 
@@ -106,8 +115,9 @@ class Stack:
     def __call__(self, *args: str, check: bool = True, capture: bool = False) -> subprocess.CompletedProcess:
         done = subprocess.run([*self.base, *args], env=self.env, text=True, capture_output=capture)
         if check and done.returncode != 0:
-            raise RuntimeError(f"docker compose {' '.join(args)} exited {done.returncode}: "
-                               f"{(done.stderr or '')[-2000:]}")
+            raise RuntimeError(
+                f"docker compose {' '.join(args)} exited {done.returncode}: {(done.stderr or '')[-2000:]}"
+            )
         return done
 
 
@@ -181,8 +191,9 @@ def demo(stack: Stack, rounds: int, data_dir: Path, work: Path) -> int:
         raise
 
 
-def run_on_stack(stack: Stack, rounds: int, work: Path, run_config: dict, payload: tuple[int, int],
-                 build_s: float) -> int:
+def run_on_stack(
+    stack: Stack, rounds: int, work: Path, run_config: dict, payload: tuple[int, int], build_s: float
+) -> int:
     """Steps 3-5 after the build: up, run, check; returns the exit status."""
     down, up = payload
     # the CLI talks to 127.0.0.1:8000 in both network modes: it must be this stack's SuperLink
@@ -198,6 +209,7 @@ def run_on_stack(stack: Stack, rounds: int, work: Path, run_config: dict, payloa
     def online():
         nodes = flwr_json("supernode", "list", "docker", env=env).get("nodes", [])
         return sum(n.get("status") == "online" for n in nodes) >= NUM_NODES
+
     wait_for(online, 300, f"{NUM_NODES} SuperNodes to be online")
     startup_s = time.monotonic() - t0
     print(f"start-up (up until {NUM_NODES} SuperNodes online): {startup_s:.1f} s", flush=True)
@@ -214,6 +226,7 @@ def run_on_stack(stack: Stack, rounds: int, work: Path, run_config: dict, payloa
     def finished():
         status = run_status(env, run_id, "docker")
         return status if status.startswith("finished") else None
+
     status = wait_for(finished, 300 + 300 * rounds, f"run {run_id} to finish", poll=2.0)
     run_s = time.monotonic() - t0
     print(f"run {run_id}: {status} in {run_s:.1f} s", flush=True)
@@ -222,11 +235,15 @@ def run_on_stack(stack: Stack, rounds: int, work: Path, run_config: dict, payloa
     run_dirs = [p.parent for p in (work / "outputs").glob("*/summary.json")]
     if len(run_dirs) != 1:
         raise RuntimeError(f"expected one run folder in the outputs volume, found {run_dirs}")
-    rows = [json.loads(line) for line in (run_dirs[0] / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(run_dirs[0])
     summary = json.loads((run_dirs[0] / "summary.json").read_text())
     seconds = [r["round_seconds"] for r in rows]
-    print("seconds per round:", " ".join(f"{s:.1f}" for s in seconds),
-          f"(median {statistics.median(seconds):.1f})" if seconds else "", flush=True)
+    print(
+        "seconds per round:",
+        " ".join(f"{s:.1f}" for s in seconds),
+        f"(median {statistics.median(seconds):.1f})" if seconds else "",
+        flush=True,
+    )
     print(f"final accuracy (mean over clients): {summary.get('final_accuracy_mean')}", flush=True)
     problems = check_rows(rows, summary, rounds, down, up)
     print(log_tail(stack))
@@ -234,10 +251,12 @@ def run_on_stack(stack: Stack, rounds: int, work: Path, run_config: dict, payloa
         print("CHECK FAILED:", problem, flush=True)
     if problems:
         return 1
-    print(f"checks passed: {rounds} rounds completed, {NUM_NODES} clients each, payload bytes exact "
-          f"(down {down} B, up {up} B per round)", flush=True)
-    print(f"build_s={build_s:.1f} startup_s={startup_s:.1f} "
-          f"round_s={statistics.median(seconds):.1f}", flush=True)
+    print(
+        f"checks passed: {rounds} rounds completed, {NUM_NODES} clients each, payload bytes exact "
+        f"(down {down} B, up {up} B per round)",
+        flush=True,
+    )
+    print(f"build_s={build_s:.1f} startup_s={startup_s:.1f} round_s={statistics.median(seconds):.1f}", flush=True)
     return 0
 
 
@@ -256,8 +275,12 @@ def shielded(cmd: list[str], env: dict | None = None) -> subprocess.CompletedPro
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data",
-                        help="host folder with <dataset>/train.parquet, mounted read-only at /data")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=ROOT.parent / "shared" / "data",
+        help="host folder with <dataset>/train.parquet, mounted read-only at /data",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -266,29 +289,41 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     started_engine = False
     try:
-        if shutil.which("docker") is None or subprocess.run(["docker", "compose", "version"],
-                                                            capture_output=True).returncode != 0:
+        if (
+            shutil.which("docker") is None
+            or subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0
+        ):
             raise RuntimeError("needs the docker CLI with the compose plugin: run docker/setup-host.sh (as root)")
         if not engine_up():
-            out = subprocess.run([str(DOCKER / "dockerd.sh"), "start"], check=True, capture_output=True,
-                                 text=True).stdout
+            out = subprocess.run(
+                [str(DOCKER / "dockerd.sh"), "start"], check=True, capture_output=True, text=True
+            ).stdout
             started_engine = out.startswith("started")
             print("docker engine:", out.strip(), flush=True)
         loopback = not has_bridge()
-        print("network:", "host (docker/compose.loopback.yml: the engine has no bridge)" if loopback
-              else "bridge", flush=True)
+        print(
+            "network:",
+            "host (docker/compose.loopback.yml: the engine has no bridge)" if loopback else "bridge",
+            flush=True,
+        )
         stack = Stack(loopback, args.data_dir)
         if stack("ps", "-a", "-q", capture=True).stdout.split():
             # not ours to remove: the demo tears down only what it created
-            raise RuntimeError("a 'mheterofl' compose stack already exists: "
-                               "docker compose -f docker/compose.yml down -v, then run the demo again")
+            raise RuntimeError(
+                "a 'mheterofl' compose stack already exists: "
+                "docker compose -f docker/compose.yml down -v, then run the demo again"
+            )
         with tempfile.TemporaryDirectory(prefix="mheterofl-compose-") as work:
             try:
                 return demo(stack, args.rounds, args.data_dir, Path(work))
             finally:
                 done = shielded([*stack.base, "down", "-v", "--remove-orphans", "--timeout", "10"], stack.env)
-                print("stack removed (docker compose down -v)" if done.returncode == 0
-                      else f"docker compose down failed: {done.stderr[-1000:]}", flush=True)
+                print(
+                    "stack removed (docker compose down -v)"
+                    if done.returncode == 0
+                    else f"docker compose down failed: {done.stderr[-1000:]}",
+                    flush=True,
+                )
     except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as error:
         print(f"demo failed: {error}", file=sys.stderr, flush=True)
         return 1

@@ -35,8 +35,9 @@ from pathlib import Path
 BIN = Path(sys.executable).parent
 
 
-def write_certificates(out: Path, names: list[str], ips: list[str], days: int = 365,
-                       ca_key_dir: Path | None = None) -> dict[str, Path]:
+def write_certificates(
+    out: Path, names: list[str], ips: list[str], days: int = 365, ca_key_dir: Path | None = None
+) -> dict[str, Path]:
     """A CA and a SuperLink server certificate signed by it, valid for ``names`` and ``ips``.
 
     The server certificate's subjectAltName lists every DNS name and IP address clients use to
@@ -58,36 +59,54 @@ def write_certificates(out: Path, names: list[str], ips: list[str], days: int = 
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     out.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key, server_key = ec.generate_private_key(ec.SECP384R1()), ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "mheterofl-ca")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now)
-          .not_valid_after(now + datetime.timedelta(days=days))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     dns = list(dict.fromkeys(["localhost", *names]))
     addresses = list(dict.fromkeys(["127.0.0.1", *ips]))
-    san = x509.SubjectAlternativeName([*(x509.DNSName(n) for n in dns),
-                                       *(x509.IPAddress(ipaddress.ip_address(a)) for a in addresses)])
-    server = (x509.CertificateBuilder()
-              .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns[-1])]))
-              .issuer_name(ca_name).public_key(server_key.public_key())
-              .serial_number(x509.random_serial_number()).not_valid_before(now)
-              .not_valid_after(now + datetime.timedelta(days=days))
-              .add_extension(san, critical=False)
-              .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-              .sign(ca_key, hashes.SHA256()))
+    san = x509.SubjectAlternativeName(
+        [*(x509.DNSName(n) for n in dns), *(x509.IPAddress(ipaddress.ip_address(a)) for a in addresses)]
+    )
+    server = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns[-1])]))
+        .issuer_name(ca_name)
+        .public_key(server_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(san, critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     ca_key_dir = ca_key_dir or out.with_name(out.name + "-ca")
     ca_key_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    paths = {"ca": out / "ca.crt", "ca-key": ca_key_dir / "ca.key", "cert": out / "server.pem",
-             "key": out / "server.key"}
+    paths = {
+        "ca": out / "ca.crt",
+        "ca-key": ca_key_dir / "ca.key",
+        "cert": out / "server.pem",
+        "key": out / "server.key",
+    }
     paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths["cert"].write_bytes(server.public_bytes(serialization.Encoding.PEM))
     for name, key in (("ca-key", ca_key), ("key", server_key)):
-        _write_secret(paths[name], key.private_bytes(serialization.Encoding.PEM,
-                                                     serialization.PrivateFormat.PKCS8,
-                                                     serialization.NoEncryption()))
+        _write_secret(
+            paths[name],
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            ),
+        )
     return paths
 
 
@@ -103,16 +122,22 @@ def write_node_keys(out: Path, count: int, first: int = 0) -> list[tuple[Path, P
     for i in range(first, first + count):
         key = ec.generate_private_key(ec.SECP384R1())
         private, public = out / f"node-{i}", out / f"node-{i}.pub"
-        _write_secret(private, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                                 serialization.NoEncryption()))
-        public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                         serialization.PublicFormat.OpenSSH) + b"\n")
+        _write_secret(
+            private,
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+            ),
+        )
+        public.write_bytes(
+            key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + b"\n"
+        )
         pairs.append((private, public))
     return pairs
 
 
-def superlink_command(certs: Path | None, auth: bool, host: str = "0.0.0.0", port: int = 8000,
-                      database: str | None = None) -> list[str]:
+def superlink_command(
+    certs: Path | None, auth: bool, host: str = "0.0.0.0", port: int = 8000, database: str | None = None
+) -> list[str]:
     """``flower-superlink`` for deployment: TLS with ``certs`` (None: insecure), node authentication
     with ``auth``, runtime dependency installation off (the app's dependencies are preinstalled).
 
@@ -121,25 +146,52 @@ def superlink_command(certs: Path | None, auth: bool, host: str = "0.0.0.0", por
     """
     if auth and certs is None:
         raise ValueError("--auth needs TLS: pass --certs (SuperNode authentication is refused without TLS)")
-    cmd = [str(BIN / "flower-superlink"), "--host", host, "--port", str(port),
-           "--disable-runtime-dependency-installation"]
-    cmd += (["--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile", str(certs / "server.pem"),
-             "--ssl-keyfile", str(certs / "server.key")] if certs else ["--insecure"])
+    cmd = [
+        str(BIN / "flower-superlink"),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--disable-runtime-dependency-installation",
+    ]
+    cmd += (
+        [
+            "--ssl-ca-certfile",
+            str(certs / "ca.crt"),
+            "--ssl-certfile",
+            str(certs / "server.pem"),
+            "--ssl-keyfile",
+            str(certs / "server.key"),
+        ]
+        if certs
+        else ["--insecure"]
+    )
     cmd += ["--enable-supernode-auth"] if auth else []
     cmd += ["--database", database] if database else []
     return cmd
 
 
-def node_config(partition_id: int, num_partitions: int, data_dir: str | None = None,
-                state_dir: str | None = None) -> str:
+def node_config(
+    partition_id: int, num_partitions: int, data_dir: str | None = None, state_dir: str | None = None
+) -> str:
     """The ``--node-config`` string: partition, and optionally where the data and the client state live."""
-    items = {"partition-id": partition_id, "num-partitions": num_partitions, "data-dir": data_dir,
-             "state-dir": state_dir}
+    items = {
+        "partition-id": partition_id,
+        "num-partitions": num_partitions,
+        "data-dir": data_dir,
+        "state-dir": state_dir,
+    }
     return " ".join(f"{k}={v}" if isinstance(v, int) else f'{k}="{v}"' for k, v in items.items() if v is not None)
 
 
-def supernode_command(superlink: str, root_cert: Path | None, key: Path | None, config: str,
-                      port: int = 9094, max_retries: int | None = None) -> list[str]:
+def supernode_command(
+    superlink: str,
+    root_cert: Path | None,
+    key: Path | None,
+    config: str,
+    port: int = 9094,
+    max_retries: int | None = None,
+) -> list[str]:
     """``flower-supernode`` connecting to ``superlink`` (host:port) over TLS trusting ``root_cert``
     (None: insecure), authenticating with the private ``key`` when given; ``port`` is its local
     runtime API port (one per SuperNode on a host)."""
@@ -183,21 +235,21 @@ def proxy_config(folder: Path, certs: Path, listen: str, superlink: str, operato
     certs = certs.absolute()
     allow = "".join(f"            allow {a};\n" for a in operators)
     forward = f"""proxy_pass https://{superlink};
-            proxy_ssl_trusted_certificate {certs / 'ca.crt'};
+            proxy_ssl_trusted_certificate {certs / "ca.crt"};
             proxy_ssl_verify on;
             proxy_ssl_name localhost;"""
     text = f"""# written by `python -m tools.deploy proxy`: the SuperLink behind a reverse proxy (see its docstring)
 worker_processes 1;
-pid {folder / 'nginx.pid'};
-error_log {folder / 'error.log'} warn;
+pid {folder / "nginx.pid"};
+error_log {folder / "error.log"} warn;
 events {{}}
 http {{
-    access_log {folder / 'access.log'};
-    client_body_temp_path {folder / 'tmp/client_body'};
-    proxy_temp_path {folder / 'tmp/proxy'};
-    fastcgi_temp_path {folder / 'tmp/fastcgi'};
-    uwsgi_temp_path {folder / 'tmp/uwsgi'};
-    scgi_temp_path {folder / 'tmp/scgi'};
+    access_log {folder / "access.log"};
+    client_body_temp_path {folder / "tmp/client_body"};
+    proxy_temp_path {folder / "tmp/proxy"};
+    fastcgi_temp_path {folder / "tmp/fastcgi"};
+    uwsgi_temp_path {folder / "tmp/uwsgi"};
+    scgi_temp_path {folder / "tmp/scgi"};
     client_max_body_size 0;
     proxy_http_version 1.1;
     proxy_buffering off;
@@ -206,8 +258,8 @@ http {{
     proxy_send_timeout 3600s;
     server {{
         listen {listen} ssl;
-        ssl_certificate {certs / 'server.pem'};
-        ssl_certificate_key {certs / 'server.key'};
+        ssl_certificate {certs / "server.pem"};
+        ssl_certificate_key {certs / "server.key"};
         location {FLEET_PATH} {{
             {forward}
         }}
@@ -243,8 +295,10 @@ def write_connection(flwr_home: Path, name: str, address: str, root_cert: Path |
     config = tomllib.loads(path.read_text()) if path.is_file() else {}
     links = config.setdefault("superlink", {})
     links.setdefault("default", name)
-    links[name] = {"address": address, **({"root-certificates": str(root_cert.resolve())} if root_cert
-                                          else {"insecure": True})}
+    links[name] = {
+        "address": address,
+        **({"root-certificates": str(root_cert.resolve())} if root_cert else {"insecure": True}),
+    }
     lines = ["[superlink]", f'default = "{links["default"]}"', ""]
     for key, value in links.items():
         if isinstance(value, dict):
@@ -255,8 +309,9 @@ def write_connection(flwr_home: Path, name: str, address: str, root_cert: Path |
     return path
 
 
-def register_nodes(public_keys: list[Path], connection: str, timeout: float = 0.0,
-                   env: dict[str, str] | None = None) -> list[str]:
+def register_nodes(
+    public_keys: list[Path], connection: str, timeout: float = 0.0, env: dict[str, str] | None = None
+) -> list[str]:
     """Register each SuperNode public key with the SuperLink of CLI ``connection``
     (``flwr supernode register``), waiting up to ``timeout`` seconds for the SuperLink to answer.
     ``env``: the CLI's environment (default :func:`environment`; ``FLWR_HOME`` finds the connection).
@@ -271,8 +326,12 @@ def register_nodes(public_keys: list[Path], connection: str, timeout: float = 0.
     for key in public_keys:
         deadline = time.monotonic() + timeout
         while True:
-            done = subprocess.run([str(BIN / "flwr"), "supernode", "register", str(key), connection],
-                                  capture_output=True, text=True, env=env or environment())
+            done = subprocess.run(
+                [str(BIN / "flwr"), "supernode", "register", str(key), connection],
+                capture_output=True,
+                text=True,
+                env=env or environment(),
+            )
             said = (done.stdout + done.stderr).strip()
             if done.returncode == 0 or "already in use" in said:
                 lines.append(f"{key}: " + ("registered" if done.returncode == 0 else "registered before"))
@@ -280,8 +339,9 @@ def register_nodes(public_keys: list[Path], connection: str, timeout: float = 0.
             if "unavailable" not in said.lower():  # anything but "the SuperLink is not up yet"
                 raise RuntimeError(f"registering {key} failed: {said}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the SuperLink of connection '{connection}' did not answer within "
-                                   f"{timeout:.0f} s: {said}")
+                raise RuntimeError(
+                    f"the SuperLink of connection '{connection}' did not answer within {timeout:.0f} s: {said}"
+                )
             time.sleep(1.0)
     return lines
 
@@ -295,10 +355,15 @@ def environment() -> dict[str, str]:
     """The environment Flower's processes need: this venv's CLIs on PATH (SuperExec, ClientApps),
     no runtime installs, no Hub look-ups, SuperExecs that look for tasks every
     :data:`TASK_POLL_SECONDS` (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``; one already set is kept)."""
-    return {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(TASK_POLL_SECONDS), **os.environ,
-            "PATH": str(BIN) + os.pathsep + os.environ.get("PATH", ""),
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1"}
+    return {
+        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(TASK_POLL_SECONDS),
+        **os.environ,
+        "PATH": str(BIN) + os.pathsep + os.environ.get("PATH", ""),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def _toml(value) -> str:
@@ -346,8 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--certs", type=Path, required=True, help="folder with ca.crt, server.pem, server.key")
     p.add_argument("--listen", default="0.0.0.0:8000", help="public address:port (SuperNodes, flwr CLI)")
     p.add_argument("--superlink", default="127.0.0.1:8001", help="the SuperLink's loopback address:port")
-    p.add_argument("--operator", action="append", default=[],
-                   help="address or network allowed to use the Control API (repeat)")
+    p.add_argument(
+        "--operator", action="append", default=[], help="address or network allowed to use the Control API (repeat)"
+    )
     p.add_argument("--out", type=Path, default=Path("proxy"), help="folder for nginx.conf, logs, temp files")
     p = sub.add_parser("supernode", help="start a SuperNode")
     p.add_argument("--superlink", required=True, help="host:port of the SuperLink")

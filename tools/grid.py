@@ -135,16 +135,18 @@ def launch_tools_run(preset: Path, overrides: dict, minutes: float) -> int:
         code = 124
     cpu = meter.stop()
     print(f"grid: launch wall {time.perf_counter() - start:.0f} s, CPU {cpu:.0f} s", flush=True)
-    record_launch(Path(overrides["output-dir"]).parent, Path(overrides["output-dir"]).name,
-                  time.perf_counter() - start, cpu, code)
+    record_launch(
+        Path(overrides["output-dir"]).parent, Path(overrides["output-dir"]).name, time.perf_counter() - start, cpu, code
+    )
     return code
 
 
 def record_launch(grid: Path, cell: str, wall: float, cpu: float, code: int) -> None:
     """Append a launch's wall and CPU seconds to ``grid.json`` (``launches``)."""
     info = json.loads((grid / GRID_FILE).read_text())
-    info.setdefault("launches", []).append({"cell": cell, "wall_seconds": round(wall, 1),
-                                            "cpu_seconds": round(cpu, 1), "exit": code})
+    info.setdefault("launches", []).append(
+        {"cell": cell, "wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1), "exit": code}
+    )
     write_info(grid, info)
 
 
@@ -157,36 +159,66 @@ def write_info(grid: Path, info: dict) -> None:
 
 def git_commit() -> str:
     out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True, check=False).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, check=False
+    ).stdout.strip()
     return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
-def record_invocation(grid: Path, preset: Path, methods: list[str], seeds: list[int], rounds: int,
-                      minutes: float, argv: list[str], overrides: dict) -> None:
+def record_invocation(
+    grid: Path,
+    preset: Path,
+    methods: list[str],
+    seeds: list[int],
+    rounds: int,
+    minutes: float,
+    argv: list[str],
+    overrides: dict,
+) -> None:
     """Add this invocation to ``grid.json`` (created with the preset's config on the first one).
 
     Raises:
         ValueError: ``overrides`` differ from those the grid was started with.
     """
     path = grid / GRID_FILE
-    info = json.loads(path.read_text()) if path.is_file() else {
-        "preset": preset.name, "preset_config": {**parse_config_args([str(preset)]), **overrides},
-        "overrides": overrides, "invocations": []}
+    info = (
+        json.loads(path.read_text())
+        if path.is_file()
+        else {
+            "preset": preset.name,
+            "preset_config": {**parse_config_args([str(preset)]), **overrides},
+            "overrides": overrides,
+            "invocations": [],
+        }
+    )
     if info.get("overrides", {}) != overrides:
-        raise ValueError(f"this grid was started with overrides {info.get('overrides')}, not {overrides}: "
-                         "use another --out folder")
+        raise ValueError(
+            f"this grid was started with overrides {info.get('overrides')}, not {overrides}: use another --out folder"
+        )
     info.update(methods=methods, seeds=seeds, rounds=rounds)
-    info["invocations"].append({
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
-        "command": "python -m tools.grid " + " ".join(argv), "minutes_per_launch": minutes,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"})
+    info["invocations"].append(
+        {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "commit": git_commit(),
+            "command": "python -m tools.grid " + " ".join(argv),
+            "minutes_per_launch": minutes,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        }
+    )
     write_info(grid, info)
 
 
-def run_grid(preset: Path, methods: list[str], seeds: list[int], grid: Path, rounds: int | None = None,
-             minutes: float = 0.0, launcher: Launcher = launch_tools_run, argv: list[str] | None = None,
-             overrides: dict | None = None) -> dict[str, str]:
+def run_grid(
+    preset: Path,
+    methods: list[str],
+    seeds: list[int],
+    grid: Path,
+    rounds: int | None = None,
+    minutes: float = 0.0,
+    launcher: Launcher = launch_tools_run,
+    argv: list[str] | None = None,
+    overrides: dict | None = None,
+) -> dict[str, str]:
     """Bring every (method, seed) cell of ``grid`` to ``rounds`` rounds; returns cell -> outcome.
 
     Outcomes: ``done`` (already complete, skipped), ``completed``, ``resumed`` (and completed),
@@ -213,12 +245,20 @@ def run_grid(preset: Path, methods: list[str], seeds: list[int], grid: Path, rou
                 print(f"grid: {cell.name} done ({run.name}); skipped", flush=True)
                 outcomes[cell.name] = "done"
                 continue
-            keys = {**overrides, "method": method, "seed": seed, "num-server-rounds": rounds,
-                    "output-dir": str(cell), "state-dir": str(cell / STATE_DIR)}
+            keys = {
+                **overrides,
+                "method": method,
+                "seed": seed,
+                "num-server-rounds": rounds,
+                "output-dir": str(cell),
+                "state-dir": str(cell / STATE_DIR),
+            }
             if action == "resume":
                 keys["resume-from"] = str(run)
-            print(f"grid: {cell.name}: {'resuming ' + run.name if run else 'starting'} towards {rounds} rounds",
-                  flush=True)
+            print(
+                f"grid: {cell.name}: {'resuming ' + run.name if run else 'starting'} towards {rounds} rounds",
+                flush=True,
+            )
             code = launcher(preset, keys, minutes)
             finished = plan(cell, rounds)[0] == "done"
             outcomes[cell.name] = ("resumed" if run else "completed") if finished else f"stopped (exit {code})"
@@ -233,8 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per run (default: the preset's)")
     parser.add_argument("--minutes", type=float, default=0.0, help="wall-time budget per launch (0: none)")
-    parser.add_argument("--run-config", "-c", action="append", default=[],
-                        help="preset keys overridden in every cell, e.g. \"local-epochs=1\" (repeatable)")
+    parser.add_argument(
+        "--run-config",
+        "-c",
+        action="append",
+        default=[],
+        help='preset keys overridden in every cell, e.g. "local-epochs=1" (repeatable)',
+    )
     parser.add_argument("--out", type=Path, default=None, help="grid folder (default outputs/grids/<preset>)")
     args = parser.parse_args(argv)
     from strategies.registry import METHODS
@@ -247,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",") if s]
     grid = (args.out or ROOT / "outputs" / "grids" / args.preset.stem).resolve()
     overrides = parse_config_args(args.run_config) if args.run_config else {}
-    outcomes = run_grid(args.preset.resolve(), methods, seeds, grid, args.rounds, args.minutes, argv=argv,
-                        overrides=overrides)
+    outcomes = run_grid(
+        args.preset.resolve(), methods, seeds, grid, args.rounds, args.minutes, argv=argv, overrides=overrides
+    )
     for cell, outcome in outcomes.items():
         print(f"{cell:>24}  {outcome}")
     print(f"grid folder: {grid}")

@@ -14,8 +14,17 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tools.deploy import (environment, node_config, register_nodes, superlink_command, supernode_command,
-                          write_certificates, write_connection, write_node_keys)
+from common.files import ROWS_FILE, read_rows
+from tools.deploy import (
+    environment,
+    node_config,
+    register_nodes,
+    superlink_command,
+    supernode_command,
+    write_certificates,
+    write_connection,
+    write_node_keys,
+)
 from tools.run import flwr_cli, free_port, run_status, stop, toml_value, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,11 +81,16 @@ class LoopbackDeployment:
             RuntimeError: a key was refused.
         """
         host, port = self.address.split(":")
-        self._spawn(superlink_command(self.folder / "certs", auth=True, host=host, port=int(port),
-                                      database=str(self.folder / "state.db")), "superlink.log")
+        self._spawn(
+            superlink_command(
+                self.folder / "certs", auth=True, host=host, port=int(port), database=str(self.folder / "state.db")
+            ),
+            "superlink.log",
+        )
         wait_for(self.healthy, 60, "the SuperLink (TLS) to become healthy")
-        self.registered = register_nodes([public for _, public in self.keys[:self.num_nodes]], CONNECTION,
-                                         env=self.env)
+        self.registered = register_nodes(
+            [public for _, public in self.keys[: self.num_nodes]], CONNECTION, env=self.env
+        )
         for i in range(self.num_nodes):
             self.supernode(i)
         return self
@@ -85,9 +99,13 @@ class LoopbackDeployment:
         """Start the SuperNode of ``partition_id`` with key pair ``key_index`` (default: the
         partition's own), state under ``<folder>/state-<partition_id>``."""
         key = self.keys[partition_id if key_index is None else key_index][0]
-        config = node_config(partition_id, self.num_nodes, str(self.data_dir), str(self.folder / f"state-{partition_id}"))
-        return self._spawn(supernode_command(self.address, self.certs["ca"], key, config, port=free_port(),
-                                             max_retries=3), f"supernode-{partition_id}.log")
+        config = node_config(
+            partition_id, self.num_nodes, str(self.data_dir), str(self.folder / f"state-{partition_id}")
+        )
+        return self._spawn(
+            supernode_command(self.address, self.certs["ca"], key, config, port=free_port(), max_retries=3),
+            f"supernode-{partition_id}.log",
+        )
 
     def submit(self, run_config: dict[str, Any]) -> int:
         """``flwr run`` of this app with ``run_config``; returns the run id.
@@ -106,9 +124,11 @@ class LoopbackDeployment:
 
     def finished(self, run_id: int, timeout: float) -> str:
         """Wait up to ``timeout`` seconds for run ``run_id`` to finish; returns its status."""
+
         def status():
             s = run_status(self.env, run_id, CONNECTION)
             return s if s.startswith("finished") else None
+
         return wait_for(status, timeout, f"run {run_id} to finish", poll=1.0)
 
     def stop(self) -> None:
@@ -125,5 +145,5 @@ class LoopbackDeployment:
 
 def rows_of(out: Path) -> list[dict]:
     """The per-round rows written so far under output folder ``out`` (one run)."""
-    files = list(out.glob("*/metrics.jsonl"))
-    return [json.loads(line) for line in files[0].read_text().splitlines()] if files else []
+    runs = [f.parent for f in out.glob(f"*/{ROWS_FILE}")]
+    return read_rows(runs[0]) if runs else []

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.files import ROWS_FILE, read_rows
 from tools.grid import GRID_FILE, newest_run
 from tools.run import ROOT, app_defaults
 
@@ -53,8 +54,9 @@ class Cell:
 
     def cumulative_bytes(self) -> np.ndarray:
         """Total payload bytes (training and evaluation, up and down) after each round."""
-        return np.cumsum([r["bytes_up"] + r["bytes_down"] + r["eval_bytes_up"] + r["eval_bytes_down"]
-                          for r in self.rows])
+        return np.cumsum(
+            [r["bytes_up"] + r["bytes_down"] + r["eval_bytes_up"] + r["eval_bytes_down"] for r in self.rows]
+        )
 
 
 def load_grid(grid: Path) -> tuple[dict, list[Cell]]:
@@ -63,10 +65,10 @@ def load_grid(grid: Path) -> tuple[dict, list[Cell]]:
     cells = []
     for folder in sorted(p for p in grid.iterdir() if p.is_dir() and "-seed" in p.name):
         found = newest_run(folder)
-        if found is None or not (found[0] / "metrics.jsonl").is_file():
+        if found is None or not (found[0] / ROWS_FILE).is_file():
             continue
         run, summary = found
-        rows = [json.loads(line) for line in open(run / "metrics.jsonl", encoding="utf-8") if line.strip()]
+        rows = read_rows(run)
         if rows:
             method, seed = folder.name.rsplit("-seed", 1)
             cells.append(Cell(method, int(seed), rows, summary))
@@ -170,8 +172,10 @@ def plot_curves(cells: list[Cell], key: str, out: Path, preset: str) -> None:
     methods = sorted({c.method for c in cells})
     colors = method_colors(methods)
     label = key.replace("_", " ")
-    for name, xlabel in (("accuracy_vs_round.png", "round"), ("accuracy_vs_bytes.png",
-                                                               "cumulative payload bytes, both ways (log scale)")):
+    for name, xlabel in (
+        ("accuracy_vs_round.png", "round"),
+        ("accuracy_vs_bytes.png", "cumulative payload bytes, both ways (log scale)"),
+    ):
         fig, ax = plt.subplots(figsize=(7.5, 4.5))
         for method in methods:
             runs = [c for c in cells if c.method == method]
@@ -218,9 +222,17 @@ def plot_partitions(config: dict, out: Path, data_dir: str | None = None) -> Non
     cfg = RunConfig.from_dict({**app_defaults(), **config, **({"data-dir": data_dir} if data_dir else {})})
     partitioner = partitioner_for(DataSpec.from_config(cfg, cfg.num_clients))
     fig, ax, counts = plot_label_distributions(
-        partitioner, label_name=DATASETS[cfg.dataset].label_column, plot_type="bar", size_unit="absolute",
-        partition_id_axis="x", legend=True, legend_title="class", verbose_labels=False, figsize=(7.5, 4.5),
-        title=f"{cfg.dataset}: samples per class of each client's partition ({cfg.partitioner}, seed {cfg.seed})")
+        partitioner,
+        label_name=DATASETS[cfg.dataset].label_column,
+        plot_type="bar",
+        size_unit="absolute",
+        partition_id_axis="x",
+        legend=True,
+        legend_title="class",
+        verbose_labels=False,
+        figsize=(7.5, 4.5),
+        title=f"{cfg.dataset}: samples per class of each client's partition ({cfg.partitioner}, seed {cfg.seed})",
+    )
     ax.set_xlabel("client (partition id)")
     ax.set_ylabel("samples")
     ax.set_ylim(0, 1.05 * counts.sum(axis=1).max())  # flwr-datasets' default limit can cut the tallest bars
@@ -240,33 +252,73 @@ def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None)
     invocations = info.get("invocations", [])
     lines = [f"# {Path(info['preset']).stem}", ""]
     if paper:
-        lines += [f"Paper: {paper['paper']}. Setting: {paper['setting']}. The paper reports {paper['metric']}; "
-                  f"ours beside it is `{key}`.", ""]
+        lines += [
+            f"Paper: {paper['paper']}. Setting: {paper['setting']}. The paper reports {paper['metric']}; "
+            f"ours beside it is `{key}`.",
+            "",
+        ]
         if paper.get("notes"):
             lines += [paper["notes"], ""]
     changed = ", ".join(f"`{k}={v}`" for k, v in info.get("overrides", {}).items())
-    lines += [f"Grid: {info['rounds']} rounds per run, seeds {info['seeds']}"
-              + (f", preset changed by {changed}" if changed else ", the preset as it is") + ". Commits: "
-              + ", ".join(sorted({i['commit'] for i in invocations})) + ".", ""]
+    lines += [
+        f"Grid: {info['rounds']} rounds per run, seeds {info['seeds']}"
+        + (f", preset changed by {changed}" if changed else ", the preset as it is")
+        + ". Commits: "
+        + ", ".join(sorted({i["commit"] for i in invocations}))
+        + ".",
+        "",
+    ]
     target_text = f"{100 * target:.0f}%" if target is not None else "target"
-    head = ["method", "seeds", "rounds", "final acc mean", "best acc mean", "final acc weighted",
-            "best acc weighted", f"rounds to {target_text}", f"bytes to {target_text}", "B up / client-round",
-            "B down / client-round", "s / round", "train GFLOPs / client-round", "paper"]
+    head = [
+        "method",
+        "seeds",
+        "rounds",
+        "final acc mean",
+        "best acc mean",
+        "final acc weighted",
+        "best acc weighted",
+        f"rounds to {target_text}",
+        f"bytes to {target_text}",
+        "B up / client-round",
+        "B down / client-round",
+        "s / round",
+        "train GFLOPs / client-round",
+        "paper",
+    ]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for method, s in stats.items():
-        to_target = "-" if s.get("rounds_to_target") is None else \
-            f"{s['rounds_to_target'][0]:.1f} ({s['reached']})"
+        to_target = "-" if s.get("rounds_to_target") is None else f"{s['rounds_to_target'][0]:.1f} ({s['reached']})"
         to_bytes = "-" if s.get("bytes_to_target") is None else f"{s['bytes_to_target']:,.0f}"
         rounds = "/".join(str(r) for r in s["rounds"])
-        lines.append("| " + " | ".join([
-            method, ",".join(map(str, s["seeds"])), rounds, pct(s["final_accuracy_mean"]), pct(s["best_accuracy_mean"]),
-            pct(s["final_accuracy_weighted"]), pct(s["best_accuracy_weighted"]), to_target, to_bytes,
-            f"{s['up_per_client_round']:,.0f}", f"{s['down_per_client_round']:,.0f}", f"{s['seconds_per_round']:.1f}",
-            "-" if flops is None else f"{flops / 1e9:.1f}", f"{reported[method]:.2f}" if method in reported else "-",
-        ]) + " |")
-    lines += ["", "Accuracies in percent, mean ± sample std over seeds. Rounds to target: mean over the seeds that "
-              "reached it (how many in brackets); bytes to target: training and evaluation payloads, both ways, up "
-              "to that round. FLOPs: forward + backward of the personal model only.", ""]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    method,
+                    ",".join(map(str, s["seeds"])),
+                    rounds,
+                    pct(s["final_accuracy_mean"]),
+                    pct(s["best_accuracy_mean"]),
+                    pct(s["final_accuracy_weighted"]),
+                    pct(s["best_accuracy_weighted"]),
+                    to_target,
+                    to_bytes,
+                    f"{s['up_per_client_round']:,.0f}",
+                    f"{s['down_per_client_round']:,.0f}",
+                    f"{s['seconds_per_round']:.1f}",
+                    "-" if flops is None else f"{flops / 1e9:.1f}",
+                    f"{reported[method]:.2f}" if method in reported else "-",
+                ]
+            )
+            + " |"
+        )
+    lines += [
+        "",
+        "Accuracies in percent, mean ± sample std over seeds. Rounds to target: mean over the seeds that "
+        "reached it (how many in brackets); bytes to target: training and evaluation payloads, both ways, up "
+        "to that round. FLOPs: forward + backward of the personal model only.",
+        "",
+    ]
     lines += [f"![{f}]({f})" for f in FIGURES]
     launches = info.get("launches", [])
     if launches:
@@ -275,13 +327,17 @@ def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None)
             totals = per_method.setdefault(launch["cell"].rsplit("-seed", 1)[0], [0.0, 0.0])
             totals[0] += launch["wall_seconds"]
             totals[1] += launch["cpu_seconds"]
-        lines += ["", "Time of the grid's launches (start-up included; CPU = all processes of the run): "
-                  + "; ".join(f"{m} {w / 60:.0f} min wall, {c / 60:.0f} min CPU" for m, (w, c) in per_method.items())
-                  + f"; in all {sum(w for w, _ in per_method.values()) / 3600:.2f} h wall, "
-                  f"{sum(c for _, c in per_method.values()) / 3600:.2f} h CPU."]
+        lines += [
+            "",
+            "Time of the grid's launches (start-up included; CPU = all processes of the run): "
+            + "; ".join(f"{m} {w / 60:.0f} min wall, {c / 60:.0f} min CPU" for m, (w, c) in per_method.items())
+            + f"; in all {sum(w for w, _ in per_method.values()) / 3600:.2f} h wall, "
+            f"{sum(c for _, c in per_method.values()) / 3600:.2f} h CPU.",
+        ]
     if invocations:
-        lines += ["", "Commands:", ""] + [f"- `{i['command']}` at {i['started']} ({i['commit']}, {i['machine']})"
-                                           for i in invocations]
+        lines += ["", "Commands:", ""] + [
+            f"- `{i['command']}` at {i['started']} ({i['commit']}, {i['machine']})" for i in invocations
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -308,8 +364,10 @@ def report(grid: Path, out: Path | None = None, data_dir: str | None = None, fig
     info, cells = load_grid(out)
     paper = paper_info(info["preset"])
     key = paper.get("ours", "final_accuracy_mean").split("_", 1)[1]  # accuracy_mean or accuracy_weighted
-    methods = sorted({c.method for c in cells}, key=lambda m: list(info.get("methods", [])).index(m)
-                     if m in info.get("methods", []) else 99)
+    methods = sorted(
+        {c.method for c in cells},
+        key=lambda m: list(info.get("methods", [])).index(m) if m in info.get("methods", []) else 99,
+    )
     stats = {m: method_stats([c for c in cells if c.method == m], key, paper.get("target")) for m in methods}
     flops = None
     if figures:

@@ -21,6 +21,7 @@ What plain ``flwr run . --stream`` does not do and this does (shared/notes/flowe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -66,13 +67,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def flwr_cli(*args: str, env: dict, capture: bool = True, timeout: float | None = None
-             ) -> subprocess.CompletedProcess:
+def flwr_cli(*args: str, env: dict, capture: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess:
     """The ``flwr`` CLI of this environment with ``args``, run from the repository root; output
     captured unless ``capture`` is False (e.g. ``flwr log --stream``)."""
     exe = str(Path(sys.executable).with_name("flwr"))
-    return subprocess.run([exe, *args], env=env, cwd=ROOT, text=True, capture_output=capture, check=False,
-                          timeout=timeout)
+    return subprocess.run(
+        [exe, *args], env=env, cwd=ROOT, text=True, capture_output=capture, check=False, timeout=timeout
+    )
 
 
 def start_superlink(env: dict, home: Path) -> tuple[subprocess.Popen, str]:
@@ -82,10 +83,26 @@ def start_superlink(env: dict, home: Path) -> tuple[subprocess.Popen, str]:
     with open(home / "superlink.log", "ab") as log_file:
         exe = str(Path(sys.executable).with_name("flower-superlink"))
         proc = subprocess.Popen(
-            [exe, "--insecure", "--simulation", "--host", "127.0.0.1", "--port", str(port),
-             "--control-api-address", f"127.0.0.1:{control}", "--database", str(home / "state.db"),
-             "--disable-runtime-dependency-installation"],
-            env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                exe,
+                "--insecure",
+                "--simulation",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--control-api-address",
+                f"127.0.0.1:{control}",
+                "--database",
+                str(home / "state.db"),
+                "--disable-runtime-dependency-installation",
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     return proc, f"127.0.0.1:{port}"
 
 
@@ -137,10 +154,8 @@ def interrupt(proc: subprocess.Popen, grace: float = 120.0) -> None:
         proc.kill()
         proc.wait()
     for child in children:
-        try:
+        with contextlib.suppress(psutil.Error):
             child.kill()
-        except psutil.Error:
-            pass
 
 
 def run_status(env: dict, run_id: int, connection: str = "sim") -> str:
@@ -171,26 +186,51 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default=None,
-                        help="a TOML file of run config keys (e.g. presets/fedgh-table3-cifar10.toml); "
-                             "--run-config overrides its values")
-    parser.add_argument("--run-config", "-c", action="append", default=[],
-                        help="overrides, e.g. \"method='local' num-server-rounds=5\" (repeatable)")
-    parser.add_argument("--num-supernodes", type=int, default=None,
-                        help=f"virtual SuperNodes (= clients); default: run config num-clients, or "
-                             f"{DEFAULT_SUPERNODES} when that is 0 (follow the federation)")
-    parser.add_argument("--cpus-per-client", type=int, default=1,
-                        help="CPU cores reserved per ClientApp (Ray); parallel clients = cores / this")
-    parser.add_argument("--gpus-per-client", type=float, default=None,
-                        help="GPU share per ClientApp; default 0.25 when a GPU is visible, else 0")
+    parser.add_argument(
+        "--preset",
+        default=None,
+        help="a TOML file of run config keys (e.g. presets/fedgh-table3-cifar10.toml); "
+        "--run-config overrides its values",
+    )
+    parser.add_argument(
+        "--run-config",
+        "-c",
+        action="append",
+        default=[],
+        help="overrides, e.g. \"method='local' num-server-rounds=5\" (repeatable)",
+    )
+    parser.add_argument(
+        "--num-supernodes",
+        type=int,
+        default=None,
+        help=f"virtual SuperNodes (= clients); default: run config num-clients, or "
+        f"{DEFAULT_SUPERNODES} when that is 0 (follow the federation)",
+    )
+    parser.add_argument(
+        "--cpus-per-client",
+        type=int,
+        default=1,
+        help="CPU cores reserved per ClientApp (Ray); parallel clients = cores / this",
+    )
+    parser.add_argument(
+        "--gpus-per-client",
+        type=float,
+        default=None,
+        help="GPU share per ClientApp; default 0.25 when a GPU is visible, else 0",
+    )
     args = parser.parse_args(argv)
 
     # the SuperLink takes seconds to start: it comes up while the config is validated
     home = ROOT / ".flwr"
     home.mkdir(exist_ok=True)
     bin_dir = str(Path(sys.executable).parent)  # flower-superexec etc. must be on PATH for the SuperLink
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "FLWR_HOME": str(home),
-           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        "FLWR_HOME": str(home),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     superlink, address = start_superlink(env, home)
     try:
         return _validate_and_run(args, env, home, superlink, address)
@@ -244,18 +284,22 @@ def _validate_and_run(args, env: dict, home: Path, superlink: subprocess.Popen, 
         return 2
     supernodes = args.num_supernodes or num_clients or DEFAULT_SUPERNODES
     if num_clients and supernodes != num_clients:
-        print(f"error: --num-supernodes {supernodes} disagrees with run config key 'num-clients' = "
-              f"{num_clients}; drop one of them (num-clients=0 follows the federation)")
+        print(
+            f"error: --num-supernodes {supernodes} disagrees with run config key 'num-clients' = "
+            f"{num_clients}; drop one of them (num-clients=0 follows the federation)"
+        )
         return 2
     gpus = args.gpus_per_client
     if gpus is None:
         gpus = 0.25 if gpu else 0.0
     wait_healthy(superlink, address, home)
     (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "{address}"\ninsecure = true\n')
+        f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "{address}"\ninsecure = true\n'
+    )
     run_config = [f"{k}={toml_value(v)}" for k, v in config.items()]
-    federation = (f"num-supernodes={supernodes} client-resources-num-cpus={args.cpus_per_client} "
-                  f"client-resources-num-gpus={gpus}")
+    federation = (
+        f"num-supernodes={supernodes} client-resources-num-cpus={args.cpus_per_client} client-resources-num-gpus={gpus}"
+    )
     cmd = ["run", str(ROOT), "sim", "--format", "json", "--federation-config", federation]
     for item in run_config:
         cmd += ["--run-config", item]
