@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from client_app.data import DATASETS, DataSpec, augment, batches, load_client_data, normalize
+from client_app.data import DataSpec, augment, batches, load_client_data, normalize
 from client_app.training import train_supervised
+from common.datasets import DATASETS
 from models.groups import ModelGroup
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,8 +14,9 @@ import time
 from flwr.app import Context, Message, MetricRecord
 from flwr.clientapp import ClientApp
 
-from client_app.data import DATASETS, load_client_data
+from client_app.data import load_client_data
 from client_app.runtime import ClientRuntime
+from common.datasets import DATASETS
 from strategies.base import EVAL_PREFIX, PARTITION_ID, metric_values
 from strategies.payload import read_payload
 from strategies.registry import all_message_types, client_procedure

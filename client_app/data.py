@@ -23,7 +23,7 @@ import math
 import os
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache, lru_cache
 from pathlib import Path
 
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from common.config import ConfigError, RunConfig
+from common.datasets import DATASETS, DatasetInfo
 from common.files import atomic_write
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
@@ -41,135 +42,6 @@ log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 # which is a legitimate configuration here.
 warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision")
 warnings.filterwarnings("ignore", message=r"Classes: \[.*\] will NOT be used")
-
-
-@dataclass(frozen=True)
-class DatasetInfo:
-    """Static facts about an image-classification dataset, and the recipe its pixels get.
-
-    ``mean``/``std`` are the per-channel normalisation constants in use for pixels in [0, 1]
-    (by default FedGH's code's: ImageNet statistics for CIFAR-10, the dataset's own otherwise);
-    ``dataset_mean``/``dataset_std`` are the dataset's own statistics. ``flip``, ``erase``,
-    ``crop_padding`` (0: no crop) select the training augmentation. :func:`with_recipe` applies
-    the run config keys ``augment`` and ``normalize``. ``train_size`` is the number of examples in
-    the split that is partitioned (an upper bound on any client's data size).
-    """
-
-    hub_id: str
-    image_column: str
-    label_column: str
-    num_classes: int
-    channels: int
-    image_size: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    flip: bool
-    erase: bool
-    crop_padding: int
-    dataset_mean: tuple[float, ...]
-    dataset_std: tuple[float, ...]
-    train_size: int
-
-
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)  # MH-pFL's code
-CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
-
-# Default recipe: FedGH's code (fedgh.md section 8) for CIFAR; the digit and clothing datasets
-# get random crops only (flipping a digit changes its meaning) and their own statistics.
-DATASETS: dict[str, DatasetInfo] = {
-    "cifar10": DatasetInfo(
-        "uoft-cs/cifar10",
-        "img",
-        "label",
-        10,
-        3,
-        32,
-        IMAGENET_MEAN,
-        IMAGENET_STD,
-        True,
-        True,
-        4,
-        CIFAR10_MEAN,
-        CIFAR10_STD,
-        50_000,
-    ),
-    "cifar100": DatasetInfo(
-        "uoft-cs/cifar100",
-        "img",
-        "fine_label",
-        100,
-        3,
-        32,
-        CIFAR100_MEAN,
-        CIFAR100_STD,
-        True,
-        True,
-        4,
-        CIFAR100_MEAN,
-        CIFAR100_STD,
-        50_000,
-    ),
-    "mnist": DatasetInfo(
-        "ylecun/mnist", "image", "label", 10, 1, 28, (0.1307,), (0.3081,), False, False, 2, (0.1307,), (0.3081,), 60_000
-    ),
-    "fashion-mnist": DatasetInfo(
-        "zalando-datasets/fashion_mnist",
-        "image",
-        "label",
-        10,
-        1,
-        28,
-        (0.2860,),
-        (0.3530,),
-        False,
-        False,
-        2,
-        (0.2860,),
-        (0.3530,),
-        60_000,
-    ),
-}
-
-#: run config ``augment``: ``auto`` = the dataset's default above; the others name what is applied
-AUGMENTATIONS = ("auto", "none", "crop", "flip-crop", "flip-erase-crop")
-#: run config ``normalize``: ``auto`` = the dataset's default; ``imagenet`` (FedGH/FedMRL code for
-#: CIFAR-10), ``dataset`` (the dataset's own statistics, MH-pFL code), ``half`` (mean = std = 0.5,
-#: HtFLlib/PFLlib code of FedTGP and FedRE)
-NORMALIZATIONS = ("auto", "imagenet", "dataset", "half")
-
-
-def with_recipe(info: DatasetInfo, augment: str = "auto", normalize: str = "auto") -> DatasetInfo:
-    """``info`` with the training augmentation and normalisation of run config keys ``augment``/``normalize``.
-
-    The crop keeps the dataset's padding (4 px for 32x32 images, 2 px for 28x28).
-
-    Args:
-        augment, normalize: values from :data:`AUGMENTATIONS` / :data:`NORMALIZATIONS` (validated
-            by ``RunConfig``).
-
-    Raises:
-        ConfigError: ``imagenet`` statistics for a dataset that is not RGB.
-    """
-    if augment != "auto":
-        info = replace(
-            info,
-            flip="flip" in augment,
-            erase="erase" in augment,
-            crop_padding=info.crop_padding if "crop" in augment else 0,
-        )
-    if normalize == "imagenet":
-        if info.channels != 3:
-            raise ConfigError(
-                f"run config key 'normalize' = 'imagenet' needs RGB images; this dataset has "
-                f"{info.channels} channel(s): allowed values are 'auto', 'dataset', 'half'"
-            )
-        info = replace(info, mean=IMAGENET_MEAN, std=IMAGENET_STD)
-    elif normalize == "dataset":
-        info = replace(info, mean=info.dataset_mean, std=info.dataset_std)
-    elif normalize == "half":
-        info = replace(info, mean=(0.5,) * info.channels, std=(0.5,) * info.channels)
-    return info
 
 
 @dataclass(frozen=True)

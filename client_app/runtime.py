@@ -17,8 +17,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from torch import nn
 
-from client_app.data import DATASETS, ClientData, DatasetInfo, DataSpec, load_client_data, partition_sizes, with_recipe
+from client_app.data import ClientData, DataSpec, load_client_data, partition_sizes
 from common.config import ConfigError, RunConfig
+from common.datasets import DATASETS, DatasetInfo, with_recipe
 from common.files import atomic_write
 from models.base import SplitModel
 from models.groups import MODEL_GROUPS

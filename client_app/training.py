@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client_app.data import ClientData, DatasetInfo, augment, batches, normalize
+from client_app.data import ClientData, augment, batches, normalize
+from common.datasets import DatasetInfo
 from models.base import SplitModel
 
 EVAL_BATCH = 512

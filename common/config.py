@@ -15,6 +15,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from common.datasets import AUGMENTATIONS, DATASETS, NORMALIZATIONS, with_recipe
+from common.errors import ConfigError
+
 PARTITIONERS = ("iid", "dirichlet", "pathological")
 DEVICES = ("auto", "cpu", "cuda")
 #: run config ``precision``: ``fp32`` (default, the papers' recipe) or ``bf16`` autocast of local training
@@ -24,10 +27,6 @@ LOGGERS = ("none", "tensorboard")
 #: ``independent``: client k's model is initialised from seed + k (FedGH, FedMRL code); ``identical``:
 #: every client of one architecture starts from the same weights (HtFLlib/PFLlib: FedTGP, FedRE)
 INITS = ("independent", "identical")
-
-
-class ConfigError(ValueError):
-    """A run-config value is missing, of the wrong type or outside its allowed values."""
 
 
 def _fail(key: str, value: Any, allowed: str) -> ConfigError:
@@ -96,7 +95,7 @@ class RunConfig:
 
     Units: ``round_timeout`` and ``connect_timeout`` in seconds; ``fraction_train`` and ``test_fraction`` are
     fractions in [0, 1], never percent. ``augment``, ``normalize`` and ``init`` set the training recipe
-    (see ``client_app.data.with_recipe`` and ``INITS``). ``num_clients`` = 0 means "every node of the federation": the
+    (see ``common.datasets.with_recipe`` and ``INITS``). ``num_clients`` = 0 means "every node of the federation": the
     server learns N from the nodes' ``num-partitions`` at the handshake.
     """
 
@@ -147,13 +146,7 @@ class RunConfig:
         Raises:
             ConfigError: on the first missing or invalid key.
         """
-        from client_app.data import (  # registries live beside their code
-            AUGMENTATIONS,
-            DATASETS,
-            NORMALIZATIONS,
-            with_recipe,
-        )
-        from models.groups import MODEL_GROUPS
+        from models.groups import MODEL_GROUPS  # imports torch: only when a config is parsed
 
         names = {f.name.replace("_", "-") for f in fields(cls)} - {"extra"}
         missing = sorted(names - set(raw))

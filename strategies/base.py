@@ -41,8 +41,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from client_app.data import DATASETS
 from common.config import ConfigError, RunConfig
+from common.datasets import DATASETS
 from models.groups import MODEL_GROUPS
 from strategies.payload import PayloadError, PayloadSchema, array_record, clip_outlier_rows, read_payload, tensor_bytes
 

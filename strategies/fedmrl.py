@@ -89,7 +89,7 @@ class FedMRLOptions:
 
 def small_model(cfg: RunConfig) -> SmallCNN:
     """G: the ``fedmrl.small-model`` CNN layout with FC2 -> d1 and header d1 -> L (section 7)."""
-    from client_app.data import DATASETS
+    from common.datasets import DATASETS
 
     info, opts = DATASETS[cfg.dataset], FedMRLOptions.from_config(cfg)
     return SmallCNN(opts.small_model, opts.d1, info.num_classes, info.channels, info.image_size)

@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client_app.data import DatasetInfo, batches, normalize
+from client_app.data import batches, normalize
 from client_app.training import EVAL_BATCH, train_personal_model
 from common.config import RunConfig, choice, number
+from common.datasets import DatasetInfo
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.fedgh import HEADER, header_arrays, initial_header, load_header, require_linear_heads
 from strategies.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, PayloadSchema

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from client_app.data import DATASETS
 from client_app.training import kd_loss, train_personal_model
 from common.config import RunConfig, choice, number
+from common.datasets import DATASETS
 from models.cnn import CNN_SHAPES, REPRESENTATION_DIM, SmallCNN
 from strategies.shared_model import SharedModelClient, SharedModelStrategy, WithCompanions, module_arrays
 

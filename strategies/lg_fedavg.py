@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from client_app.data import DATASETS
 from client_app.training import train_personal_model
 from common.config import RunConfig
+from common.datasets import DATASETS
 from strategies.fedgh import require_linear_heads
 from strategies.shared_model import SharedModelClient, SharedModelStrategy, load_arrays, module_arrays
 

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from client_app.data import DATASETS, DataSpec, augment, class_counts, load_client_data, normalize, stratified_split
+from client_app.data import DataSpec, augment, class_counts, load_client_data, normalize, stratified_split
 from common.config import ConfigError
+from common.datasets import DATASETS
 from conftest import DATA_DIR
 
 

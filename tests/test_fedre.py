@@ -7,10 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from client_app.data import DATASETS, class_counts
+from client_app.data import class_counts
 from client_app.runtime import MODEL_STATE
 from client_app.training import class_means
 from common.config import ConfigError, RunConfig
+from common.datasets import DATASETS
 from conftest import client_runtime, federation, train_config
 from models.groups import MODEL_GROUPS
 from models.zoo import FixedPool
