@@ -217,6 +217,15 @@ def evaluate_model(
     return correct, len(y), loss_sum
 
 
+def evaluation_metrics(correct: int, n: int, loss_sum: float | None = None) -> dict[str, float]:
+    """The metrics of an evaluate reply: ``test-correct`` of ``num-examples`` test samples, ``test-acc``
+    (a fraction) and, given the summed cross-entropy ``loss_sum``, the mean ``test-loss``."""
+    metrics = {"test-correct": correct, "num-examples": n, "test-acc": correct / max(n, 1)}
+    if loss_sum is not None:
+        metrics["test-loss"] = loss_sum / max(n, 1)
+    return metrics
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

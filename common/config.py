@@ -207,9 +207,9 @@ class RunConfig:
 
         return MODEL_GROUPS[self.model_group].feature_dim(self.feature_dim)
 
-    def method_options(self) -> dict[str, Any]:
-        """Keys of the method's own table, without the ``<method>.`` prefix."""
-        prefix = f"{self.method}."
+    def method_options(self, table: str | None = None) -> dict[str, Any]:
+        """Keys of table ``table`` (default: the run's method's own table), without the ``<table>.`` prefix."""
+        prefix = f"{table or self.method}."
         return {k[len(prefix) :]: v for k, v in self.extra if k.startswith(prefix)}
 
     def as_dict(self) -> dict[str, Any]:

@@ -31,7 +31,6 @@ import math
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -44,14 +43,24 @@ from flwr.serverapp.strategy import Result, Strategy
 from common.config import ConfigError, RunConfig
 from common.datasets import DATASETS
 from models.groups import MODEL_GROUPS
-from strategies.payload import PayloadError, PayloadSchema, array_record, clip_outlier_rows, read_payload, tensor_bytes
+from strategies.aggregation import sample_weighted_mean
+from strategies.method import Method, Schemas
+from strategies.payload import (
+    ClientReply,
+    PayloadError,
+    PayloadSchema,
+    array_record,
+    clip_outlier_rows,
+    read_payload,
+    tensor_bytes,
+)
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
 NO_PAYLOAD = PayloadSchema()
-#: message type -> (server->client schema, client->server schema)
-Schemas = dict[str, tuple[PayloadSchema, PayloadSchema]]
 BASE_SCHEMAS: Schemas = {"query": (NO_PAYLOAD, NO_PAYLOAD), "evaluate": (NO_PAYLOAD, NO_PAYLOAD)}
+#: the schemas of a method that exchanges no arrays at all (Local, and the bare base classes)
+NO_PAYLOAD_SCHEMAS: Schemas = {**BASE_SCHEMAS, "train": (NO_PAYLOAD, NO_PAYLOAD)}
 
 #: metric key every reply carries (the client runtime adds it)
 PARTITION_ID = "partition-id"
@@ -69,16 +78,6 @@ RESUMABLE_CHANGES = ("num-server-rounds", "resume-from")
 QUERY_SECONDS = 120.0
 
 
-@dataclass
-class ClientReply:
-    """A validated reply: who sent it, its payload arrays and its scalar metrics."""
-
-    node_id: int
-    partition_id: int
-    arrays: dict[str, np.ndarray]
-    metrics: dict[str, Any]
-
-
 def sample_size(fraction: float, num_nodes: int) -> int:
     """Clients per round K = max(1, floor(fraction * N)) (FedGH spec section 4).
 
@@ -88,18 +87,23 @@ def sample_size(fraction: float, num_nodes: int) -> int:
 
 
 class HeteroStrategy(Strategy):
-    """Base Strategy of all methods. Subclasses set ``schemas`` and override the hooks.
+    """Base Strategy of all methods. Subclasses override the hooks; their method's descriptor
+    (``strategies.method.Method``) gives ``self.options`` and ``self.schemas``.
 
     Args:
         cfg: the validated run config.
         results: receives one row per round and the summary (see ``server_app.results``);
             None keeps rows in memory only (``self.rows``).
 
+    Raises:
+        ConfigError: an invalid option of the method's table.
+
     Hooks (all optional): :meth:`global_arrays`, :meth:`train_payload`,
     :meth:`eval_payload`, :meth:`server_update`, :meth:`run_round`.
     """
 
-    schemas: ClassVar[Schemas] = {"train": (NO_PAYLOAD, NO_PAYLOAD), **BASE_SCHEMAS}
+    #: the method this strategy serves (set by its ``Method`` descriptor; None: the bare base)
+    method: ClassVar[Method | None] = None
     #: True when the evaluated model is the client's post-training personal model and the
     #: evaluate instruction carries no payload (FedGH section 6, Local): sampled clients then
     #: evaluate right after training and report in the train reply, which saves one round trip
@@ -112,6 +116,7 @@ class HeteroStrategy(Strategy):
 
     def __init__(self, cfg: RunConfig, results: Any | None = None) -> None:
         self.cfg = cfg
+        self.options, self.schemas = bind_method(self.method, cfg)
         self.info = DATASETS[cfg.dataset]
         self.dims = {"C": self.info.num_classes, "d": cfg.representation_dim}
         self.rng = np.random.default_rng(cfg.seed)
@@ -603,23 +608,10 @@ class HeteroStrategy(Strategy):
         return server_round % self.cfg.eval_every == 0 or server_round == self.cfg.num_server_rounds
 
     def train_config(self, server_round: int) -> ConfigRecord:
-        """The training settings sent with every train instruction (not counted as payload).
-
-        ``evaluate`` asks the client to evaluate after training (see ``evaluate_in_train``).
-        """
-        c = self.cfg
+        """The training settings sent with every train instruction (:func:`train_config`); ``evaluate``
+        asks the client to evaluate after training (see ``evaluate_in_train``)."""
         return ConfigRecord(
-            {
-                "server-round": server_round,
-                "local-epochs": c.local_epochs,
-                "batch-size": c.batch_size,
-                "lr": c.lr,
-                "momentum": c.momentum,
-                "weight-decay": c.weight_decay,
-                "clip-norm": c.clip_norm,
-                "precision": c.precision,
-                "evaluate": self.evaluate_in_train and self.is_eval_round(server_round),
-            }
+            train_config(self.cfg, server_round, self.evaluate_in_train and self.is_eval_round(server_round))
         )
 
     def message(
@@ -785,33 +777,30 @@ class HeteroStrategy(Strategy):
 
 
 class ClientProcedure:
-    """Client half of a method. Subclasses set ``schemas`` and implement ``train``.
+    """Client half of a method. Subclasses implement ``train``; their method's descriptor gives
+    ``self.options`` and ``self.schemas``, as on the server.
 
     Handlers take ``(client, payload, config)``: the :class:`client_app.runtime.ClientRuntime`,
     the validated payload arrays (name -> ndarray) and the message's ConfigRecord as a dict;
     they return ``(arrays, metrics)``: the reply payload (must match the schema) and scalars.
     """
 
-    schemas: ClassVar[Schemas] = HeteroStrategy.schemas
+    #: the method this client procedure serves (set by its ``Method`` descriptor; None: the bare base)
+    method: ClassVar[Method | None] = None
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
+        self.options, self.schemas = bind_method(self.method, cfg)
 
     def train(self, client, payload, config) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         raise NotImplementedError
 
     def evaluate(self, client, payload, config) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Accuracy of the client's personal model on its local test split."""
-        from client_app.training import evaluate_model
+        from client_app.training import evaluate_model, evaluation_metrics
 
         data = client.data
-        correct, n, loss_sum = evaluate_model(client.model, data.test_x, data.test_y, data.info, client.device)
-        return {}, {
-            "test-correct": correct,
-            "num-examples": n,
-            "test-acc": correct / max(n, 1),
-            "test-loss": loss_sum / max(n, 1),
-        }
+        return {}, evaluation_metrics(*evaluate_model(client.model, data.test_x, data.test_y, data.info, client.device))
 
     def query(self, client, payload, config) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Handshake: data sizes (the runtime adds the partition id), from the partition's labels
@@ -824,6 +813,35 @@ class ClientProcedure:
             "num-partitions": client.spec.num_partitions,
             "data-seconds": time.perf_counter() - start,
         }
+
+
+def train_config(cfg: RunConfig, server_round: int, evaluate: bool = False) -> dict[str, Any]:
+    """The training settings every train instruction carries (not counted as payload): the round,
+    ``local-epochs``, ``batch-size``, ``lr``, ``momentum``, ``weight-decay``, ``clip-norm``,
+    ``precision`` of ``cfg``, and ``evaluate`` (evaluate right after training)."""
+    return {
+        "server-round": server_round,
+        "local-epochs": cfg.local_epochs,
+        "batch-size": cfg.batch_size,
+        "lr": cfg.lr,
+        "momentum": cfg.momentum,
+        "weight-decay": cfg.weight_decay,
+        "clip-norm": cfg.clip_norm,
+        "precision": cfg.precision,
+        "evaluate": evaluate,
+    }
+
+
+def bind_method(method: Method | None, cfg: RunConfig) -> tuple[Any, Schemas]:
+    """(options, schemas) of ``method`` for ``cfg``; (None, :data:`NO_PAYLOAD_SCHEMAS`) without one.
+
+    Raises:
+        ConfigError: an invalid option of the method's table.
+    """
+    if method is None:
+        return None, NO_PAYLOAD_SCHEMAS
+    options = method.read_options(cfg)
+    return options, method.schemas_for(cfg, options)
 
 
 def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_seconds: float) -> dict[str, Any]:
@@ -846,11 +864,11 @@ def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_
     metrics["client-state-restores"] = int(sum(r.metrics.get("state-restores", 0) for r in replies))
     # clients whose state was ahead of a resumed server (it crashed after they trained) and was rolled back
     metrics["client-state-rollbacks"] = int(sum(r.metrics.get("state-rollbacks", 0) for r in replies))
-    weighted = [
-        (r.metrics["train-loss"], r.metrics.get("num-examples", 1)) for r in replies if "train-loss" in r.metrics
-    ]
-    if weighted:
-        metrics["train-loss"] = sum(loss * n for loss, n in weighted) / max(sum(n for _, n in weighted), 1)
+    losses = [r for r in replies if "train-loss" in r.metrics]
+    if losses:
+        metrics["train-loss"] = sample_weighted_mean(
+            [r.metrics["train-loss"] for r in losses], [r.metrics.get("num-examples", 1) for r in losses]
+        )
     return metrics
 
 

@@ -17,41 +17,42 @@ uploads the exact per-class means of its model's logits over its whole train spl
 mode without augmentation (the paper averages logits seen during training; the post-training
 means describe the model that is uploaded and do not depend on batch order).
 Server step: per-class unweighted mean over the clients that uploaded the class
-(:func:`strategies.fedproto.class_average`). Inference: the personal model.
+(:func:`strategies.aggregation.class_average`). Inference: the personal model.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.nn.functional as F
 
 from client_app.training import kd_loss, train_personal_model, trained_class_means
-from common.config import RunConfig, number
+from common.config import RunConfig
+from common.options import option
+from strategies.aggregation import class_average
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
-from strategies.fedproto import class_average, class_set_schemas, unpack_global_set
+from strategies.method import Method
+from strategies.prototypes import class_set_schemas, unpack_global_set
 
 UPLOAD, GLOBAL_LOGITS = class_set_schemas("logits", "logit_labels", "C")
 SCHEMAS = {**BASE_SCHEMAS, "train": (GLOBAL_LOGITS, UPLOAD)}
 
 
-def distillation_weight(cfg: RunConfig) -> float:
-    """λ from ``fd.lambda`` (default 1.0, HtFLlib's).
+@dataclass(frozen=True)
+class FDOptions:
+    """``[tool.flwr.app.config.fd]``."""
 
-    Raises:
-        ConfigError: a negative value.
-    """
-    return number("fd.lambda", cfg.method_options().get("lambda", 1.0), low=0)
+    lambda_: float = option(1.0, "weight of the distillation term towards the global per-class logits", low=0)
 
 
 class FDStrategy(HeteroStrategy):
     """FD server: averages the uploaded per-class logits per class."""
 
-    schemas = SCHEMAS
     evaluate_in_train = True
     checkpointed = ("global_logits",)
 
     def __init__(self, cfg: RunConfig, results=None) -> None:
         super().__init__(cfg, results)
-        distillation_weight(cfg)  # fail fast on bad client options
         self.global_logits: dict = {}
 
     def global_arrays(self):
@@ -70,11 +71,9 @@ class FDStrategy(HeteroStrategy):
 class FDClient(ClientProcedure):
     """FD client: CE plus distillation towards the global logit of each sample's class."""
 
-    schemas = SCHEMAS
-
     def train(self, client, payload, config):
         """Returns ``logits`` float32 [k, C] (post-training class means) and ``logit_labels`` int64 [k]."""
-        lam = distillation_weight(self.cfg)
+        lam = self.options.lambda_
         targets, mask = unpack_global_set(payload, client.data.info.num_classes, "logits")
         if targets is not None:
             targets, mask = targets.to(client.device), mask.to(client.device)
@@ -89,3 +88,6 @@ class FDClient(ClientProcedure):
         stats = train_personal_model(client, config, supervised_loss=distilled_loss)
         means, labels = trained_class_means(client, stats, client.model)
         return {"logits": means.numpy(), "logit_labels": labels.numpy()}, stats
+
+
+METHOD = Method("fd", FDStrategy, FDClient, SCHEMAS, FDOptions)

@@ -28,11 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from client_app.training import evaluate_model, train_personal_model, trained_class_means
-from common.config import ConfigError, RunConfig, choice, flag, number
+from common.config import RunConfig
+from common.options import option
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
+from strategies.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
+from strategies.method import Method
 from strategies.payload import ROW_NORM_FACTOR, ArraySpec, PayloadSchema
 
-HEADER = PayloadSchema({"head.weight": ArraySpec(("C", "d"), "float32"), "head.bias": ArraySpec(("C",), "float32")})
 LARS = PayloadSchema(
     {
         "lar": ArraySpec(("k", "d"), "float32", row_norm_factor=ROW_NORM_FACTOR),
@@ -45,66 +47,31 @@ SCHEMAS_GLOBAL_HEAD_EVAL = {**SCHEMAS, "evaluate": (HEADER, NO_PAYLOAD)}
 SERVER_MODES = ("per-lar", "per-client", "minibatch", "none")
 
 
-def require_linear_heads(cfg: RunConfig, payload: str) -> None:
-    """Methods that exchange a linear head (FedGH, FedRE) need a model group whose heads are all linear.
-
-    ``payload`` names the exchanged head in the message (FedGH's "header", FedRE's "head").
-
-    Raises:
-        ConfigError: naming ``model-group`` and what is allowed.
-    """
-    from models.groups import MODEL_GROUPS
-
-    if set(MODEL_GROUPS[cfg.model_group].heads) != {"linear"}:
-        raise ConfigError(
-            f"method '{cfg.method}' exchanges a linear {payload}, but model-group '{cfg.model_group}' has "
-            "non-linear heads; allowed: groups without HtC4 heads"
-        )
-
-
 @dataclass(frozen=True)
 class FedGHOptions:
-    """``[tool.flwr.app.config.fedgh]`` keys (section 4 step 4, section 11 P2).
+    """``[tool.flwr.app.config.fedgh]``: the server step (Eq. 4) and the secondary metric."""
 
-    ``server_mode``: ``per-lar`` (one SGD step per LAR, the paper), ``per-client`` (one step
-    per client on its mean CE), ``minibatch`` (shuffled batches of ``server_batch_size`` for
-    ``server_epochs`` passes, HtFLlib style), ``none`` (header never updated: the authors'
-    released behaviour, ablation only). ``server_epochs`` also repeats the per-lar and
-    per-client passes. ``server_clip_norm`` <= 0 disables clipping.
-    """
+    server_mode: str = option(
+        "per-lar",
+        "per-lar: one SGD step per LAR (the paper); per-client: one step per client on its mean CE; "
+        "minibatch: shuffled batches of server-batch-size (HtFLlib); none: header never updated "
+        "(the authors' released code, ablation only)",
+        choices=SERVER_MODES,
+    )
+    server_lr: float = option(0.01, "learning rate of the header's SGD", low=0)
+    server_epochs: int = option(1, "passes over the round's LARs (every server-mode)", low=1)
+    server_batch_size: int = option(10, "LARs per step in minibatch mode", low=1)
+    server_clip_norm: float = option(50.0, "gradient norm clip of the header's steps (<= 0: off)")
+    eval_global_head: bool = option(False, "also report accuracy with the current global header")
 
-    server_mode: str
-    server_lr: float
-    server_epochs: int
-    server_batch_size: int
-    server_clip_norm: float
-    eval_global_head: bool
-
-    @classmethod
-    def from_config(cls, cfg: RunConfig) -> FedGHOptions:
-        """Validate the ``fedgh.*`` keys.
-
-        Raises:
-            ConfigError: naming the key and its allowed values.
-        """
+    def check(self, cfg: RunConfig) -> None:
+        """Raises ConfigError: the model group has a non-linear head (FedGH exchanges a linear one)."""
         require_linear_heads(cfg, "header")
-        o = {
-            "server-mode": "per-lar",
-            "server-lr": 0.01,
-            "server-epochs": 1,
-            "server-batch-size": 10,
-            "server-clip-norm": 50.0,
-            "eval-global-head": False,
-            **cfg.method_options(),
-        }
-        return cls(
-            server_mode=choice("fedgh.server-mode", o["server-mode"], SERVER_MODES),
-            server_lr=number("fedgh.server-lr", o["server-lr"], low=0),
-            server_epochs=number("fedgh.server-epochs", o["server-epochs"], kind=int, low=1),
-            server_batch_size=number("fedgh.server-batch-size", o["server-batch-size"], kind=int, low=1),
-            server_clip_norm=number("fedgh.server-clip-norm", o["server-clip-norm"]),
-            eval_global_head=flag("fedgh.eval-global-head", o["eval-global-head"]),
-        )
+
+
+def schemas(cfg: RunConfig, options: FedGHOptions) -> dict:
+    """The train exchange; with ``eval-global-head`` the evaluate instruction also carries the header."""
+    return SCHEMAS_GLOBAL_HEAD_EVAL if options.eval_global_head else SCHEMAS
 
 
 def header_batches(sizes: list[int], opts: FedGHOptions, generator: torch.Generator) -> list[torch.Tensor]:
@@ -168,16 +135,13 @@ class FedGHStrategy(HeteroStrategy):
     θ⁰ is PyTorch's default Linear init drawn from ``seed`` (section 5).
     """
 
-    schemas = SCHEMAS
     evaluate_in_train = True  # the primary metric is the post-training model (section 6)
     checkpointed = ("header", "header_generator")
 
     def __init__(self, cfg: RunConfig, results=None) -> None:
         super().__init__(cfg, results)
-        self.options = FedGHOptions.from_config(cfg)
         if self.options.eval_global_head:
             # the secondary metric needs the header *after* this round's server step
-            self.schemas = SCHEMAS_GLOBAL_HEAD_EVAL
             self.evaluate_in_train = False
         self.header = initial_header(self.dims["d"], self.dims["C"], cfg.seed)
         self.header_generator = torch.Generator().manual_seed(cfg.seed)
@@ -195,35 +159,8 @@ class FedGHStrategy(HeteroStrategy):
         return train_header(self.header, replies, self.options, self.header_generator)
 
 
-def initial_header(d: int, num_classes: int, seed: int) -> nn.Linear:
-    """A server's global head ``Linear(d, C)`` with PyTorch's default init drawn from ``seed``
-    (FedGH section 5, FedRE section 5), without touching the global RNG."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return nn.Linear(d, num_classes)
-
-
-def header_arrays(head: nn.Linear) -> dict[str, np.ndarray]:
-    """A head as the payload ``head.weight`` [C, d] and ``head.bias`` [C], float32 copies."""
-    return {"head.weight": head.weight.detach().numpy().copy(), "head.bias": head.bias.detach().numpy().copy()}
-
-
-def load_header(head: nn.Linear, payload: dict[str, np.ndarray]) -> None:
-    """Overwrite ``head`` with the received header, bit for bit (section 3 step 2, P3)."""
-    with torch.no_grad():
-        head.weight.copy_(torch.from_numpy(payload["head.weight"]))
-        head.bias.copy_(torch.from_numpy(payload["head.bias"]))
-
-
 class FedGHClient(ClientProcedure):
     """FedGH client: replace head, train the whole model, upload exact LARs (section 3)."""
-
-    schemas = SCHEMAS
-
-    def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
-        if FedGHOptions.from_config(cfg).eval_global_head:
-            self.schemas = SCHEMAS_GLOBAL_HEAD_EVAL
 
     def train(self, client, payload, config):
         """Returns ``lar`` float32 [C_k, d] and ``lar_labels`` int32 [C_k] of the trained extractor."""
@@ -243,3 +180,6 @@ class FedGHClient(ClientProcedure):
             correct, n, _ = evaluate_model(global_model, data.test_x, data.test_y, data.info, client.device)
             metrics["test-acc-global-head"] = correct / max(n, 1)
         return arrays, metrics
+
+
+METHOD = Method("fedgh", FedGHStrategy, FedGHClient, schemas, FedGHOptions)

@@ -27,6 +27,7 @@ step on L_t + L_s, gradient norms clipped per module. Inference: the mentor.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,25 +35,37 @@ import torch.nn.functional as F
 from torch import nn
 
 from client_app.training import kd_loss, train_personal_model
-from common.config import RunConfig, number
+from common.config import RunConfig
+from common.options import option
+from models.cnn import CNN_SHAPES
+from strategies.aggregation import fedavg
 from strategies.base import BASE_SCHEMAS, ClientReply
-from strategies.fml import shared_cnn
+from strategies.method import Method
 from strategies.payload import MAX_ABS, ArraySpec, PayloadError, PayloadSchema
-from strategies.shared_model import SharedModelClient, SharedModelStrategy, WithCompanions, fedavg, load_arrays
+from strategies.shared_model import SharedModelClient, SharedModelStrategy, WithCompanions, load_arrays, shared_cnn
 
 ALIGN_STATE = "fedkd-align"
 
 
-def energy_threshold(cfg: RunConfig, server_round: int) -> float:
-    """T_t = start + (end − start)·t/T from ``fedkd.energy-start`` / ``fedkd.energy-end`` (fractions in (0, 1]).
+@dataclass(frozen=True)
+class FedKDOptions:
+    """``[tool.flwr.app.config.fedkd]``: the mentee and the SVD energy schedule (fractions in (0, 1])."""
 
-    Raises:
-        ConfigError: a value outside (0, 1].
-    """
-    o = {"energy-start": 0.95, "energy-end": 0.98, **cfg.method_options()}
-    start = number("fedkd.energy-start", o["energy-start"], low=0, high=1, low_open=True)
-    end = number("fedkd.energy-end", o["energy-end"], low=0, high=1, low_open=True)
-    return start + (end - start) * server_round / cfg.num_server_rounds
+    shared_model: str = option(
+        "cnn5", "the mentee: CNN-1..5 (cnn5: heterogeneous setting, cnn1: homogeneous)", choices=tuple(CNN_SHAPES)
+    )
+    energy_start: float = option(0.95, "SVD energy kept in round 1, rising linearly to", low=0, high=1, low_open=True)
+    energy_end: float = option(0.98, "the SVD energy kept in the last round", low=0, high=1, low_open=True)
+
+
+def mentee_model(cfg: RunConfig, options: FedKDOptions):
+    """The shared mentee (``fedkd.shared-model``)."""
+    return shared_cnn(cfg, options.shared_model)
+
+
+def energy_threshold(options: FedKDOptions, num_rounds: int, server_round: int) -> float:
+    """T_t = start + (end − start)·t/T: the energy fraction kept in round t of T (``energy-start``, ``energy-end``)."""
+    return options.energy_start + (options.energy_end - options.energy_start) * server_round / num_rounds
 
 
 def compressed(shape: tuple[int, ...]) -> bool:
@@ -136,21 +149,20 @@ def compressed_schema(module: nn.Module) -> PayloadSchema:
     return PayloadSchema(specs, check=ranks_and_weights_in_range)
 
 
-def fedkd_schemas(module: nn.Module) -> dict:
-    """FedKD's message schemas: the compressed ``module`` both ways in ``train``."""
-    schema = compressed_schema(module)
+def schemas(cfg: RunConfig, options: FedKDOptions) -> dict:
+    """FedKD's message schemas: the compressed mentee both ways in ``train``."""
+    with torch.device("meta"):  # shapes only
+        schema = compressed_schema(mentee_model(cfg, options))
     return {**BASE_SCHEMAS, "train": (schema, schema)}
 
 
 class FedKDStrategy(SharedModelStrategy):
     """FedKD server: reconstructs the clients' mentees, averages them, broadcasts the compressed average."""
 
-    build_shared = staticmethod(shared_cnn)
+    build_shared = staticmethod(mentee_model)
 
     def __init__(self, cfg: RunConfig, results=None) -> None:
-        energy_threshold(cfg, 1)  # fail fast on bad options
         super().__init__(cfg, results)
-        self.schemas = fedkd_schemas(self.shared)
         self._broadcast: tuple[int, dict[str, np.ndarray]] = (0, {})
 
     def train_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
@@ -158,7 +170,7 @@ class FedKDStrategy(SharedModelStrategy):
         if self._broadcast[0] != server_round:
             self._broadcast = (
                 server_round,
-                svd_compress(self.shared.state_dict(), energy_threshold(self.cfg, server_round)),
+                svd_compress(self.shared.state_dict(), self.energy(server_round)),
             )
         return self._broadcast[1]
 
@@ -168,21 +180,23 @@ class FedKDStrategy(SharedModelStrategy):
         full = [ClientReply(r.node_id, r.partition_id, svd_decompress(r.arrays, shapes), r.metrics) for r in replies]
         if full:
             load_arrays(self.shared, fedavg(full, list(shapes)))
-        return {"server-num-averaged": len(full), "svd-energy": energy_threshold(self.cfg, server_round)}
+        return {"server-num-averaged": len(full), "svd-energy": self.energy(server_round)}
+
+    def energy(self, server_round: int) -> float:
+        """T_t of this run (:func:`energy_threshold`)."""
+        return energy_threshold(self.options, self.cfg.num_server_rounds, server_round)
 
 
 class FedKDClient(SharedModelClient):
     """FedKD client: mentor (private) and mentee (shared) distil into each other adaptively."""
 
-    build_shared = staticmethod(shared_cnn)
+    build_shared = staticmethod(mentee_model)
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         with torch.device("meta"):
-            mentee = shared_cnn(cfg)
-        self.schemas = fedkd_schemas(mentee)
+            mentee = mentee_model(cfg, self.options)
         self.shapes = {k: tuple(v.shape) for k, v in mentee.state_dict().items()}
-        energy_threshold(cfg, 1)
 
     def received(self, client, payload):
         """The mentee reconstructed from the compressed payload, on the client's device."""
@@ -212,4 +226,9 @@ class FedKDClient(SharedModelClient):
             client, config, supervised_loss=adaptive_loss, model=model, clip_groups=model.groups
         )
         client.store(ALIGN_STATE, align)
-        return svd_compress(mentee.state_dict(), energy_threshold(self.cfg, int(config["server-round"]))), stats
+        return svd_compress(
+            mentee.state_dict(), energy_threshold(self.options, self.cfg.num_server_rounds, int(config["server-round"]))
+        ), stats
+
+
+METHOD = Method("fedkd", FedKDStrategy, FedKDClient, schemas, FedKDOptions)

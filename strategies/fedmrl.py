@@ -30,11 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client_app.training import evaluate_model, train_personal_model
-from common.config import RunConfig, choice, number
+from client_app.training import evaluate_model, evaluation_metrics, train_personal_model
+from common.config import RunConfig, number
+from common.datasets import DATASETS
+from common.options import option
 from models.base import SplitModel
 from models.cnn import CNN_SHAPES, SmallCNN
-from strategies.shared_model import SharedModelClient, SharedModelStrategy, module_arrays
+from strategies.method import Method
+from strategies.shared_model import SharedModelClient, SharedModelStrategy, module_arrays, shared_schemas
 
 EVAL_PROTOCOLS = ("official", "deployment")
 INFERENCE = ("mix-large", "mix-small")
@@ -45,54 +48,34 @@ TRAINED_SMALL = "fedmrl-trained-small-model"
 
 @dataclass(frozen=True)
 class FedMRLOptions:
-    """``[tool.flwr.app.config.fedmrl]`` keys (sections 6, 9, 11).
+    """``[tool.flwr.app.config.fedmrl]`` (sections 6, 9, 11); ``eval-protocol``: see the module docstring."""
 
-    ``d1``: the small model's representation size (<= d2; default 100). ``small_model``:
-    the CNN-i layout of G (``cnn5``: heterogeneous setting, ``cnn1``: homogeneous).
-    ``weight_global`` / ``weight_private``: m_G, m_F. ``eval_protocol``: see the module
-    docstring. ``inference``: the primary metric's model; the other is reported as
-    ``accuracy-mean-<name>``.
-    """
+    d1: int = option(100, "the small model's representation size (<= the private model's d2); 200 anchors N=100", low=1)
+    small_model: str = option(
+        "cnn5",
+        "CNN layout of the small model: cnn5 (heterogeneous setting) | cnn1 (homogeneous)",
+        choices=tuple(CNN_SHAPES),
+    )
+    weight_global: float = option(1.0, "m_G: weight of the small model's header loss", low=0)
+    weight_private: float = option(1.0, "m_F: weight of the private header loss", low=0)
+    eval_protocol: str = option(
+        "official",
+        "official (A: sampled clients, their own trained small model) | deployment (B: the aggregated one)",
+        choices=EVAL_PROTOCOLS,
+    )
+    inference: str = option(
+        "mix-large", "primary metric: mix-large (the paper) | mix-small; the other is reported too", choices=INFERENCE
+    )
 
-    d1: int
-    small_model: str
-    weight_global: float
-    weight_private: float
-    eval_protocol: str
-    inference: str
-
-    @classmethod
-    def from_config(cls, cfg: RunConfig) -> FedMRLOptions:
-        """Validate the ``fedmrl.*`` keys.
-
-        Raises:
-            ConfigError: naming the key and its allowed values.
-        """
-        o = {
-            "d1": 100,
-            "small-model": "cnn5",
-            "weight-global": 1.0,
-            "weight-private": 1.0,
-            "eval-protocol": "official",
-            "inference": "mix-large",
-            **cfg.method_options(),
-        }
-        return cls(
-            d1=number("fedmrl.d1", o["d1"], kind=int, low=1, high=cfg.representation_dim),
-            small_model=choice("fedmrl.small-model", o["small-model"], tuple(CNN_SHAPES)),
-            weight_global=number("fedmrl.weight-global", o["weight-global"], low=0),
-            weight_private=number("fedmrl.weight-private", o["weight-private"], low=0),
-            eval_protocol=choice("fedmrl.eval-protocol", o["eval-protocol"], EVAL_PROTOCOLS),
-            inference=choice("fedmrl.inference", o["inference"], INFERENCE),
-        )
+    def check(self, cfg: RunConfig) -> None:
+        """Raises ConfigError: ``d1`` above the private models' representation size d2."""
+        number("fedmrl.d1", self.d1, kind=int, low=1, high=cfg.representation_dim)
 
 
-def small_model(cfg: RunConfig) -> SmallCNN:
+def small_model(cfg: RunConfig, options: FedMRLOptions) -> SmallCNN:
     """G: the ``fedmrl.small-model`` CNN layout with FC2 -> d1 and header d1 -> L (section 7)."""
-    from common.datasets import DATASETS
-
-    info, opts = DATASETS[cfg.dataset], FedMRLOptions.from_config(cfg)
-    return SmallCNN(opts.small_model, opts.d1, info.num_classes, info.channels, info.image_size)
+    info = DATASETS[cfg.dataset]
+    return SmallCNN(options.small_model, options.d1, info.num_classes, info.channels, info.image_size)
 
 
 class FusedExtractor(nn.Module):
@@ -157,20 +140,14 @@ class FedMRLStrategy(SharedModelStrategy):
     build_shared = staticmethod(small_model)
 
     def __init__(self, cfg: RunConfig, results=None) -> None:
-        self.options = FedMRLOptions.from_config(cfg)
-        self.evaluate_in_train = self.options.eval_protocol == "official"
         super().__init__(cfg, results)
+        self.evaluate_in_train = self.options.eval_protocol == "official"
 
 
 class FedMRLClient(SharedModelClient):
     """FedMRL client: trains G, its private model and its projector together (section 3)."""
 
-    evaluate_payload = True
     build_shared = staticmethod(small_model)
-
-    def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
-        self.options = FedMRLOptions.from_config(cfg)
 
     def fused(self, client, small: SmallCNN) -> MatryoshkaModel:
         """The client's :class:`MatryoshkaModel` for ``small``, with ω_k and φ_k restored from state."""
@@ -208,10 +185,9 @@ class FedMRLClient(SharedModelClient):
         }
         correct, n, loss_sum = results[self.options.inference]
         other = INFERENCE[1 - INFERENCE.index(self.options.inference)]
-        return {}, {
-            "test-correct": correct,
-            "num-examples": n,
-            "test-acc": correct / max(n, 1),
-            "test-loss": loss_sum / max(n, 1),
-            f"test-acc-{other}": results[other][0] / max(n, 1),
-        }
+        return {}, {**evaluation_metrics(correct, n, loss_sum), f"test-acc-{other}": results[other][0] / max(n, 1)}
+
+
+METHOD = Method(
+    "fedmrl", FedMRLStrategy, FedMRLClient, shared_schemas(small_model, evaluate_payload=True), FedMRLOptions
+)

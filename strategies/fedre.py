@@ -37,10 +37,12 @@ from torch import nn
 
 from client_app.data import batches, normalize
 from client_app.training import EVAL_BATCH, train_personal_model
-from common.config import RunConfig, choice, number
+from common.config import RunConfig
 from common.datasets import DatasetInfo
+from common.options import option
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
-from strategies.fedgh import HEADER, header_arrays, initial_header, load_header, require_linear_heads
+from strategies.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
+from strategies.method import Method
 from strategies.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, PayloadSchema
 
 #: how the client turns its representations into one (z, y) pair (section 3, Appendix A)
@@ -66,42 +68,24 @@ SCHEMAS = {**BASE_SCHEMAS, "train": (HEADER, ENTANGLED), "evaluate": (HEADER, Pa
 
 @dataclass(frozen=True)
 class FedREOptions:
-    """``[tool.flwr.app.config.fedre]`` keys (sections 3, 4, 9 and P6).
+    """``[tool.flwr.app.config.fedre]`` (sections 3, 4, 9 and P6): the entangling mode and the
+    head's SGD on the server (η_s, B_s, epochs, loss reduction over a server batch)."""
 
-    ``re_mode``: see :func:`entangling_weights`. ``server_lr`` η_s, ``server_batch_size``
-    B_s and ``server_epochs`` of the head's SGD; ``server_loss_reduction`` ``mean`` over a
-    server batch (default, revised P6) or ``sum`` (the authors' HtFLlib tree).
-    """
+    re_mode: str = option(
+        "rap", "entangling weights: rap (the paper) | vap, rsp, rar, var, rsr, rap-fixed (ablations)", choices=RE_MODES
+    )
+    server_lr: float = option(0.01, "η_s, learning rate of the head's SGD", low=0)
+    server_batch_size: int = option(10, "B_s, entangled pairs per server step", low=1)
+    server_epochs: int = option(1, "passes over the round's pairs", low=1)
+    server_loss_reduction: str = option(
+        "mean",
+        "mean over a server batch (the PFLlib tree behind the paper's Table 12) | sum (the HtFLlib tree; overshoots)",
+        choices=LOSS_REDUCTIONS,
+    )
 
-    re_mode: str
-    server_lr: float
-    server_batch_size: int
-    server_epochs: int
-    server_loss_reduction: str
-
-    @classmethod
-    def from_config(cls, cfg: RunConfig) -> FedREOptions:
-        """Validate the ``fedre.*`` keys.
-
-        Raises:
-            ConfigError: naming the key and its allowed values.
-        """
+    def check(self, cfg: RunConfig) -> None:
+        """Raises ConfigError: the model group has a non-linear head (FedRE exchanges a linear one)."""
         require_linear_heads(cfg, "head")
-        o = {
-            "re-mode": "rap",
-            "server-lr": 0.01,
-            "server-batch-size": 10,
-            "server-epochs": 1,
-            "server-loss-reduction": "mean",
-            **cfg.method_options(),
-        }
-        return cls(
-            re_mode=choice("fedre.re-mode", o["re-mode"], RE_MODES),
-            server_lr=number("fedre.server-lr", o["server-lr"], low=0),
-            server_batch_size=number("fedre.server-batch-size", o["server-batch-size"], kind=int, low=1),
-            server_epochs=number("fedre.server-epochs", o["server-epochs"], kind=int, low=1),
-            server_loss_reduction=choice("fedre.server-loss-reduction", o["server-loss-reduction"], LOSS_REDUCTIONS),
-        )
 
 
 def entangling_weights(labels: torch.Tensor, mode: str, generator: torch.Generator) -> torch.Tensor:
@@ -230,18 +214,16 @@ class FedREStrategy(HeteroStrategy):
     exchange with every client carrying the head (sections 4 steps 6-7, 6).
     """
 
-    schemas = SCHEMAS
     evaluate_in_train = False
     checkpointed = ("head", "head_generator")
 
     def __init__(self, cfg: RunConfig, results=None) -> None:
         super().__init__(cfg, results)
-        self.options = FedREOptions.from_config(cfg)
         self.head = initial_header(self.dims["d"], self.dims["C"], cfg.seed)
         self.head_generator = torch.Generator().manual_seed(cfg.seed)
 
     def global_arrays(self) -> dict[str, np.ndarray]:
-        """The global head (:func:`strategies.fedgh.header_arrays`)."""
+        """The global head (:func:`strategies.heads.header_arrays`)."""
         return header_arrays(self.head)
 
     def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
@@ -255,12 +237,6 @@ class FedREStrategy(HeteroStrategy):
 
 class FedREClient(ClientProcedure):
     """FedRE client: replace head, train the whole model, upload one entangled (z, y) (section 3)."""
-
-    schemas = SCHEMAS
-
-    def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
-        self.options = FedREOptions.from_config(cfg)
 
     def train(self, client, payload, config):
         """Returns ``z`` float32 [1, d], ``y`` float32 [1, C] of the trained extractor (none without data)."""
@@ -283,3 +259,6 @@ class FedREClient(ClientProcedure):
         load_header(client.model.head, payload)
         client.save_model()
         return super().evaluate(client, payload, config)
+
+
+METHOD = Method("fedre", FedREStrategy, FedREClient, SCHEMAS, FedREOptions)

@@ -34,21 +34,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client_app.training import train_personal_model, trained_class_means
-from common.config import RunConfig, choice, number
-from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientReply, HeteroStrategy
-from strategies.fedproto import (
-    UPLOAD,
-    FedProtoClient,
+from client_app.training import evaluation_metrics, train_personal_model, trained_class_means
+from common.config import RunConfig
+from common.options import option
+from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
+from strategies.method import Method
+from strategies.payload import ArraySpec, PayloadSchema
+from strategies.prototypes import (
     PrototypeRegularizer,
     RegularizerOptions,
+    class_set_schemas,
     nearest_prototype_correct,
-    prototype_metrics,
 )
-from strategies.payload import ArraySpec, PayloadSchema
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
+UPLOAD, _ = class_set_schemas("protos", "proto_labels", "d")
 GLOBAL = PayloadSchema({"global_protos": ArraySpec(("C", "d"), "float32")}, optional=True)
 SCHEMAS = {**BASE_SCHEMAS, "train": (GLOBAL, UPLOAD), "evaluate": (GLOBAL, NO_PAYLOAD)}
 
@@ -56,40 +57,20 @@ MARGINS = ("nearest", "max-pairwise")
 
 
 @dataclass(frozen=True)
-class FedTGPOptions:
-    """``[tool.flwr.app.config.fedtgp]`` server keys (section 9); client keys in RegularizerOptions."""
+class FedTGPOptions(RegularizerOptions):
+    """``[tool.flwr.app.config.fedtgp]``: the client's prototype term (``lambda``, ``reg-form``) and
+    the server's generator training (section 9)."""
 
-    margin: str
-    tau: float
-    server_epochs: int
-    server_lr: float
-    server_batch_size: int
-    hidden_dim: int
-
-    @classmethod
-    def from_config(cls, cfg: RunConfig) -> FedTGPOptions:
-        """Validate the ``fedtgp.*`` server keys.
-
-        Raises:
-            ConfigError: naming the key and its allowed values.
-        """
-        o = {
-            "margin": "nearest",
-            "tau": 100.0,
-            "server-epochs": 100,
-            "server-lr": 0.01,
-            "server-batch-size": 10,
-            "hidden-dim": 512,
-            **cfg.method_options(),
-        }
-        return cls(
-            margin=choice("fedtgp.margin", o["margin"], MARGINS),
-            tau=number("fedtgp.tau", o["tau"], low=0),
-            server_epochs=number("fedtgp.server-epochs", o["server-epochs"], kind=int, low=0),
-            server_lr=number("fedtgp.server-lr", o["server-lr"], low=0),
-            server_batch_size=number("fedtgp.server-batch-size", o["server-batch-size"], kind=int, low=1),
-            hidden_dim=number("fedtgp.hidden-dim", o["hidden-dim"], kind=int, low=1),
-        )
+    margin: str = option(
+        "nearest",
+        "adaptive margin: nearest (official code's nearest-centre rule) | max-pairwise (Eq. 9)",
+        choices=MARGINS,
+    )
+    tau: float = option(100.0, "margin cap", low=0)
+    server_epochs: int = option(100, "epochs of the generator's SGD per round", low=0)
+    server_lr: float = option(0.01, "learning rate of the generator's SGD", low=0)
+    server_batch_size: int = option(10, "prototypes per server step", low=1)
+    hidden_dim: int = option(512, "hidden width H of the generator", low=1)
 
 
 class PrototypeGenerator(nn.Module):
@@ -203,13 +184,10 @@ def prototype_diagnostics(new: np.ndarray, old: np.ndarray | None) -> dict[str, 
 class FedTGPStrategy(HeteroStrategy):
     """FedTGP server: the generator persists across rounds; P̂ is regenerated after every update."""
 
-    schemas = SCHEMAS
     checkpointed = ("generator", "batch_rng", "global_set")
 
     def __init__(self, cfg: RunConfig, results=None) -> None:
         super().__init__(cfg, results)
-        RegularizerOptions.from_config(cfg)  # fail fast on bad client options
-        self.options = FedTGPOptions.from_config(cfg)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             self.generator = PrototypeGenerator(self.dims["C"], self.dims["d"], self.options.hidden_dim)
@@ -234,10 +212,8 @@ class FedTGPStrategy(HeteroStrategy):
         return {**metrics, **prototype_diagnostics(self.global_set["global_protos"], old)}
 
 
-class FedTGPClient(FedProtoClient):
+class FedTGPClient(ClientProcedure):
     """FedTGP client: FedProto's objective towards P̂ (from round 2), eval-mode prototypes after training."""
-
-    schemas = SCHEMAS
 
     def train(self, client, payload, config):
         """Returns ``protos`` float32 [C_i, K] and ``proto_labels`` int64 [C_i] (section 3 steps 4-5)."""
@@ -250,8 +226,11 @@ class FedTGPClient(FedProtoClient):
     def evaluate(self, client, payload, config):
         """Nearest global prototype over all C classes; 0 correct before any P̂ exists."""
         if not payload:
-            return {}, prototype_metrics(*nearest_prototype_correct(client, None, None))
+            return {}, evaluation_metrics(*nearest_prototype_correct(client, None, None))
         protos = torch.from_numpy(payload["global_protos"])
-        return {}, prototype_metrics(
+        return {}, evaluation_metrics(
             *nearest_prototype_correct(client, protos, torch.ones(len(protos), dtype=torch.bool))
         )
+
+
+METHOD = Method("fedtgp", FedTGPStrategy, FedTGPClient, SCHEMAS, FedTGPOptions)

@@ -18,55 +18,55 @@ Inference: the private model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.nn.functional as F
 
 from client_app.training import kd_loss, train_personal_model
-from common.config import RunConfig, choice, number
-from common.datasets import DATASETS
-from models.cnn import CNN_SHAPES, REPRESENTATION_DIM, SmallCNN
-from strategies.shared_model import SharedModelClient, SharedModelStrategy, WithCompanions, module_arrays
+from common.config import RunConfig
+from common.options import option
+from models.cnn import CNN_SHAPES
+from strategies.method import Method
+from strategies.shared_model import (
+    SharedModelClient,
+    SharedModelStrategy,
+    WithCompanions,
+    module_arrays,
+    shared_cnn,
+    shared_schemas,
+)
 
 
-def shared_cnn(cfg: RunConfig) -> SmallCNN:
-    """The shared model of FML/FedKD: ``<method>.shared-model`` (CNN-1..5, d = 500), default CNN-5
-    (the heterogeneous setting; CNN-1 in the homogeneous one, spec fedmrl.md section 7).
+@dataclass(frozen=True)
+class FMLOptions:
+    """``[tool.flwr.app.config.fml]``: the meme model and the two mutual-learning weights (HtFLlib's script)."""
 
-    Raises:
-        ConfigError: for another value of ``<method>.shared-model``.
-    """
-    info = DATASETS[cfg.dataset]
-    name = choice(f"{cfg.method}.shared-model", cfg.method_options().get("shared-model", "cnn5"), tuple(CNN_SHAPES))
-    return SmallCNN(name, REPRESENTATION_DIM, info.num_classes, info.channels, info.image_size)
+    shared_model: str = option(
+        "cnn5", "the meme model: CNN-1..5 (cnn5: heterogeneous setting, cnn1: homogeneous)", choices=tuple(CNN_SHAPES)
+    )
+    alpha: float = option(0.5, "private model: alpha*CE + (1-alpha)*KL(meme || private)", low=0, high=1)
+    beta: float = option(0.5, "meme model: beta*CE + (1-beta)*KL(private || meme)", low=0, high=1)
 
 
-def mutual_weights(cfg: RunConfig) -> tuple[float, float]:
-    """(α, β) from ``fml.alpha`` / ``fml.beta`` (default 0.5 each, HtFLlib's script).
-
-    Raises:
-        ConfigError: a value outside [0, 1].
-    """
-    o = {"alpha": 0.5, "beta": 0.5, **cfg.method_options()}
-    return number("fml.alpha", o["alpha"], low=0, high=1), number("fml.beta", o["beta"], low=0, high=1)
+def meme_model(cfg: RunConfig, options: FMLOptions):
+    """The shared meme model (``fml.shared-model``)."""
+    return shared_cnn(cfg, options.shared_model)
 
 
 class FMLStrategy(SharedModelStrategy):
     """FML server: FedAvg of the meme model."""
 
-    build_shared = staticmethod(shared_cnn)
-
-    def __init__(self, cfg: RunConfig, results=None) -> None:
-        mutual_weights(cfg)  # fail fast on bad client options
-        super().__init__(cfg, results)
+    build_shared = staticmethod(meme_model)
 
 
 class FMLClient(SharedModelClient):
     """FML client: the private model and the received meme model learn from each other."""
 
-    build_shared = staticmethod(shared_cnn)
+    build_shared = staticmethod(meme_model)
 
     def train(self, client, payload, config):
         """Returns the trained meme model's tensors and the private model's training metrics."""
-        alpha, beta = mutual_weights(self.cfg)
+        alpha, beta = self.options.alpha, self.options.beta
         meme = self.received(client, payload)
         model = WithCompanions(client.model, meme=meme)
 
@@ -78,3 +78,6 @@ class FMLClient(SharedModelClient):
 
         stats = train_personal_model(client, config, supervised_loss=mutual_loss, model=model, clip_groups=model.groups)
         return module_arrays(meme), stats
+
+
+METHOD = Method("fml", FMLStrategy, FMLClient, shared_schemas(meme_model), FMLOptions)

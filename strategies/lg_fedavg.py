@@ -18,11 +18,20 @@ from torch import nn
 from client_app.training import train_personal_model
 from common.config import RunConfig
 from common.datasets import DATASETS
-from strategies.fedgh import require_linear_heads
-from strategies.shared_model import SharedModelClient, SharedModelStrategy, load_arrays, module_arrays
+from strategies.heads import require_linear_heads
+from strategies.method import Method, NoOptions
+from strategies.shared_model import SharedModelClient, SharedModelStrategy, load_arrays, module_arrays, shared_schemas
 
 
-def global_head(cfg: RunConfig) -> nn.ModuleDict:
+class LGFedAvgOptions(NoOptions):
+    """LG-FedAvg has no keys of its own; its model group must have linear heads."""
+
+    def check(self, cfg: RunConfig) -> None:
+        """Raises ConfigError: the model group has a non-linear head (LG-FedAvg shares a linear one)."""
+        require_linear_heads(cfg, "head")
+
+
+def global_head(cfg: RunConfig, options: LGFedAvgOptions) -> nn.ModuleDict:
     """The shared head, keyed so its payload names are ``head.weight`` / ``head.bias``."""
     return nn.ModuleDict({"head": nn.Linear(cfg.representation_dim, DATASETS[cfg.dataset].num_classes)})
 
@@ -31,10 +40,6 @@ class LGFedAvgStrategy(SharedModelStrategy):
     """LG-FedAvg server: FedAvg of the heads."""
 
     build_shared = staticmethod(global_head)
-
-    def __init__(self, cfg: RunConfig, results=None) -> None:
-        require_linear_heads(cfg, "head")
-        super().__init__(cfg, results)
 
 
 class LGFedAvgClient(SharedModelClient):
@@ -48,3 +53,6 @@ class LGFedAvgClient(SharedModelClient):
         load_arrays(head, payload)
         stats = train_personal_model(client, config)
         return module_arrays(head), stats
+
+
+METHOD = Method("lg-fedavg", LGFedAvgStrategy, LGFedAvgClient, shared_schemas(global_head), LGFedAvgOptions)

@@ -8,7 +8,8 @@ evaluates and records.
 from __future__ import annotations
 
 from client_app.training import train_personal_model
-from strategies.base import ClientProcedure, HeteroStrategy
+from strategies.base import NO_PAYLOAD_SCHEMAS, ClientProcedure, HeteroStrategy
+from strategies.method import Method
 
 
 class LocalStrategy(HeteroStrategy):
@@ -24,3 +25,6 @@ class LocalClient(ClientProcedure):
     def train(self, client, payload, config):
         """Train on the local split; reply with metrics only."""
         return {}, train_personal_model(client, config)
+
+
+METHOD = Method("local", LocalStrategy, LocalClient, NO_PAYLOAD_SCHEMAS)

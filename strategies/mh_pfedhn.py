@@ -44,10 +44,12 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from client_app.training import kd_loss, train_personal_model, train_supervised
-from common.config import RunConfig, choice, number
+from common.config import RunConfig
+from common.options import option
 from models.groups import MODEL_GROUPS
 from models.mh import build_mh_model
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy, round_metrics
+from strategies.method import Method
 from strategies.payload import ArraySpec, PayloadError, PayloadSchema, array_record
 
 SCHEDULES = ("sequential", "parallel")
@@ -72,58 +74,32 @@ TEACHER_STATE = "global-teacher"  # client state: this round's untrained w_g, th
 
 @dataclass(frozen=True)
 class HNOptions:
-    """``[tool.flwr.app.config.mh-pfedhn]`` / ``[...mh-pfedhngd]`` keys (sections 4, 9).
+    """``[tool.flwr.app.config.mh-pfedhn]``: the hypernetwork and its server step (sections 4, 9)."""
 
-    Hypernetwork: ``chunk_size`` B, ``embedding_dim`` D_e, ``hidden_dim`` H, ``embedding_std``
-    (Normal init of embeddings), Adam ``server_lr``, ``server_clip_norm`` (<= 0: off),
-    ``schedule``. GD only: ``global_model`` (public architecture, see :data:`GLOBAL_MODELS`),
-    ``kd_alpha`` (weight of the KD term) and ``kd_temperature`` T.
-    """
+    chunk_size: int = option(3072, "B: hypernetwork output chunk; tau = ceil(K / B) chunks, one head per tau", low=1)
+    embedding_dim: int = option(64, "D_e: size of a client embedding row", low=1)
+    hidden_dim: int = option(128, "H: width of the hypernetwork's trunk", low=1)
+    embedding_std: float = option(0.002, "std of the Normal init of the client embeddings", low=0)
+    server_lr: float = option(0.0002, "learning rate of the server's Adam", low=0)
+    server_clip_norm: float = option(50.0, "gradient norm clip of a server step (<= 0: off)")
+    schedule: str = option(
+        "sequential",
+        "sequential (official code: one client at a time) | parallel (all at once, still one step each)",
+        choices=SCHEDULES,
+    )
 
-    chunk_size: int
-    embedding_dim: int
-    hidden_dim: int
-    embedding_std: float
-    server_lr: float
-    server_clip_norm: float
-    schedule: str
-    global_model: str
-    kd_alpha: float
-    kd_temperature: float
 
-    @classmethod
-    def from_config(cls, cfg: RunConfig) -> HNOptions:
-        """Validate the method's keys.
+@dataclass(frozen=True)
+class HNGDOptions(HNOptions):
+    """``[tool.flwr.app.config.mh-pfedhngd]``: MH-pFedHN's keys plus the public global model and its KD."""
 
-        Raises:
-            ConfigError: naming the key and its allowed values.
-        """
-        m = cfg.method
-        o = {
-            "chunk-size": 3072,
-            "embedding-dim": 64,
-            "hidden-dim": 128,
-            "embedding-std": 0.002,
-            "server-lr": 2e-4,
-            "server-clip-norm": 50.0,
-            "schedule": "sequential",
-            "global-model": "lenet",
-            "kd-alpha": 0.01,
-            "kd-temperature": 20.0,
-            **cfg.method_options(),
-        }
-        return cls(
-            chunk_size=number(f"{m}.chunk-size", o["chunk-size"], kind=int, low=1),
-            embedding_dim=number(f"{m}.embedding-dim", o["embedding-dim"], kind=int, low=1),
-            hidden_dim=number(f"{m}.hidden-dim", o["hidden-dim"], kind=int, low=1),
-            embedding_std=number(f"{m}.embedding-std", o["embedding-std"], low=0),
-            server_lr=number(f"{m}.server-lr", o["server-lr"], low=0),
-            server_clip_norm=number(f"{m}.server-clip-norm", o["server-clip-norm"]),
-            schedule=choice(f"{m}.schedule", o["schedule"], SCHEDULES),
-            global_model=choice(f"{m}.global-model", o["global-model"], GLOBAL_MODELS),
-            kd_alpha=number(f"{m}.kd-alpha", o["kd-alpha"], low=0, high=1),
-            kd_temperature=number(f"{m}.kd-temperature", o["kd-temperature"], low=0, low_open=True),
-        )
+    global_model: str = option("lenet", "public global architecture", choices=GLOBAL_MODELS)
+    kd_alpha: float = option(
+        0.01, "weight a of the KD term: (1 - a) CE + a T^2 KL (0: the MH-pFedHNG ablation)", low=0, high=1
+    )
+    kd_temperature: float = option(
+        20.0, "T: 20 for CIFAR-10 (code comments), 15 for CIFAR-100 (paper)", low=0, low_open=True
+    )
 
 
 class ChunkHead(nn.Module):
@@ -219,13 +195,11 @@ class MHpFedHNStrategy(HeteroStrategy):
     Built after the handshake (section 5): one embedding per partition id, heads per tau.
     """
 
-    schemas = SCHEMAS
     evaluate_in_train = False  # the evaluated model is h(v_i) after the round (section 6)
     checkpointed = ("hn", "optimizer")  # with the registry: sizes are rebuilt by the handshake
 
     def __init__(self, cfg: RunConfig, results=None) -> None:
         super().__init__(cfg, results)
-        self.options = HNOptions.from_config(cfg)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             self.hn = HyperNetwork(self.options)
@@ -251,16 +225,18 @@ class MHpFedHNStrategy(HeteroStrategy):
 
     @cached_property
     def max_params(self) -> int:
-        """The largest K a client of this run can have: the largest model of the run's model group
-        or the public global model, counted on the meta device (nothing is allocated)."""
-        group, info = MODEL_GROUPS[self.cfg.model_group], self.info
+        """The largest K a client of this run can have: the largest of :meth:`client_models`,
+        counted on the meta device (nothing is allocated)."""
         with torch.device("meta"):
-            models = [
-                group.build(pid, info.num_classes, info.channels, info.image_size, self.cfg.seed, self.cfg.feature_dim)
-                for pid in range(len(group.architectures) * len(group.heads))
-            ]
-            models.append(build_mh_model(self.options.global_model, info.num_classes, info.channels, info.image_size))
-        return max(num_params(m) for m in models)
+            return max(num_params(m) for m in self.client_models())
+
+    def client_models(self) -> list[nn.Module]:
+        """One instance of every model a client of this run can hold: the model group's."""
+        group, info = MODEL_GROUPS[self.cfg.model_group], self.info
+        return [
+            group.build(pid, info.num_classes, info.channels, info.image_size, self.cfg.seed, self.cfg.feature_dim)
+            for pid in range(len(group.architectures) * len(group.heads))
+        ]
 
     def check_reply(self, message_type: str, metrics) -> None:
         """A handshake's ``num-params`` (and GD's ``global-num-params``) must lie in [1, :attr:`max_params`]:
@@ -370,7 +346,13 @@ class MHpFedHNStrategy(HeteroStrategy):
 class MHpFedHNGDStrategy(MHpFedHNStrategy):
     """MH-pFedHNGD server: a global model from a global embedding, one extra data-weighted step per round."""
 
-    schemas = SCHEMAS_GD
+    def client_models(self) -> list[nn.Module]:
+        """The model group's models and the public global model."""
+        info = self.info
+        return [
+            *super().client_models(),
+            build_mh_model(self.options.global_model, info.num_classes, info.channels, info.image_size),
+        ]
 
     def handshake(self) -> None:
         """The MH-pFedHN handshake plus K_g, which every client must report alike (section 5).
@@ -463,12 +445,6 @@ def flat_delta(model: nn.Module, received: torch.Tensor) -> np.ndarray:
 class MHpFedHNClient(ClientProcedure):
     """MH-pFedHN client: load generated weights, train, reply the change; BN statistics stay local."""
 
-    schemas = SCHEMAS
-
-    def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
-        self.options = HNOptions.from_config(cfg)
-
     def query(self, client, payload, config):
         """Handshake: data sizes and ``num-params`` K_i (the only architecture disclosure)."""
         arrays, metrics = super().query(client, payload, config)
@@ -493,8 +469,6 @@ class MHpFedHNClient(ClientProcedure):
 
 class MHpFedHNGDClient(MHpFedHNClient):
     """MH-pFedHNGD client: trains the global model (global phase), then distils from it (personal phase)."""
-
-    schemas = SCHEMAS_GD
 
     def global_model(self, client) -> nn.Module:
         """A fresh instance of the public global architecture (``global-model``)."""
@@ -547,3 +521,7 @@ class MHpFedHNGDClient(MHpFedHNClient):
             return (1 - alpha) * F.cross_entropy(logits, labels) + alpha * kd_loss(logits, teacher_logits, temperature)
 
         return loss
+
+
+METHOD = Method("mh-pfedhn", MHpFedHNStrategy, MHpFedHNClient, SCHEMAS, HNOptions)
+METHOD_GD = Method("mh-pfedhngd", MHpFedHNGDStrategy, MHpFedHNGDClient, SCHEMAS_GD, HNGDOptions)

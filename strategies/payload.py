@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from io import BytesIO
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
@@ -252,3 +253,13 @@ def tensor_bytes(content: RecordDict) -> int:
         for record in content.array_records.values()
         for a in record.values()
     )
+
+
+@dataclass
+class ClientReply:
+    """A validated reply: who sent it, its payload arrays and its scalar metrics."""
+
+    node_id: int
+    partition_id: int
+    arrays: dict[str, np.ndarray]
+    metrics: dict[str, Any]

@@ -1,63 +1,106 @@
-"""Method name -> (server Strategy class, client procedure class)."""
+"""The methods: one :class:`strategies.method.Method` descriptor per method module, listed once.
+
+``python -m strategies.registry`` prints every method's option table (the README's "Method
+options" section).
+"""
 
 from __future__ import annotations
 
+import sys
 from functools import lru_cache
 
 from common.config import ConfigError, RunConfig
-from strategies.base import ClientProcedure, HeteroStrategy
-from strategies.fd import FDClient, FDStrategy
-from strategies.fedgh import FedGHClient, FedGHStrategy
-from strategies.fedkd import FedKDClient, FedKDStrategy
-from strategies.fedmrl import FedMRLClient, FedMRLStrategy
-from strategies.fedproto import FedProtoClient, FedProtoStrategy
-from strategies.fedre import FedREClient, FedREStrategy
-from strategies.fedtgp import FedTGPClient, FedTGPStrategy
-from strategies.fml import FMLClient, FMLStrategy
-from strategies.lg_fedavg import LGFedAvgClient, LGFedAvgStrategy
-from strategies.local import LocalClient, LocalStrategy
-from strategies.mh_pfedhn import MHpFedHNClient, MHpFedHNGDClient, MHpFedHNGDStrategy, MHpFedHNStrategy
+from common.options import option_defaults, option_rows
+from strategies import fd, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml, lg_fedavg, local, mh_pfedhn
+from strategies.method import Method
 
-METHODS: dict[str, tuple[type[HeteroStrategy], type[ClientProcedure]]] = {
-    "fedgh": (FedGHStrategy, FedGHClient),
-    "local": (LocalStrategy, LocalClient),
-    "fedproto": (FedProtoStrategy, FedProtoClient),
-    "fedtgp": (FedTGPStrategy, FedTGPClient),
-    "fedre": (FedREStrategy, FedREClient),
-    "mh-pfedhn": (MHpFedHNStrategy, MHpFedHNClient),
-    "mh-pfedhngd": (MHpFedHNGDStrategy, MHpFedHNGDClient),
-    "fedmrl": (FedMRLStrategy, FedMRLClient),
-    "fml": (FMLStrategy, FMLClient),
-    "fedkd": (FedKDStrategy, FedKDClient),
-    "lg-fedavg": (LGFedAvgStrategy, LGFedAvgClient),
-    "fd": (FDStrategy, FDClient),
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        fedgh.METHOD,
+        local.METHOD,
+        fedproto.METHOD,
+        fedtgp.METHOD,
+        fedre.METHOD,
+        mh_pfedhn.METHOD,
+        mh_pfedhn.METHOD_GD,
+        fedmrl.METHOD,
+        fml.METHOD,
+        fedkd.METHOD,
+        lg_fedavg.METHOD,
+        fd.METHOD,
+    )
 }
 
 
-def _method(cfg: RunConfig) -> tuple[type[HeteroStrategy], type[ClientProcedure]]:
+def method_of(cfg: RunConfig) -> Method:
+    """The descriptor of ``cfg.method``, after checking every dotted key of ``cfg`` names a method's
+    table and a key that table declares (values of the other methods' tables are not checked: the
+    run does not use them).
+
+    Raises:
+        ConfigError: an unknown method, table or key, naming it and what is allowed.
+    """
     if cfg.method not in METHODS:
         raise ConfigError(
             f"run config key 'method' = {cfg.method!r} is invalid: allowed values are "
             + ", ".join(repr(m) for m in METHODS)
         )
+    for key, _ in cfg.extra:
+        table, _, name = key.partition(".")
+        if table not in METHODS or not name:
+            raise ConfigError(
+                f"run config key {key!r} is unknown: other than the keys of [tool.flwr.app.config], "
+                "keys belong to a method's table: " + ", ".join(f"'{m}.*'" for m in METHODS)
+            )
+        declared = list(option_defaults(METHODS[table].options))
+        if name not in declared:
+            raise ConfigError(
+                f"run config key {key!r} is unknown: the keys of [{table}] are "
+                + (", ".join(repr(k) for k in declared) or "none")
+            )
     return METHODS[cfg.method]
 
 
-def build_strategy(cfg: RunConfig, results=None) -> HeteroStrategy:
+def build_strategy(cfg: RunConfig, results=None):
     """The method's Strategy for ``cfg`` (validates the method name and its options).
 
     Raises:
-        ConfigError: unknown method or an invalid method option.
+        ConfigError: unknown method, an unknown key or an invalid method option.
     """
-    return _method(cfg)[0](cfg, results)
+    return method_of(cfg).strategy(cfg, results)
 
 
 @lru_cache(maxsize=8)
-def client_procedure(cfg: RunConfig) -> ClientProcedure:
-    """The method's client procedure for ``cfg`` (one per config and process)."""
-    return _method(cfg)[1](cfg)
+def client_procedure(cfg: RunConfig):
+    """The method's client procedure for ``cfg`` (one per config and process).
+
+    Raises:
+        ConfigError: as :func:`build_strategy`.
+    """
+    return method_of(cfg).client(cfg)
 
 
 def all_message_types() -> list[str]:
     """Every message type some method sends: the ClientApp registers a handler for each."""
-    return sorted({t for strategy, client in METHODS.values() for t in (*strategy.schemas, *client.schemas)})
+    return sorted({t for m in METHODS.values() for t in m.message_types})
+
+
+def option_tables() -> str:
+    """Markdown: one option table per method with options (key, default, allowed values, meaning)."""
+    out = []
+    for m in METHODS.values():
+        rows = option_rows(m.options)
+        if rows:
+            out += [
+                f"`[tool.flwr.app.config.{m.name}]`",
+                "",
+                "| key | default | allowed | meaning |",
+                "|---|---|---|---|",
+            ]
+            out += ["| " + " | ".join(r) + " |" for r in rows] + [""]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(option_tables())

@@ -11,16 +11,24 @@ same keys and shapes both ways (4 bytes per parameter per direction).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from common.config import ConfigError, RunConfig
+from common.datasets import DATASETS
 from models.base import SplitModel
+from models.cnn import REPRESENTATION_DIM, SmallCNN
+from strategies.aggregation import fedavg
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
-from strategies.payload import ArraySpec, PayloadError, PayloadSchema
+from strategies.method import Schemas
+from strategies.payload import ArraySpec, PayloadSchema
+
+#: ``build_shared(cfg, options)``: the module every client of a run trains a copy of
+Builder = Callable[[RunConfig, Any], nn.Module]
 
 
 def module_schema(module: nn.Module) -> PayloadSchema:
@@ -48,32 +56,17 @@ def load_arrays(module: nn.Module, arrays: Mapping[str, np.ndarray]) -> nn.Modul
     return module
 
 
-def fedavg(replies: list[ClientReply], keys: list[str]) -> dict[str, np.ndarray]:
-    """Sample-weighted mean of the replies' arrays: Σ_k (n_k / Σ_j n_j) · θ_k (FedAvg; FedMRL spec section 4).
-
-    Weights are the replies' ``num-examples`` (training samples), accumulated in float64.
-    With all n_k = 0 the mean is unweighted.
-
-    Returns:
-        name -> float32 array, for every name in ``keys``.
-
-    Raises:
-        PayloadError: if ``replies`` is empty.
-    """
-    if not replies:
-        raise PayloadError("no replies to average")
-    weights = np.array([float(r.metrics.get("num-examples", 0)) for r in replies])
-    weights = weights / weights.sum() if weights.sum() > 0 else np.full(len(replies), 1 / len(replies))
-    return {
-        k: sum(w * r.arrays[k].astype(np.float64) for w, r in zip(weights, replies)).astype(np.float32) for k in keys
-    }
+def shared_cnn(cfg: RunConfig, layout: str) -> SmallCNN:
+    """A CNN-1..5 ``layout`` (d = 500) for ``cfg``'s dataset: FML's meme model, FedKD's mentee."""
+    info = DATASETS[cfg.dataset]
+    return SmallCNN(layout, REPRESENTATION_DIM, info.num_classes, info.channels, info.image_size)
 
 
 class SharedModelStrategy(HeteroStrategy):
     """Server of a method that shares one module: FedAvg of the clients' trained copies.
 
-    Subclasses set ``build_shared`` (a ``staticmethod`` ``cfg -> nn.Module``, the same the
-    client uses) and ``evaluate_payload`` (True: evaluate instructions carry the module).
+    Subclasses set ``build_shared`` (a ``staticmethod`` ``(cfg, options) -> nn.Module``, the same
+    the client uses) and ``evaluate_payload`` (True: evaluate instructions carry the module).
     The module starts from PyTorch's default init drawn from ``seed`` (FedMRL spec
     section 5), before round 1, so a payload always exists. A round without valid replies
     leaves it unchanged.
@@ -84,7 +77,7 @@ class SharedModelStrategy(HeteroStrategy):
     checkpointed = ("shared",)
 
     @staticmethod
-    def build_shared(cfg: RunConfig) -> nn.Module:
+    def build_shared(cfg: RunConfig, options: Any) -> nn.Module:
         """The module every client trains a copy of."""
         raise NotImplementedError
 
@@ -92,8 +85,7 @@ class SharedModelStrategy(HeteroStrategy):
         super().__init__(cfg, results)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
-            self.shared = self.build_shared(cfg)
-        self.schemas = shared_schemas(self.shared, self.evaluate_payload)
+            self.shared = self.build_shared(cfg, self.options)
 
     def global_arrays(self) -> dict[str, np.ndarray]:
         """The shared module's tensors (:func:`module_arrays`)."""
@@ -111,24 +103,17 @@ class SharedModelStrategy(HeteroStrategy):
 
 
 class SharedModelClient(ClientProcedure):
-    """Client half of a shared-module method: the schema and the received module.
+    """Client half of a shared-module method: the received module.
 
-    Subclasses set ``build_shared`` and ``evaluate_payload`` as their strategy does and
-    implement ``train``.
+    Subclasses set ``build_shared`` as their strategy does and implement ``train``.
     """
 
-    evaluate_payload: bool = False
     build_shared = SharedModelStrategy.build_shared
-
-    def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
-        with torch.device("meta"):  # shapes only: no memory, no RNG draws
-            self.schemas = shared_schemas(self.build_shared(cfg), self.evaluate_payload)
 
     def received(self, client, payload: Mapping[str, np.ndarray]) -> nn.Module:
         """A fresh copy of the shared module holding ``payload`` bit for bit, on the client's device."""
         with torch.device("meta"):
-            module = self.build_shared(self.cfg)
+            module = self.build_shared(self.cfg, self.options)
         return load_arrays(module.to_empty(device=client.device), payload)
 
 
@@ -148,11 +133,17 @@ class WithCompanions(SplitModel):
         self.groups = [list(private.parameters())] + [list(m.parameters()) for m in companions.values()]
 
 
-def shared_schemas(module: nn.Module, evaluate_payload: bool = False) -> dict:
-    """Message schemas of a shared-module method: the module both ways in ``train``; with
-    ``evaluate_payload`` the evaluate instruction carries it too."""
-    schema = module_schema(module)
-    schemas = {**BASE_SCHEMAS, "train": (schema, schema)}
-    if evaluate_payload:
-        schemas["evaluate"] = (schema, BASE_SCHEMAS["evaluate"][1])
+def shared_schemas(build_shared: Builder, evaluate_payload: bool = False) -> Callable[[RunConfig, Any], Schemas]:
+    """The ``schemas`` of a shared-module method's descriptor: the module ``build_shared`` gives
+    (built on the meta device: shapes only, no memory, no RNG draws) both ways in ``train``;
+    with ``evaluate_payload`` the evaluate instruction carries it too."""
+
+    def schemas(cfg: RunConfig, options: Any) -> Schemas:
+        with torch.device("meta"):
+            schema = module_schema(build_shared(cfg, options))
+        out = {**BASE_SCHEMAS, "train": (schema, schema)}
+        if evaluate_payload:
+            out["evaluate"] = (schema, BASE_SCHEMAS["evaluate"][1])
+        return out
+
     return schemas

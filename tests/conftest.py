@@ -75,15 +75,54 @@ def client_runtime(rc: dict, partition_id: int = 0):
 
 
 def train_config(rc: dict, server_round: int = 1, **kw) -> dict:
-    """The config of a train instruction built from ``rc`` (what ``HeteroStrategy.train_config`` sends)."""
-    cfg = {
-        "server-round": server_round,
-        "local-epochs": rc["local-epochs"],
-        "batch-size": rc["batch-size"],
-        "lr": rc["lr"],
-        "momentum": rc["momentum"],
-        "weight-decay": rc["weight-decay"],
-        "clip-norm": rc["clip-norm"],
-        "precision": rc["precision"],
-    }
-    return {**cfg, **kw}
+    """The config of a train instruction for run config ``rc`` (``strategies.base.train_config``),
+    ``kw`` overriding (keys with '-')."""
+    from common.config import RunConfig
+    from strategies.base import train_config as base_train_config
+
+    return {**base_train_config(RunConfig.from_dict(rc), server_round), **kw}
+
+
+def plain_sgd_config(rc: dict, **kw) -> dict:
+    """:func:`train_config` with plain SGD: no momentum, weight decay or clipping (PFLlib's recipe,
+    FedProto's and FedTGP's)."""
+    return train_config(rc, **{"momentum": 0.0, "weight-decay": 0.0, "clip-norm": 0.0, **kw})
+
+
+def captured_federation(rc: dict):
+    """(strategy, grid, replies): :func:`federation` for ``rc`` recording every reply the server receives."""
+    replies = []
+    strategy, grid = federation(rc, tamper=lambda node, reply: replies.append(reply) or reply)
+    return strategy, grid, replies
+
+
+def chance(rc: dict, n: int) -> float:
+    """Mean over clients of the majority-class share of the local test split."""
+    import numpy as np
+
+    from client_app.data import class_counts
+
+    return np.mean([class_counts(y, 10).max() / len(y) for y in (client_runtime(rc, p).data.test_y for p in range(n))])
+
+
+def shapes_of(message) -> dict:
+    """Payload array name -> shape of a message."""
+    from strategies.payload import PAYLOAD
+
+    return {k: tuple(v.shape) for k, v in message.content.array_records[PAYLOAD].items()}
+
+
+def run_method(run_config, method, **kw):
+    """(rc, strategy, grid, train replies) of a 5-round run of ``method`` (2 local epochs, 400
+    examples per client, the fixture's other settings), ``kw`` overriding."""
+    rc = run_config(method=method, **{"num-server-rounds": 5, "local-epochs": 2, "max-examples-per-client": 400, **kw})
+    strategy, grid, replies = captured_federation(rc)
+    strategy.start(grid)
+    return rc, strategy, grid, [r for r in replies if r.metadata.message_type == "train"]
+
+
+def assert_learns(rc: dict, strategy) -> None:
+    """The last round beats the majority-class share by 5 points and the train loss fell."""
+    rows = strategy.rows
+    assert rows[-1]["accuracy_mean"] > chance(rc, rc["num-clients"]) + 0.05, rows[-1]["accuracy_mean"]
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]

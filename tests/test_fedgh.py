@@ -20,10 +20,6 @@ from strategies.payload import tensor_bytes
 C, D = 10, 500
 
 
-def runtime(rc, partition_id=0):
-    return client_runtime(rc, partition_id)
-
-
 def header_payload(seed=0):
     g = torch.Generator().manual_seed(seed)
     return {"head.weight": (torch.randn(C, D, generator=g) * 0.01).numpy(), "head.bias": torch.zeros(C).numpy()}
@@ -61,7 +57,7 @@ def fresh_header(seed=0):
 # 1, 5: uplink content; LARs come from the post-training extractor
 def test_uplink_holds_exact_lars_of_trained_extractor(run_config):
     rc = run_config()
-    client = runtime(rc)
+    client = client_runtime(rc)
     before, _ = class_means(
         client.model.extractor, client.data.train_x, client.data.train_y, client.data.info, client.device
     )
@@ -84,7 +80,7 @@ def test_uplink_holds_exact_lars_of_trained_extractor(run_config):
 
 # 4: exact mean, independent of the extraction batch size
 def test_lars_do_not_depend_on_batch_size(run_config):
-    client = runtime(run_config(**{"max-examples-per-client": 150}))
+    client = client_runtime(run_config(**{"max-examples-per-client": 150}))
     d = client.data
     a, la = class_means(client.model.extractor, d.train_x, d.train_y, d.info, client.device, batch_size=7)
     b, lb = class_means(client.model.extractor, d.train_x, d.train_y, d.info, client.device, batch_size=512)
@@ -95,7 +91,7 @@ def test_lars_do_not_depend_on_batch_size(run_config):
 # 6: header replaced bit for bit, extractor restored, header then fine-tuned
 def test_header_replacement_then_fine_tuning(run_config):
     rc = run_config()
-    client = runtime(rc)
+    client = client_runtime(rc)
     payload = header_payload(3)
     load_header(client.model.head, payload)
     assert np.array_equal(client.model.head.weight.detach().numpy(), payload["head.weight"])

@@ -1,4 +1,4 @@
-"""FedMRL (spec shared/specs/fedmrl.md section 12, automated) and its baselines FML, FedKD, LG-FedAvg, FD."""
+"""FedMRL: payload, Matryoshka training, aggregation, state and the two evaluation protocols."""
 
 import numpy as np
 import pytest
@@ -6,17 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from client_app.data import class_counts
 from client_app.runtime import MODEL_STATE
 from common.config import ConfigError, RunConfig
-from conftest import client_runtime, federation, train_config
-from models.cnn import SmallCNN
+from conftest import captured_federation, chance, client_runtime, federation, shapes_of, train_config
+from strategies.aggregation import fedavg
 from strategies.base import ClientReply
-from strategies.fd import FDClient
-from strategies.fedkd import compressed_schema, svd_compress, svd_decompress
-from strategies.fedmrl import PROJECTOR_STATE, FedMRLClient, FedMRLStrategy, small_model
-from strategies.payload import PAYLOAD, PayloadError, tensor_bytes
-from strategies.shared_model import fedavg, module_arrays
+from strategies.fedmrl import METHOD, PROJECTOR_STATE, FedMRLClient, FedMRLStrategy, small_model
+from strategies.payload import PAYLOAD, tensor_bytes
+from strategies.shared_model import module_arrays
 
 SMALL_KEYS = [
     "conv1.weight",
@@ -36,21 +33,6 @@ PRIVATE_SHAPES = {(2000, 800), (2000, 400), (1000, 800), (800, 800), (500, 600),
 
 def mrl_config(run_config, **kw):
     return run_config(method="fedmrl", **kw)
-
-
-def captured_federation(rc):
-    replies = []
-    strategy, grid = federation(rc, tamper=lambda node, reply: replies.append(reply) or reply)
-    return strategy, grid, replies
-
-
-def chance(rc, n):
-    """Mean over clients of the majority-class share of the local test split."""
-    return np.mean([class_counts(y, 10).max() / len(y) for y in (client_runtime(rc, p).data.test_y for p in range(n))])
-
-
-def shapes_of(message):
-    return {k: tuple(v.shape) for k, v in message.content.array_records[PAYLOAD].items()}
 
 
 # 1, 2, 3: payload schema, bytes, independence of the private architecture
@@ -89,7 +71,7 @@ def test_payload_is_exactly_the_small_model_both_ways(run_config):
 )
 def test_byte_formula(run_config, dataset, d1, params):
     cfg = RunConfig.from_dict(mrl_config(run_config, dataset=dataset, **{"fedmrl.d1": d1}))
-    model = small_model(cfg)
+    model = small_model(cfg, METHOD.read_options(cfg))
     assert sum(p.numel() for p in model.parameters()) == params
     assert list(model.state_dict()) == SMALL_KEYS
 
@@ -107,7 +89,7 @@ def fused_model(rc, partition_id=0, seed=0):
     client = client_runtime(rc, partition_id)
     procedure = FedMRLClient(RunConfig.from_dict(rc))
     torch.manual_seed(seed)
-    small = small_model(client.cfg)
+    small = small_model(client.cfg, METHOD.read_options(client.cfg))
     return client, procedure, procedure.fused(client, small), small
 
 
@@ -214,8 +196,8 @@ def test_state_persists_theta_is_replaced_and_idle_clients_untouched(run_config)
         saved = ctx.state.array_records[PROJECTOR_STATE].to_torch_state_dict()
         client = client_runtime(rc, pid)
         client.context.state = ctx.state
-        fused = procedure.fused(client, small_model(cfg))
-        initial = procedure.fused(client_runtime(rc, pid), small_model(cfg))
+        fused = procedure.fused(client, small_model(cfg, METHOD.read_options(cfg)))
+        initial = procedure.fused(client_runtime(rc, pid), small_model(cfg, METHOD.read_options(cfg)))
         for key, value in fused.extractor.projector.state_dict().items():
             assert torch.equal(value, saved[key])  # restored bit for bit (the HtFLlib bug fails here)
             assert not torch.equal(value, initial.extractor.projector.state_dict()[key])
@@ -293,102 +275,3 @@ def test_bad_options_fail_fast(run_config):
             FedMRLStrategy(RunConfig.from_dict(mrl_config(run_config, **{key: value})))
     with pytest.raises(ConfigError, match="eval-clients"):
         RunConfig.from_dict(mrl_config(run_config, **{"eval-clients": "some"}))
-
-
-# ------------------------------------------------------------------ baselines
-def baseline_run(run_config, method, **kw):
-    rc = run_config(method=method, **{"num-server-rounds": 5, "local-epochs": 2, "max-examples-per-client": 400, **kw})
-    strategy, grid, replies = captured_federation(rc)
-    strategy.start(grid)
-    return rc, strategy, grid, [r for r in replies if r.metadata.message_type == "train"]
-
-
-def assert_learns(rc, strategy):
-    rows = strategy.rows
-    assert rows[-1]["accuracy_mean"] > chance(rc, rc["num-clients"]) + 0.05, rows[-1]["accuracy_mean"]
-    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
-
-
-def test_fml_shares_the_cnn5_meme_model_and_learns(run_config):
-    # at alpha = 0.5 the private model is pulled towards the averaged meme model and learns slowly
-    # (the paper reports FML failing in this setting); the check uses a CE-heavy private loss
-    rc, strategy, grid, replies = baseline_run(run_config, "fml", **{"fml.alpha": 0.9})
-    meme = SmallCNN("cnn5", 500, 10)
-    for m in [*grid.sent[4:], *replies]:  # after the handshake
-        if m.metadata.message_type == "train":
-            assert shapes_of(m) == {k: tuple(v.shape) for k, v in meme.state_dict().items()}
-            assert tensor_bytes(m.content) == 4 * 670_058
-    assert_learns(rc, strategy)
-
-
-def test_lg_fedavg_shares_only_the_head_and_learns(run_config):
-    rc, strategy, grid, replies = baseline_run(run_config, "lg-fedavg")
-    for m in replies:
-        assert shapes_of(m) == {"head.weight": (10, 500), "head.bias": (10,)}
-        assert tensor_bytes(m.content) == 20_040
-    # the server's head is the sample-weighted mean of the last replies
-    last = replies[-rc["num-clients"] :]
-    weights = np.array([r.content.metric_records["metrics"]["num-examples"] for r in last], np.float64)
-    mean = (
-        sum(w * r.content.array_records[PAYLOAD]["head.weight"].numpy() for w, r in zip(weights, last)) / weights.sum()
-    )
-    assert np.allclose(module_arrays(strategy.shared)["head.weight"], mean, atol=1e-6)
-    assert_learns(rc, strategy)
-    with pytest.raises(ConfigError, match="non-linear heads"):
-        federation(run_config(method="lg-fedavg", model_group="htfe8-htc4"))
-
-
-def test_fd_uploads_per_class_logits_and_learns(run_config):
-    rc, strategy, grid, replies = baseline_run(run_config, "fd")
-    for r in replies:
-        arrays = r.content.array_records[PAYLOAD]
-        k = arrays["logit_labels"].numpy().size
-        assert shapes_of(r) == {"logits": (k, 10), "logit_labels": (k,)} and tensor_bytes(r.content) == 48 * k
-    rounds = [m for m in grid.sent if m.metadata.message_type == "train"]
-    assert PAYLOAD not in rounds[0].content.array_records  # round 1: no global logits yet
-    # the distillation term pulls towards the global logit of the label
-    client = client_runtime(rc, 0)
-    payload = {
-        "logits": np.eye(10, dtype=np.float32)[client.data.train_y[:1].numpy()] * 20,
-        "mask": np.eye(10, dtype=bool)[client.data.train_y[0].item()],
-    }
-    assert FDClient(RunConfig.from_dict(rc)).train(client, payload, train_config(rc))[1]["train-loss"] > 0
-    assert_learns(rc, strategy)
-
-
-def test_svd_compression():
-    g = torch.Generator().manual_seed(0)
-    low_rank = torch.randn(40, 3, generator=g) @ torch.randn(3, 30, generator=g)
-    state = {"w": low_rank.reshape(40, 2, 15), "b": torch.randn(40, generator=g)}
-    arrays = svd_compress(state, 0.999999)
-    assert arrays["w.u"].shape == (40, 3) and arrays["w.v"].shape == (3, 30) and np.array_equal(arrays["b"], state["b"])
-    back = svd_decompress(arrays, {"w": (40, 2, 15), "b": (40,)})
-    assert np.allclose(back["w"], state["w"].numpy(), atol=1e-4)
-    # smallest rank whose energy exceeds T
-    diag = torch.diag(torch.tensor([3.0, 2.0, 1.0]))
-    assert svd_compress({"w": diag}, 0.70)["w.s"].shape == (2,)  # 9/14 = .64 <= .70 < 13/14
-    assert svd_compress({"w": diag}, 0.60)["w.s"].shape == (1,)
-
-
-def test_fedkd_payload_is_compressed_and_learns(run_config):
-    rc, strategy, grid, replies = baseline_run(
-        run_config, "fedkd", **{"fedkd.energy-start": 0.5, "fedkd.energy-end": 0.6}
-    )
-    full = 4 * 670_058
-    for r in replies:
-        arrays = {k: v.numpy() for k, v in r.content.array_records[PAYLOAD].items()}
-        assert {k.rsplit(".", 1)[0] for k in arrays if k.endswith(".u")} == {
-            "conv1.weight",
-            "conv2.weight",
-            "fc1.weight",
-            "fc2.weight",
-            "fc3.weight",
-        }
-        assert tensor_bytes(r.content) < full
-    schema = compressed_schema(SmallCNN("cnn5", 500, 10))
-    bad = svd_compress(SmallCNN("cnn5", 500, 10).state_dict(), 0.5)
-    bad["fc3.weight.u"] = np.zeros((10, 11), np.float32)
-    bad["fc3.weight.s"], bad["fc3.weight.v"] = np.zeros(11, np.float32), np.zeros((11, 500), np.float32)
-    with pytest.raises(PayloadError, match="rank"):
-        schema.validate(bad, {})
-    assert_learns(rc, strategy)

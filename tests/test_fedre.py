@@ -12,6 +12,7 @@ from client_app.runtime import MODEL_STATE
 from client_app.training import class_means
 from common.config import ConfigError, RunConfig
 from common.datasets import DATASETS
+from common.options import read_options
 from conftest import client_runtime, federation, train_config
 from models.groups import MODEL_GROUPS
 from models.zoo import FixedPool
@@ -32,10 +33,6 @@ C, D = 10, 512
 
 def fedre_config(run_config, **kw):
     return run_config(method="fedre", model_group="fedavgcnn", **kw)
-
-
-def runtime(rc, partition_id=0):
-    return client_runtime(rc, partition_id)
 
 
 def head_payload(seed=0):
@@ -77,7 +74,7 @@ def prototype_mix(client, y):
 # 1, 3, 4, 12: one (z, y) of the post-training extractor, a valid soft label on the present classes
 def test_upload_is_one_entangled_pair_of_the_trained_extractor(run_config):
     rc = fedre_config(run_config, lr=0.05)
-    client = runtime(rc)
+    client = client_runtime(rc)
     cfg = RunConfig.from_dict(rc)
     alpha = entangling_weights(client.data.train_y, "rap", client.generator(1, 7))
     z_before, _ = entangle(
@@ -169,7 +166,7 @@ def test_every_mode_gives_a_distribution_over_samples(mode):
 @pytest.mark.parametrize("mode,same", [("rap", False), ("vap", True), ("rap-fixed", True)])
 def test_weights_resampled_each_round_unless_fixed(run_config, mode, same):
     rc = fedre_config(run_config, lr=0.0, **{"fedre.re-mode": mode})
-    client, procedure = runtime(rc), FedREClient(RunConfig.from_dict(rc))
+    client, procedure = client_runtime(rc), FedREClient(RunConfig.from_dict(rc))
     payload = head_payload()
     a, _ = procedure.train(client, payload, train_config(rc, 1))
     b, _ = procedure.train(client, payload, train_config(rc, 2))
@@ -182,7 +179,7 @@ def test_weights_resampled_each_round_unless_fixed(run_config, mode, same):
 # 8: a single-class client uploads its prototype with a one-hot label
 def test_single_class_client_uploads_its_prototype(run_config):
     rc = fedre_config(run_config)
-    client = runtime(rc)
+    client = client_runtime(rc)
     data = client.data
     keep = data.train_y == data.train_y[0]
     client.__dict__["data"] = dataclasses.replace(data, train_x=data.train_x[keep], train_y=data.train_y[keep])
@@ -212,7 +209,7 @@ def test_server_step_is_exact(reduction):
 
 
 def test_default_reduction_is_mean(run_config):
-    assert FedREOptions.from_config(RunConfig.from_dict(fedre_config(run_config))).server_loss_reduction == "mean"
+    assert read_options(FedREOptions, RunConfig.from_dict(fedre_config(run_config))).server_loss_reduction == "mean"
 
 
 def test_server_loss_falls_and_no_upload_leaves_head_unchanged():
@@ -278,7 +275,7 @@ def test_rounds_payloads_bytes_and_head_replacement(run_config):
 # 11: receiving the head changes the head only
 def test_receiving_the_head_changes_nothing_else(run_config):
     rc = fedre_config(run_config, **{"local-epochs": 0})
-    client = runtime(rc)
+    client = client_runtime(rc)
     extractor = {k: v.clone() for k, v in client.model.extractor.state_dict().items()}
     payload = head_payload(5)
     FedREClient(RunConfig.from_dict(rc)).train(client, payload, train_config(rc, **{"local-epochs": 0}))
@@ -335,7 +332,7 @@ def test_missing_and_malformed_uploads(run_config):
 
 def test_degenerate_client_sends_nothing(run_config):
     rc = fedre_config(run_config)
-    client = runtime(rc)
+    client = client_runtime(rc)
     data = client.data
     client.__dict__["data"] = dataclasses.replace(data, train_x=data.train_x[:0], train_y=data.train_y[:0])
     arrays, metrics = FedREClient(RunConfig.from_dict(rc)).train(client, head_payload(), train_config(rc))
@@ -357,7 +354,7 @@ def test_learning_beats_chance_and_server_loss_falls(run_config):
     strategy, grid = federation(rc)
     strategy.start(grid)
     # chance for a client = its majority-class share of its local test split
-    tests = [runtime(rc, p).data.test_y for p in range(3)]
+    tests = [client_runtime(rc, p).data.test_y for p in range(3)]
     chance = np.mean([class_counts(y, C).max() / len(y) for y in tests])
     assert strategy.rows[-1]["accuracy_mean"] > chance + 0.1, (strategy.rows[-1]["accuracy_mean"], chance)
     assert all(r["server_loss_after"] < r["server_loss_before"] for r in strategy.rows)

@@ -60,3 +60,13 @@ def test_no_import_circles():
     graph = import_graph()
     assert "common.config" in graph and "client_app.data" in graph  # the walk saw the tree
     assert cycles(graph) == []
+
+
+def test_no_method_imports_another_method():
+    from strategies.registry import METHODS
+
+    method_modules = {m.strategy.__module__ for m in METHODS.values()} | {m.client.__module__ for m in METHODS.values()}
+    assert len(method_modules) == 11  # mh-pfedhn and mh-pfedhngd share one module
+    graph = import_graph()
+    borrowed = {(a, b) for a in method_modules for b in graph[a] if b in method_modules}
+    assert borrowed == set()

@@ -39,19 +39,8 @@ FAST = {"mh-pfedhn.hidden-dim": 16, "mh-pfedhngd.hidden-dim": 16}  # HN size ~ H
 
 
 def opts(**kw):
-    base = dict(
-        chunk_size=3072,
-        embedding_dim=64,
-        hidden_dim=128,
-        embedding_std=0.002,
-        server_lr=2e-4,
-        server_clip_norm=50.0,
-        schedule="sequential",
-        global_model="lenet",
-        kd_alpha=0.01,
-        kd_temperature=20.0,
-    )
-    return HNOptions(**{**base, **kw})
+    """HNOptions with their declared defaults, ``kw`` overriding."""
+    return HNOptions(**kw)
 
 
 def hn_with(sizes, **kw):
@@ -75,10 +64,6 @@ def mh_config(run_config, method="mh-pfedhn", **kw):
             **{k.replace("_", "-"): v for k, v in kw.items()},
         }
     )
-
-
-def runtime(rc, partition_id=0):
-    return client_runtime(rc, partition_id)
 
 
 def snapshot(module):
@@ -228,7 +213,7 @@ def test_flat_round_trip_and_zero_lr(run_config):
     assert np.array_equal(torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy(), theta)
     assert np.array_equal(flat_delta(model, received), np.zeros_like(theta))
     rc = mh_config(run_config, lr=0.0)
-    client = runtime(rc)
+    client = client_runtime(rc)
     arrays, _ = MHpFedHNClient(RunConfig.from_dict(rc)).train(
         client, {"theta": theta[: K_C10["lenet"]].copy()}, train_config(rc)
     )
@@ -237,7 +222,7 @@ def test_flat_round_trip_and_zero_lr(run_config):
 
 def test_bn_statistics_persist_locally(run_config):
     rc = mh_config(run_config, model_group="mh-zoo", **{"num-clients": 5})
-    client = runtime(rc, partition_id=2)  # mhresnet10
+    client = client_runtime(rc, partition_id=2)  # mhresnet10
     procedure = MHpFedHNClient(RunConfig.from_dict(rc))
     _, metrics = procedure.query(client, {}, {})
     k = metrics["num-params"]
@@ -248,7 +233,7 @@ def test_bn_statistics_persist_locally(run_config):
     saved = client.context.state.array_records[MODEL_STATE]
     mean = saved["extractor.1.running_mean"].numpy()
     assert np.abs(mean).sum() > 0  # trained statistics, not the defaults
-    again = runtime(rc, partition_id=2)
+    again = client_runtime(rc, partition_id=2)
     again.context.state = client.context.state
     procedure.evaluate(again, {"theta": theta}, {})
     assert np.array_equal(again.model.extractor[1].running_mean.cpu().numpy(), mean)  # restored, not generated
@@ -269,7 +254,7 @@ def test_gd_with_zero_alpha_equals_hn_update(run_config):
     outs = []
     for method in ("mh-pfedhn", "mh-pfedhngd"):
         rc = mh_config(run_config, method, **{"mh-pfedhngd.kd-alpha": 0.0})
-        client = runtime(rc)
+        client = client_runtime(rc)
         procedure = (MHpFedHNGDClient if method == "mh-pfedhngd" else MHpFedHNClient)(RunConfig.from_dict(rc))
         theta = (torch.randn(K_C10["lenet"], generator=torch.Generator().manual_seed(1)) * 0.05).numpy()
         if method == "mh-pfedhngd":
@@ -281,7 +266,7 @@ def test_gd_with_zero_alpha_equals_hn_update(run_config):
 
 def test_gd_teacher_is_this_rounds_untrained_global_model(run_config):
     rc = mh_config(run_config, "mh-pfedhngd")
-    client = runtime(rc)
+    client = client_runtime(rc)
     procedure = MHpFedHNGDClient(RunConfig.from_dict(rc))
     w_g = (torch.randn(K_C10["lenet"]) * 0.05).numpy()
     arrays, metrics = procedure.train_global(client, {"w_g": w_g.copy()}, train_config(rc, 3))
@@ -351,7 +336,7 @@ def test_failed_reply_gives_no_step(run_config):
 # 13: degenerate clients train and reply
 def test_single_class_and_tiny_clients(run_config):
     rc = mh_config(run_config, "mh-pfedhngd")
-    client = runtime(rc)
+    client = client_runtime(rc)
     data = client.data
     keep = torch.nonzero(data.train_y == data.train_y[0]).flatten()[:10]
     client.__dict__["data"] = dataclasses.replace(

@@ -1,0 +1,62 @@
+"""Server-side averaging shared by the methods: sample-weighted means (FedAvg) and per-class means."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from strategies.payload import ClientReply, PayloadError
+
+
+def sample_weighted_mean(values: Sequence[Any], weights: Sequence[float]) -> Any:
+    """sum_k n_k * v_k / sum_k n_k, summed in the order given; the unweighted mean when every n_k is 0.
+
+    ``values``: floats or equally shaped arrays (sum them in float64 for an exact FedAvg);
+    ``weights``: the n_k, e.g. training-sample counts.
+    """
+    total = sum(weights)
+    if total <= 0:
+        return sum(values) / len(values)
+    return sum(n * v for v, n in zip(values, weights)) / total
+
+
+def fedavg(replies: list[ClientReply], keys: list[str]) -> dict[str, np.ndarray]:
+    """FedAvg: the sample-weighted mean of the replies' arrays, weights their ``num-examples``
+    (training samples), accumulated in float64 (McMahan et al. 2017; FedMRL Eq. 8).
+
+    Returns:
+        name -> float32 array, for every name in ``keys``.
+
+    Raises:
+        PayloadError: if ``replies`` is empty.
+    """
+    if not replies:
+        raise PayloadError("no replies to average")
+    weights = [float(r.metrics.get("num-examples", 0)) for r in replies]
+    return {
+        k: sample_weighted_mean([r.arrays[k].astype(np.float64) for r in replies], weights).astype(np.float32)
+        for k in keys
+    }
+
+
+def class_average(
+    replies: list[ClientReply], values: str, labels: str, num_classes: int, width: int
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Per-class unweighted mean over the clients that uploaded a row for the class.
+
+    FedProto's server step (prototypes, FedProto Eq. 4 without the count weights), FD's (per-class logits).
+
+    Returns:
+        ``({values: float32 [a, width], "mask": bool [C]} or {} when nothing was uploaded,
+        {"server-num-rows": uploaded rows, "server-num-classes": a})``.
+    """
+    sums = np.zeros((num_classes, width), np.float64)
+    counts = np.zeros(num_classes, np.int64)
+    for r in replies:
+        np.add.at(sums, r.arrays[labels], r.arrays[values])
+        np.add.at(counts, r.arrays[labels], 1)
+    mask = counts > 0
+    out = {values: (sums[mask] / counts[mask, None]).astype(np.float32), "mask": mask} if mask.any() else {}
+    return out, {"server-num-rows": int(counts.sum()), "server-num-classes": int(mask.sum())}

@@ -1,0 +1,53 @@
+"""A linear head exchanged as a payload: FedGH's global header, FedRE's global classifier, LG-FedAvg's
+shared head.
+
+Payload ``head.weight`` [C, d] and ``head.bias`` [C], float32: 4*C*(d+1) bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from common.config import ConfigError, RunConfig
+from strategies.payload import ArraySpec, PayloadSchema
+
+HEADER = PayloadSchema({"head.weight": ArraySpec(("C", "d"), "float32"), "head.bias": ArraySpec(("C",), "float32")})
+
+
+def require_linear_heads(cfg: RunConfig, payload: str) -> None:
+    """Methods that exchange a linear head need a model group whose heads are all linear.
+
+    ``payload`` names the exchanged head in the message (FedGH's "header", FedRE's "head").
+
+    Raises:
+        ConfigError: naming ``model-group`` and what is allowed.
+    """
+    from models.groups import MODEL_GROUPS
+
+    if set(MODEL_GROUPS[cfg.model_group].heads) != {"linear"}:
+        raise ConfigError(
+            f"method '{cfg.method}' exchanges a linear {payload}, but model-group '{cfg.model_group}' has "
+            "non-linear heads; allowed: groups without HtC4 heads"
+        )
+
+
+def initial_header(d: int, num_classes: int, seed: int) -> nn.Linear:
+    """A server's global head ``Linear(d, C)`` with PyTorch's default init drawn from ``seed``
+    (FedGH and FedRE start from it), without touching the global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Linear(d, num_classes)
+
+
+def header_arrays(head: nn.Linear) -> dict[str, np.ndarray]:
+    """A head as the payload ``head.weight`` [C, d] and ``head.bias`` [C], float32 copies."""
+    return {"head.weight": head.weight.detach().numpy().copy(), "head.bias": head.bias.detach().numpy().copy()}
+
+
+def load_header(head: nn.Linear, payload: dict[str, np.ndarray]) -> None:
+    """Overwrite ``head`` with the received header, bit for bit."""
+    with torch.no_grad():
+        head.weight.copy_(torch.from_numpy(payload["head.weight"]))
+        head.bias.copy_(torch.from_numpy(payload["head.bias"]))

@@ -1,0 +1,69 @@
+"""One descriptor per method: its name, its two halves, its payload schemas and its options, declared once.
+
+Each method module ends with ``METHOD = Method(...)``; ``strategies.registry`` lists them. The
+descriptor binds itself to its strategy and client classes (``cls.method``), so both halves read
+the same options (:func:`common.options.read_options`) and the same schemas
+(:meth:`Method.schemas_for`), whichever half is built first and in whichever process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from common.config import RunConfig
+from common.options import read_options
+from strategies.payload import PayloadSchema
+
+#: message type -> (server->client schema, client->server schema)
+Schemas = dict[str, tuple[PayloadSchema, PayloadSchema]]
+#: the message types of a method whose schemas are computed from its config
+DEFAULT_MESSAGE_TYPES = ("evaluate", "query", "train")
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a method without a table of its own: any ``<method>.*`` key is unknown."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method, declared once.
+
+    Args:
+        name: the run config value of ``method`` (and the name of its options table).
+        strategy: the server half (a ``HeteroStrategy`` subclass).
+        client: the client half (a ``ClientProcedure`` subclass).
+        schemas: message type -> (down, up) payload schemas, or ``(cfg, options) -> schemas``
+            for a method whose payload depends on its config (e.g. the shared model's layers).
+        options: the frozen dataclass of ``common.options.option`` fields declaring every key of
+            the method's table.
+    """
+
+    name: str
+    strategy: type
+    client: type
+    schemas: Schemas | Callable[[RunConfig, Any], Schemas]
+    options: type = NoOptions
+
+    def __post_init__(self) -> None:
+        self.strategy.method = self
+        self.client.method = self
+
+    def read_options(self, cfg: RunConfig) -> Any:
+        """This method's validated options from ``cfg`` (see :func:`common.options.read_options`).
+
+        Raises:
+            ConfigError: an unknown key of the method's table or a value outside its declaration.
+        """
+        return read_options(self.options, cfg, self.name)
+
+    def schemas_for(self, cfg: RunConfig, options: Any) -> Schemas:
+        """The message schemas of a run with ``cfg`` and the method's ``options``."""
+        return self.schemas(cfg, options) if callable(self.schemas) else self.schemas
+
+    @property
+    def message_types(self) -> tuple[str, ...]:
+        """Every message type this method sends (the ClientApp registers a handler for each)."""
+        return tuple(sorted(self.schemas)) if isinstance(self.schemas, dict) else DEFAULT_MESSAGE_TYPES

@@ -1,0 +1,174 @@
+"""FedTGP: adaptive margin, ACL loss, the generator across rounds, eval-mode uploads, options, diagnostics."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from client_app.data import normalize
+from common.config import ConfigError, RunConfig
+from conftest import client_runtime, federation, make_run_config, plain_sgd_config
+from strategies.base import ClientReply
+from strategies.fedproto import FedProtoClient
+from strategies.fedtgp import (
+    FedTGPClient,
+    FedTGPOptions,
+    FedTGPStrategy,
+    PrototypeGenerator,
+    acl_loss,
+    adaptive_margin,
+    train_generator,
+)
+from strategies.prototypes import RegularizerOptions
+
+K = 512
+MNIST = {"dataset": "mnist", "model-group": "htcnn8", "partitioner": "dirichlet", "dirichlet-alpha": 0.1}
+
+
+def tgp_options(**kw):
+    """FedTGPOptions with their declared defaults, ``kw`` overriding."""
+    return FedTGPOptions(**kw)
+
+
+def cluster_replies(num_classes=5, clients=4, k=K, seed=0):
+    """Synthetic uploads: every client holds every class; class c is a Gaussian cluster."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(scale=3.0, size=(num_classes, k))
+    out = []
+    for i in range(clients):
+        protos = (centres + rng.normal(scale=0.3, size=centres.shape)).astype(np.float32)
+        out.append(ClientReply(i, i, {"protos": protos, "proto_labels": np.arange(num_classes, dtype=np.int64)}, {}))
+    return out, centres
+
+
+# 4: the margin is the code's nearest-centre rule, not the paper's max pairwise distance
+def test_margin_nearest_centre_not_max_pairwise():
+    protos = torch.tensor([[0.0, 0.0], [3.0, 0.0], [0.0, 10.0]])
+    labels = torch.tensor([0, 1, 2])
+    assert adaptive_margin(protos, labels, tau=100) == pytest.approx(10.0)
+    assert adaptive_margin(protos, labels, tau=5) == pytest.approx(5.0)
+    assert adaptive_margin(protos, labels, tau=100, mode="max-pairwise") == pytest.approx(np.hypot(3, 10))
+    assert adaptive_margin(protos[:1], labels[:1], tau=100) == 0.0
+    # Q^c is the unweighted mean over the clients that uploaded c
+    two = torch.tensor([[0.0, 0.0], [2.0, 0.0], [7.0, 0.0]])
+    assert adaptive_margin(two, torch.tensor([0, 0, 1]), tau=100) == pytest.approx(6.0)
+
+
+# 5: the implemented ACL is Eq. 10
+def test_acl_matches_equation_10():
+    torch.manual_seed(0)
+    p, g, y = torch.randn(6, 8), torch.randn(4, 8), torch.tensor([0, 1, 2, 3, 0, 1])
+    dist = torch.cdist(p, g)
+    assert float(acl_loss(p, y, g, 0.0)) == pytest.approx(float(F.cross_entropy(-dist, y)), abs=1e-5)
+    delta = 2.5
+    explicit = []
+    for b in range(6):
+        own = torch.exp(-(dist[b, y[b]] + delta))
+        others = sum(torch.exp(-dist[b, c]) for c in range(4) if c != y[b])
+        explicit.append(-torch.log(own / (own + others)))
+    assert float(acl_loss(p, y, g, delta)) == pytest.approx(float(torch.stack(explicit).mean()), abs=1e-5)
+    assert float(acl_loss(p, y, g, delta)) > float(acl_loss(p, y, g, 0.0))
+
+
+# 11 (server part): identical vectors give finite gradients
+def test_acl_finite_at_zero_distance():
+    g = torch.randn(3, 8, requires_grad=True)
+    loss = acl_loss(g.detach()[:2].clone(), torch.tensor([0, 1]), g, 1.0)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(g.grad).all()
+
+
+# 6, 7: the server learns, preserves class semantics, and keeps its generator across rounds
+def test_generator_learns_and_persists():
+    replies, centres = cluster_replies()
+    gen = PrototypeGenerator(5, K, K)
+    fresh = copy.deepcopy(gen.state_dict())
+    m = train_generator(gen, replies, tgp_options(), torch.Generator().manual_seed(0))
+    assert m["server-acl-after"] < 0.1 * m["server-acl-before"]
+    with torch.no_grad():
+        dist = torch.cdist(gen(), torch.from_numpy(centres).float())
+    assert dist.argmin(1).tolist() == list(range(5))
+    strategy = FedTGPStrategy(RunConfig.from_dict(make_run_config(method="fedtgp", **{"model-group": "htfe2"})))
+    strategy.dims = {"C": 10, "d": K}
+    strategy.server_update(
+        1,
+        [
+            ClientReply(0, 0, {"protos": r.arrays["protos"], "proto_labels": r.arrays["proto_labels"]}, {})
+            for r in replies
+        ],
+    )
+    after_round1 = copy.deepcopy(strategy.generator.state_dict())
+    assert any(not torch.equal(after_round1[k], v) for k, v in fresh.items())
+    start_round2 = copy.deepcopy(strategy.generator.state_dict())
+    assert all(torch.equal(after_round1[k], start_round2[k]) for k in after_round1)
+
+
+# 1, 3: upload content; eval-mode exact prototypes (train mode differs with BatchNorm)
+def test_upload_is_eval_mode_class_means(run_config):
+    rc = run_config(method="fedtgp", **{"model-group": "htfe2", "num-clients": 4, "max-examples-per-client": 120})
+    client = client_runtime(rc, partition_id=1)  # resnet18: has BatchNorm
+    arrays, _ = FedTGPClient(RunConfig.from_dict(rc)).train(client, {}, plain_sgd_config(rc))
+    assert set(arrays) == {"protos", "proto_labels"}
+    labels = np.unique(client.data.train_y.numpy())
+    assert arrays["protos"].dtype == np.float32 and arrays["protos"].shape == (len(labels), K)
+    assert arrays["proto_labels"].dtype == np.int64 and arrays["proto_labels"].tolist() == labels.tolist()
+    model = client.model.eval()
+    with torch.no_grad():
+        feats = model.extractor(normalize(client.data.train_x, client.data.info))
+        model.train()
+        train_feats = model.extractor(normalize(client.data.train_x, client.data.info))
+    for row, c in zip(arrays["protos"], labels):
+        np.testing.assert_allclose(row, feats[client.data.train_y == int(c)].mean(0).numpy(), rtol=1e-4, atol=1e-5)
+    assert not np.allclose(
+        arrays["protos"][0], train_feats[client.data.train_y == int(labels[0])].mean(0).numpy(), atol=1e-5
+    )
+
+
+# 11: a single-class client and an empty upload both work
+def test_degenerate_uploads():
+    gen = PrototypeGenerator(10, K, K)
+    empty = ClientReply(0, 0, {"protos": np.zeros((0, K), np.float32), "proto_labels": np.zeros(0, np.int64)}, {})
+    assert train_generator(gen, [empty], tgp_options(), torch.Generator()) == {"server-num-protos": 0}
+    one = ClientReply(1, 1, {"protos": np.ones((1, K), np.float32), "proto_labels": np.array([3], np.int64)}, {})
+    m = train_generator(gen, [empty, one], tgp_options(server_epochs=2), torch.Generator())
+    assert m["server-num-protos"] == 1 and m["server-margin"] == 0.0
+    assert all(torch.isfinite(p).all() for p in gen.parameters())
+
+
+def test_fedtgp_options_and_fedgh_head_check():
+    with pytest.raises(ConfigError, match="'fedtgp.margin'.*'nearest', 'max-pairwise'"):
+        FedTGPStrategy(RunConfig.from_dict(make_run_config(method="fedtgp", **{"fedtgp.margin": "widest"})))
+    with pytest.raises(ConfigError, match="'fedtgp.reg-form'"):
+        FedTGPStrategy(RunConfig.from_dict(make_run_config(method="fedtgp", **{"fedtgp.reg-form": "l1"})))
+    from strategies.registry import build_strategy
+
+    with pytest.raises(ConfigError, match="fedgh.*linear header"):
+        build_strategy(RunConfig.from_dict(make_run_config(**{"model-group": "htfe8-htc4"})))
+    assert isinstance(
+        FedProtoClient(RunConfig.from_dict(make_run_config(method="fedproto"))).options, RegularizerOptions
+    )
+
+
+def test_fedtgp_rows_carry_prototype_diagnostics(run_config):
+    rc = run_config(
+        **MNIST, **{"num-clients": 4, "num-server-rounds": 3, "method": "fedtgp", "fedtgp.server-epochs": 5}
+    )
+    strategy, grid = federation(rc)
+    olds = []
+    original = strategy.server_update
+
+    def spy(server_round, replies):
+        olds.append(strategy.global_set.get("global_protos"))
+        return original(server_round, replies)
+
+    strategy.server_update = spy
+    strategy.start(grid)
+    rows = strategy.rows
+    assert all(r["server_margin"] > 0 for r in rows) and "server_proto_shift" not in rows[0]
+    final = strategy.global_set["global_protos"].astype(np.float64)
+    dist = np.linalg.norm(final[:, None] - final[None], axis=2) + np.diag(np.full(10, np.inf))
+    assert rows[-1]["server_proto_min_distance"] == pytest.approx(dist.min(), rel=1e-6)
+    shift = np.linalg.norm(final - olds[-1].astype(np.float64), axis=1).mean()
+    assert rows[-1]["server_proto_shift"] == pytest.approx(shift, rel=1e-6) and shift > 0

@@ -1,0 +1,84 @@
+"""Method options are declared once: pyproject.toml, the README and both apps agree with the declarations."""
+
+import re
+from dataclasses import dataclass
+
+import pytest
+
+from common.config import ConfigError, RunConfig
+from common.options import option, option_defaults, option_rows, read_options
+from conftest import ROOT, federation, make_run_config
+from strategies.registry import METHODS, client_procedure, option_tables
+from tools.run import app_defaults
+
+
+def test_pyproject_defaults_equal_the_declared_ones():
+    defaults = app_defaults()
+    for method in METHODS.values():
+        declared = {f"{method.name}.{k}": v for k, v in option_defaults(method.options).items()}
+        in_pyproject = {k: v for k, v in defaults.items() if k.startswith(f"{method.name}.")}
+        assert in_pyproject == declared, method.name
+    tables = {k.split(".", 1)[0] for k in defaults if "." in k}
+    assert tables <= set(METHODS)  # no table of an unknown method
+
+
+def test_readme_option_tables_are_the_generated_ones():
+    readme = (ROOT / "README.md").read_text()
+    section = re.search(r"<!-- option tables: begin.*?-->\n(.*?)<!-- option tables: end -->", readme, re.S)
+    assert section is not None and section.group(1) == option_tables()
+    assert "`[tool.flwr.app.config.fedgh]`" in section.group(1)
+    assert '| `server-mode` | `"per-lar"` |' in section.group(1)
+
+
+@dataclass(frozen=True)
+class Toy:
+    lambda_: float = option(1.0, "weight", low=0)
+    mode: str = option("a", "mode", choices=("a", "b"))
+    steps: int = option(2, "steps", low=1, high=5)
+    on: bool = option(False, "switch")
+
+
+def test_read_options_defaults_values_and_errors():
+    assert read_options(Toy, RunConfig.from_dict(make_run_config()), "toy") == Toy()
+    cfg = RunConfig.from_dict(make_run_config(**{"toy.lambda": 0.5, "toy.steps": 5, "toy.on": True}))
+    assert read_options(Toy, cfg, "toy") == Toy(lambda_=0.5, steps=5, on=True)
+    for key, value, allowed in [
+        ("lambda", -1.0, ">= 0"),
+        ("mode", "c", "'a', 'b'"),
+        ("steps", 6, "<= 5"),
+        ("steps", 2.5, "an integer"),
+        ("on", 1, "true, false"),
+    ]:
+        cfg = RunConfig.from_dict(make_run_config(**{f"toy.{key}": value}))
+        with pytest.raises(ConfigError, match=f"'toy.{key}' = .*{re.escape(allowed)}"):
+            read_options(Toy, cfg, "toy")
+    cfg = RunConfig.from_dict(make_run_config(**{"toy.lamda": 1.0}))
+    with pytest.raises(ConfigError, match=r"'toy.lamda' unknown: the keys of \[toy\] are 'lambda', 'mode'"):
+        read_options(Toy, cfg, "toy")
+
+
+def test_option_rows_give_key_default_allowed_and_meaning():
+    assert option_rows(Toy) == [
+        ("`lambda`", "`1.0`", "number >= 0", "weight"),
+        ("`mode`", '`"a"`', "`a`, `b`", "mode"),
+        ("`steps`", "`2`", "integer >= 1 and <= 5", "steps"),
+        ("`on`", "`false`", "`true`, `false`", "switch"),
+    ]
+
+
+@pytest.mark.parametrize("key", ["fedgh.server-mood", "fedtgp.lamda", "fedgh2.server-lr", "no-such-key"])
+def test_unknown_keys_are_rejected_by_the_server_and_the_client_apps(key):
+    rc = make_run_config(**{key: 1})
+    cfg = RunConfig.from_dict(rc)
+    with pytest.raises(ConfigError, match=re.escape(repr(key)) + " is unknown"):
+        federation(rc)  # the ServerApp's strategy
+    with pytest.raises(ConfigError, match=re.escape(repr(key)) + " is unknown"):
+        client_procedure(cfg)  # what every ClientApp message builds first
+
+
+def test_both_halves_read_the_same_options_and_schemas():
+    rc = make_run_config(**{"fedgh.eval-global-head": True, "fedgh.server-lr": 0.5})
+    strategy, _ = federation(rc)
+    client = client_procedure(RunConfig.from_dict(rc))
+    assert strategy.options == client.options and strategy.options.server_lr == 0.5
+    assert strategy.schemas is client.schemas and "head.weight" in strategy.schemas["evaluate"][0].arrays
