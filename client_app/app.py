@@ -17,9 +17,10 @@ from flwr.clientapp import ClientApp
 from client_app.data import load_client_data
 from client_app.runtime import ClientRuntime
 from common.datasets import DATASETS
-from strategies.base import EVAL_PREFIX, PARTITION_ID, metric_values
 from strategies.payload import read_payload
+from strategies.records import metric_values
 from strategies.registry import all_message_types, client_procedure
+from strategies.transport import EVAL_PREFIX, PARTITION_ID
 
 app = ClientApp()
 _first_message = [True]

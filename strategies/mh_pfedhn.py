@@ -48,9 +48,10 @@ from common.config import RunConfig
 from common.options import option
 from models.groups import MODEL_GROUPS
 from models.mh import build_mh_model
-from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy, round_metrics
+from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.method import Method
 from strategies.payload import ArraySpec, PayloadError, PayloadSchema, array_record
+from strategies.records import round_metrics
 
 SCHEDULES = ("sequential", "parallel")
 #: the public architectures a GD global model may use (the client builds it; the server never does)

@@ -1,0 +1,122 @@
+"""Round records: the metrics every method reports for a round and the row written for it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import MetricRecord
+
+from strategies.aggregation import sample_weighted_mean
+from strategies.payload import ClientReply
+
+
+def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_seconds: float) -> dict[str, Any]:
+    """The metrics of a training round every method reports.
+
+    Args:
+        replies: the round's valid train replies (of every train exchange).
+        server: the method's own server metrics.
+        server_seconds: wall time of the server's updates, seconds.
+
+    Returns:
+        ``num-clients`` (distinct clients with a valid reply), ``server-update-seconds``,
+        the clients' summed and maximal ``train-seconds``, ``data-seconds`` (partition loads),
+        ``app-start-seconds`` (process start to handler) and ``handler-seconds``, the
+        sample-weighted mean ``train-loss``, and ``server``.
+    """
+    metrics = {"num-clients": len({r.node_id for r in replies}), **server, "server-update-seconds": server_seconds}
+    metrics.update(_client_sums(replies, ("train-seconds", "data-seconds", "app-start-seconds", "handler-seconds")))
+    # clients that found no state in memory and restored it from their node's state-dir
+    metrics["client-state-restores"] = int(sum(r.metrics.get("state-restores", 0) for r in replies))
+    # clients whose state was ahead of a resumed server (it crashed after they trained) and was rolled back
+    metrics["client-state-rollbacks"] = int(sum(r.metrics.get("state-rollbacks", 0) for r in replies))
+    losses = [r for r in replies if "train-loss" in r.metrics]
+    if losses:
+        metrics["train-loss"] = sample_weighted_mean(
+            [r.metrics["train-loss"] for r in losses], [r.metrics.get("num-examples", 1) for r in losses]
+        )
+    return metrics
+
+
+def round_row(
+    server_round: int,
+    train: Mapping[str, Any],
+    evaluation: MetricRecord | None,
+    traffic: Mapping[str, int],
+    train_s: float,
+    eval_s: float,
+    elapsed: float,
+    dropped: set[int],
+    clipped: int,
+    work: Mapping[str, list[float]],
+) -> dict[str, Any]:
+    """One round's results row (one line of ``metrics.jsonl``; see the README for its keys).
+
+    Args:
+        server_round: the round; train: the round's train metrics (:func:`round_metrics` and the
+            method's own); evaluation: the aggregated evaluation, None when not evaluated;
+        traffic: payload bytes by ``<category>_bytes_<up|down>`` this round; train_s, eval_s,
+            elapsed: the train and evaluation phases and the run so far, seconds;
+        dropped: partition ids without a valid reply; clipped: uploaded rows scaled down to the
+            outlier bound; work: architecture -> [training images, client train-seconds].
+    """
+    ev = dict(evaluation) if evaluation is not None else {}
+    row: dict[str, Any] = {
+        "round": server_round,
+        "evaluated": evaluation is not None,
+        "accuracy_mean": ev.get("accuracy-mean"),
+        "accuracy_weighted": ev.get("accuracy-weighted"),
+        "bytes_up": traffic.get("train_bytes_up", 0),
+        "bytes_down": traffic.get("train_bytes_down", 0),
+        "eval_bytes_up": traffic.get("evaluate_bytes_up", 0),
+        "eval_bytes_down": traffic.get("evaluate_bytes_down", 0),
+        "num_clients": int(train.get("num-clients", 0)),
+        "dropped_clients": sorted(dropped),
+        "clipped_rows": clipped,
+        # images per second of client training (with its payload computation), per architecture
+        "train_images_per_second": {
+            arch: images / seconds for arch, (images, seconds) in sorted(work.items()) if seconds > 0
+        },
+        "round_seconds": train_s + eval_s,
+        "train_phase_seconds": train_s,
+        "eval_phase_seconds": eval_s,
+        "elapsed_seconds": elapsed,
+    }
+    if ev:
+        row["accuracy_per_client"] = dict(zip((str(p) for p in ev["partition-ids"]), ev["accuracy-per-client"]))
+        row.update({k.replace("-", "_"): v for k, v in ev.items() if k.startswith("accuracy-mean-")})
+    row.update({k.replace("-", "_"): v for k, v in train.items() if k != "num-clients"})
+    return row
+
+
+def _client_sums(replies: list[ClientReply], keys: tuple[str, ...]) -> dict[str, float]:
+    out = {}
+    for key in keys:
+        values = [float(r.metrics[key]) for r in replies if key in r.metrics]
+        out["client-" + key] = float(sum(values))
+        out["client-" + key.replace("seconds", "max-seconds")] = max(values, default=0.0)
+    return out
+
+
+def metric_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """MetricRecord accepts only Python int/float (and lists): cast numpy scalars, drop the rest."""
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, (bool, np.bool_, int, np.integer)):
+            out[k] = int(v)
+        elif isinstance(v, (float, np.floating)):
+            out[k] = float(v)
+        elif isinstance(v, list):
+            out[k] = v
+    return out
+
+
+def progress_line(row: Mapping[str, Any], rounds: int) -> str:
+    acc = row["accuracy_mean"]
+    acc_text = f"acc mean {acc:.4f} weighted {row['accuracy_weighted']:.4f}" if acc is not None else "acc -"
+    return (
+        f"[round {row['round']}/{rounds}] {acc_text} | clients {row['num_clients']} | "
+        f"up {row['bytes_up']} B down {row['bytes_down']} B | {row['round_seconds']:.1f} s"
+    )

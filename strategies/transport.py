@@ -1,0 +1,243 @@
+"""Transport, the part of every strategy that talks to clients: one message per client with only its
+payload, the exchange (push, then pull at a short interval until every reply is in or the round
+times out), payload bytes counted per message category, and every reply checked before use.
+
+:class:`Transport` is a mixin of ``strategies.base.HeteroStrategy``: it uses the strategy's
+``schemas``, ``clients`` (the handshake's metrics per node), ``cfg``, ``info`` and its hooks
+``check_reply`` and ``reply_dims``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Message
+from flwr.serverapp import Grid
+
+from models.groups import MODEL_GROUPS
+from strategies.payload import ClientReply, PayloadError, clip_outlier_rows, read_payload, tensor_bytes
+
+log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
+
+#: metric key every reply carries (the client runtime adds it)
+PARTITION_ID = "partition-id"
+#: further metric keys a reply of a message category must carry
+REQUIRED_METRICS = {"evaluate": ("test-correct", "num-examples"), "query": ("num-train", "num-test", "num-partitions")}
+#: prefix of evaluation metrics carried in a train reply (see ``HeteroStrategy.evaluate_in_train``)
+EVAL_PREFIX = "eval-"
+#: seconds between two pulls for replies (Flower's HTTP grid waits 3 s)
+PULL_SECONDS = 0.05
+
+
+class Transport:
+    """Messages, the exchange, byte counting and reply validation (a mixin of ``HeteroStrategy``)."""
+
+    def init_transport(self, timeout: float) -> None:
+        """The transport's state: no grid yet, zero counters, ``timeout`` seconds per exchange."""
+        self.grid: Grid | None = None
+        #: names this run's client state on disk (node config ``state-dir``): the results folder of
+        #: the run that started it, kept by a resumed run so clients find their state again
+        self.state_key = "in-memory"
+        self.traffic: Counter[str] = Counter()  # "<category>_bytes_<up|down>" -> bytes
+        self.dropped: Counter[str] = Counter()  # message category -> dropped replies
+        self.round_dropped: set[int] = set()  # partition ids sampled/asked this round that gave no valid reply
+        self.round_clipped = 0  # uploaded rows scaled down to the round's outlier bound this round
+        #: architecture -> [training images, client train-seconds] of this round's valid train replies
+        self.round_work: dict[str, list[float]] = {}
+        self._timeout = timeout
+
+    def begin_round(self) -> None:
+        """Reset the per-round counters."""
+        self.round_dropped = set()
+        self.round_clipped = 0
+        self.round_work = {}
+
+    def message(
+        self, message_type: str, node_id: int, arrays: Mapping[str, np.ndarray], config: ConfigRecord, server_round: int
+    ) -> Message:
+        """A message to one node: its payload (checked against the schema) plus ``config``."""
+        content = self.schemas[message_type][0].to_record(arrays)
+        content["config"] = ConfigRecord({**dict(config), "state-key": self.state_key})
+        return Message(content, dst_node_id=node_id, message_type=message_type, group_id=str(server_round))
+
+    def exchange(self, messages: Iterable[Message], timeout: float | None = None) -> list[Message]:
+        """Send ``messages``, wait for the replies (at most ``timeout`` s, default ``round-timeout``),
+        count payload bytes both ways.
+
+        Bytes are added to ``self.traffic["<category>_bytes_down"]`` (per message sent) and
+        ``["<category>_bytes_up"]`` (per reply received, valid or not).
+        """
+        messages = list(messages)
+        if not messages:
+            return []
+        for m in messages:
+            self.traffic[_category(m.metadata.message_type) + "_bytes_down"] += tensor_bytes(m.content)
+        timeout = timeout or self._timeout
+        replies = self.push_and_pull(messages, timeout)
+        for r in replies:
+            if not r.has_error():
+                self.traffic[_category(r.metadata.message_type) + "_bytes_up"] += tensor_bytes(r.content)
+        missing = {m.metadata.dst_node_id for m in messages} - {r.metadata.src_node_id for r in replies}
+        if missing:
+            partitions = sorted(self.clients[n][PARTITION_ID] for n in missing if n in self.clients)
+            log.warning(
+                "%d of %d %s replies did not arrive within %.0f s (partitions %s)",
+                len(missing),
+                len(messages),
+                messages[0].metadata.message_type,
+                timeout,
+                partitions,
+            )
+            self.dropped[_category(messages[0].metadata.message_type)] += len(missing)
+            self.round_dropped.update(partitions)
+        return replies
+
+    def push_and_pull(self, messages: list[Message], timeout: float) -> list[Message]:
+        """Push ``messages`` and pull their replies every :data:`PULL_SECONDS` until all are in or
+        ``timeout`` seconds have passed (then the missing ones are late: :meth:`exchange` records
+        them as dropped). Returns the replies in the order of ``messages``.
+
+        Flower's ``send_and_receive`` does the same but sleeps 3 s between pulls on the
+        deployment (HTTP) grid, which added up to 3 s to every exchange of a deployed round.
+        """
+        order = {mid: i for i, mid in enumerate(self.grid.push_messages(messages))}
+        pending = set(order)
+        deadline = time.monotonic() + timeout
+        replies: list[Message] = []
+        while pending:
+            arrived = list(self.grid.pull_messages(pending))
+            replies += arrived
+            pending -= {r.metadata.reply_to_message_id for r in arrived}
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(min(PULL_SECONDS, max(deadline - time.monotonic(), 0.0)))
+        # in the order the messages were sent, whatever order they arrived in: runs stay reproducible
+        return sorted(replies, key=lambda r: order.get(r.metadata.reply_to_message_id, len(order)))
+
+    def validate(self, message_type: str, replies: Iterable[Message]) -> list[ClientReply]:
+        """Keep the replies that match the schema of ``message_type``; log and drop the rest.
+
+        A reply is dropped when it is an error, carries records other than the payload and
+        one ``metrics`` MetricRecord, lacks ``partition-id`` (or claims another partition
+        than its node did at the handshake), or its payload fails the schema.
+        """
+        up = self.schemas[message_type][1]
+        valid = []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            try:
+                if reply.has_error():
+                    raise PayloadError(f"client error {reply.error.code}: {reply.error.reason}")
+                content = reply.content
+                extra = set(content.keys()) - {"payload", "metrics"}
+                if extra or "metrics" not in content.metric_records:
+                    raise PayloadError(f"records {sorted(content.keys())}, expected payload + metrics")
+                metrics = dict(content.metric_records["metrics"])
+                pid = metrics.get(PARTITION_ID)
+                if not isinstance(pid, int):
+                    raise PayloadError("metrics lack an integer 'partition-id'")
+                absent = [k for k in REQUIRED_METRICS.get(_category(message_type), ()) if k not in metrics]
+                if absent:
+                    raise PayloadError(f"metrics lack {absent}")
+                check_metrics(metrics, self.clients.get(node), _category(message_type), self.info.train_size)
+                self.check_reply(message_type, metrics)
+                if node in self.clients and self.clients[node][PARTITION_ID] != pid:
+                    raise PayloadError(
+                        f"partition-id {pid} differs from the handshake's {self.clients[node][PARTITION_ID]}"
+                    )
+                arrays = read_payload(content)
+                up.validate(arrays, self.reply_dims(node))
+                valid.append(ClientReply(node, pid, arrays, metrics))
+            except PayloadError as exc:
+                self.dropped[_category(message_type)] += 1
+                if node in self.clients:
+                    self.round_dropped.add(self.clients[node][PARTITION_ID])
+                log.warning("Dropped %s reply from node %s: %s", message_type, node, exc)
+        if _category(message_type) == "train":
+            self._count_work(valid)
+        clipped = clip_outlier_rows(up, [r.arrays for r in valid])
+        if clipped:
+            self.round_clipped += clipped
+            log.warning(
+                "Scaled down %d uploaded %s rows to the round's outlier bound (ArraySpec.row_norm_factor)",
+                clipped,
+                message_type,
+            )
+        return valid
+
+    def _count_work(self, replies: list[ClientReply]) -> None:
+        """Add the replies' training images (``num-examples`` x ``local-epochs``) and ``train-seconds``
+        to :attr:`round_work` under each client's architecture (its model group's, by partition)."""
+        group = MODEL_GROUPS[self.cfg.model_group]
+        for r in replies:
+            if "train-seconds" in r.metrics and "num-examples" in r.metrics:
+                work = self.round_work.setdefault(group.architecture_for(r.partition_id), [0.0, 0.0])
+                work[0] += float(r.metrics["num-examples"]) * self.cfg.local_epochs
+                work[1] += float(r.metrics["train-seconds"])
+
+
+def check_metrics(
+    metrics: Mapping[str, Any], known: Mapping[str, Any] | None, category: str, dataset_size: int
+) -> None:
+    """Reject a reply's metrics that the server could not safely use.
+
+    Every value must be a finite int or float (a MetricRecord may also hold lists, which no
+    client sends and the aggregations cannot use). Example counts must be non-negative integers:
+    at the handshake (``known`` None) ``num-train`` + ``num-test`` at most ``dataset_size`` (the
+    partitioned split's size), later within what the client reported at the handshake
+    (``known``): a train reply's ``num-examples`` at most its ``num-train``, an evaluation's
+    ``num-examples`` at most its ``num-test`` and ``test-correct`` at most ``num-examples``
+    (also for the ``eval-`` metrics inside a train reply), so one client cannot claim to
+    outweigh the others in a sample-weighted mean.
+
+    Raises:
+        PayloadError: naming the metric.
+    """
+    for key, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise PayloadError(f"metric '{key}' = {value!r} is not a finite number")
+    counts = [
+        k
+        for k in (
+            "num-train",
+            "num-test",
+            "num-examples",
+            "test-correct",
+            EVAL_PREFIX + "num-examples",
+            EVAL_PREFIX + "test-correct",
+        )
+        if k in metrics
+    ]
+    for key in counts:
+        if not isinstance(metrics[key], int) or metrics[key] < 0:
+            raise PayloadError(f"metric '{key}' = {metrics[key]!r} is not a non-negative integer")
+    if known is None:
+        claimed = metrics.get("num-train", 0) + metrics.get("num-test", 0)
+        if claimed > dataset_size:
+            raise PayloadError(
+                f"metrics 'num-train' + 'num-test' = {claimed} exceed the dataset's {dataset_size} examples"
+            )
+        return
+    limits = {
+        "num-examples": known.get("num-train" if category == "train" else "num-test"),
+        EVAL_PREFIX + "num-examples": known.get("num-test"),
+    }
+    for key, limit in limits.items():
+        if key in metrics and limit is not None and metrics[key] > limit:
+            raise PayloadError(
+                f"metric '{key}' = {metrics[key]} exceeds the {limit} examples the client reported at the handshake"
+            )
+    for prefix in ("", EVAL_PREFIX):
+        correct, total = metrics.get(prefix + "test-correct"), metrics.get(prefix + "num-examples")
+        if correct is not None and total is not None and correct > total:
+            raise PayloadError(f"metric '{prefix}test-correct' = {correct} exceeds '{prefix}num-examples' = {total}")
+
+
+def _category(message_type: str) -> str:
+    return message_type.split(".", 1)[0]
