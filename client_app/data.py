@@ -320,7 +320,7 @@ def normalize(x: torch.Tensor, info: DatasetInfo) -> torch.Tensor:
 def augment(x: torch.Tensor, info: DatasetInfo, generator: torch.Generator) -> torch.Tensor:
     """Training augmentation on a normalised batch ``[B, C, H, W]`` float32, drawn per image.
 
-    Order and parameters as the FedGH authors' code (spec fedgh.md section 8): horizontal
+    Order and parameters as the FedGH authors' code (docs/methods/fedgh.md §8): horizontal
     flip (p=0.5), random erasing (p=0.5, scale (0.04, 0.2), ratio (0.5, 2), value 0), random
     crop with zero padding; each only where ``info`` enables it (:func:`with_recipe`), so
     ``augment = "none"`` returns ``x`` itself. torchvision's v2 transforms draw one set of
@@ -361,7 +361,7 @@ def augment(x: torch.Tensor, info: DatasetInfo, generator: torch.Generator) -> t
 def batches(n: int, batch_size: int, generator: torch.Generator | None) -> list[torch.Tensor]:
     """Index batches over ``n`` samples: shuffled with ``generator``, in order when it is None.
 
-    The last partial batch is kept (spec fedgh.md section 3).
+    The last partial batch is kept (docs/methods/fedgh.md §3).
     """
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
     return list(torch.split(order, batch_size))

@@ -25,7 +25,7 @@ EVAL_BATCH = 512
 def make_sgd(params, config: Mapping[str, Any]) -> torch.optim.SGD:
     """A fresh SGD optimiser from the message config (``lr``, ``momentum``, ``weight-decay``).
 
-    Fresh every round: no optimiser state persists (spec fedgh.md P9).
+    Fresh every round: no optimiser state persists (docs/methods/fedgh.md P9).
     """
     return torch.optim.SGD(
         params, lr=float(config["lr"]), momentum=float(config["momentum"]), weight_decay=float(config["weight-decay"])
@@ -180,7 +180,7 @@ def class_means(
 
     FedGH Eq. 3 (local averaged representations), FedProto/FedTGP Eq. 2 (prototypes).
     Sums accumulate in float64 over batches and are divided once at the end, so the result
-    does not depend on ``batch_size`` (spec fedgh.md P5).
+    does not depend on ``batch_size`` (docs/methods/fedgh.md P5).
 
     Returns:
         ``(means, labels)``: float32 ``[k, d]`` on the CPU, rows in ascending class order,

@@ -42,7 +42,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)  # MH-pFL's code
 CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
 
-# Default recipe: FedGH's code (fedgh.md section 8) for CIFAR; the digit and clothing datasets
+# Default recipe: FedGH's code (docs/methods/fedgh.md §8) for CIFAR; the digit and clothing datasets
 # get random crops only (flipping a digit changes its meaning) and their own statistics.
 DATASETS: dict[str, DatasetInfo] = {
     "cifar10": DatasetInfo(

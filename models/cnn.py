@@ -1,4 +1,4 @@
-"""CNN-1 ... CNN-5 of FedGH (spec fedgh.md section 7; authors' ``Models/CNNs.py``).
+"""CNN-1 ... CNN-5 of FedGH (docs/methods/fedgh.md §7; authors' ``Models/CNNs.py``).
 
 Layout: conv1 Conv(C_in->16, 5x5)+ReLU+MaxPool2, conv2 Conv(16->c2, 5x5)+ReLU+MaxPool2,
 fc1 Linear(flatten->h1)+ReLU, fc2 Linear(h1->500)+ReLU (the 500-d, non-negative
@@ -15,7 +15,7 @@ from models.base import SplitModel
 
 REPRESENTATION_DIM = 500
 
-#: name -> (c2, h1), spec fedgh.md section 7 table.
+#: name -> (c2, h1), docs/methods/fedgh.md §7 table.
 CNN_SHAPES: dict[str, tuple[int, int]] = {
     "cnn1": (32, 2000),
     "cnn2": (16, 2000),
@@ -56,11 +56,11 @@ def build_cnn(name: str, num_classes: int, in_channels: int = 3, image_size: int
 class SmallCNN(nn.Module):
     """A CNN-i with a representation of size ``d`` and named layers: the shared homogeneous model.
 
-    FedMRL's global small model G (spec fedmrl.md section 7: CNN-5 with FC2 -> d1 in the
+    FedMRL's global small model G (docs/methods/fedmrl.md §7: CNN-5 with FC2 -> d1 in the
     heterogeneous setting, CNN-1 in the homogeneous one) and the shared "meme"/"mentee"
     model of FML and FedKD (the full CNN-5, d = 500). The layers are named as in the
     authors' ``Models/CNNs.py`` so the payload keys are ``conv1.weight`` ... ``fc3.bias``
-    in ``state_dict`` order (spec section 2 table).
+    in ``state_dict`` order (docs/methods/fedmrl.md §2).
 
     Args:
         name: ``cnn1`` ... ``cnn5``: conv2 width and FC1 width h from :data:`CNN_SHAPES`.

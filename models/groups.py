@@ -20,7 +20,7 @@ from models.mh import MH_MODELS, build_mh_model
 
 HTFE8 = ("fedavgcnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 HTC4 = ("linear", "mlp512", "mlp256", "mlp128")
-#: FedRE's model-heterogeneous family in the authors' code order (spec fedre.md section 7)
+#: FedRE's model-heterogeneous family in the authors' code order (docs/methods/fedre.md §7)
 FEDRE10 = (
     "fedavgcnn",
     "googlenet",
@@ -33,7 +33,7 @@ FEDRE10 = (
     "vit_b_16",
     "vit_b_32",
 )
-#: CPU-scale stand-in for FEDRE10 (project choice, not from the paper, spec fedre.md section 7):
+#: CPU-scale stand-in for FEDRE10 (project choice, not from the paper, docs/methods/fedre.md §7):
 #: FedAvgCNN and conv/FC variants of different width and depth, small ResNets and ResNet-18
 FEDRE_PROXY = (
     "fedavgcnn",
@@ -83,7 +83,7 @@ class ModelGroup:
         ``seed`` alone with ``identical`` (run config ``init``).
 
         Per client seeds make two clients of one architecture start from independent weights
-        (FedGH's code, fedgh.md P10); ``identical`` gives every client of one architecture the
+        (FedGH's code, docs/methods/fedgh.md P10); ``identical`` gives every client of one architecture the
         same initial model, as HtFLlib/PFLlib (FedTGP, FedRE) do with ``manual_seed(0)`` before
         building each. Either way every process builds the same model.
         """
@@ -115,7 +115,7 @@ MODEL_GROUPS: dict[str, ModelGroup] = {
     "fedavgcnn": ModelGroup(("fedavgcnn",)),
     "fedre10": ModelGroup(FEDRE10),
     "fedre-proxy": ModelGroup(FEDRE_PROXY),
-    # MH-pFedHN's zoo (spec mh-pfedhn.md section 7). The paper assigns contiguous equal blocks of
+    # MH-pFedHN's zoo (docs/methods/mh-pfedhn.md §7). The paper assigns contiguous equal blocks of
     # client ids; round-robin gives every architecture the same number of clients (remainder to
     # the first ones, as there) and needs no client count at build time.
     "mh-lenet": ModelGroup(("lenet",), fixed_feature_dim=MH_FEATURE_DIM),

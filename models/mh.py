@@ -1,4 +1,4 @@
-"""The model zoo of MH-pFedHN (spec shared/specs/mh-pfedhn.md section 7, official ``models.py``).
+"""The model zoo of MH-pFedHN (docs/methods/mh-pfedhn.md §7, official ``models.py``).
 
 Every conv and linear layer has a bias; every model ends in a 64-d representation and a
 ``Linear(64, C)`` head, so it is a :class:`SplitModel` like the rest of the zoo (the method
@@ -27,7 +27,7 @@ from torch import nn
 from models.base import SplitModel
 
 FEATURE_DIM = 64
-#: blocks per width (16, 32, 64), spec section 7 / paper Table 19
+#: blocks per width (16, 32, 64), docs/methods/mh-pfedhn.md §7 / paper Table 19
 RESNET_BLOCKS = {"mhresnet10": (3, 3, 4), "mhresnet12": (1, 5, 6), "mhresnet18": (6, 6, 6)}
 MH_MODELS = ("lenet", "vgg8", *RESNET_BLOCKS, "mlp")
 

@@ -1,15 +1,15 @@
-"""The heterogeneous model zoo of FedTGP (spec shared/specs/fedtgp.md section 7).
+"""The heterogeneous model zoo of FedTGP (docs/methods/fedtgp.md §7).
 
 Every extractor ends with a fixed, parameter-free average pooling of its flattened output
 ``[B, D]`` to ``[B, K]`` (``nn.AdaptiveAvgPool1d(K)``): D = K is the identity, D > K
-averages windows, D < K repeats values. It is not learned (section 11 item 11).
+averages windows, D < K repeats values. It is not learned (§11 item 11).
 
 - ``fedavgcnn``: Conv(32,5)+ReLU+MaxPool2, Conv(64,5)+ReLU+MaxPool2, Linear(->512)+ReLU.
 - torchvision ``googlenet`` (aux_logits=False), ``mobilenet_v2``, ``resnet18/34/50/101/152``,
   randomly initialised (``weights=None``, no download), classifier removed, ImageNet stem kept.
 - torchvision ``vit_b_16`` / ``vit_b_32`` built for the dataset's image size (32x32: 4 patches
   or 1 patch + class token; 12 layers, width 768), heads removed: the class token [B, 768]
-  is the trunk output (FedRE spec section 7).
+  is the trunk output (docs/methods/fedre.md §7).
 - ``resnet4/6/8/10``: torchvision's ResNet with one BasicBlock per stage and 1-4 stages.
 - ``htcnn1..8`` (HtCNN8, for 1x28x28 input): 1 or 2 convs (5x5 valid + ReLU + MaxPool2, 32/64
   channels) and an FC stack ending at 512, every FC followed by ReLU.
@@ -85,7 +85,7 @@ def fedavgcnn(in_channels: int, image_size: int) -> nn.Module:
     )
 
 
-#: HtCNN8: name -> (number of convs, FC widths after flatten), spec section 7 table
+#: HtCNN8: name -> (number of convs, FC widths after flatten), docs/methods/fedtgp.md §7
 HTCNN8: dict[str, tuple[int, tuple[int, ...]]] = {
     "htcnn1": (1, (512,)),
     "htcnn2": (2, (512,)),

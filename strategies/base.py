@@ -79,7 +79,7 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
     #: the method this strategy serves (set by its ``Method`` descriptor; None: the bare base)
     method: ClassVar[Method | None] = None
     #: True when the evaluated model is the client's post-training personal model and the
-    #: evaluate instruction carries no payload (FedGH section 6, Local): sampled clients then
+    #: evaluate instruction carries no payload (docs/methods/fedgh.md §6, Local): sampled clients then
     #: evaluate right after training and report in the train reply, which saves one round trip
     #: per round (in deployment, one ClientApp process per client); only clients not sampled
     #: get a separate evaluate message.

@@ -1,8 +1,8 @@
 """FD: Federated Distillation with per-class mean logits.
 
 Jeong et al., "Communication-Efficient On-Device Machine Learning: Federated Distillation and
-Augmentation under Non-IID Private Data", 2018; a baseline of FedMRL (spec
-shared/specs/fedmrl.md, appendix "Baselines in brief").
+Augmentation under Non-IID Private Data", 2018; a baseline of FedMRL and FedGH;
+docs/methods/fd.md.
 
 Payload:
 - up (train): ``logits`` [k, C] float32, the mean logit vector of each class the client holds,

@@ -1,7 +1,7 @@
 """FedGH: a generalized global header trained on clients' local averaged representations.
 
 Yi et al., "FedGH: Heterogeneous Federated Learning with Generalized Global Header",
-ACM MM 2023; spec shared/specs/fedgh.md (section numbers below refer to it).
+ACM MM 2023; docs/methods/fedgh.md (section numbers below refer to it).
 
 Payload (section 2):
 - down (train): the global header ``head.weight`` [C, d], ``head.bias`` [C], float32:
@@ -15,7 +15,7 @@ Client step (section 3): overwrite the local head with the global header, train 
 model, then upload the exact per-class means of the post-training extractor.
 Server step (section 4, Eq. 4): SGD on cross-entropy of the header over the round's LARs,
 one step per LAR in (partition id, class) order by default. The authors' released code
-never applies this update (section 11 P1); ``server-mode = "none"`` reproduces that.
+never applies this update (P1); ``server-mode = "none"`` reproduces that.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def train_header(
 ) -> dict[str, float]:
     """The FedGH server step (Eq. 4): train ``header`` in place on this round's LARs.
 
-    Replies are ordered by partition id, rows inside a reply by class (section 4 step 2), so
+    Replies are ordered by partition id, rows inside a reply by class (section 4), so
     the result does not depend on the order replies arrived in. Plain SGD (lr
     ``server_lr``, no momentum, no weight decay), created fresh each round; gradient norm
     clipped at ``server_clip_norm``. Only this round's LARs are used (nothing is stored).

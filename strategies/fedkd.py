@@ -1,8 +1,8 @@
 """FedKD: adaptive mutual distillation with an SVD-compressed shared mentee.
 
 Wu et al., "Communication-efficient federated learning via knowledge distillation", Nature
-Communications 2022; a baseline of FedMRL (spec shared/specs/fedmrl.md, appendix "Baselines
-in brief", HtFLlib ``clientkd.py`` / ``serverkd.py``).
+Communications 2022; a baseline of FedMRL and FedGH (HtFLlib ``clientkd.py`` / ``serverkd.py``);
+docs/methods/fedkd.md.
 
 Payload: the mentee (``fedkd.shared-model``, default CNN-5), every weight with two or more
 dims sent as its truncated SVD. A weight W of shape [m, ...] is flattened to M [m, n] and

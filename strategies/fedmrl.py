@@ -1,7 +1,7 @@
 """FedMRL: a shared small model fused with each private model through Matryoshka representations.
 
 Yi et al., "Federated Model Heterogeneous Matryoshka Representation Learning", NeurIPS 2024;
-spec shared/specs/fedmrl.md (section numbers below refer to it).
+docs/methods/fedmrl.md (section numbers below refer to it).
 
 Payload (section 2): the small homogeneous model θ = G, its 10 tensors ``conv1.weight`` ...
 ``fc3.bias`` (CNN-5 layout with FC2 -> d1, float32), server -> client and back: 4·P_θ bytes

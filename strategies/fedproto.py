@@ -1,8 +1,8 @@
 """FedProto: clients share class prototypes, the server averages them per class.
 
 Tan et al., "FedProto: Federated Prototype Learning across Heterogeneous Clients", AAAI 2022;
-specified as the baseline in the appendix of shared/specs/fedtgp.md (HtFLlib clientproto /
-serverproto, aggregation as yuetan031/FedProto).
+FedTGP's baseline, as HtFLlib's clientproto / serverproto (aggregation as yuetan031/FedProto);
+docs/methods/fedproto.md.
 
 Payload:
 - up (train): ``protos`` [C_i, K] float32, the mean train-mode representation of each class,
@@ -87,7 +87,7 @@ class FedProtoClient(ClientProcedure):
         collector = ClassMeanCollector(data.info.num_classes)
 
         def regularize_and_collect(features, labels):
-            collector.add(features, labels)  # train-mode, before this batch's update (appendix step 3)
+            collector.add(features, labels)  # train-mode, before this batch's update (FedProto's code)
             return regularizer(features, labels)
 
         stats = train_personal_model(client, config, regularize_and_collect)

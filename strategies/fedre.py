@@ -1,7 +1,7 @@
 """FedRE: one entangled representation per client trains the global classifier.
 
 "FedRE: A Representation Entanglement Framework for Model-Heterogeneous Federated
-Learning", CVPR 2026; spec shared/specs/fedre.md (section numbers below refer to it).
+Learning", CVPR 2026; docs/methods/fedre.md (section numbers below refer to it).
 
 Payload (section 2):
 - down (train and evaluate): the global head ``head.weight`` [C, d], ``head.bias`` [C],
@@ -48,7 +48,7 @@ from strategies.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, Payload
 #: how the client turns its representations into one (z, y) pair (section 3, Appendix A)
 RE_MODES = ("rap", "vap", "rsp", "rar", "var", "rsr", "rap-fixed")
 LOSS_REDUCTIONS = ("mean", "sum")
-SOFT_LABEL_TOLERANCE = 1e-4  # |sum(y) - 1| accepted by the server (section 4 step 2)
+SOFT_LABEL_TOLERANCE = 1e-4  # |sum(y) - 1| accepted by the server (section 4)
 _ENTANGLE_RNG = 7  # ``purpose`` of the client's entangling RNG (independent of training's)
 
 
@@ -144,7 +144,7 @@ def entangle(
     """The entangled pair (z, y) = (Σ_i α_i r_i, Σ_i α_i e_{y_i}) (FedRE Eq. 2, Appendix A Eq. 12).
 
     r_i = the extractor's representation of image i in eval mode without augmentation
-    (section 3 step 3); sums accumulate in float64 over every sample (no ``drop_last``, P8),
+    (section 3); sums accumulate in float64 over every sample (no ``drop_last``, P8),
     so the result does not depend on the batch size. Samples with α_i = 0 are skipped.
 
     Args:

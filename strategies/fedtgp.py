@@ -1,8 +1,8 @@
 """FedTGP: trainable global prototypes learned with adaptive-margin-enhanced contrastive learning.
 
 Zhang et al., "FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced Contrastive
-Learning for Data and Model Heterogeneity in Federated Learning", AAAI 2024; spec
-shared/specs/fedtgp.md (section numbers below refer to it).
+Learning for Data and Model Heterogeneity in Federated Learning", AAAI 2024; docs/methods/fedtgp.md
+(section numbers below refer to it).
 
 Payload (section 2):
 - up (train): ``protos`` [C_i, K] float32, eval-mode class means of the trained extractor for
@@ -87,7 +87,7 @@ class PrototypeGenerator(nn.Module):
 
 
 def adaptive_margin(protos: torch.Tensor, labels: torch.Tensor, tau: float, mode: str = "nearest") -> float:
-    """delta(t) from this round's uploads (section 4 step 4, section 11 items 2-4).
+    """delta(t) from this round's uploads (section 4, section 11 items 2-4).
 
     Q^c = unweighted mean of the uploads of class c. ``nearest`` (official code): for each
     class its distance to the nearest other centre, then the maximum over classes.
@@ -114,7 +114,7 @@ def acl_loss(protos: torch.Tensor, labels: torch.Tensor, global_protos: torch.Te
 
     z_{b,c} = -||p_b - P̂_c||_2 - delta * 1[c = y_b]; loss = CE(z_b, y_b). The squared distance is
     clamped at 1e-12 before the square root so identical vectors give finite gradients
-    (section 11 item 6).
+    (§11 item 6).
     """
     sq = (
         protos.pow(2).sum(1, keepdim=True) - 2 * protos @ global_protos.T + global_protos.pow(2).sum(1)[None]
@@ -126,7 +126,7 @@ def acl_loss(protos: torch.Tensor, labels: torch.Tensor, global_protos: torch.Te
 def train_generator(
     generator: PrototypeGenerator, replies: list[ClientReply], opts: FedTGPOptions, rng: torch.Generator
 ) -> dict[str, float]:
-    """Train the generator in place on this round's uploads (section 4 steps 3-5).
+    """Train the generator in place on this round's uploads (section 4).
 
     SGD (lr ``server-lr``, fresh each round: stateless), ``server-epochs`` epochs of shuffled
     batches of ``server-batch-size`` (last partial batch kept). Only this round's uploads.
@@ -216,7 +216,7 @@ class FedTGPClient(ClientProcedure):
     """FedTGP client: FedProto's objective towards P̂ (from round 2), eval-mode prototypes after training."""
 
     def train(self, client, payload, config):
-        """Returns ``protos`` float32 [C_i, K] and ``proto_labels`` int64 [C_i] (section 3 steps 4-5)."""
+        """Returns ``protos`` float32 [C_i, K] and ``proto_labels`` int64 [C_i] (section 3)."""
         protos = torch.from_numpy(payload["global_protos"]).to(client.device) if payload else None
         mask = torch.ones(len(protos), dtype=torch.bool, device=client.device) if payload else None
         stats = train_personal_model(client, config, PrototypeRegularizer(protos, mask, self.options))

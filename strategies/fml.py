@@ -1,7 +1,7 @@
 """FML: Federated Mutual Learning with a shared "meme" model.
 
-Shen et al., "Federated Mutual Learning", 2020; a baseline of FedMRL (spec
-shared/specs/fedmrl.md, appendix "Baselines in brief").
+Shen et al., "Federated Mutual Learning", 2020; a baseline of FedMRL and FedGH;
+docs/methods/fml.md.
 
 Payload: the meme model (``fml.shared-model``, default CNN-5: 670,058 float32 parameters,
 2,680,232 B per direction on CIFAR-10), both ways; the private model never leaves.

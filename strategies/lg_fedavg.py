@@ -1,7 +1,7 @@
 """LG-FedAvg: share the head, keep the feature extractor private.
 
 Liang et al., "Think Locally, Act Globally: Federated Learning with Local and Global
-Representations", 2020; a baseline of FedMRL (spec shared/specs/fedmrl.md, appendix).
+Representations", 2020; a baseline of FedMRL and FedGH; docs/methods/lg-fedavg.md.
 
 Payload: the head ``head.weight`` [C, d] and ``head.bias`` [C], float32, both ways:
 4·C·(d+1) bytes per direction (20,040 B for CIFAR-10, d = 500). Every member of the model

@@ -1,8 +1,8 @@
 """MH-pFedHN and MH-pFedHNGD: a server-side multi-head hypernetwork generates every client's weights.
 
-"Multi-head hypernetwork for model-heterogeneous personalized federated learning" (paper in
-shared/papers/mh-pfedhn.md, Algorithms 1-2); spec shared/specs/mh-pfedhn.md (section numbers
-below refer to it); official code DangDang1895/MH-pFL, extending pFedHN.
+"Multi-head hypernetwork for model-heterogeneous personalized federated learning" (Algorithms
+1-2); docs/methods/mh-pfedhn.md (section numbers below refer to it); official code
+DangDang1895/MH-pFL, extending pFedHN.
 
 Payload (section 2), per participating client and round:
 - handshake (``query``): the client reports only its parameter count K_i (``num-params``) and

@@ -30,7 +30,7 @@ QUERY_SECONDS = 120.0
 
 
 def sample_size(fraction: float, num_nodes: int) -> int:
-    """Clients per round K = max(1, floor(fraction * N)) (FedGH spec section 4).
+    """Clients per round K = max(1, floor(fraction * N)) (docs/methods/fedgh.md §4).
 
     The product is rounded to 9 decimals first so that 0.29 * 100 gives 29, not 28.
     """

@@ -8,7 +8,7 @@ must agree across the arrays of one reply.
 
 Payload bytes are tensor bytes, numel x itemsize, summed over every array of every
 ArrayRecord in a message: serialisation framing and config/metric scalars are excluded,
-as the papers count them (spec fedgh.md section 2.2).
+as the papers count them (docs/methods/fedgh.md §2).
 """
 
 from __future__ import annotations

@@ -67,8 +67,8 @@ class SharedModelStrategy(HeteroStrategy):
 
     Subclasses set ``build_shared`` (a ``staticmethod`` ``(cfg, options) -> nn.Module``, the same
     the client uses) and ``evaluate_payload`` (True: evaluate instructions carry the module).
-    The module starts from PyTorch's default init drawn from ``seed`` (FedMRL spec
-    section 5), before round 1, so a payload always exists. A round without valid replies
+    The module starts from PyTorch's default init drawn from ``seed`` (docs/methods/fedmrl.md
+    §5), before round 1, so a payload always exists. A round without valid replies
     leaves it unchanged.
     """
 

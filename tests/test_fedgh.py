@@ -1,4 +1,4 @@
-"""FedGH: the verification checklist of shared/specs/fedgh.md section 12, automated."""
+"""FedGH: payloads, bytes, the client and server steps, degenerate cases and determinism (docs/methods/fedgh.md)."""
 
 import copy
 

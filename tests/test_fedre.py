@@ -1,4 +1,4 @@
-"""FedRE: the verification checklist of shared/specs/fedre.md section 12, automated."""
+"""FedRE: payloads, bytes, the client and server steps, degenerate cases and determinism (docs/methods/fedre.md)."""
 
 import dataclasses
 

@@ -70,3 +70,16 @@ def test_no_method_imports_another_method():
     graph = import_graph()
     borrowed = {(a, b) for a in method_modules for b in graph[a] if b in method_modules}
     assert borrowed == set()
+
+
+def test_every_method_has_its_page_and_code_cites_no_outside_document():
+    from strategies.registry import METHODS
+
+    for name in METHODS:
+        page = ROOT / "docs" / "methods" / f"{'mh-pfedhn' if name == 'mh-pfedhngd' else name}.md"
+        assert page.is_file(), name
+        assert "Payload" in page.read_text(), name  # every page gives the payload both ways
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            text = path.read_text()
+            assert "shared/specs" not in text and "spec section" not in text, path

@@ -1,4 +1,5 @@
-"""MH-pFedHN / MH-pFedHNGD: the verification checklist of shared/specs/mh-pfedhn.md section 12, automated."""
+"""MH-pFedHN / MH-pFedHNGD: payloads, bytes, the client and server steps, degenerate cases and determinism
+(docs/methods/mh-pfedhn.md)."""
 
 import copy
 import dataclasses
