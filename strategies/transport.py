@@ -50,10 +50,15 @@ class Transport:
         self.round_clipped = 0  # uploaded rows scaled down to the round's outlier bound this round
         #: architecture -> [training images, client train-seconds] of this round's valid train replies
         self.round_work: dict[str, list[float]] = {}
+        #: architecture -> client training seconds per image in the last round that trained it
+        self.seconds_per_image: dict[str, float] = {}
         self._timeout = timeout
 
     def begin_round(self) -> None:
-        """Reset the per-round counters."""
+        """Keep the last round's training speed per architecture, reset the per-round counters."""
+        for arch, (images, seconds) in self.round_work.items():
+            if images > 0:
+                self.seconds_per_image[arch] = seconds / images
         self.round_dropped = set()
         self.round_clipped = 0
         self.round_work = {}
@@ -105,8 +110,15 @@ class Transport:
 
         Flower's ``send_and_receive`` does the same but sleeps 3 s between pulls on the
         deployment (HTTP) grid, which added up to 3 s to every exchange of a deployed round.
+
+        The messages are pushed longest expected work first (:meth:`expected_seconds`): a
+        simulation's ClientApps take messages in push order, and a large client pushed last would
+        keep one ClientApp busy after the others are done (longest-processing-time-first
+        scheduling). Only the push order changes: replies are returned in the order of ``messages``.
         """
-        order = {mid: i for i, mid in enumerate(self.grid.push_messages(messages))}
+        index = {id(m): i for i, m in enumerate(messages)}
+        pushed = sorted(messages, key=self.expected_seconds, reverse=True)
+        order = {mid: index[id(m)] for mid, m in zip(self.grid.push_messages(pushed), pushed)}
         pending = set(order)
         deadline = time.monotonic() + timeout
         replies: list[Message] = []
@@ -170,6 +182,18 @@ class Transport:
                 message_type,
             )
         return valid
+
+    def expected_seconds(self, message: Message) -> float:
+        """Relative work a message asks of its client: its training (train messages) or test
+        (evaluate messages) examples times its architecture's training seconds per image in the
+        last round that trained it (1 before any); 0 for a node not known yet or a query."""
+        known = self.clients.get(message.metadata.dst_node_id)
+        category = _category(message.metadata.message_type)
+        if known is None or category not in ("train", "evaluate"):
+            return 0.0
+        arch = MODEL_GROUPS[self.cfg.model_group].architecture_for(known[PARTITION_ID])
+        examples = known.get("num-train" if category == "train" else "num-test", 0)
+        return float(examples) * self.seconds_per_image.get(arch, 1.0)
 
     def _count_work(self, replies: list[ClientReply]) -> None:
         """Add the replies' training images (``num-examples`` x ``local-epochs``) and ``train-seconds``

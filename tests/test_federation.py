@@ -190,3 +190,26 @@ def test_pull_loop_honours_the_timeout_and_records_late_clients_as_dropped(run_c
     assert 0.3 <= time.monotonic() - start < 1.0
     assert [r.metadata.src_node_id for r in replies] == [1000, 1001]
     assert strategy.round_dropped == {2} and strategy.dropped["query"] == 1
+
+
+def test_largest_expected_work_is_pushed_first_and_replies_keep_the_sent_order(run_config):
+    from flwr.app import ConfigRecord
+
+    from models.groups import MODEL_GROUPS
+
+    strategy, grid, _ = _handshaken(run_config)
+    for i, n in enumerate(strategy.nodes):  # the later the partition, the more test examples
+        strategy.clients[n]["num-test"] = 10 * (i + 1)
+    messages = [strategy.message("evaluate", n, {}, ConfigRecord(), 1) for n in strategy.nodes]
+    grid.sent.clear()
+    replies = strategy.exchange(messages, timeout=30.0)
+    # evaluate work ~ test examples (no speed measured yet: every architecture counts alike)
+    assert [m.metadata.dst_node_id for m in grid.sent] == strategy.nodes[::-1]
+    assert [r.metadata.src_node_id for r in replies] == strategy.nodes  # in the order of ``messages``
+    # a measured training speed weighs the examples: the client of a slow architecture goes first
+    group = MODEL_GROUPS[strategy.cfg.model_group]
+    slow = min(strategy.nodes, key=lambda n: strategy.clients[n]["num-train"])
+    strategy.seconds_per_image = {group.architecture_for(strategy.clients[slow]["partition-id"]): 1000.0}
+    train = [strategy.message("train", n, strategy.train_payload(n, 1), ConfigRecord(), 1) for n in strategy.nodes]
+    assert max(train, key=strategy.expected_seconds).metadata.dst_node_id == slow
+    assert strategy.expected_seconds(strategy.message("query", slow, {}, ConfigRecord(), 0)) == 0.0
