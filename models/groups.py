@@ -21,18 +21,7 @@ from models.mh import MH_MODELS, build_mh_model
 HTFE8 = ("fedavgcnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 HTC4 = ("linear", "mlp512", "mlp256", "mlp128")
 #: FedRE's model-heterogeneous family in the authors' code order (docs/methods/fedre.md §7)
-FEDRE10 = (
-    "fedavgcnn",
-    "googlenet",
-    "mobilenet_v2",
-    "resnet18",
-    "resnet34",
-    "resnet50",
-    "resnet101",
-    "resnet152",
-    "vit_b_16",
-    "vit_b_32",
-)
+FEDRE10 = (*HTFE8, "vit_b_16", "vit_b_32")
 #: CPU-scale stand-in for FEDRE10 (project choice, not from the paper, docs/methods/fedre.md §7):
 #: FedAvgCNN and conv/FC variants of different width and depth, small ResNets and ResNet-18
 FEDRE_PROXY = (

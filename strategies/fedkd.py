@@ -190,8 +190,6 @@ class FedKDStrategy(SharedModelStrategy):
 class FedKDClient(SharedModelClient):
     """FedKD client: mentor (private) and mentee (shared) distil into each other adaptively."""
 
-    build_shared = staticmethod(mentee_model)
-
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         with torch.device("meta"):

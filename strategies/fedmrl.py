@@ -136,7 +136,6 @@ def projector(cfg: RunConfig, d1: int) -> nn.Linear:
 class FedMRLStrategy(SharedModelStrategy):
     """FedMRL server: holds θ (the small model) and averages the clients' θ_k (section 4)."""
 
-    evaluate_payload = True  # clients evaluated outside their train reply use θ^t
     build_shared = staticmethod(small_model)
 
     def __init__(self, cfg: RunConfig, results=None) -> None:
@@ -146,8 +145,6 @@ class FedMRLStrategy(SharedModelStrategy):
 
 class FedMRLClient(SharedModelClient):
     """FedMRL client: trains G, its private model and its projector together (section 3)."""
-
-    build_shared = staticmethod(small_model)
 
     def fused(self, client, small: SmallCNN) -> MatryoshkaModel:
         """The client's :class:`MatryoshkaModel` for ``small``, with ω_k and φ_k restored from state."""
@@ -188,6 +185,7 @@ class FedMRLClient(SharedModelClient):
         return {}, {**evaluation_metrics(correct, n, loss_sum), f"test-acc-{other}": results[other][0] / max(n, 1)}
 
 
+# evaluate instructions carry θ^t: clients evaluated outside their train reply use it (protocol B)
 METHOD = Method(
     "fedmrl", FedMRLStrategy, FedMRLClient, shared_schemas(small_model, evaluate_payload=True), FedMRLOptions
 )

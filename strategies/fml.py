@@ -62,8 +62,6 @@ class FMLStrategy(SharedModelStrategy):
 class FMLClient(SharedModelClient):
     """FML client: the private model and the received meme model learn from each other."""
 
-    build_shared = staticmethod(meme_model)
-
     def train(self, client, payload, config):
         """Returns the trained meme model's tensors and the private model's training metrics."""
         alpha, beta = self.options.alpha, self.options.beta

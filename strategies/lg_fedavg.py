@@ -45,8 +45,6 @@ class LGFedAvgStrategy(SharedModelStrategy):
 class LGFedAvgClient(SharedModelClient):
     """LG-FedAvg client: global head in, whole model trained, head out."""
 
-    build_shared = staticmethod(global_head)
-
     def train(self, client, payload, config):
         """Returns the trained head's tensors and the training metrics."""
         head = nn.ModuleDict({"head": client.model.head})

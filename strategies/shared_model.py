@@ -65,15 +65,15 @@ def shared_cnn(cfg: RunConfig, layout: str) -> SmallCNN:
 class SharedModelStrategy(HeteroStrategy):
     """Server of a method that shares one module: FedAvg of the clients' trained copies.
 
-    Subclasses set ``build_shared`` (a ``staticmethod`` ``(cfg, options) -> nn.Module``, the same
-    the client uses) and ``evaluate_payload`` (True: evaluate instructions carry the module).
+    Subclasses set ``build_shared`` (a ``staticmethod`` ``(cfg, options) -> nn.Module``, which
+    their client half uses too). Evaluate instructions carry the module when the method's
+    schemas say so (``shared_schemas(..., evaluate_payload=True)``).
     The module starts from PyTorch's default init drawn from ``seed`` (docs/methods/fedmrl.md
     §5), before round 1, so a payload always exists. A round without valid replies
     leaves it unchanged.
     """
 
     evaluate_in_train = True
-    evaluate_payload: bool = False
     checkpointed = ("shared",)
 
     @staticmethod
@@ -92,8 +92,8 @@ class SharedModelStrategy(HeteroStrategy):
         return module_arrays(self.shared)
 
     def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
-        """The shared module when ``evaluate_payload``, else nothing."""
-        return self.global_arrays() if self.evaluate_payload else {}
+        """The shared module when the evaluate schema carries it, else nothing."""
+        return self.global_arrays() if self.schemas["evaluate"][0].arrays else {}
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """θ^t = :func:`fedavg` of the replies (unchanged without replies)."""
@@ -103,12 +103,13 @@ class SharedModelStrategy(HeteroStrategy):
 
 
 class SharedModelClient(ClientProcedure):
-    """Client half of a shared-module method: the received module.
-
-    Subclasses set ``build_shared`` as their strategy does and implement ``train``.
+    """Client half of a shared-module method: the received module, built by its strategy's
+    ``build_shared``. Subclasses implement ``train``.
     """
 
-    build_shared = SharedModelStrategy.build_shared
+    def build_shared(self, cfg: RunConfig, options: Any) -> nn.Module:
+        """The shared module, as the method's strategy builds it."""
+        return self.method.strategy.build_shared(cfg, options)
 
     def received(self, client, payload: Mapping[str, np.ndarray]) -> nn.Module:
         """A fresh copy of the shared module holding ``payload`` bit for bit, on the client's device."""

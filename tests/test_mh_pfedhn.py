@@ -26,7 +26,7 @@ from strategies.mh_pfedhn import (
 )
 from strategies.payload import PAYLOAD, array_record
 
-# spec section 7: generated parameter counts for 3x32x32 input
+# docs/methods/mh-pfedhn.md §7: generated parameter counts for 3x32x32 input
 K_C10 = {"lenet": 234_006, "vgg8": 268_814, "mhresnet10": 347_178, "mhresnet12": 523_242, "mhresnet18": 565_386}
 K_C100 = {
     "lenet": 239_856,
@@ -71,7 +71,7 @@ def snapshot(module):
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-# section 7: the zoo's generated parameter counts
+# docs/methods/mh-pfedhn.md §7: the zoo's generated parameter counts
 @pytest.mark.parametrize("name", K_C100)
 def test_parameter_counts_match_spec(name):
     assert sum(p.numel() for p in build_mh_model(name, 100).parameters()) == K_C100[name]
@@ -370,7 +370,7 @@ def test_same_seed_same_weights_and_metrics(run_config):
 
 
 # 14 (scaled down): the generated models learn. At Adam lr 2e-4 the hypernetwork needs hundreds of
-# client steps before its models beat a 2-class chance level (the spec's 30-round check is a
+# client steps before its models beat a 2-class chance level (a 30-round check is a
 # benchmark, see README); here a larger server lr shows the trend within the test budget.
 def test_generated_models_learn(run_config):
     rc = mh_config(

@@ -1,4 +1,5 @@
-"""CNN-1..5 match the spec's table; every model is extractor (500-d) + linear head."""
+"""CNN-1..5 match the parameter counts of FedGH's Table 2 (docs/methods/fedgh.md §7); every model is
+extractor (500-d) + linear head."""
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ import torch
 from models.cnn import build_cnn
 from models.groups import MODEL_GROUPS
 
-# spec fedgh.md section 7: #params for C=10 and C=100
+# docs/methods/fedgh.md §7: #params for C=10 and C=100
 SPEC_PARAMS = {
     "cnn1": (2_621_558, 2_666_648),
     "cnn2": (1_815_142, 1_860_232),
@@ -38,7 +39,7 @@ def test_hetero_group_assignment_and_independent_inits():
     assert [group.architecture_for(k) for k in range(7)] == ["cnn1", "cnn2", "cnn3", "cnn4", "cnn5", "cnn1", "cnn2"]
     a, b = group.build(0, 10, 3, 32, seed=1), group.build(5, 10, 3, 32, seed=1)
     assert type(a.extractor) is type(b.extractor)
-    assert not torch.equal(a.extractor[0].weight, b.extractor[0].weight)  # spec P10: no shared weights
+    assert not torch.equal(a.extractor[0].weight, b.extractor[0].weight)  # fedgh.md P10: no shared weights
     again = group.build(0, 10, 3, 32, seed=1)
     assert torch.equal(a.extractor[0].weight, again.extractor[0].weight)  # same seed, same model
     assert all(MODEL_GROUPS["cnn1"].architecture_for(k) == "cnn1" for k in range(5))
