@@ -42,7 +42,7 @@ from pathlib import Path
 
 from common.files import read_rows
 from tools.deploy import environment, write_connection
-from tools.run import app_defaults, flwr_cli, run_status, toml_value, wait_for
+from tools.run import app_defaults, flwr_cli, toml_value, wait_finished, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -224,11 +224,7 @@ def run_on_stack(
         raise RuntimeError(f"flwr run was refused: {submitted}")
     run_id = int(submitted["run-id"])
 
-    def finished():
-        status = run_status(env, run_id, "docker")
-        return status if status.startswith("finished") else None
-
-    status = wait_for(finished, 300 + 300 * rounds, f"run {run_id} to finish", poll=2.0)
+    status = wait_finished(env, run_id, "docker", 300 + 300 * rounds)
     run_s = time.monotonic() - t0
     print(f"run {run_id}: {status} in {run_s:.1f} s", flush=True)
 

@@ -25,7 +25,7 @@ from tools.deploy import (
     write_connection,
     write_node_keys,
 )
-from tools.run import flwr_cli, free_port, run_status, stop, toml_value, wait_for
+from tools.run import flwr_cli, free_port, stop, toml_value, wait_finished, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CONNECTION = "deploy"
@@ -123,13 +123,9 @@ class LoopbackDeployment:
             raise RuntimeError(f"flwr run failed: {done.stdout}{done.stderr}") from exc
 
     def finished(self, run_id: int, timeout: float) -> str:
-        """Wait up to ``timeout`` seconds for run ``run_id`` to finish; returns its status."""
-
-        def status():
-            s = run_status(self.env, run_id, CONNECTION)
-            return s if s.startswith("finished") else None
-
-        return wait_for(status, timeout, f"run {run_id} to finish", poll=1.0)
+        """Wait up to ``timeout`` seconds for run ``run_id`` to finish; returns its status
+        (:func:`tools.run.wait_finished`)."""
+        return wait_finished(self.env, run_id, CONNECTION, timeout)
 
     def stop(self) -> None:
         """Stop every process started here, by process group."""

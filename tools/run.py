@@ -169,6 +169,35 @@ def run_status(env: dict, run_id: int, connection: str = "sim") -> str:
     return runs[0].get("status", "unknown") if runs else "unknown"
 
 
+def wait_finished(env: dict, run_id: int, connection: str, timeout: float | None, echo: bool = False) -> str:
+    """Wait up to ``timeout`` seconds (None: no limit) for run ``run_id`` on CLI ``connection`` to
+    finish; returns its status (``finished:completed``, ...).
+
+    A ``flwr log --stream`` process waits for the end of the run (the SuperLink closes the
+    stream then), printing the run's log when ``echo``; the status is asked only afterwards,
+    and the stream opened again should it have ended early. Asking ``flwr list`` every second
+    instead costs about 2 s of CPU per call (the CLI's imports), which a 2-core machine takes
+    from the run itself.
+
+    Raises:
+        TimeoutError: the run did not finish within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout if timeout is not None else None
+    while True:
+        left = deadline - time.monotonic() if deadline is not None else None
+        try:
+            flwr_cli("log", str(run_id), connection, "--stream", env=env, capture=not echo, timeout=left)
+        except subprocess.TimeoutExpired:
+            break
+        status = run_status(env, run_id, connection)
+        if status.startswith("finished"):
+            return status
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+        time.sleep(2.0)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for run {run_id} to finish")
+
+
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
     """``predicate()``'s first truthy value, asked every ``poll`` seconds.
 
@@ -312,11 +341,7 @@ def _validate_and_run(args, env: dict, home: Path, superlink: subprocess.Popen, 
         return 1
     print(f"Submitted run {run_id}; streaming its log (Ray needs tens of seconds before round 1)")
     try:
-        flwr_cli("log", str(run_id), "sim", "--stream", env=env, capture=False)
-        status = run_status(env, run_id)
-        while not status.startswith("finished"):
-            time.sleep(2)
-            status = run_status(env, run_id)
+        status = wait_finished(env, run_id, "sim", None, echo=True)
     except KeyboardInterrupt:
         # the simulation runs outside the SuperLink's process group: stop the run itself
         flwr_cli("stop", str(run_id), "sim", env=env)
