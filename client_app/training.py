@@ -17,17 +17,18 @@ from torch import nn
 
 from client_app.data import ClientData, augment, batches, normalize
 from common.datasets import DatasetInfo
+from common.optim import SGD
 from models.base import SplitModel
 
 EVAL_BATCH = 512
 
 
-def make_sgd(params, config: Mapping[str, Any]) -> torch.optim.SGD:
+def make_sgd(params, config: Mapping[str, Any]) -> SGD:
     """A fresh SGD optimiser from the message config (``lr``, ``momentum``, ``weight-decay``).
 
     Fresh every round: no optimiser state persists (docs/methods/fedgh.md P9).
     """
-    return torch.optim.SGD(
+    return SGD(
         params, lr=float(config["lr"]), momentum=float(config["momentum"]), weight_decay=float(config["weight-decay"])
     )
 

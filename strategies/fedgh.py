@@ -29,6 +29,7 @@ from torch import nn
 
 from client_app.training import evaluate_model, train_personal_model, trained_class_means
 from common.config import RunConfig
+from common.optim import SGD
 from common.options import option
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
@@ -117,7 +118,7 @@ def train_header(
     )
     with torch.no_grad():
         before = float(F.cross_entropy(header(reps), labels))
-    opt = torch.optim.SGD(header.parameters(), lr=opts.server_lr)
+    opt = SGD(header.parameters(), lr=opts.server_lr)
     for idx in header_batches([len(r.arrays["lar_labels"]) for r in replies], opts, generator):
         opt.zero_grad()
         F.cross_entropy(header(reps[idx]), labels[idx]).backward()

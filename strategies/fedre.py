@@ -39,6 +39,7 @@ from client_app.data import batches, normalize
 from client_app.training import EVAL_BATCH, train_personal_model
 from common.config import RunConfig
 from common.datasets import DatasetInfo
+from common.optim import SGD
 from common.options import option
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
@@ -195,7 +196,7 @@ def train_head(
     y = torch.from_numpy(np.concatenate([r.arrays["y"] for r in replies]))
     with torch.no_grad():
         before = float(soft_label_ce(head, z, y, "mean"))
-    opt = torch.optim.SGD(head.parameters(), lr=opts.server_lr)
+    opt = SGD(head.parameters(), lr=opts.server_lr)
     for _ in range(opts.server_epochs):
         for idx in torch.split(torch.randperm(len(z), generator=generator), opts.server_batch_size):
             opt.zero_grad()

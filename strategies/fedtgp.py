@@ -36,6 +36,7 @@ from torch import nn
 
 from client_app.training import evaluation_metrics, train_personal_model, trained_class_means
 from common.config import RunConfig
+from common.optim import SGD
 from common.options import option
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.method import Method
@@ -144,7 +145,7 @@ def train_generator(
         log.warning("FedTGP: fewer than two classes uploaded this round; margin set to 0")
     with torch.no_grad():
         before = float(acl_loss(protos, labels, generator(), delta))
-    opt = torch.optim.SGD(generator.parameters(), lr=opts.server_lr)
+    opt = SGD(generator.parameters(), lr=opts.server_lr)
     for _ in range(opts.server_epochs):
         for idx in torch.split(torch.randperm(len(labels), generator=rng), opts.server_batch_size):
             loss = acl_loss(protos[idx], labels[idx], generator(), delta)
