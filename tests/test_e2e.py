@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from client_app.data import DataSpec, class_counts, load_client_data
 from common.config import RunConfig
@@ -62,3 +63,22 @@ def test_failed_run_exits_non_zero(tmp_path):
     assert "finished:failed" in proc.stdout
     summary = json.loads(next(Path(tmp_path / "out").glob("*/summary.json")).read_text())
     assert summary["status"] == "failed"
+
+
+def test_waiting_for_a_run_streams_its_log_and_asks_the_status_after(monkeypatch):
+    from tools import run as launcher
+
+    calls, statuses = [], iter(["running", "finished:completed"])
+    monkeypatch.setattr(launcher, "flwr_cli", lambda *args, **kw: calls.append(args[0]))
+    monkeypatch.setattr(launcher, "run_status", lambda *args: calls.append("list") or next(statuses))
+    monkeypatch.setattr(launcher.time, "sleep", lambda s: None)
+    # the stream ended while the run was still running: it is opened again
+    assert launcher.wait_finished({}, 7, "sim", 60) == "finished:completed"
+    assert calls == ["log", "list", "log", "list"]
+
+    def stream_past_the_limit(*args, timeout=None, **kw):
+        raise subprocess.TimeoutExpired(args, timeout)
+
+    monkeypatch.setattr(launcher, "flwr_cli", stream_past_the_limit)
+    with pytest.raises(TimeoutError, match="run 7"):
+        launcher.wait_finished({}, 7, "sim", 1)
