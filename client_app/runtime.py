@@ -71,10 +71,10 @@ class ClientRuntime:
 
     Node config keys: ``partition-id`` (required), ``num-partitions`` (default: run config
     ``num-clients``; required when that is 0), ``data-dir`` (optional, overrides the run config's ``data-dir``),
-    ``state-dir`` (optional: a folder where this node's client state is also written, so it
-    survives a SuperNode restart, which empties ``context.state``; default: run config
-    ``state-dir``, which gives simulated clients the same, so a resumed simulation continues
-    every client exactly),
+    ``state-dir`` (optional: a folder that holds this node's client state instead of
+    ``context.state``, so it survives a SuperNode restart, which empties ``context.state``, and
+    no process keeps every client's models in memory; default: run config ``state-dir``, which
+    gives simulated clients the same, so a resumed simulation continues every client exactly),
     ``cache-dir`` (optional: a folder for the decoded partition, written once and memory-mapped
     by later messages' processes and runs; default ``<node state-dir>/partition-cache`` when the
     node has a ``state-dir``, else :func:`default_cache_dir`).
@@ -158,18 +158,39 @@ class ClientRuntime:
         return model.to(self.device)
 
     def restore(self, name: str, module: nn.Module) -> bool:
-        """Load ``module`` from ``context.state[name]``, or else from ``state-dir``; True when found.
+        """Load ``module`` from this client's state record ``name``; True when found.
 
-        A record read from disk is put back into ``context.state`` and counted in ``state_restores``.
-        Records on disk carry the round that stored them. In a train message of round t, a
-        record on disk stamped t or later is ahead of the server: the server crashed after this
-        client trained round t and a new run resumed from the checkpoint of round t-1 (a new
-        Flower run starts with an empty ``context.state``, so only the disk can be ahead). The
-        version it replaced (``<name>.prev.pt``) is used instead, or none when that is not
-        older, so the client repeats round t from where the server's checkpoint left it
-        (``state_rollbacks`` counts this).
+        Without a ``state-dir`` the state lives in ``context.state``. With one it lives only in
+        ``state-dir``, and ``context.state`` keeps the round of each record's file (its stamp),
+        so neither a simulation's process nor a SuperNode holds (and ships with every message)
+        a copy of every client's models.
+
+        A record that ``context.state`` does not know (a restarted SuperNode, a new Flower run)
+        is read from disk and counted in ``state_restores``. Records on disk carry the round
+        that stored them. In a train message of round t, a record on disk stamped t or later
+        is ahead of the server: the server crashed after this client trained round t and a new
+        run resumed from the checkpoint of round t-1 (a new Flower run starts with an empty
+        ``context.state``, so only the disk can be ahead). The version it replaced
+        (``<name>.prev.pt``) is used instead, or none when that is not older, so the client
+        repeats round t from where the server's checkpoint left it (``state_rollbacks`` counts
+        this).
         """
-        if name not in self.context.state.array_records:
+        if name in self.context.state.array_records:
+            module.load_state_dict(self.context.state.array_records[name].to_torch_state_dict())
+            return True
+        known = self._stamps().get(name)
+        if known is not None:
+            saved = self._stamped(name, known)
+            if saved is None:
+                log.warning(
+                    "partition %d: '%s' of round %d is gone from %s; starting afresh",
+                    self.partition_id,
+                    name,
+                    known,
+                    self.state_dir,
+                )
+                return False
+        else:
             saved = self._read(name)
             if saved is not None and self.training_round is not None and saved[0] >= self.training_round:
                 previous = self._read(name + PREVIOUS)
@@ -186,24 +207,25 @@ class ClientRuntime:
                 saved = previous if usable else None
             if saved is None:
                 return False
-            self.context.state[name] = ArrayRecord(saved[1])
+            log.info("partition %d: restored '%s' of round %d from disk", self.partition_id, name, saved[0])
             self._stamp(name, saved[0])
             self.state_restores += 1
-        module.load_state_dict(self.context.state.array_records[name].to_torch_state_dict())
+        module.load_state_dict(saved[1])
         return True
 
     def store(self, name: str, module: nn.Module) -> None:
-        """Save ``module``'s state dict into ``context.state[name]`` (survives rounds) and, with a
-        ``state-dir``, atomically and durably to ``<name>.pt`` there (survives a SuperNode restart).
+        """Save ``module``'s state dict as record ``name``: into ``context.state`` without a
+        ``state-dir``; with one, atomically and durably to ``<name>.pt`` there (survives a
+        SuperNode restart) and only its round into ``context.state`` (see :meth:`restore`).
 
         On disk a record is stamped with the round of the train message that stored it, and the
         file it replaces is kept as ``<name>.prev.pt``: what :meth:`restore` rolls back to when
         a resumed server repeats a round. Each record is stored at most once per round (true of
         every method), so the replaced file is always from an earlier round.
         """
-        self.context.state[name] = ArrayRecord(module.state_dict())
         path = self._state_file(name)
         if path is None:
+            self.context.state[name] = ArrayRecord(module.state_dict())
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         round_ = self.training_round or 0
@@ -239,10 +261,18 @@ class ClientRuntime:
                 exc,
             )
             return None
-        log.info("partition %d: read '%s' from %s", self.partition_id, name, path)
         if isinstance(saved, dict) and saved.keys() == {"round", "state"}:
             return int(saved["round"]), saved["state"]
         return 0, saved
+
+    def _stamped(self, name: str, round_: int) -> tuple[int, dict] | None:
+        """Record ``name`` as stamped ``round_``: its file, or the one it replaced after a
+        rollback (:meth:`restore`); None when neither is of that round."""
+        for candidate in (name, name + PREVIOUS):
+            saved = self._read(candidate)
+            if saved is not None and saved[0] == round_:
+                return saved
+        return None
 
     def _state_file(self, name: str) -> Path | None:
         return self.state_dir / f"{_safe(name)}.pt" if self.state_dir is not None else None

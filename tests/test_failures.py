@@ -2,7 +2,7 @@
 
 import torch
 
-from client_app.runtime import MODEL_STATE
+from client_app.runtime import MODEL_STATE, STAMPS, ClientRuntime
 from common.config import RunConfig
 from fakegrid import FakeGrid
 from strategies.registry import build_strategy
@@ -27,16 +27,18 @@ def test_state_is_written_to_the_node_dir_and_restored_after_a_restart(run_confi
     key = strategy.state_key
     for ctx in grid.contexts.values():
         on_disk = saved_model(tmp_path / "state", key, ctx.node_config["partition-id"])
-        in_memory = ctx.state.array_records[MODEL_STATE].to_torch_state_dict()
-        assert on_disk.keys() == in_memory.keys() and all(torch.equal(on_disk[k], in_memory[k]) for k in on_disk)
+        # the state lives on disk only: the context keeps the round of the file, no model
+        assert not ctx.state.array_records and dict(ctx.state.config_records[STAMPS]) == {MODEL_STATE: 1}
+        runtime = ClientRuntime(ctx, key)
+        loaded = runtime.model.state_dict()  # what the node's next message starts from
+        assert on_disk.keys() == loaded.keys() and all(torch.equal(on_disk[k], loaded[k]) for k in on_disk)
+        assert runtime.state_restores == 0  # the context knew it: not a restore
     assert not list((tmp_path / "state").rglob("*.tmp"))  # written atomically: no partial files left
     assert strategy.rows[0]["client_state_restores"] == 0
 
     # node 1001 restarts: same node id (an authenticated SuperNode keeps its id), empty context
     before = saved_model(tmp_path / "state", key, 1)
     grid.add_node(1001, 1)
-    from client_app.runtime import ClientRuntime
-
     runtime = ClientRuntime(grid.contexts[1001], key)
     restored = runtime.model.state_dict()
     assert runtime.state_restores == 1 and all(torch.equal(restored[k], before[k]) for k in before)
@@ -69,6 +71,18 @@ def test_a_killed_node_is_dropped_and_rejoins_with_its_state(run_config, tmp_pat
     assert strategy.nodes[2] == 2002
     # what it restored is what it had saved at the end of round 1 (it missed rounds 2 and 3)
     first = events[0]
-    now = grid.contexts[2002].state.array_records[MODEL_STATE].to_torch_state_dict()
+    now = saved_model(tmp_path / "state", strategy.state_key, 2)
     assert any(not torch.equal(first[k], now[k]) for k in first)  # and it trained on from there in round 4
     assert strategy.dropped["train"] >= 1
+
+
+def test_a_state_file_gone_under_a_running_node_is_logged_and_the_client_starts_afresh(run_config, tmp_path, caplog):
+    rc = run_config(**{"num-clients": 2, "num-server-rounds": 1})
+    strategy, grid = deployed(rc, tmp_path / "state")
+    strategy.start(grid)
+    ctx = next(iter(grid.contexts.values()))
+    partition = ctx.node_config["partition-id"]
+    (tmp_path / "state" / strategy.state_key / f"partition-{partition}" / f"{MODEL_STATE}.pt").unlink()
+    runtime = ClientRuntime(ctx, strategy.state_key)
+    assert not runtime.restore(MODEL_STATE, torch.nn.Linear(1, 1))
+    assert f"'{MODEL_STATE}' of round 1 is gone" in caplog.text and runtime.state_restores == 0
