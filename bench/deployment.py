@@ -12,14 +12,16 @@ CIFAR-10, 200 examples per client, batch 32), stops everything it started, and p
 - ``compute_s``: the slowest client's training (``train-seconds``: local training and payload);
 - ``overhead_s``: round_s - compute_s;
 - per message, the slowest client's ``app_start_s`` (its process start to the handler: the
-  interpreter, imports and app load that Flower's short-lived ClientApp processes pay on
-  every message), ``data_s`` (loading and decoding the partition) and ``handler_s``.
+  fork from :mod:`tools.superexec`'s warm fork server and the app's load from the FAB; a fresh
+  ``flwr-clientapp`` process would add the interpreter and every import), ``data_s`` (loading
+  and decoding the partition) and ``handler_s``.
 
 It also times the import floor, ``python -c "import torch, flwr"`` (best of 3, before and after
-the job), on the same machine in the same run, so the overhead can be read against it when the
-machine is noisy, and the same with ``torchvision``, which model groups with torchvision models
-import (and it ``torch._dynamo``; the optimisers of :mod:`common.optim` do not). The last line
-is ``overhead_s=<median overhead of rounds 2..> import_floor_s=<floor>``.
+the job), on the same machine in the same run: what a fresh ClientApp process per message cannot
+go below, against which the overhead can be read when the machine is noisy; and the same with
+``torchvision``, which model groups with torchvision models import (and it ``torch._dynamo``;
+the optimisers of :mod:`common.optim` do not). The last line is
+``overhead_s=<median overhead of rounds 2..> import_floor_s=<floor>``.
 """
 
 from __future__ import annotations

@@ -20,9 +20,15 @@ BIN = Path(sys.executable).parent
 CLI = {"superlink": "flower-superlink", "supernode": "flower-supernode", "superexec": "flower-superexec"}
 
 
+#: the entrypoint of the ClientApp services: tools/superexec.py as the Dockerfile copies it
+WARM_SUPEREXEC = ["python", "/app/superexec.py"]
+
+
 @cache
-def cli_flags(tool: str) -> set[str]:
-    out = subprocess.run([str(BIN / CLI[tool]), "--help"], capture_output=True, text=True, check=True).stdout
+def cli_flags(tool: str, warm: bool = False) -> set[str]:
+    """The flags of Flower's CLI ``tool``, or of tools/superexec.py (``warm``)."""
+    cmd = [sys.executable, str(ROOT / "tools" / "superexec.py")] if warm else [str(BIN / CLI[tool])]
+    out = subprocess.run([*cmd, "--help"], capture_output=True, text=True, check=True).stdout
     return set(re.findall(r"(--[a-z][a-z0-9-]+)", out))
 
 
@@ -43,8 +49,8 @@ def role(service: dict) -> str:
 
 
 def flower_services(services: dict) -> dict:
-    """The services that run a Flower CLI (not the one-shot shell services)."""
-    return {n: s for n, s in services.items() if "entrypoint" not in s}
+    """The services that run a Flower CLI or tools/superexec.py (not the one-shot shell services)."""
+    return {n: s for n, s in services.items() if s.get("entrypoint", WARM_SUPEREXEC) == WARM_SUPEREXEC}
 
 
 def test_dockerfiles_use_the_official_images_at_the_locked_version():
@@ -63,7 +69,7 @@ def test_every_flag_exists_in_the_flwr_clis():
     for name, service in flower_services(base).items():
         for command in (service["command"], loopback.get(name, {}).get("command", [])):
             flags = {a for a in command if isinstance(a, str) and a.startswith("--")}
-            unknown = flags - cli_flags(role(service))
+            unknown = flags - cli_flags(role(service), "entrypoint" in service)
             assert not unknown, f"{name}: {sorted(unknown)} not in {CLI[role(service)]} {locked_flwr()}"
 
 
@@ -114,6 +120,8 @@ def test_topology_tls_data_and_state():
         assert config["num-partitions"] == len(nodes) and config["data-dir"] == "/data"
         partitions.append(config["partition-id"])
         executor = services["superexec-clientapp-" + name.split("-")[1]]
+        assert executor["entrypoint"] == WARM_SUPEREXEC  # warm ClientApp processes, as tools.deploy's
+        assert "/app/superexec.py" in (DOCKER / "Dockerfile.superexec").read_text()
         assert executor["command"][executor["command"].index("--runtime-api-address") + 1] == f"{name}:9094"
         volumes = executor["volumes"]
         assert any(v.endswith(":/data:ro") for v in volumes)  # data read-only where ClientApps run

@@ -14,9 +14,10 @@ Usage (each host runs its part; see README "Deploy across machines"):
     flwr run . deploy --run-config "method='fedgh' num-clients=3 data-dir='/data'" --stream
 
 ``superlink``/``supernode``/``proxy`` print the exact command and then replace this process with
-it (``exec``), so a service manager supervises Flower itself. TLS is the default; ``--insecure``
-is an explicit opt-in for a local test and cannot be combined with ``--auth`` (Flower's node
-authentication needs TLS).
+it (``exec``), so a service manager supervises Flower itself; ``supernode`` first starts the
+node's SuperExec (:mod:`tools.superexec`, warm ClientApp processes), which exits with the node.
+TLS is the default; ``--insecure`` is an explicit opt-in for a local test and cannot be combined
+with ``--auth`` (Flower's node authentication needs TLS).
 """
 
 from __future__ import annotations
@@ -194,12 +195,29 @@ def supernode_command(
 ) -> list[str]:
     """``flower-supernode`` connecting to ``superlink`` (host:port) over TLS trusting ``root_cert``
     (None: insecure), authenticating with the private ``key`` when given; ``port`` is its local
-    runtime API port (one per SuperNode on a host)."""
+    runtime API port (one per SuperNode on a host). Process isolation: its ClientApps are started
+    by the SuperExec of :func:`superexec_command`, which the caller starts beside it."""
     cmd = [str(BIN / "flower-supernode"), "--superlink", superlink, "--node-config", config, "--port", str(port)]
+    cmd += ["--isolation", "process"]
     cmd += ["--root-certificates", str(root_cert)] if root_cert else ["--insecure"]
     cmd += ["--auth-supernode-private-key", str(key)] if key else []
     cmd += ["--max-retries", str(max_retries)] if max_retries is not None else []
     return cmd
+
+
+def superexec_command(port: int, parent_pid: int) -> list[str]:
+    """The SuperExec of the SuperNode whose runtime API is ``127.0.0.1:port``: :mod:`tools.superexec`,
+    whose ClientApp processes fork from a process with Flower and torch already imported; it exits
+    when process ``parent_pid`` (the SuperNode) does."""
+    return [
+        sys.executable,
+        str(Path(__file__).with_name("superexec.py")),
+        "--runtime-api-address",
+        f"127.0.0.1:{port}",
+        "--insecure",
+        "--parent-pid",
+        str(parent_pid),
+    ]
 
 
 #: path prefixes of Flower 1.41's SuperLink HTTP APIs, which all share one port
@@ -425,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", help="absolute folder with <dataset>/train.parquet on this host")
     p.add_argument("--state-dir", help="absolute folder where this node persists its client state")
     p.add_argument("--port", type=int, default=9094, help="local runtime API port (distinct per node on a host)")
+    p.add_argument("--max-retries", type=int, help="give up after this many failed connections (default: never)")
     p = sub.add_parser("connection", help="write the flwr CLI connection")
     p.add_argument("--address", required=True)
     p.add_argument("--root-cert", type=Path)
@@ -462,7 +481,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.insecure and args.root_cert is None:
             parser.error("pass --root-cert (TLS) or, for a local test only, --insecure")
         config = node_config(args.partition_id, args.num_partitions, args.data_dir, args.state_dir)
-        cmd = supernode_command(args.superlink, None if args.insecure else args.root_cert, args.key, config, args.port)
+        cmd = supernode_command(
+            args.superlink, None if args.insecure else args.root_cert, args.key, config, args.port, args.max_retries
+        )
+        # the SuperExec watches this pid, which the SuperNode keeps after the exec below
+        superexec = superexec_command(args.port, os.getpid())
+        print(shlex.join(superexec), flush=True)
+        subprocess.Popen(superexec, env=environment())
     print(shlex.join(cmd), flush=True)
     os.execve(cmd[0], cmd, environment())
     return 1  # not reached

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import ssl
 import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,8 @@ from typing import Any
 from common.files import ROWS_FILE, read_rows
 from tools.deploy import (
     environment,
-    node_config,
     register_nodes,
     superlink_command,
-    supernode_command,
     write_certificates,
     write_connection,
     write_node_keys,
@@ -97,15 +96,15 @@ class LoopbackDeployment:
 
     def supernode(self, partition_id: int, key_index: int | None = None) -> subprocess.Popen:
         """Start the SuperNode of ``partition_id`` with key pair ``key_index`` (default: the
-        partition's own), state under ``<folder>/state-<partition_id>``."""
+        partition's own), state under ``<folder>/state-<partition_id>``, as a user does:
+        ``python -m tools.deploy supernode`` (with its SuperExec, in the node's process group)."""
         key = self.keys[partition_id if key_index is None else key_index][0]
-        config = node_config(
-            partition_id, self.num_nodes, str(self.data_dir), str(self.folder / f"state-{partition_id}")
-        )
-        return self._spawn(
-            supernode_command(self.address, self.certs["ca"], key, config, port=free_port(), max_retries=3),
-            f"supernode-{partition_id}.log",
-        )
+        cmd = [sys.executable, "-m", "tools.deploy", "supernode", "--superlink", self.address]
+        cmd += ["--root-cert", str(self.certs["ca"]), "--key", str(key), "--port", str(free_port())]
+        cmd += ["--partition-id", str(partition_id), "--num-partitions", str(self.num_nodes)]
+        cmd += ["--data-dir", str(self.data_dir), "--state-dir", str(self.folder / f"state-{partition_id}")]
+        cmd += ["--max-retries", "3"]
+        return self._spawn(cmd, f"supernode-{partition_id}.log")
 
     def submit(self, run_config: dict[str, Any]) -> int:
         """``flwr run`` of this app with ``run_config``; returns the run id.
