@@ -29,6 +29,7 @@ import argparse
 import multiprocessing
 import os
 import sys
+from pathlib import Path
 
 from flwr.supercore.constant import TaskType
 from flwr.supercore.superexec import run_superexec as flower_superexec
@@ -55,7 +56,9 @@ class ForkserverExecutor(SubprocessExecutor):
 
     def warm_up(self) -> None:
         """Start the fork server now (its imports take seconds), not on the first task."""
-        self.context.Process(target=os.getpid).start()
+        child = self.context.Process(target=os.getpid)
+        child.start()
+        self.children.append(child)
 
     def launch(self, spec: ExecutionSpec) -> LaunchResult:
         """Fork a ClientApp process for ``spec``; other task types start as with Flower's executor."""
@@ -92,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     tls.add_argument("--root-certificates", help="CA certificate of the Runtime API's TLS")
     parser.add_argument("--parent-pid", type=int, help="exit when this process (the SuperNode) exits")
     args = parser.parse_args(argv)
+    # run as a script, this file's folder (tools/, /app in the image) leads sys.path, which the fork
+    # server hands on to every ClientApp: its neighbours (run.py, deploy.py ...) must not shadow
+    # same-named modules there
+    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        del sys.path[0]
     executor = ForkserverExecutor()
     executor.warm_up()
     # Flower 1.41 picks its executor from a closed set (subprocess, kubernetes) inside
