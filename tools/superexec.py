@@ -4,7 +4,7 @@ imported Flower's ClientApp runtime and the app's heavy libraries.
 Flower 1.41 runs every message in a fresh ``flwr-clientapp`` process (the ClientApp is
 short-lived by design), and each one pays the interpreter start, Flower's own imports (~2 s of
 CPU here: ``flwr.supernode`` pulls in sqlalchemy, fastapi, alembic), ``import torch`` (~2.3 s)
-and, for model groups with torchvision models, ``import torchvision`` (~3 s, it imports
+and, for model groups with torchvision models, ``import torchvision`` (~4 s, it imports
 ``torch._dynamo``). On a SuperNode these imports are the same for every message, so this
 SuperExec does them once: ClientApp tasks run in children of :mod:`multiprocessing`'s fork
 server, started with :data:`PRELOAD` imported, and each child runs Flower's own
@@ -37,8 +37,8 @@ from flwr.supercore.superexec.executor import ExecutionSpec, LaunchResult, Subpr
 from flwr.supercore.tls import validate_and_resolve_root_certificates
 from flwr.supernode.runtime.run_clientapp import run_clientapp
 
-#: modules the fork server imports once, if installed: Flower's ClientApp runtime and the
-#: libraries every ClientApp of this project imports (torchvision only where it is installed)
+#: modules the fork server imports once: Flower's ClientApp runtime, torch, and torchvision (which
+#: model groups with torchvision models import); one that is not installed is skipped
 PRELOAD = ("flwr.supernode.runtime.run_clientapp", "torch", "torchvision")
 
 
