@@ -94,6 +94,12 @@ class ClientData:
     load_seconds: float = 0.0
 
 
+def torch_seed(value: int) -> int:
+    """``value`` modulo 2^64: a seed derived from run config ``seed`` (any int64 >= 0) that
+    ``torch.Generator.manual_seed`` accepts; the identity below 2^64, so small seeds draw as before."""
+    return value % 2**64
+
+
 def load_split(name: str, data_dir: str, split: str):
     """Return split ``split`` of dataset ``name`` as a ``datasets.Dataset`` (images not decoded).
 
@@ -204,7 +210,7 @@ def partition_split(spec: DataSpec, partition_id: int):
     info = DATASETS[spec.dataset]
     part = partitioner_for(spec).load_partition(partition_id)
     labels = torch.tensor(part[info.label_column], dtype=torch.int64)
-    g = torch.Generator().manual_seed(spec.seed * 100_003 + partition_id)
+    g = torch.Generator().manual_seed(torch_seed(spec.seed * 100_003 + partition_id))
     keep = torch.arange(len(labels))
     if 0 < spec.max_examples_per_client < len(labels):
         _, keep = stratified_split(labels, spec.max_examples_per_client / len(labels), g)

@@ -17,7 +17,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from torch import nn
 
-from client_app.data import ClientData, DataSpec, load_client_data, partition_sizes
+from client_app.data import ClientData, DataSpec, load_client_data, partition_sizes, torch_seed
 from common.config import ConfigError, RunConfig
 from common.datasets import DATASETS, DatasetInfo, with_recipe
 from common.files import atomic_write
@@ -284,7 +284,7 @@ class ClientRuntime:
     def generator(self, server_round: int, purpose: int = 0) -> torch.Generator:
         """A CPU RNG seeded by (seed, partition, round, purpose): same draws in every process."""
         seed = ((self.cfg.seed * 1_000_003 + self.partition_id) * 10_007 + server_round) * 31 + purpose
-        return torch.Generator().manual_seed(seed)
+        return torch.Generator().manual_seed(torch_seed(seed))
 
 
 def _safe(name: str) -> str:

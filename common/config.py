@@ -11,6 +11,7 @@ server before any message is sent.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -44,6 +45,11 @@ def choice(key: str, value: Any, allowed: tuple[str, ...] | list[str]) -> str:
     return value
 
 
+#: the range of every integer key unless it declares a narrower one: Flower carries run config
+#: integers as signed 64-bit (``sint64``), so a larger one passes nowhere
+INT64 = (-(2**63), 2**63 - 1)
+
+
 def number(
     key: str,
     value: Any,
@@ -53,19 +59,34 @@ def number(
     high: float | None = None,
     low_open: bool = False,
 ) -> Any:
-    """Return ``value`` as ``kind`` (int or float) if it lies in the given range.
+    """Return ``value`` as ``kind`` (int or float) if it is finite and lies in the given range.
 
-    ``low_open=True`` excludes ``low`` itself (e.g. a learning rate must be > 0).
+    Every numeric run config key and method option is read here, so this is the one place that
+    refuses NaN and infinity (a ``<``/``>`` range check lets NaN through, and Flower compares a
+    run's config before and after each message, where NaN != NaN) and integers outside
+    :data:`INT64` (or the key's narrower ``low``/``high``). ``low_open=True`` excludes ``low``
+    itself (e.g. a learning rate must be > 0).
 
     Raises:
         ConfigError: naming ``key`` and the allowed range.
     """
+    if kind is int:
+        low = INT64[0] if low is None else max(low, INT64[0])
+        high = INT64[1] if high is None else min(high, INT64[1])
+    allowed = f"finite {'integers' if kind is int else 'numbers'}{_range_text(low, high, low_open)}"
     ok_types = (int,) if kind is int else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok_types):
         raise _fail(key, value, f"{'an integer' if kind is int else 'a number'}{_range_text(low, high, low_open)}")
-    v = kind(value)
-    if (low is not None and (v < low or (low_open and v == low))) or (high is not None and v > high):
-        raise _fail(key, value, f"{'integers' if kind is int else 'numbers'}{_range_text(low, high, low_open)}")
+    try:
+        v = kind(value)
+    except OverflowError:  # an integer beyond float range given for a float key
+        raise _fail(key, value, allowed) from None
+    if (
+        (kind is float and not math.isfinite(v))
+        or (low is not None and (v < low or (low_open and v == low)))
+        or (high is not None and v > high)
+    ):
+        raise _fail(key, value, allowed)
     return v
 
 

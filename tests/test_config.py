@@ -1,5 +1,7 @@
 """Bad configuration fails fast, naming the key and the allowed values."""
 
+import math
+
 import pytest
 
 from common.config import ConfigError, RunConfig
@@ -65,3 +67,55 @@ def test_device_choice():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="'device' = 'cuda'.*client-resources-num-gpus"):
             pick_device("cuda")
+
+
+def _numeric_keys() -> list[tuple[str, type]]:
+    """(key, int or float) of every numeric run config key and method option, from their declarations."""
+    import dataclasses
+    import typing
+
+    from common.options import option_key
+    from strategies.registry import METHODS
+
+    hints = typing.get_type_hints(RunConfig)
+    keys = [
+        (f.name.replace("_", "-"), hints[f.name])
+        for f in dataclasses.fields(RunConfig)
+        if hints[f.name] in (int, float)
+    ]
+    for name, method in METHODS.items():
+        options = typing.get_type_hints(method.options)
+        keys += [
+            (f"{name}.{option_key(f)}", options[f.name])
+            for f in dataclasses.fields(method.options)
+            if options[f.name] in (int, float)
+        ]
+    return keys
+
+
+NUMERIC_KEYS = _numeric_keys()
+
+
+@pytest.mark.parametrize("key, kind", NUMERIC_KEYS, ids=[k for k, _ in NUMERIC_KEYS])
+def test_every_numeric_key_refuses_nan_infinity_and_integers_beyond_64_bits(key, kind):
+    """NaN slipped through every range check (``<``/``>`` are false for NaN): a run 'completed' with
+    0 clients, crashed in sampling, never ended (round-timeout) or failed every ClientApp call."""
+    method = key.split(".")[0] if "." in key else "fedgh"
+    bad = [math.nan, math.inf, -math.inf, 10**400] + ([2**63, -(2**63) - 1, 10**30, 1.0] if kind is int else [])
+    for value in bad:
+        with pytest.raises(ConfigError) as err:
+            build_strategy(RunConfig.from_dict(make_run_config(method=method, **{key: value})))
+        assert f"'{key}'" in str(err.value) and "allowed values are" in str(err.value), (key, value, err.value)
+
+
+def test_the_largest_seed_runs_a_round(run_config):
+    """seed = 2^63 - 1 (the largest Flower carries) is accepted and every consumer takes it: the
+    partitioner, the model initialisation and the per-round client RNG (derived seeds wrap at 2^64)."""
+    from conftest import federation
+
+    rc = run_config(**{"seed": 2**63 - 1, "num-clients": 2, "num-server-rounds": 1, "max-examples-per-client": 60})
+    strategy, grid = federation(rc)
+    strategy.start(grid)
+    assert strategy.rows[0]["num_clients"] == 2 and strategy.rows[0]["dropped_clients"] == []
+    with pytest.raises(ConfigError, match="'seed'.*<= 9223372036854775807"):
+        RunConfig.from_dict(make_run_config(seed=2**63))
