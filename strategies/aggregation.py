@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from strategies.payload import ClientReply, PayloadError
+from strategies.payload import ClientReply
 
 
 def sample_weighted_mean(values: Sequence[Any], weights: Sequence[float]) -> Any:
@@ -22,19 +22,20 @@ def sample_weighted_mean(values: Sequence[Any], weights: Sequence[float]) -> Any
     return sum(n * v for v, n in zip(values, weights)) / total
 
 
-def fedavg(replies: list[ClientReply], keys: list[str]) -> dict[str, np.ndarray]:
+def fedavg(replies: list[ClientReply], keys: list[str]) -> dict[str, np.ndarray] | None:
     """FedAvg: the sample-weighted mean of the replies' arrays, weights their ``num-examples``
     (training samples), accumulated in float64 (McMahan et al. 2017; FedMRL Eq. 8).
 
-    Returns:
-        name -> float32 array, for every name in ``keys``.
+    A reply that trained on no example has weight 0: it carries no evidence, so a round in which
+    no reply trained on any example changes nothing (None), as a round without replies.
 
-    Raises:
-        PayloadError: if ``replies`` is empty.
+    Returns:
+        name -> float32 array, for every name in ``keys``; None when the weights sum to 0 (the
+        caller keeps its state).
     """
-    if not replies:
-        raise PayloadError("no replies to average")
     weights = [float(r.metrics.get("num-examples", 0)) for r in replies]
+    if sum(weights) <= 0:
+        return None
     return {
         k: sample_weighted_mean([r.arrays[k].astype(np.float64) for r in replies], weights).astype(np.float32)
         for k in keys

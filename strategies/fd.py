@@ -60,10 +60,11 @@ class FDStrategy(HeteroStrategy):
         return dict(self.global_logits)
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """ẑ_c = mean of the uploaded per-class logits of class c; a round without a single valid
-        reply keeps the previous global logits (as FedProto keeps its prototypes)."""
+        """ẑ_c = mean of the uploaded per-class logits of class c; a round whose valid replies upload
+        no logits at all (none arrived, or each carries zero classes) keeps the previous global
+        logits (as FedProto keeps its prototypes)."""
         global_logits, metrics = class_average(replies, "logits", "logit_labels", self.dims["C"], self.dims["C"])
-        if replies:
+        if global_logits:
             self.global_logits = global_logits
         return metrics
 

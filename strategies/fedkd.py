@@ -178,8 +178,9 @@ class FedKDStrategy(SharedModelStrategy):
         """θ^t = sample-weighted mean of the reconstructed mentees."""
         shapes = {k: tuple(v.shape) for k, v in self.shared.state_dict().items()}
         full = [ClientReply(r.node_id, r.partition_id, svd_decompress(r.arrays, shapes), r.metrics) for r in replies]
-        if full:
-            load_arrays(self.shared, fedavg(full, list(shapes)))
+        averaged = fedavg(full, list(shapes))
+        if averaged is not None:  # unchanged when no reply trained on an example
+            load_arrays(self.shared, averaged)
         return {"server-num-averaged": len(full), "svd-energy": self.energy(server_round)}
 
     def energy(self, server_round: int) -> float:

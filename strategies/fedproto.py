@@ -66,11 +66,12 @@ class FedProtoStrategy(HeteroStrategy):
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """P̄^c = unweighted mean of the uploaded P_i^c for every class uploaded this round (:func:`class_average`).
 
-        A round without a single valid reply keeps the previous global set: no upload is no
-        evidence, and clients would otherwise train without the regulariser next round.
+        A round whose valid replies upload no prototype at all (none arrived, or each carries zero
+        classes) keeps the previous global set: no upload is no evidence, and clients would
+        otherwise train without the regulariser and evaluate against nothing next round.
         """
         global_set, metrics = class_average(replies, "protos", "proto_labels", self.dims["C"], self.dims["d"])
-        if replies:
+        if global_set:
             self.global_set = global_set
         return metrics
 

@@ -96,9 +96,10 @@ class SharedModelStrategy(HeteroStrategy):
         return self.global_arrays() if self.schemas["evaluate"][0].arrays else {}
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """θ^t = :func:`fedavg` of the replies (unchanged without replies)."""
-        if replies:
-            load_arrays(self.shared, fedavg(replies, list(self.shared.state_dict())))
+        """θ^t = :func:`fedavg` of the replies (unchanged when none trained on an example)."""
+        averaged = fedavg(replies, list(self.shared.state_dict()))
+        if averaged is not None:
+            load_arrays(self.shared, averaged)
         return {"server-num-averaged": len(replies)}
 
 
