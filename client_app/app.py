@@ -17,10 +17,10 @@ from flwr.clientapp import ClientApp
 from client_app.data import load_client_data
 from client_app.runtime import ClientRuntime
 from common.datasets import DATASETS
+from strategies.metrics import EVAL_PREFIX, PARTITION_ID
 from strategies.payload import read_payload
 from strategies.records import metric_values
 from strategies.registry import all_message_types, client_procedure
-from strategies.transport import EVAL_PREFIX, PARTITION_ID
 
 app = ClientApp()
 _first_message = [True]
@@ -60,7 +60,7 @@ def handle(msg: Message, context: Context) -> Message:
     client = ClientRuntime(context, str(config.get("state-key", "in-memory")), training_round)
     procedure = client_procedure(client.cfg)
     down, up = procedure.schemas[message_type]
-    payload = read_payload(msg.content)
+    payload = read_payload(msg.content, down)
     down.validate(payload, {"C": DATASETS[client.cfg.dataset].num_classes, "d": client.cfg.representation_dim})
     cached = load_client_data.cache_info().currsize
     start = time.perf_counter()

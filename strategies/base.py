@@ -47,10 +47,11 @@ from common.config import RunConfig
 from common.datasets import DATASETS
 from strategies.checkpoint import Checkpointing, finite
 from strategies.method import Method, Schemas
+from strategies.metrics import EVAL_PREFIX, REQUIRED_METRICS
 from strategies.nodes import NodeRegistry
 from strategies.payload import ClientReply, PayloadSchema, array_record
 from strategies.records import metric_values, progress_line, round_metrics, round_row
-from strategies.transport import EVAL_PREFIX, REQUIRED_METRICS, Transport
+from strategies.transport import Transport
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 

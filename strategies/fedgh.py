@@ -34,6 +34,7 @@ from common.options import option
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
 from strategies.method import Method
+from strategies.metrics import fraction
 from strategies.payload import ROW_NORM_FACTOR, ArraySpec, PayloadSchema
 
 LARS = PayloadSchema(
@@ -183,4 +184,11 @@ class FedGHClient(ClientProcedure):
         return arrays, metrics
 
 
-METHOD = Method("fedgh", FedGHStrategy, FedGHClient, schemas, FedGHOptions)
+METHOD = Method(
+    "fedgh",
+    FedGHStrategy,
+    FedGHClient,
+    schemas,
+    FedGHOptions,
+    metrics={"evaluate": {"test-acc-global-head": fraction("test accuracy of the extractor with the global header")}},
+)

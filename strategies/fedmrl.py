@@ -37,6 +37,7 @@ from common.options import option
 from models.base import SplitModel
 from models.cnn import CNN_SHAPES, SmallCNN
 from strategies.method import Method
+from strategies.metrics import fraction
 from strategies.shared_model import SharedModelClient, SharedModelStrategy, module_arrays, shared_schemas
 
 EVAL_PROTOCOLS = ("official", "deployment")
@@ -187,5 +188,13 @@ class FedMRLClient(SharedModelClient):
 
 # evaluate instructions carry θ^t: clients evaluated outside their train reply use it (protocol B)
 METHOD = Method(
-    "fedmrl", FedMRLStrategy, FedMRLClient, shared_schemas(small_model, evaluate_payload=True), FedMRLOptions
+    "fedmrl",
+    FedMRLStrategy,
+    FedMRLClient,
+    shared_schemas(small_model, evaluate_payload=True),
+    FedMRLOptions,
+    # the inference not chosen by fedmrl.inference, as a secondary metric
+    metrics={
+        "evaluate": {f"test-acc-{name}": fraction(f"test accuracy of the {name} inference") for name in INFERENCE}
+    },
 )

@@ -44,6 +44,7 @@ from common.options import option
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
 from strategies.method import Method
+from strategies.metrics import count
 from strategies.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, PayloadSchema
 
 #: how the client turns its representations into one (z, y) pair (section 3, Appendix A)
@@ -262,4 +263,11 @@ class FedREClient(ClientProcedure):
         return super().evaluate(client, payload, config)
 
 
-METHOD = Method("fedre", FedREStrategy, FedREClient, SCHEMAS, FedREOptions)
+METHOD = Method(
+    "fedre",
+    FedREStrategy,
+    FedREClient,
+    SCHEMAS,
+    FedREOptions,
+    metrics={"train": {"num-classes-present": count("classes in the client's training split")}},
+)

@@ -8,12 +8,13 @@ the same options (:func:`common.options.read_options`) and the same schemas
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import RunConfig
 from common.options import read_options
+from strategies.metrics import MetricSpec
 from strategies.payload import PayloadSchema
 
 #: message type -> (server->client schema, client->server schema)
@@ -39,6 +40,8 @@ class Method:
             for a method whose payload depends on its config (e.g. the shared model's layers).
         options: the frozen dataclass of ``common.options.option`` fields declaring every key of
             the method's table.
+        metrics: the scalar metrics its clients report beyond every method's
+            (``strategies.metrics``), by message category; a reply with any other key is dropped.
     """
 
     name: str
@@ -46,6 +49,7 @@ class Method:
     client: type
     schemas: Schemas | Callable[[RunConfig, Any], Schemas]
     options: type = NoOptions
+    metrics: Mapping[str, Mapping[str, MetricSpec]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.strategy.method = self

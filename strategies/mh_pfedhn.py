@@ -51,6 +51,7 @@ from models.groups import MODEL_GROUPS
 from models.mh import build_mh_model
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.method import Method
+from strategies.metrics import count
 from strategies.payload import ArraySpec, PayloadError, PayloadSchema, array_record
 from strategies.records import round_metrics
 
@@ -525,5 +526,14 @@ class MHpFedHNGDClient(MHpFedHNClient):
         return loss
 
 
-METHOD = Method("mh-pfedhn", MHpFedHNStrategy, MHpFedHNClient, SCHEMAS, HNOptions)
-METHOD_GD = Method("mh-pfedhngd", MHpFedHNGDStrategy, MHpFedHNGDClient, SCHEMAS_GD, HNGDOptions)
+#: K_i, the one fact a client discloses (bounded by the model group in ``check_reply``)
+NUM_PARAMS = {"num-params": count("parameters of the client's personal model, K_i")}
+METHOD = Method("mh-pfedhn", MHpFedHNStrategy, MHpFedHNClient, SCHEMAS, HNOptions, metrics={"query": NUM_PARAMS})
+METHOD_GD = Method(
+    "mh-pfedhngd",
+    MHpFedHNGDStrategy,
+    MHpFedHNGDClient,
+    SCHEMAS_GD,
+    HNGDOptions,
+    metrics={"query": {**NUM_PARAMS, "global-num-params": count("parameters of the global model the client builds")}},
+)

@@ -14,7 +14,7 @@ as the papers count them (docs/methods/fedgh.md §2).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from io import BytesIO
 from typing import Any
@@ -31,8 +31,28 @@ MAX_ABS = 1e6
 ROW_NORM_FACTOR = 100.0
 
 
+#: most names quoted in an error message (a hostile reply may carry thousands of arrays or metrics)
+NAMES_SHOWN = 5
+
+
 class PayloadError(ValueError):
     """A payload does not match its schema (missing/extra key, shape, dtype, value)."""
+
+
+def names(keys: Iterable[str]) -> str:
+    """At most :data:`NAMES_SHOWN` of ``keys``, quoted, then how many more ("none" for no key): an
+    error message about a hostile reply stays short however many keys it carries."""
+    keys = list(keys)
+    if not keys:
+        return "none"
+    shown = ", ".join(repr(short(k, 40)) for k in keys[:NAMES_SHOWN])
+    return shown + (f" and {len(keys) - NAMES_SHOWN} more" if len(keys) > NAMES_SHOWN else "")
+
+
+def short(value: Any, limit: int = 60) -> str:
+    """``value`` (a string, else its repr) cut to ``limit`` characters."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -91,9 +111,7 @@ class PayloadSchema:
         """
         if self.optional and not arrays:
             return dict(dims)
-        missing, extra = set(self.arrays) - set(arrays), set(arrays) - set(self.arrays)
-        if missing or extra:
-            raise PayloadError(f"payload keys {sorted(arrays)} != expected {sorted(self.arrays)}")
+        self.check_names(arrays)
         bound = dict(dims)
         for name, spec in self.arrays.items():
             a = arrays[name]
@@ -121,6 +139,22 @@ class PayloadSchema:
         if self.check is not None:
             self.check(arrays, bound)
         return bound
+
+    def check_names(self, names_given: Iterable[str]) -> None:
+        """Raises PayloadError unless ``names_given`` are exactly the schema's array names (or none,
+        for an optional payload); cheap, so it runs before any array is decoded.
+        """
+        given = list(names_given)
+        if self.optional and not given:
+            return
+        present = set(given)
+        missing = [k for k in self.arrays if k not in present]
+        extra = [k for k in given if k not in self.arrays]
+        if missing or extra or len(given) != len(self.arrays):
+            raise PayloadError(
+                f"payload keys: {len(given)} arrays, missing {names(missing)}, unexpected {names(extra)}; "
+                f"expected {names(self.arrays)}"
+            )
 
     def to_record(self, arrays: Mapping[str, np.ndarray]) -> RecordDict:
         """Records for a message carrying ``arrays`` (none when the schema is empty).
@@ -231,19 +265,23 @@ def decode_array(name: str, array: Array) -> np.ndarray:
     )
 
 
-def read_payload(content: RecordDict) -> dict[str, np.ndarray]:
+def read_payload(content: RecordDict, schema: PayloadSchema) -> dict[str, np.ndarray]:
     """The payload arrays of a message (empty when it carries none), each through :func:`decode_array`.
 
+    The array names are checked against ``schema`` first (:meth:`PayloadSchema.check_names`), so
+    a message with unexpected arrays is refused before any of them is decoded; the decoded arrays
+    still need ``schema.validate``.
+
     Raises:
-        PayloadError: if the message carries an ArrayRecord other than the payload one, or
-            an array fails :func:`decode_array`.
+        PayloadError: if the message carries an ArrayRecord other than the payload one, array
+            names other than the schema's, or an array that fails :func:`decode_array`.
     """
-    names = set(content.array_records)
-    if names - {PAYLOAD}:
-        raise PayloadError(f"unexpected array records {sorted(names - {PAYLOAD})}")
-    if PAYLOAD not in names:
-        return {}
-    return {k: decode_array(k, v) for k, v in content.array_records[PAYLOAD].items()}
+    records = list(content.array_records)
+    if [r for r in records if r != PAYLOAD]:
+        raise PayloadError(f"unexpected array records {names(r for r in records if r != PAYLOAD)}")
+    record = content.array_records[PAYLOAD] if PAYLOAD in records else {}
+    schema.check_names(record.keys())
+    return {k: decode_array(k, v) for k, v in record.items()}
 
 
 def tensor_bytes(content: RecordDict) -> int:

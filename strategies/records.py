@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,6 +12,8 @@ from flwr.app import MetricRecord
 
 from strategies.aggregation import sample_weighted_mean
 from strategies.payload import ClientReply
+
+log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
 
 def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_seconds: float) -> dict[str, Any]:
@@ -88,7 +92,25 @@ def round_row(
         row["accuracy_per_client"] = dict(zip((str(p) for p in ev["partition-ids"]), ev["accuracy-per-client"]))
         row.update({k.replace("-", "_"): v for k, v in ev.items() if k.startswith("accuracy-mean-")})
     row.update({k.replace("-", "_"): v for k, v in train.items() if k != "num-clients"})
-    return row
+    return finite_values(row)
+
+
+def finite_values(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with every non-finite float (top level or in a nested dict or list) replaced by None
+    and logged: rows are strict JSON, and a NaN from a server step (e.g. a diverged server loss
+    that was rolled back) must not make ``metrics.jsonl`` unreadable to strict parsers."""
+
+    def clean(key: str, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: clean(f"{key}.{k}", v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(key, v) for v in value]
+        if isinstance(value, float) and not math.isfinite(value):
+            log.warning("Round row key '%s' = %s is not finite: written as null", key, value)
+            return None
+        return value
+
+    return {k: clean(k, v) for k, v in row.items()}
 
 
 def _client_sums(replies: list[ClientReply], keys: tuple[str, ...]) -> dict[str, float]:

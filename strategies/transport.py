@@ -3,36 +3,31 @@ payload, the exchange (push, then pull at a short interval until every reply is 
 times out), payload bytes counted per message category, and every reply checked before use.
 
 :class:`Transport` is a mixin of ``strategies.base.HeteroStrategy``: it uses the strategy's
-``schemas``, ``clients`` (the handshake's metrics per node), ``cfg``, ``info`` and its hooks
-``check_reply`` and ``reply_dims``.
+``schemas``, ``clients`` (the handshake's metrics per node), ``cfg``, ``info``, ``method`` (its
+declared metrics), ``evaluate_in_train`` and its hooks ``check_reply`` and ``reply_dims``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord, Message
 from flwr.serverapp import Grid
 
 from models.groups import MODEL_GROUPS
+from strategies.metrics import PARTITION_ID, REQUIRED_METRICS, check_metrics, declared_metrics
 from strategies.payload import ClientReply, PayloadError, clip_outlier_rows, read_payload, tensor_bytes
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
-#: metric key every reply carries (the client runtime adds it)
-PARTITION_ID = "partition-id"
-#: further metric keys a reply of a message category must carry
-REQUIRED_METRICS = {"evaluate": ("test-correct", "num-examples"), "query": ("num-train", "num-test", "num-partitions")}
-#: prefix of evaluation metrics carried in a train reply (see ``HeteroStrategy.evaluate_in_train``)
-EVAL_PREFIX = "eval-"
 #: seconds between two pulls for replies (Flower's HTTP grid waits 3 s)
 PULL_SECONDS = 0.05
+#: longest reason quoted in the log line of a dropped reply (a hostile reply's error may be long)
+REASON_CHARS = 300
 
 
 class Transport:
@@ -136,42 +131,59 @@ class Transport:
         """Keep the replies that match the schema of ``message_type``; log and drop the rest.
 
         A reply is dropped when it is an error, carries records other than the payload and
-        one ``metrics`` MetricRecord, lacks ``partition-id`` (or claims another partition
-        than its node did at the handshake), or its payload fails the schema.
+        one ``metrics`` MetricRecord, its metrics fail their declarations
+        (``strategies.metrics.check_metrics``), it lacks ``partition-id`` (or claims another
+        partition than its node did at the handshake), its payload fails the schema (array
+        names are checked before any array is decoded), or, in a train or evaluate exchange,
+        its partition already gave a valid reply in this exchange (a replayed or spoofed
+        reply: it is counted as dropped, while the partition's first reply stands). Query
+        replies are claims: the node registry decides between two claims of one partition.
+        The log line of a dropped reply quotes at most :data:`REASON_CHARS` of its reason.
         """
+        category = _category(message_type)
         up = self.schemas[message_type][1]
-        valid = []
+        declared = declared_metrics(category, self.method.metrics if self.method else {}, self.evaluate_in_train)
+        valid: list[ClientReply] = []
+        answered: set[int] = set()  # partitions with a valid reply in this exchange
         for reply in replies:
             node = reply.metadata.src_node_id
+            duplicate = False
             try:
                 if reply.has_error():
                     raise PayloadError(f"client error {reply.error.code}: {reply.error.reason}")
                 content = reply.content
                 extra = set(content.keys()) - {"payload", "metrics"}
                 if extra or "metrics" not in content.metric_records:
-                    raise PayloadError(f"records {sorted(content.keys())}, expected payload + metrics")
+                    raise PayloadError(f"records {sorted(content.keys())[:5]}, expected payload + metrics")
                 metrics = dict(content.metric_records["metrics"])
                 pid = metrics.get(PARTITION_ID)
                 if not isinstance(pid, int):
                     raise PayloadError("metrics lack an integer 'partition-id'")
-                absent = [k for k in REQUIRED_METRICS.get(_category(message_type), ()) if k not in metrics]
+                absent = [k for k in REQUIRED_METRICS.get(category, ()) if k not in metrics]
                 if absent:
                     raise PayloadError(f"metrics lack {absent}")
-                check_metrics(metrics, self.clients.get(node), _category(message_type), self.info.train_size)
+                check_metrics(metrics, declared, self.clients.get(node), category, self.info.train_size)
                 self.check_reply(message_type, metrics)
                 if node in self.clients and self.clients[node][PARTITION_ID] != pid:
                     raise PayloadError(
                         f"partition-id {pid} differs from the handshake's {self.clients[node][PARTITION_ID]}"
                     )
-                arrays = read_payload(content)
+                if category != "query" and pid in answered:
+                    duplicate = True
+                    raise PayloadError(f"partition {pid} already replied in this exchange")
+                arrays = read_payload(content, up)
                 up.validate(arrays, self.reply_dims(node))
                 valid.append(ClientReply(node, pid, arrays, metrics))
+                answered.add(pid)
             except PayloadError as exc:
-                self.dropped[_category(message_type)] += 1
-                if node in self.clients:
+                self.dropped[category] += 1
+                if node in self.clients and not duplicate:
                     self.round_dropped.add(self.clients[node][PARTITION_ID])
-                log.warning("Dropped %s reply from node %s: %s", message_type, node, exc)
-        if _category(message_type) == "train":
+                reason = str(exc)
+                if len(reason) > REASON_CHARS:
+                    reason = f"{reason[:REASON_CHARS]}... ({len(reason)} characters)"
+                log.warning("Dropped %s reply from node %s: %s", message_type, node, reason)
+        if category == "train":
             self._count_work(valid)
         clipped = clip_outlier_rows(up, [r.arrays for r in valid])
         if clipped:
@@ -204,63 +216,6 @@ class Transport:
                 work = self.round_work.setdefault(group.architecture_for(r.partition_id), [0.0, 0.0])
                 work[0] += float(r.metrics["num-examples"]) * self.cfg.local_epochs
                 work[1] += float(r.metrics["train-seconds"])
-
-
-def check_metrics(
-    metrics: Mapping[str, Any], known: Mapping[str, Any] | None, category: str, dataset_size: int
-) -> None:
-    """Reject a reply's metrics that the server could not safely use.
-
-    Every value must be a finite int or float (a MetricRecord may also hold lists, which no
-    client sends and the aggregations cannot use). Example counts must be non-negative integers:
-    at the handshake (``known`` None) ``num-train`` + ``num-test`` at most ``dataset_size`` (the
-    partitioned split's size), later within what the client reported at the handshake
-    (``known``): a train reply's ``num-examples`` at most its ``num-train``, an evaluation's
-    ``num-examples`` at most its ``num-test`` and ``test-correct`` at most ``num-examples``
-    (also for the ``eval-`` metrics inside a train reply), so one client cannot claim to
-    outweigh the others in a sample-weighted mean.
-
-    Raises:
-        PayloadError: naming the metric.
-    """
-    for key, value in metrics.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise PayloadError(f"metric '{key}' = {value!r} is not a finite number")
-    counts = [
-        k
-        for k in (
-            "num-train",
-            "num-test",
-            "num-examples",
-            "test-correct",
-            EVAL_PREFIX + "num-examples",
-            EVAL_PREFIX + "test-correct",
-        )
-        if k in metrics
-    ]
-    for key in counts:
-        if not isinstance(metrics[key], int) or metrics[key] < 0:
-            raise PayloadError(f"metric '{key}' = {metrics[key]!r} is not a non-negative integer")
-    if known is None:
-        claimed = metrics.get("num-train", 0) + metrics.get("num-test", 0)
-        if claimed > dataset_size:
-            raise PayloadError(
-                f"metrics 'num-train' + 'num-test' = {claimed} exceed the dataset's {dataset_size} examples"
-            )
-        return
-    limits = {
-        "num-examples": known.get("num-train" if category == "train" else "num-test"),
-        EVAL_PREFIX + "num-examples": known.get("num-test"),
-    }
-    for key, limit in limits.items():
-        if key in metrics and limit is not None and metrics[key] > limit:
-            raise PayloadError(
-                f"metric '{key}' = {metrics[key]} exceeds the {limit} examples the client reported at the handshake"
-            )
-    for prefix in ("", EVAL_PREFIX):
-        correct, total = metrics.get(prefix + "test-correct"), metrics.get(prefix + "num-examples")
-        if correct is not None and total is not None and correct > total:
-            raise PayloadError(f"metric '{prefix}test-correct' = {correct} exceeds '{prefix}num-examples' = {total}")
 
 
 def _category(message_type: str) -> str:

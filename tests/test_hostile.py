@@ -170,18 +170,34 @@ def test_hostile_mislabelled_array_is_dropped(run_config, baseline):
         {"num-examples": -1},
         {"eval-test-correct": 10**6},
         {"train-seconds": math.nan},
+        {"train-loss": 1e308},  # summed into the row's weighted mean it was inf
+        {"eval-test-acc-global-head": 1e300},  # became the row's global-head accuracy
+        {"train-acc": 1.5},
+        {"train-seconds": -1.0},
+        {"state-restores": 10**12},
+        {"test-acc": 0.5},  # an evaluate key in a train reply
+        {"eval-test-acc-invented": 0.5},  # a key no method declares
     ],
 )
 def test_hostile_metrics_are_dropped(run_config, baseline, metrics):
-    """List-valued, non-finite and out-of-range metrics (a num-examples claim above the client's
-    handshake size would outweigh the others in any sample-weighted mean)."""
+    """List-valued, non-finite, out-of-range and undeclared metrics (a num-examples claim above the
+    client's handshake size would outweigh the others in any sample-weighted mean; an accuracy
+    above 1 or a loss of 1e308 would poison the row)."""
     assert_dropped_like_lost(*run(run_config, lambda reply: with_metrics(reply, **metrics)), baseline)
 
 
+def zero_classes(reply: Message) -> Message:
+    """The reply's per-class upload with every row removed: valid, but about no class."""
+    arrays = reply.content.array_records[PAYLOAD]
+    return with_payload(reply, {k: Array(np.ascontiguousarray(v.numpy()[:0])) for k, v in arrays.items()})
+
+
 @pytest.mark.parametrize("method, state", [("fedproto", "global_set"), ("fd", "global_logits")])
-def test_hostile_empty_round_keeps_the_global_state(run_config, method, state):
-    """FedProto/FD: a round in which every train reply is unusable keeps the last global
-    prototypes/logits (and sends them in the next round) instead of forgetting them."""
+@pytest.mark.parametrize("empty", ["no valid reply", "zero classes"])
+def test_hostile_empty_round_keeps_the_global_state(run_config, method, state, empty):
+    """FedProto/FD: a round in which every train reply is unusable, or whose only valid reply
+    uploads zero classes, keeps the last global prototypes/logits (and sends them in the next
+    round) instead of forgetting them."""
     rc = run_config(**{"method": method, "num-clients": 3, "num-server-rounds": 3})
     seen = []
 
@@ -189,7 +205,7 @@ def test_hostile_empty_round_keeps_the_global_state(run_config, method, state):
         if reply.metadata.message_type == "train":
             seen.append(node)
             if 4 <= len(seen) <= 6:  # every reply of round 2
-                return lost(reply)
+                return zero_classes(reply) if empty == "zero classes" and len(seen) == 4 else lost(reply)
         return reply
 
     strategy, grid = federation(rc, tamper)
@@ -203,7 +219,7 @@ def test_hostile_empty_round_keeps_the_global_state(run_config, method, state):
 
     strategy.server_update = server_update
     strategy.start(grid)
-    assert [r["num_clients"] for r in strategy.rows] == [3, 0, 3]
+    assert [r["num_clients"] for r in strategy.rows] == [3, 0 if empty == "no valid reply" else 1, 3]
     assert kept[0] and kept[1].keys() == kept[0].keys()
     assert all(np.array_equal(kept[1][k], kept[0][k]) for k in kept[0])
     round3 = [m for m in grid.sent if m.metadata.message_type == "train"][6:]
@@ -545,3 +561,65 @@ def test_hostile_secrets_are_private_and_never_written_through_a_link(tmp_path):
     with pytest.raises(OSError):
         write_node_keys(keys, 1)
     assert not target.exists()
+
+
+def test_hostile_unexpected_arrays_are_refused_before_any_is_decoded(run_config, baseline, monkeypatch, caplog):
+    """20,000 extra one-element arrays: refused by their names before one of them is decoded,
+    and the log line about the reply stays short."""
+    import strategies.payload as payload
+
+    decoded = []
+    decode = payload.decode_array
+    monkeypatch.setattr(payload, "decode_array", lambda name, array: decoded.append(name) or decode(name, array))
+
+    def attack(reply):
+        arrays = dict(reply.content.array_records[PAYLOAD])
+        extra = Array(np.zeros(1, np.float32))
+        return with_payload(reply, {**arrays, **{f"x{i}": extra for i in range(20_000)}})
+
+    with caplog.at_level("WARNING"):
+        rows, arrays = run(run_config, attack)
+    assert_dropped_like_lost(rows, arrays, baseline)
+    assert decoded and not [name for name in decoded if name.startswith("x")]
+    dropped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Dropped train reply")]
+    assert len(dropped) == 2 and max(len(m) for m in dropped) < 500, dropped
+    assert "20002 arrays" in dropped[0] and "and 19995 more" in dropped[0]
+
+
+def test_hostile_invented_metric_keys_are_dropped_and_rows_stay_small(run_config, baseline):
+    """5,000 invented ``eval-test-acc-*`` keys made one row 154 KB: now the reply is dropped."""
+    import json
+
+    invented = {f"eval-test-acc-x{i}": 0.5 for i in range(5000)}
+    rows, arrays = run(run_config, lambda reply: with_metrics(reply, **invented))
+    assert_dropped_like_lost(rows, arrays, baseline)
+    assert max(len(json.dumps(row, allow_nan=False)) for row in rows) < 5000
+
+
+def test_hostile_second_reply_of_a_partition_is_dropped(run_config):
+    """A replayed (or spoofed) second reply of partition 1 in one exchange is dropped and counted;
+    the server step uses partition 1 once, as in an untouched run."""
+    rc = run_config(**{"num-clients": 3, "num-server-rounds": 2})
+    clean, grid = federation(rc)
+    clean.start(grid)
+
+    strategy, grid = federation(rc)
+    exchange = strategy.exchange
+
+    def replayed(messages, timeout=None):
+        replies = exchange(messages, timeout)
+        return replies + [
+            r for r in replies if r.metadata.src_node_id == ATTACKER and r.metadata.message_type == "train"
+        ]
+
+    strategy.exchange = replayed
+    strategy.start(grid)
+    assert strategy.dropped["train"] == 2  # one replay per round
+    for row, clean_row in zip(strategy.rows, clean.rows):
+        assert (
+            row["num_clients"] == 3
+            and row["dropped_clients"] == []
+            and row["accuracy_mean"] == clean_row["accuracy_mean"]
+        )
+    mine, theirs = state_arrays(strategy.server_state()), state_arrays(clean.server_state())
+    assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
