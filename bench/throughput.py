@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    spec = DataSpec("cifar10", str(DATA_DIR.resolve()), "iid", 10, 0.5, 2, False, 2, 0.2, args.examples, 0)
+    spec = DataSpec("cifar10", str(DATA_DIR.resolve()), "train", "iid", 10, 0.5, 2, False, 2, 0.2, args.examples, 0)
     data = load_client_data(spec, 0)
     info = DATASETS["cifar10"]
     print(f"CIFAR-10, {len(data.train_y)} training images, {args.threads} thread(s), torch {torch.__version__}")

@@ -2,9 +2,12 @@
 
 Loading: ``<data-dir>/<name>/{train,test}.parquet`` through Hugging Face ``datasets`` when
 the files exist (the offline copies in shared/data), the dataset's Hub id otherwise.
-Partitioning: flwr-datasets partitioners over the train split (``iid``, ``dirichlet``,
-``pathological``), after one seeded shuffle, as ``FederatedDataset`` does. Each partition is
-then split into a local train and test part with the same class proportions.
+Partitioning: flwr-datasets partitioners over the pool (run config ``data-pool``: the train
+split, or the train and test splits merged, as the PFLlib/HtFLlib generators do) with
+``iid``, ``dirichlet`` or ``pathological``, after one seeded shuffle, as ``FederatedDataset``
+does. Each partition is then split into a local train and test part with the same class
+proportions. The partition's seed is ``RunConfig.data_seed`` (run config ``partition-seed``, or
+``seed``).
 
 A partition is decoded once per process into uint8 tensors and cached: in simulation a Ray
 actor serves many virtual clients over many rounds, so decoding per round would dominate.
@@ -50,6 +53,7 @@ class DataSpec:
 
     dataset: str
     data_dir: str
+    data_pool: str
     partitioner: str
     num_partitions: int
     dirichlet_alpha: float
@@ -58,7 +62,7 @@ class DataSpec:
     classes_per_client: int
     test_fraction: float
     max_examples_per_client: int
-    seed: int
+    seed: int  # the partition's seed (RunConfig.data_seed), not the training's
 
     @classmethod
     def from_config(cls, cfg: RunConfig, num_partitions: int, data_dir: str | None = None) -> DataSpec:
@@ -66,6 +70,7 @@ class DataSpec:
         return cls(
             cfg.dataset,
             os.path.realpath(data_dir or cfg.data_dir),
+            cfg.data_pool,
             cfg.partitioner,
             num_partitions,
             cfg.dirichlet_alpha,
@@ -74,7 +79,7 @@ class DataSpec:
             cfg.classes_per_client,
             cfg.test_fraction,
             cfg.max_examples_per_client,
-            cfg.seed,
+            cfg.data_seed,
         )
 
 
@@ -153,8 +158,26 @@ def partitioner_for(spec: DataSpec):
             class_assignment_mode="random",
             seed=spec.seed,
         )
-    partitioner.dataset = load_split(spec.dataset, spec.data_dir, "train").shuffle(seed=spec.seed)
+    partitioner.dataset = load_pool(spec).shuffle(seed=spec.seed)
     return partitioner
+
+
+def pool_splits(data_pool: str) -> tuple[str, ...]:
+    """The official splits run config ``data-pool`` partitions, in the order they are concatenated."""
+    return ("train", "test") if data_pool == "train+test" else ("train",)
+
+
+def load_pool(spec: DataSpec):
+    """The examples that are partitioned: the train split, or the train and test splits concatenated
+    in that order (``data-pool = "train+test"``), as a ``datasets.Dataset`` (images not decoded).
+
+    Raises:
+        ConfigError: see :func:`load_split`.
+    """
+    from datasets import concatenate_datasets
+
+    splits = [load_split(spec.dataset, spec.data_dir, split) for split in pool_splits(spec.data_pool)]
+    return splits[0] if len(splits) == 1 else concatenate_datasets(splits)
 
 
 def stratified_split(
@@ -231,9 +254,9 @@ CACHE_FORMAT = 1
 def partition_key(spec: DataSpec, partition_id: int) -> str:
     """A hex digest of everything that determines partition ``partition_id``'s tensors: the
     :class:`DataSpec`, the partition id, :data:`CACHE_FORMAT` and the size and modification time
-    of the on-disk train split (so a replaced data file misses)."""
-    path = os.path.join(spec.data_dir, spec.dataset, "train.parquet")
-    stamp = (os.stat(path).st_size, os.stat(path).st_mtime_ns) if os.path.exists(path) else None
+    of each on-disk split of the pool (so a replaced data file misses)."""
+    paths = [os.path.join(spec.data_dir, spec.dataset, f"{split}.parquet") for split in pool_splits(spec.data_pool)]
+    stamp = [(os.stat(p).st_size, os.stat(p).st_mtime_ns) if os.path.exists(p) else None for p in paths]
     text = repr((CACHE_FORMAT, dataclasses.astuple(spec), partition_id, stamp))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 

@@ -20,6 +20,9 @@ from common.datasets import AUGMENTATIONS, DATASETS, NORMALIZATIONS, with_recipe
 from common.errors import ConfigError
 
 PARTITIONERS = ("iid", "dirichlet", "pathological")
+#: run config ``data-pool``: ``train`` partitions the official train split; ``train+test`` merges the
+#: official train and test splits first, as the PFLlib/HtFLlib generators (FedTGP, FedRE) do
+DATA_POOLS = ("train", "train+test")
 DEVICES = ("auto", "cpu", "cuda")
 #: run config ``precision``: ``fp32`` (default, the papers' recipe) or ``bf16`` autocast of local training
 PRECISIONS = ("fp32", "bf16")
@@ -123,6 +126,7 @@ class RunConfig:
     method: str
     dataset: str
     data_dir: str
+    data_pool: str
     partitioner: str
     dirichlet_alpha: float
     dirichlet_min_size: int
@@ -144,6 +148,7 @@ class RunConfig:
     eval_every: int
     eval_clients: str
     seed: int
+    partition_seed: int
     output_dir: str
     resume_from: str
     state_dir: str
@@ -178,6 +183,7 @@ class RunConfig:
             method=_string("method", g("method")),
             dataset=choice("dataset", g("dataset"), tuple(DATASETS)),
             data_dir=_string("data-dir", g("data-dir")),
+            data_pool=choice("data-pool", g("data-pool"), DATA_POOLS),
             partitioner=choice("partitioner", g("partitioner"), PARTITIONERS),
             dirichlet_alpha=number("dirichlet-alpha", g("dirichlet-alpha"), low=0, low_open=True),
             dirichlet_min_size=number("dirichlet-min-size", g("dirichlet-min-size"), kind=int, low=1),
@@ -199,6 +205,7 @@ class RunConfig:
             eval_every=number("eval-every", g("eval-every"), kind=int, low=1),
             eval_clients=choice("eval-clients", g("eval-clients"), EVAL_CLIENTS),
             seed=number("seed", g("seed"), kind=int, low=0),
+            partition_seed=number("partition-seed", g("partition-seed"), kind=int, low=-1),
             output_dir=_string("output-dir", g("output-dir")),
             resume_from=_optional_string("resume-from", g("resume-from")),
             state_dir=_optional_string("state-dir", g("state-dir")),
@@ -220,6 +227,19 @@ class RunConfig:
                 f"integers from 1 to {info.num_classes} for dataset '{cfg.dataset}'",
             )
         return cfg
+
+    @property
+    def data_seed(self) -> int:
+        """The seed of the partition (the shuffle, the partitioner and each client's train/test split):
+        ``partition-seed``, or ``seed`` when that is -1 (the default), so a grid can hold the
+        partition fixed while ``seed`` varies the training (model initialisation, client RNG)."""
+        return self.seed if self.partition_seed < 0 else self.partition_seed
+
+    @property
+    def pool_size(self) -> int:
+        """Examples in the pool that is partitioned (``data-pool``): the train split, or train + test."""
+        info = DATASETS[self.dataset]
+        return info.train_size + (info.test_size if self.data_pool == "train+test" else 0)
 
     @property
     def representation_dim(self) -> int:

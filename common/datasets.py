@@ -18,8 +18,9 @@ class DatasetInfo:
     (by default FedGH's code's: ImageNet statistics for CIFAR-10, the dataset's own otherwise);
     ``dataset_mean``/``dataset_std`` are the dataset's own statistics. ``flip``, ``erase``,
     ``crop_padding`` (0: no crop) select the training augmentation. :func:`with_recipe` applies
-    the run config keys ``augment`` and ``normalize``. ``train_size`` is the number of examples in
-    the split that is partitioned (an upper bound on any client's data size).
+    the run config keys ``augment`` and ``normalize``. ``train_size`` and ``test_size`` are the
+    numbers of examples in the official splits (``RunConfig.pool_size``, the pool that is
+    partitioned, is an upper bound on any client's data size).
     """
 
     hub_id: str
@@ -36,6 +37,7 @@ class DatasetInfo:
     dataset_mean: tuple[float, ...]
     dataset_std: tuple[float, ...]
     train_size: int
+    test_size: int
 
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -60,6 +62,7 @@ DATASETS: dict[str, DatasetInfo] = {
         dataset_mean=CIFAR10_MEAN,
         dataset_std=CIFAR10_STD,
         train_size=50_000,
+        test_size=10_000,
     ),
     "cifar100": DatasetInfo(
         hub_id="uoft-cs/cifar100",
@@ -76,6 +79,7 @@ DATASETS: dict[str, DatasetInfo] = {
         dataset_mean=CIFAR100_MEAN,
         dataset_std=CIFAR100_STD,
         train_size=50_000,
+        test_size=10_000,
     ),
     "mnist": DatasetInfo(
         hub_id="ylecun/mnist",
@@ -92,6 +96,7 @@ DATASETS: dict[str, DatasetInfo] = {
         dataset_mean=(0.1307,),
         dataset_std=(0.3081,),
         train_size=60_000,
+        test_size=10_000,
     ),
     "fashion-mnist": DatasetInfo(
         hub_id="zalando-datasets/fashion_mnist",
@@ -108,6 +113,7 @@ DATASETS: dict[str, DatasetInfo] = {
         dataset_mean=(0.2860,),
         dataset_std=(0.3530,),
         train_size=60_000,
+        test_size=10_000,
     ),
 }
 

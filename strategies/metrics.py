@@ -144,8 +144,8 @@ def check_metrics(
     thousands of keys costs nothing), none undeclared. Then each value against its
     :class:`MetricSpec` (integer or number, finite, in range). Then the example counts against
     what is known: at the handshake (``known`` None) ``num-train`` + ``num-test`` at most
-    ``dataset_size`` (the partitioned split's size) and ``num-partitions`` at most that too; later
-    within what the client reported at the handshake (``known``): a train reply's
+    ``dataset_size`` (the partitioned pool's size, ``RunConfig.pool_size``), and ``num-partitions``
+    at most that too; later within what the client reported at the handshake (``known``): a train reply's
     ``num-examples`` at most its ``num-train``, an evaluation's ``num-examples`` at most its
     ``num-test`` and ``test-correct`` at most ``num-examples`` (also for the ``eval-`` metrics
     inside a train reply), so one client cannot claim to outweigh the others in a

@@ -162,7 +162,7 @@ class Transport:
                 absent = [k for k in REQUIRED_METRICS.get(category, ()) if k not in metrics]
                 if absent:
                     raise PayloadError(f"metrics lack {absent}")
-                check_metrics(metrics, declared, self.clients.get(node), category, self.info.train_size)
+                check_metrics(metrics, declared, self.clients.get(node), category, self.cfg.pool_size)
                 self.check_reply(message_type, metrics)
                 if node in self.clients and self.clients[node][PARTITION_ID] != pid:
                     raise PayloadError(

@@ -14,6 +14,7 @@ def spec(**kw):
     base = dict(
         dataset="cifar10",
         data_dir=str(DATA_DIR),
+        data_pool="train",
         partitioner="pathological",
         num_partitions=10,
         dirichlet_alpha=0.5,
@@ -141,3 +142,38 @@ def test_partition_cache_ignores_a_torn_or_foreign_file_and_rewrites_it(tmp_path
     assert torch.equal(again.train_x, fresh.train_x) and torch.equal(again.test_y, fresh.test_y)
     saved = torch.load(path, weights_only=True)  # rewritten whole
     assert torch.equal(saved["train_x"], fresh.train_x)
+
+
+@pytest.mark.parametrize("dataset, pool", [("fashion-mnist", 70_000), ("mnist", 70_000), ("cifar10", 60_000)])
+def test_train_and_test_pool_partitions_every_official_image(dataset, pool):
+    """``data-pool = "train+test"`` partitions the official train and test splits together (PFLlib's
+    generators); every client's local test split comes from that pool. Checked on the labels of all
+    partitions (nothing decoded): they add up to the pool, and they hold test-split images."""
+    from client_app.data import load_pool, partition_split
+
+    partitioned = spec(dataset=dataset, data_pool="train+test", partitioner="iid", num_partitions=5)
+    assert len(load_pool(partitioned)) == pool == DATASETS[dataset].train_size + DATASETS[dataset].test_size
+    sizes, from_test = 0, 0
+    for pid in range(5):
+        part, labels, train_idx, test_idx = partition_split(partitioned, pid)
+        sizes += len(train_idx) + len(test_idx)
+        paths = part.select(test_idx.tolist())[DATASETS[dataset].image_column]
+        from_test += sum(1 for im in paths if im["path"] is not None and int(im["path"].split(".")[0]) >= 60_000)
+    assert sizes == pool
+    if dataset != "cifar10":  # the MNIST and Fashion-MNIST files number test images 60000-69999
+        assert from_test > 0.1 * sizes * 0.2
+
+
+def test_partition_seed_holds_the_partition_while_seed_varies_training(run_config):
+    """Two runs with the same ``partition-seed`` and different ``seed``: identical partitions, different
+    training (model initialisation and batch order)."""
+    from conftest import client_runtime
+
+    a = client_runtime(run_config(seed=1, **{"partition-seed": 0}), 2)
+    b = client_runtime(run_config(seed=2, **{"partition-seed": 0}), 2)
+    c = client_runtime(run_config(seed=1, **{"partition-seed": 3}), 2)
+    assert torch.equal(a.data.train_x, b.data.train_x) and torch.equal(a.data.test_y, b.data.test_y)
+    assert not torch.equal(a.data.train_y, c.data.train_y) or not torch.equal(a.data.train_x, c.data.train_x)
+    first = [p for p in a.model.parameters()][0]
+    assert not torch.equal(first, [p for p in b.model.parameters()][0])
+    assert not torch.equal(torch.randperm(100, generator=a.generator(1)), torch.randperm(100, generator=b.generator(1)))
