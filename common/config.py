@@ -138,6 +138,7 @@ class RunConfig:
     feature_dim: int
     num_clients: int
     num_server_rounds: int
+    stop_patience: int
     local_epochs: int
     batch_size: int
     lr: float
@@ -195,6 +196,7 @@ class RunConfig:
             feature_dim=number("feature-dim", g("feature-dim"), kind=int, low=1),
             num_clients=number("num-clients", g("num-clients"), kind=int, low=0),
             num_server_rounds=number("num-server-rounds", g("num-server-rounds"), kind=int, low=1),
+            stop_patience=number("stop-patience", g("stop-patience"), kind=int, low=0),
             local_epochs=number("local-epochs", g("local-epochs"), kind=int, low=0),
             batch_size=number("batch-size", g("batch-size"), kind=int, low=1),
             lr=number("lr", g("lr"), low=0),

@@ -100,6 +100,8 @@ class ResultsWriter:
             "status": self.status,
             "num_clients": self.num_clients,
             "rounds_completed": len(self.rows),
+            # run config stop-patience ended the run before num-server-rounds (None: it did not)
+            "stop_reason": self.rows[-1].get("stop_reason") if self.rows else None,
             "final_accuracy_mean": evaluated[-1]["accuracy_mean"] if evaluated else None,
             "final_accuracy_weighted": evaluated[-1]["accuracy_weighted"] if evaluated else None,
             "best_accuracy_mean": best["accuracy_mean"] if best else None,

@@ -50,7 +50,7 @@ from strategies.method import Method, Schemas
 from strategies.metrics import EVAL_PREFIX, REQUIRED_METRICS
 from strategies.nodes import NodeRegistry
 from strategies.payload import ClientReply, PayloadSchema, array_record
-from strategies.records import metric_values, progress_line, round_metrics, round_row
+from strategies.records import metric_values, patience_exhausted, progress_line, round_metrics, round_row
 from strategies.transport import Transport
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
@@ -243,6 +243,8 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
         result = Result()
         run_start = time.perf_counter()
         for server_round in range(first, rounds + 1):
+            if self.rows and self.rows[-1].get("stop_reason"):  # stop-patience ran out (maybe before a resume)
+                break
             before = self.traffic.copy()
             t0 = time.perf_counter()
             self.begin_round()
@@ -279,11 +281,16 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
                 self.round_clipped,
                 self.round_work,
             )
+            stop = patience_exhausted([*self.rows, row], self.cfg.stop_patience)
+            if stop:
+                row["stop_reason"] = stop
             self.rows.append(row)
             if self.results is not None:
                 self.results.write_round(row)
                 self.results.write_checkpoint(self.checkpoint(server_round))
             log.info(progress_line(row, rounds))
+            if stop:
+                log.info("Stopping after round %d: %s", server_round, stop)
         arrays = self.global_arrays()
         result.arrays = array_record(arrays)
         if self.results is not None:

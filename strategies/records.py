@@ -113,6 +113,26 @@ def finite_values(row: dict[str, Any]) -> dict[str, Any]:
     return {k: clean(k, v) for k, v in row.items()}
 
 
+def patience_exhausted(rows: list[dict[str, Any]], patience: int) -> str | None:
+    """Why the run should stop after its last row (run config ``stop-patience``), or None.
+
+    It stops once ``patience`` rounds have passed since the best ``accuracy_mean`` so far (its
+    first round, so a tie is no new best); rounds without evaluation count as rounds. The count
+    comes from the rows alone, so a resumed run (which starts with the old rows) goes on counting.
+    """
+    evaluated = [(r["round"], r["accuracy_mean"]) for r in rows if r.get("accuracy_mean") is not None]
+    if patience <= 0 or not evaluated:
+        return None
+    best_round, best = max(evaluated, key=lambda e: (e[1], -e[0]))
+    waited = rows[-1]["round"] - best_round
+    if waited < patience:
+        return None
+    return (
+        f"no new best accuracy_mean for {waited} rounds (best {best:.4f} in round {best_round}): "
+        f"run config key 'stop-patience' = {patience}"
+    )
+
+
 def _client_sums(replies: list[ClientReply], keys: tuple[str, ...]) -> dict[str, float]:
     out = {}
     for key in keys:
