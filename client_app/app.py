@@ -11,13 +11,15 @@ from __future__ import annotations
 import os
 import time
 
-from flwr.app import Context, Message, MetricRecord
+import torch
+from flwr.app import ConfigRecord, Context, Message, MetricRecord
 from flwr.clientapp import ClientApp
 
+from client_app import gpu
 from client_app.data import load_client_data
 from client_app.runtime import ClientRuntime
 from common.datasets import DATASETS
-from strategies.metrics import EVAL_PREFIX, PARTITION_ID
+from strategies.metrics import DEVICE_RECORD, EVAL_PREFIX, PARTITION_ID
 from strategies.payload import read_payload
 from strategies.records import metric_values
 from strategies.registry import all_message_types, client_procedure
@@ -47,9 +49,12 @@ def startup_metrics() -> dict[str, float]:
 def handle(msg: Message, context: Context) -> Message:
     """Run the method's handler for ``msg`` and build the reply.
 
+    On a GPU the reply also carries the message's peak CUDA memory (metric ``gpu-peak-mib``) and
+    the device's name (ConfigRecord ``device``), see ``client_app.gpu``.
+
     Raises:
-        ConfigError, PayloadError: turned into an error reply by Flower; the server logs and
-            drops it, the round goes on.
+        ConfigError, PayloadError, GPUShareExceeded: turned into an error reply by Flower; the
+            server logs and drops it, the round goes on.
     """
     started = startup_metrics()
     config = dict(msg.content.config_records["config"]) if "config" in msg.content.config_records else {}
@@ -63,14 +68,22 @@ def handle(msg: Message, context: Context) -> Message:
     payload = read_payload(msg.content, down)
     down.validate(payload, {"C": DATASETS[client.cfg.dataset].num_classes, "d": client.cfg.representation_dim})
     cached = load_client_data.cache_info().currsize
+    gpu.begin_message(client.device)
     start = time.perf_counter()
-    arrays, metrics = getattr(procedure, message_type.replace(".", "_"))(client, payload, config)
-    metrics.update(started, **{"handler-seconds": time.perf_counter() - start})
+    try:
+        arrays, metrics = getattr(procedure, message_type.replace(".", "_"))(client, payload, config)
+        metrics.update(started, **{"handler-seconds": time.perf_counter() - start})
+        if config.get("evaluate"):  # evaluate the just-trained personal model in the same reply
+            metrics.update({EVAL_PREFIX + k: v for k, v in procedure.evaluate(client, {}, config)[1].items()})
+    except torch.cuda.OutOfMemoryError as exc:
+        raise gpu.share_exceeded(exc, client.partition_id, client.device, client.gpu_share) from exc
     if load_client_data.cache_info().currsize > cached:  # this message loaded the partition
         metrics["data-seconds"] = client.data.load_seconds
-    if config.get("evaluate"):  # evaluate the just-trained personal model in the same reply
-        metrics.update({EVAL_PREFIX + k: v for k, v in procedure.evaluate(client, {}, config)[1].items()})
+    usage, device_name = gpu.report(client.device)
+    metrics.update(usage)
     content = up.to_record(arrays)
+    if device_name is not None:
+        content[DEVICE_RECORD] = ConfigRecord({"name": device_name})
     content["metrics"] = MetricRecord(
         metric_values(
             {

@@ -17,6 +17,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from torch import nn
 
+from client_app import gpu
 from client_app.data import ClientData, DataSpec, load_client_data, partition_sizes, torch_seed
 from common.config import ConfigError, RunConfig
 from common.datasets import DATASETS, DatasetInfo, with_recipe
@@ -77,7 +78,8 @@ class ClientRuntime:
     gives simulated clients the same, so a resumed simulation continues every client exactly),
     ``cache-dir`` (optional: a folder for the decoded partition, written once and memory-mapped
     by later messages' processes and runs; default ``<node state-dir>/partition-cache`` when the
-    node has a ``state-dir``, else :func:`default_cache_dir`).
+    node has a ``state-dir``, else :func:`default_cache_dir`), ``gpu-memory-fraction`` (optional:
+    the share of the GPU's memory this node's ClientApps may allocate, see ``client_app.gpu``).
 
     Args:
         context: the message's Flower context.
@@ -108,6 +110,10 @@ class ClientRuntime:
             self.cfg, int(node.get("num-partitions", self.cfg.num_clients)), node.get("data-dir")
         )
         self.device = pick_device(self.cfg.device)
+        #: the share of the GPU's memory this ClientApp may allocate (None: no cap; see client_app.gpu)
+        self.gpu_share = gpu.gpu_share(node) if self.device.type == "cuda" else None
+        if self.gpu_share is not None:
+            gpu.limit_memory(self.device, self.gpu_share)
         state_dir = node.get("state-dir") or self.cfg.state_dir
         self.state_dir = (
             Path(str(state_dir)) / _safe(state_key) / f"partition-{self.partition_id}" if state_dir else None

@@ -280,6 +280,7 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
                 self.round_dropped,
                 self.round_clipped,
                 self.round_work,
+                self.round_gpu,
             )
             stop = patience_exhausted([*self.rows, row], self.cfg.stop_patience)
             if stop:

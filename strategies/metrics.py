@@ -29,6 +29,11 @@ REQUIRED_METRICS = {
 }
 #: prefix of evaluation metrics carried in a train reply (see ``HeteroStrategy.evaluate_in_train``)
 EVAL_PREFIX = "eval-"
+#: metric of a reply from a client on a GPU: its peak CUDA memory in the message (``client_app.gpu``)
+GPU_PEAK = "gpu-peak-mib"
+#: the ConfigRecord in which a reply from a GPU names its device (key ``name``), and the longest name
+DEVICE_RECORD = "device"
+MAX_DEVICE_NAME = 100
 #: largest seconds a client may report for one message step (~116 days: far beyond any round timeout)
 MAX_SECONDS = 1e7
 #: largest loss magnitude a client may report; a diverged honest client reports a non-finite loss
@@ -89,6 +94,7 @@ ANY_MESSAGE: dict[str, MetricSpec] = {
     "app-start-seconds": seconds("process start to the handler (first message of a process), seconds"),
     "handler-seconds": seconds("the method's handler, seconds"),
     "data-seconds": seconds("loading the partition, seconds"),
+    GPU_PEAK: MetricSpec(float, 0.0, 1e7, "peak CUDA memory allocated while handling the message, MiB"),
 }
 
 #: keys of the replies of one message category, beside :data:`ANY_MESSAGE`

@@ -295,9 +295,11 @@ def tensor_bytes(content: RecordDict) -> int:
 
 @dataclass
 class ClientReply:
-    """A validated reply: who sent it, its payload arrays and its scalar metrics."""
+    """A validated reply: who sent it, its payload arrays, its scalar metrics and, from a client on a
+    GPU, the device's name."""
 
     node_id: int
     partition_id: int
     arrays: dict[str, np.ndarray]
     metrics: dict[str, Any]
+    device: str | None = None

@@ -55,6 +55,7 @@ def round_row(
     dropped: set[int],
     clipped: int,
     work: Mapping[str, list[float]],
+    gpu: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One round's results row (one line of ``metrics.jsonl``; see the README for its keys).
 
@@ -64,7 +65,9 @@ def round_row(
         traffic: payload bytes by ``<category>_bytes_<up|down>`` this round; train_s, eval_s,
             elapsed: the train and evaluation phases and the run so far, seconds;
         dropped: partition ids without a valid reply; clipped: uploaded rows scaled down to the
-            outlier bound; work: architecture -> [training images, client train-seconds].
+            outlier bound; work: architecture -> [training images, client train-seconds];
+        gpu: partition id -> ``{"device": name, "peak_mib": MiB}`` of the clients that ran on a GPU
+            (row key ``gpu_per_client``, left out when none did).
     """
     ev = dict(evaluation) if evaluation is not None else {}
     row: dict[str, Any] = {
@@ -88,6 +91,8 @@ def round_row(
         "eval_phase_seconds": eval_s,
         "elapsed_seconds": elapsed,
     }
+    if gpu:
+        row["gpu_per_client"] = {pid: dict(used) for pid, used in sorted(gpu.items(), key=lambda p: int(p[0]))}
     if ev:
         row["accuracy_per_client"] = dict(zip((str(p) for p in ev["partition-ids"]), ev["accuracy-per-client"]))
         row.update({k.replace("-", "_"): v for k, v in ev.items() if k.startswith("accuracy-mean-")})

@@ -19,7 +19,15 @@ from flwr.app import ConfigRecord, Message
 from flwr.serverapp import Grid
 
 from models.groups import MODEL_GROUPS
-from strategies.metrics import PARTITION_ID, REQUIRED_METRICS, check_metrics, declared_metrics
+from strategies.metrics import (
+    DEVICE_RECORD,
+    GPU_PEAK,
+    MAX_DEVICE_NAME,
+    PARTITION_ID,
+    REQUIRED_METRICS,
+    check_metrics,
+    declared_metrics,
+)
 from strategies.payload import ClientReply, PayloadError, clip_outlier_rows, read_payload, tensor_bytes
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
@@ -45,6 +53,8 @@ class Transport:
         self.round_clipped = 0  # uploaded rows scaled down to the round's outlier bound this round
         #: architecture -> [training images, client train-seconds] of this round's valid train replies
         self.round_work: dict[str, list[float]] = {}
+        #: partition id -> {"device": GPU name, "peak_mib": peak CUDA MiB} of this round's replies from GPUs
+        self.round_gpu: dict[str, dict[str, object]] = {}
         #: architecture -> client training seconds per image in the last round that trained it
         self.seconds_per_image: dict[str, float] = {}
         self._timeout = timeout
@@ -57,6 +67,7 @@ class Transport:
         self.round_dropped = set()
         self.round_clipped = 0
         self.round_work = {}
+        self.round_gpu = {}
 
     def message(
         self, message_type: str, node_id: int, arrays: Mapping[str, np.ndarray], config: ConfigRecord, server_round: int
@@ -152,9 +163,10 @@ class Transport:
                 if reply.has_error():
                     raise PayloadError(f"client error {reply.error.code}: {reply.error.reason}")
                 content = reply.content
-                extra = set(content.keys()) - {"payload", "metrics"}
+                extra = set(content.keys()) - {"payload", "metrics", DEVICE_RECORD}
                 if extra or "metrics" not in content.metric_records:
                     raise PayloadError(f"records {sorted(content.keys())[:5]}, expected payload + metrics")
+                device = device_name(content)
                 metrics = dict(content.metric_records["metrics"])
                 pid = metrics.get(PARTITION_ID)
                 if not isinstance(pid, int):
@@ -173,7 +185,7 @@ class Transport:
                     raise PayloadError(f"partition {pid} already replied in this exchange")
                 arrays = read_payload(content, up)
                 up.validate(arrays, self.reply_dims(node))
-                valid.append(ClientReply(node, pid, arrays, metrics))
+                valid.append(ClientReply(node, pid, arrays, metrics, device))
                 answered.add(pid)
             except PayloadError as exc:
                 self.dropped[category] += 1
@@ -185,6 +197,10 @@ class Transport:
                 log.warning("Dropped %s reply from node %s: %s", message_type, node, reason)
         if category == "train":
             self._count_work(valid)
+        for r in valid:
+            if GPU_PEAK in r.metrics:  # the peak of the client's messages this round, on the device it names
+                used = self.round_gpu.setdefault(str(r.partition_id), {"device": r.device, "peak_mib": 0.0})
+                used["peak_mib"] = max(float(used["peak_mib"]), float(r.metrics[GPU_PEAK]))
         clipped = clip_outlier_rows(up, [r.arrays for r in valid])
         if clipped:
             self.round_clipped += clipped
@@ -216,6 +232,22 @@ class Transport:
                 work = self.round_work.setdefault(group.architecture_for(r.partition_id), [0.0, 0.0])
                 work[0] += float(r.metrics["num-examples"]) * self.cfg.local_epochs
                 work[1] += float(r.metrics["train-seconds"])
+
+
+def device_name(content) -> str | None:
+    """The GPU name a reply carries in its ``device`` ConfigRecord (key ``name``), or None without one.
+
+    Raises:
+        PayloadError: a ``device`` record that is not one printable string of at most
+            :data:`MAX_DEVICE_NAME` characters under key ``name``.
+    """
+    if DEVICE_RECORD not in content:
+        return None
+    record = content.config_records.get(DEVICE_RECORD)
+    name = dict(record).get("name") if record is not None and set(record.keys()) == {"name"} else None
+    if not isinstance(name, str) or not name.isprintable() or len(name) > MAX_DEVICE_NAME:
+        raise PayloadError(f"record '{DEVICE_RECORD}' must hold one printable 'name' of <= {MAX_DEVICE_NAME} chars")
+    return name
 
 
 def _category(message_type: str) -> str:
