@@ -23,6 +23,7 @@ from strategies.metrics import DEVICE_RECORD, EVAL_PREFIX, PARTITION_ID
 from strategies.payload import read_payload
 from strategies.records import metric_values
 from strategies.registry import all_message_types, client_procedure
+from strategies.transport import CLIENT_STATE_DIR
 
 app = ClientApp()
 _first_message = [True]
@@ -62,7 +63,9 @@ def handle(msg: Message, context: Context) -> Message:
     training_round = (
         int(config["server-round"]) if message_type.startswith("train") and "server-round" in config else None
     )
-    client = ClientRuntime(context, str(config.get("state-key", "in-memory")), training_round)
+    client = ClientRuntime(
+        context, str(config.get("state-key", "in-memory")), training_round, str(config.get(CLIENT_STATE_DIR, ""))
+    )
     procedure = client_procedure(client.cfg)
     down, up = procedure.schemas[message_type]
     payload = read_payload(msg.content, down)

@@ -87,9 +87,18 @@ class ClientRuntime:
             config as ``state-key``); state lives in ``<state-dir>/<state_key>/partition-<id>/``.
         training_round: the ``server-round`` of a train message, None otherwise (see
             :meth:`store` and :meth:`restore`).
+        run_state_dir: where a client without any ``state-dir`` keeps its state
+            (``<run_state_dir>/partition-<id>/``): the simulation's server sends its run folder's
+            ``client-state`` (message config ``client-state-dir``); empty: ``context.state``.
     """
 
-    def __init__(self, context: Context, state_key: str = "in-memory", training_round: int | None = None) -> None:
+    def __init__(
+        self,
+        context: Context,
+        state_key: str = "in-memory",
+        training_round: int | None = None,
+        run_state_dir: str = "",
+    ) -> None:
         self.context = context
         #: the server round of a train message (None for other messages): stamps the state on disk
         self.training_round = training_round
@@ -115,9 +124,11 @@ class ClientRuntime:
         if self.gpu_share is not None:
             gpu.limit_memory(self.device, self.gpu_share)
         state_dir = node.get("state-dir") or self.cfg.state_dir
-        self.state_dir = (
-            Path(str(state_dir)) / _safe(state_key) / f"partition-{self.partition_id}" if state_dir else None
-        )
+        partition = f"partition-{self.partition_id}"
+        if state_dir:
+            self.state_dir: Path | None = Path(str(state_dir)) / _safe(state_key) / partition
+        else:  # the run folder's client-state (a simulation without state-dir), or context.state
+            self.state_dir = Path(run_state_dir) / partition if run_state_dir else None
         #: where the decoded partition is cached on disk
         self.cache_dir = str(
             node.get("cache-dir")

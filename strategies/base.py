@@ -36,6 +36,7 @@ import copy
 import logging
 import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -54,6 +55,9 @@ from strategies.records import metric_values, patience_exhausted, progress_line,
 from strategies.transport import Transport
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
+
+#: the folder of a run folder that holds its clients' state when no state-dir is set (simulation)
+CLIENT_STATE = "client-state"
 
 NO_PAYLOAD = PayloadSchema()
 BASE_SCHEMAS: Schemas = {"query": (NO_PAYLOAD, NO_PAYLOAD), "evaluate": (NO_PAYLOAD, NO_PAYLOAD)}
@@ -85,6 +89,11 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
     #: per round (in deployment, one ClientApp process per client); only clients not sampled
     #: get a separate evaluate message.
     evaluate_in_train: bool = False
+
+    #: keep the state of clients without any ``state-dir`` in the run folder (``<run>/client-state``)
+    #: instead of ``context.state``: set by the ServerApp in a simulation, where the clients share the
+    #: server's file system and ``context.state`` lives in the simulation's one process
+    client_state_in_run_folder: bool = False
 
     def __init__(self, cfg: RunConfig, results: Any | None = None) -> None:
         self.cfg = cfg
@@ -237,6 +246,9 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
         rounds = num_rounds or self.cfg.num_server_rounds
         self._timeout = timeout or self.cfg.round_timeout
         self.state_key = self._initial_state_key()
+        if self.client_state_in_run_folder and not self.cfg.state_dir and self.results is not None:
+            # the folder of the run that started the clients' state: a resumed run finds it again
+            self.client_state_dir = str(Path(self.results.path).parent / self.state_key / CLIENT_STATE)
         self.handshake()
         self.summary()
         first = self.resume() + 1

@@ -36,6 +36,8 @@ log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 PULL_SECONDS = 0.05
 #: longest reason quoted in the log line of a dropped reply (a hostile reply's error may be long)
 REASON_CHARS = 300
+#: message config key: the run folder's client-state folder, for clients without any state-dir
+CLIENT_STATE_DIR = "client-state-dir"
 
 
 class Transport:
@@ -47,6 +49,9 @@ class Transport:
         #: names this run's client state on disk (node config ``state-dir``): the results folder of
         #: the run that started it, kept by a resumed run so clients find their state again
         self.state_key = "in-memory"
+        #: sent as message config ``client-state-dir``: where clients without any ``state-dir`` keep
+        #: their state (a simulation's run folder, see ``HeteroStrategy.start``); empty: context.state
+        self.client_state_dir = ""
         self.traffic: Counter[str] = Counter()  # "<category>_bytes_<up|down>" -> bytes
         self.dropped: Counter[str] = Counter()  # message category -> dropped replies
         self.round_dropped: set[int] = set()  # partition ids sampled/asked this round that gave no valid reply
@@ -74,7 +79,8 @@ class Transport:
     ) -> Message:
         """A message to one node: its payload (checked against the schema) plus ``config``."""
         content = self.schemas[message_type][0].to_record(arrays)
-        content["config"] = ConfigRecord({**dict(config), "state-key": self.state_key})
+        extra = {CLIENT_STATE_DIR: self.client_state_dir} if self.client_state_dir else {}
+        content["config"] = ConfigRecord({**dict(config), "state-key": self.state_key, **extra})
         return Message(content, dst_node_id=node_id, message_type=message_type, group_id=str(server_round))
 
     def exchange(self, messages: Iterable[Message], timeout: float | None = None) -> list[Message]:

@@ -38,6 +38,8 @@ def test_flwr_run_learns_on_real_cifar10(tmp_path):
     rows = read_rows(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [r["round"] for r in rows] == [1, 2, 3] and summary["status"] == "completed"
+    # no state-dir: the simulated clients kept their state in the run folder, not in the ServerApp process
+    assert sorted(p.name for p in (run_dir / "client-state").iterdir()) == ["partition-0", "partition-1", "partition-2"]
     assert summary["config"]["num-clients"] == 0 and summary["num_clients"] == 3
     assert all(r["num_clients"] == 3 and len(r["accuracy_per_client"]) == 3 for r in rows)
     assert all(r["bytes_up"] == 3 * 4_008 and r["bytes_down"] == 3 * 20_040 for r in rows)
