@@ -265,12 +265,20 @@ TENSORS = ("train_x", "train_y", "test_x", "test_y")
 
 
 def _read_cache(path: Path, key: str) -> dict[str, torch.Tensor] | None:
-    """The cached tensors of ``path`` when it holds ``key``'s partition whole, else None."""
+    """The cached tensors of ``path`` when it holds ``key``'s partition whole, else None.
+
+    Whole means what :func:`load_client_data` writes: a dict with this ``key``, uint8 image tensors
+    ``[n, C, H, W]`` and int64 label tensors ``[n]`` of matching lengths. Anything else (torn,
+    foreign, another partition's) is logged and ignored, and the caller decodes and rewrites it.
+    """
     try:
         saved = torch.load(path, mmap=True, weights_only=True)
         if (
-            saved.get("key") == key
+            isinstance(saved, dict)
+            and saved.get("key") == key
             and all(isinstance(saved.get(t), torch.Tensor) for t in TENSORS)
+            and all(saved[x].dtype == torch.uint8 and saved[x].ndim == 4 for x in ("train_x", "test_x"))
+            and all(saved[y].dtype == torch.int64 and saved[y].ndim == 1 for y in ("train_y", "test_y"))
             and len(saved["train_x"]) == len(saved["train_y"])
             and len(saved["test_x"]) == len(saved["test_y"])
         ):

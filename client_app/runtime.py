@@ -197,7 +197,7 @@ class ClientRuntime:
             return True
         known = self._stamps().get(name)
         if known is not None:
-            saved = self._stamped(name, known)
+            saved = self._stamped(name, known, module)
             if saved is None:
                 log.warning(
                     "partition %d: '%s' of round %d is gone from %s; starting afresh",
@@ -208,9 +208,9 @@ class ClientRuntime:
                 )
                 return False
         else:
-            saved = self._read(name)
+            saved = self._read(name, module)
             if saved is not None and self.training_round is not None and saved[0] >= self.training_round:
-                previous = self._read(name + PREVIOUS)
+                previous = self._read(name + PREVIOUS, module)
                 usable = previous is not None and previous[0] < self.training_round
                 log.warning(
                     "partition %d: '%s' on disk is from round %d, ahead of the server's round %d; %s",
@@ -260,33 +260,43 @@ class ClientRuntime:
     def _stamp(self, name: str, round_: int) -> None:
         self.context.state[STAMPS] = ConfigRecord({**self._stamps(), name: round_})
 
-    def _read(self, name: str) -> tuple[int, dict] | None:
+    def _read(self, name: str, module: nn.Module) -> tuple[int, dict] | None:
         """``(round, state dict)`` of record ``name`` in ``state-dir`` (round 0 for files written
-        before stamping), or None when there is none. A torn or foreign file is logged and
-        ignored: the client starts afresh rather than fail on every later message."""
+        before stamping), or None when there is none.
+
+        The file must be what :meth:`store` wrote for ``module``: ``{"round": int >= 0, "state":
+        ...}`` (or a bare state dict of the unstamped format) whose state has exactly
+        ``module``'s keys, shapes and dtypes. A torn file, or one that loads but is not that
+        (another architecture's weights, other keys, a round that is no integer), is logged and
+        ignored: the client starts afresh and its next :meth:`store` replaces the file, instead
+        of failing on every later message."""
         path = self._state_file(name)
         if path is None or not path.is_file():
             return None
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
+            round_, state = (saved["round"], saved["state"]) if _stamped_format(saved) else (0, saved)
+            if isinstance(round_, bool) or not isinstance(round_, int) or round_ < 0:
+                raise ValueError(f"its round stamp {round_!r} is not an integer >= 0")
+            mismatch = _state_mismatch(state, module)
+            if mismatch:
+                raise ValueError(f"it does not fit the model: {mismatch}")
+        except Exception as exc:  # torch raises whatever a torn or foreign file's bytes make it raise
             log.warning(
-                "partition %d: ignoring unreadable state file %s (%s: %s)",
+                "partition %d: ignoring state file %s (%s: %s); starting afresh",
                 self.partition_id,
                 path,
                 type(exc).__name__,
                 exc,
             )
             return None
-        if isinstance(saved, dict) and saved.keys() == {"round", "state"}:
-            return int(saved["round"]), saved["state"]
-        return 0, saved
+        return round_, state
 
-    def _stamped(self, name: str, round_: int) -> tuple[int, dict] | None:
+    def _stamped(self, name: str, round_: int, module: nn.Module) -> tuple[int, dict] | None:
         """Record ``name`` as stamped ``round_``: its file, or the one it replaced after a
         rollback (:meth:`restore`); None when neither is of that round."""
         for candidate in (name, name + PREVIOUS):
-            saved = self._read(candidate)
+            saved = self._read(candidate, module)
             if saved is not None and saved[0] == round_:
                 return saved
         return None
@@ -302,6 +312,25 @@ class ClientRuntime:
         """A CPU RNG seeded by (seed, partition, round, purpose): same draws in every process."""
         seed = ((self.cfg.seed * 1_000_003 + self.partition_id) * 10_007 + server_round) * 31 + purpose
         return torch.Generator().manual_seed(torch_seed(seed))
+
+
+def _stamped_format(saved: object) -> bool:
+    return isinstance(saved, dict) and saved.keys() == {"round", "state"}
+
+
+def _state_mismatch(state: object, module: nn.Module) -> str:
+    """Why ``state`` cannot be loaded into ``module`` as it is (keys, shapes, dtypes), or ``""``."""
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        return f"a {type(state).__name__}, not a state dict of tensors"
+    want = module.state_dict()
+    if state.keys() != want.keys():
+        missing, extra = sorted(want.keys() - state.keys()), sorted(state.keys() - want.keys())
+        return f"keys differ (missing {missing[:3]}, unexpected {extra[:3]})"
+    for key, tensor in want.items():
+        got = state[key]
+        if got.shape != tensor.shape or got.dtype != tensor.dtype:
+            return f"'{key}' is {got.dtype} {tuple(got.shape)}, expected {tensor.dtype} {tuple(tensor.shape)}"
+    return ""
 
 
 def _safe(name: str) -> str:

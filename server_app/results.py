@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from common.config import ConfigError
-from common.files import ROWS_FILE, atomic_write
+from common.files import ROWS_FILE, SUMMARY_FILE, atomic_write
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -64,7 +64,7 @@ class ResultsWriter:
         """Append one round's row to ``metrics.jsonl`` (and TensorBoard) and refresh the summary."""
         self.rows.append(row)
         with open(self.path / ROWS_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, allow_nan=False) + "\n")  # strict JSON: rows hold finite numbers only
             f.flush()
             os.fsync(f.fileno())
         if self.tensorboard is not None:
@@ -113,8 +113,8 @@ class ResultsWriter:
         }
 
     def _write_summary(self) -> None:
-        text = json.dumps(self.summary(), indent=2).encode("utf-8")
-        atomic_write(self.path / "summary.json", lambda f: f.write(text))
+        text = json.dumps(self.summary(), indent=2, allow_nan=False).encode("utf-8")
+        atomic_write(self.path / SUMMARY_FILE, lambda f: f.write(text))
 
 
 def tensorboard_class(logger: str) -> type | None:
@@ -181,22 +181,46 @@ def _to_arrays(obj: Any) -> Any:
     return obj
 
 
+#: the entries of a checkpoint (``HeteroStrategy.checkpoint``) and their types; ``server`` is a dict,
+#: or None for a method without server state
+CHECKPOINT_KEYS: dict[str, type | tuple[type, ...]] = {
+    "round": int,
+    "method": str,
+    "config": dict,
+    "state-key": str,
+    "rng": dict,
+    "traffic": dict,
+    "dropped": dict,
+    "rows": list,
+    "server": (dict, type(None)),
+}
+
+
 def load_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:
     """The state saved by :meth:`ResultsWriter.write_checkpoint` in ``run_dir``, read with
     ``weights_only=True``: a checkpoint cannot run code (a pickle placed in a ``resume-from``
-    folder is refused, not executed).
+    folder is refused, not executed). Its entries are checked against :data:`CHECKPOINT_KEYS`
+    (and ``round`` >= 0, ``rows`` a list of rows with an integer ``round``) before anything uses them.
 
     Raises:
         FileNotFoundError: naming the run config key when ``run_dir`` holds no checkpoint.
-        ConfigError: naming the run config key when the file is not a checkpoint of ours.
+        ConfigError: naming the run config key and the file when it is not a checkpoint of ours.
     """
     path = Path(run_dir) / CHECKPOINT
     if not path.is_file():
         raise FileNotFoundError(f"run config key 'resume-from' = {str(run_dir)!r}: no {CHECKPOINT} there")
+    refuse = f"run config key 'resume-from' = {str(run_dir)!r}: {path} is not a checkpoint this system wrote"
     try:
-        return _to_arrays(torch.load(path, weights_only=True))
+        state = _to_arrays(torch.load(path, weights_only=True))
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError... for foreign files
-        raise ConfigError(
-            f"run config key 'resume-from' = {str(run_dir)!r}: {CHECKPOINT} is not a checkpoint "
-            f"this system wrote ({type(exc).__name__}); refusing to load it"
-        ) from exc
+        raise ConfigError(f"{refuse} ({type(exc).__name__}); refusing to load it") from exc
+    if not isinstance(state, dict):
+        raise ConfigError(f"{refuse}: it holds a {type(state).__name__}, not a dict")
+    for key, kind in CHECKPOINT_KEYS.items():
+        if key not in state or isinstance(state[key], bool) or not isinstance(state[key], kind):
+            allowed = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise ConfigError(f"{refuse}: entry '{key}' is {type(state.get(key)).__name__}, not {allowed}")
+    rows_ok = all(isinstance(r, dict) and isinstance(r.get("round"), int) for r in state["rows"])
+    if state["round"] < 0 or not rows_ok:
+        raise ConfigError(f"{refuse}: 'round' = {state['round']} or its rows are malformed")
+    return state

@@ -38,9 +38,13 @@ from pathlib import Path
 
 from flwr.common.config import parse_config_args
 
+from common.errors import ConfigError
+from common.files import SUMMARY_FILE, read_json_object, read_rows, read_summary
 from tools.run import ROOT, interrupt
 
 GRID_FILE = "grid.json"
+#: the entries every grid.json has (``record_invocation``) and their types
+GRID_KEYS = {"preset": str, "preset_config": dict, "methods": list, "seeds": list, "rounds": int, "invocations": list}
 STATE_DIR = "client-state"
 
 #: launcher(preset, overrides, minutes) -> exit status; the default runs ``tools.run``
@@ -51,28 +55,44 @@ def cell_name(method: str, seed: int) -> str:
     return f"{method}-seed{seed}"
 
 
-def newest_run(cell: Path) -> tuple[Path, dict] | None:
-    """The cell's run folder with the most completed rounds (the newest on a tie) and its summary."""
-    runs = []
-    for summary in cell.glob("*/summary.json"):
+def run_summary(run: Path) -> dict:
+    """``summary.json`` of a cell's run; when it is unreadable or not a summary of ours, one made from
+    the run's rows: ``status`` ``unreadable``, ``rounds_completed`` = its rows, and the reason under
+    ``unreadable`` (so the grid can still resume the run from its checkpoint and the report still
+    shows it). Rows that cannot be read count as none."""
+    try:
+        return read_summary(run)
+    except ConfigError as exc:
         try:
-            runs.append((summary.parent, json.loads(summary.read_text())))
-        except (OSError, ValueError):
-            continue  # a summary being rewritten; the atomic rename makes this rare
+            rows = len(read_rows(run))
+        except ConfigError:
+            rows = 0
+        return {"status": "unreadable", "rounds_completed": rows, "unreadable": str(exc)}
+
+
+def newest_run(cell: Path) -> tuple[Path, dict] | None:
+    """The cell's run folder with the most completed rounds (the newest on a tie) and its summary
+    (:func:`run_summary`)."""
+    runs = [(summary.parent, run_summary(summary.parent)) for summary in cell.glob(f"*/{SUMMARY_FILE}")]
     if not runs:
         return None
-    return max(runs, key=lambda r: (r[1].get("rounds_completed", 0), r[0].name))
+    return max(runs, key=lambda r: (r[1]["rounds_completed"], r[0].name))
 
 
 def plan(cell: Path, rounds: int) -> tuple[str, Path | None]:
-    """``("done", run)``, ``("resume", run)`` or ``("new", None)`` for a cell that should reach ``rounds``."""
+    """``("done", run)``, ``("resume", run)`` or ``("new", None)`` for a cell that should reach ``rounds``.
+
+    A run is done when it completed ``rounds`` rounds, or completed earlier because run config
+    ``stop-patience`` stopped it; one with a checkpoint after at least one round resumes from it,
+    also when its summary is unreadable.
+    """
     found = newest_run(cell)
     if found is None:
         return "new", None
     run, summary = found
-    if summary.get("status") == "completed" and summary.get("rounds_completed", 0) >= rounds:
+    if summary["status"] == "completed" and (summary["rounds_completed"] >= rounds or summary.get("stop_reason")):
         return "done", run
-    if summary.get("rounds_completed", 0) > 0 and (run / "checkpoint.pt").is_file():
+    if summary["rounds_completed"] > 0 and (run / "checkpoint.pt").is_file():
         return "resume", run
     return "new", None
 
@@ -143,11 +163,20 @@ def launch_tools_run(preset: Path, overrides: dict, minutes: float) -> int:
 
 def record_launch(grid: Path, cell: str, wall: float, cpu: float, code: int) -> None:
     """Append a launch's wall and CPU seconds to ``grid.json`` (``launches``)."""
-    info = json.loads((grid / GRID_FILE).read_text())
+    info = read_grid_info(grid)
     info.setdefault("launches", []).append(
         {"cell": cell, "wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1), "exit": code}
     )
     write_info(grid, info)
+
+
+def read_grid_info(grid: Path) -> dict:
+    """``<grid>/grid.json``, checked to hold :data:`GRID_KEYS`.
+
+    Raises:
+        ConfigError: naming the file and what is wrong.
+    """
+    return read_json_object(grid / GRID_FILE, GRID_KEYS)
 
 
 def write_info(grid: Path, info: dict) -> None:
@@ -182,7 +211,7 @@ def record_invocation(
     """
     path = grid / GRID_FILE
     info = (
-        json.loads(path.read_text())
+        read_grid_info(grid)
         if path.is_file()
         else {
             "preset": preset.name,
@@ -292,9 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",") if s]
     grid = (args.out or ROOT / "outputs" / "grids" / args.preset.stem).resolve()
     overrides = parse_config_args(args.run_config) if args.run_config else {}
-    outcomes = run_grid(
-        args.preset.resolve(), methods, seeds, grid, args.rounds, args.minutes, argv=argv, overrides=overrides
-    )
+    try:
+        outcomes = run_grid(
+            args.preset.resolve(), methods, seeds, grid, args.rounds, args.minutes, argv=argv, overrides=overrides
+        )
+    except ConfigError as exc:  # grid.json is not what the grid wrote: name it, no traceback
+        print(f"error: {exc}")
+        return 2
     for cell, outcome in outcomes.items():
         print(f"{cell:>24}  {outcome}")
     print(f"grid folder: {grid}")

@@ -23,7 +23,6 @@ such as FedMRL, FML and FedKD, cost more than this); and the paper's number.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from dataclasses import dataclass
@@ -31,8 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+from common.errors import ConfigError
 from common.files import ROWS_FILE, read_rows
-from tools.grid import GRID_FILE, newest_run
+from tools.grid import GRID_FILE, newest_run, read_grid_info
 from tools.run import ROOT, app_defaults
 
 FIGURES = ("accuracy_vs_round.png", "accuracy_vs_bytes.png", "label_distribution.png")
@@ -60,8 +60,14 @@ class Cell:
 
 
 def load_grid(grid: Path) -> tuple[dict, list[Cell]]:
-    """``grid.json`` and every cell's newest run (cells without a finished round are left out)."""
-    info = json.loads((grid / GRID_FILE).read_text())
+    """``grid.json`` and every cell's newest run (cells without a finished round are left out; a cell
+    whose summary is unreadable is reported from its rows, its summary saying why).
+
+    Raises:
+        ConfigError: ``grid.json`` or a cell's ``metrics.jsonl`` is not what the grid wrote (naming
+            the file and line).
+    """
+    info = read_grid_info(grid)
     cells = []
     for folder in sorted(p for p in grid.iterdir() if p.is_dir() and "-seed" in p.name):
         found = newest_run(folder)
@@ -378,7 +384,10 @@ def report(grid: Path, out: Path | None = None, data_dir: str | None = None, fig
         flops = float(np.mean([training_flops(c, data_dir) for c in configs]))
         plot_curves(cells, key, out, Path(info["preset"]).stem)
         plot_partitions(configs[0], out, data_dir)
-    (out / "report.md").write_text(render(info, paper, stats, flops), encoding="utf-8")
+    unreadable = [f"- `{c.method}-seed{c.seed}`: {c.summary['unreadable']}" for c in cells if "unreadable" in c.summary]
+    if unreadable:  # reported from their rows above; say so rather than leave them out
+        unreadable = ["", "Cells whose summary.json is unreadable (reported from their rows):", "", *unreadable]
+    (out / "report.md").write_text(render(info, paper, stats, flops) + "\n".join(unreadable), encoding="utf-8")
     return stats
 
 
@@ -388,7 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="where report.md, figures and run copies go")
     parser.add_argument("--data-dir", default=None, help="dataset folder for the partition figure and FLOPs")
     args = parser.parse_args(argv)
-    report(args.grid, args.out, args.data_dir)
+    try:
+        report(args.grid, args.out, args.data_dir)
+    except ConfigError as exc:  # a file of the grid is not what the grid wrote: name it, no traceback
+        print(f"error: {exc}")
+        return 2
     print(f"wrote {(args.out or args.grid) / 'report.md'}")
     return 0
 

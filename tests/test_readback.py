@@ -1,0 +1,225 @@
+"""Every file read back is validated as what we wrote: client state, the partition cache, checkpoints,
+``metrics.jsonl``, ``summary.json`` and ``grid.json``. A file we own that fails is logged, ignored and
+rewritten; one a user gave fails with a ConfigError naming the file and what is wrong."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from flwr.app import Context, RecordDict
+
+from client_app.data import DataSpec, _cache_file, load_client_data
+from client_app.runtime import MODEL_STATE, ClientRuntime
+from common.config import ConfigError, RunConfig
+from common.files import read_rows, read_summary
+from models.groups import MODEL_GROUPS
+from server_app.results import CHECKPOINT, load_checkpoint
+from tools import grid as grid_tool
+from tools import report as report_tool
+
+
+def runtime(rc: dict, state_dir, training_round: int | None = None) -> ClientRuntime:
+    """Partition 0's runtime with its state in ``state_dir`` and an empty context (a restarted node)."""
+    node = {"partition-id": 0, "num-partitions": rc["num-clients"], "state-dir": str(state_dir)}
+    ctx = Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config=rc)
+    return ClientRuntime(ctx, "run", training_round)
+
+
+def other_architecture() -> dict:
+    """Weights of partition 1's CNN-2: the wrong shapes for partition 0's CNN-1."""
+    return MODEL_GROUPS["hetero-cnn5"].build(1, 10, 3, 32, 0, 512).state_dict()
+
+
+STATE_FILES = {
+    "truncated": lambda good: b"PK\x03\x04 torn",
+    "a tensor": lambda good: torch.zeros(3),
+    "other keys": lambda good: {"round": 1, "weights": good},
+    "another architecture": lambda good: {"round": 1, "state": other_architecture()},
+    "a missing tensor": lambda good: {"round": 1, "state": dict(list(good.items())[1:])},
+    "another dtype": lambda good: {"round": 1, "state": {k: v.double() for k, v in good.items()}},
+    "a text round": lambda good: {"round": "3", "state": good},
+    "a float round": lambda good: {"round": 2.5, "state": good},
+    "a negative round": lambda good: {"round": -1, "state": good},
+}
+
+
+@pytest.mark.parametrize("kind", list(STATE_FILES))
+@pytest.mark.parametrize("which", ["model.pt", "model.prev.pt"])
+def test_a_state_file_that_is_not_what_we_wrote_is_ignored_and_rewritten(run_config, tmp_path, caplog, kind, which):
+    rc = run_config(**{"max-examples-per-client": 60})
+    fresh = runtime(rc, tmp_path / "empty").model.state_dict()
+    folder = tmp_path / "state" / "run" / "partition-0"
+    folder.mkdir(parents=True)
+    content = STATE_FILES[kind](fresh)
+    if isinstance(content, bytes):
+        (folder / which).write_bytes(content)
+    else:
+        torch.save(content, folder / which)
+    if which == "model.prev.pt":  # a newer file than the round asked: the foreign .prev is what rollback finds
+        torch.save({"round": 5, "state": fresh}, folder / "model.pt")
+    client = runtime(rc, tmp_path / "state", training_round=2)
+    with caplog.at_level(logging.WARNING):
+        model = client.model  # restores: must not raise
+    assert "ignoring state file" in caplog.text
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in fresh.items())  # started afresh
+    client.save_model()
+    saved = torch.load(folder / "model.pt", weights_only=True)
+    assert saved["round"] == 2 and saved["state"].keys() == fresh.keys()
+    assert runtime(rc, tmp_path / "state", training_round=3).restore(MODEL_STATE, model)  # readable again
+
+
+def test_a_foreign_partition_cache_file_is_rebuilt(run_config, tmp_path, caplog):
+    cfg = RunConfig.from_dict(run_config(dataset="mnist", **{"max-examples-per-client": 60}))
+    spec = DataSpec.from_config(cfg, 4)
+    path, key = _cache_file(spec, 0, str(tmp_path))
+    tmp_path.mkdir(exist_ok=True)
+    bogus = {
+        "key": key,
+        "train_x": torch.zeros(2, 1, 28, 28),
+        "train_y": torch.zeros(2),
+        "test_x": torch.zeros(1, 1, 28, 28),
+        "test_y": torch.zeros(1),
+    }
+    torch.save(bogus, path)  # the right key and lengths, but float tensors: not what we write
+    load_client_data.cache_clear()
+    with caplog.at_level(logging.WARNING):
+        data = load_client_data(spec, 0, str(tmp_path))
+    assert "ignoring partition cache" in caplog.text and data.train_x.dtype == torch.uint8 and len(data.train_y) > 2
+    assert torch.load(path, weights_only=True)["train_x"].dtype == torch.uint8  # rewritten
+    load_client_data.cache_clear()
+
+
+GOOD_CHECKPOINT = {
+    "round": 1,
+    "method": "fedgh",
+    "config": {},
+    "state-key": "run",
+    "rng": {},
+    "traffic": {},
+    "dropped": {},
+    "rows": [{"round": 1}],
+    "server": {},
+}
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (torch.zeros(3), "holds a Tensor"),
+        ([1, 2], "holds a list"),
+        ({"round": 1}, "entry 'method'"),
+        ({**GOOD_CHECKPOINT, "round": "1"}, "entry 'round' is str"),
+        ({**GOOD_CHECKPOINT, "rows": {"round": 1}}, "entry 'rows' is dict"),
+        ({**GOOD_CHECKPOINT, "rows": [{"round": "1"}]}, "rows are malformed"),
+        ({**GOOD_CHECKPOINT, "round": -2}, "'round' = -2"),
+        ({**GOOD_CHECKPOINT, "server": [1]}, "not dict or NoneType"),
+    ],
+)
+def test_a_checkpoint_that_is_not_ours_fails_with_a_config_error(tmp_path, content, fragment):
+    torch.save(content, tmp_path / CHECKPOINT)
+    with pytest.raises(ConfigError) as err:
+        load_checkpoint(tmp_path)
+    assert "'resume-from'" in str(err.value) and str(tmp_path / CHECKPOINT) in str(err.value)
+    assert fragment in str(err.value)
+
+
+def test_a_checkpoint_of_ours_still_loads(tmp_path):
+    torch.save(GOOD_CHECKPOINT, tmp_path / CHECKPOINT)
+    assert load_checkpoint(tmp_path)["state-key"] == "run"
+
+
+ROW = json.dumps({"round": 1, "accuracy_mean": 0.5})
+
+
+@pytest.mark.parametrize(
+    "text, rows, error",
+    [
+        (f"{ROW}\n" + '{"round": 2, "accur', 1, None),  # torn last line: a crash mid-append
+        (f"{ROW}\n{ROW}\n", 2, None),
+        (f"{ROW}\ngarbage\n{ROW}\n", None, "metrics.jsonl line 2 is not valid JSON"),
+        (f"{ROW}\n[1, 2]\n", None, "metrics.jsonl line 2 holds a JSON list"),
+        (f'{ROW}\n{{"round": NaN}}\n', None, "non-finite number NaN"),
+        ('{"accuracy_mean": 1}\n', None, "line 1: key 'round'"),
+    ],
+)
+def test_metrics_rows_are_strict_and_name_file_and_line(tmp_path, text, rows, error):
+    (tmp_path / "metrics.jsonl").write_text(text)
+    if error is None:
+        assert len(read_rows(tmp_path)) == rows
+    else:
+        with pytest.raises(ConfigError, match=error):
+            read_rows(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["{torn", "[1]", '{"status": "completed"}', '{"status": 1, "rounds_completed": 2}'])
+def test_a_summary_that_is_not_ours_names_the_file(tmp_path, text):
+    (tmp_path / "summary.json").write_text(text)
+    with pytest.raises(ConfigError, match="summary.json"):
+        read_summary(tmp_path)
+
+
+def cell_with_unreadable_summary(grid, rounds: int = 2):
+    run = grid / "fedgh-seed0" / "20260101-000000-fedgh-cifar10-1"
+    run.mkdir(parents=True)
+    traffic = {"bytes_up": 8, "bytes_down": 8, "eval_bytes_up": 0, "eval_bytes_down": 0}
+    rows = [
+        {
+            "round": r + 1,
+            "accuracy_mean": 0.5,
+            "accuracy_weighted": 0.5,
+            "num_clients": 2,
+            "round_seconds": 1.0,
+            **traffic,
+        }
+        for r in range(rounds)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text("{torn")
+    (run / CHECKPOINT).write_bytes(b"checkpoint")
+    return run
+
+
+def test_the_grid_resumes_a_cell_from_its_checkpoint_when_its_summary_is_unreadable(tmp_path):
+    run = cell_with_unreadable_summary(tmp_path)
+    assert grid_tool.plan(tmp_path / "fedgh-seed0", 5) == ("resume", run)
+
+
+def test_a_run_stopped_by_stop_patience_is_done(tmp_path):
+    run = tmp_path / "fedgh-seed0" / "r"
+    run.mkdir(parents=True)
+    summary = {"status": "completed", "rounds_completed": 3, "stop_reason": "no new best"}
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert grid_tool.plan(tmp_path / "fedgh-seed0", 10) == ("done", run)
+
+
+def test_a_corrupt_grid_json_stops_grid_and_report_naming_it(tmp_path, capsys):
+    (tmp_path / "grid.json").write_text('{"preset": "x.toml", "preset_con')
+    preset = str(grid_tool.ROOT / "presets" / "fedre-table12-cifar10.toml")
+    assert grid_tool.main([preset, "--methods", "fedre", "--out", str(tmp_path)]) == 2
+    assert report_tool.main([str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert out.count(f"{tmp_path / 'grid.json'} is not valid JSON") == 2
+
+
+def test_the_report_shows_a_cell_whose_summary_is_unreadable(tmp_path):
+    cell_with_unreadable_summary(tmp_path)
+    preset = {"dataset": "cifar10", "num-clients": 2}
+    (tmp_path / "grid.json").write_text(
+        json.dumps(
+            {
+                "preset": "fedre-table12-cifar10.toml",
+                "preset_config": preset,
+                "invocations": [],
+                "methods": ["fedgh"],
+                "seeds": [0],
+                "rounds": 5,
+            }
+        )
+    )
+    stats = report_tool.report(tmp_path, figures=False)
+    assert "fedgh" in stats and stats["fedgh"]["seeds"] == [0]
+    text = (tmp_path / "report.md").read_text()
+    assert "summary.json is unreadable" in text and "fedgh-seed0" in text
