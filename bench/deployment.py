@@ -2,7 +2,9 @@
 
 Usage (from the repository root):
 
-    uv run --frozen python -m bench.deployment [--nodes 3] [--rounds 4] [-c "method='fedproto'"]
+    uv run --frozen python -m bench.deployment [--nodes 3] [--rounds 4] [--preset FILE] [-c "method='fedproto' lr=0.05"]
+
+``-c`` and ``--preset`` work as in ``tools.run``; the whole config is checked before anything starts.
 
 Starts a SuperLink and ``--nodes`` SuperNodes on loopback with TLS and node authentication
 (:mod:`tools.loopback`, i.e. :mod:`tools.deploy`'s commands), runs one job (default FedGH,
@@ -34,7 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from common.errors import ConfigError
 from tools.loopback import LoopbackDeployment, rows_of
+from tools.run import add_config_arguments, print_outcome, read_config, run_folder, stop_on_signals, validate_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = ROOT.parent / "shared" / "data"
@@ -50,30 +54,17 @@ def import_floor(modules: str = "torch, flwr", repeats: int = 3) -> float:
     return min(times)
 
 
-def parse_value(text: str):
-    """A ``-c key=value`` value: int, float, bool or string (quotes optional)."""
-    import tomllib
-
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
-    parser.add_argument(
-        "-c", "--config", action="append", default=[], metavar="KEY=VALUE", help="run-config override (repeatable)"
-    )
+    add_config_arguments(parser)
     args = parser.parse_args(argv)
-    floor = [import_floor()]
-    with tempfile.TemporaryDirectory(prefix="bench-deployment-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-deployment-") as tmp, stop_on_signals():
         folder = Path(tmp)
         out = folder / "outputs"
-        run_config = {
+        base = {
             "method": "fedgh",
             "num-clients": args.nodes,
             "num-server-rounds": args.rounds,
@@ -83,16 +74,28 @@ def main(argv: list[str] | None = None) -> int:
             "output-dir": str(out),
             "round-timeout": 300.0,
         }
-        for item in args.config:
-            key, _, value = item.partition("=")
-            run_config[key.strip()] = parse_value(value.strip())
-        start = time.perf_counter()
-        with LoopbackDeployment(folder, args.nodes, args.data_dir) as deployment:
-            deployment.start()
-            started = time.perf_counter() - start
-            run_id = deployment.submit(run_config)
-            status = deployment.finished(run_id, 60 * 60)
+        try:
+            config, run_config = read_config(args.preset, args.run_config, base)
+            validate_configs([config])  # before any SuperLink or SuperNode starts
+        except ConfigError as exc:
+            print(f"error: {exc}")
+            return 2
+        try:
+            floor = [import_floor()]
+            start = time.perf_counter()
+            with LoopbackDeployment(folder, args.nodes, args.data_dir) as deployment:
+                deployment.start()
+                started = time.perf_counter() - start
+                run_id = deployment.submit(run_config)
+                status = deployment.finished(run_id, 60 * 60)
+        except KeyboardInterrupt:  # the deployment's processes were stopped on the way out
+            print("interrupted: stopped the SuperLink and the SuperNodes")
+            return 130
         rows = rows_of(out)
+        if status != "finished:completed" or not rows:
+            print(f"deployment: run {status} after {len(rows)} rounds; no timing to report")
+            print_outcome(run_folder(out, run_id), status)
+            return 1
     floor.append(import_floor())
     # a message of a client with a torchvision model cannot start below this
     torchvision_floor = import_floor("torch, flwr, torchvision")
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         f"with torchvision (model groups with torchvision models): {torchvision_floor:.2f} s"
     )
     print(f"overhead_s={statistics.median(later):.2f} import_floor_s={min(floor):.2f}")
-    return 0 if status == "finished:completed" and rows else 1
+    return 0
 
 
 if __name__ == "__main__":

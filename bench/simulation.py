@@ -36,8 +36,9 @@ from pathlib import Path
 
 import psutil
 
+from common.errors import ConfigError
 from common.files import read_rows
-from tools.run import interrupt
+from tools.run import add_config_arguments, interrupt, read_config, stop_on_signals, validate_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,7 +147,11 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    lines = [(time.perf_counter() - start, line) for line in proc.stdout]  # (seconds since launch, line)
+    try:
+        lines = [(time.perf_counter() - start, line) for line in proc.stdout]  # (seconds since launch, line)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP: stop the launcher as Ctrl-C would, and what it started
+        interrupt(proc)
+        raise
     log = "".join(line for _, line in lines)
     proc.wait()
     sampler.join()
@@ -232,23 +237,33 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
     return totals
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default=None, help="a preset TOML (as tools.run --preset); -c overrides it")
-    parser.add_argument("-c", "--run-config", action="append", default=[])
+    add_config_arguments(parser)
     parser.add_argument("--cpus-per-client", type=int, default=1)
     parser.add_argument("--gpus-per-client", type=float, default=None)
     parser.add_argument("--methods", default="", help="comma-separated methods to run in turn on the same config")
     parser.add_argument("--minutes", type=float, default=0.0, help="wall-time budget per run (0: none)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     methods = [m for m in args.methods.split(",") if m] or [None]
-    table = {}
-    for method in methods:
-        config = args.run_config + ([f"method={json.dumps(method)}"] if method else [])
-        if method:
-            print(f"=== {method}", flush=True)
-        table[method] = run_one(config, args.cpus_per_client, args.gpus_per_client, args.minutes, args.preset)
+    with stop_on_signals():
+        try:  # every run's whole config, before the first starts
+            config, _ = read_config(args.preset, args.run_config)
+            validate_configs([{**config, **({"method": m} if m else {})} for m in methods])
+        except ConfigError as exc:
+            print(f"error: {exc}")
+            return 2
+        table = {}
+        try:
+            for method in methods:
+                items = args.run_config + ([f"method={json.dumps(method)}"] if method else [])
+                if method:
+                    print(f"=== {method}", flush=True)
+                table[method] = run_one(items, args.cpus_per_client, args.gpus_per_client, args.minutes, args.preset)
+        except KeyboardInterrupt:
+            print("interrupted: stopped the run and everything it started", flush=True)
+            return 130
     if len(methods) > 1:
         print(
             f"{'method':>12} {'rounds':>6} {'final':>7} {'best':>7} {'last10':>7} {'s/round':>8} "

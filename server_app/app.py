@@ -32,8 +32,8 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str) -> ResultsWriter:
     strategy.results = results
     try:
         strategy.start(grid)
-    except BaseException:
-        results.finish("failed")
+    except BaseException as exc:
+        results.finish("failed", f"{type(exc).__name__}: {exc}")
         raise
     return results
 

@@ -57,6 +57,7 @@ class ResultsWriter:
         self.start = time.perf_counter()
         self.rows: list[dict[str, Any]] = []
         self.status = "running"
+        self.error: str | None = None  # why a failed or interrupted run ended
         self._write_summary()
         log.info("Writing results to %s", self.path)
 
@@ -80,9 +81,9 @@ class ResultsWriter:
         previous one), numpy arrays stored as tensors so that it loads with ``weights_only=True``."""
         atomic_write(self.path / CHECKPOINT, lambda f: torch.save(_to_tensors(state), f))
 
-    def finish(self, status: str = "completed") -> None:
-        """Mark the run ``completed`` (or ``failed``) in the summary."""
-        self.status = status
+    def finish(self, status: str = "completed", error: str | None = None) -> None:
+        """Mark the run ``completed`` (or ``failed``, with ``error`` saying why) in the summary."""
+        self.status, self.error = status, error
         self._write_summary()
         if self.tensorboard is not None:
             self.tensorboard.close()
@@ -98,6 +99,7 @@ class ResultsWriter:
         }
         return {
             "status": self.status,
+            "error": self.error,
             "num_clients": self.num_clients,
             "rounds_completed": len(self.rows),
             # run config stop-patience ended the run before num-server-rounds (None: it did not)

@@ -40,9 +40,21 @@ import time
 import tomllib
 from pathlib import Path
 
-from common.files import read_rows
+from common.errors import ConfigError
+from common.files import read_rows, read_summary
 from tools.deploy import environment, write_connection
-from tools.run import app_defaults, flwr_cli, toml_value, wait_finished, wait_for
+from tools.run import (
+    STOP_SIGNALS,
+    add_config_arguments,
+    app_defaults,
+    flwr_cli,
+    read_config,
+    stop_on_signals,
+    toml_value,
+    validate_configs,
+    wait_finished,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -174,10 +186,9 @@ def has_bridge() -> bool:
     return "bridge" in names.stdout.split()
 
 
-def demo(stack: Stack, rounds: int, data_dir: Path, work: Path) -> int:
+def demo(stack: Stack, rounds: int, data_dir: Path, work: Path, run_config: dict) -> int:
     """Steps 2-5 of the module docstring on a running engine; returns the exit status."""
     print(f"flwr {locked_flwr()} images: {flower_images(locked_flwr())}", flush=True)
-    run_config = demo_run_config(rounds)
     down, up = fedgh_payload_bytes(run_config, str(data_dir))
 
     t0 = time.monotonic()
@@ -233,7 +244,9 @@ def run_on_stack(
     if len(run_dirs) != 1:
         raise RuntimeError(f"expected one run folder in the outputs volume, found {run_dirs}")
     rows = read_rows(run_dirs[0])
-    summary = json.loads((run_dirs[0] / "summary.json").read_text())
+    summary = read_summary(run_dirs[0])
+    if status != "finished:completed":
+        print(f"run {status}: {summary.get('error') or 'no reason recorded'}", flush=True)
     seconds = [r["round_seconds"] for r in rows]
     print(
         "seconds per round:",
@@ -261,7 +274,7 @@ def shielded(cmd: list[str], env: dict | None = None) -> subprocess.CompletedPro
     """Run a clean-up command shielded from a second Ctrl-C or SIGTERM (a half-done
     ``compose down`` leaves containers and volumes behind): the signals are ignored meanwhile
     and the command runs in its own session, out of reach of the terminal's Ctrl-C."""
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, *STOP_SIGNALS)}
     try:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, start_new_session=True)
     finally:
@@ -272,6 +285,7 @@ def shielded(cmd: list[str], env: dict | None = None) -> subprocess.CompletedPro
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    add_config_arguments(parser, preset=False)
     parser.add_argument(
         "--data-dir",
         type=Path,
@@ -281,9 +295,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    try:  # the whole config, before the engine or any container starts
+        config, run_config = read_config(None, args.run_config, demo_run_config(args.rounds))
+        if config["method"] != "fedgh":
+            raise ConfigError(
+                f"run config key 'method' = {config['method']!r}: the demo checks FedGH's payload bytes; "
+                "run other methods on the stack with flwr run (see the README)"
+            )
+        validate_configs([config])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
 
-    # `docker compose down` must run on SIGTERM too, not only on Ctrl-C
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # `docker compose down` must run on SIGTERM and SIGHUP too, not only on Ctrl-C
+    with stop_on_signals():
+        return run_demo(args, run_config)
+
+
+def run_demo(args: argparse.Namespace, run_config: dict) -> int:
+    """Start the engine if needed, build, run and check the demo, and remove what it created."""
     started_engine = False
     try:
         if (
@@ -312,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         with tempfile.TemporaryDirectory(prefix="mheterofl-compose-") as work:
             try:
-                return demo(stack, args.rounds, args.data_dir, Path(work))
+                return demo(stack, args.rounds, args.data_dir, Path(work), run_config)
             finally:
                 done = shielded([*stack.base, "down", "-v", "--remove-orphans", "--timeout", "10"], stack.env)
                 print(

@@ -38,9 +38,10 @@ from pathlib import Path
 
 from flwr.common.config import parse_config_args
 
+from common.config import number
 from common.errors import ConfigError
 from common.files import SUMMARY_FILE, read_json_object, read_rows, read_summary
-from tools.run import ROOT, interrupt
+from tools.run import ROOT, add_config_arguments, interrupt, read_config, stop_on_signals, validate_configs
 
 GRID_FILE = "grid.json"
 #: the entries every grid.json has (``record_invocation``) and their types
@@ -147,17 +148,23 @@ def launch_tools_run(preset: Path, overrides: dict, minutes: float) -> int:
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT)
     meter = CpuMeter(proc.pid)
+    stopped: KeyboardInterrupt | None = None
     try:
         code = proc.wait(timeout=60 * minutes if minutes > 0 else None)
     except subprocess.TimeoutExpired:
         print(f"grid: {minutes} min budget reached; stopping this launch (the cell resumes next time)", flush=True)
         interrupt(proc)
         code = 124
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM or SIGHUP to the grid: stop the launch as Ctrl-C would
+        interrupt(proc)
+        code, stopped = 130, exc
     cpu = meter.stop()
     print(f"grid: launch wall {time.perf_counter() - start:.0f} s, CPU {cpu:.0f} s", flush=True)
     record_launch(
         Path(overrides["output-dir"]).parent, Path(overrides["output-dir"]).name, time.perf_counter() - start, cpu, code
     )
+    if stopped is not None:
+        raise stopped
     return code
 
 
@@ -302,13 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per run (default: the preset's)")
     parser.add_argument("--minutes", type=float, default=0.0, help="wall-time budget per launch (0: none)")
-    parser.add_argument(
-        "--run-config",
-        "-c",
-        action="append",
-        default=[],
-        help='preset keys overridden in every cell, e.g. "local-epochs=1" (repeatable)',
-    )
+    add_config_arguments(parser, preset=False)  # preset keys overridden in every cell
     parser.add_argument("--out", type=Path, default=None, help="grid folder (default outputs/grids/<preset>)")
     args = parser.parse_args(argv)
     from strategies.registry import METHODS
@@ -318,16 +319,23 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown method(s) {unknown}; allowed: {', '.join(METHODS)}")
         return 2
-    seeds = [int(s) for s in args.seeds.split(",") if s]
     grid = (args.out or ROOT / "outputs" / "grids" / args.preset.stem).resolve()
-    overrides = parse_config_args(args.run_config) if args.run_config else {}
-    try:
-        outcomes = run_grid(
-            args.preset.resolve(), methods, seeds, grid, args.rounds, args.minutes, argv=argv, overrides=overrides
-        )
-    except ConfigError as exc:  # grid.json is not what the grid wrote: name it, no traceback
-        print(f"error: {exc}")
-        return 2
+    with stop_on_signals():
+        try:
+            seeds = [number("--seeds", int(s), kind=int, low=0) for s in args.seeds.split(",") if s]
+            _, overrides = read_config(None, args.run_config)
+            # every cell's config, checked before the first launch (one per method: seeds differ in no other key)
+            preset_config, _ = read_config(args.preset, [])
+            validate_configs([{**preset_config, **overrides, "method": m, "seed": seeds[0]} for m in methods])
+            outcomes = run_grid(
+                args.preset.resolve(), methods, seeds, grid, args.rounds, args.minutes, argv=argv, overrides=overrides
+            )
+        except (ConfigError, ValueError) as exc:  # a bad key, or a grid.json the grid did not write: no traceback
+            print(f"error: {exc}")
+            return 2
+        except KeyboardInterrupt:
+            print("grid: interrupted; the stopped cell resumes from its checkpoint next time", flush=True)
+            return 130
     for cell, outcome in outcomes.items():
         print(f"{cell:>24}  {outcome}")
     print(f"grid folder: {grid}")

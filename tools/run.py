@@ -213,21 +213,170 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--preset",
-        default=None,
-        help="a TOML file of run config keys (e.g. presets/fedgh-table3-cifar10.toml); "
-        "--run-config overrides its values",
-    )
+#: the signals every entry point (tools.run, tools.grid, tools.compose_demo, bench.*) treats as Ctrl-C
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Within this block SIGTERM and SIGHUP raise ``KeyboardInterrupt`` in the main thread, as Ctrl-C
+    does, so an entry point stops what it started through one cleanup path whichever signal came
+    (a batch system's SIGTERM, a closed terminal's SIGHUP). The previous handlers come back after."""
+    previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, preset: bool = True) -> None:
+    """``--preset FILE`` (unless the entry point takes it otherwise) and ``-c/--run-config``: the one
+    way every entry point takes run config keys (:func:`read_config`)."""
+    if preset:
+        parser.add_argument(
+            "--preset",
+            default=None,
+            help="a TOML file of run config keys (e.g. presets/fedgh-table3-cifar10.toml); "
+            "--run-config overrides its values",
+        )
     parser.add_argument(
         "--run-config",
         "-c",
         action="append",
         default=[],
-        help="overrides, e.g. \"method='local' num-server-rounds=5\" (repeatable)",
+        help="overrides, several key=value pairs each, e.g. \"method='local' num-server-rounds=5\" (repeatable)",
     )
+
+
+def read_config(preset: str | os.PathLike | None, items: list[str], base: dict | None = None) -> tuple[dict, dict]:
+    """``(config, overrides)``: the run config defaults (pyproject), then ``base`` (an entry point's
+    own settings), then the preset, then each ``-c`` item, parsed by Flower's ``parse_config_args``
+    as ``flwr run --run-config`` does (several ``key=value`` pairs per item); ``data-dir``,
+    ``output-dir``, ``resume-from`` and ``state-dir`` of ``config`` resolved to absolute paths.
+    ``overrides`` is everything but the defaults, as given.
+
+    Raises:
+        ConfigError: a key the app does not have (naming it), or an item Flower cannot parse.
+    """
+    from flwr.common.config import parse_config_args
+
+    from common.errors import ConfigError
+
+    overrides = dict(base or {})
+    try:
+        overrides.update(parse_config_args([str(preset)]) if preset else {})
+        overrides.update(parse_config_args(items) if items else {})
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"run config overrides {items} cannot be parsed: {exc}") from None
+    defaults = app_defaults()
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise ConfigError(f"unknown run config key(s) {unknown}; see [tool.flwr.app.config] in pyproject.toml")
+    config = {**defaults, **overrides}
+    for key in ("data-dir", "output-dir", "resume-from", "state-dir"):
+        if config[key]:
+            config[key] = str(Path(config[key]).expanduser().resolve())
+    return config, overrides
+
+
+def validate_configs(configs: list[dict]) -> list[tuple[int, bool]]:
+    """Check every run config of ``configs`` as the ServerApp would (:func:`check_config`), in one
+    spawned child (torch and the methods stay out of the caller's memory), before anything starts.
+
+    Returns:
+        ``(num-clients, whether a GPU is visible)`` per config.
+
+    Raises:
+        ConfigError: the first invalid config's error, naming the key.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from common.errors import ConfigError
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        checked = list(pool.map(check_config, configs))
+    for error, _, _ in checked:
+        if error:
+            raise ConfigError(error)
+    return [(num_clients, gpu) for _, num_clients, gpu in checked]
+
+
+def run_folder(output_dir: str | os.PathLike, run_id: int) -> Path | None:
+    """The run folder the ServerApp of Flower run ``run_id`` wrote under ``output_dir`` (its name ends
+    in the run id), or None when it wrote none."""
+    found = sorted(Path(output_dir).glob(f"*-{run_id}/summary.json"))
+    return found[-1].parent if found else None
+
+
+def mark_stopped(folder: Path, reason: str) -> None:
+    """Give a run folder whose ServerApp was stopped before it could write its final status one:
+    ``summary.json`` status ``interrupted`` with ``reason`` under ``error`` (a summary with a final
+    status is left as it is)."""
+    from common.errors import ConfigError
+    from common.files import SUMMARY_FILE, atomic_write, read_summary
+
+    try:
+        summary = read_summary(folder)
+    except ConfigError:
+        return
+    if summary["status"] == "running":
+        summary.update(status="interrupted", error=reason)
+        text = json.dumps(summary, indent=2, allow_nan=False).encode("utf-8")
+        atomic_write(folder / SUMMARY_FILE, lambda f: f.write(text))
+
+
+def print_outcome(folder: Path | None, status: str) -> None:
+    """The run's last lines: its status (and the reason when it failed), final and best accuracy, total
+    payload bytes and its folder, from ``summary.json``."""
+    from common.errors import ConfigError
+    from common.files import read_summary
+
+    try:
+        summary = read_summary(folder) if folder is not None else None
+    except ConfigError as exc:
+        print(f"status {status}; {exc}")
+        return
+    if summary is None:
+        print(f"status {status}; the run wrote no results folder")
+        return
+    if summary.get("error"):
+        print(f"status {status} ({summary['status']}): {summary['error']}")
+
+    def pct(key: str) -> str:
+        return f"{100 * summary[key]:.2f} %" if summary.get(key) is not None else "-"
+
+    total = sum(summary.get(f"total_{k}", 0) for k in ("bytes_up", "bytes_down", "eval_bytes_up", "eval_bytes_down"))
+    print(
+        f"{summary['rounds_completed']} rounds: final accuracy {pct('final_accuracy_mean')} (mean over clients), "
+        f"{pct('final_accuracy_weighted')} (pooled); best {pct('best_accuracy_mean')} in round "
+        f"{summary.get('best_round')}; payload {total / 2**20:.2f} MiB in all (training and evaluation, both ways)"
+    )
+    print(f"results: {folder} (python -m tools.report {folder} draws its curves)")
+
+
+def descendants() -> list:
+    """Every process this one started, directly or not (psutil processes)."""
+    import psutil
+
+    return psutil.Process().children(recursive=True)
+
+
+def kill_all(processes: list) -> None:
+    """Kill ``processes`` that are still alive (a simulation's Ray daemons run in process groups of
+    their own, so stopping the SuperLink's group does not reach them)."""
+    import psutil
+
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(processes, timeout=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_config_arguments(parser)
     parser.add_argument(
         "--num-supernodes",
         type=int,
@@ -248,23 +397,40 @@ def main(argv: list[str] | None = None) -> int:
         help="GPU share per ClientApp; default 0.25 when a GPU is visible, else 0",
     )
     args = parser.parse_args(argv)
+    from common.errors import ConfigError
 
-    # the SuperLink takes seconds to start: it comes up while the config is validated
-    home = ROOT / ".flwr"
-    home.mkdir(exist_ok=True)
-    bin_dir = str(Path(sys.executable).parent)  # flower-superexec etc. must be on PATH for the SuperLink
-    env = {
-        **os.environ,
-        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-        "FLWR_HOME": str(home),
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "PYTHONUNBUFFERED": "1",
-    }
-    superlink, address = start_superlink(env, home)
-    try:
-        return _validate_and_run(args, env, home, superlink, address)
-    finally:
-        stop(superlink)
+    with stop_on_signals():
+        try:
+            config, _ = read_config(args.preset, args.run_config)
+            ((num_clients, gpu),) = validate_configs([config])  # before anything starts
+            supernodes = federation_size(args.num_supernodes, num_clients)
+        except ConfigError as exc:
+            print(f"error: {exc}")
+            return 2
+        except KeyboardInterrupt:
+            print("interrupted before the run started")
+            return 130
+        return _run(args, config, supernodes, gpu)
+
+
+def federation_size(num_supernodes: int | None, num_clients: int) -> int:
+    """The simulated SuperNodes: ``--num-supernodes``, else run config ``num-clients``, else
+    :data:`DEFAULT_SUPERNODES`.
+
+    Raises:
+        ConfigError: ``--num-supernodes`` below 1 or disagreeing with a non-zero ``num-clients``.
+    """
+    from common.errors import ConfigError
+
+    if num_supernodes is not None and num_supernodes < 1:
+        raise ConfigError(f"--num-supernodes {num_supernodes}: allowed values are integers >= 1")
+    supernodes = num_supernodes or num_clients or DEFAULT_SUPERNODES
+    if num_clients and supernodes != num_clients:
+        raise ConfigError(
+            f"--num-supernodes {supernodes} disagrees with run config key 'num-clients' = "
+            f"{num_clients}; drop one of them (num-clients=0 follows the federation)"
+        )
+    return supernodes
 
 
 def check_config(config: dict) -> tuple[str | None, int, bool]:
@@ -287,67 +453,59 @@ def check_config(config: dict) -> tuple[str | None, int, bool]:
     return None, cfg.num_clients, torch.cuda.is_available()
 
 
-def _validate_and_run(args, env: dict, home: Path, superlink: subprocess.Popen, address: str) -> int:
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from flwr.common.config import parse_config_args
-
-    overrides = parse_config_args([args.preset]) if args.preset else {}
-    overrides.update(parse_config_args(args.run_config) if args.run_config else {})
-    config = {**app_defaults(), **overrides}
-    unknown = sorted(set(overrides) - set(app_defaults()))
-    if unknown:
-        print(f"error: unknown run config key(s) {unknown}; see [tool.flwr.app.config] in pyproject.toml")
-        return 2
-    for key in ("data-dir", "output-dir", "resume-from", "state-dir"):
-        if config[key]:
-            config[key] = str(Path(config[key]).expanduser().resolve())
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        error, num_clients, gpu = pool.submit(check_config, config).result()
-    if error:
-        print(f"error: {error}")
-        return 2
-    if args.num_supernodes is not None and args.num_supernodes < 1:
-        print(f"error: --num-supernodes {args.num_supernodes}: allowed values are integers >= 1")
-        return 2
-    supernodes = args.num_supernodes or num_clients or DEFAULT_SUPERNODES
-    if num_clients and supernodes != num_clients:
-        print(
-            f"error: --num-supernodes {supernodes} disagrees with run config key 'num-clients' = "
-            f"{num_clients}; drop one of them (num-clients=0 follows the federation)"
-        )
-        return 2
-    gpus = args.gpus_per_client
-    if gpus is None:
-        gpus = 0.25 if gpu else 0.0
-    wait_healthy(superlink, address, home)
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "{address}"\ninsecure = true\n'
-    )
-    run_config = [f"{k}={toml_value(v)}" for k, v in config.items()]
+def _run(args, config: dict, supernodes: int, gpu: bool) -> int:
+    """Start a SuperLink, submit the validated ``config`` to it, stream the run and report it; on
+    Ctrl-C, SIGTERM or SIGHUP stop the run, the SuperLink and every process they started, and give the
+    run folder a final status."""
+    home = ROOT / ".flwr"
+    home.mkdir(exist_ok=True)
+    bin_dir = str(Path(sys.executable).parent)  # flower-superexec etc. must be on PATH for the SuperLink
+    env = {
+        **os.environ,
+        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        "FLWR_HOME": str(home),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    gpus = args.gpus_per_client if args.gpus_per_client is not None else (0.25 if gpu else 0.0)
     federation = (
         f"num-supernodes={supernodes} client-resources-num-cpus={args.cpus_per_client} client-resources-num-gpus={gpus}"
     )
     cmd = ["run", str(ROOT), "sim", "--format", "json", "--federation-config", federation]
-    for item in run_config:
-        cmd += ["--run-config", item]
-    submitted = flwr_cli(*cmd, env=env)
+    for key, value in config.items():
+        cmd += ["--run-config", f"{key}={toml_value(value)}"]
+    run_id = None
+    superlink, address = start_superlink(env, home)
     try:
-        run_id = int(json.loads(submitted.stdout)["run-id"])
-    except (ValueError, KeyError, TypeError):
-        print(submitted.stdout, submitted.stderr, sep="\n")
-        print("error: the run was not submitted")
-        return 1
-    print(f"Submitted run {run_id}; streaming its log (Ray needs tens of seconds before round 1)")
-    try:
+        wait_healthy(superlink, address, home)
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "{address}"\ninsecure = true\n'
+        )
+        submitted = flwr_cli(*cmd, env=env)
+        try:
+            run_id = int(json.loads(submitted.stdout)["run-id"])
+        except (ValueError, KeyError, TypeError):
+            print(submitted.stdout, submitted.stderr, sep="\n")
+            print("error: the run was not submitted")
+            return 1
+        print(f"Submitted run {run_id}; streaming its log (Ray needs tens of seconds before round 1)")
         status = wait_finished(env, run_id, "sim", None, echo=True)
+        print(f"Run {run_id}: {status}")
+        print_outcome(run_folder(config["output-dir"], run_id), status)
+        return 0 if status == "finished:completed" else 1
     except KeyboardInterrupt:
-        # the simulation runs outside the SuperLink's process group: stop the run itself
-        flwr_cli("stop", str(run_id), "sim", env=env)
-        raise
-    print(f"Run {run_id}: {status}")
-    return 0 if status == "finished:completed" else 1
+        started = descendants()  # before anything stops: Ray's processes leave the tree once orphaned
+        if run_id is not None:
+            flwr_cli("stop", str(run_id), "sim", env=env, timeout=60)
+        stop(superlink)
+        kill_all(started)
+        folder = run_folder(config["output-dir"], run_id) if run_id is not None else None
+        if folder is not None:
+            mark_stopped(folder, "stopped by a signal (Ctrl-C, SIGTERM or SIGHUP) to tools.run")
+        print(f"interrupted: stopped the run, its SuperLink and {len(started)} processes; {folder or 'no run folder'}")
+        return 130
+    finally:
+        stop(superlink)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,173 @@
+"""One way in: every entry point parses ``-c`` as ``tools.run`` does and checks the whole config before it
+starts anything; a failed run ends with its status and reason; SIGTERM and SIGHUP stop everything an
+entry point started, as Ctrl-C does, and leave the run's files with a final status."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from common.errors import ConfigError
+from conftest import DATA_DIR, ROOT
+from tools import run as launcher
+
+ITEMS = ["num-server-rounds=3 lr=0.05", "method='fedproto'"]
+
+
+def test_every_entry_point_reads_several_pairs_per_c_item():
+    config, overrides = launcher.read_config(None, ITEMS)
+    assert overrides == {"num-server-rounds": 3, "lr": 0.05, "method": "fedproto"}
+    assert config["num-server-rounds"] == 3 and config["batch-size"] == launcher.app_defaults()["batch-size"]
+    with pytest.raises(ConfigError, match="unknown run config key.*'no-such-key'"):
+        launcher.read_config(None, ["no-such-key=1"])
+
+
+def refuse(configs):
+    """A validate_configs that records the configs it was given and refuses them."""
+    refuse.seen = configs
+    raise ConfigError("run config key 'lr' refused by the test")
+
+
+def never(*args, **kwargs):
+    raise AssertionError("started something before the config was checked")
+
+
+@pytest.mark.parametrize(
+    "module, argv, starts",
+    [
+        ("tools.run", ["-c", ITEMS[0], "-c", ITEMS[1]], ["start_superlink", "_run"]),
+        ("bench.simulation", ["-c", ITEMS[0], "-c", ITEMS[1]], ["run_one"]),
+        ("bench.deployment", ["-c", ITEMS[0], "-c", ITEMS[1]], ["LoopbackDeployment"]),
+        (
+            "tools.grid",
+            [str(ROOT / "presets" / "fedre-table12-cifar10.toml"), "--methods", "fedproto", "-c", ITEMS[0]],
+            ["run_grid"],
+        ),
+        ("tools.compose_demo", ["-c", ITEMS[0]], ["run_demo"]),
+    ],
+)
+def test_every_entry_point_checks_the_whole_config_before_starting_anything(monkeypatch, capsys, module, argv, starts):
+    import importlib
+
+    entry = importlib.import_module(module)
+    monkeypatch.setattr(entry, "validate_configs", refuse)
+    for name in starts:
+        monkeypatch.setattr(entry, name, never)
+    assert entry.main(argv) == 2
+    printed = capsys.readouterr()
+    assert "'lr' refused by the test" in printed.out + printed.err
+    (config, *_) = refuse.seen
+    assert config["num-server-rounds"] == 3 and config["lr"] == 0.05
+
+
+def test_a_bad_value_stops_bench_deployment_before_any_node_starts(monkeypatch, capsys):
+    from bench import deployment
+
+    monkeypatch.setattr(deployment, "LoopbackDeployment", never)
+    # the whole string was the value of 'method' before; now both keys are read and the bad lr is named
+    assert deployment.main(["-c", "method='fedgh' num-clients=3 lr=-1.0"]) == 2
+    assert "'lr' = -1.0 is invalid" in capsys.readouterr().out
+
+
+def test_a_failed_run_ends_with_its_status_and_reason(tmp_path, monkeypatch, capsys):
+    from bench import deployment
+
+    class FailedDeployment:
+        """A deployment whose run fails in round 1: a failed summary, no rows."""
+
+        def __init__(self, folder, nodes, data_dir):
+            self.out = folder / "outputs"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def start(self):
+            pass
+
+        def submit(self, run_config):
+            run = self.out / "20260101-000000-fedgh-cifar10-7"
+            run.mkdir(parents=True)
+            summary = {"status": "failed", "rounds_completed": 0, "error": "RuntimeError: only 2 of 3 clients answered"}
+            (run / "summary.json").write_text(json.dumps(summary))
+            return 7
+
+        def finished(self, run_id, timeout):
+            return "finished:failed"
+
+    monkeypatch.setattr(deployment, "LoopbackDeployment", FailedDeployment)
+    monkeypatch.setattr(deployment, "import_floor", lambda *a, **k: 1.0)
+    assert deployment.main(["--nodes", "3"]) == 1  # was StatisticsError: no median for empty data
+    out = capsys.readouterr().out
+    assert "run finished:failed after 0 rounds" in out and "only 2 of 3 clients answered" in out
+
+
+def test_sigterm_and_sighup_raise_keyboard_interrupt_inside_the_block_only():
+    for sig in launcher.STOP_SIGNALS:
+        with pytest.raises(KeyboardInterrupt), launcher.stop_on_signals():
+            os.kill(os.getpid(), sig)
+            time.sleep(5)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_the_grid_stops_its_launch_on_sigterm(tmp_path, monkeypatch):
+    """SIGTERM to the grid while a launch runs: the launch is stopped as Ctrl-C would stop it, the
+    launch is recorded, and the grid stops."""
+    from tools import grid
+
+    child = []
+    popen = subprocess.Popen
+
+    def sleeping_launch(cmd, cwd=None):
+        child.append(popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+        return child[0]
+
+    monkeypatch.setattr(grid.subprocess, "Popen", sleeping_launch)
+    recorded = []
+    monkeypatch.setattr(grid, "record_launch", lambda *args: recorded.append(args))
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(KeyboardInterrupt), launcher.stop_on_signals():
+        grid.launch_tools_run(tmp_path / "p.toml", {"output-dir": str(tmp_path / "cell")}, 0)
+    assert child[0].poll() is not None and recorded and recorded[0][-1] == 130
+
+
+def test_sigterm_stops_a_simulation_and_everything_it_started(tmp_path):
+    """A real ``tools.run`` simulation, stopped by SIGTERM after its first round: exit 130, no process it
+    started is left, and the run folder's summary has a final status."""
+    items = {
+        "num-clients": 2,
+        "num-server-rounds": 200,
+        "max-examples-per-client": 60,
+        "model-group": "cnn1",
+        "data-dir": str(DATA_DIR),
+        "output-dir": str(tmp_path),
+    }
+    cmd = [sys.executable, "-m", "tools.run"]
+    for key, value in items.items():
+        cmd += ["-c", f"{key}={json.dumps(value) if isinstance(value, str) else value}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not list(tmp_path.glob("*/metrics.jsonl")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(1)
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    started = psutil.Process(proc.pid).children(recursive=True)
+    assert any("flwr-simulation" in " ".join(p.cmdline()) for p in started)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert "interrupted: stopped the run" in out
+    time.sleep(1)
+    alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [" ".join(p.cmdline())[:120] for p in alive]
+    (summary,) = tmp_path.glob("*/summary.json")
+    assert json.loads(summary.read_text())["status"] in ("interrupted", "failed")
