@@ -108,7 +108,6 @@ def test_rows_of_cpu_clients_have_no_gpu_key(run_config):
 @pytest.mark.parametrize("record", [{"name": "x" * 101}, {"name": "a\nb"}, {"name": "H100", "extra": "x"}, {"name": 3}])
 def test_a_malformed_device_record_drops_the_reply(run_config, record):
     from flwr.app import ConfigRecord, RecordDict
-
     from test_hostile import ATTACKER, attacker
 
     def attack(reply):

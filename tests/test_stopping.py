@@ -3,9 +3,9 @@ new best ``accuracy_mean``, says why in its last row, and a resumed run goes on 
 
 import pytest
 from flwr.app import MetricRecord
+from test_resume import run_with_results
 
 from strategies.records import patience_exhausted
-from test_resume import run_with_results
 
 #: accuracy_mean of rounds 1, 2, ...: best 0.6 first reached in round 2 (round 3 ties it: no new best)
 SCRIPT = [0.5, 0.6, 0.6, 0.55, 0.9, 0.9, 0.9, 0.9]
