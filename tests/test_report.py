@@ -109,3 +109,23 @@ def test_report_numbers_figures_and_regeneration(tmp_path, small_config):
     first = text
     report(out, None, str(DATA_DIR))
     assert (out / "report.md").read_text() == first
+
+
+def test_report_of_one_run_folder_equals_its_rows(run_config, tmp_path):
+    """``tools.report <run folder>``: the figures of that one run and a table whose numbers are its rows'."""
+    from test_resume import run_with_results
+
+    from common.files import read_rows
+    from tools.report import main
+
+    strategy, _ = run_with_results(run_config(**{"num-clients": 3, "num-server-rounds": 3}), name="one-run")
+    run = strategy.results.path
+    assert main([str(run), "--out", str(tmp_path / "report"), "--data-dir", str(DATA_DIR)]) == 0
+    assert all((tmp_path / "report" / name).stat().st_size > 10_000 for name in FIGURES)
+    rows, text = read_rows(run), (tmp_path / "report" / "report.md").read_text()
+    final, best = rows[-1]["accuracy_mean"], max(r["accuracy_mean"] for r in rows)
+    assert f"| accuracy_mean | {100 * final:.2f} | {100 * best:.2f} |" in text
+    weighted = [r["accuracy_weighted"] for r in rows]
+    assert f"| accuracy_weighted | {100 * weighted[-1]:.2f} | {100 * max(weighted):.2f} |" in text
+    clients = sum(r["num_clients"] for r in rows)
+    assert f"{sum(r['bytes_up'] for r in rows) / clients:.0f} B up" in text and "3 rounds" in text

@@ -3,6 +3,7 @@
 Usage (from the repository root):
 
     uv run --frozen python -m tools.report outputs/grids/<preset> [--out results/<preset>]
+    uv run --frozen python -m tools.report outputs/<run folder>       # one run of tools.run: same figures
 
 Writes ``report.md`` and three PNGs (accuracy vs round, accuracy vs cumulative bytes, the
 label distribution of the partitions) into ``--out`` (default: the grid folder). With
@@ -32,7 +33,7 @@ import numpy as np
 
 from common.errors import ConfigError
 from common.files import ROWS_FILE, read_rows
-from tools.grid import GRID_FILE, newest_run, read_grid_info
+from tools.grid import GRID_FILE, newest_run, read_grid_info, run_summary
 from tools.run import ROOT, app_defaults
 
 FIGURES = ("accuracy_vs_round.png", "accuracy_vs_bytes.png", "label_distribution.png")
@@ -239,7 +240,7 @@ def plot_partitions(config: dict, out: Path, data_dir: str | None = None) -> Non
         legend_title="class",
         verbose_labels=False,
         figsize=(7.5, 4.5),
-        title=f"{cfg.dataset}: samples per class of each client's partition ({cfg.partitioner}, seed {cfg.seed})",
+        title=f"{cfg.dataset}: samples per class of each client's partition ({cfg.partitioner}, seed {cfg.data_seed})",
     )
     ax.set_xlabel("client (partition id)")
     ax.set_ylabel("samples")
@@ -391,14 +392,63 @@ def report(grid: Path, out: Path | None = None, data_dir: str | None = None, fig
     return stats
 
 
+def report_run(run: Path, out: Path | None = None, data_dir: str | None = None, figures: bool = True) -> dict:
+    """``report.md`` and the figures of one run folder (what ``tools.run`` writes), as a grid's for one
+    cell: final and best accuracy (mean over clients and pooled), bytes per client-round, seconds per
+    round, and the accuracy-vs-round, accuracy-vs-bytes and label-distribution figures. Returns the stats.
+
+    Raises:
+        ConfigError: the folder's ``metrics.jsonl`` is not what a run wrote, or it has no rows.
+    """
+    out = out or run
+    out.mkdir(parents=True, exist_ok=True)
+    summary, rows = run_summary(run), read_rows(run)
+    if not rows:
+        raise ConfigError(f"{run / ROWS_FILE} holds no round yet")
+    config = summary.get("config", {})
+    cell = Cell(str(config.get("method", "run")), int(config.get("seed", 0)), rows, summary)
+    stats = method_stats([cell], "accuracy_mean", None)
+    if figures:
+        plot_curves([cell], "accuracy_mean", out, run.name)
+        if config:
+            plot_partitions(config, out, data_dir)
+    lines = [
+        f"# {run.name}",
+        "",
+        f"Status `{summary['status']}`"
+        + (f" ({summary['error']})" if summary.get("error") else "")
+        + f", {len(rows)} rounds, method `{cell.method}`, seed {cell.seed}. Accuracies in percent, fractions of the"
+        " clients' local test splits: mean over clients and pooled (weighted by test examples).",
+        "",
+        "| | final | best |",
+        "|---|---|---|",
+    ]
+    for metric in ("accuracy_mean", "accuracy_weighted"):
+        final, best = stats[f"final_{metric}"], stats[f"best_{metric}"]
+        lines.append(f"| {metric} | {100 * final[0]:.2f} | {100 * best[0]:.2f} |" if final else f"| {metric} | - | - |")
+    lines += [
+        "",
+        f"Payload per client-round: {stats['up_per_client_round']:.0f} B up, {stats['down_per_client_round']:.0f} B"
+        f" down (training); {stats['seconds_per_round']:.2f} s per round.",
+        "",
+    ]
+    (out / "report.md").write_text("\n".join(lines), encoding="utf-8")
+    return stats
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("grid", type=Path, help="a grid folder (tools.grid) or a copy written by --out")
+    parser.add_argument(
+        "grid", type=Path, help="a grid folder (tools.grid), a copy written by --out, or one run folder"
+    )
     parser.add_argument("--out", type=Path, default=None, help="where report.md, figures and run copies go")
     parser.add_argument("--data-dir", default=None, help="dataset folder for the partition figure and FLOPs")
     args = parser.parse_args(argv)
     try:
-        report(args.grid, args.out, args.data_dir)
+        if (args.grid / ROWS_FILE).is_file():  # one run folder (tools.run), not a grid
+            report_run(args.grid, args.out, args.data_dir)
+        else:
+            report(args.grid, args.out, args.data_dir)
     except ConfigError as exc:  # a file of the grid is not what the grid wrote: name it, no traceback
         print(f"error: {exc}")
         return 2
