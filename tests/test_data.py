@@ -144,24 +144,25 @@ def test_partition_cache_ignores_a_torn_or_foreign_file_and_rewrites_it(tmp_path
     assert torch.equal(saved["train_x"], fresh.train_x)
 
 
-@pytest.mark.parametrize("dataset, pool", [("fashion-mnist", 70_000), ("mnist", 70_000), ("cifar10", 60_000)])
+@pytest.mark.parametrize("dataset, pool", [("fashion-mnist", 70_000), ("cifar10", 60_000)])
 def test_train_and_test_pool_partitions_every_official_image(dataset, pool):
     """``data-pool = "train+test"`` partitions the official train and test splits together (PFLlib's
     generators); every client's local test split comes from that pool. Checked on the labels of all
-    partitions (nothing decoded): they add up to the pool, and they hold test-split images."""
+    partitions (nothing decoded): they add up to the pool; and one client's test split holds images
+    of the official test split (the Fashion-MNIST files number them 60000-69999)."""
     from client_app.data import load_pool, partition_split
 
     partitioned = spec(dataset=dataset, data_pool="train+test", partitioner="iid", num_partitions=5)
     assert len(load_pool(partitioned)) == pool == DATASETS[dataset].train_size + DATASETS[dataset].test_size
-    sizes, from_test = 0, 0
+    sizes = 0
     for pid in range(5):
         part, labels, train_idx, test_idx = partition_split(partitioned, pid)
         sizes += len(train_idx) + len(test_idx)
-        paths = part.select(test_idx.tolist())[DATASETS[dataset].image_column]
-        from_test += sum(1 for im in paths if im["path"] is not None and int(im["path"].split(".")[0]) >= 60_000)
     assert sizes == pool
-    if dataset != "cifar10":  # the MNIST and Fashion-MNIST files number test images 60000-69999
-        assert from_test > 0.1 * sizes * 0.2
+    if dataset == "fashion-mnist":
+        paths = part.select(test_idx[:500].tolist())[DATASETS[dataset].image_column]
+        from_test = sum(int(im["path"].split(".")[0]) >= 60_000 for im in paths)
+        assert 30 < from_test < 120  # about 1 in 7 of the pool comes from the test split
 
 
 def test_partition_seed_holds_the_partition_while_seed_varies_training(run_config):

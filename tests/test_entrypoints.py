@@ -142,7 +142,7 @@ def test_the_grid_stops_its_launch_on_sigterm(tmp_path, monkeypatch):
 
 
 def test_sigterm_stops_a_simulation_and_everything_it_started(tmp_path):
-    """A real ``tools.run`` simulation, stopped by SIGTERM after its first round: exit 130, no process it
+    """A real ``tools.run`` simulation, stopped by SIGTERM once its ServerApp runs: exit 130, no process it
     started is left, and the run folder's summary has a final status."""
     items = {
         "num-clients": 2,
@@ -157,7 +157,8 @@ def test_sigterm_stops_a_simulation_and_everything_it_started(tmp_path):
         cmd += ["-c", f"{key}={json.dumps(value) if isinstance(value, str) else value}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
-    while not list(tmp_path.glob("*/metrics.jsonl")) and time.monotonic() < deadline and proc.poll() is None:
+    # the ServerApp writes summary.json as it starts: the run is under way, Ray's processes with it
+    while not list(tmp_path.glob("*/summary.json")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(1)
     assert proc.poll() is None, proc.stdout.read()[-3000:]
     started = psutil.Process(proc.pid).children(recursive=True)

@@ -89,7 +89,7 @@ def test_rows_carry_each_gpu_clients_peak_and_device_and_an_oom_drops_only_that_
         return train(self, client, payload, config)
 
     monkeypatch.setattr(FedGHClient, "train", out_of_memory_in_round_2)
-    strategy, grid = federation(run_config(**{"num-clients": 3, "num-server-rounds": 2}))
+    strategy, grid = federation(run_config(**{"num-clients": 3, "num-server-rounds": 2, "max-examples-per-client": 60}))
     with caplog.at_level(logging.WARNING):
         strategy.start(grid)
     first, second = strategy.rows
@@ -100,23 +100,40 @@ def test_rows_carry_each_gpu_clients_peak_and_device_and_an_oom_drops_only_that_
 
 
 def test_rows_of_cpu_clients_have_no_gpu_key(run_config):
-    strategy, grid = federation(run_config(**{"num-clients": 2, "num-server-rounds": 1}))
+    strategy, grid = federation(run_config(**{"num-clients": 2, "num-server-rounds": 1, "max-examples-per-client": 60}))
     strategy.start(grid)
     assert "gpu_per_client" not in strategy.rows[0]
 
 
-@pytest.mark.parametrize("record", [{"name": "x" * 101}, {"name": "a\nb"}, {"name": "H100", "extra": "x"}, {"name": 3}])
-def test_a_malformed_device_record_drops_the_reply(run_config, record):
+MALFORMED = [{"name": "x" * 101}, {"name": "a\nb"}, {"name": "H100", "extra": "x"}, {"name": 3}]
+
+
+@pytest.mark.parametrize("record", MALFORMED)
+def test_a_malformed_device_record_is_refused(record):
+    from flwr.app import ConfigRecord, RecordDict
+
+    from strategies.payload import PayloadError
+    from strategies.transport import device_name
+
+    assert (
+        device_name(RecordDict({"device": ConfigRecord({"name": "NVIDIA H100 80GB HBM3"})})) == "NVIDIA H100 80GB HBM3"
+    )
+    with pytest.raises(PayloadError, match="record 'device'"):
+        device_name(RecordDict({"device": ConfigRecord(record)}))
+
+
+def test_a_reply_with_a_malformed_device_record_is_dropped(run_config):
     from flwr.app import ConfigRecord, RecordDict
     from test_hostile import ATTACKER, attacker
 
     def attack(reply):
         content = reply.content
         reply.content = RecordDict(
-            {**dict(content.array_records), **dict(content.metric_records), "device": ConfigRecord(record)}
+            {**dict(content.array_records), **dict(content.metric_records), "device": ConfigRecord(MALFORMED[0])}
         )
         return reply
 
-    strategy, grid = federation(run_config(**{"num-clients": 3, "num-server-rounds": 1}), attacker("train", attack))
+    rc = run_config(**{"num-clients": 3, "num-server-rounds": 1, "max-examples-per-client": 60})
+    strategy, grid = federation(rc, attacker("train", attack))
     strategy.start(grid)
     assert strategy.rows[0]["dropped_clients"] == [ATTACKER - 1000] and "gpu_per_client" not in strategy.rows[0]

@@ -253,8 +253,13 @@ def test_hostile_checkpoint_round_trips_numpy_state(run_config, tmp_path):
 
     state = {
         "round": 2,
+        "method": "fedproto",
+        "config": {},
+        "state-key": "run",
+        "traffic": {},
+        "dropped": {},
         "rng": np.random.default_rng(3).bit_generator.state,
-        "rows": [{"a": None, "b": [1.5]}],
+        "rows": [{"round": 2, "a": None, "b": [1.5]}],
         "server": {
             "global_set": {"protos": np.arange(6, dtype=np.float32).reshape(2, 3), "mask": np.array([True, False])},
             "generator": torch.Generator().get_state(),
