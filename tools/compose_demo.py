@@ -274,7 +274,7 @@ def shielded(cmd: list[str], env: dict | None = None) -> subprocess.CompletedPro
     """Run a clean-up command shielded from a second Ctrl-C or SIGTERM (a half-done
     ``compose down`` leaves containers and volumes behind): the signals are ignored meanwhile
     and the command runs in its own session, out of reach of the terminal's Ctrl-C."""
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, *STOP_SIGNALS)}
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
     try:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, start_new_session=True)
     finally:
@@ -295,20 +295,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    try:  # the whole config, before the engine or any container starts
-        config, run_config = read_config(None, args.run_config, demo_run_config(args.rounds))
-        if config["method"] != "fedgh":
-            raise ConfigError(
-                f"run config key 'method' = {config['method']!r}: the demo checks FedGH's payload bytes; "
-                "run other methods on the stack with flwr run (see the README)"
-            )
-        validate_configs([config])
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-
     # `docker compose down` must run on SIGTERM and SIGHUP too, not only on Ctrl-C
     with stop_on_signals():
+        try:  # the whole config, before the engine or any container starts
+            config, run_config = read_config(None, args.run_config, demo_run_config(args.rounds))
+            if config["method"] != "fedgh":
+                raise ConfigError(
+                    f"run config key 'method' = {config['method']!r}: the demo checks FedGH's payload bytes; "
+                    "run other methods on the stack with flwr run (see the README)"
+                )
+            validate_configs([config])
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 2
+        except KeyboardInterrupt:
+            print("demo interrupted before it started anything", file=sys.stderr, flush=True)
+            return 130
         return run_demo(args, run_config)
 
 

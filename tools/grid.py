@@ -316,17 +316,21 @@ def main(argv: list[str] | None = None) -> int:
 
     methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        print(f"error: unknown method(s) {unknown}; allowed: {', '.join(METHODS)}")
+    if unknown or not methods:
+        print(f"error: unknown method(s) {unknown or args.methods!r}; allowed: {', '.join(METHODS)}")
         return 2
     grid = (args.out or ROOT / "outputs" / "grids" / args.preset.stem).resolve()
     with stop_on_signals():
         try:
             seeds = [number("--seeds", int(s), kind=int, low=0) for s in args.seeds.split(",") if s]
+            if not seeds:
+                raise ConfigError(f"--seeds {args.seeds!r}: allowed values are integers >= 0, comma-separated")
             _, overrides = read_config(None, args.run_config)
-            # every cell's config, checked before the first launch (one per method: seeds differ in no other key)
+            # every cell's config as its launch will have it, checked before the first launch (one per
+            # method: seeds differ in no other key)
             preset_config, _ = read_config(args.preset, [])
-            validate_configs([{**preset_config, **overrides, "method": m, "seed": seeds[0]} for m in methods])
+            rounds = {} if args.rounds is None else {"num-server-rounds": args.rounds}
+            validate_configs([{**preset_config, **overrides, **rounds, "method": m, "seed": seeds[0]} for m in methods])
             outcomes = run_grid(
                 args.preset.resolve(), methods, seeds, grid, args.rounds, args.minutes, argv=argv, overrides=overrides
             )

@@ -15,7 +15,10 @@ What plain ``flwr run . --stream`` does not do and this does (shared/notes/flowe
 - sizes the simulation (``--num-supernodes``, default ``num-clients`` when that is set, else
   10; with ``num-clients`` = 0 the server takes every node) and grants each ClientApp a GPU
   share when one is present;
-- exits 0 only if the run's status is ``finished:completed`` (``flwr run`` exits 0 on failure).
+- exits 0 only if the run's status is ``finished:completed`` (``flwr run`` exits 0 on failure);
+- on Ctrl-C, SIGTERM or SIGHUP (:func:`stop_on_signals`) stops the run, its SuperLink, the
+  simulation and Ray, marks the run folder's ``summary.json`` ``interrupted`` (:func:`mark_stopped`)
+  and exits 130.
 """
 
 from __future__ import annotations
@@ -146,7 +149,10 @@ def interrupt(proc: subprocess.Popen, grace: float = 120.0) -> None:
     """
     import psutil
 
-    children = psutil.Process(proc.pid).children(recursive=True)
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:  # it has just exited (and been reaped): nothing of it is left to stop
+        return
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=grace)
@@ -213,21 +219,41 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-#: the signals every entry point (tools.run, tools.grid, tools.compose_demo, bench.*) treats as Ctrl-C
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+#: the signals every entry point (tools.run, tools.grid, tools.compose_demo, bench.*) stops on: Ctrl-C,
+#: a batch system's or container engine's SIGTERM, a closed terminal's SIGHUP
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
 def stop_on_signals():
-    """Within this block SIGTERM and SIGHUP raise ``KeyboardInterrupt`` in the main thread, as Ctrl-C
-    does, so an entry point stops what it started through one cleanup path whichever signal came
-    (a batch system's SIGTERM, a closed terminal's SIGHUP). The previous handlers come back after."""
-    previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in STOP_SIGNALS}
+    """Within this block the first of :data:`STOP_SIGNALS` raises ``KeyboardInterrupt`` in the main
+    thread, so an entry point stops what it started through one clean-up path whichever signal came.
+    Later ones are ignored (noted on stderr) until the block ends, so that clean-up runs to its end:
+    a terminal's Ctrl-C reaches a launcher and the ``tools.run`` it started at once, and the
+    launcher's :func:`interrupt` then sends that ``tools.run`` one more SIGINT, which would otherwise
+    break off its clean-up halfway (Ray left running, the summary left ``running``). The clean-up is
+    bounded (:func:`_run`: about 90 s at most); SIGKILL still ends it. The previous handlers come
+    back after the block.
+
+    Raises:
+        ValueError: entered outside the main thread (Python runs signal handlers there only).
+    """
+    first: list[signal.Signals] = []
+
+    def handler(signum: int, frame) -> None:
+        if first:
+            # a Python handler, not SIG_IGN: processes started during the clean-up must not inherit it
+            os.write(2, f"{signal.Signals(signum).name} ignored: still stopping after {first[0].name}\n".encode())
+            return
+        first.append(signal.Signals(signum))
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, preset: bool = True) -> None:
@@ -310,10 +336,25 @@ def run_folder(output_dir: str | os.PathLike, run_id: int) -> Path | None:
     return found[-1].parent if found else None
 
 
-def mark_stopped(folder: Path, reason: str) -> None:
-    """Give a run folder whose ServerApp was stopped before it could write its final status one:
-    ``summary.json`` status ``interrupted`` with ``reason`` under ``error`` (a summary with a final
-    status is left as it is)."""
+def summary_status(folder: Path | None) -> str | None:
+    """The ``status`` of ``<folder>/summary.json`` (``running``, ``completed``, ``failed``, ...); None when
+    there is no folder or no readable summary in it."""
+    from common.errors import ConfigError
+    from common.files import read_summary
+
+    try:
+        return read_summary(folder)["status"] if folder is not None else None
+    except ConfigError:
+        return None
+
+
+def mark_stopped(folder: Path, reason: str, status_before: str | None) -> None:
+    """Give the run folder of a run the launcher stopped a final status: ``summary.json`` status
+    ``interrupted`` with ``reason`` under ``error``, when the ServerApp left it ``running`` (killed
+    before it could write) or recorded ``failed`` after the stop (``status_before``, its status when
+    the signal came, was ``running`` or None: the failure is the stop's doing; its error is kept after
+    ``reason``). A run that had ended before the signal keeps its summary, as does a folder without
+    a readable one."""
     from common.errors import ConfigError
     from common.files import SUMMARY_FILE, atomic_write, read_summary
 
@@ -321,10 +362,12 @@ def mark_stopped(folder: Path, reason: str) -> None:
         summary = read_summary(folder)
     except ConfigError:
         return
-    if summary["status"] == "running":
-        summary.update(status="interrupted", error=reason)
-        text = json.dumps(summary, indent=2, allow_nan=False).encode("utf-8")
-        atomic_write(folder / SUMMARY_FILE, lambda f: f.write(text))
+    if summary["status"] != "running" and not (summary["status"] == "failed" and status_before in (None, "running")):
+        return
+    error = reason + (f"; the ServerApp then recorded: {summary['error']}" if summary.get("error") else "")
+    summary.update(status="interrupted", error=error)
+    text = json.dumps(summary, indent=2, allow_nan=False).encode("utf-8")
+    atomic_write(folder / SUMMARY_FILE, lambda f: f.write(text))
 
 
 def print_outcome(folder: Path | None, status: str) -> None:
@@ -341,8 +384,8 @@ def print_outcome(folder: Path | None, status: str) -> None:
     if summary is None:
         print(f"status {status}; the run wrote no results folder")
         return
-    if summary.get("error"):
-        print(f"status {status} ({summary['status']}): {summary['error']}")
+    if summary.get("error") or summary["status"] != "completed":
+        print(f"status {status} ({summary['status']}): {summary.get('error') or 'no reason recorded'}")
 
     def pct(key: str) -> str:
         return f"{100 * summary[key]:.2f} %" if summary.get(key) is not None else "-"
@@ -493,15 +536,20 @@ def _run(args, config: dict, supernodes: int, gpu: bool) -> int:
         print(f"Run {run_id}: {status}")
         print_outcome(run_folder(config["output-dir"], run_id), status)
         return 0 if status == "finished:completed" else 1
+    except RuntimeError as exc:  # the SuperLink did not come up: its log says why
+        print(f"error: {exc}")
+        return 1
     except KeyboardInterrupt:
         started = descendants()  # before anything stops: Ray's processes leave the tree once orphaned
+        before = summary_status(run_folder(config["output-dir"], run_id)) if run_id is not None else None
         if run_id is not None:
-            flwr_cli("stop", str(run_id), "sim", env=env, timeout=60)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # a SuperLink that does not answer is killed next
+                flwr_cli("stop", str(run_id), "sim", env=env, timeout=60)
         stop(superlink)
         kill_all(started)
         folder = run_folder(config["output-dir"], run_id) if run_id is not None else None
         if folder is not None:
-            mark_stopped(folder, "stopped by a signal (Ctrl-C, SIGTERM or SIGHUP) to tools.run")
+            mark_stopped(folder, "stopped by a signal (Ctrl-C, SIGTERM or SIGHUP) to tools.run", before)
         print(f"interrupted: stopped the run, its SuperLink and {len(started)} processes; {folder or 'no run folder'}")
         return 130
     finally:
