@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # the deployment's processes were stopped on the way out
             print("interrupted: stopped the SuperLink and the SuperNodes")
             return 130
+        except (RuntimeError, TimeoutError) as exc:  # no SuperLink, a refused key or run, no end within the hour
+            print(f"deployment failed: {exc}; stopped the SuperLink and the SuperNodes")
+            return 1
         rows = rows_of(out)
         if status != "finished:completed" or not rows:
             print(f"deployment: run {status} after {len(rows)} rounds; no timing to report")

@@ -38,7 +38,7 @@ import psutil
 
 from common.errors import ConfigError
 from common.files import read_rows
-from tools.run import add_config_arguments, interrupt, read_config, stop_on_signals, validate_configs
+from tools.run import add_config_arguments, interrupt, print_outcome, read_config, stop_on_signals, validate_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,9 +110,10 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
     """One ``tools.run`` job with ``config`` overrides; prints its per-round table, returns its totals.
 
     With ``minutes`` > 0 the job is interrupted (SIGINT, so the launcher stops its SuperLink)
-    after that wall time and the rounds completed so far are reported.
+    after that wall time and the rounds completed so far are reported. A run that failed (or wrote
+    no rows) prints the tail of its log, its status and the reason from its summary, and returns None.
     """
-    out = ROOT / "outputs" / f"bench-{int(time.time())}"
+    out = ROOT / "outputs" / f"bench-{time.time_ns()}"  # one per run, also for runs that fail within a second
     cmd = [
         sys.executable,
         "-m",
@@ -131,6 +132,7 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     root = psutil.Process(proc.pid)
     peak = [0, 0]  # RSS sum, PSS sum
+    budget_hit = threading.Event()  # the run was stopped by --minutes, not by a failure
     at_peak: dict[str, tuple[int, int]] = {}  # the PSS split by process kind when the PSS sum peaked
 
     def sample() -> None:
@@ -141,6 +143,7 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
                 at_peak.update(kinds)
             peak[:] = [max(peak[0], rss), max(peak[1], pss)]
             if minutes > 0 and time.perf_counter() - start > 60 * minutes:
+                budget_hit.set()
                 interrupt(proc)
                 break
             time.sleep(0.5)
@@ -158,9 +161,9 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
     wall = time.perf_counter() - start
     run_dirs = list(out.iterdir()) if out.exists() else []
     rows = read_rows(run_dirs[0]) if run_dirs else []
-    if not rows or (proc.returncode != 0 and not minutes):
+    if not rows or (proc.returncode != 0 and not budget_hit.is_set()):
         print(log[-4000:])
-        print(f"run failed with exit code {proc.returncode}")
+        print_outcome(run_dirs[0] if run_dirs else None, f"tools.run exit {proc.returncode}")
         return None
     slots = max(1, (os.cpu_count() or 1) // cpus)
     if gpus:
@@ -197,7 +200,7 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
     }
     print(
         f"parallel ClientApps: {slots}; rounds completed: {len(rows)}"
-        + (" (stopped by the time budget)" if proc.returncode != 0 else "")
+        + (" (stopped by the time budget)" if budget_hit.is_set() else "")
     )
     print(
         f"final accuracy_mean {totals['final']:.4f}, best {totals['best']:.4f}, "

@@ -120,6 +120,116 @@ def test_sigterm_and_sighup_raise_keyboard_interrupt_inside_the_block_only():
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
+def test_later_signals_do_not_break_off_the_clean_up_the_first_started(capfd):
+    """A terminal's Ctrl-C reaches a launcher and its tools.run at once, and the launcher then sends
+    that tools.run one more SIGINT: the second signal must not abort the clean-up of the first."""
+    cleaned = []
+    with pytest.raises(KeyboardInterrupt), launcher.stop_on_signals():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            for sig in launcher.STOP_SIGNALS:
+                os.kill(os.getpid(), sig)
+            time.sleep(0.2)
+            cleaned.append("done")
+            raise
+    assert cleaned == ["done"]
+    assert "SIGINT ignored: still stopping after SIGTERM" in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+@pytest.mark.parametrize(
+    "before, after, expected",
+    [
+        ("running", "running", "interrupted"),  # the ServerApp was killed before it could write
+        ("running", "failed", "interrupted"),  # it recorded the stop as its failure
+        (None, "failed", "interrupted"),  # it started (and failed on the stop) after the signal
+        ("failed", "failed", "failed"),  # it had failed on its own before the signal
+        ("running", "completed", "completed"),  # it finished just before the stop
+    ],
+)
+def test_a_stopped_run_is_marked_interrupted_unless_it_had_ended(tmp_path, before, after, expected):
+    error = "RunNotRunningException: run 7 was stopped" if after == "failed" else None
+    (tmp_path / "summary.json").write_text(json.dumps({"status": after, "rounds_completed": 2, "error": error}))
+    launcher.mark_stopped(tmp_path, "stopped by a signal", before)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == expected and summary["rounds_completed"] == 2
+    if expected == "interrupted":
+        assert summary["error"].startswith("stopped by a signal")
+        assert error is None or error in summary["error"]  # the ServerApp's own words are kept
+    else:
+        assert summary["error"] == error
+
+
+def test_bench_simulation_reports_a_failed_run_with_its_status_and_reason(tmp_path, monkeypatch, capsys):
+    """A run that fails before its first row: the status and the summary's reason are printed, no
+    table over no rows, and the comparison names it failed (exit 1)."""
+    from bench import simulation
+
+    popen = subprocess.Popen
+    failing_run = (
+        "import json, pathlib, sys; out = pathlib.Path(json.loads(sys.argv[1].split('=', 1)[1])); "
+        "run = out / '20260101-000000-fedgh-cifar10-7'; run.mkdir(parents=True); "
+        "(run / 'summary.json').write_text(json.dumps({'status': 'failed', 'rounds_completed': 0, "
+        "'error': 'ValueError: client 1 sent no prototypes'})); print('Run 7: finished:failed'); sys.exit(1)"
+    )
+
+    def fake_tools_run(cmd, **kwargs):
+        return popen([sys.executable, "-c", failing_run, cmd[cmd.index("-c") + 1]], **kwargs)
+
+    monkeypatch.setattr(simulation, "ROOT", tmp_path)
+    monkeypatch.setattr(simulation, "validate_configs", lambda configs: [(0, False)] * len(configs))
+    monkeypatch.setattr(simulation.subprocess, "Popen", fake_tools_run)
+    assert simulation.main(["--methods", "fedgh,local", "-c", "num-server-rounds=1"]) == 1
+    out = capsys.readouterr().out
+    # each run its own folder and its own report, also when both fail within one second
+    assert out.count("status tools.run exit 1 (failed): ValueError: client 1 sent no prototypes") == 2
+    assert "0 rounds: final accuracy -" in out and "fedgh failed" in out and "local failed" in out
+
+
+def test_bench_deployment_that_cannot_start_ends_with_the_reason(tmp_path, monkeypatch, capsys):
+    from bench import deployment
+
+    stopped = []
+
+    class NoSuperLink:
+        def __init__(self, folder, nodes, data_dir):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            stopped.append(True)
+
+        def start(self):
+            raise TimeoutError("timed out after 60 s waiting for the SuperLink (TLS) to become healthy")
+
+    monkeypatch.setattr(deployment, "LoopbackDeployment", NoSuperLink)
+    monkeypatch.setattr(deployment, "import_floor", lambda *a, **k: 1.0)
+    monkeypatch.setattr(deployment, "validate_configs", lambda configs: [(3, False)])
+    assert deployment.main([]) == 1  # was a traceback
+    assert "deployment failed: timed out after 60 s waiting for the SuperLink" in capsys.readouterr().out
+    assert stopped == [True]
+
+
+def test_the_grid_checks_its_rounds_with_the_config(monkeypatch, capsys):
+    """--rounds is part of every cell's config: a bad one is refused before the grid folder or a launch."""
+    from tools import grid
+
+    monkeypatch.setattr(grid, "validate_configs", refuse)
+    monkeypatch.setattr(grid, "run_grid", never)
+    preset = str(ROOT / "presets" / "fedre-table12-cifar10.toml")
+    assert grid.main([preset, "--methods", "fedproto,local", "--rounds", "0", "--seeds", "3"]) == 2
+    assert [(c["method"], c["num-server-rounds"], c["seed"]) for c in refuse.seen] == [
+        ("fedproto", 0, 3),
+        ("local", 0, 3),
+    ]
+    assert grid.main([preset, "--methods", "fedproto", "--seeds", ","]) == 2
+    assert "--seeds ','" in capsys.readouterr().out
+
+
 def test_the_grid_stops_its_launch_on_sigterm(tmp_path, monkeypatch):
     """SIGTERM to the grid while a launch runs: the launch is stopped as Ctrl-C would stop it, the
     launch is recorded, and the grid stops."""
@@ -142,8 +252,8 @@ def test_the_grid_stops_its_launch_on_sigterm(tmp_path, monkeypatch):
 
 
 def test_sigterm_stops_a_simulation_and_everything_it_started(tmp_path):
-    """A real ``tools.run`` simulation, stopped by SIGTERM once its ServerApp runs: exit 130, no process it
-    started is left, and the run folder's summary has a final status."""
+    """A real ``tools.run`` simulation, stopped by SIGTERM once its ServerApp runs (and sent a Ctrl-C while
+    it stops): exit 130, no process it started is left, and the run folder's summary is ``interrupted``."""
     items = {
         "num-clients": 2,
         "num-server-rounds": 200,
@@ -164,11 +274,15 @@ def test_sigterm_stops_a_simulation_and_everything_it_started(tmp_path):
     started = psutil.Process(proc.pid).children(recursive=True)
     assert any("flwr-simulation" in " ".join(p.cmdline()) for p in started)
     proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    # while it stops: a Ctrl-C as a terminal (or tools.grid's interrupt) would send it
+    proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-3000:]
-    assert "interrupted: stopped the run" in out
+    assert "interrupted: stopped the run" in out and "SIGINT ignored: still stopping after SIGTERM" in out
     time.sleep(1)
     alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [" ".join(p.cmdline())[:120] for p in alive]
     (summary,) = tmp_path.glob("*/summary.json")
-    assert json.loads(summary.read_text())["status"] in ("interrupted", "failed")
+    summary = json.loads(summary.read_text())
+    assert summary["status"] == "interrupted" and summary["error"].startswith("stopped by a signal"), summary
