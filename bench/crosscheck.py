@@ -1,0 +1,577 @@
+"""Cross-check methods against a reference implementation (TsingZ0/HtFLlib) on identical partitions.
+
+Usage (from the repository root; the reference is a checkout of https://github.com/TsingZ0/HtFLlib
+*outside* this repository, never copied into it):
+
+    uv run --frozen --extra crosscheck python -m bench.crosscheck --reference ../HtFLlib \\
+        --preset presets/fedtgp-cifar10-htfe2.toml --methods fedgh,fedproto --seeds 0,1,2 --rounds 20 \\
+        [-c "num-clients=4 max-examples-per-client=400"] [--out outputs/crosscheck/<preset>]
+
+For each method it
+
+1. writes our partitions once (the exact per-client train and test images after our partitioner,
+   normalised as the run config says) in PFLlib's ``save_file`` layout: ``train/<i>.npz``,
+   ``test/<i>.npz`` (``data = {"x": float32 [n, C, H, W], "y": int64 [n]}``) and ``config.json``;
+   HtFLlib reads them from ``<reference>/dataset/<name>``, a symlink to that folder;
+2. runs the reference (``system/main.py``) with the flags that map our run config
+   (:data:`FAMILIES`, :data:`REFERENCE_METHODS`, :func:`reference_command`) and parses its
+   per-round pooled test accuracy (:func:`parse_reference_log`);
+3. runs ours (``tools.run``) on the same partitions (``partition-seed`` fixed) and recipe, one run per
+   training seed;
+4. writes ``report.md`` (final and best accuracy with the spread over seeds, the largest per-round
+   gap, what the reference cannot express, commands, commits, wall and CPU time) and one figure per
+   method (mean curve and min-max band over seeds for each implementation).
+
+Where each evaluates: HtFLlib evaluates every client's model at the start of iteration ``i``, after
+``i`` rounds of training and after the server's broadcast of round ``i``'s result (iteration 0 is
+the initial models); our row ``i`` is the evaluation after round ``i``. Both report the accuracy
+pooled over all clients' test examples (our ``accuracy_weighted``), which is what is compared.
+
+Seeds: HtFLlib has no seed flag (``torch.manual_seed(0)`` once); its ``-t S`` repetitions run in one
+process and differ by the continuing random state. Ours vary run config ``seed``. The partition is
+the same for all (``partition-seed``, default the first seed).
+
+Every run is resumable: the partitions, a reference run whose every repetition finished, and our
+completed seeds are kept and skipped when the command is given again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from common.errors import ConfigError
+from common.files import atomic_write, read_rows, read_summary
+from tools.grid import git_commit
+from tools.run import ROOT, add_config_arguments, read_config, stop_on_signals, validate_configs
+
+#: our run config ``model-group`` -> HtFLlib's ``-m`` model family (same architectures in the same
+#: order: client i gets architecture ``i % len(group)`` in both)
+FAMILIES = {
+    "htfe2": "HtFE-img-2",
+    "htfe3": "HtFE-img-3",
+    "htfe4": "HtFE-img-4",
+    "htfe8": "HtFE-img-8",
+    "htfe9": "HtFE-img-9",
+    "htfe8-htc4": "HtFE-img-8-HtC-img-4",
+    "res34-htc4": "Res34-HtC-img-4",
+}
+
+
+@dataclass(frozen=True)
+class ReferenceMethod:
+    """How one of our methods maps onto HtFLlib.
+
+    Every option our method declares is in exactly one of:
+
+    - ``flags``: HtFLlib flag -> our option key (the value is passed);
+    - ``tied``: our option key -> the run config key whose value HtFLlib uses for it (it has no
+      flag of its own); a cross-check refuses values that differ;
+    - ``unexpressed``: our options HtFLlib has no counterpart for; listed with their values in
+      the report (the method page's deviations say what they change).
+    """
+
+    algorithm: str
+    flags: dict[str, str] = field(default_factory=dict)
+    tied: dict[str, str] = field(default_factory=dict)
+    unexpressed: tuple[str, ...] = ()
+
+
+#: our method -> its HtFLlib algorithm (``-algo``) and option mapping (HtFLlib ``system/main.py`` and
+#: the ``flcore`` server and client of each algorithm)
+REFERENCE_METHODS = {
+    "local": ReferenceMethod("Local"),
+    "fedproto": ReferenceMethod("FedProto", {"-lam": "lambda"}, unexpressed=("reg-form",)),
+    "fedtgp": ReferenceMethod(
+        "FedTGP",
+        {"-lam": "lambda", "-mart": "tau", "-se": "server-epochs"},
+        tied={"server-lr": "lr", "server-batch-size": "batch-size", "hidden-dim": "feature-dim"},
+        unexpressed=("reg-form", "margin"),
+    ),
+    "fedgh": ReferenceMethod(
+        "FedGH",
+        {"-slr": "server-lr", "-se": "server-epochs"},
+        tied={"server-batch-size": "batch-size"},
+        unexpressed=("server-mode", "server-clip-norm", "eval-global-head"),
+    ),
+    "lg-fedavg": ReferenceMethod("LG-FedAvg"),
+    "fd": ReferenceMethod("FD", {"-lam": "lambda"}),
+    "fml": ReferenceMethod("FML", {"-al": "alpha", "-bt": "beta"}, unexpressed=("shared-model",)),
+    "fedkd": ReferenceMethod("FedKD", {"-Ts": "energy-start", "-Te": "energy-end"}, unexpressed=("shared-model",)),
+    "fedmrl": ReferenceMethod(
+        "FedMRL",
+        {"-sfd": "d1"},
+        unexpressed=("small-model", "weight-global", "weight-private", "eval-protocol", "inference"),
+    ),
+}
+
+#: run config values HtFLlib's recipe has built in (plain SGD, no augmentation, every client
+#: evaluated every round): a cross-check refuses other values, since the reference cannot follow them
+REFERENCE_RECIPE = {
+    "momentum": 0.0,
+    "weight-decay": 0.0,
+    "clip-norm": 0.0,
+    "augment": "none",
+    "eval-every": 1,
+    "eval-clients": "all",
+}
+
+#: HtFLlib's ``-lr`` for FedKD's mentee is a flag of its own; ours trains both with ``lr``
+FEDKD_MENTEE_LR = "-mlr"
+
+ROUND_LINE = re.compile(r"Round number: (\d+)")
+ACCURACY_LINE = re.compile(r"Averaged Test Accuracy: ([0-9.]+)")
+REPETITION_LINE = re.compile(r"Running time: (\d+)th")
+
+#: the environment variable that gives :data:`BOOTSTRAP` the training seed
+SEED_VARIABLE = "CROSSCHECK_SEED"
+
+#: runs HtFLlib's ``main.py`` (argv[1:]) in its ``system/`` folder. HtFLlib seeds torch with
+#: ``torch.manual_seed(0)`` at start and again in every client's constructor, so its repetitions are
+#: bit-identical on a CPU; here that seed becomes the training seed (``$CROSSCHECK_SEED``; seed 0 is
+#: the reference unchanged), which varies the initial weights and the batch order as our ``seed``
+#: does. A server module of an algorithm other than the one run whose imports fail here (FedKTL
+#: needs StyleGAN, FedL2G ``higher``) is replaced by a placeholder that raises that import error if used.
+BOOTSTRAP = r"""
+import os, re, runpy, sys, types
+import torch
+seed = int(os.environ["CROSSCHECK_SEED"])
+manual_seed = torch.manual_seed
+torch.manual_seed = lambda s: manual_seed(seed if s == 0 else s)
+sys.argv = sys.argv[1:]
+sys.path.insert(0, ".")
+for module, name in re.findall(r"^from (flcore\.servers\.\w+) import (\w+)", open("main.py").read(), re.M):
+    try:
+        __import__(module)
+    except ImportError as exc:
+        def unavailable(*args, _exc=exc, **kwargs):
+            raise _exc
+        stub = types.ModuleType(module)
+        setattr(stub, name, unavailable)
+        sys.modules[module] = stub
+        print(f"crosscheck: {module} not importable here ({exc}); a placeholder stands in", flush=True)
+runpy.run_path("main.py", run_name="__main__")
+"""
+
+
+def method_options(config: dict, method: str) -> dict:
+    """Our options of ``method`` as the run will have them: declared defaults, then ``config``'s
+    ``[method]`` table."""
+    from common.options import option_key
+    from strategies.registry import METHODS
+
+    declared = {option_key(f): f.default for f in dataclasses.fields(METHODS[method].options)}
+    return {**declared, **config.get(method, {})}
+
+
+def check_expressible(config: dict, method: str) -> None:
+    """Refuse a run config the reference cannot follow for ``method``.
+
+    Raises:
+        ConfigError: the method has no HtFLlib counterpart, the model group no HtFLlib family, a
+            recipe key differs from :data:`REFERENCE_RECIPE`, or a tied option differs from the
+            run config key HtFLlib uses for it; the message lists every such key.
+    """
+    if method not in REFERENCE_METHODS:
+        raise ConfigError(f"method {method!r} has no HtFLlib counterpart; allowed: {', '.join(REFERENCE_METHODS)}")
+    if config["model-group"] not in FAMILIES:
+        raise ConfigError(
+            f"run config key 'model-group' = {config['model-group']!r} has no HtFLlib model family; "
+            f"allowed: {', '.join(FAMILIES)}"
+        )
+    problems = [f"{k} = {config[k]!r} (HtFLlib: {v!r})" for k, v in REFERENCE_RECIPE.items() if config.get(k, v) != v]
+    options = method_options(config, method)
+    problems += [
+        f"{method}.{ours} = {options[ours]!r} (HtFLlib uses {key} = {config[key]!r})"
+        for ours, key in REFERENCE_METHODS[method].tied.items()
+        if options[ours] != config[key]
+    ]
+    if problems:
+        raise ConfigError("the reference cannot follow: " + "; ".join(problems))
+
+
+def write_partitions(config: dict, folder: Path) -> dict:
+    """Write every client's train and test split of ``config`` (our partitioner, our 75/25 split,
+    normalised as run config ``normalize`` says) in PFLlib's layout under ``folder``, once:
+    ``train/<i>.npz`` and ``test/<i>.npz`` hold ``data = {"x": float32 [n, C, H, W], "y": int64 [n]}``,
+    ``config.json`` PFLlib's keys plus ``partition_key`` (ours). A folder whose ``config.json`` has the
+    same key is kept.
+
+    Returns:
+        ``config.json``'s content.
+    """
+    import torch
+
+    from client_app.data import DataSpec, load_client_data, normalize, partition_key
+    from common.config import RunConfig
+    from common.datasets import DATASETS, with_recipe
+
+    cfg = RunConfig.from_dict(config)
+    spec = DataSpec.from_config(cfg, cfg.num_clients)
+    key = "-".join(partition_key(spec, i) for i in range(cfg.num_clients))
+    done = folder / "config.json"
+    if done.exists() and json.loads(done.read_text()).get("partition_key") == key:
+        return json.loads(done.read_text())
+    info = with_recipe(DATASETS[cfg.dataset], cfg.augment, cfg.normalize)
+    sizes = []
+    for split in ("train", "test"):
+        (folder / split).mkdir(parents=True, exist_ok=True)
+    for i in range(cfg.num_clients):
+        data = load_client_data(spec, i)
+        for split, x, y in (("train", data.train_x, data.train_y), ("test", data.test_x, data.test_y)):
+            arrays = {"x": normalize(x, info).numpy(), "y": y.to(torch.int64).numpy()}
+            atomic_write(folder / split / f"{i}.npz", lambda f, a=arrays: np.savez_compressed(f, data=a))
+        labels = torch.cat([data.train_y, data.test_y])
+        sizes.append([[int(c), int((labels == c).sum())] for c in labels.unique()])
+    written = {
+        "num_clients": cfg.num_clients,
+        "num_classes": info.num_classes,
+        "non_iid": cfg.partitioner != "iid",
+        "balance": False,
+        "partition": cfg.partitioner,
+        "Size of samples for labels in clients": sizes,
+        "alpha": cfg.dirichlet_alpha,
+        "batch_size": cfg.batch_size,
+        "partition_key": key,
+    }
+    done.write_text(json.dumps(written, indent=1))
+    return written
+
+
+def reference_command(config: dict, method: str, dataset_name: str) -> list[str]:
+    """HtFLlib's ``main.py`` flags for ``config`` and ``method``: one repetition, its models kept in
+    HtFLlib's default store (``system/temp/<dataset>/<algorithm>/<time>/``, removed at the end)."""
+    from common.datasets import DATASETS
+
+    ref = REFERENCE_METHODS[method]
+    options = method_options(config, method)
+    cmd = [
+        "main.py",
+        *("-data", dataset_name, "-ncl", str(DATASETS[config["dataset"]].num_classes)),
+        *("-m", FAMILIES[config["model-group"]], "-fd", str(config["feature-dim"])),
+        *("-algo", ref.algorithm, "-gr", str(config["num-server-rounds"]), "-nc", str(config["num-clients"])),
+        *("-jr", str(config["fraction-train"]), "-lbs", str(config["batch-size"]), "-lr", str(config["lr"])),
+        *("-ls", str(config["local-epochs"]), "-eg", "1", "-t", "1"),
+    ]
+    for flag, key in ref.flags.items():
+        cmd += [flag, str(options[key])]
+    if method == "fedkd":
+        cmd += [FEDKD_MENTEE_LR, str(config["lr"])]
+    return cmd
+
+
+def parse_reference_log(text: str) -> list[dict[int, float]]:
+    """Per repetition (``Running time: <i>th``), HtFLlib's pooled test accuracy (a fraction) by
+    round number (0 = the initial models), from its stdout; a repetition cut off keeps the rounds it
+    printed."""
+    runs: list[dict[int, float]] = []
+    current_round = None
+    for line in text.splitlines():
+        if REPETITION_LINE.search(line):
+            runs.append({})
+        elif m := ROUND_LINE.search(line):
+            current_round = int(m.group(1))
+        elif (m := ACCURACY_LINE.search(line)) and runs and current_round is not None:
+            runs[-1][current_round] = float(m.group(1))
+    return runs
+
+
+def run_measured(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) -> tuple[int, float, float]:
+    """Run ``cmd`` with its output in ``log``; ``(exit code, wall seconds, CPU seconds)``, the CPU
+    time summed over its whole process tree (user + system, each process as last sampled, every
+    second), so Ray's workers count too."""
+    import psutil
+
+    cpu: dict[int, float] = {}
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            for p in [root, *root.children(recursive=True)]:
+                try:
+                    t = p.cpu_times()
+                    cpu[p.pid] = t.user + t.system + t.children_user + t.children_system
+                except psutil.Error:
+                    continue
+            time.sleep(1.0)
+    return proc.returncode, time.perf_counter() - start, sum(cpu.values())
+
+
+def git_head(path: Path) -> str:
+    """The checked-out commit of the git checkout at ``path`` (``-dirty`` when tracked files differ)."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True, check=False)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=path, capture_output=True, text=True, check=False
+    ).stdout.strip()
+    return (head.stdout.strip() or "unknown") + ("-dirty" if dirty else "")
+
+
+def run_reference(reference: Path, config: dict, method: str, seed: int, partitions: Path, out: Path) -> dict:
+    """Run HtFLlib for ``method`` with training seed ``seed`` (:data:`BOOTSTRAP`), or reuse its finished run.
+
+    Returns:
+        ``{"curve": [accuracy by round 1..R], "initial": round 0's accuracy, "command", "commit",
+        "wall_seconds", "cpu_seconds"}`` (also in ``reference-seed-<seed>.json``).
+
+    Raises:
+        RuntimeError: the reference printed fewer rounds than asked (its log's tail in the message).
+    """
+    done = out / f"reference-seed-{seed}.json"
+    rounds = config["num-server-rounds"]
+    if done.exists():
+        saved = json.loads(done.read_text())
+        if len(saved["curve"]) == rounds:
+            return saved
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"mheterofl-crosscheck-{partitions.resolve().parent.name}"
+    link = reference / "dataset" / name
+    link.parent.mkdir(exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(partitions.resolve(), target_is_directory=True)
+    args = reference_command(config, method, name)
+    cmd = [sys.executable, "-c", BOOTSTRAP, *args]
+    # HtFLlib pickles whole models into its own store and loads them back, written for torch < 2.6
+    env = {**os.environ, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1", SEED_VARIABLE: str(seed)}
+    log = out / f"reference-seed-{seed}.log"
+    code, wall, cpu = run_measured(cmd, reference / "system", log, env)
+    runs = parse_reference_log(log.read_text(errors="replace"))
+    curve = [runs[-1].get(r) for r in range(1, rounds + 1)] if runs else [None]
+    if code != 0 or None in curve:
+        tail = log.read_text(errors="replace")[-2000:]
+        raise RuntimeError(
+            f"the reference run (seed {seed}) ended with exit code {code} before {rounds} rounds:\n{tail}"
+        )
+    result = {
+        "curve": curve,
+        "initial": runs[-1].get(0),
+        "command": f"{SEED_VARIABLE}={seed} python " + " ".join(args),
+        "commit": git_head(reference),
+        "wall_seconds": wall,
+        "cpu_seconds": cpu,
+    }
+    done.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def run_ours(config_items: list[str], preset: str | None, seed: int, out: Path) -> dict:
+    """Run ours (``tools.run``) for one training seed into ``out``, or reuse its completed run.
+
+    Returns:
+        ``{"curve": [accuracy_weighted by round], "command", "wall_seconds", "cpu_seconds", "folder"}``.
+
+    Raises:
+        RuntimeError: the run did not complete (its status and reason in the message).
+    """
+    done = out / "ours.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    cmd = [sys.executable, "-m", "tools.run", *(["--preset", preset] if preset else [])]
+    for item in [*config_items, f"seed={seed} output-dir={json.dumps(str(out.resolve()))}"]:
+        cmd += ["-c", item]
+    out.mkdir(parents=True, exist_ok=True)
+    earlier = set(out.glob("*/summary.json"))  # a run cut off before: this one starts again from round 1
+    code, wall, cpu = run_measured(cmd, ROOT, out / "ours.log")
+    folders = sorted(p.parent for p in set(out.glob("*/summary.json")) - earlier)
+    summary = read_summary(folders[-1]) if folders else {"status": "no run folder", "error": None}
+    if code != 0 or summary["status"] != "completed":
+        raise RuntimeError(
+            f"our run (seed {seed}) ended {summary['status']}: {summary.get('error')}; log {out / 'ours.log'}"
+        )
+    result = {
+        "curve": [r["accuracy_weighted"] for r in read_rows(folders[-1])],
+        "command": " ".join(cmd[1:]),
+        "wall_seconds": wall,
+        "cpu_seconds": cpu,
+        "folder": str(folders[-1]),
+    }
+    done.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def compare(ours: list[list[float]], reference: list[list[float]]) -> dict:
+    """Final and best accuracy (mean and std over seeds, fractions) of each implementation and the
+    largest gap between the two mean curves (``ours - reference``, with its round, 1-based).
+
+    Args:
+        ours, reference: accuracy per round, one list per seed, all of one length R.
+    """
+    a, b = np.asarray(ours, dtype=float), np.asarray(reference, dtype=float)
+
+    def stats(x: np.ndarray) -> dict:
+        return {
+            "final_mean": float(x[:, -1].mean()),
+            "final_std": float(x[:, -1].std()),
+            "best_mean": float(x.max(axis=1).mean()),
+            "best_std": float(x.max(axis=1).std()),
+        }
+
+    gap = a.mean(axis=0) - b.mean(axis=0)
+    worst = int(np.abs(gap).argmax())
+    return {"ours": stats(a), "reference": stats(b), "largest_gap": float(gap[worst]), "largest_gap_round": worst + 1}
+
+
+def plot(method: str, ours: list[list[float]], reference: list[list[float]], out: Path) -> None:
+    """``out``: accuracy by round, mean line and min-max band over seeds, ours and HtFLlib's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, curves, color in (("ours", ours, "tab:blue"), ("HtFLlib", reference, "tab:orange")):
+        x = np.asarray(curves, dtype=float)
+        rounds = np.arange(1, x.shape[1] + 1)
+        ax.plot(rounds, x.mean(axis=0), color=color, label=f"{label} (mean of {len(x)})")
+        ax.fill_between(rounds, x.min(axis=0), x.max(axis=0), color=color, alpha=0.2)
+    ax.set(xlabel="round", ylabel="test accuracy (pooled over clients)", title=method)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def write_report(out: Path, info: dict, results: dict) -> None:
+    """``out/report.md`` from the settings ``info`` and the per-method ``results`` so far."""
+    pct = lambda m, s: f"{100 * m:.2f} ± {100 * s:.2f}"  # noqa: E731
+    total = lambda runs, key: sum(run[key] for run in runs)  # noqa: E731
+    lines = [
+        f"# Cross-check against HtFLlib: {info['preset'] or 'run config'}",
+        "",
+        f"Command: `{info['command']}`",
+        f"Ours: commit {info['commit']}; HtFLlib: {info['reference']} at {info['reference_commit']}.",
+        f"Seeds {info['seeds']} on one partition (`partition-seed` {info['partition_seed']}); {info['rounds']} rounds;",
+        f"run config overrides: `{info['overrides']}`. Accuracy: pooled over every client's test split, %"
+        " (mean ± std over seeds).",
+        "",
+        "| method | ours final | HtFLlib final | ours best | HtFLlib best | largest gap (round) | wall s ours / HtFLlib"
+        " | CPU s ours / HtFLlib |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for method, r in results.items():
+        c = r["comparison"]
+        o, h = c["ours"], c["reference"]
+        lines.append(
+            f"| {method} | {pct(o['final_mean'], o['final_std'])} | {pct(h['final_mean'], h['final_std'])} | "
+            f"{pct(o['best_mean'], o['best_std'])} | {pct(h['best_mean'], h['best_std'])} | "
+            f"{100 * c['largest_gap']:+.2f} ({c['largest_gap_round']}) | "
+            f"{total(r['ours'], 'wall_seconds'):.0f} / {total(r['reference'], 'wall_seconds'):.0f} | "
+            f"{total(r['ours'], 'cpu_seconds'):.0f} / {total(r['reference'], 'cpu_seconds'):.0f} |"
+        )
+    lines += ["", "Figures: `<method>.png` (mean line, min-max band over seeds).", ""]
+    for method, r in results.items():
+        initial = ", ".join(f"{100 * x['initial']:.2f}" for x in r["reference"])
+        lines += [
+            f"## {method}",
+            "",
+            f"- HtFLlib, seed {info['seeds'][0]} (cwd `system/`): `{r['reference'][0]['command']}`; round 0 (the "
+            f"initial models) by seed: {initial} %",
+            f"- ours, seed {info['seeds'][0]}: `{r['ours'][0]['command']}`",
+            "- the other seeds differ only in the seed (and the output folder)",
+            "- not expressible in HtFLlib (ours as run; see docs/methods): "
+            + (", ".join(f"`{k}` = {v!r}" for k, v in r["unexpressed"].items()) or "none"),
+            "",
+        ]
+    atomic_write(out / "report.md", lambda f: f.write("\n".join(lines).encode()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_config_arguments(parser)
+    parser.add_argument(
+        "--reference", type=Path, required=True, help="a checkout of TsingZ0/HtFLlib (outside this repo)"
+    )
+    parser.add_argument("--methods", required=True, help=f"comma-separated, of: {', '.join(REFERENCE_METHODS)}")
+    parser.add_argument("--seeds", default="0,1,2", help="training seeds (default 0,1,2)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (default: the config's num-server-rounds)")
+    parser.add_argument("--out", type=Path, default=None, help="default outputs/crosscheck/<preset or 'config'>")
+    args = parser.parse_args(argv)
+    reference = args.reference.resolve()
+    with stop_on_signals():
+        try:
+            if not (reference / "system" / "main.py").is_file():
+                raise ConfigError(
+                    f"--reference {reference}: no system/main.py (expected a checkout of TsingZ0/HtFLlib)"
+                )
+            if reference == ROOT:
+                raise ConfigError("--reference points at this repository")
+            methods = [m for m in args.methods.split(",") if m]
+            seeds = [int(s) for s in args.seeds.split(",") if s]
+            if not methods or not seeds or (args.rounds is not None and args.rounds < 1):
+                raise ConfigError("--methods and --seeds need at least one value, --rounds at least 1")
+            base, overrides = read_config(args.preset, args.run_config)
+            fixed = {"partition-seed": base["partition-seed"] if base["partition-seed"] >= 0 else seeds[0]}
+            if args.rounds is not None:
+                fixed["num-server-rounds"] = args.rounds
+            configs = {m: {**base, **fixed, "method": m, "seed": seeds[0]} for m in methods}
+            for m, config in configs.items():
+                check_expressible(config, m)
+            validate_configs(list(configs.values()))
+        except (ConfigError, ValueError) as exc:
+            print(f"error: {exc}")
+            return 2
+        out = (
+            args.out or ROOT / "outputs" / "crosscheck" / (Path(args.preset).stem if args.preset else "config")
+        ).resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        info = {
+            "preset": args.preset,
+            "command": "python -m bench.crosscheck " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "commit": git_commit(),
+            "reference": str(reference),
+            "reference_commit": git_head(reference),
+            "seeds": seeds,
+            "partition_seed": fixed["partition-seed"],
+            "rounds": next(iter(configs.values()))["num-server-rounds"],
+            "overrides": overrides,
+        }
+        (out / "crosscheck.json").write_text(json.dumps(info, indent=1))
+        results: dict = {}
+        try:
+            for method, config in configs.items():
+                partitions = out / "partitions"
+                print(f"{method}: writing partitions to {partitions}", flush=True)
+                write_partitions(config, partitions)
+                pinned = {**fixed, "method": method}
+                items = [*args.run_config, " ".join(f"{k}={json.dumps(v)}" for k, v in pinned.items())]
+                refs, ours = [], []
+                for seed in seeds:
+                    print(f"{method}, seed {seed}: HtFLlib", flush=True)
+                    refs.append(run_reference(reference, config, method, seed, partitions, out / method))
+                    print(f"{method}, seed {seed}: ours", flush=True)
+                    ours.append(run_ours(items, args.preset, seed, out / method / f"seed-{seed}"))
+                curves, ref_curves = [o["curve"] for o in ours], [r["curve"] for r in refs]
+                results[method] = {
+                    "comparison": compare(curves, ref_curves),
+                    "reference": refs,
+                    "ours": ours,
+                    "unexpressed": {
+                        k: method_options(config, method)[k] for k in REFERENCE_METHODS[method].unexpressed
+                    },
+                }
+                plot(method, curves, ref_curves, out / f"{method}.png")
+                write_report(out, info, results)
+                print(f"{method}: {json.dumps(results[method]['comparison'])}", flush=True)
+        except RuntimeError as exc:
+            print(f"error: {exc}")
+            return 1
+        except KeyboardInterrupt:
+            print(f"interrupted; finished parts are kept in {out} and reused when the command is given again")
+            return 130
+    print(f"report: {out / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

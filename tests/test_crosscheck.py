@@ -1,0 +1,151 @@
+"""bench.crosscheck without HtFLlib: the option mapping covers every option, the partitions are
+written in PFLlib's layout with exactly our clients' data, the reference's log is parsed, a recipe
+the reference cannot follow is refused, and a stand-in ``system/main.py`` runs through the
+bootstrap with its seed mapped."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bench import crosscheck
+from client_app.data import DataSpec, load_client_data, normalize
+from common.config import RunConfig
+from common.datasets import DATASETS, with_recipe
+from common.errors import ConfigError
+from common.options import option_key
+from strategies.registry import METHODS
+from tools.run import read_config
+
+DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+PRESET = Path(__file__).resolve().parents[1] / "presets" / "fedtgp-cifar10-htfe2.toml"
+
+
+def small_config(**overrides) -> dict:
+    config, _ = read_config(PRESET, [])
+    return {
+        **config,
+        "num-clients": 3,
+        "max-examples-per-client": 40,
+        "partition-seed": 0,
+        "data-dir": str(DATA_DIR),
+        **overrides,
+    }
+
+
+@pytest.mark.parametrize("method", list(crosscheck.REFERENCE_METHODS))
+def test_every_option_is_mapped_tied_or_listed_once(method):
+    ref = crosscheck.REFERENCE_METHODS[method]
+    declared = sorted(option_key(f) for f in dataclasses.fields(METHODS[method].options))
+    placed = [*ref.flags.values(), *ref.tied, *ref.unexpressed]
+    assert sorted(placed) == declared  # none forgotten, none twice, none invented
+
+
+def test_partitions_are_our_clients_data_in_pflib_layout(tmp_path):
+    config = small_config()
+    written = crosscheck.write_partitions(config, tmp_path)
+    cfg = RunConfig.from_dict(config)
+    spec = DataSpec.from_config(cfg, 3)
+    info = with_recipe(DATASETS["cifar10"], cfg.augment, cfg.normalize)
+    for i in range(3):
+        ours = load_client_data(spec, i)
+        for split, x, y in (("train", ours.train_x, ours.train_y), ("test", ours.test_x, ours.test_y)):
+            with open(tmp_path / split / f"{i}.npz", "rb") as f:  # as HtFLlib's read_data opens it
+                data = np.load(f, allow_pickle=True)["data"].tolist()
+            assert data["x"].dtype == np.float32 and data["y"].dtype == np.int64
+            np.testing.assert_array_equal(data["x"], normalize(x, info).numpy())
+            np.testing.assert_array_equal(data["y"], y.numpy())
+        counts = dict(map(tuple, written["Size of samples for labels in clients"][i]))
+        assert sum(counts.values()) == len(ours.train_y) + len(ours.test_y)
+    assert written["num_clients"] == 3 and written["num_classes"] == 10
+    before = (tmp_path / "train" / "0.npz").stat().st_mtime_ns
+    crosscheck.write_partitions(config, tmp_path)  # same partitions: kept
+    assert (tmp_path / "train" / "0.npz").stat().st_mtime_ns == before
+
+
+def test_reference_log_is_parsed_per_repetition_and_round():
+    log = textwrap.dedent(
+        """
+        ============= Running time: 0th =============
+        -------------Round number: 0-------------
+        Averaged Test Accuracy: 0.1000
+        Std Test Accuracy: 0.0100
+        -------------Round number: 1-------------
+        Averaged Test Accuracy: 0.2500
+        ============= Running time: 1th =============
+        -------------Round number: 0-------------
+        Averaged Test Accuracy: 0.0900
+        -------------Round number: 1-------------
+        """
+    )
+    assert crosscheck.parse_reference_log(log) == [{0: 0.1, 1: 0.25}, {0: 0.09}]
+
+
+def test_a_recipe_the_reference_cannot_follow_is_refused():
+    crosscheck.check_expressible(small_config(), "fedtgp")
+    with pytest.raises(ConfigError, match=r"momentum = 0\.9.*fedtgp\.server-lr = 0\.1 \(HtFLlib uses lr = 0\.01\)"):
+        crosscheck.check_expressible(small_config(momentum=0.9, fedtgp={"server-lr": 0.1}), "fedtgp")
+    with pytest.raises(ConfigError, match="model-group"):
+        crosscheck.check_expressible(small_config(**{"model-group": "cnn1"}), "fedgh")
+    with pytest.raises(ConfigError, match="no HtFLlib counterpart"):
+        crosscheck.check_expressible(small_config(), "fedre")
+
+
+def test_compare_gives_spread_and_largest_gap():
+    c = crosscheck.compare([[0.1, 0.5], [0.3, 0.3]], [[0.2, 0.2], [0.2, 0.2]])
+    assert c["ours"]["final_mean"] == pytest.approx(0.4) and c["ours"]["final_std"] == pytest.approx(0.1)
+    assert c["ours"]["best_mean"] == pytest.approx(0.4) and c["reference"]["best_std"] == 0
+    assert c["largest_gap"] == pytest.approx(0.2) and c["largest_gap_round"] == 2
+
+
+def test_a_stand_in_reference_runs_through_the_bootstrap_with_its_seed(tmp_path):
+    """A fake HtFLlib ``system/main.py`` that reads client 0's partition as HtFLlib does, seeds
+    torch with 0 as HtFLlib does, and prints HtFLlib's log lines: seed 0 leaves the draw unchanged,
+    seed 1 changes it, a failing optional server import is replaced, and every run is kept."""
+    system = tmp_path / "ref" / "system"
+    (system / "flcore" / "servers").mkdir(parents=True)
+    (system / "flcore" / "__init__.py").write_text("")
+    (system / "flcore" / "servers" / "__init__.py").write_text("")
+    (system / "flcore" / "servers" / "serverbroken.py").write_text("import not_installed_anywhere\n")
+    (system / "main.py").write_text(
+        textwrap.dedent(
+            """
+            import argparse, numpy as np, torch
+            from flcore.servers.serverbroken import Broken
+            p = argparse.ArgumentParser()
+            p.add_argument("-data"); p.add_argument("-gr", type=int)
+            args, _ = p.parse_known_args()
+            data = np.load(f"../dataset/{args.data}/train/0.npz", allow_pickle=True)["data"].tolist()
+            torch.manual_seed(0)
+            draw = torch.rand(1).item()
+            print("Running time: 0th")
+            for r in range(args.gr + 1):
+                print(f"Round number: {r}")
+                print(f"Averaged Test Accuracy: {draw + r / 100 + len(data['y']) / 1e6:.6f}")
+            """
+        )
+    )
+    config = small_config(**{"num-server-rounds": 2})
+    partitions = tmp_path / "cc" / "partitions"
+    crosscheck.write_partitions(config, partitions)
+    n = len(np.load(partitions / "train" / "0.npz", allow_pickle=True)["data"].tolist()["y"])
+    out = tmp_path / "cc" / "fedgh"
+    runs = [crosscheck.run_reference(tmp_path / "ref", config, "fedgh", s, partitions, out) for s in (0, 1)]
+    torch.manual_seed(0)
+    unchanged = torch.rand(1).item()
+    assert runs[0]["curve"] == pytest.approx([unchanged + 0.01 + n / 1e6, unchanged + 0.02 + n / 1e6], abs=1e-6)
+    assert runs[1]["initial"] != pytest.approx(runs[0]["initial"])
+    assert "-algo FedGH" in runs[0]["command"] and runs[0]["cpu_seconds"] > 0
+    assert "placeholder" in (out / "reference-seed-0.log").read_text()
+    saved = json.loads((out / "reference-seed-1.json").read_text())
+    assert saved == runs[1]
+    (system / "main.py").write_text("raise SystemExit(3)\n")  # a finished run is reused, not run again
+    assert (
+        crosscheck.run_reference(tmp_path / "ref", config, "fedgh", 1, partitions, tmp_path / "cc" / "fedgh") == saved
+    )
