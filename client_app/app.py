@@ -9,6 +9,7 @@ state through the runtime) and replies with the payload plus metrics (with ``par
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
@@ -47,11 +48,21 @@ def startup_metrics() -> dict[str, float]:
     return {"app-start-seconds": process_age() if first else 0.0}
 
 
+def ray_node() -> str | None:
+    """The id of the Ray node this ClientApp runs on (hex), or None outside Ray. Ray is only asked
+    when this process already imported it (a simulation's actor): a deployed ClientApp never does."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_node_id()
+
+
 def handle(msg: Message, context: Context) -> Message:
     """Run the method's handler for ``msg`` and build the reply.
 
     On a GPU the reply also carries the message's peak CUDA memory (metric ``gpu-peak-mib``) and
-    the device's name (ConfigRecord ``device``), see ``client_app.gpu``.
+    the device's name (ConfigRecord ``device``, key ``name``), see ``client_app.gpu``; in a Ray
+    simulation the ``device`` record names the Ray node too (key ``ray-node``, :func:`ray_node`).
 
     Raises:
         ConfigError, PayloadError, GPUShareExceeded: turned into an error reply by Flower; the
@@ -85,8 +96,9 @@ def handle(msg: Message, context: Context) -> Message:
     usage, device_name = gpu.report(client.device)
     metrics.update(usage)
     content = up.to_record(arrays)
-    if device_name is not None:
-        content[DEVICE_RECORD] = ConfigRecord({"name": device_name})
+    where = {"name": device_name, "ray-node": ray_node()}
+    if any(where.values()):
+        content[DEVICE_RECORD] = ConfigRecord({k: v for k, v in where.items() if v})
     content["metrics"] = MetricRecord(
         metric_values(
             {

@@ -293,6 +293,7 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
                 self.round_clipped,
                 self.round_work,
                 self.round_gpu,
+                self.round_ray_nodes,
             )
             stop = patience_exhausted([*self.rows, row], self.cfg.stop_patience)
             if stop:

@@ -31,8 +31,10 @@ REQUIRED_METRICS = {
 EVAL_PREFIX = "eval-"
 #: metric of a reply from a client on a GPU: its peak CUDA memory in the message (``client_app.gpu``)
 GPU_PEAK = "gpu-peak-mib"
-#: the ConfigRecord in which a reply from a GPU names its device (key ``name``), and the longest name
+#: the ConfigRecord in which a reply says where it ran: its GPU (key ``name``, from a GPU only) and its
+#: Ray node (key ``ray-node``, from a simulation's actor only); and the longest value of either
 DEVICE_RECORD = "device"
+DEVICE_KEYS = ("name", "ray-node")
 MAX_DEVICE_NAME = 100
 #: largest seconds a client may report for one message step (~116 days: far beyond any round timeout)
 MAX_SECONDS = 1e7

@@ -295,11 +295,12 @@ def tensor_bytes(content: RecordDict) -> int:
 
 @dataclass
 class ClientReply:
-    """A validated reply: who sent it, its payload arrays, its scalar metrics and, from a client on a
-    GPU, the device's name."""
+    """A validated reply: who sent it, its payload arrays, its scalar metrics, from a client on a GPU
+    the device's name, and from a simulation's actor the id of its Ray node."""
 
     node_id: int
     partition_id: int
     arrays: dict[str, np.ndarray]
     metrics: dict[str, Any]
     device: str | None = None
+    ray_node: str | None = None

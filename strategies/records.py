@@ -56,6 +56,7 @@ def round_row(
     clipped: int,
     work: Mapping[str, list[float]],
     gpu: Mapping[str, Mapping[str, Any]] | None = None,
+    ray_nodes: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """One round's results row (one line of ``metrics.jsonl``; see the README for its keys).
 
@@ -67,7 +68,9 @@ def round_row(
         dropped: partition ids without a valid reply; clipped: uploaded rows scaled down to the
             outlier bound; work: architecture -> [training images, client train-seconds];
         gpu: partition id -> ``{"device": name, "peak_mib": MiB}`` of the clients that ran on a GPU
-            (row key ``gpu_per_client``, left out when none did).
+            (row key ``gpu_per_client``, left out when none did);
+        ray_nodes: Ray node id -> the round's valid replies from ClientApps on it (row key
+            ``replies_per_ray_node``, left out outside a Ray simulation).
     """
     ev = dict(evaluation) if evaluation is not None else {}
     row: dict[str, Any] = {
@@ -91,6 +94,8 @@ def round_row(
         "eval_phase_seconds": eval_s,
         "elapsed_seconds": elapsed,
     }
+    if ray_nodes:
+        row["replies_per_ray_node"] = dict(sorted(ray_nodes.items()))
     if gpu:
         row["gpu_per_client"] = {pid: dict(used) for pid, used in sorted(gpu.items(), key=lambda p: int(p[0]))}
     if ev:

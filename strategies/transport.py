@@ -20,6 +20,7 @@ from flwr.serverapp import Grid
 
 from models.groups import MODEL_GROUPS
 from strategies.metrics import (
+    DEVICE_KEYS,
     DEVICE_RECORD,
     GPU_PEAK,
     MAX_DEVICE_NAME,
@@ -60,6 +61,8 @@ class Transport:
         self.round_work: dict[str, list[float]] = {}
         #: partition id -> {"device": GPU name, "peak_mib": peak CUDA MiB} of this round's replies from GPUs
         self.round_gpu: dict[str, dict[str, object]] = {}
+        #: Ray node id -> this round's valid replies from ClientApps on that node (a simulation's actors)
+        self.round_ray_nodes: Counter[str] = Counter()
         #: architecture -> client training seconds per image in the last round that trained it
         self.seconds_per_image: dict[str, float] = {}
         self._timeout = timeout
@@ -73,6 +76,7 @@ class Transport:
         self.round_clipped = 0
         self.round_work = {}
         self.round_gpu = {}
+        self.round_ray_nodes = Counter()
 
     def message(
         self, message_type: str, node_id: int, arrays: Mapping[str, np.ndarray], config: ConfigRecord, server_round: int
@@ -127,6 +131,7 @@ class Transport:
         simulation's ClientApps take messages in push order, and a large client pushed last would
         keep one ClientApp busy after the others are done (longest-processing-time-first
         scheduling). Only the push order changes: replies are returned in the order of ``messages``.
+
         """
         index = {id(m): i for i, m in enumerate(messages)}
         pushed = sorted(messages, key=self.expected_seconds, reverse=True)
@@ -172,7 +177,7 @@ class Transport:
                 extra = set(content.keys()) - {"payload", "metrics", DEVICE_RECORD}
                 if extra or "metrics" not in content.metric_records:
                     raise PayloadError(f"records {sorted(content.keys())[:5]}, expected payload + metrics")
-                device = device_name(content)
+                device = device_record(content)
                 metrics = dict(content.metric_records["metrics"])
                 pid = metrics.get(PARTITION_ID)
                 if not isinstance(pid, int):
@@ -191,7 +196,7 @@ class Transport:
                     raise PayloadError(f"partition {pid} already replied in this exchange")
                 arrays = read_payload(content, up)
                 up.validate(arrays, self.reply_dims(node))
-                valid.append(ClientReply(node, pid, arrays, metrics, device))
+                valid.append(ClientReply(node, pid, arrays, metrics, device.get("name"), device.get("ray-node")))
                 answered.add(pid)
             except PayloadError as exc:
                 self.dropped[category] += 1
@@ -203,6 +208,7 @@ class Transport:
                 log.warning("Dropped %s reply from node %s: %s", message_type, node, reason)
         if category == "train":
             self._count_work(valid)
+        self.round_ray_nodes.update(r.ray_node for r in valid if r.ray_node is not None)
         for r in valid:
             if GPU_PEAK in r.metrics:  # the peak of the client's messages this round, on the device it names
                 used = self.round_gpu.setdefault(str(r.partition_id), {"device": r.device, "peak_mib": 0.0})
@@ -240,20 +246,28 @@ class Transport:
                 work[1] += float(r.metrics["train-seconds"])
 
 
-def device_name(content) -> str | None:
-    """The GPU name a reply carries in its ``device`` ConfigRecord (key ``name``), or None without one.
+def device_record(content) -> dict[str, str]:
+    """Where a reply ran, from its ``device`` ConfigRecord: ``name`` (its GPU) and ``ray-node`` (the
+    Ray node of its simulation actor), each only when the reply carries it; {} without the record.
 
     Raises:
-        PayloadError: a ``device`` record that is not one printable string of at most
-            :data:`MAX_DEVICE_NAME` characters under key ``name``.
+        PayloadError: a ``device`` record with other keys, or with no key, or a value that is not a
+            printable string of at most :data:`MAX_DEVICE_NAME` characters.
     """
     if DEVICE_RECORD not in content:
-        return None
+        return {}
     record = content.config_records.get(DEVICE_RECORD)
-    name = dict(record).get("name") if record is not None and set(record.keys()) == {"name"} else None
-    if not isinstance(name, str) or not name.isprintable() or len(name) > MAX_DEVICE_NAME:
-        raise PayloadError(f"record '{DEVICE_RECORD}' must hold one printable 'name' of <= {MAX_DEVICE_NAME} chars")
-    return name
+    values = dict(record) if record is not None else {}
+    if (
+        not values
+        or set(values) - set(DEVICE_KEYS)
+        or not all(isinstance(v, str) and v.isprintable() and len(v) <= MAX_DEVICE_NAME for v in values.values())
+    ):
+        raise PayloadError(
+            f"record '{DEVICE_RECORD}' must hold {' and/or '.join(DEVICE_KEYS)}, each one printable string "
+            f"of <= {MAX_DEVICE_NAME} chars"
+        )
+    return values
 
 
 def _category(message_type: str) -> str:

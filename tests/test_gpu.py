@@ -105,7 +105,7 @@ def test_rows_of_cpu_clients_have_no_gpu_key(run_config):
     assert "gpu_per_client" not in strategy.rows[0]
 
 
-MALFORMED = [{"name": "x" * 101}, {"name": "a\nb"}, {"name": "H100", "extra": "x"}, {"name": 3}]
+MALFORMED = [{"name": "x" * 101}, {"name": "a\nb"}, {"name": "H100", "extra": "x"}, {"name": 3}, {"ray-node": 3}, {}]
 
 
 @pytest.mark.parametrize("record", MALFORMED)
@@ -113,13 +113,13 @@ def test_a_malformed_device_record_is_refused(record):
     from flwr.app import ConfigRecord, RecordDict
 
     from strategies.payload import PayloadError
-    from strategies.transport import device_name
+    from strategies.transport import device_record
 
-    assert (
-        device_name(RecordDict({"device": ConfigRecord({"name": "NVIDIA H100 80GB HBM3"})})) == "NVIDIA H100 80GB HBM3"
-    )
+    where = {"name": "NVIDIA H100 80GB HBM3", "ray-node": "ab" * 28}
+    assert device_record(RecordDict({"device": ConfigRecord(where)})) == where
+    assert device_record(RecordDict({})) == {}
     with pytest.raises(PayloadError, match="record 'device'"):
-        device_name(RecordDict({"device": ConfigRecord(record)}))
+        device_record(RecordDict({"device": ConfigRecord(record)}))
 
 
 def test_a_reply_with_a_malformed_device_record_is_dropped(run_config):

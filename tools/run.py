@@ -15,6 +15,8 @@ What plain ``flwr run . --stream`` does not do and this does (shared/notes/flowe
 - sizes the simulation (``--num-supernodes``, default ``num-clients`` when that is set, else
   10; with ``num-clients`` = 0 the server takes every node) and grants each ClientApp a GPU
   share when one is present;
+- runs the simulation on a Ray instance of its own, or with ``--ray-address`` (or ``RAY_ADDRESS``)
+  on an existing Ray cluster, checked before anything starts (:func:`check_ray_cluster`);
 - exits 0 only if the run's status is ``finished:completed`` (``flwr run`` exits 0 on failure);
 - on Ctrl-C, SIGTERM or SIGHUP (:func:`stop_on_signals`) stops the run, its SuperLink, the
   simulation and Ray, marks the run folder's ``summary.json`` ``interrupted`` (:func:`mark_stopped`)
@@ -77,6 +79,86 @@ def flwr_cli(*args: str, env: dict, capture: bool = True, timeout: float | None 
     return subprocess.run(
         [exe, *args], env=env, cwd=ROOT, text=True, capture_output=capture, check=False, timeout=timeout
     )
+
+
+#: ``--ray-address`` (and ``RAY_ADDRESS``) value for a Ray instance of this run's own (Ray's own word)
+LOCAL_RAY = "local"
+
+
+def check_ray_cluster(address: str, cpus: float, gpus: float | None) -> bool:
+    """Check that the Ray cluster at ``address`` (``HOST:PORT`` of its head's GCS, or ``auto``: the
+    latest ``ray start`` on this host) answers and can host a ClientApp of ``cpus`` CPUs and ``gpus``
+    GPUs (None: any); returns whether it has a GPU. Flower sizes its actor pool the same way, node by
+    node (``flwr.simulation.ray_transport.ray_actor.pool_size_from_resources``), so a cluster this
+    passes runs the ClientApps.
+
+    Ray is asked from a spawned child, as a short-lived driver of the cluster (``ray.init`` then
+    ``ray.nodes()``), after a TCP connection to ``HOST:PORT`` has shown something listens there (Ray
+    itself retries an absent head for about a minute).
+
+    Raises:
+        ConfigError: naming ``--ray-address``: nothing answers there, Ray cannot join it, or no alive
+            node has the CPUs (and GPUs) of one ClientApp.
+    """
+    from common.errors import ConfigError
+
+    if address != "auto":
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConfigError(f"--ray-address {address!r}: expected HOST:PORT of the Ray head (or 'auto')")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        except OSError as exc:
+            raise ConfigError(
+                f"--ray-address {address}: no Ray cluster answers there ({exc}); start its head with "
+                f"'ray start --head --port {port}' (README: Simulation on a Ray cluster)"
+            ) from None
+    error, nodes = cluster_nodes(address)
+    if error:
+        raise ConfigError(f"--ray-address {address}: Ray cannot join the cluster: {error}")
+    resources = [node["resources"] for node in nodes]
+    fits = sum(client_slots(r, cpus, gpus or 0.0) for r in resources)
+    if not fits:
+        raise ConfigError(
+            f"--ray-address {address}: no alive node of the cluster can host a ClientApp of {cpus} CPUs"
+            + (f" and {gpus} GPUs" if gpus else "")
+            + f" (node resources: {[{k: v for k, v in r.items() if k in ('CPU', 'GPU')} for r in resources]}); "
+            "start a worker with 'ray start --address ...' or lower --cpus-per-client/--gpus-per-client"
+        )
+    return any(r.get("GPU", 0) > 0 for r in resources)
+
+
+def client_slots(resources: dict[str, float], cpus: float, gpus: float) -> int:
+    """ClientApps of ``cpus`` CPUs and ``gpus`` GPUs that fit on one Ray node of ``resources``
+    (Flower's per-node count: a node without the GPUs asked for fits none)."""
+    fits = int(resources.get("CPU", 0) // cpus)
+    return min(fits, int(resources.get("GPU", 0) // gpus)) if gpus > 0 else fits
+
+
+def cluster_nodes(address: str) -> tuple[str | None, list[dict]]:
+    """(error or None, ``[{"id": Ray node id (hex), "resources": {"CPU": ..., ...}}]`` of each alive
+    node) of the Ray cluster at ``address``, asked by a spawned child that joins the cluster as a
+    driver and leaves (Ray and its driver state stay out of this process)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_ray_nodes, address).result()
+
+
+def _ray_nodes(address: str) -> tuple[str | None, list[dict]]:
+    import ray
+
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        nodes = [
+            {"id": n["NodeID"], "resources": dict(n["Resources"])} for n in ray.nodes() if n["Alive"] and n["Resources"]
+        ]
+        return None, nodes
+    except (ConnectionError, ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}", []
+    finally:
+        ray.shutdown()
 
 
 def start_superlink(env: dict, home: Path) -> tuple[subprocess.Popen, str]:
@@ -437,7 +519,15 @@ def main(argv: list[str] | None = None) -> int:
         "--gpus-per-client",
         type=float,
         default=None,
-        help="GPU share per ClientApp; default 0.25 when a GPU is visible, else 0",
+        help="GPU share per ClientApp; default 0.25 when a GPU is visible (on the Ray cluster with "
+        "--ray-address), else 0",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=os.environ.get("RAY_ADDRESS") or LOCAL_RAY,
+        help="HOST:PORT of an existing Ray cluster's head (as 'ray start --head' prints it; 'auto': the "
+        "latest 'ray start' on this host) to run the ClientApps on; default: $RAY_ADDRESS, else "
+        f"'{LOCAL_RAY}', a Ray instance of this run's own",
     )
     args = parser.parse_args(argv)
     from common.errors import ConfigError
@@ -447,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
             config, _ = read_config(args.preset, args.run_config)
             ((num_clients, gpu),) = validate_configs([config])  # before anything starts
             supernodes = federation_size(args.num_supernodes, num_clients)
+            if args.ray_address != LOCAL_RAY:
+                gpu = check_ray_cluster(args.ray_address, args.cpus_per_client, args.gpus_per_client)
         except ConfigError as exc:
             print(f"error: {exc}")
             return 2
@@ -509,6 +601,9 @@ def _run(args, config: dict, supernodes: int, gpu: bool) -> int:
         "FLWR_HOME": str(home),
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "PYTHONUNBUFFERED": "1",
+        # flwr-simulation (started with the SuperLink's environment) joins the cluster named here;
+        # "local" keeps a plain run off any cluster a 'ray start' left on this host
+        "RAY_ADDRESS": args.ray_address,
     }
     gpus = args.gpus_per_client if args.gpus_per_client is not None else (0.25 if gpu else 0.0)
     federation = (
