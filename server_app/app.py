@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 from flwr.app import Context
@@ -14,6 +15,28 @@ from strategies.registry import build_strategy
 
 app = ServerApp()
 
+#: the fewest messages of one exchange a simulation keeps waiting at once (:func:`simulation_window`)
+MIN_WINDOW = 16
+
+
+def simulation_window() -> int:
+    """How many messages of one exchange wait for their replies at once in a simulation
+    (``strategies.transport.Transport.window``): four per CPU of the Ray cluster, which runs at most
+    one ClientApp per CPU at a time, and at least :data:`MIN_WINDOW` (also before Ray is up: the
+    ServerApp starts before the simulation's Ray, in the same process). The cluster's CPUs are asked
+    once Ray is up, then kept."""
+    if not _cluster_cpus:
+        ray = sys.modules.get("ray")
+        try:
+            if ray is not None and ray.is_initialized():
+                _cluster_cpus.append(int(ray.cluster_resources().get("CPU", 0)))
+        except AttributeError:  # the simulation's other thread is importing Ray right now
+            pass
+    return max(MIN_WINDOW, 4 * (_cluster_cpus[0] if _cluster_cpus else 0))
+
+
+_cluster_cpus: list[int] = []  # the simulation's Ray cluster's CPUs, once known
+
 
 def run(grid: Grid, cfg: RunConfig, run_id: int | str) -> ResultsWriter:
     """Run method ``cfg.method`` on ``grid``; returns the writer (its ``path`` holds the results).
@@ -21,12 +44,15 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str) -> ResultsWriter:
     The config is fully validated (including the method's options) before any message is
     sent. A failure mid-run marks ``summary.json`` as ``failed`` and re-raises. In a simulation
     (an ``InMemoryGrid``) clients without a ``state-dir`` keep their state in
-    ``<run folder>/client-state`` (``HeteroStrategy.client_state_in_run_folder``).
+    ``<run folder>/client-state`` (``HeteroStrategy.client_state_in_run_folder``), and at most
+    :func:`simulation_window` messages of an exchange wait at once (``Transport.window``).
     """
     strategy = build_strategy(cfg)
     # a simulation's clients share this file system: without state-dir their state goes to the run
     # folder, not into context.state, which the simulation keeps in this one process for every client
     strategy.client_state_in_run_folder = isinstance(grid, InMemoryGrid)
+    if isinstance(grid, InMemoryGrid):  # its engine scans every waiting message for every node
+        strategy.window = simulation_window
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     results = ResultsWriter(cfg.output_dir, f"{stamp}-{cfg.method}-{cfg.dataset}-{run_id}", cfg.as_dict(), cfg.logger)
     strategy.results = results

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 from flwr.app import ConfigRecord, Message
@@ -66,6 +66,9 @@ class Transport:
         #: architecture -> client training seconds per image in the last round that trained it
         self.seconds_per_image: dict[str, float] = {}
         self._timeout = timeout
+        #: in a simulation, the most messages of one exchange that wait for replies at once (asked
+        #: at every push; see :meth:`push_and_pull`); None: every message at once (a deployment)
+        self.window: Callable[[], int] | None = None
 
     def begin_round(self) -> None:
         """Keep the last round's training speed per architecture, reset the per-round counters."""
@@ -132,20 +135,34 @@ class Transport:
         keep one ClientApp busy after the others are done (longest-processing-time-first
         scheduling). Only the push order changes: replies are returned in the order of ``messages``.
 
+        With a :attr:`window` (a simulation's), at most ``window()`` messages wait for their replies
+        at once, and the next ones are pushed as replies arrive: Flower's simulation engine looks
+        for each node's next message by scanning every stored message, every 0.1 s for every node
+        (``flwr.server.superlink.fleet.vce.vce_api.add_messages_to_queue``), a cost of nodes x
+        waiting messages per scan. With 1,000 MNIST clients (FedProto, 100 trained and all 1,000
+        evaluated per round, 2 ClientApps) a round took 26.2 s with every message pushed at once and
+        18.1 s with a window of 16, same results. Messages not pushed by the ``timeout`` count as late.
         """
         index = {id(m): i for i, m in enumerate(messages)}
-        pushed = sorted(messages, key=self.expected_seconds, reverse=True)
-        order = {mid: index[id(m)] for mid, m in zip(self.grid.push_messages(pushed), pushed)}
-        pending = set(order)
+        queue = sorted(messages, key=self.expected_seconds, reverse=True)
+        order: dict[str, int] = {}  # message id -> its place in ``messages``
+        pending: set[str] = set()
         deadline = time.monotonic() + timeout
         replies: list[Message] = []
-        while pending:
+        while True:
+            room = (self.window() if self.window else len(queue)) - len(pending)
+            if queue and room > 0:
+                batch, queue = queue[:room], queue[room:]
+                ids = list(self.grid.push_messages(batch))
+                order.update({mid: index[id(m)] for mid, m in zip(ids, batch)})
+                pending.update(ids)
             arrived = list(self.grid.pull_messages(pending))
             replies += arrived
             pending -= {r.metadata.reply_to_message_id for r in arrived}
-            if not pending or time.monotonic() >= deadline:
+            if not (pending or queue) or time.monotonic() >= deadline:
                 break
-            time.sleep(min(PULL_SECONDS, max(deadline - time.monotonic(), 0.0)))
+            if not arrived or not queue:
+                time.sleep(min(PULL_SECONDS, max(deadline - time.monotonic(), 0.0)))
         # in the order the messages were sent, whatever order they arrived in: runs stay reproducible
         return sorted(replies, key=lambda r: order.get(r.metadata.reply_to_message_id, len(order)))
 

@@ -213,3 +213,27 @@ def test_largest_expected_work_is_pushed_first_and_replies_keep_the_sent_order(r
     train = [strategy.message("train", n, strategy.train_payload(n, 1), ConfigRecord(), 1) for n in strategy.nodes]
     assert max(train, key=strategy.expected_seconds).metadata.dst_node_id == slow
     assert strategy.expected_seconds(strategy.message("query", slow, {}, ConfigRecord(), 0)) == 0.0
+
+
+def test_a_window_keeps_at_most_that_many_messages_waiting_and_changes_no_result(run_config):
+    """A simulation's window (``Transport.window``): pushes in batches as replies arrive, at most
+    ``window()`` waiting at once, largest work first across batches; same rows as without one."""
+    rc = run_config(**{"num-clients": 5, "num-server-rounds": 2, "max-examples-per-client": 60})
+    plain, grid = federation(rc)
+    plain.start(grid)
+    windowed, grid = federation(rc)
+    windowed.window = lambda: 2
+    waiting, push = [], grid.push_messages
+
+    def counted(messages):
+        messages = list(messages)
+        waiting.append(len(grid.outbox) + len(messages))
+        return push(messages)
+
+    grid.push_messages = counted
+    windowed.start(grid)
+    assert max(waiting) == 2 and len(waiting) > 6  # 5 queries, 5 trains... in batches of at most 2
+    strip = ("seconds", "per_second", "replies_per_ray_node")
+    assert [{k: v for k, v in r.items() if not any(s in k for s in strip)} for r in windowed.rows] == [
+        {k: v for k, v in r.items() if not any(s in k for s in strip)} for r in plain.rows
+    ]
