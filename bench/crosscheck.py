@@ -42,6 +42,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -115,9 +116,11 @@ REFERENCE_METHODS = {
     ),
 }
 
-#: run config values HtFLlib's recipe has built in (plain SGD, no augmentation, every client
-#: evaluated every round): a cross-check refuses other values, since the reference cannot follow them
+#: run config values HtFLlib's recipe has built in (plain SGD, no augmentation, its training loader's
+#: fixed batch order without the last partial batch, every client evaluated every round): a
+#: cross-check refuses other values, since the reference cannot follow them
 REFERENCE_RECIPE = {
+    "batch-order": "fixed",
     "momentum": 0.0,
     "weight-decay": 0.0,
     "clip-norm": 0.0,
@@ -297,14 +300,23 @@ def run_measured(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) 
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env)
         root = psutil.Process(proc.pid)
-        while proc.poll() is None:
-            for p in [root, *root.children(recursive=True)]:
-                try:
-                    t = p.cpu_times()
-                    cpu[p.pid] = t.user + t.system + t.children_user + t.children_system
-                except psutil.Error:
-                    continue
-            time.sleep(1.0)
+        try:
+            while proc.poll() is None:
+                for p in [root, *root.children(recursive=True)]:
+                    try:
+                        t = p.cpu_times()
+                        cpu[p.pid] = t.user + t.system + t.children_user + t.children_system
+                    except psutil.Error:
+                        continue
+                time.sleep(1.0)
+        except BaseException:  # Ctrl-C or a signal: the run goes with us (tools.run stops its own tree on SIGINT)
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
     return proc.returncode, time.perf_counter() - start, sum(cpu.values())
 
 
@@ -318,29 +330,33 @@ def git_head(path: Path) -> str:
 
 
 def run_reference(reference: Path, config: dict, method: str, seed: int, partitions: Path, out: Path) -> dict:
-    """Run HtFLlib for ``method`` with training seed ``seed`` (:data:`BOOTSTRAP`), or reuse its finished run.
+    """Run HtFLlib for ``method`` with training seed ``seed`` (:data:`BOOTSTRAP`), or reuse its finished
+    run: one with the same command on the same partitions (their ``partition_key``); any other is run
+    again, so a changed preset or override never passes off an old curve as this config's.
 
     Returns:
         ``{"curve": [accuracy by round 1..R], "initial": round 0's accuracy, "command", "commit",
-        "wall_seconds", "cpu_seconds"}`` (also in ``reference-seed-<seed>.json``).
+        "partition_key", "wall_seconds", "cpu_seconds"}`` (also in ``reference-seed-<seed>.json``).
 
     Raises:
         RuntimeError: the reference printed fewer rounds than asked (its log's tail in the message).
     """
     done = out / f"reference-seed-{seed}.json"
     rounds = config["num-server-rounds"]
+    name = f"mheterofl-crosscheck-{partitions.resolve().parent.name}"
+    args = reference_command(config, method, name)
+    command = f"{SEED_VARIABLE}={seed} python " + " ".join(args)
+    key = json.loads((partitions / "config.json").read_text())["partition_key"]
     if done.exists():
         saved = json.loads(done.read_text())
-        if len(saved["curve"]) == rounds:
+        if saved.get("command") == command and saved.get("partition_key") == key and len(saved["curve"]) == rounds:
             return saved
     out.mkdir(parents=True, exist_ok=True)
-    name = f"mheterofl-crosscheck-{partitions.resolve().parent.name}"
     link = reference / "dataset" / name
     link.parent.mkdir(exist_ok=True)
     if link.is_symlink() or link.exists():
         link.unlink()
     link.symlink_to(partitions.resolve(), target_is_directory=True)
-    args = reference_command(config, method, name)
     cmd = [sys.executable, "-c", BOOTSTRAP, *args]
     # HtFLlib pickles whole models into its own store and loads them back, written for torch < 2.6
     env = {**os.environ, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1", SEED_VARIABLE: str(seed)}
@@ -356,8 +372,9 @@ def run_reference(reference: Path, config: dict, method: str, seed: int, partiti
     result = {
         "curve": curve,
         "initial": runs[-1].get(0),
-        "command": f"{SEED_VARIABLE}={seed} python " + " ".join(args),
+        "command": command,
         "commit": git_head(reference),
+        "partition_key": key,
         "wall_seconds": wall,
         "cpu_seconds": cpu,
     }
@@ -366,19 +383,26 @@ def run_reference(reference: Path, config: dict, method: str, seed: int, partiti
 
 
 def run_ours(config_items: list[str], preset: str | None, seed: int, out: Path) -> dict:
-    """Run ours (``tools.run``) for one training seed into ``out``, or reuse its completed run.
+    """Run ours (``tools.run``) for one training seed into ``out``, or reuse its completed run when
+    that ran the same whole run config (the preset's content and every override; any other is run
+    again).
 
     Returns:
-        ``{"curve": [accuracy_weighted by round], "command", "wall_seconds", "cpu_seconds", "folder"}``.
+        ``{"curve": [accuracy_weighted by round], "command", "config", "wall_seconds", "cpu_seconds",
+        "folder"}``.
 
     Raises:
         RuntimeError: the run did not complete (its status and reason in the message).
     """
     done = out / "ours.json"
+    items = [*config_items, f"seed={seed} output-dir={json.dumps(str(out.resolve()))}"]
+    config, _ = read_config(preset, items)
     if done.exists():
-        return json.loads(done.read_text())
+        saved = json.loads(done.read_text())
+        if saved.get("config") == config:
+            return saved
     cmd = [sys.executable, "-m", "tools.run", *(["--preset", preset] if preset else [])]
-    for item in [*config_items, f"seed={seed} output-dir={json.dumps(str(out.resolve()))}"]:
+    for item in items:
         cmd += ["-c", item]
     out.mkdir(parents=True, exist_ok=True)
     earlier = set(out.glob("*/summary.json"))  # a run cut off before: this one starts again from round 1
@@ -392,6 +416,7 @@ def run_ours(config_items: list[str], preset: str | None, seed: int, out: Path) 
     result = {
         "curve": [r["accuracy_weighted"] for r in read_rows(folders[-1])],
         "command": " ".join(cmd[1:]),
+        "config": config,
         "wall_seconds": wall,
         "cpu_seconds": cpu,
         "folder": str(folders[-1]),

@@ -149,3 +149,32 @@ def test_a_stand_in_reference_runs_through_the_bootstrap_with_its_seed(tmp_path)
     assert (
         crosscheck.run_reference(tmp_path / "ref", config, "fedgh", 1, partitions, tmp_path / "cc" / "fedgh") == saved
     )
+    with pytest.raises(RuntimeError, match="exit code 3"):  # another lr is another command: run again
+        crosscheck.run_reference(tmp_path / "ref", {**config, "lr": 0.02}, "fedgh", 1, partitions, out)
+
+
+def test_a_finished_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch):
+    """Ours: a completed seed is reused when the whole run config is the same, and run again when the
+    preset's content or an override changed (a stale curve must not stand for another config)."""
+    calls = []
+
+    def fake_run(cmd, cwd, log, env=None):
+        out = Path(json.loads(cmd[-1].split("output-dir=", 1)[1]))
+        calls.append(cmd)
+        run = out / f"run-{len(calls)}"
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"status": "completed"}))
+        (run / "metrics.jsonl").write_text(json.dumps({"round": 1, "accuracy_weighted": 0.5}) + "\n")
+        return 0, 1.0, 1.0
+
+    monkeypatch.setattr(crosscheck, "run_measured", fake_run)
+    monkeypatch.setattr(crosscheck, "read_summary", lambda folder: json.loads((folder / "summary.json").read_text()))
+    preset = tmp_path / "preset.toml"
+    preset.write_text('method = "fedproto"\nbatch-order = "fixed"\n')
+    out = tmp_path / "seed-0"
+    first = crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, out)
+    assert crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, out) == first and len(calls) == 1
+    preset.write_text('method = "fedproto"\nbatch-order = "shuffle"\n')  # the preset changed
+    assert crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, out)["config"]["batch-order"] == "shuffle"
+    crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)  # an override changed
+    assert len(calls) == 3
