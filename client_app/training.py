@@ -50,8 +50,11 @@ def train_supervised(
 ) -> dict[str, float]:
     """Train all of ``model`` with cross-entropy for ``local-epochs`` epochs on the train split.
 
-    Shuffled mini-batches of ``batch-size`` (last partial batch kept, except a 1-sample one
-    in a model with BatchNorm, which cannot train on it), training augmentation, SGD from
+    Mini-batches of ``batch-size`` in ``batch-order``: ``shuffle`` reshuffles every epoch and keeps
+    the last partial batch (except a 1-sample one in a model with BatchNorm, which cannot train on
+    it); ``fixed`` takes the partition's own order every epoch and drops the last partial batch
+    (HtFLlib's training loader: a client with fewer than ``batch-size`` samples trains on nothing).
+    Then training augmentation, SGD from
     :func:`make_sgd` over all of ``model.parameters()`` (modules registered on ``model``
     besides extractor and head, e.g. a companion model, train too), gradient-norm clipping
     at ``clip-norm`` (<= 0: off) of each parameter list in ``clip_groups`` separately
@@ -76,10 +79,13 @@ def train_supervised(
     x_all, y_all = data.train_x.to(device), data.train_y.to(device)
     bf16 = config["precision"] == "bf16"
     min_batch = 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1
+    batch_size, fixed = int(config["batch-size"]), config["batch-order"] == "fixed"
+    if fixed:
+        min_batch = max(min_batch, batch_size)
     loss_sum, correct, seen = 0.0, 0, 0
     for _ in range(int(config["local-epochs"])):
         loss_sum, correct, seen = 0.0, 0, 0
-        for idx in batches(len(y_all), int(config["batch-size"]), generator):
+        for idx in batches(len(y_all), batch_size, None if fixed else generator):
             if len(idx) < min_batch:
                 continue
             idx = idx.to(device)

@@ -26,6 +26,10 @@ DATA_POOLS = ("train", "train+test")
 DEVICES = ("auto", "cpu", "cuda")
 #: run config ``precision``: ``fp32`` (default, the papers' recipe) or ``bf16`` autocast of local training
 PRECISIONS = ("fp32", "bf16")
+#: run config ``batch-order`` of local training: ``shuffle`` (default: reshuffled every epoch, the last
+#: partial batch kept) or ``fixed`` (the partition's own order every epoch, the last partial batch
+#: dropped: HtFLlib's training loader, ``DataLoader(drop_last=True, shuffle=False)``, FedTGP's code)
+BATCH_ORDERS = ("shuffle", "fixed")
 EVAL_CLIENTS = ("all", "trained")
 LOGGERS = ("none", "tensorboard")
 #: ``independent``: client k's model is initialised from seed + k (FedGH, FedMRL code); ``identical``:
@@ -155,6 +159,7 @@ class RunConfig:
     state_dir: str
     device: str
     precision: str
+    batch_order: str
     round_timeout: float
     connect_timeout: float
     logger: str
@@ -213,6 +218,7 @@ class RunConfig:
             state_dir=_optional_string("state-dir", g("state-dir")),
             device=choice("device", g("device"), DEVICES),
             precision=choice("precision", g("precision"), PRECISIONS),
+            batch_order=choice("batch-order", g("batch-order"), BATCH_ORDERS),
             round_timeout=number("round-timeout", g("round-timeout"), low=0, low_open=True),
             connect_timeout=number("connect-timeout", g("connect-timeout"), low=0, low_open=True),
             logger=choice("logger", g("logger"), LOGGERS),

@@ -364,12 +364,13 @@ class ClientProcedure:
 
 def train_config(cfg: RunConfig, server_round: int, evaluate: bool = False) -> dict[str, Any]:
     """The training settings every train instruction carries (not counted as payload): the round,
-    ``local-epochs``, ``batch-size``, ``lr``, ``momentum``, ``weight-decay``, ``clip-norm``,
-    ``precision`` of ``cfg``, and ``evaluate`` (evaluate right after training)."""
+    ``local-epochs``, ``batch-size``, ``batch-order``, ``lr``, ``momentum``, ``weight-decay``,
+    ``clip-norm``, ``precision`` of ``cfg``, and ``evaluate`` (evaluate right after training)."""
     return {
         "server-round": server_round,
         "local-epochs": cfg.local_epochs,
         "batch-size": cfg.batch_size,
+        "batch-order": cfg.batch_order,
         "lr": cfg.lr,
         "momentum": cfg.momentum,
         "weight-decay": cfg.weight_decay,

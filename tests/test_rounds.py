@@ -161,3 +161,32 @@ def test_bf16_precision_trains_in_bfloat16_and_learns(run_config):
         assert last["train-loss"] < first["train-loss"]
         results[precision] = torch.cat([p.detach().flatten() for p in client.model.parameters()])
     assert not torch.equal(results["fp32"], results["bf16"])
+
+
+def test_fixed_batch_order_is_the_partitions_order_without_the_last_partial_batch(run_config):
+    """``batch-order = "fixed"`` (HtFLlib's loader): every epoch takes the train split in its own order
+    and drops the last partial batch; ``shuffle`` reorders every epoch and keeps it."""
+    from client_app.training import train_supervised
+    from conftest import client_runtime, train_config
+
+    rc = run_config(**{"max-examples-per-client": 60, "partitioner": "iid", "model-group": "cnn1"})
+    client = client_runtime(rc)
+    labels = client.data.train_y
+    n, size = len(labels), 8
+    assert n % size  # a last partial batch exists
+    seen = {}
+    for order in ("fixed", "shuffle"):
+        batches = seen[order] = []
+
+        def loss(x, features, logits, y, batches=batches):
+            batches.append(y.clone())
+            return torch.nn.functional.cross_entropy(logits, y)
+
+        config = train_config(rc, **{"batch-order": order, "batch-size": size, "local-epochs": 2})
+        train_supervised(client.model, client.data, config, client.device, torch.Generator().manual_seed(0), None, loss)
+    full = n // size * size
+    assert [len(b) for b in seen["fixed"]] == [size] * (2 * (n // size))
+    assert torch.equal(torch.cat(seen["fixed"]), torch.cat([labels[:full], labels[:full]]))
+    shuffled = torch.cat(seen["shuffle"])
+    assert len(shuffled) == 2 * n and not torch.equal(shuffled[:n], labels)
+    assert torch.equal(shuffled[:n].sort().values, labels.sort().values)
