@@ -191,7 +191,8 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
         ``accuracy-mean`` is the unweighted mean over clients (the papers' "average test
         accuracy"), ``accuracy-weighted`` the sample-weighted mean; both fractions in [0, 1].
         Per-client values come as parallel lists ``partition-ids`` / ``accuracy-per-client``.
-        Any other ``test-acc-<name>`` metric is averaged unweighted into ``accuracy-mean-<name>``.
+        Any other ``test-acc-<name>`` metric is averaged unweighted into ``accuracy-mean-<name>`` and
+        weighted by ``num-examples`` into ``accuracy-weighted-<name>`` (over the replies that have it).
         """
         valid = self.validate("evaluate", replies) + self._evaluated_in_train
         valid = sorted(valid, key=lambda r: r.partition_id)
@@ -210,9 +211,12 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
         }
         extra = sorted({k for r in valid for k in r.metrics if k.startswith("test-acc-")})
         for key in extra:
-            out["accuracy-mean-" + key[len("test-acc-") :]] = float(
-                np.mean([r.metrics[key] for r in valid if key in r.metrics])
-            )
+            having = [r for r in valid if key in r.metrics]
+            values = np.array([r.metrics[key] for r in having], dtype=np.float64)
+            weights = np.array([r.metrics["num-examples"] for r in having], dtype=np.float64)
+            name = key[len("test-acc-") :]
+            out["accuracy-mean-" + name] = float(values.mean())
+            out["accuracy-weighted-" + name] = float((values * weights).sum() / max(weights.sum(), 1))
         return MetricRecord(out)
 
     def summary(self) -> None:

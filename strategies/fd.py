@@ -11,8 +11,9 @@ Payload:
   uploaded, and ``mask`` [C] bool: 4·a·C + C bytes. Absent in round 1.
 
 Client step: CE(z, y) + λ·KL(softmax(ẑ_y) ‖ softmax(z)) over the samples whose label has a
-global logit ẑ_y (the spec's recommended D; HtFLlib's raw-logit soft-target CE is a quirk we
-do not copy); no distillation term before global logits exist. After training, the client
+global logit ẑ_y (the spec's recommended D); ``fd.target = "logits"`` uses HtFLlib's raw-logit
+soft-target CE instead (a quirk, kept as an option to reproduce FedTGP's FD baseline); no
+distillation term before global logits exist. After training, the client
 uploads the exact per-class means of its model's logits over its whole train split in eval
 mode without augmentation (the paper averages logits seen during training; the post-training
 means describe the model that is uploaded and do not depend on batch order).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 
 from client_app.training import kd_loss, train_personal_model, trained_class_means
@@ -34,6 +36,8 @@ from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroSt
 from strategies.method import Method
 from strategies.prototypes import class_set_schemas, unpack_global_set
 
+TARGETS = ("softmax", "logits")
+
 UPLOAD, GLOBAL_LOGITS = class_set_schemas("logits", "logit_labels", "C")
 SCHEMAS = {**BASE_SCHEMAS, "train": (GLOBAL_LOGITS, UPLOAD)}
 
@@ -43,6 +47,41 @@ class FDOptions:
     """``[tool.flwr.app.config.fd]``."""
 
     lambda_: float = option(1.0, "weight of the distillation term towards the global per-class logits", low=0)
+    target: str = option(
+        "softmax",
+        "softmax: KL towards softmax of the global logit (ours) | logits: CE with the raw global logit vector as "
+        "soft target (HtFLlib, so FedTGP's FD baseline; unbounded below, it can diverge)",
+        choices=TARGETS,
+    )
+
+
+def fd_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    targets: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    lam: float,
+    target: str,
+) -> torch.Tensor:
+    """The FD client loss of one batch (docs/methods/fd.md, client step), a scalar.
+
+    Args:
+        logits: z, float32 [B, C]; labels: y, int64 [B]; targets: the global logits ẑ, float32
+            [C, C] (row c for class c) or None before any exist; mask: bool [C], which rows are
+            set; lam: λ; target: ``softmax`` or ``logits`` (:class:`FDOptions`).
+
+    ``softmax``: CE(z, y) + λ·KL(softmax(ẑ_y) ‖ softmax(z)) over the samples whose class has a
+    global logit, summed and divided by B (the others add 0). ``logits`` (HtFLlib's
+    ``clientfd.py``): CE(z, y) + λ·CE(z, t), t_i = ẑ_{y_i} where set, else z_i (detached), taken as
+    a class-probability target, mean over the batch.
+    """
+    ce = F.cross_entropy(logits, labels)
+    if targets is None or lam == 0 or not (known := mask[labels]).any():
+        return ce
+    if target == "logits":
+        soft = torch.where(known[:, None], targets[labels], logits.detach())
+        return ce + lam * F.cross_entropy(logits, soft)
+    return ce + lam * kd_loss(logits[known], targets[labels[known]]) * known.sum() / len(labels)
 
 
 class FDStrategy(HeteroStrategy):
@@ -80,11 +119,7 @@ class FDClient(ClientProcedure):
             targets, mask = targets.to(client.device), mask.to(client.device)
 
         def distilled_loss(x, features, logits, labels):
-            ce = F.cross_entropy(logits, labels)
-            if targets is None or lam == 0 or not (known := mask[labels]).any():
-                return ce
-            # a mean over the whole batch: samples without a global logit add 0
-            return ce + lam * kd_loss(logits[known], targets[labels[known]]) * known.sum() / len(labels)
+            return fd_loss(logits, labels, targets, mask, lam, self.options.target)
 
         stats = train_personal_model(client, config, supervised_loss=distilled_loss)
         means, labels = trained_class_means(client, stats, client.model)

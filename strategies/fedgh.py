@@ -27,12 +27,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client_app.training import evaluate_model, train_personal_model, trained_class_means
+from client_app.training import train_personal_model, trained_class_means
 from common.config import RunConfig
 from common.optim import SGD
 from common.options import option
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
-from strategies.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
+from strategies.heads import (
+    HEADER,
+    global_head_accuracy,
+    header_arrays,
+    initial_header,
+    load_header,
+    require_linear_heads,
+)
 from strategies.method import Method
 from strategies.metrics import fraction
 from strategies.payload import ROW_NORM_FACTOR, ArraySpec, PayloadSchema
@@ -175,12 +182,7 @@ class FedGHClient(ClientProcedure):
         """Personal model accuracy; with a header in the payload also ``test-acc-global-head``."""
         arrays, metrics = super().evaluate(client, payload, config)
         if payload:
-            model, data = client.model, client.data
-            head = nn.Linear(model.feature_dim, model.num_classes)
-            load_header(head, payload)
-            global_model = nn.Sequential(model.extractor, head.to(client.device))
-            correct, n, _ = evaluate_model(global_model, data.test_x, data.test_y, data.info, client.device)
-            metrics["test-acc-global-head"] = correct / max(n, 1)
+            metrics["test-acc-global-head"] = global_head_accuracy(client, payload)
         return arrays, metrics
 
 

@@ -51,3 +51,18 @@ def load_header(head: nn.Linear, payload: dict[str, np.ndarray]) -> None:
     with torch.no_grad():
         head.weight.copy_(torch.from_numpy(payload["head.weight"]))
         head.bias.copy_(torch.from_numpy(payload["head.bias"]))
+
+
+def global_head_accuracy(client, payload: dict[str, np.ndarray]) -> float:
+    """Test accuracy (a fraction) of the client's extractor with the linear head in ``payload``
+    (``head.weight`` [C, d], ``head.bias`` [C], float32), its own head untouched: the model HtFLlib
+    evaluates for FedGH and LG-FedAvg (every client right after the server's head is broadcast)."""
+    from client_app.training import evaluate_model
+
+    model, data = client.model, client.data
+    head = nn.Linear(model.feature_dim, model.num_classes)
+    load_header(head, payload)
+    correct, n, _ = evaluate_model(
+        nn.Sequential(model.extractor, head.to(client.device)), data.test_x, data.test_y, data.info, client.device
+    )
+    return correct / max(n, 1)

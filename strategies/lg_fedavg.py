@@ -4,8 +4,9 @@ Liang et al., "Think Locally, Act Globally: Federated Learning with Local and Gl
 Representations", 2020; a baseline of FedMRL and FedGH; docs/methods/lg-fedavg.md.
 
 Payload: the head ``head.weight`` [C, d] and ``head.bias`` [C], float32, both ways:
-4·C·(d+1) bytes per direction (20,040 B for CIFAR-10, d = 500). Every member of the model
-group must have a linear head of the same d (true of CNN-1..5).
+4·C·(d+1) bytes per direction (20,040 B for CIFAR-10, d = 500); evaluate: nothing, unless
+``lg-fedavg.eval-global-head`` sends the averaged head for the secondary metric (evaluation
+traffic). Every member of the model group must have a linear head of the same d (true of CNN-1..5).
 Client step: overwrite the local head with the global one, train the whole model with CE,
 upload the head. Server step: sample-weighted FedAvg of the heads. The head starts from
 PyTorch's default init drawn from ``seed``. Inference: the personal model.
@@ -13,18 +14,27 @@ PyTorch's default init drawn from ``seed``. Inference: the personal model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
 from client_app.training import train_personal_model
 from common.config import RunConfig
 from common.datasets import DATASETS
-from strategies.heads import require_linear_heads
-from strategies.method import Method, NoOptions
+from common.options import option
+from strategies.heads import global_head_accuracy, require_linear_heads
+from strategies.method import Method
+from strategies.metrics import fraction
 from strategies.shared_model import SharedModelClient, SharedModelStrategy, load_arrays, module_arrays, shared_schemas
 
 
-class LGFedAvgOptions(NoOptions):
-    """LG-FedAvg has no keys of its own; its model group must have linear heads."""
+@dataclass(frozen=True)
+class LGFedAvgOptions:
+    """``[tool.flwr.app.config.lg-fedavg]``: the secondary metric; the model group must have linear heads."""
+
+    eval_global_head: bool = option(
+        False, "also report accuracy with the current global head (HtFLlib's metric: every client, after the broadcast)"
+    )
 
     def check(self, cfg: RunConfig) -> None:
         """Raises ConfigError: the model group has a non-linear head (LG-FedAvg shares a linear one)."""
@@ -36,10 +46,21 @@ def global_head(cfg: RunConfig, options: LGFedAvgOptions) -> nn.ModuleDict:
     return nn.ModuleDict({"head": nn.Linear(cfg.representation_dim, DATASETS[cfg.dataset].num_classes)})
 
 
+def schemas(cfg: RunConfig, options: LGFedAvgOptions) -> dict:
+    """The head both ways in ``train``; with ``eval-global-head`` the evaluate instruction carries it too."""
+    return shared_schemas(global_head, evaluate_payload=options.eval_global_head)(cfg, options)
+
+
 class LGFedAvgStrategy(SharedModelStrategy):
     """LG-FedAvg server: FedAvg of the heads."""
 
     build_shared = staticmethod(global_head)
+
+    def __init__(self, cfg: RunConfig, results=None) -> None:
+        super().__init__(cfg, results)
+        if self.options.eval_global_head:
+            # the secondary metric needs the head *after* this round's average
+            self.evaluate_in_train = False
 
 
 class LGFedAvgClient(SharedModelClient):
@@ -52,5 +73,19 @@ class LGFedAvgClient(SharedModelClient):
         stats = train_personal_model(client, config)
         return module_arrays(head), stats
 
+    def evaluate(self, client, payload, config):
+        """Personal model accuracy; with the global head in the payload also ``test-acc-global-head``."""
+        arrays, metrics = super().evaluate(client, payload, config)
+        if payload:
+            metrics["test-acc-global-head"] = global_head_accuracy(client, payload)
+        return arrays, metrics
 
-METHOD = Method("lg-fedavg", LGFedAvgStrategy, LGFedAvgClient, shared_schemas(global_head), LGFedAvgOptions)
+
+METHOD = Method(
+    "lg-fedavg",
+    LGFedAvgStrategy,
+    LGFedAvgClient,
+    schemas,
+    LGFedAvgOptions,
+    metrics={"evaluate": {"test-acc-global-head": fraction("test accuracy of the extractor with the global head")}},
+)

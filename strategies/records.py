@@ -100,7 +100,9 @@ def round_row(
         row["gpu_per_client"] = {pid: dict(used) for pid, used in sorted(gpu.items(), key=lambda p: int(p[0]))}
     if ev:
         row["accuracy_per_client"] = dict(zip((str(p) for p in ev["partition-ids"]), ev["accuracy-per-client"]))
-        row.update({k.replace("-", "_"): v for k, v in ev.items() if k.startswith("accuracy-mean-")})
+        row.update(
+            {k.replace("-", "_"): v for k, v in ev.items() if k.startswith(("accuracy-mean-", "accuracy-weighted-"))}
+        )
     row.update({k.replace("-", "_"): v for k, v in train.items() if k != "num-clients"})
     return finite_values(row)
 

@@ -200,15 +200,16 @@ def test_unweighted_and_weighted_accuracy(run_config):
 
     strategy, grid = federation(run_config())
     replies = []
-    for node, (acc, n) in zip(grid.contexts, [(1.0, 10), (0.0, 1000)]):
+    for node, (acc, n, acc_global) in zip(grid.contexts, [(1.0, 10, 1.0), (0.0, 1000, 0.5)]):
         msg = strategy.message("evaluate", node, {}, strategy.train_config(1), 1)
-        content = RecordDict(
-            {"metrics": MetricRecord({"partition-id": node - 1000, "test-correct": int(acc * n), "num-examples": n})}
-        )
+        metrics = {"partition-id": node - 1000, "test-correct": int(acc * n), "num-examples": n}
+        content = RecordDict({"metrics": MetricRecord({**metrics, "test-acc-global-head": acc_global})})
         replies.append(Message(content, reply_to=msg))
     out = strategy.aggregate_evaluate(1, replies)
     assert out["accuracy-mean"] == pytest.approx(0.5)
     assert out["accuracy-weighted"] == pytest.approx(10 / 1010)
+    assert out["accuracy-mean-global-head"] == pytest.approx(0.75)  # a secondary metric: both averages too
+    assert out["accuracy-weighted-global-head"] == pytest.approx((10 + 500) / 1010)
 
 
 # 15: determinism, and the secondary global-header metric
@@ -222,6 +223,7 @@ def test_same_seed_same_header_and_global_head_metric(run_config):
     assert torch.equal(results[0][0], results[1][0])
     row = results[0][1]
     assert 0.0 <= row["accuracy_mean_global_head"] <= 1.0
+    assert 0.0 <= row["accuracy_weighted_global_head"] <= 1.0
     assert row["eval_bytes_down"] == 4 * 20_040
 
 

@@ -24,3 +24,24 @@ def test_lg_fedavg_shares_only_the_head_and_learns(run_config):
     assert_learns(rc, strategy)
     with pytest.raises(ConfigError, match="non-linear heads"):
         federation(run_config(method="lg-fedavg", model_group="htfe8-htc4"))
+
+
+def test_eval_global_head_reports_the_averaged_head_after_the_round(run_config):
+    """With ``eval-global-head`` every client is evaluated after the server's average, with its own
+    extractor and that head (HtFLlib's metric), beside its personal model; the head travels down
+    once per evaluated client as evaluation traffic."""
+    rc = run_config(**{"method": "lg-fedavg", "num-server-rounds": 1, "lg-fedavg.eval-global-head": True})
+    strategy, grid = federation(rc)
+    assert not strategy.evaluate_in_train
+    strategy.start(grid)
+    row = strategy.rows[-1]
+    assert row["eval_bytes_down"] == rc["num-clients"] * 20_040
+    assert 0.0 <= row["accuracy_weighted_global_head"] <= 1.0
+    assert 0.0 <= row["accuracy_mean_global_head"] <= 1.0
+    sent = [m for m in grid.sent if m.metadata.message_type == "evaluate"]
+    assert sent and all(
+        np.array_equal(
+            m.content.array_records[PAYLOAD]["head.weight"].numpy(), module_arrays(strategy.shared)["head.weight"]
+        )
+        for m in sent
+    )
