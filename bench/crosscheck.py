@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -46,6 +47,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,7 +68,30 @@ FAMILIES = {
     "htfe9": "HtFE-img-9",
     "htfe8-htc4": "HtFE-img-8-HtC-img-4",
     "res34-htc4": "Res34-HtC-img-4",
+    "htcnn8": "HCNNs8",
 }
+
+
+def restored_family(family: str, dataset: str) -> list[str] | None:
+    """The model constructors (HtFLlib ``args.models`` strings) of a family HtFLlib has removed from
+    ``system/main.py``, which :data:`BOOTSTRAP` puts back for the run; None for a family it still has.
+
+    ``HCNNs8`` is FedTGP's HtCNN8 as FedTGP's own code defined it (HtFLlib commit 70cda56, "add our
+    FedTGP algorithm"; removed in 3fb1596): eight of its ``CNN(num_cov, hidden_dims)`` in our
+    ``htcnn1..8`` order, each of our HtCNN8 widths but the last (the 512-wide representation,
+    ``feature_dim``) a hidden width. The input channels and side come from ``dataset``.
+    """
+    from common.datasets import DATASETS
+    from models.zoo import HTCNN8
+
+    if family != "HCNNs8":
+        return None
+    info = DATASETS[dataset]
+    return [
+        f"CNN(num_cov={convs}, hidden_dims={list(widths[:-1])}, in_features={info.channels}, "
+        f"height={info.image_size}, num_classes=args.num_classes)"
+        for convs, widths in HTCNN8.values()
+    ]
 
 
 @dataclass(frozen=True)
@@ -80,12 +105,17 @@ class ReferenceMethod:
       flag of its own); a cross-check refuses values that differ;
     - ``unexpressed``: our options HtFLlib has no counterpart for; listed with their values in
       the report (the method page's deviations say what they change).
+
+    ``reported``: where HtFLlib's printed accuracy is of another model than our primary metric's,
+    ``(our boolean option, our row key)``: with that option on, ours reports HtFLlib's model under
+    that row key, and the cross-check compares it (:func:`compared_metric`).
     """
 
     algorithm: str
     flags: dict[str, str] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
     unexpressed: tuple[str, ...] = ()
+    reported: tuple[str, str] | None = None
 
 
 #: our method -> its HtFLlib algorithm (``-algo``) and option mapping (HtFLlib ``system/main.py`` and
@@ -104,9 +134,15 @@ REFERENCE_METHODS = {
         {"-slr": "server-lr", "-se": "server-epochs"},
         tied={"server-batch-size": "batch-size"},
         unexpressed=("server-mode", "server-clip-norm", "eval-global-head"),
+        # HtFLlib evaluates every client's extractor with the global head it has just been sent
+        reported=("eval-global-head", "accuracy_weighted_global_head"),
     ),
-    "lg-fedavg": ReferenceMethod("LG-FedAvg"),
-    "fd": ReferenceMethod("FD", {"-lam": "lambda"}),
+    "lg-fedavg": ReferenceMethod(
+        "LG-FedAvg",
+        unexpressed=("eval-global-head",),
+        reported=("eval-global-head", "accuracy_weighted_global_head"),
+    ),
+    "fd": ReferenceMethod("FD", {"-lam": "lambda"}, unexpressed=("target",)),
     "fml": ReferenceMethod("FML", {"-al": "alpha", "-bt": "beta"}, unexpressed=("shared-model",)),
     "fedkd": ReferenceMethod("FedKD", {"-Ts": "energy-start", "-Te": "energy-end"}, unexpressed=("shared-model",)),
     "fedmrl": ReferenceMethod(
@@ -135,9 +171,14 @@ FEDKD_MENTEE_LR = "-mlr"
 ROUND_LINE = re.compile(r"Round number: (\d+)")
 ACCURACY_LINE = re.compile(r"Averaged Test Accuracy: ([0-9.]+)")
 REPETITION_LINE = re.compile(r"Running time: (\d+)th")
+#: HtFLlib's evaluation (scikit-learn's AUC) on NaN model outputs
+DIVERGED_LINE = re.compile(r"ValueError: Input contains NaN")
 
 #: the environment variable that gives :data:`BOOTSTRAP` the training seed
 SEED_VARIABLE = "CROSSCHECK_SEED"
+#: the environment variable that gives :data:`BOOTSTRAP` a removed family (:func:`restored_family`)
+#: as JSON ``[name, [constructor, ...]]``
+FAMILY_VARIABLE = "CROSSCHECK_FAMILY"
 
 #: runs HtFLlib's ``main.py`` (argv[1:]) in its ``system/`` folder. HtFLlib seeds torch with
 #: ``torch.manual_seed(0)`` at start and again in every client's constructor, so its repetitions are
@@ -145,8 +186,10 @@ SEED_VARIABLE = "CROSSCHECK_SEED"
 #: the reference unchanged), which varies the initial weights and the batch order as our ``seed``
 #: does. A server module of an algorithm other than the one run whose imports fail here (FedKTL
 #: needs StyleGAN, FedL2G ``higher``) is replaced by a placeholder that raises that import error if used.
+#: A removed family (``$CROSSCHECK_FAMILY``) becomes one more branch of ``main.py``'s family chain,
+#: just before its final ``raise NotImplementedError``.
 BOOTSTRAP = r"""
-import os, re, runpy, sys, types
+import json, os, re, sys, types
 import torch
 seed = int(os.environ["CROSSCHECK_SEED"])
 manual_seed = torch.manual_seed
@@ -163,7 +206,15 @@ for module, name in re.findall(r"^from (flcore\.servers\.\w+) import (\w+)", ope
         setattr(stub, name, unavailable)
         sys.modules[module] = stub
         print(f"crosscheck: {module} not importable here ({exc}); a placeholder stands in", flush=True)
-runpy.run_path("main.py", run_name="__main__")
+source = open("main.py").read()
+if os.environ.get("CROSSCHECK_FAMILY"):
+    name, models = json.loads(os.environ["CROSSCHECK_FAMILY"])
+    anchor = "\n        else:\n            raise NotImplementedError"
+    if anchor not in source:
+        sys.exit("crosscheck: main.py has no model family chain ending in NotImplementedError")
+    branch = f"\n        elif args.model_family == {name!r}:\n            args.models = {models!r}"
+    source = source.replace(anchor, branch + anchor, 1)
+exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py"})
 """
 
 
@@ -175,6 +226,16 @@ def method_options(config: dict, method: str) -> dict:
 
     declared = {option_key(f): f.default for f in dataclasses.fields(METHODS[method].options)}
     return {**declared, **config.get(method, {})}
+
+
+def compared_metric(config: dict, method: str) -> str:
+    """Our row key compared with HtFLlib's printed accuracy: the method's ``reported`` row key when
+    its option is on in ``config``, else ``accuracy_weighted`` (every client's personal model,
+    pooled over their test examples)."""
+    reported = REFERENCE_METHODS[method].reported
+    if reported is not None and method_options(config, method)[reported[0]]:
+        return reported[1]
+    return "accuracy_weighted"
 
 
 def check_expressible(config: dict, method: str) -> None:
@@ -207,8 +268,11 @@ def write_partitions(config: dict, folder: Path) -> dict:
     """Write every client's train and test split of ``config`` (our partitioner, our 75/25 split,
     normalised as run config ``normalize`` says) in PFLlib's layout under ``folder``, once:
     ``train/<i>.npz`` and ``test/<i>.npz`` hold ``data = {"x": float32 [n, C, H, W], "y": int64 [n]}``,
-    ``config.json`` PFLlib's keys plus ``partition_key`` (ours). A folder whose ``config.json`` has the
-    same key is kept.
+    ``config.json`` PFLlib's keys plus ``partition_key`` (ours: it names the data files' sizes and
+    modification times, so a copied data folder rewrites the partitions) and ``content_digest`` (a
+    SHA-256 of every array written, in client order: what a reference run is reused by, so that
+    rewriting identical partitions keeps its runs). A folder whose ``config.json`` has the same
+    ``partition_key`` is kept.
 
     Returns:
         ``config.json``'s content.
@@ -227,12 +291,14 @@ def write_partitions(config: dict, folder: Path) -> dict:
         return json.loads(done.read_text())
     info = with_recipe(DATASETS[cfg.dataset], cfg.augment, cfg.normalize)
     sizes = []
+    digest = hashlib.sha256()
     for split in ("train", "test"):
         (folder / split).mkdir(parents=True, exist_ok=True)
     for i in range(cfg.num_clients):
         data = load_client_data(spec, i)
         for split, x, y in (("train", data.train_x, data.train_y), ("test", data.test_x, data.test_y)):
             arrays = {"x": normalize(x, info).numpy(), "y": y.to(torch.int64).numpy()}
+            digest.update(arrays["x"].tobytes() + arrays["y"].tobytes())
             atomic_write(folder / split / f"{i}.npz", lambda f, a=arrays: np.savez_compressed(f, data=a))
         labels = torch.cat([data.train_y, data.test_y])
         sizes.append([[int(c), int((labels == c).sum())] for c in labels.unique()])
@@ -246,6 +312,7 @@ def write_partitions(config: dict, folder: Path) -> dict:
         "alpha": cfg.dirichlet_alpha,
         "batch_size": cfg.batch_size,
         "partition_key": key,
+        "content_digest": digest.hexdigest(),
     }
     done.write_text(json.dumps(written, indent=1))
     return written
@@ -331,25 +398,36 @@ def git_head(path: Path) -> str:
 
 def run_reference(reference: Path, config: dict, method: str, seed: int, partitions: Path, out: Path) -> dict:
     """Run HtFLlib for ``method`` with training seed ``seed`` (:data:`BOOTSTRAP`), or reuse its finished
-    run: one with the same command on the same partitions (their ``partition_key``); any other is run
-    again, so a changed preset or override never passes off an old curve as this config's.
+    run: one with the same command on partitions of the same content (their ``content_digest``); any
+    other is run again, so a changed preset or override never passes off an old curve as this config's.
+
+    A run whose models diverged (HtFLlib's evaluation stops on NaN outputs: scikit-learn's "Input
+    contains NaN") is a result, not a failure: its curve holds None from the first round it did not
+    print, and ``diverged_round`` names that round.
 
     Returns:
-        ``{"curve": [accuracy by round 1..R], "initial": round 0's accuracy, "command", "commit",
-        "partition_key", "wall_seconds", "cpu_seconds"}`` (also in ``reference-seed-<seed>.json``).
+        ``{"curve": [accuracy by round 1..R], "initial": round 0's accuracy, "diverged_round": None
+        or the first round without accuracy, "command", "commit", "content_digest", "wall_seconds",
+        "cpu_seconds"}`` (also in ``reference-seed-<seed>.json``).
 
     Raises:
-        RuntimeError: the reference printed fewer rounds than asked (its log's tail in the message).
+        RuntimeError: the reference printed fewer rounds than asked for another reason (its log's
+            tail in the message).
     """
     done = out / f"reference-seed-{seed}.json"
     rounds = config["num-server-rounds"]
     name = f"mheterofl-crosscheck-{partitions.resolve().parent.name}"
     args = reference_command(config, method, name)
+    env = {**os.environ, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1", SEED_VARIABLE: str(seed)}
     command = f"{SEED_VARIABLE}={seed} python " + " ".join(args)
-    key = json.loads((partitions / "config.json").read_text())["partition_key"]
+    family = FAMILIES[config["model-group"]]
+    if (models := restored_family(family, config["dataset"])) is not None:
+        env[FAMILY_VARIABLE] = json.dumps([family, models])
+        command = f"{FAMILY_VARIABLE}='{env[FAMILY_VARIABLE]}' {command}"
+    key = json.loads((partitions / "config.json").read_text())["content_digest"]
     if done.exists():
         saved = json.loads(done.read_text())
-        if saved.get("command") == command and saved.get("partition_key") == key and len(saved["curve"]) == rounds:
+        if saved.get("command") == command and saved.get("content_digest") == key and len(saved["curve"]) == rounds:
             return saved
     out.mkdir(parents=True, exist_ok=True)
     link = reference / "dataset" / name
@@ -359,22 +437,23 @@ def run_reference(reference: Path, config: dict, method: str, seed: int, partiti
     link.symlink_to(partitions.resolve(), target_is_directory=True)
     cmd = [sys.executable, "-c", BOOTSTRAP, *args]
     # HtFLlib pickles whole models into its own store and loads them back, written for torch < 2.6
-    env = {**os.environ, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1", SEED_VARIABLE: str(seed)}
     log = out / f"reference-seed-{seed}.log"
     code, wall, cpu = run_measured(cmd, reference / "system", log, env)
-    runs = parse_reference_log(log.read_text(errors="replace"))
+    text = log.read_text(errors="replace")
+    runs = parse_reference_log(text)
     curve = [runs[-1].get(r) for r in range(1, rounds + 1)] if runs else [None]
-    if code != 0 or None in curve:
-        tail = log.read_text(errors="replace")[-2000:]
+    diverged = code != 0 and runs and DIVERGED_LINE.search(text) is not None
+    if (code != 0 or None in curve) and not diverged:
         raise RuntimeError(
-            f"the reference run (seed {seed}) ended with exit code {code} before {rounds} rounds:\n{tail}"
+            f"the reference run (seed {seed}) ended with exit code {code} before {rounds} rounds:\n{text[-2000:]}"
         )
     result = {
         "curve": curve,
         "initial": runs[-1].get(0),
+        "diverged_round": curve.index(None) + 1 if diverged else None,
         "command": command,
         "commit": git_head(reference),
-        "partition_key": key,
+        "content_digest": key,
         "wall_seconds": wall,
         "cpu_seconds": cpu,
     }
@@ -382,14 +461,16 @@ def run_reference(reference: Path, config: dict, method: str, seed: int, partiti
     return result
 
 
-def run_ours(config_items: list[str], preset: str | None, seed: int, out: Path) -> dict:
+def run_ours(
+    config_items: list[str], preset: str | None, seed: int, out: Path, metric: str = "accuracy_weighted"
+) -> dict:
     """Run ours (``tools.run``) for one training seed into ``out``, or reuse its completed run when
     that ran the same whole run config (the preset's content and every override; any other is run
     again).
 
     Returns:
-        ``{"curve": [accuracy_weighted by round], "command", "config", "wall_seconds", "cpu_seconds",
-        "folder"}``.
+        ``{"curve": [row key metric by round], "metric", "command", "config", "wall_seconds",
+        "cpu_seconds", "folder"}``.
 
     Raises:
         RuntimeError: the run did not complete (its status and reason in the message).
@@ -399,8 +480,9 @@ def run_ours(config_items: list[str], preset: str | None, seed: int, out: Path) 
     config, _ = read_config(preset, items)
     if done.exists():
         saved = json.loads(done.read_text())
-        if saved.get("config") == config:
-            return saved
+        if saved.get("config") == config and (out / Path(saved["folder"]).name / "metrics.jsonl").is_file():
+            rows = read_rows(out / Path(saved["folder"]).name)
+            return {**saved, "metric": metric, "curve": [r[metric] for r in rows]}
     cmd = [sys.executable, "-m", "tools.run", *(["--preset", preset] if preset else [])]
     for item in items:
         cmd += ["-c", item]
@@ -414,7 +496,8 @@ def run_ours(config_items: list[str], preset: str | None, seed: int, out: Path) 
             f"our run (seed {seed}) ended {summary['status']}: {summary.get('error')}; log {out / 'ours.log'}"
         )
     result = {
-        "curve": [r["accuracy_weighted"] for r in read_rows(folders[-1])],
+        "curve": [r[metric] for r in read_rows(folders[-1])],
+        "metric": metric,
         "command": " ".join(cmd[1:]),
         "config": config,
         "wall_seconds": wall,
@@ -429,21 +512,31 @@ def compare(ours: list[list[float]], reference: list[list[float]]) -> dict:
     """Final and best accuracy (mean and std over seeds, fractions) of each implementation and the
     largest gap between the two mean curves (``ours - reference``, with its round, 1-based).
 
+    A seed whose run diverged has None from its first missing round: it counts in ``diverged``
+    (seeds) and is left out of ``final_*`` and ``best_*`` (None when every seed diverged); the mean
+    curves average the seeds each round has.
+
     Args:
         ours, reference: accuracy per round, one list per seed, all of one length R.
     """
     a, b = np.asarray(ours, dtype=float), np.asarray(reference, dtype=float)
 
     def stats(x: np.ndarray) -> dict:
+        done = x[~np.isnan(x).any(axis=1)]
+        if not len(done):
+            return {"final_mean": None, "final_std": None, "best_mean": None, "best_std": None, "diverged": len(x)}
         return {
-            "final_mean": float(x[:, -1].mean()),
-            "final_std": float(x[:, -1].std()),
-            "best_mean": float(x.max(axis=1).mean()),
-            "best_std": float(x.max(axis=1).std()),
+            "final_mean": float(done[:, -1].mean()),
+            "final_std": float(done[:, -1].std()),
+            "best_mean": float(done.max(axis=1).mean()),
+            "best_std": float(done.max(axis=1).std()),
+            "diverged": len(x) - len(done),
         }
 
-    gap = a.mean(axis=0) - b.mean(axis=0)
-    worst = int(np.abs(gap).argmax())
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a round no seed of one side reached: NaN
+        gap = np.nanmean(a, axis=0) - np.nanmean(b, axis=0)
+    worst = int(np.nanargmax(np.abs(gap))) if not np.isnan(gap).all() else 0
     return {"ours": stats(a), "reference": stats(b), "largest_gap": float(gap[worst]), "largest_gap_round": worst + 1}
 
 
@@ -458,8 +551,10 @@ def plot(method: str, ours: list[list[float]], reference: list[list[float]], out
     for label, curves, color in (("ours", ours, "tab:blue"), ("HtFLlib", reference, "tab:orange")):
         x = np.asarray(curves, dtype=float)
         rounds = np.arange(1, x.shape[1] + 1)
-        ax.plot(rounds, x.mean(axis=0), color=color, label=f"{label} (mean of {len(x)})")
-        ax.fill_between(rounds, x.min(axis=0), x.max(axis=0), color=color, alpha=0.2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # rounds after every seed diverged: a gap in the line
+            ax.plot(rounds, np.nanmean(x, axis=0), color=color, label=f"{label} (mean of {len(x)})")
+            ax.fill_between(rounds, np.nanmin(x, axis=0), np.nanmax(x, axis=0), color=color, alpha=0.2)
     ax.set(xlabel="round", ylabel="test accuracy (pooled over clients)", title=method)
     ax.legend()
     fig.tight_layout()
@@ -469,7 +564,17 @@ def plot(method: str, ours: list[list[float]], reference: list[list[float]], out
 
 def write_report(out: Path, info: dict, results: dict) -> None:
     """``out/report.md`` from the settings ``info`` and the per-method ``results`` so far."""
-    pct = lambda m, s: f"{100 * m:.2f} ± {100 * s:.2f}"  # noqa: E731
+
+    def pct(side: dict, key: str) -> str:
+        value = (
+            "diverged"
+            if side[f"{key}_mean"] is None
+            else f"{100 * side[f'{key}_mean']:.2f} ± {100 * side[f'{key}_std']:.2f}"
+        )
+        return value + (
+            f" ({side['diverged']} seeds diverged)" if side.get("diverged") and side[f"{key}_mean"] is not None else ""
+        )
+
     total = lambda runs, key: sum(run[key] for run in runs)  # noqa: E731
     lines = [
         f"# Cross-check against HtFLlib: {info['preset'] or 'run config'}",
@@ -488,8 +593,7 @@ def write_report(out: Path, info: dict, results: dict) -> None:
         c = r["comparison"]
         o, h = c["ours"], c["reference"]
         lines.append(
-            f"| {method} | {pct(o['final_mean'], o['final_std'])} | {pct(h['final_mean'], h['final_std'])} | "
-            f"{pct(o['best_mean'], o['best_std'])} | {pct(h['best_mean'], h['best_std'])} | "
+            f"| {method} | {pct(o, 'final')} | {pct(h, 'final')} | {pct(o, 'best')} | {pct(h, 'best')} | "
             f"{100 * c['largest_gap']:+.2f} ({c['largest_gap_round']}) | "
             f"{total(r['ours'], 'wall_seconds'):.0f} / {total(r['reference'], 'wall_seconds'):.0f} | "
             f"{total(r['ours'], 'cpu_seconds'):.0f} / {total(r['reference'], 'cpu_seconds'):.0f} |"
@@ -497,13 +601,24 @@ def write_report(out: Path, info: dict, results: dict) -> None:
     lines += ["", "Figures: `<method>.png` (mean line, min-max band over seeds).", ""]
     for method, r in results.items():
         initial = ", ".join(f"{100 * x['initial']:.2f}" for x in r["reference"])
+        diverged = [
+            f"seed {seed}: round {x['diverged_round']}"
+            for seed, x in zip(info["seeds"], r["reference"])
+            if x.get("diverged_round")
+        ]
         lines += [
             f"## {method}",
             "",
             f"- HtFLlib, seed {info['seeds'][0]} (cwd `system/`): `{r['reference'][0]['command']}`; round 0 (the "
             f"initial models) by seed: {initial} %",
-            f"- ours, seed {info['seeds'][0]}: `{r['ours'][0]['command']}`",
+            f"- ours, seed {info['seeds'][0]}: `{r['ours'][0]['command']}`; compared: our row key "
+            f"`{r['ours'][0]['metric']}` with HtFLlib's printed accuracy",
             "- the other seeds differ only in the seed (and the output folder)",
+            *(
+                ["- HtFLlib diverged (NaN outputs; its evaluation stopped the run) at " + ", ".join(diverged)]
+                if diverged
+                else []
+            ),
             "- not expressible in HtFLlib (ours as run; see docs/methods): "
             + (", ".join(f"`{k}` = {v!r}" for k, v in r["unexpressed"].items()) or "none"),
             "",
@@ -563,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         (out / "crosscheck.json").write_text(json.dumps(info, indent=1))
         results: dict = {}
+        failed: list[str] = []
         try:
             for method, config in configs.items():
                 partitions = out / "partitions"
@@ -571,11 +687,17 @@ def main(argv: list[str] | None = None) -> int:
                 pinned = {**fixed, "method": method}
                 items = [*args.run_config, " ".join(f"{k}={json.dumps(v)}" for k, v in pinned.items())]
                 refs, ours = [], []
-                for seed in seeds:
-                    print(f"{method}, seed {seed}: HtFLlib", flush=True)
-                    refs.append(run_reference(reference, config, method, seed, partitions, out / method))
-                    print(f"{method}, seed {seed}: ours", flush=True)
-                    ours.append(run_ours(items, args.preset, seed, out / method / f"seed-{seed}"))
+                try:
+                    for seed in seeds:
+                        print(f"{method}, seed {seed}: HtFLlib", flush=True)
+                        refs.append(run_reference(reference, config, method, seed, partitions, out / method))
+                        print(f"{method}, seed {seed}: ours", flush=True)
+                        metric = compared_metric(config, method)
+                        ours.append(run_ours(items, args.preset, seed, out / method / f"seed-{seed}", metric))
+                except RuntimeError as exc:  # this method's comparison is incomplete; the others go on
+                    print(f"error: {method}: {exc}", flush=True)
+                    failed.append(method)
+                    continue
                 curves, ref_curves = [o["curve"] for o in ours], [r["curve"] for r in refs]
                 results[method] = {
                     "comparison": compare(curves, ref_curves),
@@ -588,13 +710,13 @@ def main(argv: list[str] | None = None) -> int:
                 plot(method, curves, ref_curves, out / f"{method}.png")
                 write_report(out, info, results)
                 print(f"{method}: {json.dumps(results[method]['comparison'])}", flush=True)
-        except RuntimeError as exc:
-            print(f"error: {exc}")
-            return 1
         except KeyboardInterrupt:
             print(f"interrupted; finished parts are kept in {out} and reused when the command is given again")
             return 130
     print(f"report: {out / 'report.md'}")
+    if failed:
+        print(f"error: no comparison for {', '.join(failed)} (see above); the others are in the report")
+        return 1
     return 0
 
 

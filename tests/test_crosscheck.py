@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from common.config import RunConfig
 from common.datasets import DATASETS, with_recipe
 from common.errors import ConfigError
 from common.options import option_key
+from models.zoo import HTCNN8
 from strategies.registry import METHODS
 from tools.run import read_config
 
@@ -102,6 +104,18 @@ def test_compare_gives_spread_and_largest_gap():
     assert c["ours"]["final_mean"] == pytest.approx(0.4) and c["ours"]["final_std"] == pytest.approx(0.1)
     assert c["ours"]["best_mean"] == pytest.approx(0.4) and c["reference"]["best_std"] == 0
     assert c["largest_gap"] == pytest.approx(0.2) and c["largest_gap_round"] == 2
+    assert c["ours"]["diverged"] == 0
+
+
+def test_compare_leaves_a_diverged_seed_out_of_final_and_best_and_counts_it():
+    c = crosscheck.compare([[0.5, 0.6], [0.5, 0.8]], [[0.2, None], [0.3, 0.4]])
+    assert c["reference"]["diverged"] == 1
+    assert c["reference"]["final_mean"] == pytest.approx(0.4) and c["reference"]["final_std"] == 0
+    assert c["reference"]["best_mean"] == pytest.approx(0.4)
+    # round 1: 0.5 - 0.25; round 2: 0.7 - 0.4 (the seed that reached it)
+    assert c["largest_gap"] == pytest.approx(0.3) and c["largest_gap_round"] == 2
+    every = crosscheck.compare([[0.5, 0.6]], [[None, None]])
+    assert every["reference"]["final_mean"] is None and every["reference"]["diverged"] == 1
 
 
 def test_a_stand_in_reference_runs_through_the_bootstrap_with_its_seed(tmp_path):
@@ -149,8 +163,71 @@ def test_a_stand_in_reference_runs_through_the_bootstrap_with_its_seed(tmp_path)
     assert (
         crosscheck.run_reference(tmp_path / "ref", config, "fedgh", 1, partitions, tmp_path / "cc" / "fedgh") == saved
     )
+    key = json.loads((partitions / "config.json").read_text())["partition_key"]
+    copied = {**config, "data-dir": str(tmp_path / "data")}  # the data folder copied: the same partitions written again
+    shutil.copytree(DATA_DIR / "cifar10", tmp_path / "data" / "cifar10")
+    crosscheck.write_partitions(copied, partitions)
+    assert json.loads((partitions / "config.json").read_text())["partition_key"] != key
+    assert crosscheck.run_reference(tmp_path / "ref", copied, "fedgh", 1, partitions, out) == saved
     with pytest.raises(RuntimeError, match="exit code 3"):  # another lr is another command: run again
         crosscheck.run_reference(tmp_path / "ref", {**config, "lr": 0.02}, "fedgh", 1, partitions, out)
+    other = small_config(**{"num-server-rounds": 2, "max-examples-per-client": 30})
+    crosscheck.write_partitions(other, partitions)  # other content: run again
+    with pytest.raises(RuntimeError, match="exit code 3"):
+        crosscheck.run_reference(tmp_path / "ref", other, "fedgh", 1, partitions, out)
+
+
+def test_a_family_htflib_removed_is_put_back_for_the_run(tmp_path):
+    """HtCNN8 (FedTGP's ``HCNNs8``, gone from today's HtFLlib): the bootstrap adds its branch to a
+    stand-in ``main.py``'s family chain, with our eight members' convs and widths and the dataset's
+    channels and side; a family the chain has is left alone."""
+    system = tmp_path / "ref" / "system"
+    system.mkdir(parents=True)
+    (system / "main.py").write_text(
+        textwrap.dedent(
+            """
+            import argparse, json
+            def run(args):
+                for i in range(1):
+                    if args.model_family == "HtFE-img-2":
+                        args.models = ["FedAvgCNN()"]
+                    else:
+                        raise NotImplementedError
+                    print("models:", json.dumps(args.models))
+                    print("Running time: 0th")
+                    for r in range(args.gr + 1):
+                        print(f"Round number: {r}")
+                        print("Averaged Test Accuracy: 0.5")
+            p = argparse.ArgumentParser()
+            p.add_argument("-m", dest="model_family"); p.add_argument("-gr", type=int)
+            run(p.parse_known_args()[0])
+            """
+        )
+    )
+    config = small_config(
+        **{"dataset": "fashion-mnist", "model-group": "htcnn8", "num-server-rounds": 1, "max-examples-per-client": 20}
+    )
+    partitions = tmp_path / "cc" / "partitions"
+    crosscheck.write_partitions(config, partitions)
+    run = crosscheck.run_reference(tmp_path / "ref", config, "local", 0, partitions, tmp_path / "cc" / "local")
+    log = (tmp_path / "cc" / "local" / "reference-seed-0.log").read_text()
+    models = json.loads(log.split("models: ", 1)[1].splitlines()[0])
+    assert len(models) == 8 and "-m HCNNs8" in run["command"] and "CROSSCHECK_FAMILY=" in run["command"]
+    for constructor, (convs, widths) in zip(models, HTCNN8.values(), strict=True):
+        assert f"num_cov={convs}, hidden_dims={list(widths[:-1])}, in_features=1, height=28," in constructor
+    assert crosscheck.restored_family("HtFE-img-2", "cifar10") is None
+    cifar = crosscheck.run_reference(
+        tmp_path / "ref", small_config(**{"num-server-rounds": 1}), "local", 0, partitions, tmp_path / "cc" / "htfe2"
+    )
+    assert "CROSSCHECK_FAMILY" not in cifar["command"]
+
+
+def test_fedgh_is_compared_on_the_model_htflib_evaluates_when_ours_reports_it():
+    config = small_config(method="fedgh")
+    assert crosscheck.compared_metric(config, "fedgh") == "accuracy_weighted"  # our primary metric
+    on = {**config, "fedgh": {"eval-global-head": True}}
+    assert crosscheck.compared_metric(on, "fedgh") == "accuracy_weighted_global_head"
+    assert crosscheck.compared_metric(on, "fedproto") == "accuracy_weighted"
 
 
 def test_a_finished_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch):
@@ -164,7 +241,8 @@ def test_a_finished_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch
         run = out / f"run-{len(calls)}"
         run.mkdir(parents=True)
         (run / "summary.json").write_text(json.dumps({"status": "completed"}))
-        (run / "metrics.jsonl").write_text(json.dumps({"round": 1, "accuracy_weighted": 0.5}) + "\n")
+        row = {"round": 1, "accuracy_weighted": 0.5, "accuracy_weighted_global_head": 0.25}
+        (run / "metrics.jsonl").write_text(json.dumps(row) + "\n")
         return 0, 1.0, 1.0
 
     monkeypatch.setattr(crosscheck, "run_measured", fake_run)
@@ -174,7 +252,35 @@ def test_a_finished_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch
     out = tmp_path / "seed-0"
     first = crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, out)
     assert crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, out) == first and len(calls) == 1
+    assert first["curve"] == [0.5] and first["metric"] == "accuracy_weighted"
+    other = crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, out, "accuracy_weighted_global_head")
+    assert other["curve"] == [0.25] and len(calls) == 1  # another row key of the same run: read, not run
     preset.write_text('method = "fedproto"\nbatch-order = "shuffle"\n')  # the preset changed
     assert crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, out)["config"]["batch-order"] == "shuffle"
     crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)  # an override changed
     assert len(calls) == 3
+
+
+def test_a_reference_whose_models_diverge_is_a_result_and_another_failure_is_not(tmp_path):
+    """HtFLlib stops on NaN outputs (scikit-learn's "Input contains NaN" in its evaluation): the curve
+    keeps the rounds printed, None after, and names the round; any other early exit raises."""
+    system = tmp_path / "ref" / "system"
+    system.mkdir(parents=True)
+    main = """
+    import sys
+    print("Running time: 0th")
+    for r in range(2):
+        print(f"Round number: {r}")
+        print("Averaged Test Accuracy: 0.3")
+    print("Round number: 2")
+    raise SystemExit("ValueError: Input contains NaN.")
+    """
+    (system / "main.py").write_text(textwrap.dedent(main))
+    config = small_config(**{"num-server-rounds": 3})
+    partitions = tmp_path / "cc" / "partitions"
+    crosscheck.write_partitions(config, partitions)
+    run = crosscheck.run_reference(tmp_path / "ref", config, "fd", 0, partitions, tmp_path / "cc" / "fd")
+    assert run["curve"] == [0.3, None, None] and run["diverged_round"] == 2
+    (system / "main.py").write_text(textwrap.dedent(main.replace("Input contains NaN.", "CUDA out of memory")))
+    with pytest.raises(RuntimeError, match="exit code 1"):
+        crosscheck.run_reference(tmp_path / "ref", config, "fd", 1, partitions, tmp_path / "cc" / "fd")
