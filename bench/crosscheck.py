@@ -50,6 +50,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -106,16 +107,16 @@ class ReferenceMethod:
     - ``unexpressed``: our options HtFLlib has no counterpart for; listed with their values in
       the report (the method page's deviations say what they change).
 
-    ``reported``: where HtFLlib's printed accuracy is of another model than our primary metric's,
-    ``(our boolean option, our row key)``: with that option on, ours reports HtFLlib's model under
-    that row key, and the cross-check compares it (:func:`compared_metric`).
+    ``reported``: where HtFLlib's printed accuracy is of another model than our default primary
+    metric's, ``(our option, its value, our row key)``: with the option at that value, ours reports
+    HtFLlib's model under that row key, and the cross-check compares it (:func:`compared_metric`).
     """
 
     algorithm: str
     flags: dict[str, str] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
     unexpressed: tuple[str, ...] = ()
-    reported: tuple[str, str] | None = None
+    reported: tuple[str, Any, str] | None = None
 
 
 #: our method -> its HtFLlib algorithm (``-algo``) and option mapping (HtFLlib ``system/main.py`` and
@@ -135,12 +136,12 @@ REFERENCE_METHODS = {
         tied={"server-batch-size": "batch-size"},
         unexpressed=("server-mode", "server-clip-norm", "eval-global-head"),
         # HtFLlib evaluates every client's extractor with the global head it has just been sent
-        reported=("eval-global-head", "accuracy_weighted_global_head"),
+        reported=("eval-global-head", True, "accuracy_weighted_global_head"),
     ),
     "lg-fedavg": ReferenceMethod(
         "LG-FedAvg",
         unexpressed=("eval-global-head",),
-        reported=("eval-global-head", "accuracy_weighted_global_head"),
+        reported=("eval-global-head", True, "accuracy_weighted_global_head"),
     ),
     "fd": ReferenceMethod("FD", {"-lam": "lambda"}, unexpressed=("target",)),
     "fml": ReferenceMethod("FML", {"-al": "alpha", "-bt": "beta"}, unexpressed=("shared-model",)),
@@ -149,6 +150,8 @@ REFERENCE_METHODS = {
         "FedMRL",
         {"-sfd": "d1"},
         unexpressed=("small-model", "weight-global", "weight-private", "eval-protocol", "inference"),
+        # HtFLlib evaluates every client with the server's aggregated small model (our protocol B)
+        reported=("eval-protocol", "deployment", "accuracy_weighted"),
     ),
 }
 
@@ -230,12 +233,18 @@ def method_options(config: dict, method: str) -> dict:
 
 def compared_metric(config: dict, method: str) -> str:
     """Our row key compared with HtFLlib's printed accuracy: the method's ``reported`` row key when
-    its option is on in ``config``, else ``accuracy_weighted`` (every client's personal model,
-    pooled over their test examples)."""
+    its option has that value in ``config``, else ``accuracy_weighted`` (every client's personal
+    model, pooled over their test examples)."""
     reported = REFERENCE_METHODS[method].reported
-    if reported is not None and method_options(config, method)[reported[0]]:
-        return reported[1]
+    if reported is not None and method_options(config, method)[reported[0]] == reported[1]:
+        return reported[2]
     return "accuracy_weighted"
+
+
+def evaluates_as_reference(config: dict, method: str) -> bool:
+    """Whether ours evaluates the model HtFLlib's printed accuracy is of (``reported`` option set)."""
+    reported = REFERENCE_METHODS[method].reported
+    return reported is None or method_options(config, method)[reported[0]] == reported[1]
 
 
 def check_expressible(config: dict, method: str) -> None:
@@ -613,6 +622,14 @@ def write_report(out: Path, info: dict, results: dict) -> None:
             f"initial models) by seed: {initial} %",
             f"- ours, seed {info['seeds'][0]}: `{r['ours'][0]['command']}`; compared: our row key "
             f"`{r['ours'][0]['metric']}` with HtFLlib's printed accuracy",
+            *(
+                []
+                if r.get("same_model", True)
+                else [
+                    "- HtFLlib evaluates another model than this metric's: ours evaluates it with "
+                    f"`{method}.{REFERENCE_METHODS[method].reported[0]} = {REFERENCE_METHODS[method].reported[1]!r}`"
+                ]
+            ),
             "- the other seeds differ only in the seed (and the output folder)",
             *(
                 ["- HtFLlib diverged (NaN outputs; its evaluation stopped the run) at " + ", ".join(diverged)]
@@ -703,6 +720,7 @@ def main(argv: list[str] | None = None) -> int:
                     "comparison": compare(curves, ref_curves),
                     "reference": refs,
                     "ours": ours,
+                    "same_model": evaluates_as_reference(config, method),
                     "unexpressed": {
                         k: method_options(config, method)[k] for k in REFERENCE_METHODS[method].unexpressed
                     },

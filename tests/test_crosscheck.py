@@ -228,6 +228,10 @@ def test_fedgh_is_compared_on_the_model_htflib_evaluates_when_ours_reports_it():
     on = {**config, "fedgh": {"eval-global-head": True}}
     assert crosscheck.compared_metric(on, "fedgh") == "accuracy_weighted_global_head"
     assert crosscheck.compared_metric(on, "fedproto") == "accuracy_weighted"
+    assert not crosscheck.evaluates_as_reference(config, "fedgh") and crosscheck.evaluates_as_reference(on, "fedgh")
+    mrl = {**config, "fedmrl": {"eval-protocol": "deployment"}}  # a non-boolean option: compared by value
+    assert not crosscheck.evaluates_as_reference(config, "fedmrl") and crosscheck.evaluates_as_reference(mrl, "fedmrl")
+    assert crosscheck.compared_metric(mrl, "fedmrl") == "accuracy_weighted"
 
 
 def test_a_finished_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch):
