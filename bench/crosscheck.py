@@ -110,9 +110,14 @@ class ReferenceMethod:
     ``reported``: where HtFLlib's printed accuracy is of another model than our default primary
     metric's, ``(our option, its value, our row key)``: with the option at that value, ours reports
     HtFLlib's model under that row key, and the cross-check compares it (:func:`compared_metric`).
+
+    ``recipe``: run config values HtFLlib's client for this method hard-codes beyond
+    :data:`REFERENCE_RECIPE` (FML and FedKD clip every model's gradient norm at 10); ours is run
+    with them, and the report lists them.
     """
 
     algorithm: str
+    recipe: dict[str, Any] = field(default_factory=dict)
     flags: dict[str, str] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
     unexpressed: tuple[str, ...] = ()
@@ -123,16 +128,16 @@ class ReferenceMethod:
 #: the ``flcore`` server and client of each algorithm)
 REFERENCE_METHODS = {
     "local": ReferenceMethod("Local"),
-    "fedproto": ReferenceMethod("FedProto", {"-lam": "lambda"}, unexpressed=("reg-form",)),
+    "fedproto": ReferenceMethod("FedProto", flags={"-lam": "lambda"}, unexpressed=("reg-form",)),
     "fedtgp": ReferenceMethod(
         "FedTGP",
-        {"-lam": "lambda", "-mart": "tau", "-se": "server-epochs"},
+        flags={"-lam": "lambda", "-mart": "tau", "-se": "server-epochs"},
         tied={"server-lr": "lr", "server-batch-size": "batch-size", "hidden-dim": "feature-dim"},
         unexpressed=("reg-form", "margin"),
     ),
     "fedgh": ReferenceMethod(
         "FedGH",
-        {"-slr": "server-lr", "-se": "server-epochs"},
+        flags={"-slr": "server-lr", "-se": "server-epochs"},
         tied={"server-batch-size": "batch-size"},
         unexpressed=("server-mode", "server-clip-norm", "eval-global-head"),
         # HtFLlib evaluates every client's extractor with the global head it has just been sent
@@ -143,12 +148,15 @@ REFERENCE_METHODS = {
         unexpressed=("eval-global-head",),
         reported=("eval-global-head", True, "accuracy_weighted_global_head"),
     ),
-    "fd": ReferenceMethod("FD", {"-lam": "lambda"}, unexpressed=("target",)),
-    "fml": ReferenceMethod("FML", {"-al": "alpha", "-bt": "beta"}, unexpressed=("shared-model",)),
-    "fedkd": ReferenceMethod("FedKD", {"-Ts": "energy-start", "-Te": "energy-end"}, unexpressed=("shared-model",)),
+    "fd": ReferenceMethod("FD", flags={"-lam": "lambda"}, unexpressed=("target",)),
+    # clientfml.py and clientkd.py: clip_grad_norm_(..., 10) on each model ("prevent divergency")
+    "fml": ReferenceMethod("FML", {"clip-norm": 10.0}, {"-al": "alpha", "-bt": "beta"}, unexpressed=("shared-model",)),
+    "fedkd": ReferenceMethod(
+        "FedKD", {"clip-norm": 10.0}, {"-Ts": "energy-start", "-Te": "energy-end"}, unexpressed=("shared-model",)
+    ),
     "fedmrl": ReferenceMethod(
         "FedMRL",
-        {"-sfd": "d1"},
+        flags={"-sfd": "d1"},
         unexpressed=("small-model", "weight-global", "weight-private", "eval-protocol", "inference"),
         # HtFLlib evaluates every client with the server's aggregated small model (our protocol B)
         reported=("eval-protocol", "deployment", "accuracy_weighted"),
@@ -262,7 +270,8 @@ def check_expressible(config: dict, method: str) -> None:
             f"run config key 'model-group' = {config['model-group']!r} has no HtFLlib model family; "
             f"allowed: {', '.join(FAMILIES)}"
         )
-    problems = [f"{k} = {config[k]!r} (HtFLlib: {v!r})" for k, v in REFERENCE_RECIPE.items() if config.get(k, v) != v]
+    recipe = {**REFERENCE_RECIPE, **REFERENCE_METHODS[method].recipe}
+    problems = [f"{k} = {config[k]!r} (HtFLlib: {v!r})" for k, v in recipe.items() if config.get(k, v) != v]
     options = method_options(config, method)
     problems += [
         f"{method}.{ours} = {options[ours]!r} (HtFLlib uses {key} = {config[key]!r})"
@@ -636,6 +645,8 @@ def write_report(out: Path, info: dict, results: dict) -> None:
                 if diverged
                 else []
             ),
+            "- HtFLlib's built-in recipe for this method, ours run with it: "
+            + (", ".join(f"`{k}` = {v!r}" for k, v in REFERENCE_METHODS[method].recipe.items()) or "none"),
             "- not expressible in HtFLlib (ours as run; see docs/methods): "
             + (", ".join(f"`{k}` = {v!r}" for k, v in r["unexpressed"].items()) or "none"),
             "",
@@ -671,7 +682,12 @@ def main(argv: list[str] | None = None) -> int:
             fixed = {"partition-seed": base["partition-seed"] if base["partition-seed"] >= 0 else seeds[0]}
             if args.rounds is not None:
                 fixed["num-server-rounds"] = args.rounds
-            configs = {m: {**base, **fixed, "method": m, "seed": seeds[0]} for m in methods}
+            if unknown := [m for m in methods if m not in REFERENCE_METHODS]:
+                allowed = ", ".join(REFERENCE_METHODS)
+                raise ConfigError(f"--methods: {', '.join(unknown)} have no HtFLlib counterpart; allowed: {allowed}")
+            configs = {
+                m: {**base, **fixed, **REFERENCE_METHODS[m].recipe, "method": m, "seed": seeds[0]} for m in methods
+            }
             for m, config in configs.items():
                 check_expressible(config, m)
             validate_configs(list(configs.values()))
@@ -701,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
                 partitions = out / "partitions"
                 print(f"{method}: writing partitions to {partitions}", flush=True)
                 write_partitions(config, partitions)
-                pinned = {**fixed, "method": method}
+                pinned = {**fixed, **REFERENCE_METHODS[method].recipe, "method": method}
                 items = [*args.run_config, " ".join(f"{k}={json.dumps(v)}" for k, v in pinned.items())]
                 refs, ours = [], []
                 try:

@@ -97,6 +97,12 @@ def test_a_recipe_the_reference_cannot_follow_is_refused():
         crosscheck.check_expressible(small_config(**{"model-group": "cnn1"}), "fedgh")
     with pytest.raises(ConfigError, match="no HtFLlib counterpart"):
         crosscheck.check_expressible(small_config(), "fedre")
+    # FML's client in HtFLlib clips each model's gradient norm at 10: that is its recipe, not ours
+    with pytest.raises(ConfigError, match=r"clip-norm = 0\.0 \(HtFLlib: 10\.0\)"):
+        crosscheck.check_expressible(small_config(), "fml")
+    crosscheck.check_expressible(small_config(**{"clip-norm": 10.0}), "fml")
+    with pytest.raises(ConfigError, match=r"clip-norm = 10\.0 \(HtFLlib: 0\.0\)"):
+        crosscheck.check_expressible(small_config(**{"clip-norm": 10.0}), "fedgh")
 
 
 def test_compare_gives_spread_and_largest_gap():
