@@ -231,12 +231,13 @@ exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__file__": "m
 
 def method_options(config: dict, method: str) -> dict:
     """Our options of ``method`` as the run will have them: declared defaults, then ``config``'s
-    ``[method]`` table."""
+    ``<method>.<key>`` values (the flat run config :func:`tools.run.read_config` gives)."""
     from common.options import option_key
     from strategies.registry import METHODS
 
     declared = {option_key(f): f.default for f in dataclasses.fields(METHODS[method].options)}
-    return {**declared, **config.get(method, {})}
+    prefix = f"{method}."
+    return {**declared, **{k[len(prefix) :]: v for k, v in config.items() if k.startswith(prefix)}}
 
 
 def compared_metric(config: dict, method: str) -> str:

@@ -92,7 +92,7 @@ def test_reference_log_is_parsed_per_repetition_and_round():
 def test_a_recipe_the_reference_cannot_follow_is_refused():
     crosscheck.check_expressible(small_config(), "fedtgp")
     with pytest.raises(ConfigError, match=r"momentum = 0\.9.*fedtgp\.server-lr = 0\.1 \(HtFLlib uses lr = 0\.01\)"):
-        crosscheck.check_expressible(small_config(momentum=0.9, fedtgp={"server-lr": 0.1}), "fedtgp")
+        crosscheck.check_expressible(small_config(**{"momentum": 0.9, "fedtgp.server-lr": 0.1}), "fedtgp")
     with pytest.raises(ConfigError, match="model-group"):
         crosscheck.check_expressible(small_config(**{"model-group": "cnn1"}), "fedgh")
     with pytest.raises(ConfigError, match="no HtFLlib counterpart"):
@@ -103,6 +103,13 @@ def test_a_recipe_the_reference_cannot_follow_is_refused():
     crosscheck.check_expressible(small_config(**{"clip-norm": 10.0}), "fml")
     with pytest.raises(ConfigError, match=r"clip-norm = 10\.0 \(HtFLlib: 0\.0\)"):
         crosscheck.check_expressible(small_config(**{"clip-norm": 10.0}), "fedgh")
+
+
+def test_the_reference_gets_our_option_values_as_the_run_config_has_them():
+    config, _ = read_config(PRESET, ["fedtgp.lambda=1.0 fedtgp.server-epochs=7"])  # flat keys, as tools.run reads
+    cmd = " ".join(crosscheck.reference_command({**config, "num-server-rounds": 2}, "fedtgp", "d"))
+    assert "-lam 1.0" in cmd and "-se 7" in cmd and "-mart 100.0" in cmd  # overrides, then the preset's value
+    assert crosscheck.method_options(config, "fedgh")["server-epochs"] == 1  # another method's: its default
 
 
 def test_compare_gives_spread_and_largest_gap():
@@ -231,11 +238,11 @@ def test_a_family_htflib_removed_is_put_back_for_the_run(tmp_path):
 def test_fedgh_is_compared_on_the_model_htflib_evaluates_when_ours_reports_it():
     config = small_config(method="fedgh")
     assert crosscheck.compared_metric(config, "fedgh") == "accuracy_weighted"  # our primary metric
-    on = {**config, "fedgh": {"eval-global-head": True}}
+    on = {**config, "fedgh.eval-global-head": True}
     assert crosscheck.compared_metric(on, "fedgh") == "accuracy_weighted_global_head"
     assert crosscheck.compared_metric(on, "fedproto") == "accuracy_weighted"
     assert not crosscheck.evaluates_as_reference(config, "fedgh") and crosscheck.evaluates_as_reference(on, "fedgh")
-    mrl = {**config, "fedmrl": {"eval-protocol": "deployment"}}  # a non-boolean option: compared by value
+    mrl = {**config, "fedmrl.eval-protocol": "deployment"}  # a non-boolean option: compared by value
     assert not crosscheck.evaluates_as_reference(config, "fedmrl") and crosscheck.evaluates_as_reference(mrl, "fedmrl")
     assert crosscheck.compared_metric(mrl, "fedmrl") == "accuracy_weighted"
 
