@@ -16,8 +16,9 @@ then in eval mode entangle the trained extractor's representations with fresh ra
 weights (Eq. 2 with RAP, Appendix A Eq. 12). Server step (section 4, Eq. 3): one epoch of
 SGD on the soft-label cross-entropy of the head over the round's (z, y) pairs, averaged over
 each server batch (revised P6: the authors' HtFLlib tree sums at lr 0.01 and overshoots, so
-FedRE fell below Local here; with at most B_s uploads the mean at lr 0.01 equals the PFLlib
-tree's summed step at lr 0.001, which produced the paper's homogeneous table).
+FedRE fell below Local here; a batch of exactly 10 uploads makes the mean at lr 0.01 equal the
+PFLlib tree's summed step at lr 0.001, which produced the paper's homogeneous table: N = 10, all
+clients every round; a batch of K uploads makes it a sum at lr 0.01 / K).
 Evaluation (section 6): own extractor + the newest global head, sent to every client after
 the server step; the client keeps that head (P11). The authors' released loop never sends
 the head back (P1), which makes FedRE "Local"; here it is sent in every train and evaluate
