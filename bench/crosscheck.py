@@ -182,8 +182,8 @@ FEDKD_MENTEE_LR = "-mlr"
 ROUND_LINE = re.compile(r"Round number: (\d+)")
 ACCURACY_LINE = re.compile(r"Averaged Test Accuracy: ([0-9.]+)")
 REPETITION_LINE = re.compile(r"Running time: (\d+)th")
-#: HtFLlib's evaluation (scikit-learn's AUC) on NaN model outputs
-DIVERGED_LINE = re.compile(r"ValueError: Input contains NaN")
+#: HtFLlib's evaluation (scikit-learn's AUC) on NaN or infinite model outputs
+DIVERGED_LINE = re.compile(r"ValueError: Input contains (NaN|infinity)")
 
 #: the environment variable that gives :data:`BOOTSTRAP` the training seed
 SEED_VARIABLE = "CROSSCHECK_SEED"
@@ -420,9 +420,9 @@ def run_reference(reference: Path, config: dict, method: str, seed: int, partiti
     run: one with the same command on partitions of the same content (their ``content_digest``); any
     other is run again, so a changed preset or override never passes off an old curve as this config's.
 
-    A run whose models diverged (HtFLlib's evaluation stops on NaN outputs: scikit-learn's "Input
-    contains NaN") is a result, not a failure: its curve holds None from the first round it did not
-    print, and ``diverged_round`` names that round.
+    A run whose models diverged (HtFLlib's evaluation stops on NaN or infinite outputs:
+    scikit-learn's "Input contains NaN" or "Input contains infinity") is a result, not a failure:
+    its curve holds None from the first round it did not print, and ``diverged_round`` names it.
 
     Returns:
         ``{"curve": [accuracy by round 1..R], "initial": round 0's accuracy, "diverged_round": None
@@ -642,7 +642,10 @@ def write_report(out: Path, info: dict, results: dict) -> None:
             ),
             "- the other seeds differ only in the seed (and the output folder)",
             *(
-                ["- HtFLlib diverged (NaN outputs; its evaluation stopped the run) at " + ", ".join(diverged)]
+                [
+                    "- HtFLlib diverged (NaN or infinite outputs; its evaluation stopped the run) at "
+                    + ", ".join(diverged)
+                ]
                 if diverged
                 else []
             ),

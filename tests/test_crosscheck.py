@@ -298,6 +298,10 @@ def test_a_reference_whose_models_diverge_is_a_result_and_another_failure_is_not
     crosscheck.write_partitions(config, partitions)
     run = crosscheck.run_reference(tmp_path / "ref", config, "fd", 0, partitions, tmp_path / "cc" / "fd")
     assert run["curve"] == [0.3, None, None] and run["diverged_round"] == 2
+    infinite = "Input contains infinity or a value too large for dtype('float32')."
+    (system / "main.py").write_text(textwrap.dedent(main.replace("Input contains NaN.", infinite)))
+    run = crosscheck.run_reference(tmp_path / "ref", config, "fd", 2, partitions, tmp_path / "cc" / "fd")
+    assert run["diverged_round"] == 2
     (system / "main.py").write_text(textwrap.dedent(main.replace("Input contains NaN.", "CUDA out of memory")))
     with pytest.raises(RuntimeError, match="exit code 1"):
         crosscheck.run_reference(tmp_path / "ref", config, "fd", 1, partitions, tmp_path / "cc" / "fd")
