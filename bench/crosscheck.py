@@ -182,6 +182,8 @@ FEDKD_MENTEE_LR = "-mlr"
 ROUND_LINE = re.compile(r"Round number: (\d+)")
 ACCURACY_LINE = re.compile(r"Averaged Test Accuracy: ([0-9.]+)")
 REPETITION_LINE = re.compile(r"Running time: (\d+)th")
+#: the dataset flag of a reference command (its name is the output folder's)
+DATA_FLAG = re.compile(r"-data \S+")
 #: HtFLlib's evaluation (scikit-learn's AUC) on NaN or infinite model outputs
 DIVERGED_LINE = re.compile(r"ValueError: Input contains (NaN|infinity)")
 
@@ -417,8 +419,9 @@ def git_head(path: Path) -> str:
 
 def run_reference(reference: Path, config: dict, method: str, seed: int, partitions: Path, out: Path) -> dict:
     """Run HtFLlib for ``method`` with training seed ``seed`` (:data:`BOOTSTRAP`), or reuse its finished
-    run: one with the same command on partitions of the same content (their ``content_digest``); any
-    other is run again, so a changed preset or override never passes off an old curve as this config's.
+    run: one with the same command (up to the dataset's name, which is the output folder's) on
+    partitions of the same content (their ``content_digest``); any other is run again, so a changed
+    preset or override never passes off an old curve as this config's.
 
     A run whose models diverged (HtFLlib's evaluation stops on NaN or infinite outputs:
     scikit-learn's "Input contains NaN" or "Input contains infinity") is a result, not a failure:
@@ -446,7 +449,11 @@ def run_reference(reference: Path, config: dict, method: str, seed: int, partiti
     key = json.loads((partitions / "config.json").read_text())["content_digest"]
     if done.exists():
         saved = json.loads(done.read_text())
-        if saved.get("command") == command and saved.get("content_digest") == key and len(saved["curve"]) == rounds:
+        # the dataset's name comes from the output folder; the content digest stands for the data
+        same = DATA_FLAG.sub("-data <partitions>", saved.get("command", "")) == DATA_FLAG.sub(
+            "-data <partitions>", command
+        )
+        if same and saved.get("content_digest") == key and len(saved["curve"]) == rounds:
             return saved
     out.mkdir(parents=True, exist_ok=True)
     link = reference / "dataset" / name

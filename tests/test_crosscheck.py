@@ -182,6 +182,13 @@ def test_a_stand_in_reference_runs_through_the_bootstrap_with_its_seed(tmp_path)
     crosscheck.write_partitions(copied, partitions)
     assert json.loads((partitions / "config.json").read_text())["partition_key"] != key
     assert crosscheck.run_reference(tmp_path / "ref", copied, "fedgh", 1, partitions, out) == saved
+    elsewhere = tmp_path / "cc2" / "partitions"  # another output folder: another dataset name, same data
+    crosscheck.write_partitions(config, elsewhere)
+    (tmp_path / "cc2" / "fedgh").mkdir()
+    shutil.copy(out / "reference-seed-1.json", tmp_path / "cc2" / "fedgh")
+    assert (
+        crosscheck.run_reference(tmp_path / "ref", config, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh") == saved
+    )
     with pytest.raises(RuntimeError, match="exit code 3"):  # another lr is another command: run again
         crosscheck.run_reference(tmp_path / "ref", {**config, "lr": 0.02}, "fedgh", 1, partitions, out)
     other = small_config(**{"num-server-rounds": 2, "max-examples-per-client": 30})
