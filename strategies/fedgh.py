@@ -33,15 +33,15 @@ from common.optim import SGD
 from common.options import option
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.heads import (
+    GLOBAL_HEAD_METRICS,
     HEADER,
-    global_head_accuracy,
+    add_global_head_accuracy,
     header_arrays,
     initial_header,
     load_header,
     require_linear_heads,
 )
 from strategies.method import Method
-from strategies.metrics import fraction
 from strategies.payload import ROW_NORM_FACTOR, ArraySpec, PayloadSchema
 
 LARS = PayloadSchema(
@@ -180,10 +180,7 @@ class FedGHClient(ClientProcedure):
 
     def evaluate(self, client, payload, config):
         """Personal model accuracy; with a header in the payload also ``test-acc-global-head``."""
-        arrays, metrics = super().evaluate(client, payload, config)
-        if payload:
-            metrics["test-acc-global-head"] = global_head_accuracy(client, payload)
-        return arrays, metrics
+        return add_global_head_accuracy(super().evaluate(client, payload, config), client, payload)
 
 
 METHOD = Method(
@@ -192,5 +189,5 @@ METHOD = Method(
     FedGHClient,
     schemas,
     FedGHOptions,
-    metrics={"evaluate": {"test-acc-global-head": fraction("test accuracy of the extractor with the global header")}},
+    metrics=GLOBAL_HEAD_METRICS,
 )

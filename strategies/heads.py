@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from common.config import ConfigError, RunConfig
+from strategies.metrics import fraction
 from strategies.payload import ArraySpec, PayloadSchema
 
 HEADER = PayloadSchema({"head.weight": ArraySpec(("C", "d"), "float32"), "head.bias": ArraySpec(("C",), "float32")})
@@ -66,3 +67,18 @@ def global_head_accuracy(client, payload: dict[str, np.ndarray]) -> float:
         nn.Sequential(model.extractor, head.to(client.device)), data.test_x, data.test_y, data.info, client.device
     )
     return correct / max(n, 1)
+
+
+#: the secondary metric of a method whose evaluate instruction may carry the global head
+GLOBAL_HEAD_METRICS = {
+    "evaluate": {"test-acc-global-head": fraction("test accuracy of the extractor with the global head")}
+}
+
+
+def add_global_head_accuracy(result: tuple[dict, dict], client, payload: dict[str, np.ndarray]) -> tuple[dict, dict]:
+    """``result`` (an evaluate handler's ``(arrays, metrics)``) with ``test-acc-global-head``
+    (:func:`global_head_accuracy`) added when ``payload`` carries a head."""
+    arrays, metrics = result
+    if payload:
+        metrics["test-acc-global-head"] = global_head_accuracy(client, payload)
+    return arrays, metrics

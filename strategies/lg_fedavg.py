@@ -22,9 +22,8 @@ from client_app.training import train_personal_model
 from common.config import RunConfig
 from common.datasets import DATASETS
 from common.options import option
-from strategies.heads import global_head_accuracy, require_linear_heads
+from strategies.heads import GLOBAL_HEAD_METRICS, add_global_head_accuracy, require_linear_heads
 from strategies.method import Method
-from strategies.metrics import fraction
 from strategies.shared_model import SharedModelClient, SharedModelStrategy, load_arrays, module_arrays, shared_schemas
 
 
@@ -75,10 +74,7 @@ class LGFedAvgClient(SharedModelClient):
 
     def evaluate(self, client, payload, config):
         """Personal model accuracy; with the global head in the payload also ``test-acc-global-head``."""
-        arrays, metrics = super().evaluate(client, payload, config)
-        if payload:
-            metrics["test-acc-global-head"] = global_head_accuracy(client, payload)
-        return arrays, metrics
+        return add_global_head_accuracy(super().evaluate(client, payload, config), client, payload)
 
 
 METHOD = Method(
@@ -87,5 +83,5 @@ METHOD = Method(
     LGFedAvgClient,
     schemas,
     LGFedAvgOptions,
-    metrics={"evaluate": {"test-acc-global-head": fraction("test accuracy of the extractor with the global head")}},
+    metrics=GLOBAL_HEAD_METRICS,
 )
