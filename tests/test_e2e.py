@@ -30,6 +30,9 @@ def test_flwr_run_learns_on_real_cifar10(tmp_path):
         "local-epochs": 3,
         "data-dir": str(DATA_DIR),
         "output-dir": str(tmp_path),
+        # two keys of one table: Flower keeps only the last of separate --run-config items of a table
+        "fedgh.server-mode": "minibatch",
+        "fedgh.server-lr": 0.02,
     }
     proc = launch(overrides, "--num-supernodes", "3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -41,6 +44,7 @@ def test_flwr_run_learns_on_real_cifar10(tmp_path):
     # no state-dir: the simulated clients kept their state in the run folder, not in the ServerApp process
     assert sorted(p.name for p in (run_dir / "client-state").iterdir()) == ["partition-0", "partition-1", "partition-2"]
     assert summary["config"]["num-clients"] == 0 and summary["num_clients"] == 3
+    assert summary["config"]["fedgh.server-mode"] == "minibatch" and summary["config"]["fedgh.server-lr"] == 0.02
     assert all(r["num_clients"] == 3 and len(r["accuracy_per_client"]) == 3 for r in rows)
     assert all(r["bytes_up"] == 3 * 4_008 and r["bytes_down"] == 3 * 20_040 for r in rows)
     # chance for a client = its majority-class share of its local test split

@@ -30,6 +30,33 @@ def test_every_entry_point_reads_several_pairs_per_c_item():
         launcher.read_config(None, ["no-such-key=1"])
 
 
+def test_c_items_of_one_table_all_count():
+    # Flower merges its items' nested tables shallowly: the second item used to drop fedgh.server-mode
+    _, overrides = launcher.read_config(None, ["fedgh.server-mode='minibatch'", "fedgh.server-lr=0.5"])
+    assert overrides == {"fedgh.server-mode": "minibatch", "fedgh.server-lr": 0.5}
+
+
+def test_the_run_config_reaches_flower_whole():
+    from flwr.common.config import fuse_dicts, parse_config_args
+
+    config, _ = launcher.read_config(None, ["fedgh.server-mode='minibatch' fedgh.server-lr=0.5 lr=0.05"])
+    config["output-dir"] = "/tmp/a \"quoted\" 'path' = x"
+    with launcher.run_config_file(config) as path:
+        parsed = parse_config_args([str(path)])  # what flwr run does with the file
+    assert not path.exists()
+    assert parsed == config
+    assert fuse_dicts(launcher.app_defaults(), parsed) == config
+
+
+def test_a_run_that_did_not_use_the_requested_config_is_named(tmp_path, capsys):
+    (tmp_path / "summary.json").write_text(
+        json.dumps({"status": "completed", "rounds_completed": 1, "config": {"lr": 0.05, "fedgh.server-lr": 0.01}})
+    )
+    assert launcher.used_requested_config(tmp_path, {"lr": 0.05})
+    assert not launcher.used_requested_config(tmp_path, {"lr": 0.05, "fedgh.server-lr": 0.5})
+    assert "fedgh.server-lr: 0.5 -> 0.01" in capsys.readouterr().out
+
+
 def refuse(configs):
     """A validate_configs that records the configs it was given and refuses them."""
     refuse.seen = configs

@@ -49,8 +49,8 @@ from tools.run import (
     app_defaults,
     flwr_cli,
     read_config,
+    run_config_file,
     stop_on_signals,
-    toml_value,
     validate_configs,
     wait_finished,
     wait_for,
@@ -226,11 +226,9 @@ def run_on_stack(
     startup_s = time.monotonic() - t0
     print(f"start-up (up until {NUM_NODES} SuperNodes online): {startup_s:.1f} s", flush=True)
 
-    cmd = ["run", str(ROOT), "docker"]
-    for k, v in run_config.items():
-        cmd += ["--run-config", f"{k}={toml_value(v)}"]
     t0 = time.monotonic()
-    submitted = flwr_json(*cmd, env=env)
+    with run_config_file(run_config) as path:
+        submitted = flwr_json("run", str(ROOT), "docker", "--run-config", str(path), env=env)
     if "run-id" not in submitted:
         raise RuntimeError(f"flwr run was refused: {submitted}")
     run_id = int(submitted["run-id"])

@@ -24,7 +24,7 @@ from tools.deploy import (
     write_connection,
     write_node_keys,
 )
-from tools.run import flwr_cli, free_port, stop, toml_value, wait_finished, wait_for
+from tools.run import flwr_cli, free_port, run_config_file, stop, wait_finished, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CONNECTION = "deploy"
@@ -112,10 +112,9 @@ class LoopbackDeployment:
         Raises:
             RuntimeError: the CLI refused the run (its output is in the message).
         """
-        cmd = ["run", str(ROOT), CONNECTION, "--format", "json"]
-        for k, v in run_config.items():
-            cmd += ["--run-config", f"{k}={toml_value(v)}"]
-        done = flwr_cli(*cmd, env=self.env, timeout=300)
+        with run_config_file(run_config) as path:
+            cmd = ["run", str(ROOT), CONNECTION, "--format", "json", "--run-config", str(path)]
+            done = flwr_cli(*cmd, env=self.env, timeout=300)
         try:
             return int(json.loads(done.stdout)["run-id"])
         except (json.JSONDecodeError, KeyError, TypeError) as exc:

@@ -33,10 +33,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 #: virtual SuperNodes when neither --num-supernodes nor num-clients sets them (the README's default job)
@@ -62,8 +64,32 @@ def toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return json.dumps(value)
+        return json.dumps(value, ensure_ascii=False)
     return repr(value)
+
+
+@contextlib.contextmanager
+def run_config_file(config: dict[str, Any]):
+    """``config`` (flat keys) as a TOML file for ``flwr run --run-config FILE``, removed on exit.
+
+    Why a file: Flower 1.41's ``parse_config_args`` parses each ``--run-config KEY=VALUE`` item to a
+    nested dict and merges the items with a shallow ``dict.update``, so of several items of one table
+    (``--run-config fedgh.server-mode=... --run-config fedgh.server-lr=...``) only the last survives
+    and the others silently take their defaults. A TOML file is read in one piece; its quoted dotted
+    keys (``"fedgh.server-mode" = "minibatch"``) stay flat, as Flower's own flattened keys are.
+    """
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", prefix="run-config-", delete=False, encoding="utf-8") as f:
+        f.writelines(f"{json.dumps(key, ensure_ascii=False)} = {toml_value(value)}\n" for key, value in config.items())
+    try:
+        yield Path(f.name)
+    finally:
+        Path(f.name).unlink(missing_ok=True)
+
+
+def config_mismatch(requested: dict[str, Any], used: dict[str, Any]) -> list[str]:
+    """``key: requested -> used`` for every key of ``requested`` whose value the run did not use
+    (``used``: the ``config`` of its ``summary.json``); empty when the run used what was asked."""
+    return [f"{k}: {v!r} -> {used.get(k)!r}" for k, v in requested.items() if used.get(k) != v]
 
 
 def free_port() -> int:
@@ -374,7 +400,9 @@ def read_config(preset: str | os.PathLike | None, items: list[str], base: dict |
     overrides = dict(base or {})
     try:
         overrides.update(parse_config_args([str(preset)]) if preset else {})
-        overrides.update(parse_config_args(items) if items else {})
+        # one item at a time: Flower merges the items' nested tables shallowly (run_config_file)
+        for item in items:
+            overrides.update(parse_config_args([item]))
     except (ValueError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"run config overrides {items} cannot be parsed: {exc}") from None
     defaults = app_defaults()
@@ -479,6 +507,22 @@ def print_outcome(folder: Path | None, status: str) -> None:
         f"{summary.get('best_round')}; payload {total / 2**20:.2f} MiB in all (training and evaluation, both ways)"
     )
     print(f"results: {folder} (python -m tools.report {folder} draws its curves)")
+
+
+def used_requested_config(folder: Path | None, config: dict[str, Any]) -> bool:
+    """Whether the run in ``folder`` used ``config`` (its ``summary.json``); prints what differs if not.
+    A run without a readable summary has nothing to compare (:func:`print_outcome` said why)."""
+    from common.errors import ConfigError
+    from common.files import read_summary
+
+    try:
+        used = read_summary(folder).get("config") if folder is not None else None
+    except ConfigError:
+        used = None
+    differs = config_mismatch(config, used) if used is not None else []
+    if differs:
+        print(f"error: the run did not use the requested run config: {'; '.join(differs)}")
+    return not differs
 
 
 def descendants() -> list:
@@ -610,8 +654,6 @@ def _run(args, config: dict, supernodes: int, gpu: bool) -> int:
         f"num-supernodes={supernodes} client-resources-num-cpus={args.cpus_per_client} client-resources-num-gpus={gpus}"
     )
     cmd = ["run", str(ROOT), "sim", "--format", "json", "--federation-config", federation]
-    for key, value in config.items():
-        cmd += ["--run-config", f"{key}={toml_value(value)}"]
     run_id = None
     superlink, address = start_superlink(env, home)
     try:
@@ -619,7 +661,8 @@ def _run(args, config: dict, supernodes: int, gpu: bool) -> int:
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "{address}"\ninsecure = true\n'
         )
-        submitted = flwr_cli(*cmd, env=env)
+        with run_config_file(config) as path:
+            submitted = flwr_cli(*cmd, "--run-config", str(path), env=env)
         try:
             run_id = int(json.loads(submitted.stdout)["run-id"])
         except (ValueError, KeyError, TypeError):
@@ -629,8 +672,9 @@ def _run(args, config: dict, supernodes: int, gpu: bool) -> int:
         print(f"Submitted run {run_id}; streaming its log (Ray needs tens of seconds before round 1)")
         status = wait_finished(env, run_id, "sim", None, echo=True)
         print(f"Run {run_id}: {status}")
-        print_outcome(run_folder(config["output-dir"], run_id), status)
-        return 0 if status == "finished:completed" else 1
+        folder = run_folder(config["output-dir"], run_id)
+        print_outcome(folder, status)
+        return 0 if status == "finished:completed" and used_requested_config(folder, config) else 1
     except RuntimeError as exc:  # the SuperLink did not come up: its log says why
         print(f"error: {exc}")
         return 1
