@@ -300,8 +300,8 @@ def write_partitions(config: dict, folder: Path) -> dict:
     """
     import torch
 
-    from client_app.data import DataSpec, load_client_data, normalize, partition_key
     from common.config import RunConfig
+    from common.data import DataSpec, load_client_data, normalize, partition_key
     from common.datasets import DATASETS, with_recipe
 
     cfg = RunConfig.from_dict(config)

@@ -6,11 +6,11 @@ Usage (from the repository root):
         [--examples 320] [--threads 1]
 
 For each architecture and batch size, one epoch over the same CIFAR-10 partition (uint8 tensors
-from :func:`client_app.data.load_client_data`), the same model built from the same seed, the
-same normalisation and augmentation (:func:`client_app.data.augment`) and SGD(lr 0.01, momentum
+from :func:`common.data.load_client_data`), the same model built from the same seed, the
+same normalisation and augmentation (:func:`common.data.augment`) and SGD(lr 0.01, momentum
 0.9), on ``--threads`` intra-op threads (1: a ClientApp in simulation gets one core), timed as:
 
-- ``ours``: :func:`client_app.training.train_supervised` (what every method's client runs);
+- ``ours``: :func:`common.training.train_supervised` (what every method's client runs);
 - ``plain``: the textbook loop (forward, cross-entropy, ``zero_grad``, ``backward``, ``step``)
   with ``torch.optim.SGD``'s default implementation;
 - ``plain-foreach`` / ``plain-fused``: the same with ``SGD(foreach=True)`` / ``SGD(fused=True)``.
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from client_app.data import DataSpec, augment, batches, load_client_data, normalize
-from client_app.training import train_supervised
+from common.data import DataSpec, augment, batches, load_client_data, normalize
 from common.datasets import DATASETS
+from common.training import train_supervised
 from models.groups import ModelGroup
 
 ROOT = Path(__file__).resolve().parents[1]

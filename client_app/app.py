@@ -16,12 +16,12 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord
 from flwr.clientapp import ClientApp
 
-from client_app import gpu
-from client_app.data import load_client_data
-from client_app.runtime import ClientRuntime
+from common import gpu
+from common.data import load_client_data
 from common.datasets import DATASETS
-from strategies.metrics import DEVICE_RECORD, EVAL_PREFIX, PARTITION_ID
-from strategies.payload import read_payload
+from common.metrics import DEVICE_RECORD, EVAL_PREFIX, PARTITION_ID
+from common.payload import read_payload
+from common.runtime import ClientRuntime
 from strategies.records import metric_values
 from strategies.registry import all_message_types, client_procedure
 from strategies.transport import CLIENT_STATE_DIR
@@ -61,7 +61,7 @@ def handle(msg: Message, context: Context) -> Message:
     """Run the method's handler for ``msg`` and build the reply.
 
     On a GPU the reply also carries the message's peak CUDA memory (metric ``gpu-peak-mib``) and
-    the device's name (ConfigRecord ``device``, key ``name``), see ``client_app.gpu``; in a Ray
+    the device's name (ConfigRecord ``device``, key ``name``), see ``common.gpu``; in a Ray
     simulation the ``device`` record names the Ray node too (key ``ray-node``, :func:`ray_node`).
 
     Raises:

@@ -1,6 +1,6 @@
 """The dataset registry both halves import: each dataset's facts and the training recipe its pixels
 get (run config keys ``dataset``, ``augment``, ``normalize``). No torch here: the launcher and the
-config check read it without importing the data pipeline (``client_app.data``).
+config check read it without importing the data pipeline (``common.data``).
 """
 
 from __future__ import annotations

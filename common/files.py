@@ -43,9 +43,9 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         os.close(folder)
 
 
-#: the per-round rows of a run, one JSON object per line (written by ``server_app.results``)
+#: the per-round rows of a run, one JSON object per line (written by ``common.results``)
 ROWS_FILE = "metrics.jsonl"
-#: a run's summary (``server_app.results``) and the keys (with their types) every summary has
+#: a run's summary (``common.results``) and the keys (with their types) every summary has
 SUMMARY_FILE = "summary.json"
 SUMMARY_KEYS: dict[str, type] = {"status": str, "rounds_completed": int}
 

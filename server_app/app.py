@@ -10,7 +10,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.superlink.grid import InMemoryGrid  # the grid flwr-simulation gives the ServerApp
 
 from common.config import RunConfig
-from server_app.results import ResultsWriter
+from common.results import ResultsWriter
 from strategies.registry import build_strategy
 
 app = ServerApp()

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from strategies.payload import ClientReply
+from common.payload import ClientReply
 
 
 def sample_weighted_mean(values: Sequence[Any], weights: Sequence[float]) -> Any:

@@ -46,11 +46,12 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from common.config import RunConfig
 from common.datasets import DATASETS
+from common.metrics import EVAL_PREFIX, REQUIRED_METRICS
+from common.payload import ClientReply, PayloadSchema, array_record
+from common.training import evaluate_model, evaluation_metrics
 from strategies.checkpoint import Checkpointing, finite
 from strategies.method import Method, Schemas
-from strategies.metrics import EVAL_PREFIX, REQUIRED_METRICS
 from strategies.nodes import NodeRegistry
-from strategies.payload import ClientReply, PayloadSchema, array_record
 from strategies.records import metric_values, patience_exhausted, progress_line, round_metrics, round_row
 from strategies.transport import Transport
 
@@ -71,7 +72,7 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
 
     Args:
         cfg: the validated run config.
-        results: receives one row per round and the summary (see ``server_app.results``);
+        results: receives one row per round and the summary (see ``common.results``);
             None keeps rows in memory only (``self.rows``).
 
     Raises:
@@ -331,7 +332,7 @@ class ClientProcedure:
     """Client half of a method. Subclasses implement ``train``; their method's descriptor gives
     ``self.options`` and ``self.schemas``, as on the server.
 
-    Handlers take ``(client, payload, config)``: the :class:`client_app.runtime.ClientRuntime`,
+    Handlers take ``(client, payload, config)``: the :class:`common.runtime.ClientRuntime`,
     the validated payload arrays (name -> ndarray) and the message's ConfigRecord as a dict;
     they return ``(arrays, metrics)``: the reply payload (must match the schema) and scalars.
     """
@@ -348,8 +349,6 @@ class ClientProcedure:
 
     def evaluate(self, client, payload, config) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Accuracy of the client's personal model on its local test split."""
-        from client_app.training import evaluate_model, evaluation_metrics
-
         data = client.data
         return {}, evaluation_metrics(*evaluate_model(client.model, data.test_x, data.test_y, data.info, client.device))
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from common.config import ConfigError
+from common.results import load_checkpoint
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -58,8 +59,6 @@ class Checkpointing:
         """The ``resume-from`` checkpoint, read once (None without ``resume-from``)."""
         if not self.cfg.resume_from:
             return None
-        from server_app.results import load_checkpoint
-
         return load_checkpoint(self.cfg.resume_from)
 
     def _initial_state_key(self) -> str:

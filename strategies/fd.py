@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from client_app.training import kd_loss, train_personal_model, trained_class_means
 from common.config import RunConfig
 from common.options import option
+from common.training import kd_loss, train_personal_model, trained_class_means
 from strategies.aggregation import class_average
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.method import Method

@@ -27,10 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client_app.training import train_personal_model, trained_class_means
 from common.config import RunConfig
 from common.optim import SGD
 from common.options import option
+from common.payload import ROW_NORM_FACTOR, ArraySpec, PayloadSchema
+from common.training import train_personal_model, trained_class_means
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.heads import (
     GLOBAL_HEAD_METRICS,
@@ -42,7 +43,6 @@ from strategies.heads import (
     require_linear_heads,
 )
 from strategies.method import Method
-from strategies.payload import ROW_NORM_FACTOR, ArraySpec, PayloadSchema
 
 LARS = PayloadSchema(
     {

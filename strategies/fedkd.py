@@ -34,14 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client_app.training import kd_loss, train_personal_model
 from common.config import RunConfig
 from common.options import option
+from common.payload import MAX_ABS, ArraySpec, PayloadError, PayloadSchema
+from common.training import kd_loss, train_personal_model
 from models.cnn import CNN_SHAPES
 from strategies.aggregation import fedavg
 from strategies.base import BASE_SCHEMAS, ClientReply
 from strategies.method import Method
-from strategies.payload import MAX_ABS, ArraySpec, PayloadError, PayloadSchema
 from strategies.shared_model import SharedModelClient, SharedModelStrategy, WithCompanions, load_arrays, shared_cnn
 
 ALIGN_STATE = "fedkd-align"

@@ -30,14 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client_app.training import evaluate_model, evaluation_metrics, train_personal_model
 from common.config import RunConfig, number
 from common.datasets import DATASETS
+from common.metrics import fraction
 from common.options import option
+from common.training import evaluate_model, evaluation_metrics, train_personal_model
 from models.base import SplitModel
 from models.cnn import CNN_SHAPES, SmallCNN
 from strategies.method import Method
-from strategies.metrics import fraction
 from strategies.shared_model import SharedModelClient, SharedModelStrategy, module_arrays, shared_schemas
 
 EVAL_PROTOCOLS = ("official", "deployment")

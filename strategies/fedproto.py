@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from client_app.training import evaluation_metrics, train_personal_model
 from common.config import RunConfig
+from common.training import evaluation_metrics, train_personal_model
 from strategies.aggregation import class_average
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.method import Method

@@ -36,17 +36,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client_app.data import batches, normalize
-from client_app.training import EVAL_BATCH, train_personal_model
 from common.config import RunConfig
+from common.data import batches, normalize
 from common.datasets import DatasetInfo
+from common.metrics import count
 from common.optim import SGD
 from common.options import option
+from common.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, PayloadSchema
+from common.training import EVAL_BATCH, train_personal_model
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
 from strategies.method import Method
-from strategies.metrics import count
-from strategies.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, PayloadSchema
 
 #: how the client turns its representations into one (z, y) pair (section 3, Appendix A)
 RE_MODES = ("rap", "vap", "rsp", "rar", "var", "rsr", "rap-fixed")

@@ -34,13 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client_app.training import evaluation_metrics, train_personal_model, trained_class_means
 from common.config import RunConfig
 from common.optim import SGD
 from common.options import option
+from common.payload import ArraySpec, PayloadSchema
+from common.training import evaluation_metrics, train_personal_model, trained_class_means
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.method import Method
-from strategies.payload import ArraySpec, PayloadSchema
 from strategies.prototypes import (
     PrototypeRegularizer,
     RegularizerOptions,

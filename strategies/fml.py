@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
-from client_app.training import kd_loss, train_personal_model
 from common.config import RunConfig
 from common.options import option
+from common.training import kd_loss, train_personal_model
 from models.cnn import CNN_SHAPES
 from strategies.method import Method
 from strategies.shared_model import (

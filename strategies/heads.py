@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from common.config import ConfigError, RunConfig
-from strategies.metrics import fraction
-from strategies.payload import ArraySpec, PayloadSchema
+from common.metrics import fraction
+from common.payload import ArraySpec, PayloadSchema
+from common.training import evaluate_model
 
 HEADER = PayloadSchema({"head.weight": ArraySpec(("C", "d"), "float32"), "head.bias": ArraySpec(("C",), "float32")})
 
@@ -58,8 +59,6 @@ def global_head_accuracy(client, payload: dict[str, np.ndarray]) -> float:
     """Test accuracy (a fraction) of the client's extractor with the linear head in ``payload``
     (``head.weight`` [C, d], ``head.bias`` [C], float32), its own head untouched: the model HtFLlib
     evaluates for FedGH and LG-FedAvg (every client right after the server's head is broadcast)."""
-    from client_app.training import evaluate_model
-
     model, data = client.model, client.data
     head = nn.Linear(model.feature_dim, model.num_classes)
     load_header(head, payload)

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from client_app.training import train_personal_model
 from common.config import RunConfig
 from common.datasets import DATASETS
 from common.options import option
+from common.training import train_personal_model
 from strategies.heads import GLOBAL_HEAD_METRICS, add_global_head_accuracy, require_linear_heads
 from strategies.method import Method
 from strategies.shared_model import SharedModelClient, SharedModelStrategy, load_arrays, module_arrays, shared_schemas

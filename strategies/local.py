@@ -7,7 +7,7 @@ evaluates and records.
 
 from __future__ import annotations
 
-from client_app.training import train_personal_model
+from common.training import train_personal_model
 from strategies.base import NO_PAYLOAD_SCHEMAS, ClientProcedure, HeteroStrategy
 from strategies.method import Method
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import RunConfig
+from common.metrics import MetricSpec
 from common.options import read_options
-from strategies.metrics import MetricSpec
-from strategies.payload import PayloadSchema
+from common.payload import PayloadSchema
 
 #: message type -> (server->client schema, client->server schema)
 Schemas = dict[str, tuple[PayloadSchema, PayloadSchema]]
@@ -41,7 +41,7 @@ class Method:
         options: the frozen dataclass of ``common.options.option`` fields declaring every key of
             the method's table.
         metrics: the scalar metrics its clients report beyond every method's
-            (``strategies.metrics``), by message category; a reply with any other key is dropped.
+            (``common.metrics``), by message category; a reply with any other key is dropped.
     """
 
     name: str

@@ -43,16 +43,16 @@ from flwr.app import ConfigRecord
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from client_app.training import kd_loss, train_personal_model, train_supervised
 from common.config import RunConfig
+from common.metrics import count
 from common.optim import Adam
 from common.options import option
+from common.payload import ArraySpec, PayloadError, PayloadSchema, array_record
+from common.training import kd_loss, train_personal_model, train_supervised
 from models.groups import MODEL_GROUPS
 from models.mh import build_mh_model
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.method import Method
-from strategies.metrics import count
-from strategies.payload import ArraySpec, PayloadError, PayloadSchema, array_record
 from strategies.records import round_metrics
 
 SCHEDULES = ("sequential", "parallel")

@@ -18,8 +18,8 @@ from typing import Any
 from flwr.app import ConfigRecord, Message
 
 from common.config import ConfigError
-from strategies.metrics import PARTITION_ID
-from strategies.payload import ClientReply
+from common.metrics import PARTITION_ID
+from common.payload import ClientReply
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 

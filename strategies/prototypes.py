@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from client_app.data import batches, normalize
+from common.data import batches, normalize
 from common.options import option
-from strategies.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, PayloadSchema
+from common.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, PayloadSchema
 
 
 def class_set_schemas(values: str, labels: str, width: str) -> tuple[PayloadSchema, PayloadSchema]:

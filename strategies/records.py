@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 from flwr.app import MetricRecord
 
+from common.payload import ClientReply
 from strategies.aggregation import sample_weighted_mean
-from strategies.payload import ClientReply
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 

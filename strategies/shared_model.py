@@ -20,12 +20,12 @@ from torch import nn
 
 from common.config import ConfigError, RunConfig
 from common.datasets import DATASETS
+from common.payload import ArraySpec, PayloadSchema
 from models.base import SplitModel
 from models.cnn import REPRESENTATION_DIM, SmallCNN
 from strategies.aggregation import fedavg
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.method import Schemas
-from strategies.payload import ArraySpec, PayloadSchema
 
 #: ``build_shared(cfg, options)``: the module every client of a run trains a copy of
 Builder = Callable[[RunConfig, Any], nn.Module]

@@ -18,8 +18,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message
 from flwr.serverapp import Grid
 
-from models.groups import MODEL_GROUPS
-from strategies.metrics import (
+from common.metrics import (
     DEVICE_KEYS,
     DEVICE_RECORD,
     GPU_PEAK,
@@ -29,7 +28,8 @@ from strategies.metrics import (
     check_metrics,
     declared_metrics,
 )
-from strategies.payload import ClientReply, PayloadError, clip_outlier_rows, read_payload, tensor_bytes
+from common.payload import ClientReply, PayloadError, clip_outlier_rows, read_payload, tensor_bytes
+from models.groups import MODEL_GROUPS
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -171,7 +171,7 @@ class Transport:
 
         A reply is dropped when it is an error, carries records other than the payload and
         one ``metrics`` MetricRecord, its metrics fail their declarations
-        (``strategies.metrics.check_metrics``), it lacks ``partition-id`` (or claims another
+        (``common.metrics.check_metrics``), it lacks ``partition-id`` (or claims another
         partition than its node did at the handshake), its payload fails the schema (array
         names are checked before any array is decoded), or, in a train or evaluate exchange,
         its partition already gave a valid reply in this exchange (a replayed or spoofed

@@ -62,7 +62,7 @@ def client_runtime(rc: dict, partition_id: int = 0):
     """A ClientRuntime of partition ``partition_id`` for run config ``rc``, with empty state."""
     from flwr.app import Context, RecordDict
 
-    from client_app.runtime import ClientRuntime
+    from common.runtime import ClientRuntime
 
     ctx = Context(
         run_id=1,
@@ -100,14 +100,14 @@ def chance(rc: dict, n: int) -> float:
     """Mean over clients of the majority-class share of the local test split."""
     import numpy as np
 
-    from client_app.data import class_counts
+    from common.data import class_counts
 
     return np.mean([class_counts(y, 10).max() / len(y) for y in (client_runtime(rc, p).data.test_y for p in range(n))])
 
 
 def shapes_of(message) -> dict:
     """Payload array name -> shape of a message."""
-    from strategies.payload import PAYLOAD
+    from common.payload import PAYLOAD
 
     return {k: tuple(v.shape) for k, v in message.content.array_records[PAYLOAD].items()}
 

@@ -2,9 +2,9 @@
 in ``context.state`` (which Flower keeps in the simulation's one process for every client), so a
 resumed simulation, whose contexts start empty, continues every client exactly."""
 
-from client_app.runtime import MODEL_STATE
 from common.config import RunConfig
-from server_app.results import ResultsWriter
+from common.results import ResultsWriter
+from common.runtime import MODEL_STATE
 from strategies.registry import build_strategy
 
 

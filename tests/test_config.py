@@ -61,7 +61,7 @@ def test_launcher_rejects_bad_config_before_starting(capsys):
 def test_device_choice():
     import torch
 
-    from client_app.runtime import pick_device
+    from common.runtime import pick_device
 
     assert pick_device("cpu").type == "cpu"
     assert pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from bench import crosscheck
-from client_app.data import DataSpec, load_client_data, normalize
 from common.config import RunConfig
+from common.data import DataSpec, load_client_data, normalize
 from common.datasets import DATASETS, with_recipe
 from common.errors import ConfigError
 from common.options import option_key

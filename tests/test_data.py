@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from client_app.data import DataSpec, augment, class_counts, load_client_data, normalize, stratified_split
 from common.config import ConfigError
+from common.data import DataSpec, augment, class_counts, load_client_data, normalize, stratified_split
 from common.datasets import DATASETS
 from conftest import DATA_DIR
 
@@ -87,7 +87,7 @@ def test_augment_draws_per_image_and_keeps_shape():
 
 
 def test_dirichlet_min_size_and_self_balancing():
-    from client_app.data import partition_split
+    from common.data import partition_split
 
     def sizes(**kw):
         sp = spec(partitioner="dirichlet", dirichlet_alpha=0.1, seed=0, **kw)
@@ -101,7 +101,7 @@ def test_dirichlet_min_size_and_self_balancing():
 
 
 def test_partition_cache_hit_equals_a_fresh_decode_and_changed_keys_miss(tmp_path):
-    from client_app.data import partition_key
+    from common.data import partition_key
 
     s = spec(max_examples_per_client=120)
     fresh = load_client_data.__wrapped__(s, 1)
@@ -150,7 +150,7 @@ def test_train_and_test_pool_partitions_every_official_image(dataset, pool):
     generators); every client's local test split comes from that pool. Checked on the labels of all
     partitions (nothing decoded): they add up to the pool; and one client's test split holds images
     of the official test split (the Fashion-MNIST files number them 60000-69999)."""
-    from client_app.data import load_pool, partition_split
+    from common.data import load_pool, partition_split
 
     partitioned = spec(dataset=dataset, data_pool="train+test", partitioner="iid", num_partitions=5)
     assert len(load_pool(partitioned)) == pool == DATASETS[dataset].train_size + DATASETS[dataset].test_size

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client_app.data import DataSpec, class_counts, load_client_data
 from common.config import RunConfig
+from common.data import DataSpec, class_counts, load_client_data
 from common.files import read_rows
 from conftest import DATA_DIR, ROOT, make_run_config
 

@@ -2,8 +2,8 @@
 
 import torch
 
-from client_app.runtime import MODEL_STATE, STAMPS, ClientRuntime
 from common.config import RunConfig
+from common.runtime import MODEL_STATE, STAMPS, ClientRuntime
 from fakegrid import FakeGrid
 from strategies.registry import build_strategy
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from common.config import RunConfig
+from common.payload import PAYLOAD, tensor_bytes
 from conftest import assert_learns, client_runtime, run_method, shapes_of, train_config
 from strategies.fd import FDClient
-from strategies.payload import PAYLOAD, tensor_bytes
 
 
 def test_fd_uploads_per_class_logits_and_learns(run_config):

@@ -9,9 +9,9 @@ import pytest
 
 from common.config import ConfigError, RunConfig
 from common.files import read_rows
+from common.results import scalars
 from conftest import federation
 from server_app.app import run
-from server_app.results import scalars
 
 
 def grid_of(rc: dict, num_nodes: int):

@@ -8,14 +8,14 @@ import torch
 from flwr.app import RecordDict
 from torch import nn
 
-from client_app.data import normalize
-from client_app.runtime import ClientRuntime
-from client_app.training import class_means
 from common.config import RunConfig
+from common.data import normalize
+from common.payload import tensor_bytes
+from common.runtime import ClientRuntime
+from common.training import class_means
 from conftest import client_runtime, federation, make_run_config, train_config
 from strategies.base import ClientReply
 from strategies.fedgh import FedGHClient, FedGHOptions, FedGHStrategy, load_header, train_header
-from strategies.payload import tensor_bytes
 
 C, D = 10, 500
 

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
+from common.payload import PAYLOAD, PayloadError, tensor_bytes
 from conftest import assert_learns, run_method
 from models.cnn import SmallCNN
 from strategies.fedkd import compressed_schema, svd_compress, svd_decompress
-from strategies.payload import PAYLOAD, PayloadError, tensor_bytes
 
 
 def test_svd_compression():

@@ -6,13 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from client_app.runtime import MODEL_STATE
 from common.config import ConfigError, RunConfig
+from common.payload import PAYLOAD, tensor_bytes
+from common.runtime import MODEL_STATE
 from conftest import captured_federation, chance, client_runtime, federation, shapes_of, train_config
 from strategies.aggregation import fedavg
 from strategies.base import ClientReply
 from strategies.fedmrl import METHOD, PROJECTOR_STATE, FedMRLClient, FedMRLStrategy, small_model
-from strategies.payload import PAYLOAD, tensor_bytes
 from strategies.shared_model import module_arrays
 
 SMALL_KEYS = [
@@ -124,7 +124,7 @@ def test_training_loss_gradients_and_step_count(run_config, monkeypatch):
     assert len(client.data.train_y) == 400
     seen_losses, steps = [], []
 
-    import client_app.training as training
+    import common.training as training
 
     original = training.train_supervised
 

@@ -3,10 +3,10 @@
 import numpy as np
 
 from common.config import RunConfig
+from common.payload import tensor_bytes
 from conftest import make_run_config
 from strategies.base import ClientReply
 from strategies.fedproto import FedProtoStrategy
-from strategies.payload import tensor_bytes
 
 K = 512
 

@@ -7,12 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from client_app.data import class_counts
-from client_app.runtime import MODEL_STATE
-from client_app.training import class_means
 from common.config import ConfigError, RunConfig
+from common.data import class_counts
 from common.datasets import DATASETS
 from common.options import read_options
+from common.payload import PAYLOAD, array_record, tensor_bytes
+from common.runtime import MODEL_STATE
+from common.training import class_means
 from conftest import client_runtime, federation, train_config
 from models.groups import MODEL_GROUPS
 from models.zoo import FixedPool
@@ -26,7 +27,6 @@ from strategies.fedre import (
     soft_label_ce,
     train_head,
 )
-from strategies.payload import PAYLOAD, array_record, tensor_bytes
 
 C, D = 10, 512
 

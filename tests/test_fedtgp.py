@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from client_app.data import normalize
 from common.config import ConfigError, RunConfig
+from common.data import normalize
 from conftest import client_runtime, federation, make_run_config, plain_sgd_config
 from strategies.base import ClientReply
 from strategies.fedproto import FedProtoClient

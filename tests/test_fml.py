@@ -1,8 +1,8 @@
 """FML: the meme model is the payload both ways, and the federation learns."""
 
+from common.payload import tensor_bytes
 from conftest import assert_learns, run_method, shapes_of
 from models.cnn import SmallCNN
-from strategies.payload import tensor_bytes
 
 
 def test_fml_shares_the_cnn5_meme_model_and_learns(run_config):

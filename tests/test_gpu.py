@@ -1,4 +1,4 @@
-"""GPUs that share fairly (client_app.gpu), with CUDA replaced by fakes: this machine and CI have no GPU.
+"""GPUs that share fairly (common.gpu), with CUDA replaced by fakes: this machine and CI have no GPU.
 
 The real check runs on a GPU machine (bench.throughput on CUDA, a loopback deployment with
 device='cuda', the FedTGP htfe2 preset with --gpus-per-client 0.25): see the README.
@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from client_app import gpu
+from common import gpu
 from common.config import ConfigError
 from conftest import federation
 
@@ -112,7 +112,7 @@ MALFORMED = [{"name": "x" * 101}, {"name": "a\nb"}, {"name": "H100", "extra": "x
 def test_a_malformed_device_record_is_refused(record):
     from flwr.app import ConfigRecord, RecordDict
 
-    from strategies.payload import PayloadError
+    from common.payload import PayloadError
     from strategies.transport import device_record
 
     where = {"name": "NVIDIA H100 80GB HBM3", "ray-node": "ab" * 28}

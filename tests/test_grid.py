@@ -12,8 +12,8 @@ from flwr.common.config import parse_config_args
 
 from common.config import RunConfig
 from common.files import read_rows
+from common.results import ResultsWriter
 from conftest import DATA_DIR, ROOT
-from server_app.results import ResultsWriter
 from strategies.registry import build_strategy
 from tools.grid import newest_run, plan, run_grid
 from tools.run import app_defaults

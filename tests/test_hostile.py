@@ -16,8 +16,8 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
+from common.payload import PAYLOAD
 from conftest import federation
-from strategies.payload import PAYLOAD
 
 ATTACKER = 1001  # node of partition 1 in the fake grid
 
@@ -238,7 +238,7 @@ class _Payload:
 
 def test_hostile_pickle_checkpoint_is_refused_not_run(tmp_path):
     from common.config import ConfigError
-    from server_app.results import CHECKPOINT, load_checkpoint
+    from common.results import CHECKPOINT, load_checkpoint
 
     marker = tmp_path / "code-ran"
     torch.save({"round": 1, "server": _Payload(marker)}, tmp_path / CHECKPOINT)
@@ -249,7 +249,7 @@ def test_hostile_pickle_checkpoint_is_refused_not_run(tmp_path):
 
 def test_hostile_checkpoint_round_trips_numpy_state(run_config, tmp_path):
     """A real checkpoint (numpy arrays, RNG states, rows) loads with weights_only=True unchanged."""
-    from server_app.results import ResultsWriter, load_checkpoint
+    from common.results import ResultsWriter, load_checkpoint
 
     state = {
         "round": 2,
@@ -282,8 +282,8 @@ def test_hostile_torn_state_file_is_ignored_and_rewritten(run_config, tmp_path):
     """A half-written client state file (a crash mid-write by an older version, a full disk)
     must not make that partition fail on every later message: it trains afresh and saves anew."""
     from client_app.app import app as client_app
-    from client_app.runtime import MODEL_STATE
     from common.config import RunConfig
+    from common.runtime import MODEL_STATE
     from fakegrid import FakeGrid
     from strategies.registry import build_strategy
 
@@ -494,7 +494,7 @@ def test_hostile_outlying_representation_is_scaled_to_the_round_bound(run_config
     """FedRE's server step has no clipping: a z within the entry bound but ~1e5 times the others'
     length would dominate the head. It is scaled to ROW_NORM_FACTOR times the longest other
     upload, counted in ``clipped_rows``; honest rounds clip nothing."""
-    from strategies.payload import ROW_NORM_FACTOR
+    from common.payload import ROW_NORM_FACTOR
 
     def attack(reply):
         arrays = dict(reply.content.array_records[PAYLOAD])
@@ -571,7 +571,7 @@ def test_hostile_secrets_are_private_and_never_written_through_a_link(tmp_path):
 def test_hostile_unexpected_arrays_are_refused_before_any_is_decoded(run_config, baseline, monkeypatch, caplog):
     """20,000 extra one-element arrays: refused by their names before one of them is decoded,
     and the log line about the reply stays short."""
-    import strategies.payload as payload
+    import common.payload as payload
 
     decoded = []
     decode = payload.decode_array

@@ -1,5 +1,6 @@
-"""The code's shape: no import circles between the project's modules (lazy imports inside
-functions included), and no method module importing another method's module."""
+"""The code's shape: packages import only packages below them (:data:`LAYERS`), no import circles
+between the project's modules (lazy imports inside functions included), and no method module
+importing another method's module."""
 
 from __future__ import annotations
 
@@ -32,6 +33,34 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
+#: the packages from the bottom up; a package imports only packages of a lower layer, so the apps
+#: (one layer: neither imports the other) sit on the methods, and the methods on the neutral pieces
+#: both halves use (common: config, data, training loops, the payload and metric protocol; models)
+LAYERS = (("models",), ("common",), ("strategies",), ("client_app", "server_app"), ("tools",), ("bench",))
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``"a -> b"`` for every import of ``graph`` from a package into one of the same or a higher
+    layer of :data:`LAYERS` (imports inside one package are free)."""
+    layer = {pkg: i for i, pkgs in enumerate(LAYERS) for pkg in pkgs}
+    return sorted(
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if a.split(".")[0] != b.split(".")[0] and layer[b.split(".")[0]] >= layer[a.split(".")[0]]
+    )
+
+
+def test_layer_checker_finds_planted_upward_and_sideways_imports():
+    graph = {"common.data": {"strategies.base", "models.base"}, "client_app.app": {"server_app.app", "common.data"}}
+    assert upward_imports(graph) == ["client_app.app -> server_app.app", "common.data -> strategies.base"]
+
+
+def test_packages_import_only_lower_layers():
+    assert {pkg for pkgs in LAYERS for pkg in pkgs} == set(PACKAGES)
+    assert upward_imports(import_graph()) == []
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Every import circle of ``graph`` found by depth-first search, each as the modules along it."""
     found, state = [], {}
@@ -58,7 +87,7 @@ def test_cycle_finder_finds_a_planted_circle():
 
 def test_no_import_circles():
     graph = import_graph()
-    assert "common.config" in graph and "client_app.data" in graph  # the walk saw the tree
+    assert "common.config" in graph and "common.data" in graph  # the walk saw the tree
     assert cycles(graph) == []
 
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from common.config import ConfigError
+from common.payload import PAYLOAD, tensor_bytes
 from conftest import assert_learns, federation, run_method, shapes_of
-from strategies.payload import PAYLOAD, tensor_bytes
 from strategies.shared_model import module_arrays
 
 

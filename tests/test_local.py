@@ -1,7 +1,7 @@
 """Local (Standalone): nothing travels either way, the server keeps no state, and every client learns alone."""
 
+from common.payload import PAYLOAD
 from conftest import assert_learns, run_method
-from strategies.payload import PAYLOAD
 
 
 def test_local_exchanges_no_arrays_and_learns(run_config):

@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from client_app.runtime import MODEL_STATE
-from client_app.training import kd_loss
 from common.config import RunConfig
+from common.payload import PAYLOAD, array_record
+from common.runtime import MODEL_STATE
+from common.training import kd_loss
 from conftest import client_runtime, federation, train_config
 from models.mh import build_mh_model
 from strategies.mh_pfedhn import (
@@ -24,7 +25,6 @@ from strategies.mh_pfedhn import (
     hn_step,
     load_flat,
 )
-from strategies.payload import PAYLOAD, array_record
 
 # docs/methods/mh-pfedhn.md §7: generated parameter counts for 3x32x32 input
 K_C10 = {"lenet": 234_006, "vgg8": 268_814, "mhresnet10": 347_178, "mhresnet12": 523_242, "mhresnet18": 565_386}

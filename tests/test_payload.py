@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, RecordDict
 
+from common.payload import PayloadError, array_record, tensor_bytes
 from strategies.fedgh import HEADER, LARS
-from strategies.payload import PayloadError, array_record, tensor_bytes
 
 DIMS = {"C": 10, "d": 500}
 

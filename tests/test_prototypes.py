@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from client_app.data import normalize
 from common.config import RunConfig
+from common.data import normalize
 from conftest import client_runtime, federation, plain_sgd_config
 from strategies.fedtgp import (
     FedTGPClient,

@@ -11,12 +11,12 @@ import pytest
 import torch
 from flwr.app import Context, RecordDict
 
-from client_app.data import DataSpec, _cache_file, load_client_data
-from client_app.runtime import MODEL_STATE, ClientRuntime
 from common.config import ConfigError, RunConfig
+from common.data import DataSpec, _cache_file, load_client_data
 from common.files import read_rows, read_summary
+from common.results import CHECKPOINT, load_checkpoint
+from common.runtime import MODEL_STATE, ClientRuntime
 from models.groups import MODEL_GROUPS
-from server_app.results import CHECKPOINT, load_checkpoint
 from tools import grid as grid_tool
 from tools import report as report_tool
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from client_app.data import augment, normalize
 from common.config import ConfigError, RunConfig
+from common.data import augment, normalize
 from common.datasets import CIFAR10_MEAN, DATASETS, IMAGENET_MEAN, IMAGENET_STD, with_recipe
 from conftest import client_runtime
 from models.groups import MODEL_GROUPS

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from common.config import ConfigError, RunConfig
+from common.results import CHECKPOINT, ResultsWriter
 from conftest import federation
-from server_app.results import CHECKPOINT, ResultsWriter
 from strategies.base import HeteroStrategy
 from strategies.registry import build_strategy
 

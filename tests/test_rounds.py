@@ -142,7 +142,7 @@ def test_evaluation_in_train_reply_equals_separate_evaluation(run_config):
 def test_bf16_precision_trains_in_bfloat16_and_learns(run_config):
     """``precision = "bf16"``: the forward pass runs in bfloat16 (the logits are bf16), weights and
     gradients stay float32, the loss still falls, and the result differs from fp32's."""
-    from client_app.training import train_supervised
+    from common.training import train_supervised
     from conftest import client_runtime, train_config
 
     rc = run_config(**{"max-examples-per-client": 300, "partitioner": "iid", "model-group": "cnn1"})
@@ -166,7 +166,7 @@ def test_bf16_precision_trains_in_bfloat16_and_learns(run_config):
 def test_fixed_batch_order_is_the_partitions_order_without_the_last_partial_batch(run_config):
     """``batch-order = "fixed"`` (HtFLlib's loader): every epoch takes the train split in its own order
     and drops the last partial batch; ``shuffle`` reorders every epoch and keeps it."""
-    from client_app.training import train_supervised
+    from common.training import train_supervised
     from conftest import client_runtime, train_config
 
     rc = run_config(**{"max-examples-per-client": 60, "partitioner": "iid", "model-group": "cnn1"})

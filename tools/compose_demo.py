@@ -85,8 +85,8 @@ def fedgh_payload_bytes(run_config: dict, data_dir: str) -> tuple[int, int]:
     Raises:
         ConfigError: the run config is invalid (key named).
     """
-    from client_app.data import DataSpec, partition_split
     from common.config import RunConfig
+    from common.data import DataSpec, partition_split
     from common.datasets import DATASETS
 
     cfg = RunConfig.from_dict({**app_defaults(), **run_config, "data-dir": data_dir})

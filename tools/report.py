@@ -134,8 +134,8 @@ def training_flops(config: dict, data_dir: str | None = None) -> float:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from client_app.data import DataSpec, partition_split
     from common.config import RunConfig
+    from common.data import DataSpec, partition_split
     from common.datasets import DATASETS
     from models.groups import MODEL_GROUPS
 
@@ -224,8 +224,8 @@ def plot_partitions(config: dict, out: Path, data_dir: str | None = None) -> Non
     import matplotlib.pyplot as plt
     from flwr_datasets.visualization import plot_label_distributions
 
-    from client_app.data import DataSpec, partitioner_for
     from common.config import RunConfig
+    from common.data import DataSpec, partitioner_for
     from common.datasets import DATASETS
 
     cfg = RunConfig.from_dict({**app_defaults(), **config, **({"data-dir": data_dir} if data_dir else {})})

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from strategies.payload import PayloadError, names, short
+from common.payload import PayloadError, names, short
 
 #: metric key every reply carries (the client runtime adds it)
 PARTITION_ID = "partition-id"
@@ -29,7 +29,7 @@ REQUIRED_METRICS = {
 }
 #: prefix of evaluation metrics carried in a train reply (see ``HeteroStrategy.evaluate_in_train``)
 EVAL_PREFIX = "eval-"
-#: metric of a reply from a client on a GPU: its peak CUDA memory in the message (``client_app.gpu``)
+#: metric of a reply from a client on a GPU: its peak CUDA memory in the message (``common.gpu``)
 GPU_PEAK = "gpu-peak-mib"
 #: the ConfigRecord in which a reply says where it ran: its GPU (key ``name``, from a GPU only) and its
 #: Ray node (key ``ray-node``, from a simulation's actor only); and the longest value of either
@@ -160,7 +160,7 @@ def check_metrics(
     sample-weighted mean.
 
     Raises:
-        PayloadError: naming the metric (a few names of a long list: ``strategies.payload.names``).
+        PayloadError: naming the metric (a few names of a long list: ``common.payload.names``).
     """
     undeclared = [k for k in metrics if k not in declared] if len(metrics) <= len(declared) else list(metrics)
     if len(metrics) > len(declared) or undeclared:

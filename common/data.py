@@ -12,7 +12,7 @@ proportions. The partition's seed is ``RunConfig.data_seed`` (run config ``parti
 A partition is decoded once per process into uint8 tensors and cached: in simulation a Ray
 actor serves many virtual clients over many rounds, so decoding per round would dominate.
 The decoded tensors are also written to disk once (a cache folder, see
-``client_app.runtime.ClientRuntime``) and memory-mapped by later processes: a deployed ClientApp
+``common.runtime.ClientRuntime``) and memory-mapped by later processes: a deployed ClientApp
 is a fresh process per message, and every run would otherwise load Hugging Face ``datasets``,
 partition and decode again.
 """

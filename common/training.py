@@ -1,7 +1,7 @@
 """Local computations shared by the methods' client procedures: train, extract, evaluate.
 
 All take uint8 image tensors ``[n, C_in, H, W]`` and int64 labels ``[n]`` (a
-:class:`client_app.data.ClientData` split), normalise on the fly on ``device`` and never
+:class:`common.data.ClientData` split), normalise on the fly on ``device`` and never
 keep gradients outside the training loop.
 """
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client_app.data import ClientData, augment, batches, normalize
+from common.data import ClientData, augment, batches, normalize
 from common.datasets import DatasetInfo
 from common.optim import SGD
 from models.base import SplitModel
@@ -138,7 +138,7 @@ def train_personal_model(
     FedMRL's fused model); the personal model is what gets persisted either way.
 
     Args:
-        client: the :class:`client_app.runtime.ClientRuntime` of this message.
+        client: the :class:`common.runtime.ClientRuntime` of this message.
         config: the train instruction's config (``server-round`` and the training settings).
 
     Returns:

@@ -17,9 +17,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from torch import nn
 
-from client_app import gpu
-from client_app.data import ClientData, DataSpec, load_client_data, partition_sizes, torch_seed
+from common import gpu
 from common.config import ConfigError, RunConfig
+from common.data import ClientData, DataSpec, load_client_data, partition_sizes, torch_seed
 from common.datasets import DATASETS, DatasetInfo, with_recipe
 from common.files import atomic_write
 from models.base import SplitModel
@@ -79,7 +79,7 @@ class ClientRuntime:
     ``cache-dir`` (optional: a folder for the decoded partition, written once and memory-mapped
     by later messages' processes and runs; default ``<node state-dir>/partition-cache`` when the
     node has a ``state-dir``, else :func:`default_cache_dir`), ``gpu-memory-fraction`` (optional:
-    the share of the GPU's memory this node's ClientApps may allocate, see ``client_app.gpu``).
+    the share of the GPU's memory this node's ClientApps may allocate, see ``common.gpu``).
 
     Args:
         context: the message's Flower context.
@@ -119,7 +119,7 @@ class ClientRuntime:
             self.cfg, int(node.get("num-partitions", self.cfg.num_clients)), node.get("data-dir")
         )
         self.device = pick_device(self.cfg.device)
-        #: the share of the GPU's memory this ClientApp may allocate (None: no cap; see client_app.gpu)
+        #: the share of the GPU's memory this ClientApp may allocate (None: no cap; see common.gpu)
         self.gpu_share = gpu.gpu_share(node) if self.device.type == "cuda" else None
         if self.gpu_share is not None:
             gpu.limit_memory(self.device, self.gpu_share)
