@@ -37,7 +37,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -48,9 +48,10 @@ from common.config import RunConfig
 from common.datasets import DATASETS
 from common.metrics import EVAL_PREFIX, REQUIRED_METRICS
 from common.payload import ClientReply, PayloadSchema, array_record
+from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics
 from strategies.checkpoint import Checkpointing, finite
-from strategies.method import Method, Schemas
+from strategies.method import MethodBinding, Schemas
 from strategies.nodes import NodeRegistry
 from strategies.records import metric_values, patience_exhausted, progress_line, round_metrics, round_row
 from strategies.transport import Transport
@@ -60,18 +61,27 @@ log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 #: the folder of a run folder that holds its clients' state when no state-dir is set (simulation)
 CLIENT_STATE = "client-state"
 
+#: a payload: array name -> array (the message's arrays after schema validation)
+Arrays = dict[str, np.ndarray]
+#: what a client handler returns: (reply payload, scalar metrics)
+Reply = tuple[Arrays, dict[str, Any]]
+
 NO_PAYLOAD = PayloadSchema()
 BASE_SCHEMAS: Schemas = {"query": (NO_PAYLOAD, NO_PAYLOAD), "evaluate": (NO_PAYLOAD, NO_PAYLOAD)}
 #: the schemas of a method that exchanges no arrays at all (Local, and the bare base classes)
 NO_PAYLOAD_SCHEMAS: Schemas = {**BASE_SCHEMAS, "train": (NO_PAYLOAD, NO_PAYLOAD)}
+#: the binding of the bare base classes: no options, no payload, no metrics of their own
+NO_METHOD = MethodBinding(None, NO_PAYLOAD_SCHEMAS, {})
 
 
 class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
     """Base Strategy of all methods. Subclasses override the hooks; their method's descriptor
-    (``strategies.method.Method``) gives ``self.options`` and ``self.schemas``.
+    builds them (``strategies.method.Method.build_strategy``).
 
     Args:
         cfg: the validated run config.
+        binding: the method's options, schemas and metrics for ``cfg`` (``self.options``,
+            ``self.schemas``, ``self.metrics``); :data:`NO_METHOD` for the bare base.
         results: receives one row per round and the summary (see ``common.results``);
             None keeps rows in memory only (``self.rows``).
 
@@ -82,8 +92,6 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
     :meth:`eval_payload`, :meth:`server_update`, :meth:`run_round`.
     """
 
-    #: the method this strategy serves (set by its ``Method`` descriptor; None: the bare base)
-    method: ClassVar[Method | None] = None
     #: True when the evaluated model is the client's post-training personal model and the
     #: evaluate instruction carries no payload (docs/methods/fedgh.md §6, Local): sampled clients then
     #: evaluate right after training and report in the train reply, which saves one round trip
@@ -96,9 +104,9 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
     #: server's file system and ``context.state`` lives in the simulation's one process
     client_state_in_run_folder: bool = False
 
-    def __init__(self, cfg: RunConfig, results: Any | None = None) -> None:
+    def __init__(self, cfg: RunConfig, binding: MethodBinding, results: Any | None = None) -> None:
         self.cfg = cfg
-        self.options, self.schemas = bind_method(self.method, cfg)
+        self.options, self.schemas, self.metrics = binding.options, binding.schemas, binding.metrics
         self.info = DATASETS[cfg.dataset]
         self.dims = {"C": self.info.num_classes, "d": cfg.representation_dim}
         self.rng = np.random.default_rng(cfg.seed)
@@ -329,30 +337,28 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
 
 
 class ClientProcedure:
-    """Client half of a method. Subclasses implement ``train``; their method's descriptor gives
-    ``self.options`` and ``self.schemas``, as on the server.
+    """Client half of a method. Subclasses implement ``train``; their method's descriptor builds them
+    with the same :class:`strategies.method.MethodBinding` as the server half (``self.options``,
+    ``self.schemas``; ``strategies.method.Method.build_client``).
 
     Handlers take ``(client, payload, config)``: the :class:`common.runtime.ClientRuntime`,
     the validated payload arrays (name -> ndarray) and the message's ConfigRecord as a dict;
     they return ``(arrays, metrics)``: the reply payload (must match the schema) and scalars.
     """
 
-    #: the method this client procedure serves (set by its ``Method`` descriptor; None: the bare base)
-    method: ClassVar[Method | None] = None
-
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, binding: MethodBinding) -> None:
         self.cfg = cfg
-        self.options, self.schemas = bind_method(self.method, cfg)
+        self.options, self.schemas = binding.options, binding.schemas
 
-    def train(self, client, payload, config) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         raise NotImplementedError
 
-    def evaluate(self, client, payload, config) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def evaluate(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Accuracy of the client's personal model on its local test split."""
         data = client.data
         return {}, evaluation_metrics(*evaluate_model(client.model, data.test_x, data.test_y, data.info, client.device))
 
-    def query(self, client, payload, config) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def query(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Handshake: data sizes (the runtime adds the partition id), from the partition's labels
         or its cache file, without decoding images; a partition that cannot be split fails here."""
         start = time.perf_counter()
@@ -381,15 +387,3 @@ def train_config(cfg: RunConfig, server_round: int, evaluate: bool = False) -> d
         "precision": cfg.precision,
         "evaluate": evaluate,
     }
-
-
-def bind_method(method: Method | None, cfg: RunConfig) -> tuple[Any, Schemas]:
-    """(options, schemas) of ``method`` for ``cfg``; (None, :data:`NO_PAYLOAD_SCHEMAS`) without one.
-
-    Raises:
-        ConfigError: an invalid option of the method's table.
-    """
-    if method is None:
-        return None, NO_PAYLOAD_SCHEMAS
-    options = method.read_options(cfg)
-    return options, method.schemas_for(cfg, options)

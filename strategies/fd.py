@@ -24,16 +24,18 @@ Server step: per-class unweighted mean over the clients that uploaded the class
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from common.config import RunConfig
 from common.options import option
+from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model, trained_class_means
 from strategies.aggregation import class_average
-from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
-from strategies.method import Method
+from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
+from strategies.method import Method, MethodBinding
 from strategies.prototypes import class_set_schemas, unpack_global_set
 
 TARGETS = ("softmax", "logits")
@@ -90,8 +92,8 @@ class FDStrategy(HeteroStrategy):
     evaluate_in_train = True
     checkpointed = ("global_logits",)
 
-    def __init__(self, cfg: RunConfig, results=None) -> None:
-        super().__init__(cfg, results)
+    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
+        super().__init__(cfg, binding, results)
         self.global_logits: dict = {}
 
     def global_arrays(self):
@@ -111,7 +113,7 @@ class FDStrategy(HeteroStrategy):
 class FDClient(ClientProcedure):
     """FD client: CE plus distillation towards the global logit of each sample's class."""
 
-    def train(self, client, payload, config):
+    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Returns ``logits`` float32 [k, C] (post-training class means) and ``logit_labels`` int64 [k]."""
         lam = self.options.lambda_
         targets, mask = unpack_global_set(payload, client.data.info.num_classes, "logits")

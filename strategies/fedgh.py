@@ -21,6 +21,7 @@ never applies this update (P1); ``server-mode = "none"`` reproduces that.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,8 +32,9 @@ from common.config import RunConfig
 from common.optim import SGD
 from common.options import option
 from common.payload import ROW_NORM_FACTOR, ArraySpec, PayloadSchema
+from common.runtime import ClientRuntime
 from common.training import train_personal_model, trained_class_means
-from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
+from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
 from strategies.heads import (
     GLOBAL_HEAD_METRICS,
     HEADER,
@@ -42,7 +44,7 @@ from strategies.heads import (
     load_header,
     require_linear_heads,
 )
-from strategies.method import Method
+from strategies.method import Method, MethodBinding
 
 LARS = PayloadSchema(
     {
@@ -147,8 +149,8 @@ class FedGHStrategy(HeteroStrategy):
     evaluate_in_train = True  # the primary metric is the post-training model (section 6)
     checkpointed = ("header", "header_generator")
 
-    def __init__(self, cfg: RunConfig, results=None) -> None:
-        super().__init__(cfg, results)
+    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
+        super().__init__(cfg, binding, results)
         if self.options.eval_global_head:
             # the secondary metric needs the header *after* this round's server step
             self.evaluate_in_train = False
@@ -171,14 +173,14 @@ class FedGHStrategy(HeteroStrategy):
 class FedGHClient(ClientProcedure):
     """FedGH client: replace head, train the whole model, upload exact LARs (section 3)."""
 
-    def train(self, client, payload, config):
+    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Returns ``lar`` float32 [C_k, d] and ``lar_labels`` int32 [C_k] of the trained extractor."""
         load_header(client.model.head, payload)
         stats = train_personal_model(client, config)
         means, labels = trained_class_means(client, stats)
         return {"lar": means.numpy(), "lar_labels": labels.numpy().astype(np.int32)}, stats
 
-    def evaluate(self, client, payload, config):
+    def evaluate(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Personal model accuracy; with a header in the payload also ``test-acc-global-head``."""
         return add_global_head_accuracy(super().evaluate(client, payload, config), client, payload)
 

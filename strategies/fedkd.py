@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,11 +38,12 @@ from torch import nn
 from common.config import RunConfig
 from common.options import option
 from common.payload import MAX_ABS, ArraySpec, PayloadError, PayloadSchema
+from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model
 from models.cnn import CNN_SHAPES
 from strategies.aggregation import fedavg
-from strategies.base import BASE_SCHEMAS, ClientReply
-from strategies.method import Method
+from strategies.base import BASE_SCHEMAS, Arrays, ClientReply, Reply
+from strategies.method import Method, MethodBinding
 from strategies.shared_model import SharedModelClient, SharedModelStrategy, WithCompanions, load_arrays, shared_cnn
 
 ALIGN_STATE = "fedkd-align"
@@ -161,8 +163,8 @@ class FedKDStrategy(SharedModelStrategy):
 
     build_shared = staticmethod(mentee_model)
 
-    def __init__(self, cfg: RunConfig, results=None) -> None:
-        super().__init__(cfg, results)
+    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
+        super().__init__(cfg, binding, results)
         self._broadcast: tuple[int, dict[str, np.ndarray]] = (0, {})
 
     def train_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
@@ -191,8 +193,10 @@ class FedKDStrategy(SharedModelStrategy):
 class FedKDClient(SharedModelClient):
     """FedKD client: mentor (private) and mentee (shared) distil into each other adaptively."""
 
-    def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
+    build_shared = staticmethod(mentee_model)
+
+    def __init__(self, cfg: RunConfig, binding: MethodBinding) -> None:
+        super().__init__(cfg, binding)
         with torch.device("meta"):
             mentee = mentee_model(cfg, self.options)
         self.shapes = {k: tuple(v.shape) for k, v in mentee.state_dict().items()}
@@ -201,7 +205,7 @@ class FedKDClient(SharedModelClient):
         """The mentee reconstructed from the compressed payload, on the client's device."""
         return super().received(client, svd_decompress(payload, self.shapes))
 
-    def train(self, client, payload, config):
+    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Returns the trained mentee compressed at T_t and the mentor's training metrics."""
         mentee = self.received(client, payload)
         with torch.random.fork_rng(devices=[]):

@@ -25,6 +25,7 @@ the authors' code) or ``"deployment"`` (B: every evaluated client uses the aggre
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,10 +35,12 @@ from common.config import RunConfig, number
 from common.datasets import DATASETS
 from common.metrics import fraction
 from common.options import option
+from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics, train_personal_model
 from models.base import SplitModel
 from models.cnn import CNN_SHAPES, SmallCNN
-from strategies.method import Method
+from strategies.base import Arrays, Reply
+from strategies.method import Method, MethodBinding
 from strategies.shared_model import SharedModelClient, SharedModelStrategy, module_arrays, shared_schemas
 
 EVAL_PROTOCOLS = ("official", "deployment")
@@ -139,13 +142,15 @@ class FedMRLStrategy(SharedModelStrategy):
 
     build_shared = staticmethod(small_model)
 
-    def __init__(self, cfg: RunConfig, results=None) -> None:
-        super().__init__(cfg, results)
+    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
+        super().__init__(cfg, binding, results)
         self.evaluate_in_train = self.options.eval_protocol == "official"
 
 
 class FedMRLClient(SharedModelClient):
     """FedMRL client: trains G, its private model and its projector together (section 3)."""
+
+    build_shared = staticmethod(small_model)
 
     def fused(self, client, small: SmallCNN) -> MatryoshkaModel:
         """The client's :class:`MatryoshkaModel` for ``small``, with ω_k and φ_k restored from state."""
@@ -153,7 +158,7 @@ class FedMRLClient(SharedModelClient):
         client.restore(PROJECTOR_STATE, proj)
         return MatryoshkaModel(small, client.model, proj.to(client.device))
 
-    def train(self, client, payload, config):
+    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Section 3 steps 1-7; returns θ_k^t (the 10 tensors of G) and the training metrics."""
         small = self.received(client, payload)
         model = self.fused(client, small)
@@ -171,7 +176,7 @@ class FedMRLClient(SharedModelClient):
         client.scratch[TRAINED_SMALL] = small
         return module_arrays(small), stats
 
-    def evaluate(self, client, payload, config):
+    def evaluate(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Mix-large and mix-small accuracy with θ from ``payload`` (θ^t) or, without one, the θ_k^t
         this client just trained (protocol A). The ``fedmrl.inference`` one is the primary metric."""
         small = self.received(client, payload) if payload else client.scratch[TRAINED_SMALL]

@@ -20,14 +20,16 @@ nobody uploaded this round get no prototype and are never predicted.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from common.config import RunConfig
+from common.runtime import ClientRuntime
 from common.training import evaluation_metrics, train_personal_model
 from strategies.aggregation import class_average
-from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
-from strategies.method import Method
+from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
+from strategies.method import Method, MethodBinding
 from strategies.prototypes import (
     ClassMeanCollector,
     PrototypeRegularizer,
@@ -51,8 +53,8 @@ class FedProtoStrategy(HeteroStrategy):
 
     checkpointed = ("global_set",)
 
-    def __init__(self, cfg: RunConfig, results=None) -> None:
-        super().__init__(cfg, results)
+    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
+        super().__init__(cfg, binding, results)
         self.global_set: dict[str, np.ndarray] = {}
 
     def global_arrays(self) -> dict[str, np.ndarray]:
@@ -79,7 +81,7 @@ class FedProtoStrategy(HeteroStrategy):
 class FedProtoClient(ClientProcedure):
     """FedProto client: prototype-regularised training, prototypes collected during training."""
 
-    def train(self, client, payload, config):
+    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Returns ``protos`` float32 [C_i, K] (train-mode means during training), ``proto_labels`` int64."""
         data = client.data
         protos, mask = unpack_global_set(payload, data.info.num_classes)
@@ -95,7 +97,7 @@ class FedProtoClient(ClientProcedure):
         means, labels = collector.means(client.model.feature_dim)
         return {"protos": means, "proto_labels": labels}, stats
 
-    def evaluate(self, client, payload, config):
+    def evaluate(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Nearest-prototype accuracy over the classes that have a global prototype."""
         protos, mask = unpack_global_set(payload, client.data.info.num_classes)
         return {}, evaluation_metrics(*nearest_prototype_correct(client, protos, mask))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,10 +44,11 @@ from common.metrics import count
 from common.optim import SGD
 from common.options import option
 from common.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, PayloadSchema
+from common.runtime import ClientRuntime
 from common.training import EVAL_BATCH, train_personal_model
-from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
+from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
 from strategies.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
-from strategies.method import Method
+from strategies.method import Method, MethodBinding
 
 #: how the client turns its representations into one (z, y) pair (section 3, Appendix A)
 RE_MODES = ("rap", "vap", "rsp", "rar", "var", "rsr", "rap-fixed")
@@ -220,8 +222,8 @@ class FedREStrategy(HeteroStrategy):
     evaluate_in_train = False
     checkpointed = ("head", "head_generator")
 
-    def __init__(self, cfg: RunConfig, results=None) -> None:
-        super().__init__(cfg, results)
+    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
+        super().__init__(cfg, binding, results)
         self.head = initial_header(self.dims["d"], self.dims["C"], cfg.seed)
         self.head_generator = torch.Generator().manual_seed(cfg.seed)
 
@@ -241,7 +243,7 @@ class FedREStrategy(HeteroStrategy):
 class FedREClient(ClientProcedure):
     """FedRE client: replace head, train the whole model, upload one entangled (z, y) (section 3)."""
 
-    def train(self, client, payload, config):
+    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Returns ``z`` float32 [1, d], ``y`` float32 [1, C] of the trained extractor (none without data)."""
         load_header(client.model.head, payload)
         stats = train_personal_model(client, config)
@@ -257,7 +259,7 @@ class FedREClient(ClientProcedure):
         stats["train-seconds"] += time.perf_counter() - start
         return {"z": z.numpy(), "y": y.numpy()}, stats
 
-    def evaluate(self, client, payload, config):
+    def evaluate(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Accuracy with the client's extractor and the received global head, which the client keeps (P11)."""
         load_header(client.model.head, payload)
         client.save_model()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,9 +39,10 @@ from common.config import RunConfig
 from common.optim import SGD
 from common.options import option
 from common.payload import ArraySpec, PayloadSchema
+from common.runtime import ClientRuntime
 from common.training import evaluation_metrics, train_personal_model, trained_class_means
-from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, ClientProcedure, ClientReply, HeteroStrategy
-from strategies.method import Method
+from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
+from strategies.method import Method, MethodBinding
 from strategies.prototypes import (
     PrototypeRegularizer,
     RegularizerOptions,
@@ -187,8 +189,8 @@ class FedTGPStrategy(HeteroStrategy):
 
     checkpointed = ("generator", "batch_rng", "global_set")
 
-    def __init__(self, cfg: RunConfig, results=None) -> None:
-        super().__init__(cfg, results)
+    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
+        super().__init__(cfg, binding, results)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             self.generator = PrototypeGenerator(self.dims["C"], self.dims["d"], self.options.hidden_dim)
@@ -216,7 +218,7 @@ class FedTGPStrategy(HeteroStrategy):
 class FedTGPClient(ClientProcedure):
     """FedTGP client: FedProto's objective towards P̂ (from round 2), eval-mode prototypes after training."""
 
-    def train(self, client, payload, config):
+    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Returns ``protos`` float32 [C_i, K] and ``proto_labels`` int64 [C_i] (section 3)."""
         protos = torch.from_numpy(payload["global_protos"]).to(client.device) if payload else None
         mask = torch.ones(len(protos), dtype=torch.bool, device=client.device) if payload else None
@@ -224,7 +226,7 @@ class FedTGPClient(ClientProcedure):
         means, labels = trained_class_means(client, stats)
         return {"protos": means.numpy(), "proto_labels": labels.numpy().astype(np.int64)}, stats
 
-    def evaluate(self, client, payload, config):
+    def evaluate(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Nearest global prototype over all C classes; 0 correct before any P̂ exists."""
         if not payload:
             return {}, evaluation_metrics(*nearest_prototype_correct(client, None, None))

@@ -19,13 +19,16 @@ Inference: the private model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch.nn.functional as F
 
 from common.config import RunConfig
 from common.options import option
+from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model
 from models.cnn import CNN_SHAPES
+from strategies.base import Arrays, Reply
 from strategies.method import Method
 from strategies.shared_model import (
     SharedModelClient,
@@ -62,7 +65,9 @@ class FMLStrategy(SharedModelStrategy):
 class FMLClient(SharedModelClient):
     """FML client: the private model and the received meme model learn from each other."""
 
-    def train(self, client, payload, config):
+    build_shared = staticmethod(meme_model)
+
+    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Returns the trained meme model's tensors and the private model's training metrics."""
         alpha, beta = self.options.alpha, self.options.beta
         meme = self.received(client, payload)

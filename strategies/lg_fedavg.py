@@ -15,15 +15,18 @@ PyTorch's default init drawn from ``seed``. Inference: the personal model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
 from common.config import RunConfig
 from common.datasets import DATASETS
 from common.options import option
+from common.runtime import ClientRuntime
 from common.training import train_personal_model
+from strategies.base import Arrays, Reply
 from strategies.heads import GLOBAL_HEAD_METRICS, add_global_head_accuracy, require_linear_heads
-from strategies.method import Method
+from strategies.method import Method, MethodBinding
 from strategies.shared_model import SharedModelClient, SharedModelStrategy, load_arrays, module_arrays, shared_schemas
 
 
@@ -55,8 +58,8 @@ class LGFedAvgStrategy(SharedModelStrategy):
 
     build_shared = staticmethod(global_head)
 
-    def __init__(self, cfg: RunConfig, results=None) -> None:
-        super().__init__(cfg, results)
+    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
+        super().__init__(cfg, binding, results)
         if self.options.eval_global_head:
             # the secondary metric needs the head *after* this round's average
             self.evaluate_in_train = False
@@ -65,14 +68,16 @@ class LGFedAvgStrategy(SharedModelStrategy):
 class LGFedAvgClient(SharedModelClient):
     """LG-FedAvg client: global head in, whole model trained, head out."""
 
-    def train(self, client, payload, config):
+    build_shared = staticmethod(global_head)
+
+    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Returns the trained head's tensors and the training metrics."""
         head = nn.ModuleDict({"head": client.model.head})
         load_arrays(head, payload)
         stats = train_personal_model(client, config)
         return module_arrays(head), stats
 
-    def evaluate(self, client, payload, config):
+    def evaluate(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Personal model accuracy; with the global head in the payload also ``test-acc-global-head``."""
         return add_global_head_accuracy(super().evaluate(client, payload, config), client, payload)
 

@@ -7,8 +7,11 @@ evaluates and records.
 
 from __future__ import annotations
 
+from typing import Any
+
+from common.runtime import ClientRuntime
 from common.training import train_personal_model
-from strategies.base import NO_PAYLOAD_SCHEMAS, ClientProcedure, HeteroStrategy
+from strategies.base import NO_PAYLOAD_SCHEMAS, Arrays, ClientProcedure, HeteroStrategy, Reply
 from strategies.method import Method
 
 
@@ -22,7 +25,7 @@ class LocalStrategy(HeteroStrategy):
 class LocalClient(ClientProcedure):
     """Client of the Local baseline: supervised training of the personal model."""
 
-    def train(self, client, payload, config):
+    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Train on the local split; reply with metrics only."""
         return {}, train_personal_model(client, config)
 

@@ -1,9 +1,10 @@
 """One descriptor per method: its name, its two halves, its payload schemas and its options, declared once.
 
 Each method module ends with ``METHOD = Method(...)``; ``strategies.registry`` lists them. The
-descriptor binds itself to its strategy and client classes (``cls.method``), so both halves read
-the same options (:func:`common.options.read_options`) and the same schemas
-(:meth:`Method.schemas_for`), whichever half is built first and in whichever process.
+descriptor builds both halves (:meth:`Method.build_strategy`, :meth:`Method.build_client`) and hands
+each the same :class:`MethodBinding` (validated options, payload schemas, declared metrics) for the
+run config, whichever half is built first and in whichever process; the classes hold nothing that
+is set from outside.
 """
 
 from __future__ import annotations
@@ -29,6 +30,21 @@ class NoOptions:
 
 
 @dataclass(frozen=True)
+class MethodBinding:
+    """What both halves of a method are built with for one run config (:meth:`Method.bind`).
+
+    Attributes:
+        options: the method's validated options (its options dataclass; None for the bare base).
+        schemas: message type -> (down, up) payload schemas.
+        metrics: the scalar metrics its clients report beyond every method's, by message category.
+    """
+
+    options: Any
+    schemas: Schemas
+    metrics: Mapping[str, Mapping[str, MetricSpec]]
+
+
+@dataclass(frozen=True)
 class Method:
     """A method, declared once.
 
@@ -51,10 +67,6 @@ class Method:
     options: type = NoOptions
     metrics: Mapping[str, Mapping[str, MetricSpec]] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.strategy.method = self
-        self.client.method = self
-
     def read_options(self, cfg: RunConfig) -> Any:
         """This method's validated options from ``cfg`` (see :func:`common.options.read_options`).
 
@@ -66,6 +78,31 @@ class Method:
     def schemas_for(self, cfg: RunConfig, options: Any) -> Schemas:
         """The message schemas of a run with ``cfg`` and the method's ``options``."""
         return self.schemas(cfg, options) if callable(self.schemas) else self.schemas
+
+    def bind(self, cfg: RunConfig) -> MethodBinding:
+        """Options, schemas and metrics of a run with ``cfg``.
+
+        Raises:
+            ConfigError: an unknown key of the method's table or a value outside its declaration.
+        """
+        options = self.read_options(cfg)
+        return MethodBinding(options, self.schemas_for(cfg, options), self.metrics)
+
+    def build_strategy(self, cfg: RunConfig, results: Any | None = None) -> Any:
+        """The server half for ``cfg`` (``results``: see ``HeteroStrategy``).
+
+        Raises:
+            ConfigError: as :meth:`bind`, or the strategy's own checks.
+        """
+        return self.strategy(cfg, self.bind(cfg), results)
+
+    def build_client(self, cfg: RunConfig) -> Any:
+        """The client half for ``cfg``.
+
+        Raises:
+            ConfigError: as :meth:`bind`.
+        """
+        return self.client(cfg, self.bind(cfg))
 
     @property
     def message_types(self) -> tuple[str, ...]:

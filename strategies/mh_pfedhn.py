@@ -48,11 +48,12 @@ from common.metrics import count
 from common.optim import Adam
 from common.options import option
 from common.payload import ArraySpec, PayloadError, PayloadSchema, array_record
+from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model, train_supervised
 from models.groups import MODEL_GROUPS
 from models.mh import build_mh_model
-from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
-from strategies.method import Method
+from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
+from strategies.method import Method, MethodBinding
 from strategies.records import round_metrics
 
 SCHEDULES = ("sequential", "parallel")
@@ -201,8 +202,8 @@ class MHpFedHNStrategy(HeteroStrategy):
     evaluate_in_train = False  # the evaluated model is h(v_i) after the round (section 6)
     checkpointed = ("hn", "optimizer")  # with the registry: sizes are rebuilt by the handshake
 
-    def __init__(self, cfg: RunConfig, results=None) -> None:
-        super().__init__(cfg, results)
+    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
+        super().__init__(cfg, binding, results)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             self.hn = HyperNetwork(self.options)
@@ -448,13 +449,13 @@ def flat_delta(model: nn.Module, received: torch.Tensor) -> np.ndarray:
 class MHpFedHNClient(ClientProcedure):
     """MH-pFedHN client: load generated weights, train, reply the change; BN statistics stay local."""
 
-    def query(self, client, payload, config):
+    def query(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Handshake: data sizes and ``num-params`` K_i (the only architecture disclosure)."""
         arrays, metrics = super().query(client, payload, config)
         metrics["num-params"] = num_params(client.model)
         return arrays, metrics
 
-    def train(self, client, payload, config):
+    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Personal phase: ``delta_theta`` float32 [K_i] = trained minus received weights."""
         received = load_flat(client.model, payload["theta"], client.device)
         stats = train_personal_model(client, config, supervised_loss=self.supervised_loss(client, config))
@@ -464,7 +465,7 @@ class MHpFedHNClient(ClientProcedure):
         """None: plain cross-entropy (GD distils from the global model)."""
         return None
 
-    def evaluate(self, client, payload, config):
+    def evaluate(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Accuracy of the received h(v_i) with the client's own BN statistics; state untouched."""
         load_flat(client.model, payload["theta"], client.device)
         return super().evaluate(client, payload, config)
@@ -480,7 +481,7 @@ class MHpFedHNGDClient(MHpFedHNClient):
             client.device
         )
 
-    def query(self, client, payload, config):
+    def query(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Also ``global-num-params`` K_g of the public global model."""
         arrays, metrics = super().query(client, payload, config)
         metrics["global-num-params"] = num_params(self.global_model(client))

@@ -68,7 +68,7 @@ def build_strategy(cfg: RunConfig, results=None):
     Raises:
         ConfigError: unknown method, an unknown key or an invalid method option.
     """
-    return method_of(cfg).strategy(cfg, results)
+    return method_of(cfg).build_strategy(cfg, results)
 
 
 @lru_cache(maxsize=8)
@@ -78,7 +78,7 @@ def client_procedure(cfg: RunConfig):
     Raises:
         ConfigError: as :func:`build_strategy`.
     """
-    return method_of(cfg).client(cfg)
+    return method_of(cfg).build_client(cfg)
 
 
 def all_message_types() -> list[str]:

@@ -25,7 +25,7 @@ from models.base import SplitModel
 from models.cnn import REPRESENTATION_DIM, SmallCNN
 from strategies.aggregation import fedavg
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
-from strategies.method import Schemas
+from strategies.method import MethodBinding, Schemas
 
 #: ``build_shared(cfg, options)``: the module every client of a run trains a copy of
 Builder = Callable[[RunConfig, Any], nn.Module]
@@ -81,8 +81,8 @@ class SharedModelStrategy(HeteroStrategy):
         """The module every client trains a copy of."""
         raise NotImplementedError
 
-    def __init__(self, cfg: RunConfig, results=None) -> None:
-        super().__init__(cfg, results)
+    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
+        super().__init__(cfg, binding, results)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             self.shared = self.build_shared(cfg, self.options)
@@ -104,13 +104,14 @@ class SharedModelStrategy(HeteroStrategy):
 
 
 class SharedModelClient(ClientProcedure):
-    """Client half of a shared-module method: the received module, built by its strategy's
-    ``build_shared``. Subclasses implement ``train``.
+    """Client half of a shared-module method: the received module. Subclasses set ``build_shared``
+    to the builder their strategy uses and implement ``train``.
     """
 
-    def build_shared(self, cfg: RunConfig, options: Any) -> nn.Module:
-        """The shared module, as the method's strategy builds it."""
-        return self.method.strategy.build_shared(cfg, options)
+    @staticmethod
+    def build_shared(cfg: RunConfig, options: Any) -> nn.Module:
+        """The module the method's strategy shares."""
+        raise NotImplementedError
 
     def received(self, client, payload: Mapping[str, np.ndarray]) -> nn.Module:
         """A fresh copy of the shared module holding ``payload`` bit for bit, on the client's device."""

@@ -3,7 +3,7 @@ payload, the exchange (push, then pull at a short interval until every reply is 
 times out), payload bytes counted per message category, and every reply checked before use.
 
 :class:`Transport` is a mixin of ``strategies.base.HeteroStrategy``: it uses the strategy's
-``schemas``, ``clients`` (the handshake's metrics per node), ``cfg``, ``info``, ``method`` (its
+``schemas``, ``clients`` (the handshake's metrics per node), ``cfg``, ``info``, ``metrics`` (the method's
 declared metrics), ``evaluate_in_train`` and its hooks ``check_reply`` and ``reply_dims``.
 """
 
@@ -181,7 +181,7 @@ class Transport:
         """
         category = _category(message_type)
         up = self.schemas[message_type][1]
-        declared = declared_metrics(category, self.method.metrics if self.method else {}, self.evaluate_in_train)
+        declared = declared_metrics(category, self.metrics, self.evaluate_in_train)
         valid: list[ClientReply] = []
         answered: set[int] = set()  # partitions with a valid reply in this exchange
         for reply in replies:

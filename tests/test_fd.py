@@ -6,7 +6,7 @@ import pytest
 from common.config import RunConfig
 from common.payload import PAYLOAD, tensor_bytes
 from conftest import assert_learns, client_runtime, run_method, shapes_of, train_config
-from strategies.fd import FDClient
+from strategies.fd import METHOD as FD_METHOD
 
 
 def test_fd_uploads_per_class_logits_and_learns(run_config):
@@ -23,7 +23,7 @@ def test_fd_uploads_per_class_logits_and_learns(run_config):
         "logits": np.eye(10, dtype=np.float32)[client.data.train_y[:1].numpy()] * 20,
         "mask": np.eye(10, dtype=bool)[client.data.train_y[0].item()],
     }
-    assert FDClient(RunConfig.from_dict(rc)).train(client, payload, train_config(rc))[1]["train-loss"] > 0
+    assert FD_METHOD.build_client(RunConfig.from_dict(rc)).train(client, payload, train_config(rc))[1]["train-loss"] > 0
     assert_learns(rc, strategy)
 
 

@@ -15,7 +15,8 @@ from common.runtime import ClientRuntime
 from common.training import class_means
 from conftest import client_runtime, federation, make_run_config, train_config
 from strategies.base import ClientReply
-from strategies.fedgh import FedGHClient, FedGHOptions, FedGHStrategy, load_header, train_header
+from strategies.fedgh import METHOD as FEDGH_METHOD
+from strategies.fedgh import FedGHOptions, load_header, train_header
 
 C, D = 10, 500
 
@@ -61,7 +62,9 @@ def test_uplink_holds_exact_lars_of_trained_extractor(run_config):
     before, _ = class_means(
         client.model.extractor, client.data.train_x, client.data.train_y, client.data.info, client.device
     )
-    arrays, metrics = FedGHClient(RunConfig.from_dict(rc)).train(client, header_payload(), train_config(rc))
+    arrays, metrics = FEDGH_METHOD.build_client(RunConfig.from_dict(rc)).train(
+        client, header_payload(), train_config(rc)
+    )
     assert set(arrays) == {"lar", "lar_labels"}
     labels = np.unique(client.data.train_y.numpy())
     assert arrays["lar"].dtype == np.float32 and arrays["lar"].shape == (len(labels), D)
@@ -96,7 +99,7 @@ def test_header_replacement_then_fine_tuning(run_config):
     load_header(client.model.head, payload)
     assert np.array_equal(client.model.head.weight.detach().numpy(), payload["head.weight"])
     assert np.array_equal(client.model.head.bias.detach().numpy(), payload["head.bias"])
-    FedGHClient(RunConfig.from_dict(rc)).train(client, payload, train_config(rc))
+    FEDGH_METHOD.build_client(RunConfig.from_dict(rc)).train(client, payload, train_config(rc))
     stored_extractor = copy.deepcopy(client.model.extractor.state_dict())
     assert not np.array_equal(client.model.head.weight.detach().numpy(), payload["head.weight"])
     # next message: a new runtime over the same context restores the stored extractor exactly
@@ -145,7 +148,7 @@ def test_matches_hand_written_sgd_and_ignores_arrival_order():
 
 # 11: no stale knowledge: an earlier round's replies do not affect this round's update
 def test_update_uses_only_this_rounds_lars():
-    strategy = FedGHStrategy(RunConfig.from_dict(make_run_config()))
+    strategy = FEDGH_METHOD.build_strategy(RunConfig.from_dict(make_run_config()))
     start = copy.deepcopy(strategy.header.state_dict())
     strategy.server_update(1, synthetic_replies(seed=9))
     mid = copy.deepcopy(strategy.header.state_dict())

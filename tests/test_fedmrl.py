@@ -12,7 +12,8 @@ from common.runtime import MODEL_STATE
 from conftest import captured_federation, chance, client_runtime, federation, shapes_of, train_config
 from strategies.aggregation import fedavg
 from strategies.base import ClientReply
-from strategies.fedmrl import METHOD, PROJECTOR_STATE, FedMRLClient, FedMRLStrategy, small_model
+from strategies.fedmrl import METHOD, PROJECTOR_STATE, small_model
+from strategies.fedmrl import METHOD as FEDMRL_METHOD
 from strategies.shared_model import module_arrays
 
 SMALL_KEYS = [
@@ -78,16 +79,16 @@ def test_byte_formula(run_config, dataset, d1, params):
 
 def test_schema_does_not_depend_on_the_private_model(run_config):
     schemas = [
-        FedMRLClient(RunConfig.from_dict(mrl_config(run_config, model_group=g))).schemas["train"]
+        FEDMRL_METHOD.build_client(RunConfig.from_dict(mrl_config(run_config, model_group=g))).schemas["train"]
         for g in ("hetero-cnn5", "cnn1")
     ]
     assert schemas[0] == schemas[1]
-    assert FedMRLStrategy(RunConfig.from_dict(mrl_config(run_config))).schemas["train"] == schemas[0]
+    assert FEDMRL_METHOD.build_strategy(RunConfig.from_dict(mrl_config(run_config))).schemas["train"] == schemas[0]
 
 
 def fused_model(rc, partition_id=0, seed=0):
     client = client_runtime(rc, partition_id)
-    procedure = FedMRLClient(RunConfig.from_dict(rc))
+    procedure = FEDMRL_METHOD.build_client(RunConfig.from_dict(rc))
     torch.manual_seed(seed)
     small = small_model(client.cfg, METHOD.read_options(client.cfg))
     return client, procedure, procedure.fused(client, small), small
@@ -186,7 +187,7 @@ def test_state_persists_theta_is_replaced_and_idle_clients_untouched(run_config)
     strategy.start(grid)
     sampled = {strategy.clients[n]["partition-id"] for n in strategy.sampled}
     cfg = RunConfig.from_dict(rc)
-    procedure = FedMRLClient(cfg)
+    procedure = FEDMRL_METHOD.build_client(cfg)
     for ctx in grid.contexts.values():
         pid = ctx.node_config["partition-id"]
         if pid not in sampled:  # never trained: nothing stored, so the initial ω and φ
@@ -272,6 +273,6 @@ def test_single_class_client_sends_the_full_model_and_empty_test_is_safe(run_con
 def test_bad_options_fail_fast(run_config):
     for key, value in (("fedmrl.d1", 501), ("fedmrl.eval-protocol", "both"), ("fedmrl.small-model", "vgg")):
         with pytest.raises(ConfigError, match=key):
-            FedMRLStrategy(RunConfig.from_dict(mrl_config(run_config, **{key: value})))
+            FEDMRL_METHOD.build_strategy(RunConfig.from_dict(mrl_config(run_config, **{key: value})))
     with pytest.raises(ConfigError, match="eval-clients"):
         RunConfig.from_dict(mrl_config(run_config, **{"eval-clients": "some"}))

@@ -6,13 +6,15 @@ from common.config import RunConfig
 from common.payload import tensor_bytes
 from conftest import make_run_config
 from strategies.base import ClientReply
-from strategies.fedproto import FedProtoStrategy
+from strategies.fedproto import METHOD as FEDPROTO_METHOD
 
 K = 512
 
 
 def test_fedproto_server_is_unweighted_class_mean():
-    strategy = FedProtoStrategy(RunConfig.from_dict(make_run_config(method="fedproto", **{"model-group": "htfe2"})))
+    strategy = FEDPROTO_METHOD.build_strategy(
+        RunConfig.from_dict(make_run_config(method="fedproto", **{"model-group": "htfe2"}))
+    )
     rng = np.random.default_rng(0)
     replies = [
         ClientReply(

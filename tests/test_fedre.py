@@ -18,10 +18,9 @@ from conftest import client_runtime, federation, train_config
 from models.groups import MODEL_GROUPS
 from models.zoo import FixedPool
 from strategies.base import ClientReply
+from strategies.fedre import METHOD as FEDRE_METHOD
 from strategies.fedre import (
-    FedREClient,
     FedREOptions,
-    FedREStrategy,
     entangle,
     entangling_weights,
     soft_label_ce,
@@ -80,7 +79,7 @@ def test_upload_is_one_entangled_pair_of_the_trained_extractor(run_config):
     z_before, _ = entangle(
         client.model.extractor, client.data.train_x, client.data.train_y, alpha, client.data.info, client.device
     )
-    arrays, metrics = FedREClient(cfg).train(client, head_payload(), train_config(rc))
+    arrays, metrics = FEDRE_METHOD.build_client(cfg).train(client, head_payload(), train_config(rc))
     assert set(arrays) == {"z", "y"}
     assert arrays["z"].shape == (1, D) and arrays["y"].shape == (1, C)
     assert arrays["z"].dtype == arrays["y"].dtype == np.float32
@@ -166,7 +165,7 @@ def test_every_mode_gives_a_distribution_over_samples(mode):
 @pytest.mark.parametrize("mode,same", [("rap", False), ("vap", True), ("rap-fixed", True)])
 def test_weights_resampled_each_round_unless_fixed(run_config, mode, same):
     rc = fedre_config(run_config, lr=0.0, **{"fedre.re-mode": mode})
-    client, procedure = client_runtime(rc), FedREClient(RunConfig.from_dict(rc))
+    client, procedure = client_runtime(rc), FEDRE_METHOD.build_client(RunConfig.from_dict(rc))
     payload = head_payload()
     a, _ = procedure.train(client, payload, train_config(rc, 1))
     b, _ = procedure.train(client, payload, train_config(rc, 2))
@@ -183,7 +182,7 @@ def test_single_class_client_uploads_its_prototype(run_config):
     data = client.data
     keep = data.train_y == data.train_y[0]
     client.__dict__["data"] = dataclasses.replace(data, train_x=data.train_x[keep], train_y=data.train_y[keep])
-    arrays, _ = FedREClient(RunConfig.from_dict(rc)).train(client, head_payload(), train_config(rc))
+    arrays, _ = FEDRE_METHOD.build_client(RunConfig.from_dict(rc)).train(client, head_payload(), train_config(rc))
     c = int(data.train_y[0])
     assert arrays["y"][0].tolist() == np.eye(C, dtype=np.float32)[c].tolist()
     proto, _ = class_means(client.model.extractor, client.data.train_x, client.data.train_y, data.info, client.device)
@@ -278,10 +277,10 @@ def test_receiving_the_head_changes_nothing_else(run_config):
     client = client_runtime(rc)
     extractor = {k: v.clone() for k, v in client.model.extractor.state_dict().items()}
     payload = head_payload(5)
-    FedREClient(RunConfig.from_dict(rc)).train(client, payload, train_config(rc, **{"local-epochs": 0}))
+    FEDRE_METHOD.build_client(RunConfig.from_dict(rc)).train(client, payload, train_config(rc, **{"local-epochs": 0}))
     assert np.array_equal(client.model.head.weight.detach().numpy(), payload["head.weight"])
     assert all(torch.equal(v, client.model.extractor.state_dict()[k]) for k, v in extractor.items())
-    _, metrics = FedREClient(RunConfig.from_dict(rc)).evaluate(client, head_payload(6), {})
+    _, metrics = FEDRE_METHOD.build_client(RunConfig.from_dict(rc)).evaluate(client, head_payload(6), {})
     saved = client.context.state.array_records[MODEL_STATE]
     assert np.array_equal(saved["head.weight"].numpy(), head_payload(6)["head.weight"])
     assert 0 <= metrics["test-acc"] <= 1
@@ -335,7 +334,7 @@ def test_degenerate_client_sends_nothing(run_config):
     client = client_runtime(rc)
     data = client.data
     client.__dict__["data"] = dataclasses.replace(data, train_x=data.train_x[:0], train_y=data.train_y[:0])
-    arrays, metrics = FedREClient(RunConfig.from_dict(rc)).train(client, head_payload(), train_config(rc))
+    arrays, metrics = FEDRE_METHOD.build_client(RunConfig.from_dict(rc)).train(client, head_payload(), train_config(rc))
     assert arrays == {} and metrics["num-examples"] == 0
 
 
@@ -362,6 +361,6 @@ def test_learning_beats_chance_and_server_loss_falls(run_config):
 
 def test_bad_options_fail_fast(run_config):
     with pytest.raises(ConfigError, match="fedre.re-mode"):
-        FedREStrategy(RunConfig.from_dict(fedre_config(run_config, **{"fedre.re-mode": "gaussian"})))
+        FEDRE_METHOD.build_strategy(RunConfig.from_dict(fedre_config(run_config, **{"fedre.re-mode": "gaussian"})))
     with pytest.raises(ConfigError, match="non-linear heads"):
-        FedREStrategy(RunConfig.from_dict(run_config(method="fedre", model_group="htfe8-htc4")))
+        FEDRE_METHOD.build_strategy(RunConfig.from_dict(run_config(method="fedre", model_group="htfe8-htc4")))

@@ -11,11 +11,10 @@ from common.config import ConfigError, RunConfig
 from common.data import normalize
 from conftest import client_runtime, federation, make_run_config, plain_sgd_config
 from strategies.base import ClientReply
-from strategies.fedproto import FedProtoClient
+from strategies.fedproto import METHOD as FEDPROTO_METHOD
+from strategies.fedtgp import METHOD as FEDTGP_METHOD
 from strategies.fedtgp import (
-    FedTGPClient,
     FedTGPOptions,
-    FedTGPStrategy,
     PrototypeGenerator,
     acl_loss,
     adaptive_margin,
@@ -90,7 +89,9 @@ def test_generator_learns_and_persists():
     with torch.no_grad():
         dist = torch.cdist(gen(), torch.from_numpy(centres).float())
     assert dist.argmin(1).tolist() == list(range(5))
-    strategy = FedTGPStrategy(RunConfig.from_dict(make_run_config(method="fedtgp", **{"model-group": "htfe2"})))
+    strategy = FEDTGP_METHOD.build_strategy(
+        RunConfig.from_dict(make_run_config(method="fedtgp", **{"model-group": "htfe2"}))
+    )
     strategy.dims = {"C": 10, "d": K}
     strategy.server_update(
         1,
@@ -109,7 +110,7 @@ def test_generator_learns_and_persists():
 def test_upload_is_eval_mode_class_means(run_config):
     rc = run_config(method="fedtgp", **{"model-group": "htfe2", "num-clients": 4, "max-examples-per-client": 120})
     client = client_runtime(rc, partition_id=1)  # resnet18: has BatchNorm
-    arrays, _ = FedTGPClient(RunConfig.from_dict(rc)).train(client, {}, plain_sgd_config(rc))
+    arrays, _ = FEDTGP_METHOD.build_client(RunConfig.from_dict(rc)).train(client, {}, plain_sgd_config(rc))
     assert set(arrays) == {"protos", "proto_labels"}
     labels = np.unique(client.data.train_y.numpy())
     assert arrays["protos"].dtype == np.float32 and arrays["protos"].shape == (len(labels), K)
@@ -139,15 +140,18 @@ def test_degenerate_uploads():
 
 def test_fedtgp_options_and_fedgh_head_check():
     with pytest.raises(ConfigError, match="'fedtgp.margin'.*'nearest', 'max-pairwise'"):
-        FedTGPStrategy(RunConfig.from_dict(make_run_config(method="fedtgp", **{"fedtgp.margin": "widest"})))
+        FEDTGP_METHOD.build_strategy(
+            RunConfig.from_dict(make_run_config(method="fedtgp", **{"fedtgp.margin": "widest"}))
+        )
     with pytest.raises(ConfigError, match="'fedtgp.reg-form'"):
-        FedTGPStrategy(RunConfig.from_dict(make_run_config(method="fedtgp", **{"fedtgp.reg-form": "l1"})))
+        FEDTGP_METHOD.build_strategy(RunConfig.from_dict(make_run_config(method="fedtgp", **{"fedtgp.reg-form": "l1"})))
     from strategies.registry import build_strategy
 
     with pytest.raises(ConfigError, match="fedgh.*linear header"):
         build_strategy(RunConfig.from_dict(make_run_config(**{"model-group": "htfe8-htc4"})))
     assert isinstance(
-        FedProtoClient(RunConfig.from_dict(make_run_config(method="fedproto"))).options, RegularizerOptions
+        FEDPROTO_METHOD.build_client(RunConfig.from_dict(make_run_config(method="fedproto"))).options,
+        RegularizerOptions,
     )
 
 

@@ -15,6 +15,8 @@ from common.runtime import MODEL_STATE
 from common.training import kd_loss
 from conftest import client_runtime, federation, train_config
 from models.mh import build_mh_model
+from strategies.mh_pfedhn import METHOD as MHPFEDHN_METHOD
+from strategies.mh_pfedhn import METHOD_GD as MHPFEDHNGD_METHOD
 from strategies.mh_pfedhn import (
     TEACHER_STATE,
     HNOptions,
@@ -215,7 +217,7 @@ def test_flat_round_trip_and_zero_lr(run_config):
     assert np.array_equal(flat_delta(model, received), np.zeros_like(theta))
     rc = mh_config(run_config, lr=0.0)
     client = client_runtime(rc)
-    arrays, _ = MHpFedHNClient(RunConfig.from_dict(rc)).train(
+    arrays, _ = MHPFEDHN_METHOD.build_client(RunConfig.from_dict(rc)).train(
         client, {"theta": theta[: K_C10["lenet"]].copy()}, train_config(rc)
     )
     assert not arrays["delta_theta"].any()
@@ -224,7 +226,7 @@ def test_flat_round_trip_and_zero_lr(run_config):
 def test_bn_statistics_persist_locally(run_config):
     rc = mh_config(run_config, model_group="mh-zoo", **{"num-clients": 5})
     client = client_runtime(rc, partition_id=2)  # mhresnet10
-    procedure = MHpFedHNClient(RunConfig.from_dict(rc))
+    procedure = MHPFEDHN_METHOD.build_client(RunConfig.from_dict(rc))
     _, metrics = procedure.query(client, {}, {})
     k = metrics["num-params"]
     assert k == K_C10["mhresnet10"]
@@ -268,7 +270,7 @@ def test_gd_with_zero_alpha_equals_hn_update(run_config):
 def test_gd_teacher_is_this_rounds_untrained_global_model(run_config):
     rc = mh_config(run_config, "mh-pfedhngd")
     client = client_runtime(rc)
-    procedure = MHpFedHNGDClient(RunConfig.from_dict(rc))
+    procedure = MHPFEDHNGD_METHOD.build_client(RunConfig.from_dict(rc))
     w_g = (torch.randn(K_C10["lenet"]) * 0.05).numpy()
     arrays, metrics = procedure.train_global(client, {"w_g": w_g.copy()}, train_config(rc, 3))
     assert arrays["delta_w_g"].shape == w_g.shape and np.abs(arrays["delta_w_g"]).sum() > 0
@@ -343,7 +345,7 @@ def test_single_class_and_tiny_clients(run_config):
     client.__dict__["data"] = dataclasses.replace(
         data, train_x=data.train_x[keep], train_y=data.train_y[keep], test_x=data.test_x[:0], test_y=data.test_y[:0]
     )
-    procedure = MHpFedHNGDClient(RunConfig.from_dict(rc))
+    procedure = MHPFEDHNGD_METHOD.build_client(RunConfig.from_dict(rc))
     theta = (torch.randn(K_C10["lenet"]) * 0.05).numpy()
     procedure.train_global(client, {"w_g": theta.copy()}, train_config(rc))
     arrays, metrics = procedure.train(

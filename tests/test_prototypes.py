@@ -8,10 +8,8 @@ import torch
 from common.config import RunConfig
 from common.data import normalize
 from conftest import client_runtime, federation, plain_sgd_config
-from strategies.fedtgp import (
-    FedTGPClient,
-)
-from strategies.local import LocalClient
+from strategies.fedtgp import METHOD as FEDTGP_METHOD
+from strategies.local import METHOD as LOCAL_METHOD
 from strategies.prototypes import PrototypeRegularizer, RegularizerOptions, nearest_prototype_correct
 
 K = 512
@@ -23,8 +21,8 @@ def test_regulariser_sanity(run_config):
     rc = run_config(**MNIST, **{"num-clients": 5, "fedtgp.lambda": 0.0, "method": "fedtgp"})
     a, b = client_runtime(rc, 2), client_runtime(rc, 2)
     payload = {"global_protos": np.random.default_rng(0).normal(size=(10, K)).astype(np.float32)}
-    FedTGPClient(RunConfig.from_dict(rc)).train(a, payload, plain_sgd_config(rc))
-    LocalClient(RunConfig.from_dict(rc)).train(b, {}, plain_sgd_config(rc))
+    FEDTGP_METHOD.build_client(RunConfig.from_dict(rc)).train(a, payload, plain_sgd_config(rc))
+    LOCAL_METHOD.build_client(RunConfig.from_dict(rc)).train(b, {}, plain_sgd_config(rc))
     for (ka, va), vb in zip(a.model.state_dict().items(), b.model.state_dict().values()):
         assert torch.equal(va, vb), ka
     feats = torch.randn(4, K, requires_grad=True)

@@ -7,7 +7,7 @@ import torch
 from common.config import ConfigError, RunConfig
 from common.results import CHECKPOINT, ResultsWriter
 from conftest import federation
-from strategies.base import HeteroStrategy
+from strategies.base import NO_METHOD, HeteroStrategy
 from strategies.registry import build_strategy
 
 FAST = {"mh-pfedhn.hidden-dim": 16}
@@ -70,7 +70,7 @@ def test_resume_refuses_other_method_and_unsupported(run_config):
     strategy, _ = federation({**rc, "resume-from": str(first.results.path / "missing")})
     with pytest.raises(FileNotFoundError, match="resume-from"):
         strategy.resume()
-    bare = HeteroStrategy(RunConfig.from_dict(rc))  # a method that declares no server state cannot resume
+    bare = HeteroStrategy(RunConfig.from_dict(rc), NO_METHOD)  # a method that declares no server state cannot resume
     assert bare.server_state() is None
     assert np.isfinite(first.rows[0]["accuracy_mean"])
 
