@@ -11,13 +11,13 @@ server before any message is sent.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from common.datasets import AUGMENTATIONS, DATASETS, NORMALIZATIONS, with_recipe
 from common.errors import ConfigError
+from common.options import declared_fields, invalid, option, option_key, read_values
 
 PARTITIONERS = ("iid", "dirichlet", "pathological")
 #: run config ``data-pool``: ``train`` partitions the official train split; ``train+test`` merges the
@@ -37,89 +37,17 @@ LOGGERS = ("none", "tensorboard")
 INITS = ("independent", "identical")
 
 
-def _fail(key: str, value: Any, allowed: str) -> ConfigError:
-    return ConfigError(f"run config key '{key}' = {value!r} is invalid: allowed values are {allowed}")
+def _model_groups() -> tuple[str, ...]:
+    from models.groups import MODEL_GROUPS  # imports torch: only when a config is read
 
-
-def choice(key: str, value: Any, allowed: tuple[str, ...] | list[str]) -> str:
-    """Return ``value`` if it is one of ``allowed``.
-
-    Raises:
-        ConfigError: naming ``key`` and listing the allowed values.
-    """
-    if not isinstance(value, str) or value not in allowed:
-        raise _fail(key, value, ", ".join(repr(a) for a in allowed))
-    return value
-
-
-#: the range of every integer key unless it declares a narrower one: Flower carries run config
-#: integers as signed 64-bit (``sint64``), so a larger one passes nowhere
-INT64 = (-(2**63), 2**63 - 1)
-
-
-def number(
-    key: str,
-    value: Any,
-    *,
-    kind: type = float,
-    low: float | None = None,
-    high: float | None = None,
-    low_open: bool = False,
-) -> Any:
-    """Return ``value`` as ``kind`` (int or float) if it is finite and lies in the given range.
-
-    Every numeric run config key and method option is read here, so this is the one place that
-    refuses NaN and infinity (a ``<``/``>`` range check lets NaN through, and Flower compares a
-    run's config before and after each message, where NaN != NaN) and integers outside
-    :data:`INT64` (or the key's narrower ``low``/``high``). ``low_open=True`` excludes ``low``
-    itself (e.g. a learning rate must be > 0).
-
-    Raises:
-        ConfigError: naming ``key`` and the allowed range.
-    """
-    if kind is int:
-        low = INT64[0] if low is None else max(low, INT64[0])
-        high = INT64[1] if high is None else min(high, INT64[1])
-    allowed = f"finite {'integers' if kind is int else 'numbers'}{_range_text(low, high, low_open)}"
-    ok_types = (int,) if kind is int else (int, float)
-    if isinstance(value, bool) or not isinstance(value, ok_types):
-        raise _fail(key, value, f"{'an integer' if kind is int else 'a number'}{_range_text(low, high, low_open)}")
-    try:
-        v = kind(value)
-    except OverflowError:  # an integer beyond float range given for a float key
-        raise _fail(key, value, allowed) from None
-    if (
-        (kind is float and not math.isfinite(v))
-        or (low is not None and (v < low or (low_open and v == low)))
-        or (high is not None and v > high)
-    ):
-        raise _fail(key, value, allowed)
-    return v
-
-
-def flag(key: str, value: Any) -> bool:
-    """Return ``value`` if it is a bool.
-
-    Raises:
-        ConfigError: naming ``key``.
-    """
-    if not isinstance(value, bool):
-        raise _fail(key, value, "true, false")
-    return value
-
-
-def _range_text(low: float | None, high: float | None, low_open: bool) -> str:
-    parts = []
-    if low is not None:
-        parts.append(f"{'>' if low_open else '>='} {low}")
-    if high is not None:
-        parts.append(f"<= {high}")
-    return (" " + " and ".join(parts)) if parts else ""
+    return tuple(MODEL_GROUPS)
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Validated run configuration shared by server and clients.
+    """Validated run configuration shared by server and clients: every key of
+    ``[tool.flwr.app.config]``, declared once with :func:`common.options.option` (type, default,
+    bounds or allowed values, meaning) and read by the same reader as the method options.
 
     Units: ``round_timeout`` and ``connect_timeout`` in seconds; ``fraction_train`` and ``test_fraction`` are
     fractions in [0, 1], never percent. ``augment``, ``normalize`` and ``init`` set the training recipe
@@ -127,109 +55,173 @@ class RunConfig:
     server learns N from the nodes' ``num-partitions`` at the handshake.
     """
 
-    method: str
-    dataset: str
-    data_dir: str
-    data_pool: str
-    partitioner: str
-    dirichlet_alpha: float
-    dirichlet_min_size: int
-    dirichlet_self_balancing: bool
-    classes_per_client: int
-    test_fraction: float
-    max_examples_per_client: int
-    model_group: str
-    feature_dim: int
-    num_clients: int
-    num_server_rounds: int
-    stop_patience: int
-    local_epochs: int
-    batch_size: int
-    lr: float
-    momentum: float
-    weight_decay: float
-    clip_norm: float
-    fraction_train: float
-    eval_every: int
-    eval_clients: str
-    seed: int
-    partition_seed: int
-    output_dir: str
-    resume_from: str
-    state_dir: str
-    device: str
-    precision: str
-    batch_order: str
-    round_timeout: float
-    connect_timeout: float
-    logger: str
-    augment: str
-    normalize: str
-    init: str
+    method: str = option("fedgh", "the method (see the method table); checked by `strategies.registry`", nonempty=True)
+    dataset: str = option(
+        "cifar10",
+        "`cifar10`, `mnist`, `fashion-mnist` offline from `data-dir`; `cifar100` from the Hugging Face Hub "
+        "(needs internet)",
+        choices=tuple(DATASETS),
+    )
+    data_dir: str = option(
+        "../shared/data",
+        "folder with `<dataset>/{train,test}.parquet` (Hugging Face schema), relative to the working directory; "
+        "a SuperNode's `--node-config data-dir=...` overrides it",
+        nonempty=True,
+    )
+    data_pool: str = option(
+        "train",
+        "`train`: the official train split is partitioned; `train+test`: the official train and test splits are "
+        "merged first, as the PFLlib/HtFLlib generators behind FedTGP and FedRE do (each client's test split then "
+        "comes from the pool)",
+        choices=DATA_POOLS,
+    )
+    partitioner: str = option(
+        "pathological",
+        "flwr-datasets partitioner over the pool: `iid`, `dirichlet` (`dirichlet-*` keys), `pathological` "
+        "(`classes-per-client`)",
+        choices=PARTITIONERS,
+    )
+    dirichlet_alpha: float = option(0.5, "concentration of the Dirichlet partitioner", low=0, low_open=True)
+    dirichlet_min_size: int = option(
+        2, "the Dirichlet draw is repeated until every partition has at least this many samples", low=1
+    )
+    dirichlet_self_balancing: bool = option(
+        False, "a partition above the average size gets no more samples (PFLlib/HtFLlib's rule: FedRE, FedTGP)"
+    )
+    classes_per_client: int = option(2, "classes per client of the pathological partitioner", low=1)
+    test_fraction: float = option(
+        0.2,
+        "share of each client's partition kept as its local test split (same class proportions, seeded)",
+        low=0,
+        high=0.9,
+        low_open=True,
+    )
+    max_examples_per_client: int = option(
+        0, "cap per partition before the split, class proportions kept (+-1 per class; 0: all): quick runs", low=0
+    )
+    model_group: str = option(
+        "hetero-cnn5",
+        "the clients' architectures: client k gets member k mod size (CNN-1..5, FedTGP's HtFE/HtCNN zoo, FedRE's, "
+        "MH-pFedHN's; see the model table)",
+        choices=_model_groups,
+    )
+    feature_dim: int = option(
+        512, "K, the representation size of the zoo groups (fixed pooling to K); CNN-1..5 give 500", low=1
+    )
+    num_clients: int = option(
+        0,
+        "0: every node of the federation (N from the nodes' `num-partitions`); N > 0: exactly N, a node whose "
+        "`num-partitions` differs fails the run at the handshake",
+        low=0,
+    )
+    num_server_rounds: int = option(20, "rounds", low=1)
+    stop_patience: int = option(
+        0,
+        "stop once this many rounds have passed since the round of the best `accuracy_mean` (0: off); the last "
+        "row's and the summary's `stop_reason` say why, and a resumed run counts from its rows",
+        low=0,
+    )
+    local_epochs: int = option(1, "local epochs per round", low=0)
+    batch_size: int = option(64, "local mini-batch size", low=1)
+    lr: float = option(0.01, "local SGD learning rate", low=0)
+    momentum: float = option(0.9, "local SGD momentum", low=0, high=1)
+    weight_decay: float = option(0.001, "local SGD weight decay", low=0)
+    clip_norm: float = option(50.0, "global gradient-norm clip of local training (0: off)", low=0)
+    fraction_train: float = option(
+        1.0, "share of clients sampled per round: K = max(1, floor(fraction x N)), seeded", low=0, high=1, low_open=True
+    )
+    eval_every: int = option(1, "evaluate the clients' personal models every n rounds (and the last)", low=1)
+    eval_clients: str = option(
+        "all",
+        "`all`: every client every `eval-every` rounds; `trained`: only this round's sampled clients, right after "
+        "training (FedMRL's official protocol A)",
+        choices=EVAL_CLIENTS,
+    )
+    seed: int = option(42, "seed of the training (model initialisation, sampling, batch order, augmentation)", low=0)
+    partition_seed: int = option(
+        -1,
+        "seed of the partition and each client's train/test split; -1: `seed` (a fixed one holds the partition "
+        "while `seed` varies the training, as the papers' repetitions do)",
+        low=-1,
+    )
+    output_dir: str = option("outputs", "folder of the run folders", nonempty=True)
+    resume_from: str = option(
+        "",
+        "a previous run folder: continue after its last completed round from its `checkpoint.pt` (every method; "
+        "clients find their state through `state-dir` or the run folder)",
+    )
+    state_dir: str = option(
+        "",
+        "folder for every client's state on disk (personal model, projector, ...); a SuperNode's node config "
+        "`state-dir` overrides it. Without it a simulation keeps client state in `<run folder>/client-state/`, a "
+        "deployed SuperNode in `context.state` (lost when it restarts)",
+    )
+    device: str = option(
+        "auto", "where clients train: `auto` (a GPU when there is one), `cpu`, `cuda`", choices=DEVICES
+    )
+    precision: str = option(
+        "fp32",
+        "`fp32` (the papers' recipe) or `bf16`: local training's forward pass and loss under bfloat16 autocast "
+        "(weights, gradients and optimiser in float32), for CPUs with AVX512-BF16 and GPUs",
+        choices=PRECISIONS,
+    )
+    batch_order: str = option(
+        "shuffle",
+        "`shuffle`: reshuffled every epoch, the last partial batch kept; `fixed`: the partition's own order every "
+        "epoch, the last partial batch dropped (HtFLlib's loader, FedTGP's code)",
+        choices=BATCH_ORDERS,
+    )
+    round_timeout: float = option(
+        3600.0,
+        "seconds to wait for a round's replies; later ones are recorded in `dropped_clients`",
+        low=0,
+        low_open=True,
+    )
+    connect_timeout: float = option(
+        600.0, "seconds to wait for all clients to connect and answer the handshake", low=0, low_open=True
+    )
+    logger: str = option(
+        "none", "`tensorboard`: also write every round row as TensorBoard scalars into the run folder", choices=LOGGERS
+    )
+    augment: str = option(
+        "auto",
+        "training augmentation: `auto` (FedGH's code: flip + random erasing + crop for CIFAR, crop for MNIST and "
+        "Fashion-MNIST), `none` (FedTGP, FedRE, MH-pFedHN code) or one of the named pipelines",
+        choices=AUGMENTATIONS,
+    )
+    normalize: str = option(
+        "auto",
+        "`auto` (ImageNet statistics for CIFAR-10 as FedGH's code, the dataset's own otherwise), `imagenet`, "
+        "`dataset` (MH-pFedHN code), `half` (mean = std = 0.5: HtFLlib/PFLlib, FedTGP, FedRE)",
+        choices=NORMALIZATIONS,
+    )
+    init: str = option(
+        "independent",
+        "`independent`: client k's model from seed + k (FedGH's code); `identical`: every client of one "
+        "architecture starts from the same weights (HtFLlib/PFLlib)",
+        choices=INITS,
+    )
     extra: tuple[tuple[str, Any], ...] = ()  # other keys (method tables), sorted; a tuple keeps cfg hashable
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> RunConfig:
         """Parse and validate a flat Flower run config.
 
-        Dataset and model-group names are checked against their registries; the method
-        name and its options are checked by ``strategies.registry``.
+        Every key is checked against its declaration; the method name and its options are
+        checked by ``strategies.registry``.
 
         Raises:
             ConfigError: on the first missing or invalid key.
         """
-        from models.groups import MODEL_GROUPS  # imports torch: only when a config is parsed
-
-        names = {f.name.replace("_", "-") for f in fields(cls)} - {"extra"}
+        names = {option_key(f) for f, _ in declared_fields(cls)}
         missing = sorted(names - set(raw))
         if missing:
             raise ConfigError(f"run config is missing key(s): {', '.join(missing)}")
-        g = raw.__getitem__
-        cfg = cls(
-            method=_string("method", g("method")),
-            dataset=choice("dataset", g("dataset"), tuple(DATASETS)),
-            data_dir=_string("data-dir", g("data-dir")),
-            data_pool=choice("data-pool", g("data-pool"), DATA_POOLS),
-            partitioner=choice("partitioner", g("partitioner"), PARTITIONERS),
-            dirichlet_alpha=number("dirichlet-alpha", g("dirichlet-alpha"), low=0, low_open=True),
-            dirichlet_min_size=number("dirichlet-min-size", g("dirichlet-min-size"), kind=int, low=1),
-            dirichlet_self_balancing=flag("dirichlet-self-balancing", g("dirichlet-self-balancing")),
-            classes_per_client=number("classes-per-client", g("classes-per-client"), kind=int, low=1),
-            test_fraction=number("test-fraction", g("test-fraction"), low=0, high=0.9, low_open=True),
-            max_examples_per_client=number("max-examples-per-client", g("max-examples-per-client"), kind=int, low=0),
-            model_group=choice("model-group", g("model-group"), tuple(MODEL_GROUPS)),
-            feature_dim=number("feature-dim", g("feature-dim"), kind=int, low=1),
-            num_clients=number("num-clients", g("num-clients"), kind=int, low=0),
-            num_server_rounds=number("num-server-rounds", g("num-server-rounds"), kind=int, low=1),
-            stop_patience=number("stop-patience", g("stop-patience"), kind=int, low=0),
-            local_epochs=number("local-epochs", g("local-epochs"), kind=int, low=0),
-            batch_size=number("batch-size", g("batch-size"), kind=int, low=1),
-            lr=number("lr", g("lr"), low=0),
-            momentum=number("momentum", g("momentum"), low=0, high=1),
-            weight_decay=number("weight-decay", g("weight-decay"), low=0),
-            clip_norm=number("clip-norm", g("clip-norm"), low=0),
-            fraction_train=number("fraction-train", g("fraction-train"), low=0, high=1, low_open=True),
-            eval_every=number("eval-every", g("eval-every"), kind=int, low=1),
-            eval_clients=choice("eval-clients", g("eval-clients"), EVAL_CLIENTS),
-            seed=number("seed", g("seed"), kind=int, low=0),
-            partition_seed=number("partition-seed", g("partition-seed"), kind=int, low=-1),
-            output_dir=_string("output-dir", g("output-dir")),
-            resume_from=_optional_string("resume-from", g("resume-from")),
-            state_dir=_optional_string("state-dir", g("state-dir")),
-            device=choice("device", g("device"), DEVICES),
-            precision=choice("precision", g("precision"), PRECISIONS),
-            batch_order=choice("batch-order", g("batch-order"), BATCH_ORDERS),
-            round_timeout=number("round-timeout", g("round-timeout"), low=0, low_open=True),
-            connect_timeout=number("connect-timeout", g("connect-timeout"), low=0, low_open=True),
-            logger=choice("logger", g("logger"), LOGGERS),
-            augment=choice("augment", g("augment"), AUGMENTATIONS),
-            normalize=choice("normalize", g("normalize"), NORMALIZATIONS),
-            init=choice("init", g("init"), INITS),
-            extra=tuple(sorted((k, v) for k, v in raw.items() if k not in names)),
-        )
+        extra = tuple(sorted((k, v) for k, v in raw.items() if k not in names))
+        cfg = cls(**read_values(cls, raw), extra=extra)
         info = with_recipe(DATASETS[cfg.dataset], cfg.augment, cfg.normalize)
         if cfg.classes_per_client > info.num_classes:
-            raise _fail(
+            raise invalid(
                 "classes-per-client",
                 cfg.classes_per_client,
                 f"integers from 1 to {info.num_classes} for dataset '{cfg.dataset}'",
@@ -266,15 +258,3 @@ class RunConfig:
         out = {k.replace("_", "-"): v for k, v in asdict(self).items() if k != "extra"}
         out.update(dict(self.extra))
         return out
-
-
-def _optional_string(key: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise _fail(key, value, "a string (empty: off)")
-    return value
-
-
-def _string(key: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise _fail(key, value, "a non-empty string")
-    return value

@@ -1,45 +1,133 @@
-"""Method options declared once: a frozen dataclass whose fields are :func:`option` s.
+"""Options declared once: frozen dataclasses whose fields are :func:`option` s, and the one reader
+that validates them.
 
-A method's options live in the run config table named after the method
-(``[tool.flwr.app.config.fedgh]``, flattened by Flower to ``fedgh.server-lr``). Each field of the
-method's options dataclass declares one key: its name (field ``server_lr`` is key ``server-lr``; a
-trailing underscore is dropped, so ``lambda_`` is ``lambda``), its type (``bool``, ``int``,
-``float`` or ``str``), default, bounds or allowed values and a one-line meaning.
-:func:`read_options` reads and validates any method's table from that declaration alone, rejects
-keys it does not declare, and :func:`option_rows` gives the README's option table.
+Every key of the run config is declared this way: :class:`common.config.RunConfig`'s keys
+(``[tool.flwr.app.config]``) and each method's options (the table named after the method,
+``[tool.flwr.app.config.fedgh]``, flattened by Flower to ``fedgh.server-lr``). A field declares one
+key: its name (field ``server_lr`` is key ``server-lr``; a trailing underscore is dropped, so
+``lambda_`` is ``lambda``), its type (``bool``, ``int``, ``float`` or ``str``), default, bounds or
+allowed values and its meaning. :func:`read_values` reads and validates any set of keys from that
+declaration alone, and :func:`option_rows` gives the documentation's key tables.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from common.config import RunConfig, choice, flag, number
 from common.errors import ConfigError
 
+if TYPE_CHECKING:
+    from common.config import RunConfig
+
 T = TypeVar("T")
+
+#: the range of every integer key unless it declares a narrower one: Flower carries run config
+#: integers as signed 64-bit (``sint64``), so a larger one passes nowhere
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def invalid(key: str, value: Any, allowed: str) -> ConfigError:
+    """The error of a run config value outside its declaration, naming the key and what is allowed."""
+    return ConfigError(f"run config key '{key}' = {value!r} is invalid: allowed values are {allowed}")
+
+
+def choice(key: str, value: Any, allowed: tuple[str, ...] | list[str]) -> str:
+    """Return ``value`` if it is one of ``allowed``.
+
+    Raises:
+        ConfigError: naming ``key`` and listing the allowed values.
+    """
+    if not isinstance(value, str) or value not in allowed:
+        raise invalid(key, value, ", ".join(repr(a) for a in allowed))
+    return value
+
+
+def number(
+    key: str,
+    value: Any,
+    *,
+    kind: type = float,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> Any:
+    """Return ``value`` as ``kind`` (int or float) if it is finite and lies in the given range.
+
+    Every numeric run config key and method option is read here, so this is the one place that
+    refuses NaN and infinity (a ``<``/``>`` range check lets NaN through, and Flower compares a
+    run's config before and after each message, where NaN != NaN) and integers outside
+    :data:`INT64` (or the key's narrower ``low``/``high``). ``low_open=True`` excludes ``low``
+    itself (e.g. a learning rate must be > 0).
+
+    Raises:
+        ConfigError: naming ``key`` and the allowed range.
+    """
+    if kind is int:
+        low = INT64[0] if low is None else max(low, INT64[0])
+        high = INT64[1] if high is None else min(high, INT64[1])
+    allowed = f"finite {'integers' if kind is int else 'numbers'}{_range_text(low, high, low_open)}"
+    ok_types = (int,) if kind is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, ok_types):
+        raise invalid(key, value, f"{'an integer' if kind is int else 'a number'}{_range_text(low, high, low_open)}")
+    try:
+        v = kind(value)
+    except OverflowError:  # an integer beyond float range given for a float key
+        raise invalid(key, value, allowed) from None
+    if (
+        (kind is float and not math.isfinite(v))
+        or (low is not None and (v < low or (low_open and v == low)))
+        or (high is not None and v > high)
+    ):
+        raise invalid(key, value, allowed)
+    return v
+
+
+def flag(key: str, value: Any) -> bool:
+    """Return ``value`` if it is a bool.
+
+    Raises:
+        ConfigError: naming ``key``.
+    """
+    if not isinstance(value, bool):
+        raise invalid(key, value, "true, false")
+    return value
+
+
+def _range_text(low: float | None, high: float | None, low_open: bool) -> str:
+    parts = []
+    if low is not None:
+        parts.append(f"{'>' if low_open else '>='} {low}")
+    if high is not None:
+        parts.append(f"<= {high}")
+    return (" " + " and ".join(parts)) if parts else ""
 
 
 def option(
     default: Any,
     meaning: str,
     *,
-    choices: tuple[str, ...] | None = None,
+    choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None,
     low: float | None = None,
     high: float | None = None,
     low_open: bool = False,
+    nonempty: bool = False,
 ) -> Any:
-    """One option of a method's options dataclass (use as the field's default).
+    """One key of an options dataclass (use as the field's default).
 
     Args:
         default: the value when the run config does not set the key (must equal ``pyproject.toml``'s).
-        meaning: one line for the README's option table.
-        choices: allowed values of a ``str`` option (required for one).
-        low, high, low_open: bounds of a number option (``low_open``: ``low`` itself excluded).
+        meaning: what the key does, for the documentation's key table.
+        choices: allowed values of a ``str`` key, or a function returning them (a registry that is
+            expensive to import); None: any string.
+        low, high, low_open: bounds of a number key (``low_open``: ``low`` itself excluded).
+        nonempty: a ``str`` key must not be empty.
     """
     meta = {"meaning": meaning, "choices": choices, "low": low, "high": high, "low_open": low_open}
-    return dataclasses.field(default=default, metadata=meta)
+    return dataclasses.field(default=default, metadata={**meta, "nonempty": nonempty})
 
 
 def option_key(field: dataclasses.Field) -> str:
@@ -47,13 +135,18 @@ def option_key(field: dataclasses.Field) -> str:
     return field.name.rstrip("_").replace("_", "-")
 
 
-def _typed_fields(cls: type) -> list[tuple[dataclasses.Field, type]]:
+def declared_fields(cls: type) -> list[tuple[dataclasses.Field, type]]:
+    """``(field, type)`` of every :func:`option` field of ``cls``, in declaration order."""
     hints = typing.get_type_hints(cls)
-    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if "meaning" in f.metadata]
+
+
+def _choices(meta: Mapping[str, Any]) -> tuple[str, ...] | None:
+    return meta["choices"]() if callable(meta["choices"]) else meta["choices"]
 
 
 def check_value(key: str, value: Any, field: dataclasses.Field, kind: type) -> Any:
-    """``value`` of option ``key`` checked against its declaration; returns it typed.
+    """``value`` of key ``key`` checked against its declaration; returns it typed.
 
     Raises:
         ConfigError: naming ``key`` and its allowed values.
@@ -62,8 +155,26 @@ def check_value(key: str, value: Any, field: dataclasses.Field, kind: type) -> A
     if kind is bool:
         return flag(key, value)
     if kind is str:
-        return choice(key, value, meta["choices"])
+        allowed = _choices(meta)
+        if allowed is not None:
+            return choice(key, value, allowed)
+        if not isinstance(value, str) or (meta["nonempty"] and not value):
+            raise invalid(key, value, "a non-empty string" if meta["nonempty"] else "a string (empty: off)")
+        return value
     return number(key, value, kind=kind, low=meta["low"], high=meta["high"], low_open=meta["low_open"])
+
+
+def read_values(cls: type, given: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Field name -> validated value of every option of ``cls`` from ``given`` (keys without
+    ``prefix``); a key ``given`` lacks takes its declared default.
+
+    Raises:
+        ConfigError: a value outside its declaration, naming ``prefix + key`` and what is allowed.
+    """
+    return {
+        f.name: check_value(f"{prefix}{option_key(f)}", given.get(option_key(f), f.default), f, kind)
+        for f, kind in declared_fields(cls)
+    }
 
 
 def read_options(cls: type[T], cfg: RunConfig, table: str | None = None) -> T:
@@ -78,18 +189,14 @@ def read_options(cls: type[T], cfg: RunConfig, table: str | None = None) -> T:
     """
     table = table or cfg.method
     given = cfg.method_options(table)
-    typed = {option_key(f): (f, kind) for f, kind in _typed_fields(cls)}
-    unknown = sorted(set(given) - set(typed))
+    known = [option_key(f) for f, _ in declared_fields(cls)]
+    unknown = sorted(set(given) - set(known))
     if unknown:
-        known = ", ".join(repr(k) for k in typed) or "none"
         raise ConfigError(
             f"run config key(s) {', '.join(repr(f'{table}.{k}') for k in unknown)} unknown: "
-            f"the keys of [{table}] are {known}"
+            f"the keys of [{table}] are {', '.join(repr(k) for k in known) or 'none'}"
         )
-    values = {
-        f.name: check_value(f"{table}.{key}", given.get(key, f.default), f, kind) for key, (f, kind) in typed.items()
-    }
-    options = cls(**values)
+    options = cls(**read_values(cls, given, f"{table}."))
     if hasattr(options, "check"):
         options.check(cfg)
     return options
@@ -97,25 +204,30 @@ def read_options(cls: type[T], cfg: RunConfig, table: str | None = None) -> T:
 
 def option_defaults(cls: type) -> dict[str, Any]:
     """Key -> declared default of every option of ``cls``."""
-    return {option_key(f): f.default for f in dataclasses.fields(cls)}
+    return {option_key(f): f.default for f, _ in declared_fields(cls)}
 
 
 def option_rows(cls: type) -> list[tuple[str, str, str, str]]:
     """``(key, default, allowed, meaning)`` of every option of ``cls``, as Markdown cell texts."""
     rows = []
-    for f, kind in _typed_fields(cls):
+    for f, kind in declared_fields(cls):
         meta = f.metadata
         if kind is bool:
             allowed = "`true`, `false`"
         elif kind is str:
-            allowed = ", ".join(f"`{c}`" for c in meta["choices"])
+            names = _choices(meta)
+            free = "a non-empty string" if meta["nonempty"] else "a string (empty: off)"
+            allowed = ", ".join(f"`{c}`" for c in names) if names is not None else free
         else:
-            bounds = []
-            if meta["low"] is not None:
-                bounds.append(f"{'>' if meta['low_open'] else '>='} {meta['low']}")
-            if meta["high"] is not None:
-                bounds.append(f"<= {meta['high']}")
-            allowed = ("integer" if kind is int else "number") + (" " + " and ".join(bounds) if bounds else "")
+            allowed = ("integer" if kind is int else "number") + _range_text(
+                meta["low"], meta["high"], meta["low_open"]
+            )
         default = str(f.default).lower() if kind is bool else (f'"{f.default}"' if kind is str else repr(f.default))
         rows.append((f"`{option_key(f)}`", f"`{default}`", allowed, meta["meaning"].replace("|", "\\|")))
     return rows
+
+
+def option_table(cls: type) -> str:
+    """Markdown table (key, default, allowed, meaning) of every option of ``cls`` (:func:`option_rows`)."""
+    lines = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in option_rows(cls)]) + "\n"

@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.config import RunConfig, number
+from common.config import RunConfig
 from common.datasets import DATASETS
 from common.metrics import fraction
-from common.options import option
+from common.options import number, option
 from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics, train_personal_model
 from models.base import SplitModel

@@ -1,7 +1,7 @@
 """The methods: one :class:`strategies.method.Method` descriptor per method module, listed once.
 
-``python -m strategies.registry`` prints every method's option table (the README's "Method
-options" section).
+``python -m strategies.registry`` prints the run config key table and every method's option table
+(the generated sections of ``docs/configuration.md``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from functools import lru_cache
 
 from common.config import ConfigError, RunConfig
-from common.options import option_defaults, option_rows
+from common.options import option_defaults, option_rows, option_table
 from strategies import fd, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml, lg_fedavg, local, mh_pfedhn
 from strategies.method import Method
 
@@ -88,19 +88,17 @@ def all_message_types() -> list[str]:
 
 def option_tables() -> str:
     """Markdown: one option table per method with options (key, default, allowed values, meaning)."""
-    out = []
-    for m in METHODS.values():
-        rows = option_rows(m.options)
-        if rows:
-            out += [
-                f"`[tool.flwr.app.config.{m.name}]`",
-                "",
-                "| key | default | allowed | meaning |",
-                "|---|---|---|---|",
-            ]
-            out += ["| " + " | ".join(r) + " |" for r in rows] + [""]
-    return "\n".join(out)
+    return "\n".join(
+        f"`[tool.flwr.app.config.{m.name}]`\n\n{option_table(m.options)}"
+        for m in METHODS.values()
+        if option_rows(m.options)
+    )
+
+
+def key_table() -> str:
+    """Markdown: the table of every run config key of ``[tool.flwr.app.config]`` (``RunConfig``)."""
+    return option_table(RunConfig)
 
 
 if __name__ == "__main__":
-    sys.stdout.write(option_tables())
+    sys.stdout.write(f"{key_table()}\n{option_tables()}")

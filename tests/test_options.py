@@ -22,6 +22,12 @@ def test_pyproject_defaults_equal_the_declared_ones():
     assert tables <= set(METHODS)  # no table of an unknown method
 
 
+def test_pyproject_run_config_defaults_equal_the_declared_ones():
+    declared = option_defaults(RunConfig)
+    assert {k: v for k, v in app_defaults().items() if "." not in k} == declared
+    assert declared["method"] == "fedgh" and declared["partition-seed"] == -1
+
+
 def test_readme_option_tables_are_the_generated_ones():
     readme = (ROOT / "README.md").read_text()
     section = re.search(r"<!-- option tables: begin.*?-->\n(.*?)<!-- option tables: end -->", readme, re.S)

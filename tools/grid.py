@@ -38,9 +38,9 @@ from pathlib import Path
 
 from flwr.common.config import parse_config_args
 
-from common.config import number
 from common.errors import ConfigError
 from common.files import SUMMARY_FILE, read_json_object, read_rows, read_summary
+from common.options import number
 from tools.run import ROOT, add_config_arguments, interrupt, read_config, stop_on_signals, validate_configs
 
 GRID_FILE = "grid.json"
