@@ -58,7 +58,7 @@ def round_row(
     gpu: Mapping[str, Mapping[str, Any]] | None = None,
     ray_nodes: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """One round's results row (one line of ``metrics.jsonl``; see the README for its keys).
+    """One round's results row (one line of ``metrics.jsonl``; see the README's Quickstart for its keys).
 
     Args:
         server_round: the round; train: the round's train metrics (:func:`round_metrics` and the

@@ -2,7 +2,7 @@
 
 The end-to-end test builds and starts the whole stack (minutes), so it runs only with
 ``MHFL_COMPOSE_TEST=1``, a Docker engine that answers and the flwr/* images present
-(docker/setup-host.sh makes all three on a Debian machine; see README "docker compose").
+(docker/setup-host.sh makes all three on a Debian machine; see docs/compose.md).
 """
 
 from __future__ import annotations

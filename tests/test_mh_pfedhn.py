@@ -373,7 +373,7 @@ def test_same_seed_same_weights_and_metrics(run_config):
 
 # 14 (scaled down): the generated models learn. At Adam lr 2e-4 the hypernetwork needs hundreds of
 # client steps before its models beat a 2-class chance level (a 30-round check is a
-# benchmark, see README); here a larger server lr shows the trend within the test budget.
+# benchmark, see docs/methods/mh-pfedhn.md); here a larger server lr shows the trend within the test budget.
 def test_generated_models_learn(run_config):
     rc = mh_config(
         run_config,

@@ -1,4 +1,5 @@
-"""Method options are declared once: pyproject.toml, the README and both apps agree with the declarations."""
+"""Run config keys and method options are declared once: pyproject.toml, docs/configuration.md and both apps agree
+with the declarations."""
 
 import re
 from dataclasses import dataclass
@@ -8,7 +9,7 @@ import pytest
 from common.config import ConfigError, RunConfig
 from common.options import option, option_defaults, option_rows, read_options
 from conftest import ROOT, federation, make_run_config
-from strategies.registry import METHODS, client_procedure, option_tables
+from strategies.registry import METHODS, client_procedure, key_table, option_tables
 from tools.run import app_defaults
 
 
@@ -28,12 +29,25 @@ def test_pyproject_run_config_defaults_equal_the_declared_ones():
     assert declared["method"] == "fedgh" and declared["partition-seed"] == -1
 
 
-def test_readme_option_tables_are_the_generated_ones():
-    readme = (ROOT / "README.md").read_text()
-    section = re.search(r"<!-- option tables: begin.*?-->\n(.*?)<!-- option tables: end -->", readme, re.S)
-    assert section is not None and section.group(1) == option_tables()
-    assert "`[tool.flwr.app.config.fedgh]`" in section.group(1)
-    assert '| `server-mode` | `"per-lar"` |' in section.group(1)
+def generated_section(name: str) -> str:
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    section = re.search(rf"<!-- {name}: begin.*?-->\n(.*?)<!-- {name}: end -->", page, re.S)
+    assert section is not None, name
+    return section.group(1)
+
+
+def test_the_option_tables_of_the_docs_are_the_generated_ones():
+    section = generated_section("option tables")
+    assert section == option_tables()
+    assert "`[tool.flwr.app.config.fedgh]`" in section
+    assert '| `server-mode` | `"per-lar"` |' in section
+
+
+def test_the_key_table_of_the_docs_is_the_generated_one():
+    section = generated_section("key table")
+    assert section == key_table()
+    assert '| `data-pool` | `"train"` | `train`, `train+test` |' in section
+    assert "| `partition-seed` | `-1` | integer >= -1 |" in section
 
 
 @dataclass(frozen=True)

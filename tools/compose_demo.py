@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             if config["method"] != "fedgh":
                 raise ConfigError(
                     f"run config key 'method' = {config['method']!r}: the demo checks FedGH's payload bytes; "
-                    "run other methods on the stack with flwr run (see the README)"
+                    "run other methods on the stack with flwr run (see docs/compose.md)"
                 )
             validate_configs([config])
         except ConfigError as exc:

@@ -1,6 +1,6 @@
 """Deploy across machines: certificates, node keys, SuperLink, SuperNodes, the CLI connection.
 
-Usage (each host runs its part; see README "Deploy across machines"):
+Usage (each host runs its part; see docs/deployment.md):
 
     python -m tools.deploy certs --out certs --name superlink.example.org --ip 10.0.0.5
     python -m tools.deploy keys --out keys --nodes 3

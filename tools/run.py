@@ -137,7 +137,7 @@ def check_ray_cluster(address: str, cpus: float, gpus: float | None) -> bool:
         except OSError as exc:
             raise ConfigError(
                 f"--ray-address {address}: no Ray cluster answers there ({exc}); start its head with "
-                f"'ray start --head --port {port}' (README: Simulation on a Ray cluster)"
+                f"'ray start --head --port {port}' (docs/running.md: Simulation on a Ray cluster)"
             ) from None
     error, nodes = cluster_nodes(address)
     if error:
