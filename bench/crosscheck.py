@@ -566,15 +566,18 @@ def compare(ours: list[list[float]], reference: list[list[float]]) -> dict:
     return {"ours": stats(a), "reference": stats(b), "largest_gap": float(gap[worst]), "largest_gap_round": worst + 1}
 
 
-def plot(method: str, ours: list[list[float]], reference: list[list[float]], out: Path) -> None:
-    """``out``: accuracy by round, mean line and min-max band over seeds, ours and HtFLlib's."""
+def plot(
+    method: str, ours: list[list[float]], reference: list[list[float]], out: Path, reference_name: str = "HtFLlib"
+) -> None:
+    """``out``: accuracy by round, mean line and min-max band over seeds, ours and the reference's
+    (``reference_name`` in the legend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label, curves, color in (("ours", ours, "tab:blue"), ("HtFLlib", reference, "tab:orange")):
+    for label, curves, color in (("ours", ours, "tab:blue"), (reference_name, reference, "tab:orange")):
         x = np.asarray(curves, dtype=float)
         rounds = np.arange(1, x.shape[1] + 1)
         with warnings.catch_warnings():

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from common.datasets import AUGMENTATIONS, DATASETS, NORMALIZATIONS, with_recipe
 from common.errors import ConfigError
 from common.options import declared_fields, invalid, option, option_key, read_values
+
+T = TypeVar("T")
 
 PARTITIONERS = ("iid", "dirichlet", "pathological")
 #: run config ``data-pool``: ``train`` partitions the official train split; ``train+test`` merges the
@@ -258,3 +260,28 @@ class RunConfig:
         out = {k.replace("_", "-"): v for k, v in asdict(self).items() if k != "extra"}
         out.update(dict(self.extra))
         return out
+
+
+def read_options(cls: type[T], cfg: RunConfig, table: str | None = None) -> T:
+    """The options of table ``table`` (default: the run's method) of ``cfg``, validated.
+
+    Keys the table does not set take their declared default. If ``cls`` has a ``check(cfg)``
+    method (cross-key or cross-config rules), it runs last.
+
+    Raises:
+        ConfigError: an unknown key in the table (naming it and the table's keys), or a value
+            outside its declaration (naming the key and its allowed values).
+    """
+    table = table or cfg.method
+    given = cfg.method_options(table)
+    known = [option_key(f) for f, _ in declared_fields(cls)]
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"run config key(s) {', '.join(repr(f'{table}.{k}') for k in unknown)} unknown: "
+            f"the keys of [{table}] are {', '.join(repr(k) for k in known) or 'none'}"
+        )
+    options = cls(**read_values(cls, given, f"{table}."))
+    if hasattr(options, "check"):
+        options.check(cfg)
+    return options

@@ -7,7 +7,8 @@ Every key of the run config is declared this way: :class:`common.config.RunConfi
 key: its name (field ``server_lr`` is key ``server-lr``; a trailing underscore is dropped, so
 ``lambda_`` is ``lambda``), its type (``bool``, ``int``, ``float`` or ``str``), default, bounds or
 allowed values and its meaning. :func:`read_values` reads and validates any set of keys from that
-declaration alone, and :func:`option_rows` gives the documentation's key tables.
+declaration alone (``common.config.read_options`` a method's table), and :func:`option_rows` gives
+the documentation's key tables.
 """
 
 from __future__ import annotations
@@ -16,14 +17,9 @@ import dataclasses
 import math
 import typing
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 from common.errors import ConfigError
-
-if TYPE_CHECKING:
-    from common.config import RunConfig
-
-T = TypeVar("T")
 
 #: the range of every integer key unless it declares a narrower one: Flower carries run config
 #: integers as signed 64-bit (``sint64``), so a larger one passes nowhere
@@ -175,31 +171,6 @@ def read_values(cls: type, given: Mapping[str, Any], prefix: str = "") -> dict[s
         f.name: check_value(f"{prefix}{option_key(f)}", given.get(option_key(f), f.default), f, kind)
         for f, kind in declared_fields(cls)
     }
-
-
-def read_options(cls: type[T], cfg: RunConfig, table: str | None = None) -> T:
-    """The options of table ``table`` (default: the run's method) of ``cfg``, validated.
-
-    Keys the table does not set take their declared default. If ``cls`` has a ``check(cfg)``
-    method (cross-key or cross-config rules), it runs last.
-
-    Raises:
-        ConfigError: an unknown key in the table (naming it and the table's keys), or a value
-            outside its declaration (naming the key and its allowed values).
-    """
-    table = table or cfg.method
-    given = cfg.method_options(table)
-    known = [option_key(f) for f, _ in declared_fields(cls)]
-    unknown = sorted(set(given) - set(known))
-    if unknown:
-        raise ConfigError(
-            f"run config key(s) {', '.join(repr(f'{table}.{k}') for k in unknown)} unknown: "
-            f"the keys of [{table}] are {', '.join(repr(k) for k in known) or 'none'}"
-        )
-    options = cls(**read_values(cls, given, f"{table}."))
-    if hasattr(options, "check"):
-        options.check(cfg)
-    return options
 
 
 def option_defaults(cls: type) -> dict[str, Any]:

@@ -42,22 +42,21 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str) -> ResultsWriter:
     """Run method ``cfg.method`` on ``grid``; returns the writer (its ``path`` holds the results).
 
     The config is fully validated (including the method's options) before any message is
-    sent. A failure mid-run marks ``summary.json`` as ``failed`` and re-raises. In a simulation
+    sent. A failure (an invalid method option included) marks ``summary.json`` as ``failed`` and
+    re-raises. In a simulation
     (an ``InMemoryGrid``) clients without a ``state-dir`` keep their state in
-    ``<run folder>/client-state`` (``HeteroStrategy.client_state_in_run_folder``), and at most
+    ``<run folder>/client-state`` (``HeteroStrategy.start``'s ``state_in_run_folder``), and at most
     :func:`simulation_window` messages of an exchange wait at once (``Transport.window``).
     """
-    strategy = build_strategy(cfg)
-    # a simulation's clients share this file system: without state-dir their state goes to the run
-    # folder, not into context.state, which the simulation keeps in this one process for every client
-    strategy.client_state_in_run_folder = isinstance(grid, InMemoryGrid)
-    if isinstance(grid, InMemoryGrid):  # its engine scans every waiting message for every node
-        strategy.window = simulation_window
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     results = ResultsWriter(cfg.output_dir, f"{stamp}-{cfg.method}-{cfg.dataset}-{run_id}", cfg.as_dict(), cfg.logger)
-    strategy.results = results
+    simulation = isinstance(grid, InMemoryGrid)
     try:
-        strategy.start(grid)
+        strategy = build_strategy(cfg, results)
+        # a simulation's clients share this file system: without state-dir their state goes to the run
+        # folder, not into context.state, which the simulation keeps in this one process for every
+        # client; its engine scans every waiting message for every node, so few wait at once
+        strategy.start(grid, window=simulation_window if simulation else None, state_in_run_folder=simulation)
     except BaseException as exc:
         results.finish("failed", f"{type(exc).__name__}: {exc}")
         raise

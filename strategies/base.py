@@ -1,29 +1,21 @@
 """The machinery every method shares, written once: server half and client half.
 
-Server (:class:`HeteroStrategy`, a Flower Message-API ``Strategy``):
+Server (:class:`HeteroStrategy`, the method's hooks and one round loop over Flower's Grid):
 
-- runs a ``query`` handshake with every node as it connects to learn its partition id, data
-  sizes and the federation's size N (``num-clients``, or the nodes' ``num-partitions`` when
-  that is 0); node ids are random, so sampling and ordering by partition id make runs
-  reproducible and methods comparable on the same clients;
-- samples ``max(1, floor(fraction-train * N))`` clients per round with a seeded RNG;
-- builds one message per client carrying only that client's payload
-  (:meth:`HeteroStrategy.train_payload` may differ per client);
-- :meth:`HeteroStrategy.exchange` sends, receives and counts payload bytes per message
-  category; :meth:`HeteroStrategy.validate` checks every reply against the method's schema
-  and drops bad ones with a log line, so one broken client never stops a round;
-- saves a checkpoint after every round and resumes from one;
-- :meth:`HeteroStrategy.run_round` is one exchange + :meth:`HeteroStrategy.server_update`
-  by default; methods with sequential server updates or two exchanges per round override
-  it and call ``sample``/``message``/``exchange``/``validate`` themselves;
-- evaluates every client's personal model every ``eval-every`` rounds (and the last) and
-  writes one results row per round as it goes.
-
-The machinery lives in small mixins, each in its own module: ``strategies.nodes.NodeRegistry``
-(handshake, node refresh, sampling), ``strategies.transport.Transport`` (messages, exchange, byte
-counts, reply checks), ``strategies.checkpoint.Checkpointing`` (server state, checkpoint,
-resume) and ``strategies.records`` (round metrics and rows). This module holds the method hooks,
-Flower's Strategy API and the round loop.
+- a ``query`` handshake with every node as it connects learns its partition id, data sizes and
+  the federation's size N (``num-clients``, or the nodes' ``num-partitions`` when that is 0);
+  node ids are random, so sampling and ordering by partition id make runs reproducible and
+  methods comparable on the same clients (``strategies.nodes.NodeRegistry``);
+- ``max(1, floor(fraction-train * N))`` clients are sampled per round with a seeded RNG;
+- one message per client carries only that client's payload (:meth:`HeteroStrategy.train_payload`
+  may differ per client); the transport sends, receives, counts payload bytes per message
+  category and checks every reply against the method's schema, dropping bad ones with a log
+  line, so one broken client never stops a round (``strategies.transport.Transport``);
+- :meth:`HeteroStrategy.run_round` is one exchange + :meth:`HeteroStrategy.server_update` by
+  default; methods with sequential server updates or two exchanges per round override it;
+- every client's personal model is evaluated every ``eval-every`` rounds (and the last), one
+  results row per round is written as it goes (``strategies.records``), and a checkpoint after
+  every round lets a run resume (``strategies.checkpoint.Checkpoints``).
 
 Client (:class:`ClientProcedure`): one method per message type (``train``, ``evaluate``,
 ``query``, or ``train_<action>`` for ``train.<action>``), each taking the client runtime,
@@ -35,25 +27,33 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy import Result
 
 from common.config import RunConfig
 from common.datasets import DATASETS
-from common.metrics import EVAL_PREFIX, REQUIRED_METRICS
 from common.payload import ClientReply, PayloadSchema, array_record
 from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics
-from strategies.checkpoint import Checkpointing, finite
+from strategies.checkpoint import Checkpoints, finite, load_server_state, server_state
 from strategies.method import MethodBinding, Schemas
 from strategies.nodes import NodeRegistry
-from strategies.records import metric_values, patience_exhausted, progress_line, round_metrics, round_row
+from strategies.records import (
+    RoundCounters,
+    aggregate_evaluation,
+    evaluated_in_train,
+    metric_values,
+    patience_exhausted,
+    progress_line,
+    round_metrics,
+    round_row,
+)
 from strategies.transport import Transport
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
@@ -74,9 +74,19 @@ NO_PAYLOAD_SCHEMAS: Schemas = {**BASE_SCHEMAS, "train": (NO_PAYLOAD, NO_PAYLOAD)
 NO_METHOD = MethodBinding(None, NO_PAYLOAD_SCHEMAS, {})
 
 
-class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
-    """Base Strategy of all methods. Subclasses override the hooks; their method's descriptor
-    builds them (``strategies.method.Method.build_strategy``).
+class HeteroStrategy:
+    """The server half of every method: the method's hooks and one round loop (:meth:`start`).
+
+    It is not a Flower ``Strategy``: Flower's strategy API exchanges one global ``ArrayRecord`` and
+    one config with every sampled client, while a model-heterogeneous method sends each client its
+    own payload, evaluates clients' personal models and may exchange several times per round. It
+    drives Flower's ``Grid`` (Message API) itself, through collaborators with explicit inputs:
+
+    - ``counters``: :class:`strategies.records.RoundCounters` (bytes, dropped replies, the round's work);
+    - ``registry``: :class:`strategies.nodes.NodeRegistry` (handshake, node refresh, sampling);
+    - ``transport``: :class:`strategies.transport.Transport` (messages, exchange, reply checks by
+      this method's :class:`strategies.transport.ReplyRules`: its schemas, metrics and hooks);
+    - ``checkpoints``: :class:`strategies.checkpoint.Checkpoints` (resume, per-round checkpoint).
 
     Args:
         cfg: the validated run config.
@@ -88,8 +98,8 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
     Raises:
         ConfigError: an invalid option of the method's table.
 
-    Hooks (all optional): :meth:`global_arrays`, :meth:`train_payload`,
-    :meth:`eval_payload`, :meth:`server_update`, :meth:`run_round`.
+    Hooks (all optional): :meth:`global_arrays`, :meth:`train_payload`, :meth:`eval_payload`,
+    :meth:`server_update`, :meth:`reply_dims`, :meth:`check_reply`, :meth:`joined`, :meth:`run_round`.
     """
 
     #: True when the evaluated model is the client's post-training personal model and the
@@ -98,11 +108,9 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
     #: per round (in deployment, one ClientApp process per client); only clients not sampled
     #: get a separate evaluate message.
     evaluate_in_train: bool = False
-
-    #: keep the state of clients without any ``state-dir`` in the run folder (``<run>/client-state``)
-    #: instead of ``context.state``: set by the ServerApp in a simulation, where the clients share the
-    #: server's file system and ``context.state`` lives in the simulation's one process
-    client_state_in_run_folder: bool = False
+    #: attributes holding the server state (modules, optimisers, torch Generators, dicts of
+    #: arrays) saved in the per-round checkpoint; None: the method cannot resume yet; () stateless
+    checkpointed: tuple[str, ...] | None = None
 
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results: Any | None = None) -> None:
         self.cfg = cfg
@@ -111,21 +119,22 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
         self.dims = {"C": self.info.num_classes, "d": cfg.representation_dim}
         self.rng = np.random.default_rng(cfg.seed)
         self.results = results
-        self.init_registry()
-        self.init_transport(cfg.round_timeout)
+        self.counters = RoundCounters()
+        self.registry = NodeRegistry(cfg, self.counters, self.rng)
+        self.transport = Transport(cfg, self, self.registry.clients, self.counters)
+        self.checkpoints = Checkpoints(cfg, results)
         self.rows: list[dict[str, Any]] = []
-        self._evaluated_in_train: list[ClientReply] = []
 
     # ------------------------------------------------------------------ hooks
-    def global_arrays(self) -> dict[str, np.ndarray]:
+    def global_arrays(self) -> Arrays:
         """The server's current shared arrays (e.g. FedGH's header); empty by default."""
         return {}
 
-    def train_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
+    def train_payload(self, node_id: int, server_round: int) -> Arrays:
         """Arrays sent to ``node_id`` with its train instruction. Default: :meth:`global_arrays`."""
         return self.global_arrays()
 
-    def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
+    def eval_payload(self, node_id: int, server_round: int) -> Arrays:
         """Arrays sent with the evaluate instruction; none by default (clients hold their models)."""
         return {}
 
@@ -142,154 +151,82 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
         """The method's own checks of a reply's metrics before anything is used (e.g. a claimed
         model size); raise PayloadError to drop the reply. None by default."""
 
-    def run_round(self, server_round: int) -> dict[str, float]:
-        """One training round: sample, one train exchange, server update. Returns server metrics."""
-        messages = self.configure_train(server_round, ArrayRecord(), self.train_config(server_round), self.grid)
-        _, metrics = self.aggregate_train(server_round, self.exchange(messages))
-        return dict(metrics or {})
+    def joined(self) -> None:
+        """Called once the handshake knows every client, before a resume restores the server state
+        (e.g. MH-pFedHN registers each client's embedding). Nothing by default."""
 
-    # ------------------------------------------------------ Flower Strategy API
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """One train message per sampled client, each with its own payload."""
-        return [
-            self.message("train", node, self.train_payload(node, server_round), config, server_round)
-            for node in self.sample()
-        ]
+    def run_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
+        """One training round: one train exchange with the sampled clients, then :meth:`server_update`.
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate replies, run :meth:`server_update`, return the new global arrays and metrics."""
-        valid = self.validate("train", replies)
-        self._evaluated_in_train = [
-            ClientReply(
-                r.node_id,
-                r.partition_id,
-                {},
-                {k[len(EVAL_PREFIX) :]: v for k, v in r.metrics.items() if k.startswith(EVAL_PREFIX)},
-            )
-            for r in valid
-            if all(EVAL_PREFIX + k in r.metrics for k in REQUIRED_METRICS["evaluate"])
+        Methods with sequential server updates or several exchanges per round override it, using
+        ``self.registry.sample()`` and ``self.transport`` (``message``, ``exchange``, ``validate``).
+
+        Returns:
+            the round's train metrics (:func:`strategies.records.round_metrics` and the method's
+            own) and its valid train replies (whose ``eval-`` metrics, if any, are evaluations).
+        """
+        config = self.train_config(server_round)
+        messages = [
+            self.transport.message("train", node, self.train_payload(node, server_round), config, server_round)
+            for node in self.registry.sample()
         ]
+        valid = self.transport.validate("train", self.transport.exchange(messages))
         start = time.perf_counter()
         server = self.server_update(server_round, valid)
-        metrics = round_metrics(valid, server, time.perf_counter() - start)
-        arrays = self.global_arrays()
-        return (array_record(arrays) if arrays else None), MetricRecord(metric_values(metrics))
+        return round_metrics(valid, server, time.perf_counter() - start), valid
 
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """One evaluate message to every client to evaluate (``eval-clients``: all known clients,
-        or this round's sampled ones) not already evaluated in its train reply this round."""
-        if not self.is_eval_round(server_round):
-            return []
-        done = {r.node_id for r in self._evaluated_in_train}
-        targets = self.nodes if self.cfg.eval_clients == "all" else self.sampled
-        return [
-            self.message("evaluate", node, self.eval_payload(node, server_round), config, server_round)
-            for node in targets
-            if node not in done and node in self.connected
-        ]
+    # ------------------------------------------------------------------ the run
+    def start(self, grid: Grid, window: Callable[[], int] | None = None, state_in_run_folder: bool = False) -> Result:
+        """Run the whole federation on ``grid``: handshake, rounds, evaluation, results.
 
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Accuracy of the clients' personal models on their local test splits.
+        Args:
+            grid: Flower's grid of the run.
+            window: in a simulation, the most messages of one exchange that wait at once
+                (``Transport.window``); None: all at once.
+            state_in_run_folder: clients without any ``state-dir`` keep their state in the run
+                folder (``<run>/client-state``) instead of ``context.state`` (a simulation, whose
+                clients share the server's file system and whose ``context.state`` lives in one
+                process for every client).
 
-        ``accuracy-mean`` is the unweighted mean over clients (the papers' "average test
-        accuracy"), ``accuracy-weighted`` the sample-weighted mean; both fractions in [0, 1].
-        Per-client values come as parallel lists ``partition-ids`` / ``accuracy-per-client``.
-        Any other ``test-acc-<name>`` metric is averaged unweighted into ``accuracy-mean-<name>`` and
-        weighted by ``num-examples`` into ``accuracy-weighted-<name>`` (over the replies that have it).
-        """
-        valid = self.validate("evaluate", replies) + self._evaluated_in_train
-        valid = sorted(valid, key=lambda r: r.partition_id)
-        self._evaluated_in_train = []
-        if not valid:
-            return None
-        correct = np.array([r.metrics["test-correct"] for r in valid], dtype=np.float64)
-        total = np.array([r.metrics["num-examples"] for r in valid], dtype=np.float64)
-        acc = correct / np.maximum(total, 1)
-        out: dict[str, Any] = {
-            "accuracy-mean": float(acc.mean()),
-            "accuracy-weighted": float(correct.sum() / max(total.sum(), 1)),
-            "num-evaluated": len(valid),
-            "partition-ids": [r.partition_id for r in valid],
-            "accuracy-per-client": [float(a) for a in acc],
-        }
-        extra = sorted({k for r in valid for k in r.metrics if k.startswith("test-acc-")})
-        for key in extra:
-            having = [r for r in valid if key in r.metrics]
-            values = np.array([r.metrics[key] for r in having], dtype=np.float64)
-            weights = np.array([r.metrics["num-examples"] for r in having], dtype=np.float64)
-            name = key[len("test-acc-") :]
-            out["accuracy-mean-" + name] = float(values.mean())
-            out["accuracy-weighted-" + name] = float((values * weights).sum() / max(weights.sum(), 1))
-        return MetricRecord(out)
-
-    def summary(self) -> None:
-        """Log the method and the main settings."""
-        c = self.cfg
-        log.info(
-            "%s | %s, %s partitioner, %d clients, model group %s, %d rounds, fraction-train %.2f",
-            type(self).__name__,
-            c.dataset,
-            c.partitioner,
-            len(self.nodes),
-            c.model_group,
-            c.num_server_rounds,
-            c.fraction_train,
-        )
-
-    def start(self, grid: Grid, num_rounds: int | None = None, timeout: float | None = None) -> Result:  # type: ignore[override]
-        """Run the whole federation: wait for nodes, handshake, rounds, evaluation, results.
-
-        ``num_rounds`` and ``timeout`` default to the config's ``num-server-rounds`` and
-        ``round-timeout`` (the wait for a round's replies). Flower's other ``start`` arguments
-        (initial arrays, train/evaluate configs, a server-side evaluate function) have no
-        meaning here: every method builds its own server state, per-client payloads and configs
-        from the run config, and evaluation is on the clients' personal models.
+        Returns:
+            Flower's ``Result``: each round's train and evaluation metrics and the final global arrays.
 
         Raises:
-            RuntimeError, ConfigError: from :meth:`handshake` (not all clients answer within
-                ``connect-timeout`` seconds, or the nodes do not fit the run config).
+            RuntimeError, ConfigError: from the handshake (not all clients answer within
+                ``connect-timeout`` seconds, or the nodes do not fit the run config), or a
+                ``resume-from`` checkpoint that does not fit the run.
         """
-        self.grid = grid
-        rounds = num_rounds or self.cfg.num_server_rounds
-        self._timeout = timeout or self.cfg.round_timeout
-        self.state_key = self._initial_state_key()
-        if self.client_state_in_run_folder and not self.cfg.state_dir and self.results is not None:
+        state_key = self.checkpoints.state_key()
+        client_state_dir = ""
+        if state_in_run_folder and not self.cfg.state_dir and self.results is not None:
             # the folder of the run that started the clients' state: a resumed run finds it again
-            self.client_state_dir = str(Path(self.results.path).parent / self.state_key / CLIENT_STATE)
-        self.handshake()
-        self.summary()
+            client_state_dir = str(Path(self.results.path).parent / state_key / CLIENT_STATE)
+        self.transport.open(grid, state_key, client_state_dir, window=window)
+        self.registry.handshake(self.transport)
+        if self.results is not None:
+            self.results.num_clients = len(self.registry.nodes)
+        self.joined()
+        self.log_settings()
         first = self.resume() + 1
         result = Result()
         run_start = time.perf_counter()
+        rounds = self.cfg.num_server_rounds
         for server_round in range(first, rounds + 1):
             if self.rows and self.rows[-1].get("stop_reason"):  # stop-patience ran out (maybe before a resume)
                 break
-            before = self.traffic.copy()
+            before = self.counters.traffic.copy()
             t0 = time.perf_counter()
-            self.begin_round()
-            self.refresh_nodes()
+            self.counters.begin_round()
+            self.registry.refresh(self.transport)
             before_state = copy.deepcopy(self.server_state())
-            train_metrics = self.run_round(server_round)
+            train_metrics, replies = self.run_round(server_round)
             if before_state is not None and not finite(self.server_state()):
                 # the server would send non-finite state to every client from now on: undo this round's update
-                self.load_server_state(before_state)
+                load_server_state(self, before_state)
                 train_metrics["server-rolled-back"] = 1
                 log.warning("Round %d: the server update made the server state non-finite; rolled back", server_round)
             t1 = time.perf_counter()
-            eval_messages = list(
-                self.configure_evaluate(server_round, ArrayRecord(), ConfigRecord({"server-round": server_round}), grid)
-            )
-            eval_metrics = (
-                self.aggregate_evaluate(server_round, self.exchange(eval_messages))
-                if self.is_eval_round(server_round)
-                else None
-            )
+            eval_metrics = self.evaluate_round(server_round, evaluated_in_train(replies))
             t2 = time.perf_counter()
             result.train_metrics_clientapp[server_round] = MetricRecord(metric_values(train_metrics))
             if eval_metrics is not None:
@@ -298,15 +235,11 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
                 server_round,
                 train_metrics,
                 eval_metrics,
-                self.traffic - before,
+                self.counters.traffic - before,
+                self.counters,
                 t1 - t0,
                 t2 - t1,
                 time.perf_counter() - run_start,
-                self.round_dropped,
-                self.round_clipped,
-                self.round_work,
-                self.round_gpu,
-                self.round_ray_nodes,
             )
             stop = patience_exhausted([*self.rows, row], self.cfg.stop_patience)
             if stop:
@@ -314,15 +247,74 @@ class HeteroStrategy(NodeRegistry, Transport, Checkpointing, Strategy):
             self.rows.append(row)
             if self.results is not None:
                 self.results.write_round(row)
-                self.results.write_checkpoint(self.checkpoint(server_round))
+                self.results.write_checkpoint(
+                    self.checkpoints.build(
+                        server_round, state_key, self.rng, self.counters, self.rows, self.server_state()
+                    )
+                )
             log.info(progress_line(row, rounds))
             if stop:
                 log.info("Stopping after round %d: %s", server_round, stop)
-        arrays = self.global_arrays()
-        result.arrays = array_record(arrays)
+        result.arrays = array_record(self.global_arrays())
         if self.results is not None:
             self.results.finish()
         return result
+
+    def evaluate_round(self, server_round: int, evaluated: list[ClientReply]) -> MetricRecord | None:
+        """The round's evaluation (None when it is no evaluation round): one evaluate message to
+        every client to evaluate (``eval-clients``: all known clients, or this round's sampled
+        ones) that is connected and not among ``evaluated`` (evaluations carried by train replies),
+        then :func:`strategies.records.aggregate_evaluation` over both."""
+        if not self.is_eval_round(server_round):
+            return None
+        done = {r.node_id for r in evaluated}
+        targets = self.registry.nodes if self.cfg.eval_clients == "all" else self.registry.sampled
+        config = ConfigRecord({"server-round": server_round})
+        messages = [
+            self.transport.message("evaluate", node, self.eval_payload(node, server_round), config, server_round)
+            for node in targets
+            if node not in done and node in self.registry.connected
+        ]
+        return aggregate_evaluation(self.transport.validate("evaluate", self.transport.exchange(messages)) + evaluated)
+
+    def resume(self) -> int:
+        """Restore the ``resume-from`` checkpoint (RNG, counters, rows, server state; the rows are
+        written again); returns its last round (0 without one).
+
+        Raises:
+            ConfigError: as ``Checkpoints.load``.
+        """
+        state = self.checkpoints.load()
+        if state is None:
+            return 0
+        self.rng.bit_generator.state = state["rng"]
+        self.counters.traffic.update(state["traffic"])
+        self.counters.dropped.update(state["dropped"])
+        self.rows = list(state["rows"])
+        if self.results is not None:
+            for row in self.rows:
+                self.results.write_round(row)
+        load_server_state(self, state["server"])
+        log.info("Resumed from %s after round %d", self.cfg.resume_from, state["round"])
+        return int(state["round"])
+
+    def server_state(self) -> dict[str, Any] | None:
+        """The state of the attributes in ``checkpointed`` (:func:`strategies.checkpoint.server_state`)."""
+        return server_state(self, self.checkpointed)
+
+    def log_settings(self) -> None:
+        """Log the method and the main settings."""
+        c = self.cfg
+        log.info(
+            "%s | %s, %s partitioner, %d clients, model group %s, %d rounds, fraction-train %.2f",
+            type(self).__name__,
+            c.dataset,
+            c.partitioner,
+            len(self.registry.nodes),
+            c.model_group,
+            c.num_server_rounds,
+            c.fraction_train,
+        )
 
     def is_eval_round(self, server_round: int) -> bool:
         """Every ``eval-every`` rounds, and the last round."""

@@ -1,8 +1,10 @@
 """Checkpoints: everything a run needs to continue after its last completed round, and the resume.
 
-:class:`Checkpointing` is a mixin of ``strategies.base.HeteroStrategy``: the method declares its
-server state in ``checkpointed`` (attribute names); the machinery's own state (RNG, byte
-counters, rows, the clients' state key) is saved alongside it after every round.
+A method declares its server state in ``checkpointed`` (attribute names, see
+``strategies.base.HeteroStrategy``); :func:`server_state` and :func:`load_server_state` save and
+restore those attributes. :class:`Checkpoints` reads the ``resume-from`` checkpoint once, checks it
+fits the run, and builds each round's checkpoint from explicit inputs (server state, RNG, byte
+counters, rows, the clients' state key).
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ from __future__ import annotations
 import logging
 import math
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 
-from common.config import ConfigError
+from common.config import ConfigError, RunConfig
 from common.results import load_checkpoint
+from strategies.records import RoundCounters
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -24,35 +27,41 @@ log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 RESUMABLE_CHANGES = ("num-server-rounds", "resume-from")
 
 
-class Checkpointing:
-    """Server state, checkpoint and resume (a mixin of ``HeteroStrategy``)."""
+def server_state(owner: Any, names: tuple[str, ...] | None) -> dict[str, Any] | None:
+    """The server state of ``owner`` for a checkpoint: the state of each attribute in ``names``.
 
-    #: attributes holding the server state (modules, optimisers, torch Generators, dicts of
-    #: arrays) saved in the per-round checkpoint; None: the method cannot resume yet; () stateless
-    checkpointed: ClassVar[tuple[str, ...] | None] = None
+    Modules and optimisers give their ``state_dict()``, torch Generators their RNG state,
+    dicts a shallow copy. None when ``names`` is None (the method cannot resume yet).
+    """
+    if names is None:
+        return None
+    return {name: _state_of(getattr(owner, name)) for name in names}
 
-    def server_state(self) -> dict[str, Any] | None:
-        """The method's server state for a checkpoint: the state of each attribute in ``checkpointed``.
 
-        Modules and optimisers give their ``state_dict()``, torch Generators their RNG state,
-        dicts a shallow copy. None when the method does not declare ``checkpointed`` (it
-        cannot resume yet).
-        """
-        if self.checkpointed is None:
-            return None
-        return {name: _state_of(getattr(self, name)) for name in self.checkpointed}
+def load_server_state(owner: Any, state: dict[str, Any]) -> None:
+    """Restore :func:`server_state` into ``owner``'s attributes (after the handshake, so per-client
+    state exists)."""
+    for name, value in state.items():
+        obj = getattr(owner, name)
+        if isinstance(obj, torch.Generator):
+            obj.set_state(value)
+        elif isinstance(obj, dict):
+            obj.clear()
+            obj.update(value)
+        else:
+            obj.load_state_dict(value)
 
-    def load_server_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`server_state` (called after the handshake, so per-client state exists)."""
-        for name, value in state.items():
-            obj = getattr(self, name)
-            if isinstance(obj, torch.Generator):
-                obj.set_state(value)
-            elif isinstance(obj, dict):
-                obj.clear()
-                obj.update(value)
-            else:
-                obj.load_state_dict(value)
+
+class Checkpoints:
+    """The ``resume-from`` checkpoint of a run, and the checkpoint of each of its rounds.
+
+    Args:
+        cfg: the run config (``resume-from``, and the config a checkpoint must match).
+        results: the run's results writer (its folder names a new run's client state), or None.
+    """
+
+    def __init__(self, cfg: RunConfig, results: Any | None) -> None:
+        self.cfg, self.results = cfg, results
 
     @cached_property
     def _saved(self) -> dict[str, Any] | None:
@@ -61,28 +70,38 @@ class Checkpointing:
             return None
         return load_checkpoint(self.cfg.resume_from)
 
-    def _initial_state_key(self) -> str:
+    def state_key(self) -> str:
+        """The clients' state key: the resumed run's, else this run's results folder name."""
         if self._saved is not None and self._saved.get("state-key"):
             return self._saved["state-key"]
         return self.results.path.name if self.results is not None else "in-memory"
 
-    def checkpoint(self, server_round: int) -> dict[str, Any]:
+    def build(
+        self,
+        server_round: int,
+        state_key: str,
+        rng: np.random.Generator,
+        counters: RoundCounters,
+        rows: list[dict[str, Any]],
+        server: dict[str, Any] | None,
+    ) -> dict[str, Any]:
         """Everything needed to continue after ``server_round``: server state, RNG, counters, rows,
         and the clients' state key."""
         return {
             "round": server_round,
             "method": self.cfg.method,
             "config": self.cfg.as_dict(),
-            "state-key": self.state_key,
-            "rng": self.rng.bit_generator.state,
-            "traffic": dict(self.traffic),
-            "dropped": dict(self.dropped),
-            "rows": self.rows,
-            "server": self.server_state(),
+            "state-key": state_key,
+            "rng": rng.bit_generator.state,
+            "traffic": dict(counters.traffic),
+            "dropped": dict(counters.dropped),
+            "rows": rows,
+            "server": server,
         }
 
-    def resume(self) -> int:
-        """Restore the checkpoint named by ``resume-from``; returns its last round (0 without one).
+    def load(self) -> dict[str, Any] | None:
+        """The checkpoint named by ``resume-from``, checked to fit this run (None without one); it
+        is not kept afterwards.
 
         Raises:
             ConfigError: the checkpoint is of another method, the method cannot resume, or the
@@ -90,7 +109,7 @@ class Checkpointing:
                 ``resume-from`` itself): the keys are named.
         """
         if not self.cfg.resume_from:
-            return 0
+            return None
         state = self.__dict__.pop("_saved", None) or self._saved  # read once, not kept for the run
         if state["method"] != self.cfg.method or state["server"] is None:
             raise ConfigError(
@@ -107,16 +126,7 @@ class Checkpointing:
                 + ", ".join(f"'{k}' ({saved.get(k)!r}, now {now.get(k)!r})" for k in differ)
                 + "; only 'num-server-rounds' may change on resume"
             )
-        self.rng.bit_generator.state = state["rng"]
-        self.traffic.update(state["traffic"])
-        self.dropped.update(state["dropped"])
-        self.rows = list(state["rows"])
-        if self.results is not None:
-            for row in self.rows:
-                self.results.write_round(row)
-        self.load_server_state(state["server"])
-        log.info("Resumed from %s after round %d", self.cfg.resume_from, state["round"])
-        return int(state["round"])
+        return state
 
 
 def _state_of(obj: Any) -> Any:

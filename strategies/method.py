@@ -13,9 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.config import RunConfig
+from common.config import RunConfig, read_options
 from common.metrics import MetricSpec
-from common.options import read_options
 from common.payload import PayloadSchema
 
 #: message type -> (server->client schema, client->server schema)

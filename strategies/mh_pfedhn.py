@@ -213,18 +213,17 @@ class MHpFedHNStrategy(HeteroStrategy):
     # ----------------------------------------------------------- registry
     def key(self, node_id: int) -> str:
         """The hypernetwork key of a node: its partition id."""
-        return f"p{self.clients[node_id]['partition-id']}"
+        return f"p{self.registry.clients[node_id]['partition-id']}"
 
-    def handshake(self) -> None:
-        """The base handshake, then every client's K_i registered (embedding, head if tau is new).
+    def joined(self) -> None:
+        """Every client's K_i registered after the handshake (embedding, head if tau is new).
 
         Raises:
             RuntimeError: a client did not report a positive integer ``num-params``.
         """
-        super().handshake()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed + 1)
-            for node in self.nodes:
+            for node in self.registry.nodes:
                 self.register(self.key(node), self._reported(node, "num-params"))
 
     @cached_property
@@ -266,7 +265,7 @@ class MHpFedHNStrategy(HeteroStrategy):
             self.optimizer.add_param_group({"params": new})
 
     def _reported(self, node: int, name: str) -> int:
-        value = self.clients[node].get(name)
+        value = self.registry.clients[node].get(name)
         if not isinstance(value, int) or value <= 0:
             raise RuntimeError(
                 f"node {node} reported {name}={value!r} at the handshake; expected a positive "
@@ -277,7 +276,7 @@ class MHpFedHNStrategy(HeteroStrategy):
     def reply_dims(self, node_id: int) -> dict[str, int]:
         """``K`` = the node's registered parameter count (and ``G`` = K_g for GD), once registered."""
         dims = dict(self.dims)
-        if node_id in self.clients and self.key(node_id) in self.hn.sizes:
+        if node_id in self.registry.clients and self.key(node_id) in self.hn.sizes:
             dims["K"] = self.hn.sizes[self.key(node_id)]
         if GLOBAL_KEY in self.hn.sizes:
             dims["G"] = self.hn.sizes[GLOBAL_KEY]
@@ -297,10 +296,11 @@ class MHpFedHNStrategy(HeteroStrategy):
         return self.train_config(server_round)
 
     # --------------------------------------------------------------- round
-    def run_round(self, server_round: int) -> dict[str, Any]:
+    def run_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
         """The personal phase: |S| hypernetwork steps, one per valid reply (section 4)."""
-        replies, server, seconds = self.personal_phase(server_round, self.sample(), self.personal_config(server_round))
-        return round_metrics(replies, server, seconds)
+        nodes = self.registry.sample()
+        replies, server, seconds = self.personal_phase(server_round, nodes, self.personal_config(server_round))
+        return round_metrics(replies, server, seconds), replies
 
     def personal_phase(
         self, server_round: int, nodes: list[int], config: ConfigRecord
@@ -317,9 +317,9 @@ class MHpFedHNStrategy(HeteroStrategy):
         def send(batch: list[int]) -> list[ClientReply]:
             nonlocal server_seconds
             start = time.perf_counter()
-            messages = [self.message("train", n, self.weights_for(n), config, server_round) for n in batch]
+            messages = [self.transport.message("train", n, self.weights_for(n), config, server_round) for n in batch]
             server_seconds += time.perf_counter() - start
-            return self.validate("train", self.exchange(messages))
+            return self.transport.validate("train", self.transport.exchange(messages))
 
         def step(reply: ClientReply) -> None:
             nonlocal server_seconds
@@ -358,14 +358,14 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
             build_mh_model(self.options.global_model, info.num_classes, info.channels, info.image_size),
         ]
 
-    def handshake(self) -> None:
-        """The MH-pFedHN handshake plus K_g, which every client must report alike (section 5).
+    def joined(self) -> None:
+        """MH-pFedHN's registration plus K_g, which every client must report alike (section 5).
 
         Raises:
             RuntimeError: clients disagree on ``global-num-params``.
         """
-        super().handshake()
-        sizes = {self._reported(node, "global-num-params") for node in self.nodes}
+        super().joined()
+        sizes = {self._reported(node, "global-num-params") for node in self.registry.nodes}
         if len(sizes) != 1:
             raise RuntimeError(
                 f"clients report different global-num-params {sorted(sizes)}: they must share the "
@@ -382,18 +382,16 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
         config["kd-temperature"] = self.options.kd_temperature
         return config
 
-    def run_round(self, server_round: int) -> dict[str, Any]:
+    def run_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
         """Global phase (one HN step from the data-weighted mean delta), then the personal phase."""
-        nodes = self.sample()
+        nodes = self.registry.sample()
         config = self.train_config(server_round)
         start = time.perf_counter()
         with torch.no_grad():
             w_g = self.hn.generate(GLOBAL_KEY).numpy().copy()
         seconds = time.perf_counter() - start
-        replies = self.validate(
-            "train.global",
-            self.exchange([self.message("train.global", n, {"w_g": w_g}, config, server_round) for n in nodes]),
-        )
+        messages = [self.transport.message("train.global", n, {"w_g": w_g}, config, server_round) for n in nodes]
+        replies = self.transport.validate("train.global", self.transport.exchange(messages))
         start = time.perf_counter()
         server: dict[str, Any] = {"server-global-replies": len(replies)}
         if replies:
@@ -414,7 +412,7 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
         )
         server.update(metrics)
         server["server-hn-steps"] += int(bool(replies))
-        return round_metrics(personal, server, seconds + personal_seconds)
+        return round_metrics(personal, server, seconds + personal_seconds), personal
 
 
 def num_params(model: nn.Module) -> int:

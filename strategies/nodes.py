@@ -2,9 +2,10 @@
 as nodes connect, kept current as nodes leave and rejoin between rounds, and sampled each round.
 
 Node ids are random, so everything is ordered by partition id: sampling and reply order, hence
-results, do not depend on which node got which id. :class:`NodeRegistry` is a mixin of
-``strategies.base.HeteroStrategy``: it sends its queries through the strategy's transport
-(``message``, ``exchange``, ``validate``) and samples with the strategy's seeded ``rng``.
+results, do not depend on which node got which id. A :class:`NodeRegistry` is built by
+``strategies.base.HeteroStrategy`` from explicit inputs (the run config, the round counters it
+records dropped clients in, the strategy's seeded ``rng``); the handshake and the refresh send
+their queries through the transport they are given.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 from flwr.app import ConfigRecord, Message
 
-from common.config import ConfigError
+from common.config import ConfigError, RunConfig
 from common.metrics import PARTITION_ID
 from common.payload import ClientReply
+from strategies.records import RoundCounters
+from strategies.transport import Transport
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -38,23 +42,30 @@ def sample_size(fraction: float, num_nodes: int) -> int:
 
 
 class NodeRegistry:
-    """Handshake, node refresh and sampling (a mixin of ``HeteroStrategy``)."""
+    """Handshake, node refresh and sampling.
 
-    def init_registry(self) -> None:
-        """An empty registry (filled by :meth:`handshake`)."""
+    Args:
+        cfg: the run config (``num-clients``, ``fraction-train``, the timeouts).
+        counters: where dropped queries and this round's dropped partitions are recorded.
+        rng: the seeded generator that samples each round's clients.
+    """
+
+    def __init__(self, cfg: RunConfig, counters: RoundCounters, rng: np.random.Generator) -> None:
+        self.cfg, self.counters, self.rng = cfg, counters, rng
         self.clients: dict[int, dict[str, Any]] = {}  # node id -> handshake metrics
         self.nodes: list[int] = []  # node ids ordered by partition id
         self.sampled: list[int] = []  # the nodes of the last sample() call
         self.connected: set[int] = set()  # nodes the grid listed at the start of this round
-        self.refreshes = 0  # refresh_nodes() calls so far
+        self.refreshes = 0  # refresh() calls so far
         #: node id -> (queries it missed, refresh count from which it is asked again)
         self.silent_nodes: dict[int, tuple[int, int]] = {}
         #: node id -> handshake metrics of a node whose claim on a held partition waits for the holder to go
         self.claims: dict[int, dict[str, Any]] = {}
         self.outsiders: set[int] = set()  # nodes that hold a partition outside this run: not asked again
 
-    def handshake(self) -> None:
-        """Learn every client of the run: its node, partition id and data sizes, and the run's size N.
+    def handshake(self, transport: Transport) -> None:
+        """Learn every client of the run: its node, partition id and data sizes, and the run's size N,
+        asking through ``transport`` on its grid.
 
         N is run config ``num-clients``, or with ``num-clients`` = 0 the ``num-partitions`` the nodes
         report (Flower gives each simulated SuperNode ``partition-id`` and ``num-partitions``; a
@@ -89,15 +100,15 @@ class NodeRegistry:
                     f"only {len(by_partition)} of {size} clients answered the handshake within "
                     f"{timeout:.0f} s (run config key 'connect-timeout')"
                 )
-            new = sorted(set(self.grid.get_node_ids()) - asked)
+            new = sorted(set(transport.grid.get_node_ids()) - asked)
             if new:
                 asked.update(new)
-                replies = self.exchange(
-                    [self.message("query", n, {}, ConfigRecord(), 0) for n in new],
+                replies = transport.exchange(
+                    [transport.message("query", n, {}, ConfigRecord(), 0) for n in new],
                     max(deadline - time.monotonic(), 1.0),
                 )
                 _raise_config_errors(replies)
-                for r in self.validate("query", replies):
+                for r in transport.validate("query", replies):
                     wanted = self._federation_size(r, wanted)
                     if r.partition_id in by_partition:  # the first claim stands; the run goes on
                         log.warning(
@@ -107,7 +118,7 @@ class NodeRegistry:
                             r.partition_id,
                             by_partition[r.partition_id],
                         )
-                        self.dropped["query"] += 1
+                        self.counters.dropped["query"] += 1
                         self.claims[r.node_id] = r.metrics
                         continue
                     by_partition[r.partition_id] = r.node_id
@@ -125,8 +136,6 @@ class NodeRegistry:
                 time.sleep(NODE_POLL_SECONDS)
         self.nodes = [by_partition[p] for p in sorted(by_partition)]
         self.connected = set(self.nodes)
-        if self.results is not None:
-            self.results.num_clients = len(self.nodes)
         log.info("Handshake: %d clients, partitions %s", len(self.nodes), sorted(by_partition))
 
     def _federation_size(self, reply: ClientReply, wanted: int | None) -> int:
@@ -148,8 +157,9 @@ class NodeRegistry:
             raise ConfigError(f"{where}, other nodes have {wanted}: every node must have the same 'num-partitions'")
         return n
 
-    def refresh_nodes(self) -> None:
-        """Track nodes leaving and (re)joining between rounds (deployment: a SuperNode restarts).
+    def refresh(self, transport: Transport) -> None:
+        """Track nodes leaving and (re)joining between rounds (deployment: a SuperNode restarts),
+        asking new nodes through ``transport``.
 
         Nodes the grid no longer lists are skipped when sampled (and recorded as dropped). An
         unknown node is asked once for its partition id. It takes a partition over only when the
@@ -161,7 +171,7 @@ class NodeRegistry:
         node cannot stall every round; a node holding a partition outside this run is not asked
         again. A rejoining client restores its state from its node's ``state-dir``.
         """
-        self.connected = set(self.grid.get_node_ids())
+        self.connected = set(transport.grid.get_node_ids())
         self.refreshes += 1
         self.claims = {n: c for n, c in self.claims.items() if n in self.connected}
         new = sorted(
@@ -169,10 +179,10 @@ class NodeRegistry:
             for n in self.connected - set(self.clients) - set(self.claims) - self.outsiders
             if self.silent_nodes.get(n, (0, 0))[1] <= self.refreshes
         )
-        valid = self.validate(
+        valid = transport.validate(
             "query",
-            self.exchange(
-                [self.message("query", n, {}, ConfigRecord(), 0) for n in new],
+            transport.exchange(
+                [transport.message("query", n, {}, ConfigRecord(), 0) for n in new],
                 min(QUERY_SECONDS, self.cfg.round_timeout),
             ),
         )
@@ -201,7 +211,7 @@ class NodeRegistry:
                         metrics[PARTITION_ID],
                         self.nodes[index],
                     )
-                    self.dropped["query"] += 1
+                    self.counters.dropped["query"] += 1
                 continue
             del self.claims[node]
             self.clients[node] = metrics
@@ -218,7 +228,7 @@ class NodeRegistry:
         gone = [n for n in self.sampled if n not in self.connected]
         if gone:
             log.warning("Sampled but disconnected: partitions %s", [self.clients[n][PARTITION_ID] for n in gone])
-            self.round_dropped.update(self.clients[n][PARTITION_ID] for n in gone)
+            self.counters.round_dropped.update(self.clients[n][PARTITION_ID] for n in gone)
             self.sampled = [n for n in self.sampled if n in self.connected]
         return list(self.sampled)
 

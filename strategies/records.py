@@ -1,19 +1,110 @@
-"""Round records: the metrics every method reports for a round and the row written for it."""
+"""Round records: the per-round counters, the metrics every method reports for a round, the
+evaluation's aggregate and the row written for it."""
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 from flwr.app import MetricRecord
 
+from common.metrics import EVAL_PREFIX, REQUIRED_METRICS
 from common.payload import ClientReply
 from strategies.aggregation import sample_weighted_mean
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
+
+
+class RoundCounters:
+    """What the transport and the node registry count, for the run and for the current round.
+
+    Attributes:
+        traffic: ``"<category>_bytes_<up|down>"`` -> payload bytes of the run so far.
+        dropped: message category -> dropped replies of the run so far.
+        round_dropped: partition ids sampled or asked this round that gave no valid reply.
+        round_clipped: uploaded rows scaled down to the round's outlier bound this round.
+        round_work: architecture -> [training images, client train-seconds] of this round's valid
+            train replies.
+        round_gpu: partition id -> ``{"device": GPU name, "peak_mib": peak CUDA MiB}`` of this
+            round's replies from GPUs.
+        round_ray_nodes: Ray node id -> this round's valid replies from ClientApps on that node.
+        seconds_per_image: architecture -> client training seconds per image in the last round
+            that trained it (the transport's push order).
+    """
+
+    def __init__(self) -> None:
+        self.traffic: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+        self.seconds_per_image: dict[str, float] = {}
+        self.round_dropped: set[int] = set()
+        self.round_clipped = 0
+        self.round_work: dict[str, list[float]] = {}
+        self.round_gpu: dict[str, dict[str, object]] = {}
+        self.round_ray_nodes: Counter[str] = Counter()
+
+    def begin_round(self) -> None:
+        """Keep the last round's training speed per architecture, reset the per-round counters."""
+        for arch, (images, seconds) in self.round_work.items():
+            if images > 0:
+                self.seconds_per_image[arch] = seconds / images
+        self.round_dropped = set()
+        self.round_clipped = 0
+        self.round_work = {}
+        self.round_gpu = {}
+        self.round_ray_nodes = Counter()
+
+
+def evaluated_in_train(replies: list[ClientReply]) -> list[ClientReply]:
+    """The evaluations carried by train replies (``eval-`` metrics, see
+    ``HeteroStrategy.evaluate_in_train``), as evaluate replies without payload."""
+    return [
+        ClientReply(
+            r.node_id,
+            r.partition_id,
+            {},
+            {k[len(EVAL_PREFIX) :]: v for k, v in r.metrics.items() if k.startswith(EVAL_PREFIX)},
+        )
+        for r in replies
+        if all(EVAL_PREFIX + k in r.metrics for k in REQUIRED_METRICS["evaluate"])
+    ]
+
+
+def aggregate_evaluation(replies: list[ClientReply]) -> MetricRecord | None:
+    """Accuracy of the clients' personal models on their local test splits (None without replies).
+
+    ``accuracy-mean`` is the unweighted mean over clients (the papers' "average test
+    accuracy"), ``accuracy-weighted`` the sample-weighted mean; both fractions in [0, 1].
+    Per-client values come as parallel lists ``partition-ids`` / ``accuracy-per-client``, in
+    partition-id order. Any other ``test-acc-<name>`` metric is averaged unweighted into
+    ``accuracy-mean-<name>`` and weighted by ``num-examples`` into ``accuracy-weighted-<name>``
+    (over the replies that have it).
+    """
+    valid = sorted(replies, key=lambda r: r.partition_id)
+    if not valid:
+        return None
+    correct = np.array([r.metrics["test-correct"] for r in valid], dtype=np.float64)
+    total = np.array([r.metrics["num-examples"] for r in valid], dtype=np.float64)
+    acc = correct / np.maximum(total, 1)
+    out: dict[str, Any] = {
+        "accuracy-mean": float(acc.mean()),
+        "accuracy-weighted": float(correct.sum() / max(total.sum(), 1)),
+        "num-evaluated": len(valid),
+        "partition-ids": [r.partition_id for r in valid],
+        "accuracy-per-client": [float(a) for a in acc],
+    }
+    extra = sorted({k for r in valid for k in r.metrics if k.startswith("test-acc-")})
+    for key in extra:
+        having = [r for r in valid if key in r.metrics]
+        values = np.array([r.metrics[key] for r in having], dtype=np.float64)
+        weights = np.array([r.metrics["num-examples"] for r in having], dtype=np.float64)
+        name = key[len("test-acc-") :]
+        out["accuracy-mean-" + name] = float(values.mean())
+        out["accuracy-weighted-" + name] = float((values * weights).sum() / max(weights.sum(), 1))
+    return MetricRecord(out)
 
 
 def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_seconds: float) -> dict[str, Any]:
@@ -49,29 +140,24 @@ def round_row(
     train: Mapping[str, Any],
     evaluation: MetricRecord | None,
     traffic: Mapping[str, int],
+    counters: RoundCounters,
     train_s: float,
     eval_s: float,
     elapsed: float,
-    dropped: set[int],
-    clipped: int,
-    work: Mapping[str, list[float]],
-    gpu: Mapping[str, Mapping[str, Any]] | None = None,
-    ray_nodes: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """One round's results row (one line of ``metrics.jsonl``; see the README's Quickstart for its keys).
 
     Args:
         server_round: the round; train: the round's train metrics (:func:`round_metrics` and the
             method's own); evaluation: the aggregated evaluation, None when not evaluated;
-        traffic: payload bytes by ``<category>_bytes_<up|down>`` this round; train_s, eval_s,
-            elapsed: the train and evaluation phases and the run so far, seconds;
-        dropped: partition ids without a valid reply; clipped: uploaded rows scaled down to the
-            outlier bound; work: architecture -> [training images, client train-seconds];
-        gpu: partition id -> ``{"device": name, "peak_mib": MiB}`` of the clients that ran on a GPU
-            (row key ``gpu_per_client``, left out when none did);
-        ray_nodes: Ray node id -> the round's valid replies from ClientApps on it (row key
-            ``replies_per_ray_node``, left out outside a Ray simulation).
+        traffic: payload bytes by ``<category>_bytes_<up|down>`` this round;
+        counters: the round's dropped partitions, clipped rows, training work per architecture,
+            GPU peaks (row key ``gpu_per_client``, left out when no client ran on a GPU) and
+            replies per Ray node (``replies_per_ray_node``, left out outside a Ray simulation);
+        train_s, eval_s, elapsed: the train and evaluation phases and the run so far, seconds.
     """
+    dropped, clipped, work = counters.round_dropped, counters.round_clipped, counters.round_work
+    gpu, ray_nodes = counters.round_gpu, counters.round_ray_nodes
     ev = dict(evaluation) if evaluation is not None else {}
     row: dict[str, Any] = {
         "round": server_round,

@@ -2,22 +2,23 @@
 payload, the exchange (push, then pull at a short interval until every reply is in or the round
 times out), payload bytes counted per message category, and every reply checked before use.
 
-:class:`Transport` is a mixin of ``strategies.base.HeteroStrategy``: it uses the strategy's
-``schemas``, ``clients`` (the handshake's metrics per node), ``cfg``, ``info``, ``metrics`` (the method's
-declared metrics), ``evaluate_in_train`` and its hooks ``check_reply`` and ``reply_dims``.
+A :class:`Transport` is built by ``strategies.base.HeteroStrategy`` from explicit inputs: the run
+config, the method's :class:`ReplyRules` (its schemas, declared metrics and reply checks), the node
+registry's ``clients`` (read only) and the :class:`strategies.records.RoundCounters` it counts into.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 from flwr.app import ConfigRecord, Message
 from flwr.serverapp import Grid
 
+from common.config import RunConfig
 from common.metrics import (
     DEVICE_KEYS,
     DEVICE_RECORD,
@@ -25,11 +26,14 @@ from common.metrics import (
     MAX_DEVICE_NAME,
     PARTITION_ID,
     REQUIRED_METRICS,
+    MetricSpec,
     check_metrics,
     declared_metrics,
 )
 from common.payload import ClientReply, PayloadError, clip_outlier_rows, read_payload, tensor_bytes
 from models.groups import MODEL_GROUPS
+from strategies.method import Schemas
+from strategies.records import RoundCounters
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -41,11 +45,32 @@ REASON_CHARS = 300
 CLIENT_STATE_DIR = "client-state-dir"
 
 
-class Transport:
-    """Messages, the exchange, byte counting and reply validation (a mixin of ``HeteroStrategy``)."""
+class ReplyRules(Protocol):
+    """What the transport needs of a method to build messages and check replies (the strategy)."""
 
-    def init_transport(self, timeout: float) -> None:
-        """The transport's state: no grid yet, zero counters, ``timeout`` seconds per exchange."""
+    schemas: Schemas
+    metrics: Mapping[str, Mapping[str, MetricSpec]]
+    evaluate_in_train: bool
+
+    def check_reply(self, message_type: str, metrics: Mapping[str, Any]) -> None: ...
+
+    def reply_dims(self, node_id: int) -> dict[str, int]: ...
+
+
+class Transport:
+    """Messages, the exchange, byte counting and reply validation.
+
+    Args:
+        cfg: the run config (``round-timeout``, ``model-group``, ``local-epochs``, the pool size).
+        rules: the method's schemas, declared metrics and reply checks.
+        clients: node id -> the handshake's metrics (the node registry's, read only).
+        counters: where bytes, dropped replies and the round's work are counted.
+    """
+
+    def __init__(
+        self, cfg: RunConfig, rules: ReplyRules, clients: Mapping[int, Mapping[str, Any]], counters: RoundCounters
+    ) -> None:
+        self.cfg, self.rules, self.clients, self.counters = cfg, rules, clients, counters
         self.grid: Grid | None = None
         #: names this run's client state on disk (node config ``state-dir``): the results folder of
         #: the run that started it, kept by a resumed run so clients find their state again
@@ -53,39 +78,29 @@ class Transport:
         #: sent as message config ``client-state-dir``: where clients without any ``state-dir`` keep
         #: their state (a simulation's run folder, see ``HeteroStrategy.start``); empty: context.state
         self.client_state_dir = ""
-        self.traffic: Counter[str] = Counter()  # "<category>_bytes_<up|down>" -> bytes
-        self.dropped: Counter[str] = Counter()  # message category -> dropped replies
-        self.round_dropped: set[int] = set()  # partition ids sampled/asked this round that gave no valid reply
-        self.round_clipped = 0  # uploaded rows scaled down to the round's outlier bound this round
-        #: architecture -> [training images, client train-seconds] of this round's valid train replies
-        self.round_work: dict[str, list[float]] = {}
-        #: partition id -> {"device": GPU name, "peak_mib": peak CUDA MiB} of this round's replies from GPUs
-        self.round_gpu: dict[str, dict[str, object]] = {}
-        #: Ray node id -> this round's valid replies from ClientApps on that node (a simulation's actors)
-        self.round_ray_nodes: Counter[str] = Counter()
-        #: architecture -> client training seconds per image in the last round that trained it
-        self.seconds_per_image: dict[str, float] = {}
-        self._timeout = timeout
+        self.timeout = cfg.round_timeout
         #: in a simulation, the most messages of one exchange that wait for replies at once (asked
         #: at every push; see :meth:`push_and_pull`); None: every message at once (a deployment)
         self.window: Callable[[], int] | None = None
 
-    def begin_round(self) -> None:
-        """Keep the last round's training speed per architecture, reset the per-round counters."""
-        for arch, (images, seconds) in self.round_work.items():
-            if images > 0:
-                self.seconds_per_image[arch] = seconds / images
-        self.round_dropped = set()
-        self.round_clipped = 0
-        self.round_work = {}
-        self.round_gpu = {}
-        self.round_ray_nodes = Counter()
+    def open(
+        self,
+        grid: Grid,
+        state_key: str,
+        client_state_dir: str = "",
+        timeout: float | None = None,
+        window: Callable[[], int] | None = None,
+    ) -> None:
+        """Start talking on ``grid``: the clients' state key and folder, the exchange timeout
+        (seconds, default ``round-timeout``) and the simulation's message window."""
+        self.grid, self.state_key, self.client_state_dir, self.window = grid, state_key, client_state_dir, window
+        self.timeout = timeout or self.cfg.round_timeout
 
     def message(
         self, message_type: str, node_id: int, arrays: Mapping[str, np.ndarray], config: ConfigRecord, server_round: int
     ) -> Message:
         """A message to one node: its payload (checked against the schema) plus ``config``."""
-        content = self.schemas[message_type][0].to_record(arrays)
+        content = self.rules.schemas[message_type][0].to_record(arrays)
         extra = {CLIENT_STATE_DIR: self.client_state_dir} if self.client_state_dir else {}
         content["config"] = ConfigRecord({**dict(config), "state-key": self.state_key, **extra})
         return Message(content, dst_node_id=node_id, message_type=message_type, group_id=str(server_round))
@@ -94,19 +109,19 @@ class Transport:
         """Send ``messages``, wait for the replies (at most ``timeout`` s, default ``round-timeout``),
         count payload bytes both ways.
 
-        Bytes are added to ``self.traffic["<category>_bytes_down"]`` (per message sent) and
+        Bytes are added to ``counters.traffic["<category>_bytes_down"]`` (per message sent) and
         ``["<category>_bytes_up"]`` (per reply received, valid or not).
         """
         messages = list(messages)
         if not messages:
             return []
         for m in messages:
-            self.traffic[_category(m.metadata.message_type) + "_bytes_down"] += tensor_bytes(m.content)
-        timeout = timeout or self._timeout
+            self.counters.traffic[_category(m.metadata.message_type) + "_bytes_down"] += tensor_bytes(m.content)
+        timeout = timeout or self.timeout
         replies = self.push_and_pull(messages, timeout)
         for r in replies:
             if not r.has_error():
-                self.traffic[_category(r.metadata.message_type) + "_bytes_up"] += tensor_bytes(r.content)
+                self.counters.traffic[_category(r.metadata.message_type) + "_bytes_up"] += tensor_bytes(r.content)
         missing = {m.metadata.dst_node_id for m in messages} - {r.metadata.src_node_id for r in replies}
         if missing:
             partitions = sorted(self.clients[n][PARTITION_ID] for n in missing if n in self.clients)
@@ -118,8 +133,8 @@ class Transport:
                 timeout,
                 partitions,
             )
-            self.dropped[_category(messages[0].metadata.message_type)] += len(missing)
-            self.round_dropped.update(partitions)
+            self.counters.dropped[_category(messages[0].metadata.message_type)] += len(missing)
+            self.counters.round_dropped.update(partitions)
         return replies
 
     def push_and_pull(self, messages: list[Message], timeout: float) -> list[Message]:
@@ -180,8 +195,8 @@ class Transport:
         The log line of a dropped reply quotes at most :data:`REASON_CHARS` of its reason.
         """
         category = _category(message_type)
-        up = self.schemas[message_type][1]
-        declared = declared_metrics(category, self.metrics, self.evaluate_in_train)
+        up = self.rules.schemas[message_type][1]
+        declared = declared_metrics(category, self.rules.metrics, self.rules.evaluate_in_train)
         valid: list[ClientReply] = []
         answered: set[int] = set()  # partitions with a valid reply in this exchange
         for reply in replies:
@@ -203,7 +218,7 @@ class Transport:
                 if absent:
                     raise PayloadError(f"metrics lack {absent}")
                 check_metrics(metrics, declared, self.clients.get(node), category, self.cfg.pool_size)
-                self.check_reply(message_type, metrics)
+                self.rules.check_reply(message_type, metrics)
                 if node in self.clients and self.clients[node][PARTITION_ID] != pid:
                     raise PayloadError(
                         f"partition-id {pid} differs from the handshake's {self.clients[node][PARTITION_ID]}"
@@ -212,27 +227,27 @@ class Transport:
                     duplicate = True
                     raise PayloadError(f"partition {pid} already replied in this exchange")
                 arrays = read_payload(content, up)
-                up.validate(arrays, self.reply_dims(node))
+                up.validate(arrays, self.rules.reply_dims(node))
                 valid.append(ClientReply(node, pid, arrays, metrics, device.get("name"), device.get("ray-node")))
                 answered.add(pid)
             except PayloadError as exc:
-                self.dropped[category] += 1
+                self.counters.dropped[category] += 1
                 if node in self.clients and not duplicate:
-                    self.round_dropped.add(self.clients[node][PARTITION_ID])
+                    self.counters.round_dropped.add(self.clients[node][PARTITION_ID])
                 reason = str(exc)
                 if len(reason) > REASON_CHARS:
                     reason = f"{reason[:REASON_CHARS]}... ({len(reason)} characters)"
                 log.warning("Dropped %s reply from node %s: %s", message_type, node, reason)
         if category == "train":
             self._count_work(valid)
-        self.round_ray_nodes.update(r.ray_node for r in valid if r.ray_node is not None)
+        self.counters.round_ray_nodes.update(r.ray_node for r in valid if r.ray_node is not None)
         for r in valid:
             if GPU_PEAK in r.metrics:  # the peak of the client's messages this round, on the device it names
-                used = self.round_gpu.setdefault(str(r.partition_id), {"device": r.device, "peak_mib": 0.0})
+                used = self.counters.round_gpu.setdefault(str(r.partition_id), {"device": r.device, "peak_mib": 0.0})
                 used["peak_mib"] = max(float(used["peak_mib"]), float(r.metrics[GPU_PEAK]))
         clipped = clip_outlier_rows(up, [r.arrays for r in valid])
         if clipped:
-            self.round_clipped += clipped
+            self.counters.round_clipped += clipped
             log.warning(
                 "Scaled down %d uploaded %s rows to the round's outlier bound (ArraySpec.row_norm_factor)",
                 clipped,
@@ -250,15 +265,15 @@ class Transport:
             return 0.0
         arch = MODEL_GROUPS[self.cfg.model_group].architecture_for(known[PARTITION_ID])
         examples = known.get("num-train" if category == "train" else "num-test", 0)
-        return float(examples) * self.seconds_per_image.get(arch, 1.0)
+        return float(examples) * self.counters.seconds_per_image.get(arch, 1.0)
 
     def _count_work(self, replies: list[ClientReply]) -> None:
         """Add the replies' training images (``num-examples`` x ``local-epochs``) and ``train-seconds``
-        to :attr:`round_work` under each client's architecture (its model group's, by partition)."""
+        to the round's work under each client's architecture (its model group's, by partition)."""
         group = MODEL_GROUPS[self.cfg.model_group]
         for r in replies:
             if "train-seconds" in r.metrics and "num-examples" in r.metrics:
-                work = self.round_work.setdefault(group.architecture_for(r.partition_id), [0.0, 0.0])
+                work = self.counters.round_work.setdefault(group.architecture_for(r.partition_id), [0.0, 0.0])
                 work[0] += float(r.metrics["num-examples"]) * self.cfg.local_epochs
                 work[1] += float(r.metrics["train-seconds"])
 

@@ -15,9 +15,8 @@ def run(rc: dict, name: str, in_run_folder: bool = True):
 
     cfg = RunConfig.from_dict(rc)
     strategy = build_strategy(cfg, ResultsWriter(cfg.output_dir, name, cfg.as_dict()))
-    strategy.client_state_in_run_folder = in_run_folder  # what the ServerApp sets on Flower's InMemoryGrid
     grid = FakeGrid(client_app, rc, cfg.num_clients)
-    strategy.start(grid)
+    strategy.start(grid, state_in_run_folder=in_run_folder)  # what the ServerApp passes on Flower's InMemoryGrid
     return strategy, grid
 
 
@@ -50,4 +49,4 @@ def test_state_dir_still_wins(run_config, tmp_path):
     )
     strategy, _ = run(rc, "run")
     assert not (strategy.results.path / "client-state").exists()
-    assert (tmp_path / "state" / strategy.state_key / "partition-0" / f"{MODEL_STATE}.pt").is_file()
+    assert (tmp_path / "state" / strategy.transport.state_key / "partition-0" / f"{MODEL_STATE}.pt").is_file()

@@ -153,43 +153,47 @@ def _handshaken(run_config):
     from flwr.app import ConfigRecord
 
     strategy, grid = federation(run_config(**{"num-clients": 3}))
-    strategy.grid = grid
-    strategy.handshake()
+    strategy.transport.open(grid, "in-memory")
+    strategy.registry.handshake(strategy.transport)
     grid.pulls = 0
-    return strategy, grid, [strategy.message("query", n, {}, ConfigRecord(), 0) for n in strategy.nodes]
+    return (
+        strategy,
+        grid,
+        [strategy.transport.message("query", n, {}, ConfigRecord(), 0) for n in strategy.registry.nodes],
+    )
 
 
 def test_pull_loop_returns_as_soon_as_all_replies_are_in(run_config):
     strategy, grid, messages = _handshaken(run_config)
     grid.delay[1001] = 0.2
     start = time.monotonic()
-    replies = strategy.exchange(messages, timeout=30.0)
+    replies = strategy.transport.exchange(messages, timeout=30.0)
     elapsed = time.monotonic() - start
     assert 0.2 <= elapsed < 1.0, elapsed  # waited for the late reply, not for the timeout
     assert [r.metadata.src_node_id for r in replies] == [1000, 1001, 1002]  # in the order sent
-    assert strategy.round_dropped == set() and grid.pulls >= 2
+    assert strategy.counters.round_dropped == set() and grid.pulls >= 2
 
     grid.delay.clear()
     grid.pulls = 0
     start = time.monotonic()
-    strategy.exchange(messages_again(strategy), timeout=30.0)
+    strategy.transport.exchange(messages_again(strategy), timeout=30.0)
     assert grid.pulls == 1 and time.monotonic() - start < 0.5  # all in at the first look: no sleep at all
 
 
 def messages_again(strategy):
     from flwr.app import ConfigRecord
 
-    return [strategy.message("query", n, {}, ConfigRecord(), 0) for n in strategy.nodes]
+    return [strategy.transport.message("query", n, {}, ConfigRecord(), 0) for n in strategy.registry.nodes]
 
 
 def test_pull_loop_honours_the_timeout_and_records_late_clients_as_dropped(run_config):
     strategy, grid, messages = _handshaken(run_config)
     grid.delay[1002] = 60.0  # answers far too late
     start = time.monotonic()
-    replies = strategy.exchange(messages, timeout=0.3)
+    replies = strategy.transport.exchange(messages, timeout=0.3)
     assert 0.3 <= time.monotonic() - start < 1.0
     assert [r.metadata.src_node_id for r in replies] == [1000, 1001]
-    assert strategy.round_dropped == {2} and strategy.dropped["query"] == 1
+    assert strategy.counters.round_dropped == {2} and strategy.counters.dropped["query"] == 1
 
 
 def test_largest_expected_work_is_pushed_first_and_replies_keep_the_sent_order(run_config):
@@ -198,21 +202,26 @@ def test_largest_expected_work_is_pushed_first_and_replies_keep_the_sent_order(r
     from models.groups import MODEL_GROUPS
 
     strategy, grid, _ = _handshaken(run_config)
-    for i, n in enumerate(strategy.nodes):  # the later the partition, the more test examples
-        strategy.clients[n]["num-test"] = 10 * (i + 1)
-    messages = [strategy.message("evaluate", n, {}, ConfigRecord(), 1) for n in strategy.nodes]
+    for i, n in enumerate(strategy.registry.nodes):  # the later the partition, the more test examples
+        strategy.registry.clients[n]["num-test"] = 10 * (i + 1)
+    messages = [strategy.transport.message("evaluate", n, {}, ConfigRecord(), 1) for n in strategy.registry.nodes]
     grid.sent.clear()
-    replies = strategy.exchange(messages, timeout=30.0)
+    replies = strategy.transport.exchange(messages, timeout=30.0)
     # evaluate work ~ test examples (no speed measured yet: every architecture counts alike)
-    assert [m.metadata.dst_node_id for m in grid.sent] == strategy.nodes[::-1]
-    assert [r.metadata.src_node_id for r in replies] == strategy.nodes  # in the order of ``messages``
+    assert [m.metadata.dst_node_id for m in grid.sent] == strategy.registry.nodes[::-1]
+    assert [r.metadata.src_node_id for r in replies] == strategy.registry.nodes  # in the order of ``messages``
     # a measured training speed weighs the examples: the client of a slow architecture goes first
     group = MODEL_GROUPS[strategy.cfg.model_group]
-    slow = min(strategy.nodes, key=lambda n: strategy.clients[n]["num-train"])
-    strategy.seconds_per_image = {group.architecture_for(strategy.clients[slow]["partition-id"]): 1000.0}
-    train = [strategy.message("train", n, strategy.train_payload(n, 1), ConfigRecord(), 1) for n in strategy.nodes]
-    assert max(train, key=strategy.expected_seconds).metadata.dst_node_id == slow
-    assert strategy.expected_seconds(strategy.message("query", slow, {}, ConfigRecord(), 0)) == 0.0
+    slow = min(strategy.registry.nodes, key=lambda n: strategy.registry.clients[n]["num-train"])
+    strategy.counters.seconds_per_image = {
+        group.architecture_for(strategy.registry.clients[slow]["partition-id"]): 1000.0
+    }
+    train = [
+        strategy.transport.message("train", n, strategy.train_payload(n, 1), ConfigRecord(), 1)
+        for n in strategy.registry.nodes
+    ]
+    assert max(train, key=strategy.transport.expected_seconds).metadata.dst_node_id == slow
+    assert strategy.transport.expected_seconds(strategy.transport.message("query", slow, {}, ConfigRecord(), 0)) == 0.0
 
 
 def test_a_window_keeps_at_most_that_many_messages_waiting_and_changes_no_result(run_config):
@@ -224,7 +233,6 @@ def test_a_window_keeps_at_most_that_many_messages_waiting_and_changes_no_result
     plain, grid = federation(rc)
     plain.start(grid)
     windowed, grid = federation(rc)
-    windowed.window = lambda: 2
     waiting, push = [], grid.push_messages
 
     def counted(messages):
@@ -233,7 +241,7 @@ def test_a_window_keeps_at_most_that_many_messages_waiting_and_changes_no_result
         return push(messages)
 
     grid.push_messages = counted
-    windowed.start(grid)
+    windowed.start(grid, window=lambda: 2)
     assert max(waiting) == 2 and len(waiting) > 6  # 5 queries, 5 trains... in batches of at most 2
     strip = ("seconds", "per_second", "replies_per_ray_node")
     assert [{k: v for k, v in r.items() if not any(s in k for s in strip)} for r in windowed.rows] == [

@@ -17,6 +17,7 @@ from conftest import client_runtime, federation, make_run_config, train_config
 from strategies.base import ClientReply
 from strategies.fedgh import METHOD as FEDGH_METHOD
 from strategies.fedgh import FedGHOptions, load_header, train_header
+from strategies.records import aggregate_evaluation
 
 C, D = 10, 500
 
@@ -204,11 +205,11 @@ def test_unweighted_and_weighted_accuracy(run_config):
     strategy, grid = federation(run_config())
     replies = []
     for node, (acc, n, acc_global) in zip(grid.contexts, [(1.0, 10, 1.0), (0.0, 1000, 0.5)]):
-        msg = strategy.message("evaluate", node, {}, strategy.train_config(1), 1)
+        msg = strategy.transport.message("evaluate", node, {}, strategy.train_config(1), 1)
         metrics = {"partition-id": node - 1000, "test-correct": int(acc * n), "num-examples": n}
         content = RecordDict({"metrics": MetricRecord({**metrics, "test-acc-global-head": acc_global})})
         replies.append(Message(content, reply_to=msg))
-    out = strategy.aggregate_evaluate(1, replies)
+    out = aggregate_evaluation(strategy.transport.validate("evaluate", replies))
     assert out["accuracy-mean"] == pytest.approx(0.5)
     assert out["accuracy-weighted"] == pytest.approx(10 / 1010)
     assert out["accuracy-mean-global-head"] == pytest.approx(0.75)  # a secondary metric: both averages too
@@ -245,7 +246,7 @@ def test_wrong_representation_size_is_rejected(run_config):
     grid.tamper = shrink
     strategy.start(grid)
     assert all(r["num_clients"] == 3 for r in strategy.rows)
-    assert strategy.dropped["train"] == 2
+    assert strategy.counters.dropped["train"] == 2
 
 
 def test_header_learns_on_real_rounds(run_config):

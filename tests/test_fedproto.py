@@ -34,4 +34,6 @@ def test_fedproto_server_is_unweighted_class_mean():
     expected2 = (replies[0].arrays["protos"][1] + replies[1].arrays["protos"][0] + replies[2].arrays["protos"][0]) / 3
     np.testing.assert_allclose(out["protos"][1], expected2, atol=1e-6)
     np.testing.assert_allclose(out["protos"][0], replies[0].arrays["protos"][0], atol=1e-6)
-    assert tensor_bytes(strategy.message("train", 1, out, strategy.train_config(1), 1).content) == 4 * K * 3 + 10
+    assert (
+        tensor_bytes(strategy.transport.message("train", 1, out, strategy.train_config(1), 1).content) == 4 * K * 3 + 10
+    )

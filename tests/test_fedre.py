@@ -7,10 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from common.config import ConfigError, RunConfig
+from common.config import ConfigError, RunConfig, read_options
 from common.data import class_counts
 from common.datasets import DATASETS
-from common.options import read_options
 from common.payload import PAYLOAD, array_record, tensor_bytes
 from common.runtime import MODEL_STATE
 from common.training import class_means
@@ -325,7 +324,7 @@ def test_missing_and_malformed_uploads(run_config):
     strategy.start(grid)
     row = strategy.rows[0]
     assert row["num_clients"] == 3 and row["server_num_uploads"] == 2
-    assert strategy.dropped["train"] == 1
+    assert strategy.counters.dropped["train"] == 1
     assert row["accuracy_mean"] is not None and len(row["accuracy_per_client"]) == 4
 
 

@@ -291,7 +291,7 @@ def test_hostile_torn_state_file_is_ignored_and_rewritten(run_config, tmp_path):
     cfg = RunConfig.from_dict(rc)
     strategy = build_strategy(cfg)
     grid = FakeGrid(client_app, rc, 3, node_config={"state-dir": str(tmp_path / "state")})
-    torn = tmp_path / "state" / strategy.state_key / "partition-1" / f"{MODEL_STATE}.pt"
+    torn = tmp_path / "state" / strategy.transport.state_key / "partition-1" / f"{MODEL_STATE}.pt"
     torn.parent.mkdir(parents=True)
     buffer = io.BytesIO()
     torch.save({"w": torch.zeros(1000)}, buffer)
@@ -340,7 +340,7 @@ def test_hostile_impostor_cannot_take_a_connected_partition(run_config):
 
     strategy.run_round = run_round
     strategy.start(grid)
-    assert strategy.nodes == [1000, 1001, 1002] and strategy.dropped["query"] == 1
+    assert strategy.registry.nodes == [1000, 1001, 1002] and strategy.counters.dropped["query"] == 1
     assert [r["num_clients"] for r in strategy.rows] == [3, 3, 3]
     to_impostor = [m.metadata.message_type for m in grid.sent if m.metadata.dst_node_id == 6666]
     assert to_impostor == ["query"]
@@ -350,7 +350,7 @@ def test_hostile_duplicate_claim_at_the_handshake_drops_the_later_node(run_confi
     strategy, grid = _fedgh(run_config, 1)
     grid.add_node(6666, 0)  # a fourth node claiming partition 0, listed after node 1000
     strategy.start(grid)
-    assert strategy.nodes == [1000, 1001, 1002] and strategy.dropped["query"] == 1
+    assert strategy.registry.nodes == [1000, 1001, 1002] and strategy.counters.dropped["query"] == 1
     assert strategy.rows[0]["num_clients"] == 3
 
 
@@ -358,14 +358,14 @@ def test_hostile_silent_new_node_is_asked_with_backoff(run_config):
     """A node that connects but never answers is asked in rounds 1, 2 and 4 of 6, not every
     round (each ask costs up to QUERY_SECONDS of waiting in a deployment)."""
     strategy, grid = _fedgh(run_config, 6)
-    original = strategy.handshake
+    original = strategy.registry.handshake
 
-    def handshake():
-        original()
+    def handshake(transport):
+        original(transport)
         grid.add_node(6666, 2)
         grid.silent.add(6666)
 
-    strategy.handshake = handshake
+    strategy.registry.handshake = handshake
     strategy.start(grid)
     assert sum(m.metadata.dst_node_id == 6666 for m in grid.sent) == 3
     assert [r["num_clients"] for r in strategy.rows] == [3] * 6
@@ -389,7 +389,7 @@ def test_hostile_restarted_node_takes_its_partition_once_the_old_one_is_gone(run
 
     strategy.run_round = run_round
     strategy.start(grid)
-    assert strategy.nodes == [1000, 1001, 2002]
+    assert strategy.registry.nodes == [1000, 1001, 2002]
     assert [r["num_clients"] for r in strategy.rows] == [2, 2, 3, 3]
     assert sum(m.metadata.dst_node_id == 2002 and m.metadata.message_type == "query" for m in grid.sent) == 1
     assert sum(m.metadata.dst_node_id == 7777 for m in grid.sent) == 1
@@ -413,7 +413,7 @@ def test_hostile_num_params_claim_is_bounded_by_the_model_group(run_config):
     strategy, grid = federation(rc, attacker("query", lambda reply: with_metrics(reply, **{"num-params": 10**8})))
     with pytest.raises(RuntimeError, match="only 2 of num-clients=3"):
         strategy.start(grid)
-    assert strategy.dropped["query"] >= 1 and "p1" not in strategy.hn.sizes  # no head was made for the claim
+    assert strategy.counters.dropped["query"] >= 1 and "p1" not in strategy.hn.sizes  # no head was made for the claim
     # the bound is the group's largest model: an honest client's K is within it
     from models.groups import MODEL_GROUPS
 
@@ -427,7 +427,7 @@ def test_hostile_handshake_size_claim_beyond_the_dataset_is_dropped(run_config):
     strategy, grid = federation(rc, attacker("query", lambda reply: with_metrics(reply, **{"num-train": 10**9})))
     with pytest.raises(RuntimeError, match="only 2 of num-clients=3"):
         strategy.start(grid)
-    assert strategy.dropped["query"] == 1 and ATTACKER not in strategy.clients
+    assert strategy.counters.dropped["query"] == 1 and ATTACKER not in strategy.registry.clients
 
 
 def scaled(key: str, value: float):
@@ -609,7 +609,7 @@ def test_hostile_second_reply_of_a_partition_is_dropped(run_config):
     clean.start(grid)
 
     strategy, grid = federation(rc)
-    exchange = strategy.exchange
+    exchange = strategy.transport.exchange
 
     def replayed(messages, timeout=None):
         replies = exchange(messages, timeout)
@@ -617,9 +617,9 @@ def test_hostile_second_reply_of_a_partition_is_dropped(run_config):
             r for r in replies if r.metadata.src_node_id == ATTACKER and r.metadata.message_type == "train"
         ]
 
-    strategy.exchange = replayed
+    strategy.transport.exchange = replayed
     strategy.start(grid)
-    assert strategy.dropped["train"] == 2  # one replay per round
+    assert strategy.counters.dropped["train"] == 2  # one replay per round
     for row, clean_row in zip(strategy.rows, clean.rows):
         assert (
             row["num_clients"] == 3

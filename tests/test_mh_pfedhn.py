@@ -21,8 +21,6 @@ from strategies.mh_pfedhn import (
     TEACHER_STATE,
     HNOptions,
     HyperNetwork,
-    MHpFedHNClient,
-    MHpFedHNGDClient,
     flat_delta,
     hn_step,
     load_flat,
@@ -200,7 +198,7 @@ def test_rounds_payloads_steps_and_evaluation(run_config, method, schedule):
     last_eval = {m.metadata.dst_node_id: m for m in grid.sent if m.metadata.message_type == "evaluate"}
     for node, m in last_eval.items():
         assert np.array_equal(m.content.array_records[PAYLOAD]["theta"].numpy(), strategy.weights_for(node)["theta"])
-    for metrics in strategy.clients.values():  # the handshake disclosed sizes only
+    for metrics in strategy.registry.clients.values():  # the handshake disclosed sizes only
         assert metrics["num-params"] == k and all(isinstance(v, (int, float)) for v in metrics.values())
 
 
@@ -258,7 +256,9 @@ def test_gd_with_zero_alpha_equals_hn_update(run_config):
     for method in ("mh-pfedhn", "mh-pfedhngd"):
         rc = mh_config(run_config, method, **{"mh-pfedhngd.kd-alpha": 0.0})
         client = client_runtime(rc)
-        procedure = (MHpFedHNGDClient if method == "mh-pfedhngd" else MHpFedHNClient)(RunConfig.from_dict(rc))
+        procedure = (MHPFEDHNGD_METHOD if method == "mh-pfedhngd" else MHPFEDHN_METHOD).build_client(
+            RunConfig.from_dict(rc)
+        )
         theta = (torch.randn(K_C10["lenet"], generator=torch.Generator().manual_seed(1)) * 0.05).numpy()
         if method == "mh-pfedhngd":
             procedure.train_global(client, {"w_g": theta.copy()}, train_config(rc))
@@ -284,8 +284,9 @@ def test_gd_teacher_is_this_rounds_untrained_global_model(run_config):
 def test_gd_global_step_is_data_weighted_and_local(run_config):
     rc = mh_config(run_config, "mh-pfedhngd", model_group="mh-zoo", **{"num-clients": 3, "num-server-rounds": 1})
     strategy, grid = federation(rc)
-    strategy.grid = grid
-    strategy.handshake()
+    strategy.transport.open(grid, "in-memory")
+    strategy.registry.handshake(strategy.transport)
+    strategy.joined()
     pre_step = copy.deepcopy(strategy.hn)
     deltas = {}
 
@@ -332,7 +333,7 @@ def test_failed_reply_gives_no_step(run_config):
     rc = mh_config(run_config, **{"num-clients": 3, "num-server-rounds": 1})
     strategy, grid = federation(rc, fail)
     strategy.start(grid)
-    assert strategy.rows[0]["server_hn_steps"] == 2 and strategy.dropped["train"] == 1
+    assert strategy.rows[0]["server_hn_steps"] == 2 and strategy.counters.dropped["train"] == 1
     assert strategy.rows[0]["accuracy_mean"] is not None
 
 

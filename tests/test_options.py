@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from common.config import ConfigError, RunConfig
-from common.options import option, option_defaults, option_rows, read_options
+from common.config import ConfigError, RunConfig, read_options
+from common.options import option, option_defaults, option_rows
 from conftest import ROOT, federation, make_run_config
 from strategies.registry import METHODS, client_procedure, key_table, option_tables
 from tools.run import app_defaults

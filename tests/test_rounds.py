@@ -60,7 +60,7 @@ def test_malformed_replies_are_dropped_and_round_goes_on(run_config):
     for row in strategy.rows:
         assert row["num_clients"] == 2 and row["server_num_lars"] == 4
         assert row["accuracy_mean"] is not None
-    assert strategy.dropped["train"] == 6
+    assert strategy.counters.dropped["train"] == 6
 
 
 def test_client_exception_is_dropped(run_config):
@@ -77,7 +77,7 @@ def test_client_exception_is_dropped(run_config):
 
     grid.client_app = flaky
     strategy.start(grid)
-    assert strategy.rows[0]["num_clients"] == 2 and strategy.dropped["train"] == 1
+    assert strategy.rows[0]["num_clients"] == 2 and strategy.counters.dropped["train"] == 1
 
 
 def test_results_files_written_each_round_and_learning(run_config, tmp_path):

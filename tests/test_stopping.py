@@ -32,15 +32,13 @@ def test_rounds_without_evaluation_count_as_rounds():
 def scripted(strategy):
     """Replace the strategy's evaluation with :data:`SCRIPT` (one value per evaluated round)."""
 
-    def aggregate_evaluate(server_round, replies):
-        list(replies)
-        strategy._evaluated_in_train = []
+    def evaluate_round(server_round, evaluated):
         acc = SCRIPT[server_round - 1]
         return MetricRecord(
             {"accuracy-mean": acc, "accuracy-weighted": acc, "partition-ids": [0], "accuracy-per-client": [acc]}
         )
 
-    strategy.aggregate_evaluate = aggregate_evaluate
+    strategy.evaluate_round = evaluate_round
     return strategy
 
 

@@ -1,0 +1,86 @@
+"""The strategy's collaborators alone, each built from its explicit inputs without a HeteroStrategy:
+the node registry and the transport on the fake grid, the round counters, the checkpoint store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord
+
+from common.config import ConfigError, RunConfig
+from common.results import ResultsWriter
+from strategies.base import NO_PAYLOAD_SCHEMAS
+from strategies.checkpoint import Checkpoints
+from strategies.method import Schemas
+from strategies.nodes import NodeRegistry
+from strategies.records import RoundCounters
+from strategies.transport import Transport
+
+
+@dataclass
+class Rules:
+    """The least a transport needs of a method: schemas without payload, no metrics of its own."""
+
+    schemas: Schemas = field(default_factory=lambda: NO_PAYLOAD_SCHEMAS)
+    metrics: dict = field(default_factory=dict)
+    evaluate_in_train: bool = False
+
+    def check_reply(self, message_type, metrics) -> None:
+        pass
+
+    def reply_dims(self, node_id) -> dict[str, int]:
+        return {}
+
+
+def collaborators(rc: dict):
+    from client_app.app import app as client_app
+    from fakegrid import FakeGrid
+
+    cfg = RunConfig.from_dict(rc)
+    counters = RoundCounters()
+    registry = NodeRegistry(cfg, counters, np.random.default_rng(cfg.seed))
+    transport = Transport(cfg, Rules(), registry.clients, counters)
+    grid = FakeGrid(client_app, rc, cfg.num_clients)
+    transport.open(grid, "alone")
+    return registry, transport, counters, grid
+
+
+def test_registry_and_transport_alone_handshake_sample_and_count(run_config):
+    registry, transport, counters, grid = collaborators(run_config(method="local", **{"fraction-train": 0.5}))
+    registry.handshake(transport)
+    assert registry.nodes == [1000, 1001, 1002, 1003]  # ordered by partition id
+    assert [registry.clients[n]["partition-id"] for n in registry.nodes] == [0, 1, 2, 3]
+    assert counters.traffic == {"query_bytes_down": 0, "query_bytes_up": 0}  # queries carry no arrays
+    sampled = registry.sample()
+    again = NodeRegistry(registry.cfg, RoundCounters(), np.random.default_rng(registry.cfg.seed))
+    again.nodes, again.connected = list(registry.nodes), set(registry.connected)
+    assert len(sampled) == 2 and again.sample() == sampled  # seeded: the same draw from the same seed
+    grid.silent.add(sampled[0])
+    transport.timeout = 0.3
+    replies = transport.exchange([transport.message("query", n, {}, ConfigRecord(), 1) for n in sampled])
+    assert [r.metadata.src_node_id for r in replies] == sampled[1:]
+    assert counters.dropped["query"] == 1 and counters.round_dropped == {sampled[0] - 1000}
+    counters.begin_round()
+    assert counters.round_dropped == set() and counters.dropped["query"] == 1  # the run's count stays
+
+
+def test_checkpoint_store_alone_builds_and_loads_what_a_resume_needs(run_config, tmp_path):
+    rc = run_config(method="fedgh")
+    cfg = RunConfig.from_dict(rc)
+    writer = ResultsWriter(cfg.output_dir, "first", cfg.as_dict())
+    store = Checkpoints(cfg, writer)
+    assert store.state_key() == "first"
+    counters, rng = RoundCounters(), np.random.default_rng(5)
+    counters.traffic["train_bytes_up"] = 123
+    rng.random()
+    writer.write_checkpoint(store.build(3, "first", rng, counters, [{"round": 3}], {"header": {}}))
+    resumed = Checkpoints(RunConfig.from_dict({**rc, "resume-from": str(writer.path)}), None)
+    assert resumed.state_key() == "first"  # a resumed run keeps its clients' state key
+    state = resumed.load()
+    assert state["round"] == 3 and state["traffic"] == {"train_bytes_up": 123} and state["rows"] == [{"round": 3}]
+    assert state["rng"] == rng.bit_generator.state
+    other = Checkpoints(RunConfig.from_dict({**rc, "resume-from": str(writer.path), "lr": 0.5}), None)
+    with pytest.raises(ConfigError, match=r"'lr' \(0\.01, now 0\.5\)"):
+        other.load()
