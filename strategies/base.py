@@ -210,55 +210,61 @@ class HeteroStrategy:
         first = self.resume() + 1
         result = Result()
         run_start = time.perf_counter()
-        rounds = self.cfg.num_server_rounds
-        for server_round in range(first, rounds + 1):
+        for server_round in range(first, self.cfg.num_server_rounds + 1):
             if self.rows and self.rows[-1].get("stop_reason"):  # stop-patience ran out (maybe before a resume)
                 break
-            before = self.counters.traffic.copy()
-            t0 = time.perf_counter()
-            self.counters.begin_round()
-            self.registry.refresh(self.transport)
-            before_state = copy.deepcopy(self.server_state())
-            train_metrics, replies = self.run_round(server_round)
-            if before_state is not None and not finite(self.server_state()):
-                # the server would send non-finite state to every client from now on: undo this round's update
-                load_server_state(self, before_state)
-                train_metrics["server-rolled-back"] = 1
-                log.warning("Round %d: the server update made the server state non-finite; rolled back", server_round)
-            t1 = time.perf_counter()
-            eval_metrics = self.evaluate_round(server_round, evaluated_in_train(replies))
-            t2 = time.perf_counter()
+            train_metrics, eval_metrics = self.play_round(server_round, run_start)
             result.train_metrics_clientapp[server_round] = MetricRecord(metric_values(train_metrics))
             if eval_metrics is not None:
                 result.evaluate_metrics_clientapp[server_round] = eval_metrics
-            row = round_row(
-                server_round,
-                train_metrics,
-                eval_metrics,
-                self.counters.traffic - before,
-                self.counters,
-                t1 - t0,
-                t2 - t1,
-                time.perf_counter() - run_start,
-            )
-            stop = patience_exhausted([*self.rows, row], self.cfg.stop_patience)
-            if stop:
-                row["stop_reason"] = stop
-            self.rows.append(row)
-            if self.results is not None:
-                self.results.write_round(row)
-                self.results.write_checkpoint(
-                    self.checkpoints.build(
-                        server_round, state_key, self.rng, self.counters, self.rows, self.server_state()
-                    )
-                )
-            log.info(progress_line(row, rounds))
-            if stop:
-                log.info("Stopping after round %d: %s", server_round, stop)
         result.arrays = array_record(self.global_arrays())
         if self.results is not None:
             self.results.finish()
         return result
+
+    def play_round(self, server_round: int, run_start: float) -> tuple[dict[str, Any], MetricRecord | None]:
+        """One round of the loop: refresh the nodes, :meth:`run_round` (its server update undone if it
+        left the server state non-finite), :meth:`evaluate_round`, then the round's row (with the
+        ``stop-patience`` verdict) and checkpoint written. ``run_start``: :func:`time.perf_counter`
+        at the loop's start. Returns the round's train metrics and evaluation."""
+        before = self.counters.traffic.copy()
+        t0 = time.perf_counter()
+        self.counters.begin_round()
+        self.registry.refresh(self.transport)
+        before_state = copy.deepcopy(self.server_state())
+        train_metrics, replies = self.run_round(server_round)
+        if before_state is not None and not finite(self.server_state()):
+            # the server would send non-finite state to every client from now on: undo this round's update
+            load_server_state(self, before_state)
+            train_metrics["server-rolled-back"] = 1
+            log.warning("Round %d: the server update made the server state non-finite; rolled back", server_round)
+        t1 = time.perf_counter()
+        eval_metrics = self.evaluate_round(server_round, evaluated_in_train(replies))
+        t2 = time.perf_counter()
+        row = round_row(
+            server_round,
+            train_metrics,
+            eval_metrics,
+            self.counters.traffic - before,
+            self.counters,
+            t1 - t0,
+            t2 - t1,
+            time.perf_counter() - run_start,
+        )
+        stop = patience_exhausted([*self.rows, row], self.cfg.stop_patience)
+        if stop:
+            row["stop_reason"] = stop
+        self.rows.append(row)
+        if self.results is not None:
+            self.results.write_round(row)
+            state = self.checkpoints.build(
+                server_round, self.transport.state_key, self.rng, self.counters, self.rows, self.server_state()
+            )
+            self.results.write_checkpoint(state)
+        log.info(progress_line(row, self.cfg.num_server_rounds))
+        if stop:
+            log.info("Stopping after round %d: %s", server_round, stop)
+        return train_metrics, eval_metrics
 
     def evaluate_round(self, server_round: int, evaluated: list[ClientReply]) -> MetricRecord | None:
         """The round's evaluation (None when it is no evaluation round): one evaluate message to
