@@ -150,7 +150,14 @@ REFERENCE_METHODS = {
     ),
     "fd": ReferenceMethod("FD", flags={"-lam": "lambda"}, unexpressed=("target",)),
     # clientfml.py and clientkd.py: clip_grad_norm_(..., 10) on each model ("prevent divergency")
-    "fml": ReferenceMethod("FML", {"clip-norm": 10.0}, {"-al": "alpha", "-bt": "beta"}, unexpressed=("shared-model",)),
+    # clientfml.py: nn.KLDivLoss() (KL / C) on targets it does not detach: ours with fml.kl-reduction = "mean"
+    # and fml.detach-targets = false
+    "fml": ReferenceMethod(
+        "FML",
+        {"clip-norm": 10.0},
+        {"-al": "alpha", "-bt": "beta"},
+        unexpressed=("shared-model", "kl-reduction", "detach-targets"),
+    ),
     "fedkd": ReferenceMethod(
         "FedKD", {"clip-norm": 10.0}, {"-Ts": "energy-start", "-Te": "energy-end"}, unexpressed=("shared-model",)
     ),

@@ -7,7 +7,8 @@ Payload: the meme model (``fml.shared-model``, default CNN-5: 670,058 float32 pa
 2,680,232 B per direction on CIFAR-10), both ways; the private model never leaves.
 
 Client step, on every augmented batch, both models (deep mutual learning, each treating the
-other's prediction as a fixed target, which HtFLlib does not detach):
+other's prediction as a fixed target unless ``fml.detach-targets = false``, HtFLlib's; the KL is
+per example unless ``fml.kl-reduction = "mean"``, HtFLlib's KL / C):
     L_private = α·CE(p_private, y) + (1−α)·KL(p_meme ‖ p_private)
     L_meme    = β·CE(p_meme, y)    + (1−β)·KL(p_private ‖ p_meme)
 one SGD step on L_private + L_meme (the two parameter sets are disjoint, so this equals two
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 
 from common.config import RunConfig
@@ -39,6 +41,9 @@ from strategies.shared_model import (
     shared_schemas,
 )
 
+#: ``fml.kl-reduction``: how each KL term is averaged (:func:`mutual_kl`)
+KL_REDUCTIONS = ("batchmean", "mean")
+
 
 @dataclass(frozen=True)
 class FMLOptions:
@@ -49,6 +54,28 @@ class FMLOptions:
     )
     alpha: float = option(0.5, "private model: alpha*CE + (1-alpha)*KL(meme || private)", low=0, high=1)
     beta: float = option(0.5, "meme model: beta*CE + (1-beta)*KL(private || meme)", low=0, high=1)
+    kl_reduction: str = option(
+        "batchmean",
+        "batchmean: KL per example, averaged over the batch (the paper's KL, ours) | mean: averaged over batch x "
+        "classes, i.e. KL / C (HtFLlib's nn.KLDivLoss() default)",
+        choices=KL_REDUCTIONS,
+    )
+    detach_targets: bool = option(
+        True,
+        "each KL term treats the other model's prediction as a fixed target (false: HtFLlib's, gradients flow "
+        "into both models)",
+    )
+
+
+def mutual_kl(student_logits: torch.Tensor, target_logits: torch.Tensor, options: FMLOptions) -> torch.Tensor:
+    """KL(softmax(target) ‖ softmax(student)) of one FML loss term (docs/methods/fml.md, client step).
+
+    ``*_logits``: float [B, C]. ``kl-reduction = "mean"`` divides the per-example mean by C, which is
+    what ``nn.KLDivLoss()`` (reduction ``mean``, over all B·C elements) gives in HtFLlib's
+    ``clientfml.py``; ``detach-targets = false`` lets the gradient reach the target's model too.
+    """
+    kl = kd_loss(student_logits, target_logits.detach() if options.detach_targets else target_logits)
+    return kl / student_logits.shape[1] if options.kl_reduction == "mean" else kl
 
 
 def meme_model(cfg: RunConfig, options: FMLOptions):
@@ -75,8 +102,12 @@ class FMLClient(SharedModelClient):
 
         def mutual_loss(x, features, logits, labels):
             meme_logits = meme(x)
-            private = alpha * F.cross_entropy(logits, labels) + (1 - alpha) * kd_loss(logits, meme_logits.detach())
-            shared = beta * F.cross_entropy(meme_logits, labels) + (1 - beta) * kd_loss(meme_logits, logits.detach())
+            private = alpha * F.cross_entropy(logits, labels) + (1 - alpha) * mutual_kl(
+                logits, meme_logits, self.options
+            )
+            shared = beta * F.cross_entropy(meme_logits, labels) + (1 - beta) * mutual_kl(
+                meme_logits, logits, self.options
+            )
             return private + shared
 
         stats = train_personal_model(client, config, supervised_loss=mutual_loss, model=model, clip_groups=model.groups)

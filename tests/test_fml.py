@@ -1,5 +1,7 @@
 """FML: the meme model is the payload both ways, and the federation learns."""
 
+import pytest
+
 from common.payload import tensor_bytes
 from conftest import assert_learns, run_method, shapes_of
 from models.cnn import SmallCNN
@@ -15,3 +17,30 @@ def test_fml_shares_the_cnn5_meme_model_and_learns(run_config):
             assert shapes_of(m) == {k: tuple(v.shape) for k, v in meme.state_dict().items()}
             assert tensor_bytes(m.content) == 4 * 670_058
     assert_learns(rc, strategy)
+
+
+def test_htflib_kl_is_per_element_and_undetached_when_asked():
+    """``fml.kl-reduction = "mean"`` equals ``nn.KLDivLoss()`` over B x C elements (HtFLlib's
+    clientfml.py), i.e. the per-example KL / C; ``detach-targets = false`` lets the gradient reach
+    the target's logits, the default does not."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from strategies.fml import FMLOptions, mutual_kl
+
+    g = torch.Generator().manual_seed(0)
+    student = torch.randn(8, 10, generator=g, requires_grad=True)
+    target = torch.randn(8, 10, generator=g, requires_grad=True)
+    with pytest.warns(UserWarning, match="batchmean"):  # torch's own warning about reduction 'mean'
+        htflib = nn.KLDivLoss()(F.log_softmax(student, dim=1), F.softmax(target, dim=1))
+    ours = mutual_kl(student, target, FMLOptions(kl_reduction="mean", detach_targets=False))
+    assert torch.allclose(ours, htflib, atol=1e-7)
+    per_example = (F.softmax(target, 1) * (F.log_softmax(target, 1) - F.log_softmax(student, 1))).sum(1).mean()
+    assert torch.allclose(mutual_kl(student, target, FMLOptions()), per_example, atol=1e-6)
+    assert torch.allclose(ours * 10, per_example, atol=1e-6)
+    ours.backward()
+    assert target.grad is not None and target.grad.abs().sum() > 0
+    target.grad = student.grad = None
+    mutual_kl(student, target, FMLOptions()).backward()
+    assert target.grad is None and student.grad.abs().sum() > 0
