@@ -164,7 +164,7 @@ REFERENCE_METHODS = {
     "fedmrl": ReferenceMethod(
         "FedMRL",
         flags={"-sfd": "d1"},
-        unexpressed=("small-model", "weight-global", "weight-private", "eval-protocol", "inference"),
+        unexpressed=("small-model", "weight-global", "weight-private", "eval-protocol", "inference", "keep-projector"),
         # HtFLlib evaluates every client with the server's aggregated small model (our protocol B)
         reported=("eval-protocol", "deployment", "accuracy_weighted"),
     ),

@@ -70,6 +70,11 @@ class FedMRLOptions:
     inference: str = option(
         "mix-large", "primary metric: mix-large (the paper) | mix-small; the other is reported too", choices=INFERENCE
     )
+    keep_projector: bool = option(
+        True,
+        "the trained projector persists between rounds (P3); false: HtFLlib's, which never saves it, so every round "
+        "trains and evaluates with the initial projector",
+    )
 
     def check(self, cfg: RunConfig) -> None:
         """Raises ConfigError: ``d1`` above the private models' representation size d2."""
@@ -172,7 +177,8 @@ class FedMRLClient(SharedModelClient):
         stats = train_personal_model(
             client, config, supervised_loss=matryoshka_loss, model=model, clip_groups=model.groups
         )
-        client.store(PROJECTOR_STATE, model.extractor.projector)
+        if self.options.keep_projector:
+            client.store(PROJECTOR_STATE, model.extractor.projector)
         client.scratch[TRAINED_SMALL] = small
         return module_arrays(small), stats
 

@@ -12,7 +12,7 @@ from common.runtime import MODEL_STATE
 from conftest import captured_federation, chance, client_runtime, federation, shapes_of, train_config
 from strategies.aggregation import fedavg
 from strategies.base import ClientReply
-from strategies.fedmrl import METHOD, PROJECTOR_STATE, small_model
+from strategies.fedmrl import METHOD, PROJECTOR_STATE, projector, small_model
 from strategies.fedmrl import METHOD as FEDMRL_METHOD
 from strategies.shared_model import module_arrays
 
@@ -207,6 +207,24 @@ def test_state_persists_theta_is_replaced_and_idle_clients_untouched(run_config)
     payload = {k: v + 1 for k, v in module_arrays(strategy.shared).items()}
     received = procedure.received(client_runtime(rc, 0), payload)
     assert all(np.array_equal(v, payload[k]) for k, v in module_arrays(received).items())
+
+
+def test_htflib_projector_is_never_kept_when_asked(run_config):
+    """``fedmrl.keep-projector = false`` (HtFLlib's clientmrl.py never saves ``proj``): a trained client
+    stores its private model only, so every round starts from, and evaluates with, the initial projector."""
+    rc = mrl_config(run_config, **{"num-clients": 2, "num-server-rounds": 1, "fedmrl.keep-projector": False})
+    strategy, grid = federation(rc)
+    strategy.start(grid)
+    cfg = RunConfig.from_dict(rc)
+    procedure = FEDMRL_METHOD.build_client(cfg)
+    for ctx in grid.contexts.values():
+        assert set(ctx.state.array_records) == {MODEL_STATE}
+        client = client_runtime(rc, ctx.node_config["partition-id"])
+        client.context.state = ctx.state
+        fused = procedure.fused(client, small_model(cfg, METHOD.read_options(cfg)))
+        initial = projector(cfg, METHOD.read_options(cfg).d1)
+        assert all(torch.equal(v, initial.state_dict()[k]) for k, v in fused.extractor.projector.state_dict().items())
+    assert strategy.rows[0]["num_clients"] == 2
 
 
 # 14: what each inference path depends on
