@@ -88,13 +88,11 @@ class Transport:
         grid: Grid,
         state_key: str,
         client_state_dir: str = "",
-        timeout: float | None = None,
         window: Callable[[], int] | None = None,
     ) -> None:
-        """Start talking on ``grid``: the clients' state key and folder, the exchange timeout
-        (seconds, default ``round-timeout``) and the simulation's message window."""
+        """Start talking on ``grid``: the clients' state key and folder and the simulation's message
+        window (the exchange timeout stays ``round-timeout``)."""
         self.grid, self.state_key, self.client_state_dir, self.window = grid, state_key, client_state_dir, window
-        self.timeout = timeout or self.cfg.round_timeout
 
     def message(
         self, message_type: str, node_id: int, arrays: Mapping[str, np.ndarray], config: ConfigRecord, server_round: int
