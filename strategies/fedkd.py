@@ -40,11 +40,17 @@ from common.options import option
 from common.payload import MAX_ABS, ArraySpec, PayloadError, PayloadSchema
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model
-from models.cnn import CNN_SHAPES
 from strategies.aggregation import fedavg
 from strategies.base import BASE_SCHEMAS, Arrays, ClientReply, Reply
 from strategies.method import Method, MethodBinding
-from strategies.shared_model import SharedModelClient, SharedModelStrategy, WithCompanions, load_arrays, shared_cnn
+from strategies.shared_model import (
+    SHARED_LAYOUTS,
+    SharedModelClient,
+    SharedModelStrategy,
+    WithCompanions,
+    load_arrays,
+    shared_module,
+)
 
 ALIGN_STATE = "fedkd-align"
 
@@ -54,7 +60,10 @@ class FedKDOptions:
     """``[tool.flwr.app.config.fedkd]``: the mentee and the SVD energy schedule (fractions in (0, 1])."""
 
     shared_model: str = option(
-        "cnn5", "the mentee: CNN-1..5 (cnn5: heterogeneous setting, cnn1: homogeneous)", choices=tuple(CNN_SHAPES)
+        "cnn5",
+        "the mentee: CNN-1..5 (cnn5: heterogeneous setting, cnn1: homogeneous) | group-first: client 0's model "
+        "of the run's model group (HtFLlib's)",
+        choices=SHARED_LAYOUTS,
     )
     energy_start: float = option(0.95, "SVD energy kept in round 1, rising linearly to", low=0, high=1, low_open=True)
     energy_end: float = option(0.98, "the SVD energy kept in the last round", low=0, high=1, low_open=True)
@@ -62,7 +71,7 @@ class FedKDOptions:
 
 def mentee_model(cfg: RunConfig, options: FedKDOptions):
     """The shared mentee (``fedkd.shared-model``)."""
-    return shared_cnn(cfg, options.shared_model)
+    return shared_module(cfg, options.shared_model)
 
 
 def energy_threshold(options: FedKDOptions, num_rounds: int, server_round: int) -> float:

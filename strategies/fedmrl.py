@@ -31,17 +31,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.config import RunConfig
-from common.datasets import DATASETS
+from common.config import ConfigError, RunConfig
 from common.metrics import fraction
 from common.options import number, option
 from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics, train_personal_model
 from models.base import SplitModel
-from models.cnn import CNN_SHAPES, SmallCNN
+from models.cnn import SmallCNN
+from models.groups import MODEL_GROUPS
 from strategies.base import Arrays, Reply
 from strategies.method import Method, MethodBinding
-from strategies.shared_model import SharedModelClient, SharedModelStrategy, module_arrays, shared_schemas
+from strategies.shared_model import (
+    GROUP_FIRST,
+    SHARED_LAYOUTS,
+    SharedModelClient,
+    SharedModelStrategy,
+    module_arrays,
+    shared_module,
+    shared_schemas,
+)
 
 EVAL_PROTOCOLS = ("official", "deployment")
 INFERENCE = ("mix-large", "mix-small")
@@ -57,8 +65,9 @@ class FedMRLOptions:
     d1: int = option(100, "the small model's representation size (<= the private model's d2); 200 anchors N=100", low=1)
     small_model: str = option(
         "cnn5",
-        "CNN layout of the small model: cnn5 (heterogeneous setting) | cnn1 (homogeneous)",
-        choices=tuple(CNN_SHAPES),
+        "the small model: a CNN layout, cnn5 (heterogeneous setting) | cnn1 (homogeneous) | group-first: client "
+        "0's architecture of the run's model group with its representation pooled to d1 (HtFLlib's, P4)",
+        choices=SHARED_LAYOUTS,
     )
     weight_global: float = option(1.0, "m_G: weight of the small model's header loss", low=0)
     weight_private: float = option(1.0, "m_F: weight of the private header loss", low=0)
@@ -79,18 +88,23 @@ class FedMRLOptions:
     def check(self, cfg: RunConfig) -> None:
         """Raises ConfigError: ``d1`` above the private models' representation size d2."""
         number("fedmrl.d1", self.d1, kind=int, low=1, high=cfg.representation_dim)
+        fixed = MODEL_GROUPS[cfg.model_group].fixed_feature_dim
+        if self.small_model == GROUP_FIRST and fixed not in (None, self.d1):
+            raise ConfigError(
+                f"fedmrl.small-model='group-first': model group {cfg.model_group!r} fixes the representation "
+                f"size at {fixed}, so fedmrl.d1 must be {fixed}, not {self.d1}"
+            )
 
 
-def small_model(cfg: RunConfig, options: FedMRLOptions) -> SmallCNN:
-    """G: the ``fedmrl.small-model`` CNN layout with FC2 -> d1 and header d1 -> L (section 7)."""
-    info = DATASETS[cfg.dataset]
-    return SmallCNN(options.small_model, options.d1, info.num_classes, info.channels, info.image_size)
+def small_model(cfg: RunConfig, options: FedMRLOptions) -> SmallCNN | SplitModel:
+    """G: the ``fedmrl.small-model`` with representation size d1 and header d1 -> L (section 7; P4)."""
+    return shared_module(cfg, options.small_model, options.d1)
 
 
 class FusedExtractor(nn.Module):
     """x -> z = P_k(concat[G^ex(x), F_k^ex(x)]): ``[B, d2]`` float32, no activation (Eqs. 3-4, P9)."""
 
-    def __init__(self, small: SmallCNN, private_extractor: nn.Module, projector: nn.Linear) -> None:
+    def __init__(self, small: SmallCNN | SplitModel, private_extractor: nn.Module, projector: nn.Linear) -> None:
         super().__init__()
         self.small, self.private_extractor, self.projector = small, private_extractor, projector
 
@@ -106,7 +120,7 @@ class MatryoshkaModel(SplitModel):
     ``parameters()`` covers θ, ω_k and φ_k once each.
     """
 
-    def __init__(self, small: SmallCNN, private: SplitModel, projector: nn.Linear) -> None:
+    def __init__(self, small: SmallCNN | SplitModel, private: SplitModel, projector: nn.Linear) -> None:
         super().__init__(
             FusedExtractor(small, private.extractor, projector),
             private.feature_dim,
@@ -157,7 +171,7 @@ class FedMRLClient(SharedModelClient):
 
     build_shared = staticmethod(small_model)
 
-    def fused(self, client, small: SmallCNN) -> MatryoshkaModel:
+    def fused(self, client, small: SmallCNN | SplitModel) -> MatryoshkaModel:
         """The client's :class:`MatryoshkaModel` for ``small``, with ω_k and φ_k restored from state."""
         proj = projector(self.cfg, self.options.d1)
         client.restore(PROJECTOR_STATE, proj)

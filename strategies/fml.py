@@ -29,15 +29,15 @@ from common.config import RunConfig
 from common.options import option
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model
-from models.cnn import CNN_SHAPES
 from strategies.base import Arrays, Reply
 from strategies.method import Method
 from strategies.shared_model import (
+    SHARED_LAYOUTS,
     SharedModelClient,
     SharedModelStrategy,
     WithCompanions,
     module_arrays,
-    shared_cnn,
+    shared_module,
     shared_schemas,
 )
 
@@ -50,7 +50,10 @@ class FMLOptions:
     """``[tool.flwr.app.config.fml]``: the meme model and the two mutual-learning weights (HtFLlib's script)."""
 
     shared_model: str = option(
-        "cnn5", "the meme model: CNN-1..5 (cnn5: heterogeneous setting, cnn1: homogeneous)", choices=tuple(CNN_SHAPES)
+        "cnn5",
+        "the meme model: CNN-1..5 (cnn5: heterogeneous setting, cnn1: homogeneous) | group-first: client 0's "
+        "model of the run's model group (HtFLlib's)",
+        choices=SHARED_LAYOUTS,
     )
     alpha: float = option(0.5, "private model: alpha*CE + (1-alpha)*KL(meme || private)", low=0, high=1)
     beta: float = option(0.5, "meme model: beta*CE + (1-beta)*KL(private || meme)", low=0, high=1)
@@ -80,7 +83,7 @@ def mutual_kl(student_logits: torch.Tensor, target_logits: torch.Tensor, options
 
 def meme_model(cfg: RunConfig, options: FMLOptions):
     """The shared meme model (``fml.shared-model``)."""
-    return shared_cnn(cfg, options.shared_model)
+    return shared_module(cfg, options.shared_model)
 
 
 class FMLStrategy(SharedModelStrategy):

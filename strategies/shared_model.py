@@ -22,7 +22,8 @@ from common.config import ConfigError, RunConfig
 from common.datasets import DATASETS
 from common.payload import ArraySpec, PayloadSchema
 from models.base import SplitModel
-from models.cnn import REPRESENTATION_DIM, SmallCNN
+from models.cnn import CNN_SHAPES, REPRESENTATION_DIM, SmallCNN
+from models.groups import MODEL_GROUPS
 from strategies.aggregation import fedavg
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.method import MethodBinding, Schemas
@@ -56,10 +57,31 @@ def load_arrays(module: nn.Module, arrays: Mapping[str, np.ndarray]) -> nn.Modul
     return module
 
 
-def shared_cnn(cfg: RunConfig, layout: str) -> SmallCNN:
-    """A CNN-1..5 ``layout`` (d = 500) for ``cfg``'s dataset: FML's meme model, FedKD's mentee."""
+#: a shared-module layout: client 0's architecture in the run's model group, as HtFLlib builds the
+#: shared model of FML, FedKD and FedMRL when its model family names no global model
+GROUP_FIRST = "group-first"
+#: the choices of ``fml.shared-model``, ``fedkd.shared-model`` and ``fedmrl.small-model``
+SHARED_LAYOUTS = (*CNN_SHAPES, GROUP_FIRST)
+
+
+def shared_module(cfg: RunConfig, layout: str, d: int | None = None) -> SmallCNN | SplitModel:
+    """The shared module of ``layout`` (one of :data:`SHARED_LAYOUTS`) for ``cfg``'s dataset.
+
+    A CNN-1..5 layout gives a :class:`SmallCNN` with representation size ``d`` (default 500);
+    :data:`GROUP_FIRST` gives client 0's model of ``cfg.model_group`` with feature dim ``d``
+    (default: the group's own), initialised from ``seed`` (HtFLlib's ``BaseHeadSplit(args, 0,
+    feature_dim)``; a group that fixes its representation size keeps it). Both expose
+    ``extractor`` (images -> ``[B, d]`` float32), ``head`` and ``feature_dim``.
+
+    Raises:
+        KeyError: an unknown layout.
+    """
     info = DATASETS[cfg.dataset]
-    return SmallCNN(layout, REPRESENTATION_DIM, info.num_classes, info.channels, info.image_size)
+    if layout == GROUP_FIRST:
+        group = MODEL_GROUPS[cfg.model_group]
+        k = cfg.feature_dim if d is None else d
+        return group.build(0, info.num_classes, info.channels, info.image_size, cfg.seed, k=k, identical=True)
+    return SmallCNN(layout, d or REPRESENTATION_DIM, info.num_classes, info.channels, info.image_size)
 
 
 class SharedModelStrategy(HeteroStrategy):

@@ -294,3 +294,25 @@ def test_bad_options_fail_fast(run_config):
             FEDMRL_METHOD.build_strategy(RunConfig.from_dict(mrl_config(run_config, **{key: value})))
     with pytest.raises(ConfigError, match="eval-clients"):
         RunConfig.from_dict(mrl_config(run_config, **{"eval-clients": "some"}))
+
+
+def test_group_first_small_model_is_client_zeros_architecture_pooled_to_d1(run_config):
+    """``fedmrl.small-model = "group-first"`` (HtFLlib's small model, P4): G is client 0's architecture
+    of the model group with its representation pooled to d1 and a d1 -> L header; one round trains
+    and sends exactly its tensors. A group that fixes its representation size needs d1 equal to it."""
+    from models.groups import MODEL_GROUPS
+
+    rc = mrl_config(run_config, model_group="htcnn8", **{"num-server-rounds": 1, "fedmrl.small-model": "group-first"})
+    cfg = RunConfig.from_dict(rc)
+    small = small_model(cfg, METHOD.read_options(cfg))
+    client0 = MODEL_GROUPS["htcnn8"].build(0, 10, 3, 32, rc["seed"], k=100, identical=True)
+    expected = {k: tuple(v.shape) for k, v in client0.state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in small.state_dict().items()} == expected
+    assert small.extractor(torch.zeros(2, 3, 32, 32)).shape == (2, 100) and expected["head.weight"] == (10, 100)
+    strategy, grid, replies = captured_federation(rc)
+    strategy.start(grid)
+    trains = [m for m in [*grid.sent, *replies] if m.metadata.message_type == "train"]
+    assert len(trains) == 8 and all(shapes_of(m) == expected for m in trains)
+    assert not strategy.counters.dropped
+    with pytest.raises(ConfigError, match="fedmrl.small-model"):
+        FEDMRL_METHOD.build_strategy(RunConfig.from_dict({**rc, "model-group": "cnn1"}))

@@ -3,7 +3,7 @@
 import pytest
 
 from common.payload import tensor_bytes
-from conftest import assert_learns, run_method, shapes_of
+from conftest import assert_learns, captured_federation, run_method, shapes_of
 from models.cnn import SmallCNN
 
 
@@ -44,3 +44,30 @@ def test_htflib_kl_is_per_element_and_undetached_when_asked():
     target.grad = student.grad = None
     mutual_kl(student, target, FMLOptions()).backward()
     assert target.grad is None and student.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("method", ["fml", "fedkd"])
+def test_group_first_shares_client_zeros_model_of_the_group(run_config, method):
+    """``shared-model = "group-first"`` (HtFLlib's global model when its model family names none):
+    the shared module is client 0's architecture of the run's model group, built with the group's
+    feature dim from ``seed``; one round runs on it and the payload carries exactly its tensors."""
+    import torch
+
+    from common.config import RunConfig
+    from models.groups import MODEL_GROUPS
+    from strategies.registry import METHODS
+
+    rc = run_config(
+        method=method, model_group="htcnn8", **{"num-server-rounds": 1, f"{method}.shared-model": "group-first"}
+    )
+    strategy, grid, replies = captured_federation(rc)
+    strategy.start(grid)
+    client0 = MODEL_GROUPS["htcnn8"].build(0, 10, 3, 32, rc["seed"], k=rc["feature-dim"], identical=True)
+    built = METHODS[method].build_strategy(RunConfig.from_dict(rc)).shared
+    assert list(built.state_dict()) == list(client0.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(built.state_dict().values(), client0.state_dict().values()))
+    assert built.extractor(torch.zeros(2, 3, 32, 32)).shape == (2, rc["feature-dim"])
+    trains = [r for r in replies if r.metadata.message_type == "train"]
+    assert len(trains) == 4 and not strategy.counters.dropped and strategy.rows[-1]["train_loss"] > 0
+    if method == "fml":  # FedKD's payload is the SVD-compressed mentee
+        assert all(shapes_of(m) == {k: tuple(v.shape) for k, v in client0.state_dict().items()} for m in trains)
