@@ -149,7 +149,9 @@ REFERENCE_METHODS = {
         reported=("eval-global-head", True, "accuracy_weighted_global_head"),
     ),
     "fd": ReferenceMethod("FD", flags={"-lam": "lambda"}, unexpressed=("target",)),
-    # clientfml.py and clientkd.py: clip_grad_norm_(..., 10) on each model ("prevent divergency")
+    # clientfml.py and clientkd.py: clip_grad_norm_(..., 10) on each model ("prevent divergency"); their
+    # shared model (serverfml.py, serverkd.py, servermrl.py) is client 0's: ours with shared-model (FedMRL:
+    # small-model) = "group-first"
     # clientfml.py: nn.KLDivLoss() (KL / C) on targets it does not detach: ours with fml.kl-reduction = "mean"
     # and fml.detach-targets = false
     "fml": ReferenceMethod(
