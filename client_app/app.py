@@ -71,11 +71,12 @@ def handle(msg: Message, context: Context) -> Message:
     started = startup_metrics()
     config = dict(msg.content.config_records["config"]) if "config" in msg.content.config_records else {}
     message_type = msg.metadata.message_type
-    training_round = (
-        int(config["server-round"]) if message_type.startswith("train") and "server-round" in config else None
-    )
     client = ClientRuntime(
-        context, str(config.get("state-key", "in-memory")), training_round, str(config.get(CLIENT_STATE_DIR, ""))
+        context,
+        str(config.get("state-key", "in-memory")),
+        int(config["server-round"]) if "server-round" in config else None,
+        str(config.get(CLIENT_STATE_DIR, "")),
+        trains=message_type.startswith("train"),
     )
     procedure = client_procedure(client.cfg)
     down, up = procedure.schemas[message_type]

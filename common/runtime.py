@@ -85,23 +85,29 @@ class ClientRuntime:
         context: the message's Flower context.
         state_key: names the run whose state this is (sent by the server in every message
             config as ``state-key``); state lives in ``<state-dir>/<state_key>/partition-<id>/``.
-        training_round: the ``server-round`` of a train message, None otherwise (see
+        server_round: the message's ``server-round`` (None when its config has none): stamps the
+            records it stores and tells which records on disk are ahead of the server (see
             :meth:`store` and :meth:`restore`).
         run_state_dir: where a client without any ``state-dir`` keeps its state
             (``<run_state_dir>/partition-<id>/``): the simulation's server sends its run folder's
             ``client-state`` (message config ``client-state-dir``); empty: ``context.state``.
+        trains: True for a train message (it trains the round's model), False for the others
+            (evaluate), which come after the round's training (see :meth:`restore`).
     """
 
     def __init__(
         self,
         context: Context,
         state_key: str = "in-memory",
-        training_round: int | None = None,
+        server_round: int | None = None,
         run_state_dir: str = "",
+        trains: bool = True,
     ) -> None:
         self.context = context
-        #: the server round of a train message (None for other messages): stamps the state on disk
-        self.training_round = training_round
+        #: the message's server round (None: none given): stamps the state on disk
+        self.server_round = server_round
+        #: a record on disk stamped this round or later is ahead of the server (see restore)
+        self.ahead_from = None if server_round is None else server_round + (0 if trains else 1)
         self.cfg = parse_run_config(context.run_config)
         node = context.node_config
         if "partition-id" not in node:
@@ -183,14 +189,16 @@ class ClientRuntime:
         a copy of every client's models.
 
         A record that ``context.state`` does not know (a restarted SuperNode, a new Flower run)
-        is read from disk and counted in ``state_restores``. Records on disk carry the round
-        that stored them. In a train message of round t, a record on disk stamped t or later
-        is ahead of the server: the server crashed after this client trained round t and a new
-        run resumed from the checkpoint of round t-1 (a new Flower run starts with an empty
-        ``context.state``, so only the disk can be ahead). The version it replaced
-        (``<name>.prev.pt``) is used instead, or none when that is not older, so the client
-        repeats round t from where the server's checkpoint left it (``state_rollbacks`` counts
-        this).
+        is read from disk and counted in ``state_restores``. Records on disk carry the round of
+        the message that stored them. In a train message of round t, a record on disk stamped t
+        or later is ahead of the server: the server crashed after this client trained (or also
+        evaluated) round t and a new run resumed from the checkpoint of round t-1 (a new Flower
+        run starts with an empty ``context.state``, so only the disk can be ahead). In another
+        message of round t (evaluate: it follows round t's training), a record stamped later
+        than t is ahead. The version it replaced (``<name>.prev.pt``, from before
+        round t: see :meth:`store`) is used instead, or none when that is not older, so the
+        client repeats round t from where the server's checkpoint left it (``state_rollbacks``
+        counts this).
         """
         if name in self.context.state.array_records:
             module.load_state_dict(self.context.state.array_records[name].to_torch_state_dict())
@@ -209,15 +217,15 @@ class ClientRuntime:
                 return False
         else:
             saved = self._read(name, module)
-            if saved is not None and self.training_round is not None and saved[0] >= self.training_round:
+            if saved is not None and self.ahead_from is not None and saved[0] >= self.ahead_from:
                 previous = self._read(name + PREVIOUS, module)
-                usable = previous is not None and previous[0] < self.training_round
+                usable = previous is not None and previous[0] < self.ahead_from
                 log.warning(
                     "partition %d: '%s' on disk is from round %d, ahead of the server's round %d; %s",
                     self.partition_id,
                     name,
                     saved[0],
-                    self.training_round,
+                    self.server_round,
                     f"rolled back to round {previous[0]}" if usable else "starting afresh",
                 )
                 self.state_rollbacks += 1
@@ -235,17 +243,19 @@ class ClientRuntime:
         ``state-dir``; with one, atomically and durably to ``<name>.pt`` there (survives a
         SuperNode restart) and only its round into ``context.state`` (see :meth:`restore`).
 
-        On disk a record is stamped with the round of the train message that stored it, and the
-        file it replaces is kept as ``<name>.prev.pt``: what :meth:`restore` rolls back to when
-        a resumed server repeats a round. Each record is stored at most once per round (true of
-        every method), so the replaced file is always from an earlier round.
+        On disk a record is stamped with the server round of the message that stored it (0 when
+        it names none). The first store of a round keeps the file it replaces as
+        ``<name>.prev.pt``: what :meth:`restore` rolls back to when a resumed server repeats a
+        round. Later stores in the same round (FedRE's client stores its model in train and in
+        evaluate) overwrite only ``<name>.pt``, so ``.prev`` stays the state from before the
+        round.
         """
         path = self._state_file(name)
         if path is None:
             self.context.state[name] = ArrayRecord(module.state_dict())
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        round_ = self.training_round or 0
+        round_ = self.server_round or 0
         if path.is_file() and self._stamps().get(name) != round_:
             os.replace(path, self._state_file(name + PREVIOUS))
         saved = {"round": round_, "state": {k: v.detach().cpu() for k, v in module.state_dict().items()}}

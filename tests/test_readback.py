@@ -21,11 +21,11 @@ from tools import grid as grid_tool
 from tools import report as report_tool
 
 
-def runtime(rc: dict, state_dir, training_round: int | None = None) -> ClientRuntime:
+def runtime(rc: dict, state_dir, server_round: int | None = None) -> ClientRuntime:
     """Partition 0's runtime with its state in ``state_dir`` and an empty context (a restarted node)."""
     node = {"partition-id": 0, "num-partitions": rc["num-clients"], "state-dir": str(state_dir)}
     ctx = Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config=rc)
-    return ClientRuntime(ctx, "run", training_round)
+    return ClientRuntime(ctx, "run", server_round)
 
 
 def other_architecture() -> dict:
@@ -60,7 +60,7 @@ def test_a_state_file_that_is_not_what_we_wrote_is_ignored_and_rewritten(run_con
         torch.save(content, folder / which)
     if which == "model.prev.pt":  # a newer file than the round asked: the foreign .prev is what rollback finds
         torch.save({"round": 5, "state": fresh}, folder / "model.pt")
-    client = runtime(rc, tmp_path / "state", training_round=2)
+    client = runtime(rc, tmp_path / "state", server_round=2)
     with caplog.at_level(logging.WARNING):
         model = client.model  # restores: must not raise
     assert "ignoring state file" in caplog.text
@@ -68,7 +68,7 @@ def test_a_state_file_that_is_not_what_we_wrote_is_ignored_and_rewritten(run_con
     client.save_model()
     saved = torch.load(folder / "model.pt", weights_only=True)
     assert saved["round"] == 2 and saved["state"].keys() == fresh.keys()
-    assert runtime(rc, tmp_path / "state", training_round=3).restore(MODEL_STATE, model)  # readable again
+    assert runtime(rc, tmp_path / "state", server_round=3).restore(MODEL_STATE, model)  # readable again
 
 
 def test_a_foreign_partition_cache_file_is_rebuilt(run_config, tmp_path, caplog):
