@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from common.results import ResultsWriter
 from conftest import DATA_DIR, ROOT
 from strategies.registry import build_strategy
 from tools.grid import newest_run, plan, run_grid
+from tools.report import paper_info
 from tools.run import app_defaults
 
 PRESETS = sorted((ROOT / "presets").glob("*.toml"))
@@ -46,8 +46,10 @@ def test_every_preset_parses_and_has_paper_numbers():
         assert set(config) <= set(defaults), preset.name  # flwr run --run-config accepts only known keys
         cfg = RunConfig.from_dict({**defaults, **config})
         build_strategy(cfg)  # method options valid
-        paper = tomllib.loads(preset.with_suffix(".paper.toml").read_text())
-        assert {"paper", "setting", "metric", "ours", "target"} <= set(paper), preset.name
+        paper = paper_info(preset.name)  # refuses unknown keys
+        assert {"paper", "setting", "metric", "ours", "target", "rounds"} <= set(paper), preset.name
+        assert isinstance(paper["rounds"], int) and paper["rounds"] >= 1
+        assert all(0 <= v < 5 for v in paper.get("reported-std", {}).values())
         assert paper["ours"] in (
             "final_accuracy_mean",
             "final_accuracy_weighted",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 
 import pytest
@@ -105,6 +106,16 @@ def test_report_numbers_figures_and_regeneration(tmp_path, small_config):
     text = (out / "report.md").read_text()
     assert "| fedre | 0,1 | 4 | 78.00 ± 2.83 |" in text and "| 86.99 |" in text and "| 86.33 |" in text
     assert "fedre 20 min wall, 30 min CPU" in text and "in all 0.67 h wall, 1.00 h CPU" in text
+    # against the paper (86.99 ± 0.01 and 86.33 ± 0.11, 100 rounds): 4 rounds are provisional
+    m, sd = (100 * v for v in fedre["final_accuracy_weighted"])
+    tolerance = 2 * math.hypot(sd / math.sqrt(2), 0.01)
+    assert f"| fedre | {m:.2f} ± {sd:.2f} (n=2) | 86.99 ± 0.01 | {m - 86.99:+.2f} (tolerance {tolerance:.2f}) |" in text
+    assert abs(m - 86.99) <= tolerance and "| reproduced (provisional) |" in text
+    lm, lsd = (100 * v for v in local["final_accuracy_weighted"])
+    assert 86.33 - lm > 2 * math.hypot(lsd / math.sqrt(2), 0.11)
+    assert f"| not reproduced ({86.33 - lm:.2f} below) (provisional) |" in text
+    z = (m - lm) / math.sqrt(sd**2 / 2 + lsd**2 / 2)
+    assert z > 2 and f"| fedre > local | +0.66 | {m - lm:+.2f} | {z:+.1f} | kept |" in text
     # the results folder alone regenerates the same report
     first = text
     report(out, None, str(DATA_DIR))
@@ -129,3 +140,45 @@ def test_report_of_one_run_folder_equals_its_rows(run_config, tmp_path):
     assert f"| accuracy_weighted | {100 * weighted[-1]:.2f} | {100 * max(weighted):.2f} |" in text
     clients = sum(r["num_clients"] for r in rows)
     assert f"{sum(r['bytes_up'] for r in rows) / clients:.0f} B up" in text and "3 rounds" in text
+
+
+def test_paper_verdicts_reversed_rankings_and_single_seeds():
+    """A ranking the paper orders one way and ours the other beyond 2 standard errors is reversed;
+    within them it is not separated; a single seed gets no verdict; at the paper's budget nothing
+    is provisional."""
+    from tools.report import paper_comparison
+
+    paper = {"ours": "final_accuracy_mean", "rounds": 10, "reported": {"a": 90.0, "b": 80.0, "c": 70.0}}
+    stats = {
+        "a": {"seeds": [0, 1, 2], "rounds": [10], "final_accuracy_mean": (0.70, 0.01)},
+        "b": {"seeds": [0, 1, 2], "rounds": [10], "final_accuracy_mean": (0.80, 0.01)},
+        "c": {"seeds": [0], "rounds": [10], "final_accuracy_mean": (0.75, 0.0)},
+        "d": {"seeds": [0], "rounds": [10], "final_accuracy_mean": (0.5, 0.0)},  # no paper number: left out
+    }
+    text = "\n".join(paper_comparison(paper, stats))
+    assert "provisional" not in text and "| d |" not in text
+    assert "| a | 70.00 ± 1.00 (n=3) | 90.00 | -20.00 (tolerance 1.15) | not reproduced (20.00 below) |" in text
+    assert "| b | 80.00 ± 1.00 (n=3) | 80.00 | +0.00 (tolerance 1.15) | reproduced |" in text
+    assert "| c | 75.00 ± 0.00 (n=1) | 70.00 | +5.00 (tolerance 0.00) | one seed: no verdict |" in text
+    assert "Ranking, paper: a > b > c; ours: b > c > a." in text
+    assert "| a > b | +10.00 | -10.00 | -12.2 | reversed |" in text
+    assert "| a > c | +20.00 | -5.00 | - | no spread |" in text
+    assert paper_comparison({"reported": {}}, stats) == []
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ('paper = "P"\nreported_std = 1\n', r"unknown key\(s\) \['reported_std'\]"),
+        ("[reported]\na = 90.0\n[reported-std]\nb = 0.1\n", r"\[reported-std\] names \['b'\]"),
+    ],
+)
+def test_a_paper_file_with_unknown_keys_is_refused_naming_it(tmp_path, monkeypatch, text, match):
+    from common.errors import ConfigError
+    from tools import report as report_tool
+
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "presets" / "x.paper.toml").write_text(text)
+    monkeypatch.setattr(report_tool, "ROOT", tmp_path)
+    with pytest.raises(ConfigError, match="x.paper.toml.*" + match):
+        report_tool.paper_info("x.toml")

@@ -18,7 +18,8 @@ and the total bytes (training and evaluation payloads, both ways) until then; tr
 bytes per client-round up/down; seconds per round; training FLOPs per client-round (forward +
 backward of the client's personal model, counted with ``torch.utils.flop_counter``, times its
 training samples and local epochs, averaged over clients; methods that train a second model,
-such as FedMRL, FML and FedKD, cost more than this); and the paper's number.
+such as FedMRL, FML and FedKD, cost more than this); and the paper's number. Then the verdicts
+against the paper and its ranking (:func:`paper_comparison`).
 """
 
 from __future__ import annotations
@@ -82,12 +83,32 @@ def load_grid(grid: Path) -> tuple[dict, list[Cell]]:
     return info, cells
 
 
+PAPER_KEYS = ("paper", "setting", "metric", "ours", "target", "rounds", "notes", "reported", "reported-std")
+
+
 def paper_info(preset: str) -> dict:
-    """``presets/<preset>.paper.toml`` (empty when the preset has none)."""
+    """``presets/<preset>.paper.toml`` (empty when the preset has none): ``paper``, ``setting``,
+    ``metric`` (text), ``ours`` (the row metric beside the paper's), ``target`` (accuracy as a
+    fraction), ``rounds`` (the paper's budget), ``notes``, ``[reported]`` (method -> percent) and
+    ``[reported-std]`` (method -> the paper's ± in points, for methods in ``[reported]``).
+
+    Raises:
+        ConfigError: a key outside these, or a ``[reported-std]`` method without a paper number
+            (naming the file and the key).
+    """
     import tomllib
 
     path = ROOT / "presets" / f"{Path(preset).stem}.paper.toml"
-    return tomllib.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    paper = tomllib.loads(path.read_text(encoding="utf-8"))
+    unknown = sorted(set(paper) - set(PAPER_KEYS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {unknown}; allowed: {list(PAPER_KEYS)}")
+    orphans = sorted(set(paper.get("reported-std", {})) - set(paper.get("reported", {})))
+    if orphans:
+        raise ConfigError(f"{path}: [reported-std] names {orphans}, which [reported] has no number for")
+    return paper
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -253,6 +274,76 @@ def pct(value: tuple[float, float] | None) -> str:
     return "-" if value is None else f"{100 * value[0]:.2f} ± {100 * value[1]:.2f}"
 
 
+def paper_comparison(paper: dict, stats: dict[str, dict]) -> list[str]:
+    """The report's "Against the paper" section (Markdown lines; none without paper numbers).
+
+    Per method with a paper number, on the metric the paper reports (``ours`` in the paper
+    file): ours (mean ± sample std over n seeds), the paper's number (± its reported std,
+    ``[reported-std]``, 0 when not given), the gap in points and a verdict: *reproduced* when
+    |gap| <= 2 * sqrt(std_ours**2 / n + std_paper**2) (two standard errors of our mean, widened
+    by the paper's own spread), else *not reproduced* by the gap. Then the paper's ranking
+    against ours: every pair the paper orders, with our difference in standard errors
+    (sqrt(std_a**2 / n_a + std_b**2 / n_b)): *kept* above 2, *reversed* below -2, else *not
+    separated*. A method with one seed has no spread and gets no verdict. When a run has fewer
+    rounds than the paper's (``rounds`` in the paper file) every verdict is marked provisional.
+    Accuracies in percent; ``stats`` as :func:`method_stats`.
+    """
+    key, reported = paper.get("ours", "final_accuracy_mean"), paper.get("reported", {})
+    spread = paper.get("reported-std", {})
+    ours = {m: s[key] for m, s in stats.items() if m in reported and s.get(key) is not None}
+    if not ours:
+        return []
+    n = {m: len(stats[m]["seeds"]) for m in ours}
+    rounds_run = min(min(stats[m]["rounds"]) for m in ours)
+    budget = paper.get("rounds")
+    provisional = budget is not None and rounds_run < budget
+    lines = [
+        "## Against the paper",
+        "",
+        f"On `{key}`, after {rounds_run} rounds (the shortest run)"
+        + (f" of the paper's {budget}: every verdict is provisional" if provisional else "")
+        + ". Reproduced: |gap| <= 2 sqrt(std² / n + paper std²); pairs: our difference in standard errors.",
+        "",
+        "| method | ours | paper | gap (points) | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for m, (mean, std) in ours.items():
+        gap = 100 * mean - reported[m]
+        tolerance = 2 * float(np.hypot(100 * std / np.sqrt(n[m]), spread.get(m, 0.0)))
+        verdict = (
+            "one seed: no verdict"
+            if n[m] < 2
+            else "reproduced"
+            if abs(gap) <= tolerance
+            else f"not reproduced ({abs(gap):.2f} {'above' if gap > 0 else 'below'})"
+        )
+        lines.append(
+            f"| {m} | {pct((mean, std))} (n={n[m]}) | {reported[m]:.2f}"
+            + (f" ± {spread[m]:.2f}" if m in spread else "")
+            + f" | {gap:+.2f} "
+            f"(tolerance {tolerance:.2f}) | {verdict}{' (provisional)' if provisional else ''} |"
+        )
+    order = sorted(ours, key=lambda m: -reported[m])
+    lines += [
+        "",
+        "Ranking, paper: " + " > ".join(order) + "; ours: " + " > ".join(sorted(ours, key=lambda m: -ours[m][0])) + ".",
+        "",
+        "| paper's order | paper gap | our gap | standard errors | ranking |",
+        "|---|---|---|---|---|",
+    ]
+    for i, a in enumerate(order):
+        for b in order[i + 1 :]:
+            diff = 100 * (ours[a][0] - ours[b][0])
+            se = 100 * float(np.sqrt(ours[a][1] ** 2 / n[a] + ours[b][1] ** 2 / n[b]))
+            z = diff / se if min(n[a], n[b]) > 1 and se > 0 else None
+            verdict = "no spread" if z is None else "kept" if z > 2 else "reversed" if z < -2 else "not separated"
+            lines.append(
+                f"| {a} > {b} | {reported[a] - reported[b]:+.2f} | {diff:+.2f} | "
+                f"{'-' if z is None else f'{z:+.1f}'} | {verdict} |"
+            )
+    return lines
+
+
 def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None) -> str:
     """The report as Markdown."""
     key = paper.get("ours", "final_accuracy_mean")
@@ -328,6 +419,7 @@ def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None)
         "to that round. FLOPs: forward + backward of the personal model only.",
         "",
     ]
+    lines += paper_comparison(paper, stats) + [""]
     lines += [f"![{f}]({f})" for f in FIGURES]
     launches = info.get("launches", [])
     if launches:
