@@ -85,23 +85,44 @@ def test_resume_refuses_a_changed_run_config_naming_the_keys(run_config):
     assert strategy.resume() == 1  # the round count alone may change
 
 
-def test_resume_after_a_crash_mid_round_repeats_it_exactly(run_config, tmp_path):
-    """The clients trained round 2 and stored their state, then the server crashed before its
-    round-2 checkpoint. The resumed run (a new Flower run: empty contexts, state from disk)
-    repeats round 2; the clients, one training ahead on disk, roll back to round 1 first, so the
-    rows equal those of the run in one go."""
-    base = run_config(method="fedmrl", **{"num-clients": 3, "state-dir": str(tmp_path / "state")})
+def crash_after_training(strategy):
+    def crash(server_round, replies):
+        raise RuntimeError("server killed after the clients trained")
+
+    strategy.server_update = crash
+
+
+def crash_after_evaluation(strategy):
+    evaluate_round = strategy.evaluate_round
+
+    def crash(server_round, evaluated):
+        evaluate_round(server_round, evaluated)
+        raise RuntimeError("server killed after the clients evaluated")
+
+    strategy.evaluate_round = crash
+
+
+@pytest.mark.parametrize(
+    "method,extra,crash,rollbacks",
+    [
+        ("fedmrl", {}, crash_after_training, 3 * 2),  # model and projector of each client
+        # FedRE's client stores its model in evaluate too (the received global head, P11)
+        ("fedre", {"model-group": "fedavgcnn"}, crash_after_evaluation, 3),
+    ],
+)
+def test_resume_after_a_crash_mid_round_repeats_it_exactly(run_config, tmp_path, method, extra, crash, rollbacks):
+    """The clients trained (and evaluated) round 2 and stored their state, then the server
+    crashed before its round-2 checkpoint. The resumed run (a new Flower run: empty contexts,
+    state from disk) repeats round 2; the clients, ahead on disk, roll back to their state from
+    before round 2 first, so the rows equal those of the run in one go."""
+    base = run_config(method=method, **{"num-clients": 3, "state-dir": str(tmp_path / "state"), **extra})
     whole, _ = run_with_results({**base, "num-server-rounds": 2}, name="whole")
     first, grid = run_with_results({**base, "num-server-rounds": 1}, name="first")
     resumed = {**base, "num-server-rounds": 2, "resume-from": str(first.results.path)}
 
     cfg = RunConfig.from_dict(resumed)
     crashing = build_strategy(cfg, ResultsWriter(cfg.output_dir, "crashed", cfg.as_dict()))
-
-    def crash(server_round, replies):
-        raise RuntimeError("server killed after the clients trained")
-
-    crashing.server_update = crash
+    crash(crashing)
     with pytest.raises(RuntimeError, match="server killed"):
         crashing.start(grid)
     for node, ctx in list(grid.contexts.items()):  # a new Flower run: every context starts empty
@@ -109,35 +130,6 @@ def test_resume_after_a_crash_mid_round_repeats_it_exactly(run_config, tmp_path)
 
     second, _ = run_with_results(resumed, grid, name="second")
     assert [r["round"] for r in second.rows] == [1, 2]
-    assert second.rows[1]["client_state_rollbacks"] == 3 * 2  # model and projector of each client
-    for a, b in zip(whole.rows, second.rows):
-        assert a["accuracy_per_client"] == b["accuracy_per_client"] and a["train_loss"] == b["train_loss"]
-
-
-def test_a_crash_after_the_evaluation_rolls_back_the_state_the_evaluation_stored(run_config, tmp_path):
-    """FedRE's client stores its model in evaluate too (the received global head, P11). The
-    server crashed after round 2's evaluation, before its round-2 checkpoint: the resumed run
-    repeats round 2 from the clients' pre-round-2 state, not from the state evaluate stored."""
-    base = run_config(method="fedre", **{"num-clients": 3, "model-group": "fedavgcnn", "state-dir": str(tmp_path)})
-    whole, _ = run_with_results({**base, "num-server-rounds": 2}, name="whole")
-    first, grid = run_with_results({**base, "num-server-rounds": 1}, name="first")
-    resumed = {**base, "num-server-rounds": 2, "resume-from": str(first.results.path)}
-
-    cfg = RunConfig.from_dict(resumed)
-    crashing = build_strategy(cfg, ResultsWriter(cfg.output_dir, "crashed", cfg.as_dict()))
-    evaluate_round = crashing.evaluate_round
-
-    def crash(server_round, evaluated):
-        evaluate_round(server_round, evaluated)
-        raise RuntimeError("server killed after the clients evaluated")
-
-    crashing.evaluate_round = crash
-    with pytest.raises(RuntimeError, match="server killed"):
-        crashing.start(grid)
-    for node, ctx in list(grid.contexts.items()):  # a new Flower run: every context starts empty
-        grid.add_node(node, ctx.node_config["partition-id"])
-
-    second, _ = run_with_results(resumed, grid, name="second")
-    assert second.rows[1]["client_state_rollbacks"] == 3  # each client's model
+    assert second.rows[1]["client_state_rollbacks"] == rollbacks
     for a, b in zip(whole.rows, second.rows):
         assert a["accuracy_per_client"] == b["accuracy_per_client"] and a["train_loss"] == b["train_loss"]
