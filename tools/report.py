@@ -15,7 +15,7 @@ The table, per method over its seeds (mean ± sample std; accuracies in percent)
 final and best ``accuracy_mean`` and ``accuracy_weighted``; rounds to the paper's target
 accuracy (on the metric the paper reports, named by ``ours`` in ``presets/<preset>.paper.toml``)
 and the total bytes (training and evaluation payloads, both ways) until then; training payload
-bytes per client-round up/down; seconds per round; training FLOPs per client-round (forward +
+bytes per client-round up/down; the median seconds per round; training FLOPs per client-round (forward +
 backward of the client's personal model, counted with ``torch.utils.flop_counter``, times its
 training samples and local epochs, averaged over clients; methods that train a second model,
 such as FedMRL, FML and FedKD, cost more than this); and the paper's number. Then the verdicts
@@ -136,7 +136,8 @@ def method_stats(cells: list[Cell], key: str, target: float | None) -> dict:
     clients = sum(r["num_clients"] for c in cells for r in c.rows)
     out["up_per_client_round"] = sum(r["bytes_up"] for c in cells for r in c.rows) / max(clients, 1)
     out["down_per_client_round"] = sum(r["bytes_down"] for c in cells for r in c.rows) / max(clients, 1)
-    out["seconds_per_round"] = float(np.mean([r["round_seconds"] for c in cells for r in c.rows]))
+    # the median: a grid's launches may run beside other jobs, which inflates some rounds many times
+    out["seconds_per_round"] = float(np.median([r["round_seconds"] for c in cells for r in c.rows]))
     if target is not None:
         hits = [(rounds_to_target(c, key, target), c) for c in cells]
         reached = [(r, c) for r, c in hits if r is not None]
@@ -324,6 +325,8 @@ def paper_comparison(paper: dict, stats: dict[str, dict]) -> list[str]:
             f"(tolerance {tolerance:.2f}) | {verdict}{' (provisional)' if provisional else ''} |"
         )
     order = sorted(ours, key=lambda m: -reported[m])
+    if len(order) < 2:
+        return lines
     lines += [
         "",
         "Ranking, paper: " + " > ".join(order) + "; ours: " + " > ".join(sorted(ours, key=lambda m: -ours[m][0])) + ".",
@@ -381,7 +384,7 @@ def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None)
         f"bytes to {target_text}",
         "B up / client-round",
         "B down / client-round",
-        "s / round",
+        "median s / round",
         "train GFLOPs / client-round",
         "paper",
     ]
@@ -521,7 +524,7 @@ def report_run(run: Path, out: Path | None = None, data_dir: str | None = None, 
     lines += [
         "",
         f"Payload per client-round: {stats['up_per_client_round']:.0f} B up, {stats['down_per_client_round']:.0f} B"
-        f" down (training); {stats['seconds_per_round']:.2f} s per round.",
+        f" down (training); median {stats['seconds_per_round']:.2f} s per round.",
         "",
     ]
     (out / "report.md").write_text("\n".join(lines), encoding="utf-8")
