@@ -71,7 +71,7 @@ class FedKDOptions:
 
 def mentee_model(cfg: RunConfig, options: FedKDOptions):
     """The shared mentee (``fedkd.shared-model``)."""
-    return shared_module(cfg, options.shared_model)
+    return shared_module(cfg, options.shared_model, "fedkd.shared-model")
 
 
 def energy_threshold(options: FedKDOptions, num_rounds: int, server_round: int) -> float:

@@ -98,7 +98,7 @@ class FedMRLOptions:
 
 def small_model(cfg: RunConfig, options: FedMRLOptions) -> SmallCNN | SplitModel:
     """G: the ``fedmrl.small-model`` with representation size d1 and header d1 -> L (section 7; P4)."""
-    return shared_module(cfg, options.small_model, options.d1)
+    return shared_module(cfg, options.small_model, "fedmrl.small-model", options.d1)
 
 
 class FusedExtractor(nn.Module):

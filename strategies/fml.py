@@ -83,7 +83,7 @@ def mutual_kl(student_logits: torch.Tensor, target_logits: torch.Tensor, options
 
 def meme_model(cfg: RunConfig, options: FMLOptions):
     """The shared meme model (``fml.shared-model``)."""
-    return shared_module(cfg, options.shared_model)
+    return shared_module(cfg, options.shared_model, "fml.shared-model")
 
 
 class FMLStrategy(SharedModelStrategy):

@@ -32,15 +32,20 @@ from strategies.method import MethodBinding, Schemas
 Builder = Callable[[RunConfig, Any], nn.Module]
 
 
+def non_float32_state(module: nn.Module) -> list[str]:
+    """The ``state_dict`` keys of ``module`` that are not float32 (e.g. BatchNorm's int64
+    ``num_batches_tracked``): state a FedAvg payload cannot carry."""
+    return [k for k, v in module.state_dict().items() if v.dtype != torch.float32]
+
+
 def module_schema(module: nn.Module) -> PayloadSchema:
     """The payload schema of ``module``: every ``state_dict`` tensor, its exact shape, float32.
 
     Raises:
-        ConfigError: if the module has non-float32 state (e.g. BatchNorm's int64 counter),
-            which a FedAvg payload cannot carry.
+        ConfigError: if the module has non-float32 state (:func:`non_float32_state`).
     """
     state = module.state_dict()
-    odd = [k for k, v in state.items() if v.dtype != torch.float32]
+    odd = non_float32_state(module)
     if odd:
         raise ConfigError(f"shared module has non-float32 state {odd}: not averageable")
     return PayloadSchema({k: ArraySpec(tuple(v.shape), "float32") for k, v in state.items()})
@@ -64,8 +69,9 @@ GROUP_FIRST = "group-first"
 SHARED_LAYOUTS = (*CNN_SHAPES, GROUP_FIRST)
 
 
-def shared_module(cfg: RunConfig, layout: str, d: int | None = None) -> SmallCNN | SplitModel:
-    """The shared module of ``layout`` (one of :data:`SHARED_LAYOUTS`) for ``cfg``'s dataset.
+def shared_module(cfg: RunConfig, layout: str, key: str, d: int | None = None) -> SmallCNN | SplitModel:
+    """The shared module of ``layout`` (one of :data:`SHARED_LAYOUTS`, the value of option ``key``)
+    for ``cfg``'s dataset.
 
     A CNN-1..5 layout gives a :class:`SmallCNN` with representation size ``d`` (default 500);
     :data:`GROUP_FIRST` gives client 0's model of ``cfg.model_group`` with feature dim ``d``
@@ -75,12 +81,22 @@ def shared_module(cfg: RunConfig, layout: str, d: int | None = None) -> SmallCNN
 
     Raises:
         KeyError: an unknown layout.
+        ConfigError: :data:`GROUP_FIRST` over a group whose client 0 has non-float32 state
+            (BatchNorm, e.g. ``htfe3``'s ResNet-10), naming ``key``.
     """
     info = DATASETS[cfg.dataset]
     if layout == GROUP_FIRST:
         group = MODEL_GROUPS[cfg.model_group]
         k = cfg.feature_dim if d is None else d
-        return group.build(0, info.num_classes, info.channels, info.image_size, cfg.seed, k=k, identical=True)
+        module = group.build(0, info.num_classes, info.channels, info.image_size, cfg.seed, k=k, identical=True)
+        odd = non_float32_state(module)
+        if odd:
+            raise ConfigError(
+                f"{key}={GROUP_FIRST!r}: client 0's model of model group {cfg.model_group!r} has non-float32 state "
+                f"{odd} (BatchNorm's counters), which the averaged payload cannot carry; choose one of "
+                f"{list(CNN_SHAPES)} or a model group without BatchNorm at client 0"
+            )
+        return module
     return SmallCNN(layout, d or REPRESENTATION_DIM, info.num_classes, info.channels, info.image_size)
 
 

@@ -46,6 +46,17 @@ def test_htflib_kl_is_per_element_and_undetached_when_asked():
     assert target.grad is None and student.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("key", ["fml.shared-model", "fedkd.shared-model", "fedmrl.small-model"])
+def test_group_first_over_a_batchnorm_client_zero_is_refused_naming_the_key(run_config, key):
+    """htfe3's client 0 is a ResNet-10 with BatchNorm: its int64 counters cannot be averaged."""
+    from common.config import ConfigError, RunConfig
+    from strategies.registry import build_strategy
+
+    rc = run_config(method=key.split(".")[0], model_group="htfe3", **{key: "group-first"})
+    with pytest.raises(ConfigError, match=rf"{key}='group-first'.*'htfe3'.*num_batches_tracked"):
+        build_strategy(RunConfig.from_dict(rc))
+
+
 @pytest.mark.parametrize("method", ["fml", "fedkd"])
 def test_group_first_shares_client_zeros_model_of_the_group(run_config, method):
     """``shared-model = "group-first"`` (HtFLlib's global model when its model family names none):
