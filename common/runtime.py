@@ -198,7 +198,8 @@ class ClientRuntime:
         than t is ahead. The version it replaced (``<name>.prev.pt``, from before
         round t: see :meth:`store`) is used instead, or none when that is not older, so the
         client repeats round t from where the server's checkpoint left it (``state_rollbacks``
-        counts this).
+        counts this). The ahead file is dropped (``.prev`` takes its place), so a second crash
+        in the repeated round rolls back to the same state again.
         """
         if name in self.context.state.array_records:
             module.load_state_dict(self.context.state.array_records[name].to_torch_state_dict())
@@ -230,6 +231,12 @@ class ClientRuntime:
                 )
                 self.state_rollbacks += 1
                 saved = previous if usable else None
+                # the ahead file goes: kept, the next store would rotate it into .prev, where a
+                # second crash in this round would find it instead of the state from before it
+                if usable:
+                    os.replace(self._state_file(name + PREVIOUS), self._state_file(name))
+                else:
+                    self._state_file(name).unlink()
             if saved is None:
                 return False
             log.info("partition %d: restored '%s' of round %d from disk", self.partition_id, name, saved[0])

@@ -223,3 +223,26 @@ def test_the_report_shows_a_cell_whose_summary_is_unreadable(tmp_path):
     assert "fedgh" in stats and stats["fedgh"]["seeds"] == [0]
     text = (tmp_path / "report.md").read_text()
     assert "summary.json is unreadable" in text and "fedgh-seed0" in text
+
+
+def test_a_round_repeated_twice_after_two_crashes_rolls_back_both_times(run_config, tmp_path, caplog):
+    """The server crashed twice in round 2, after the clients stored it each time: both resumed
+    runs start round 2 from the round-1 state (the first rollback must not keep the ahead file
+    as ``.prev``, where the second would find it instead of round 1's)."""
+    rc = run_config(**{"max-examples-per-client": 60})
+    state = tmp_path / "state"
+    first = runtime(rc, state, server_round=1)
+    with torch.no_grad():
+        next(first.model.parameters()).add_(0.5)  # round 1's training: not the initial weights
+    round1 = {k: v.clone() for k, v in first.model.state_dict().items()}
+    first.save_model()
+    for attempt in range(3):  # the first run of round 2, then two resumed runs
+        client = runtime(rc, state, server_round=2)  # a new Flower run: empty context, state from disk
+        with caplog.at_level(logging.WARNING):
+            model = client.model
+        assert client.state_rollbacks == min(attempt, 1), attempt
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in round1.items()), attempt
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)  # round 2's training
+        client.save_model()  # then the server crashes before its round-2 checkpoint
+    assert "starting afresh" not in caplog.text
