@@ -105,6 +105,7 @@ def test_report_numbers_figures_and_regeneration(tmp_path, small_config):
         assert (out / name).stat().st_size > 10_000  # a real picture, not an empty canvas
     text = (out / "report.md").read_text()
     assert "| fedre | 0,1 | 4 | 78.00 ± 2.83 |" in text and "| 86.99 |" in text and "| 86.33 |" in text
+    assert "mean over seeds, from that round to the last all have): fedre from round 1." in text
     assert "fedre 20 min wall, 30 min CPU" in text and "in all 0.67 h wall, 1.00 h CPU" in text
     # against the paper (86.99 ± 0.01 and 86.33 ± 0.11, 100 rounds): 4 rounds are provisional
     m, sd = (100 * v for v in fedre["final_accuracy_weighted"])
@@ -184,3 +185,17 @@ def test_a_paper_file_with_unknown_keys_is_refused_naming_it(tmp_path, monkeypat
     monkeypatch.setattr(report_tool, "ROOT", tmp_path)
     with pytest.raises(ConfigError, match="x.paper.toml.*" + match):
         report_tool.paper_info("x.toml")
+
+
+def test_the_round_a_method_stays_above_local():
+    """Mean over seeds against Local's mean: the first round of the final stretch above it."""
+    from tools.report import Cell, round_ahead
+
+    def cells(*curves):
+        return [Cell("m", s, [{"round": r + 1, "acc": a} for r, a in enumerate(c)], {}) for s, c in enumerate(curves)]
+
+    local = cells([0.2, 0.4, 0.4, 0.5, 0.5], [0.2, 0.4, 0.4, 0.5, 0.5])
+    # mean 0.1, 0.5, 0.3, 0.6, 0.7: above at round 2, below again at 3, above from round 4 on
+    assert round_ahead(cells([0.0, 0.4, 0.3, 0.7, 0.6], [0.2, 0.6, 0.3, 0.5, 0.8]), local, "acc") == 4
+    assert round_ahead(cells([0.3, 0.5, 0.5, 0.6, 0.5]), local, "acc") is None  # level at the end: not above
+    assert round_ahead(cells([0.3, 0.5, 0.5]), local, "acc") == 1  # up to the last round both have

@@ -19,7 +19,8 @@ bytes per client-round up/down; the median seconds per round; training FLOPs per
 backward of the client's personal model, counted with ``torch.utils.flop_counter``, times its
 training samples and local epochs, averaged over clients; methods that train a second model,
 such as FedMRL, FML and FedKD, cost more than this); and the paper's number. Then the verdicts
-against the paper and its ranking (:func:`paper_comparison`).
+against the paper and its ranking (:func:`paper_comparison`); with ``local`` in the grid, the
+round from which each method stays above Local (:func:`round_ahead`).
 """
 
 from __future__ import annotations
@@ -117,6 +118,25 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
 
 
+def seed_curves(cells: list[Cell], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(rounds [n], values [seeds, n])`` of ``key`` over the first n evaluated rounds, n that
+    of the shortest cell (fractions, float64)."""
+    n = min(len(c.curve(key)[0]) for c in cells)
+    return cells[0].curve(key)[0][:n], np.stack([c.curve(key)[1][:n] for c in cells])
+
+
+def round_ahead(cells: list[Cell], baseline: list[Cell], key: str) -> int | None:
+    """The first round from which the mean over seeds of ``key`` stays above ``baseline``'s (also
+    a mean over its seeds) up to the last round both have; None when it ends at or below it."""
+    rounds, ours = seed_curves(cells, key)
+    theirs = seed_curves(baseline, key)[1]
+    n = min(len(rounds), theirs.shape[1])
+    behind = np.nonzero(ours.mean(0)[:n] <= theirs.mean(0)[:n])[0]
+    if n == 0 or (len(behind) and behind[-1] == n - 1):
+        return None
+    return int(rounds[behind[-1] + 1]) if len(behind) else int(rounds[0])
+
+
 def rounds_to_target(cell: Cell, key: str, target: float) -> int | None:
     """First round whose ``key`` reaches ``target`` (a fraction), None if never."""
     rounds, values = cell.curve(key)
@@ -209,11 +229,10 @@ def plot_curves(cells: list[Cell], key: str, out: Path, preset: str) -> None:
         fig, ax = plt.subplots(figsize=(7.5, 4.5))
         for method in methods:
             runs = [c for c in cells if c.method == method]
-            n = min(len(c.curve(key)[0]) for c in runs)
-            if n == 0:
+            rounds, acc = seed_curves(runs, key)
+            if len(rounds) == 0:
                 continue
-            acc = np.stack([100 * c.curve(key)[1][:n] for c in runs])
-            rounds = runs[0].curve(key)[0][:n]
+            acc = 100 * acc
             if name == "accuracy_vs_round.png":
                 x = rounds
             else:
@@ -422,6 +441,14 @@ def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None)
         "to that round. FLOPs: forward + backward of the personal model only.",
         "",
     ]
+    ahead = {m: s["ahead_of_local"] for m, s in stats.items() if "ahead_of_local" in s}
+    if ahead:
+        lines += [
+            f"Above Local (`{key.split('_', 1)[1]}`, mean over seeds, from that round to the last all have): "
+            + "; ".join(f"{m} from round {r}" if r is not None else f"{m} not at the end" for m, r in ahead.items())
+            + ".",
+            "",
+        ]
     lines += paper_comparison(paper, stats) + [""]
     lines += [f"![{f}]({f})" for f in FIGURES]
     launches = info.get("launches", [])
@@ -473,6 +500,10 @@ def report(grid: Path, out: Path | None = None, data_dir: str | None = None, fig
         key=lambda m: list(info.get("methods", [])).index(m) if m in info.get("methods", []) else 99,
     )
     stats = {m: method_stats([c for c in cells if c.method == m], key, paper.get("target")) for m in methods}
+    baseline = [c for c in cells if c.method == "local"]
+    for m in methods if baseline else ():
+        if m != "local":
+            stats[m]["ahead_of_local"] = round_ahead([c for c in cells if c.method == m], baseline, key)
     flops = None
     if figures:
         seeds = info.get("seeds") or [None]
