@@ -121,8 +121,9 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 def seed_curves(cells: list[Cell], key: str) -> tuple[np.ndarray, np.ndarray]:
     """``(rounds [n], values [seeds, n])`` of ``key`` over the first n evaluated rounds, n that
     of the shortest cell (fractions, float64)."""
-    n = min(len(c.curve(key)[0]) for c in cells)
-    return cells[0].curve(key)[0][:n], np.stack([c.curve(key)[1][:n] for c in cells])
+    curves = [c.curve(key) for c in cells]
+    n = min(len(rounds) for rounds, _ in curves)
+    return curves[0][0][:n], np.stack([values[:n] for _, values in curves])
 
 
 def round_ahead(cells: list[Cell], baseline: list[Cell], key: str) -> int | None:
@@ -499,11 +500,11 @@ def report(grid: Path, out: Path | None = None, data_dir: str | None = None, fig
         {c.method for c in cells},
         key=lambda m: list(info.get("methods", [])).index(m) if m in info.get("methods", []) else 99,
     )
-    stats = {m: method_stats([c for c in cells if c.method == m], key, paper.get("target")) for m in methods}
-    baseline = [c for c in cells if c.method == "local"]
-    for m in methods if baseline else ():
+    by_method = {m: [c for c in cells if c.method == m] for m in methods}
+    stats = {m: method_stats(by_method[m], key, paper.get("target")) for m in methods}
+    for m in methods if "local" in by_method else ():
         if m != "local":
-            stats[m]["ahead_of_local"] = round_ahead([c for c in cells if c.method == m], baseline, key)
+            stats[m]["ahead_of_local"] = round_ahead(by_method[m], by_method["local"], key)
     flops = None
     if figures:
         seeds = info.get("seeds") or [None]
