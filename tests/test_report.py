@@ -146,18 +146,23 @@ def test_report_of_one_run_folder_equals_its_rows(run_config, tmp_path):
 def test_paper_verdicts_reversed_rankings_and_single_seeds():
     """A ranking the paper orders one way and ours the other beyond 2 standard errors is reversed;
     within them it is not separated; a single seed gets no verdict; at the paper's budget nothing
-    is provisional."""
+    is provisional, nor when the runs short of it were ended by stop-patience."""
     from tools.report import paper_comparison
 
     paper = {"ours": "final_accuracy_mean", "rounds": 10, "reported": {"a": 90.0, "b": 80.0, "c": 70.0}}
+    done = {"seeds": [0, 1, 2], "rounds": [10], "stopped": 0, "open_rounds": [10]}
     stats = {
-        "a": {"seeds": [0, 1, 2], "rounds": [10], "final_accuracy_mean": (0.70, 0.01)},
-        "b": {"seeds": [0, 1, 2], "rounds": [10], "final_accuracy_mean": (0.80, 0.01)},
-        "c": {"seeds": [0], "rounds": [10], "final_accuracy_mean": (0.75, 0.0)},
-        "d": {"seeds": [0], "rounds": [10], "final_accuracy_mean": (0.5, 0.0)},  # no paper number: left out
+        "a": {**done, "final_accuracy_mean": (0.70, 0.01)},
+        # seeds 0, 1 ended by stop-patience after 6 and 8 rounds: finished
+        "b": {**done, "rounds": [6, 8, 10], "stopped": 2, "final_accuracy_mean": (0.80, 0.01)},
+        "c": {**done, "seeds": [0], "final_accuracy_mean": (0.75, 0.0)},
+        "d": {**done, "seeds": [0], "final_accuracy_mean": (0.5, 0.0)},  # no paper number: left out
     }
     text = "\n".join(paper_comparison(paper, stats))
     assert "provisional" not in text and "| d |" not in text
+    assert "after 6 to 10 rounds (2 run(s) ended by stop-patience)." in text
+    going = {**stats, "b": {**stats["b"], "stopped": 1, "open_rounds": [8, 10]}}  # seed 1 at round 8 goes on
+    assert "has 8 of the paper's 10: every verdict is provisional" in "\n".join(paper_comparison(paper, going))
     assert "| a | 70.00 ± 1.00 (n=3) | 90.00 | -20.00 (tolerance 1.15) | not reproduced (20.00 below) |" in text
     assert "| b | 80.00 ± 1.00 (n=3) | 80.00 | +0.00 (tolerance 1.15) | reproduced |" in text
     assert "| c | 75.00 ± 0.00 (n=1) | 70.00 | +5.00 (tolerance 0.00) | one seed: no verdict |" in text

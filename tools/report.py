@@ -148,6 +148,9 @@ def rounds_to_target(cell: Cell, key: str, target: float) -> int | None:
 def method_stats(cells: list[Cell], key: str, target: float | None) -> dict:
     """The table's numbers for one method's cells (its seeds)."""
     out = {"seeds": sorted(c.seed for c in cells), "rounds": sorted({len(c.rows) for c in cells})}
+    # a run that stop-patience ended is finished; any other with fewer rounds than the paper's is not
+    out["stopped"] = sum(bool(c.rows[-1].get("stop_reason")) for c in cells)
+    out["open_rounds"] = sorted({len(c.rows) for c in cells if not c.rows[-1].get("stop_reason")})
     for metric in ("accuracy_mean", "accuracy_weighted"):
         curves = [values for values in (c.curve(metric)[1] for c in cells) if len(values)]
         finals = [values[-1] for values in curves]
@@ -306,7 +309,8 @@ def paper_comparison(paper: dict, stats: dict[str, dict]) -> list[str]:
     against ours: every pair the paper orders, with our difference in standard errors
     (sqrt(std_a**2 / n_a + std_b**2 / n_b)): *kept* above 2, *reversed* below -2, else *not
     separated*. A method with one seed has no spread and gets no verdict. When a run has fewer
-    rounds than the paper's (``rounds`` in the paper file) every verdict is marked provisional.
+    rounds than the paper's (``rounds`` in the paper file) and the run config's ``stop-patience``
+    did not end it, every verdict is marked provisional.
     Accuracies in percent; ``stats`` as :func:`method_stats`.
     """
     key, reported = paper.get("ours", "final_accuracy_mean"), paper.get("reported", {})
@@ -315,14 +319,24 @@ def paper_comparison(paper: dict, stats: dict[str, dict]) -> list[str]:
     if not ours:
         return []
     n = {m: len(stats[m]["seeds"]) for m in ours}
-    rounds_run = min(min(stats[m]["rounds"]) for m in ours)
+    lengths = sorted({r for m in ours for r in stats[m]["rounds"]})
+    unfinished = sorted({r for m in ours for r in stats[m]["open_rounds"]})
+    stopped = sum(stats[m]["stopped"] for m in ours)
     budget = paper.get("rounds")
-    provisional = budget is not None and rounds_run < budget
+    provisional = budget is not None and bool(unfinished) and unfinished[0] < budget
     lines = [
         "## Against the paper",
         "",
-        f"On `{key}`, after {rounds_run} rounds (the shortest run)"
-        + (f" of the paper's {budget}: every verdict is provisional" if provisional else "")
+        f"On `{key}`, after {lengths[0]}"
+        + (f" to {lengths[-1]}" if len(lengths) > 1 else "")
+        + " rounds"
+        + (f" ({stopped} run(s) ended by stop-patience)" if stopped else "")
+        + (
+            f"; a run stop-patience did not end has {unfinished[0]} of the paper's {budget}: "
+            "every verdict is provisional"
+            if provisional
+            else ""
+        )
         + ". Reproduced: |gap| <= 2 sqrt(std² / n + paper std²); pairs: our difference in standard errors.",
         "",
         "| method | ours | paper | gap (points) | verdict |",
