@@ -702,7 +702,11 @@ def main(argv: list[str] | None = None) -> int:
             if not methods or not seeds or (args.rounds is not None and args.rounds < 1):
                 raise ConfigError("--methods and --seeds need at least one value, --rounds at least 1")
             base, overrides = read_config(args.preset, args.run_config)
-            fixed = {"partition-seed": base["partition-seed"] if base["partition-seed"] >= 0 else seeds[0]}
+            # every round on both sides, compared round by round: HtFLlib runs without its auto-break (-ab)
+            fixed = {
+                "partition-seed": base["partition-seed"] if base["partition-seed"] >= 0 else seeds[0],
+                "stop-patience": 0,
+            }
             if args.rounds is not None:
                 fixed["num-server-rounds"] = args.rounds
             if unknown := [m for m in methods if m not in REFERENCE_METHODS]:

@@ -33,6 +33,9 @@ PRECISIONS = ("fp32", "bf16")
 #: dropped: HtFLlib's training loader, ``DataLoader(drop_last=True, shuffle=False)``, FedTGP's code)
 BATCH_ORDERS = ("shuffle", "fixed")
 EVAL_CLIENTS = ("all", "trained")
+#: what ``stop-patience`` watches: the unweighted mean over clients, or the pooled accuracy (HtFLlib's
+#: auto-break, ``check_done`` on ``rs_test_acc``)
+STOP_METRICS = ("accuracy_mean", "accuracy_weighted")
 LOGGERS = ("none", "tensorboard")
 #: ``independent``: client k's model is initialised from seed + k (FedGH, FedMRL code); ``identical``:
 #: every client of one architecture starts from the same weights (HtFLlib/PFLlib: FedTGP, FedRE)
@@ -119,9 +122,15 @@ class RunConfig:
     num_server_rounds: int = option(20, "rounds", low=1)
     stop_patience: int = option(
         0,
-        "stop once this many rounds have passed since the round of the best `accuracy_mean` (0: off); the last "
+        "stop once this many rounds have passed since the round of the best `stop-metric` (0: off); the last "
         "row's and the summary's `stop_reason` say why, and a resumed run counts from its rows",
         low=0,
+    )
+    stop_metric: str = option(
+        "accuracy_mean",
+        "the row key `stop-patience` watches: `accuracy_mean` (unweighted over clients) or `accuracy_weighted` "
+        "(pooled over all test samples, as HtFLlib's auto-break)",
+        choices=STOP_METRICS,
     )
     local_epochs: int = option(1, "local epochs per round", low=0)
     batch_size: int = option(64, "local mini-batch size", low=1)

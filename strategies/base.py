@@ -251,7 +251,7 @@ class HeteroStrategy:
             t2 - t1,
             time.perf_counter() - run_start,
         )
-        stop = patience_exhausted([*self.rows, row], self.cfg.stop_patience)
+        stop = patience_exhausted([*self.rows, row], self.cfg.stop_patience, self.cfg.stop_metric)
         if stop:
             row["stop_reason"] = stop
         self.rows.append(row)

@@ -211,14 +211,16 @@ def finite_values(row: dict[str, Any]) -> dict[str, Any]:
     return {k: clean(k, v) for k, v in row.items()}
 
 
-def patience_exhausted(rows: list[dict[str, Any]], patience: int) -> str | None:
+def patience_exhausted(rows: list[dict[str, Any]], patience: int, metric: str = "accuracy_mean") -> str | None:
     """Why the run should stop after its last row (run config ``stop-patience``), or None.
 
-    It stops once ``patience`` rounds have passed since the best ``accuracy_mean`` so far (its
-    first round, so a tie is no new best); rounds without evaluation count as rounds. The count
-    comes from the rows alone, so a resumed run (which starts with the old rows) goes on counting.
+    It stops once ``patience`` rounds have passed since the best ``metric`` (a row key, run config
+    ``stop-metric``) so far (its first round, so a tie is no new best); rounds without evaluation
+    count as rounds. With ``accuracy_weighted`` and patience 100 this is HtFLlib's auto-break
+    (``check_done(top_cnt=100)`` on the pooled accuracy; FedTGP's scripts run with ``-ab 1``). The
+    count comes from the rows alone, so a resumed run (which starts with the old rows) goes on counting.
     """
-    evaluated = [(r["round"], r["accuracy_mean"]) for r in rows if r.get("accuracy_mean") is not None]
+    evaluated = [(r["round"], r[metric]) for r in rows if r.get(metric) is not None]
     if patience <= 0 or not evaluated:
         return None
     best_round, best = max(evaluated, key=lambda e: (e[1], -e[0]))
@@ -226,7 +228,7 @@ def patience_exhausted(rows: list[dict[str, Any]], patience: int) -> str | None:
     if waited < patience:
         return None
     return (
-        f"no new best accuracy_mean for {waited} rounds (best {best:.4f} in round {best_round}): "
+        f"no new best {metric} for {waited} rounds (best {best:.4f} in round {best_round}): "
         f"run config key 'stop-patience' = {patience}"
     )
 

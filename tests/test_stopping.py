@@ -24,6 +24,16 @@ def test_patience_counts_rounds_since_the_first_round_of_the_best(patience, stop
         assert "best 0.6000 in round 2" in reasons[stops_after - 1] and "'stop-patience'" in reasons[stops_after - 1]
 
 
+def test_the_watched_metric_is_stop_metric():
+    """Pooled accuracy stuck at its round-1 best while the mean over clients rises: only a rule
+    watching ``accuracy_weighted`` stops."""
+    history = [{**r, "accuracy_weighted": 0.7} for r in rows([0.5, 0.6, 0.7])]
+    assert patience_exhausted(history, 2) is None
+    assert "no new best accuracy_weighted for 2 rounds (best 0.7000 in round 1)" in patience_exhausted(
+        history, 2, "accuracy_weighted"
+    )
+
+
 def test_rounds_without_evaluation_count_as_rounds():
     assert patience_exhausted([*rows([0.5]), {"round": 2, "accuracy_mean": None}], 1) is not None
     assert patience_exhausted([{"round": 1, "accuracy_mean": None}], 1) is None
