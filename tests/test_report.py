@@ -169,6 +169,9 @@ def test_paper_verdicts_reversed_rankings_and_single_seeds():
     assert "Ranking, paper: a > b > c; ours: b > c > a." in text
     assert "| a > b | +10.00 | -10.00 | -12.2 | reversed |" in text
     assert "| a > c | +20.00 | -5.00 | - | no spread |" in text
+    lenient = "\n".join(paper_comparison({**paper, "tolerance": 25.0}, stats))  # a floor on the tolerance
+    assert "| a | 70.00 ± 1.00 (n=3) | 90.00 | -20.00 (tolerance 25.00) | reproduced |" in lenient
+    assert "| b | 80.00 ± 1.00 (n=3) | 80.00 | +0.00 (tolerance 25.00) |" in lenient and "or 25 points" in lenient
     alone = "\n".join(paper_comparison(paper, {"a": stats["a"]}))
     assert "| a | 70.00" in alone and "Ranking" not in alone  # one method: nothing to rank
     assert paper_comparison({"reported": {}}, stats) == []

@@ -84,14 +84,27 @@ def load_grid(grid: Path) -> tuple[dict, list[Cell]]:
     return info, cells
 
 
-PAPER_KEYS = ("paper", "setting", "metric", "ours", "target", "rounds", "notes", "reported", "reported-std")
+PAPER_KEYS = (
+    "paper",
+    "setting",
+    "metric",
+    "ours",
+    "target",
+    "rounds",
+    "tolerance",
+    "notes",
+    "reported",
+    "reported-std",
+)
 
 
 def paper_info(preset: str) -> dict:
     """``presets/<preset>.paper.toml`` (empty when the preset has none): ``paper``, ``setting``,
     ``metric`` (text), ``ours`` (the row metric beside the paper's), ``target`` (accuracy as a
-    fraction), ``rounds`` (the paper's budget), ``notes``, ``[reported]`` (method -> percent) and
-    ``[reported-std]`` (method -> the paper's ± in points, for methods in ``[reported]``).
+    fraction), ``rounds`` (the paper's budget), ``tolerance`` (points: the least gap a verdict
+    allows, where the method's spec fixes one for a paper without ±), ``notes``, ``[reported]``
+    (method -> percent) and ``[reported-std]`` (method -> the paper's ± in points, for methods in
+    ``[reported]``).
 
     Raises:
         ConfigError: a key outside these, or a ``[reported-std]`` method without a paper number
@@ -305,7 +318,8 @@ def paper_comparison(paper: dict, stats: dict[str, dict]) -> list[str]:
     file): ours (mean ± sample std over n seeds), the paper's number (± its reported std,
     ``[reported-std]``, 0 when not given), the gap in points and a verdict: *reproduced* when
     |gap| <= 2 * sqrt(std_ours**2 / n + std_paper**2) (two standard errors of our mean, widened
-    by the paper's own spread), else *not reproduced* by the gap. Then the paper's ranking
+    by the paper's own spread) or the paper file's ``tolerance`` (points), whichever is larger,
+    else *not reproduced* by the gap. Then the paper's ranking
     against ours: every pair the paper orders, with our difference in standard errors
     (sqrt(std_a**2 / n_a + std_b**2 / n_b)): *kept* above 2, *reversed* below -2, else *not
     separated*. A method with one seed has no spread and gets no verdict. When a run has fewer
@@ -314,7 +328,7 @@ def paper_comparison(paper: dict, stats: dict[str, dict]) -> list[str]:
     Accuracies in percent; ``stats`` as :func:`method_stats`.
     """
     key, reported = paper.get("ours", "final_accuracy_mean"), paper.get("reported", {})
-    spread = paper.get("reported-std", {})
+    spread, least = paper.get("reported-std", {}), paper.get("tolerance", 0.0)
     ours = {m: s[key] for m, s in stats.items() if m in reported and s.get(key) is not None}
     if not ours:
         return []
@@ -337,14 +351,16 @@ def paper_comparison(paper: dict, stats: dict[str, dict]) -> list[str]:
             if provisional
             else ""
         )
-        + ". Reproduced: |gap| <= 2 sqrt(std² / n + paper std²); pairs: our difference in standard errors.",
+        + ". Reproduced: |gap| <= 2 sqrt(std² / n + paper std²)"
+        + (f" or {least:g} points (the paper file's tolerance), whichever is larger" if least else "")
+        + "; pairs: our difference in standard errors.",
         "",
         "| method | ours | paper | gap (points) | verdict |",
         "|---|---|---|---|---|",
     ]
     for m, (mean, std) in ours.items():
         gap = 100 * mean - reported[m]
-        tolerance = 2 * float(np.hypot(100 * std / np.sqrt(n[m]), spread.get(m, 0.0)))
+        tolerance = max(2 * float(np.hypot(100 * std / np.sqrt(n[m]), spread.get(m, 0.0))), least)
         verdict = (
             "one seed: no verdict"
             if n[m] < 2
