@@ -19,14 +19,16 @@ BYTES = {"fedre": (2_088, 20_520), "local": (0, 0)}  # per client-round up / dow
 CLIENTS = 3
 
 
-def write_grid(grid, config):
+def write_grid(grid, config, methods=tuple(ACC), overrides=None, shift=0.0):
+    """A finished grid of ``methods`` (:data:`ACC` curves, ``shift`` added) started with ``overrides``."""
     grid.mkdir()
     (grid / "grid.json").write_text(
         json.dumps(
             {
                 "preset": "fedre-table12-cifar10.toml",
                 "preset_config": config,
-                "methods": list(ACC),
+                "overrides": overrides or {},
+                "methods": list(methods),
                 "seeds": [0, 1],
                 "rounds": 4,
                 "invocations": [
@@ -40,22 +42,22 @@ def write_grid(grid, config):
                 ],
                 "launches": [
                     {"cell": f"{m}-seed{s}", "wall_seconds": 600.0, "cpu_seconds": 900.0, "exit": 0}
-                    for m in ACC
+                    for m in methods
                     for s in (0, 1)
                 ],
             }
         )
     )
-    for method, seeds in ACC.items():
-        for seed, accs in seeds.items():
+    for method in methods:
+        for seed, accs in ACC[method].items():
             run = grid / f"{method}-seed{seed}" / "20260101-000000-run"
             run.mkdir(parents=True)
             up, down = BYTES[method]
             rows = [
                 {
                     "round": r + 1,
-                    "accuracy_weighted": a,
-                    "accuracy_mean": a - 0.1,
+                    "accuracy_weighted": a + shift,
+                    "accuracy_mean": a + shift - 0.1,
                     "bytes_up": up * CLIENTS,
                     "bytes_down": down * CLIENTS,
                     "eval_bytes_up": 0,
@@ -121,6 +123,36 @@ def test_report_numbers_figures_and_regeneration(tmp_path, small_config):
     first = text
     report(out, None, str(DATA_DIR))
     assert (out / "report.md").read_text() == first
+
+
+def test_an_ablation_grid_is_reported_beside_its_method(tmp_path, small_config):
+    """A grid of the same preset with one more override joins the report under its override, after
+    its method, with its own numbers, time and command; the copies alone regenerate it."""
+    from common.errors import ConfigError
+
+    grid, ablation = tmp_path / "grid", tmp_path / "lr0"
+    write_grid(grid, small_config)
+    write_grid(ablation, small_config, methods=("fedre",), overrides={"fedre.server-lr": 0.0}, shift=-0.05)
+    out = tmp_path / "results"
+    stats = report(grid, out, figures=False, ablations=[ablation])
+    label = "fedre (fedre.server-lr=0.0)"
+    assert list(stats) == ["fedre", label, "local"]
+    finals = [ACC["fedre"][s][-1] - 0.05 for s in (0, 1)]
+    assert stats[label]["final_accuracy_weighted"] == pytest.approx((statistics.mean(finals), statistics.stdev(finals)))
+    text = (out / "report.md").read_text()
+    assert f"| {label} | 0,1 | 4 | {100 * (statistics.mean(finals) - 0.1):.2f} ± " in text
+    assert "Ablation `fedre.server-lr=0.0`: fedre with it, 4 rounds per run, seeds [0, 1] (`ablations/lr0`)." in text
+    assert f"; {label} 20 min wall, 30 min CPU;" in text and "in all 1.00 h wall, 1.50 h CPU" in text
+    assert text.count(f"| {label} |") == 1  # no paper number: not in the verdicts
+    diff = 100 * (statistics.mean(finals) - stats["fedre"]["final_accuracy_weighted"][0])
+    z = diff / (100 * math.sqrt(2 * statistics.stdev(finals) ** 2 / 2))  # equal spreads: shift only
+    assert f"{label} against fedre: {diff:+.2f} points ({z:+.1f} standard errors, not separated)" in text
+    report(out, None, figures=False)
+    assert (out / "report.md").read_text() == text
+    same = tmp_path / "same"
+    write_grid(same, small_config, methods=("fedre",))
+    with pytest.raises(ConfigError, match=r"same/grid.json: adds no override"):
+        report(grid, tmp_path / "again", figures=False, ablations=[same])
 
 
 def test_report_of_one_run_folder_equals_its_rows(run_config, tmp_path):

@@ -2,7 +2,7 @@
 
 Usage (from the repository root):
 
-    uv run --frozen python -m tools.report outputs/grids/<preset> [--out results/<preset>]
+    uv run --frozen python -m tools.report outputs/grids/<preset> [--out results/<preset>] [--ablation <grid>]
     uv run --frozen python -m tools.report outputs/<run folder>       # one run of tools.run: same figures
 
 Writes ``report.md`` and three PNGs (accuracy vs round, accuracy vs cumulative bytes, the
@@ -10,6 +10,13 @@ label distribution of the partitions) into ``--out`` (default: the grid folder).
 ``--out`` it also copies ``grid.json`` and each cell's newest ``metrics.jsonl`` and
 ``summary.json`` there, in the grid's layout, so ``tools.report <out>`` regenerates the same
 report from the copies alone.
+
+Ablations: a grid of the same preset started with more ``-c`` overrides (``tools.grid ... -c
+"fedre.server-lr=0.0" --out <other folder>``) joins the report with ``--ablation <that folder>``
+(repeatable): its cells are copied to ``<out>/ablations/<folder name>/`` and reported as
+``<method> (<the overrides it adds>)`` beside the grid's own, in the tables and figures (dotted, in
+the method's colour). Every ``ablations/*`` grid under a report folder is read again on
+regeneration.
 
 The table, per method over its seeds (mean ± sample std; accuracies in percent):
 final and best ``accuracy_mean`` and ``accuracy_weighted``; rounds to the paper's target
@@ -82,6 +89,31 @@ def load_grid(grid: Path) -> tuple[dict, list[Cell]]:
             method, seed = folder.name.rsplit("-seed", 1)
             cells.append(Cell(method, int(seed), rows, summary))
     return info, cells
+
+
+ABLATIONS = "ablations"
+
+
+def load_ablations(grid: Path, info: dict) -> tuple[list[Cell], list[dict]]:
+    """The cells and ``grid.json`` of every grid under ``<grid>/ablations/``, each cell's method
+    renamed ``<method> (<key>=<value> ...)`` by the overrides its grid adds to ``info``'s.
+
+    Raises:
+        ConfigError: an ablation grid of another preset, or one that adds no override (naming it).
+    """
+    folder, cells, infos = grid / ABLATIONS, [], []
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []:
+        sub_info, sub_cells = load_grid(sub)
+        if sub_info["preset"] != info["preset"]:
+            raise ConfigError(f"{sub / GRID_FILE}: preset {sub_info['preset']!r}, not the grid's {info['preset']!r}")
+        base = info.get("overrides", {})
+        added = {k: v for k, v in sub_info.get("overrides", {}).items() if base.get(k) != v}
+        if not added:
+            raise ConfigError(f"{sub / GRID_FILE}: adds no override to the grid's {base}: not an ablation")
+        label = " ".join(f"{k}={v}" for k, v in added.items())
+        cells += [Cell(f"{c.method} ({label})", c.seed, c.rows, c.summary) for c in sub_cells]
+        infos.append({**sub_info, "label": label, "folder": sub.name})
+    return cells, infos
 
 
 PAPER_KEYS = (
@@ -225,7 +257,8 @@ def method_colors(methods: list[str]) -> dict[str, tuple]:
 
     palette = [*matplotlib.colormaps["tab10"].colors, to_rgba("black"), to_rgba("darkgoldenrod")]
     order = list(METHODS)
-    return {m: palette[order.index(m) % len(palette)] if m in order else to_rgba("grey") for m in methods}
+    base = {m: m.split(" (", 1)[0] for m in methods}  # an ablation takes its method's colour
+    return {m: palette[order.index(base[m]) % len(palette)] if base[m] in order else to_rgba("grey") for m in methods}
 
 
 def plot_curves(cells: list[Cell], key: str, out: Path, preset: str) -> None:
@@ -257,7 +290,13 @@ def plot_curves(cells: list[Cell], key: str, out: Path, preset: str) -> None:
                 if not x.any():  # no payload at all (local): a level line, not a point at 0 on a log axis
                     ax.axhline(acc.mean(0)[-1], color=colors[method], ls="--", label=f"{method} (0 B, final)")
                     continue
-            ax.plot(x, acc.mean(0), color=colors[method], label=f"{method} ({len(runs)} seed{'s' * (len(runs) > 1)})")
+            ax.plot(
+                x,
+                acc.mean(0),
+                color=colors[method],
+                ls=":" if " (" in method else "-",  # an ablation: dotted, in its method's colour
+                label=f"{method} ({len(runs)} seed{'s' * (len(runs) > 1)})",
+            )
             if len(runs) > 1:
                 ax.fill_between(x, acc.min(0), acc.max(0), color=colors[method], alpha=0.2, lw=0)
         if name == "accuracy_vs_bytes.png":
@@ -309,6 +348,32 @@ def plot_partitions(config: dict, out: Path, data_dir: str | None = None) -> Non
 
 def pct(value: tuple[float, float] | None) -> str:
     return "-" if value is None else f"{100 * value[0]:.2f} ± {100 * value[1]:.2f}"
+
+
+def difference(a: tuple[float, float], n_a: int, b: tuple[float, float], n_b: int) -> tuple[float, float | None]:
+    """``a - b`` in points and in standard errors, sqrt(std_a**2 / n_a + std_b**2 / n_b) (None when
+    either has one seed or there is no spread); ``a``, ``b``: (mean, sample std) as fractions."""
+    diff = 100 * (a[0] - b[0])
+    se = 100 * float(np.sqrt(a[1] ** 2 / n_a + b[1] ** 2 / n_b))
+    return diff, diff / se if min(n_a, n_b) > 1 and se > 0 else None
+
+
+def ablation_comparison(key: str, stats: dict[str, dict]) -> list[str]:
+    """One line per ablation (a method named ``<method> (<overrides>)``) against its method on
+    ``key``: the difference in points and standard errors (:func:`difference`); none without ablations."""
+    pairs = [(m, m.split(" (", 1)[0]) for m in stats if " (" in m]
+    parts = []
+    for ablation, method in pairs:
+        if method not in stats or stats[ablation].get(key) is None or stats[method].get(key) is None:
+            continue
+        diff, z = difference(
+            stats[ablation][key], len(stats[ablation]["seeds"]), stats[method][key], len(stats[method]["seeds"])
+        )
+        apart = (
+            "no spread" if z is None else f"{z:+.1f} standard errors, " + ("apart" if abs(z) > 2 else "not separated")
+        )
+        parts.append(f"{ablation} against {method}: {diff:+.2f} points ({apart})")
+    return [f"Ablations on `{key}`: " + "; ".join(parts) + ".", ""] if parts else []
 
 
 def paper_comparison(paper: dict, stats: dict[str, dict]) -> list[str]:
@@ -386,9 +451,7 @@ def paper_comparison(paper: dict, stats: dict[str, dict]) -> list[str]:
     ]
     for i, a in enumerate(order):
         for b in order[i + 1 :]:
-            diff = 100 * (ours[a][0] - ours[b][0])
-            se = 100 * float(np.sqrt(ours[a][1] ** 2 / n[a] + ours[b][1] ** 2 / n[b]))
-            z = diff / se if min(n[a], n[b]) > 1 and se > 0 else None
+            diff, z = difference(ours[a], n[a], ours[b], n[b])
             verdict = "no spread" if z is None else "kept" if z > 2 else "reversed" if z < -2 else "not separated"
             lines.append(
                 f"| {a} > {b} | {reported[a] - reported[b]:+.2f} | {diff:+.2f} | "
@@ -421,6 +484,12 @@ def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None)
         + ".",
         "",
     ]
+    for sub in info.get("ablations", []):
+        lines += [
+            f"Ablation `{sub['label']}`: {', '.join(sub['methods'])} with it, {sub['rounds']} rounds per run, "
+            f"seeds {sub['seeds']} (`{ABLATIONS}/{sub['folder']}`).",
+            "",
+        ]
     target_text = f"{100 * target:.0f}%" if target is not None else "target"
     head = [
         "method",
@@ -480,7 +549,7 @@ def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None)
             + ".",
             "",
         ]
-    lines += paper_comparison(paper, stats) + [""]
+    lines += ablation_comparison(key, stats) + paper_comparison(paper, stats) + [""]
     lines += [f"![{f}]({f})" for f in FIGURES]
     launches = info.get("launches", [])
     if launches:
@@ -504,9 +573,13 @@ def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None)
 
 
 def copy_runs(grid: Path, out: Path) -> None:
-    """Copy ``grid.json`` and each cell's newest metrics.jsonl and summary.json into ``out`` (grid layout)."""
+    """Copy ``grid.json`` and each cell's newest metrics.jsonl and summary.json into ``out`` (grid
+    layout), and so every grid under ``<grid>/ablations/``."""
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy2(grid / GRID_FILE, out / GRID_FILE)
+    if (grid / ABLATIONS).is_dir():
+        for sub in sorted(p for p in (grid / ABLATIONS).iterdir() if p.is_dir()):
+            copy_runs(sub, out / ABLATIONS / sub.name)
     for folder in sorted(p for p in grid.iterdir() if p.is_dir() and "-seed" in p.name):
         found = newest_run(folder)
         if found is None:
@@ -518,17 +591,39 @@ def copy_runs(grid: Path, out: Path) -> None:
                 shutil.copy2(found[0] / name, target / name)
 
 
-def report(grid: Path, out: Path | None = None, data_dir: str | None = None, figures: bool = True) -> dict:
-    """Write ``report.md`` (and the figures) for ``grid`` into ``out``; returns the per-method stats."""
+def report(
+    grid: Path,
+    out: Path | None = None,
+    data_dir: str | None = None,
+    figures: bool = True,
+    ablations: list[Path] | tuple = (),
+) -> dict:
+    """Write ``report.md`` (and the figures) for ``grid`` into ``out``, its ``ablations`` (grid
+    folders, copied to ``<out>/ablations/``) beside it; returns the per-method stats.
+
+    Raises:
+        ConfigError: a file of a grid is not what the grid wrote, or an ablation is not one
+            (:func:`load_ablations`).
+    """
     out = out or grid
     if out.resolve() != grid.resolve():
         copy_runs(grid, out)
+    for ablation in ablations:
+        copy_runs(ablation, out / ABLATIONS / ablation.name)
     info, cells = load_grid(out)
+    extra, info["ablations"] = load_ablations(out, info)
+    cells += extra
+    for sub in info["ablations"]:  # their launches and commands beside the grid's, under their labels
+        for launch in sub.get("launches", []):
+            method, seed = launch["cell"].rsplit("-seed", 1)
+            info.setdefault("launches", []).append({**launch, "cell": f"{method} ({sub['label']})-seed{seed}"})
+        info.setdefault("invocations", []).extend(sub.get("invocations", []))
     paper = paper_info(info["preset"])
     key = paper.get("ours", "final_accuracy_mean").split("_", 1)[1]  # accuracy_mean or accuracy_weighted
-    methods = sorted(
+    order = list(info.get("methods", []))
+    methods = sorted(  # the grid's order; an ablation right after its method
         {c.method for c in cells},
-        key=lambda m: list(info.get("methods", [])).index(m) if m in info.get("methods", []) else 99,
+        key=lambda m: (order.index(m.split(" (", 1)[0]) if m.split(" (", 1)[0] in order else len(order), m),
     )
     by_method = {m: [c for c in cells if c.method == m] for m in methods}
     stats = {m: method_stats(by_method[m], key, paper.get("target")) for m in methods}
@@ -600,12 +695,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=None, help="where report.md, figures and run copies go")
     parser.add_argument("--data-dir", default=None, help="dataset folder for the partition figure and FLOPs")
+    parser.add_argument(
+        "--ablation",
+        type=Path,
+        action="append",
+        default=[],
+        help="a grid of the same preset with more -c overrides, reported beside this one (repeatable)",
+    )
     args = parser.parse_args(argv)
     try:
         if (args.grid / ROWS_FILE).is_file():  # one run folder (tools.run), not a grid
+            if args.ablation:
+                raise ConfigError(f"--ablation goes with a grid folder; {args.grid} is one run")
             report_run(args.grid, args.out, args.data_dir)
         else:
-            report(args.grid, args.out, args.data_dir)
+            report(args.grid, args.out, args.data_dir, ablations=args.ablation)
     except ConfigError as exc:  # a file of the grid is not what the grid wrote: name it, no traceback
         print(f"error: {exc}")
         return 2
