@@ -1,5 +1,6 @@
 """The stopping rule (run config ``stop-patience``): a run stops after exactly that many rounds without a
-new best ``accuracy_mean``, says why in its last row, and a resumed run goes on counting."""
+new best ``stop-metric`` (``accuracy_mean`` by default), says why in its last row, and a resumed run goes
+on counting."""
 
 import pytest
 from flwr.app import MetricRecord
