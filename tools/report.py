@@ -92,6 +92,13 @@ def load_grid(grid: Path) -> tuple[dict, list[Cell]]:
 
 
 ABLATIONS = "ablations"
+#: an ablation's cells are named ``<method> (<overrides>)``
+ABLATION_MARK = " ("
+
+
+def base_method(name: str) -> str:
+    """The method an ablation's name (``<method> (<overrides>)``) varies; a method's name as it is."""
+    return name.split(ABLATION_MARK, 1)[0]
 
 
 def load_ablations(grid: Path, info: dict) -> tuple[list[Cell], list[dict]]:
@@ -111,7 +118,7 @@ def load_ablations(grid: Path, info: dict) -> tuple[list[Cell], list[dict]]:
         if not added:
             raise ConfigError(f"{sub / GRID_FILE}: adds no override to the grid's {base}: not an ablation")
         label = " ".join(f"{k}={v}" for k, v in added.items())
-        cells += [Cell(f"{c.method} ({label})", c.seed, c.rows, c.summary) for c in sub_cells]
+        cells += [Cell(f"{c.method}{ABLATION_MARK}{label})", c.seed, c.rows, c.summary) for c in sub_cells]
         infos.append({**sub_info, "label": label, "folder": sub.name})
     return cells, infos
 
@@ -257,7 +264,7 @@ def method_colors(methods: list[str]) -> dict[str, tuple]:
 
     palette = [*matplotlib.colormaps["tab10"].colors, to_rgba("black"), to_rgba("darkgoldenrod")]
     order = list(METHODS)
-    base = {m: m.split(" (", 1)[0] for m in methods}  # an ablation takes its method's colour
+    base = {m: base_method(m) for m in methods}  # an ablation takes its method's colour
     return {m: palette[order.index(base[m]) % len(palette)] if base[m] in order else to_rgba("grey") for m in methods}
 
 
@@ -294,7 +301,7 @@ def plot_curves(cells: list[Cell], key: str, out: Path, preset: str) -> None:
                 x,
                 acc.mean(0),
                 color=colors[method],
-                ls=":" if " (" in method else "-",  # an ablation: dotted, in its method's colour
+                ls=":" if base_method(method) != method else "-",  # an ablation: dotted, in its method's colour
                 label=f"{method} ({len(runs)} seed{'s' * (len(runs) > 1)})",
             )
             if len(runs) > 1:
@@ -361,7 +368,7 @@ def difference(a: tuple[float, float], n_a: int, b: tuple[float, float], n_b: in
 def ablation_comparison(key: str, stats: dict[str, dict]) -> list[str]:
     """One line per ablation (a method named ``<method> (<overrides>)``) against its method on
     ``key``: the difference in points and standard errors (:func:`difference`); none without ablations."""
-    pairs = [(m, m.split(" (", 1)[0]) for m in stats if " (" in m]
+    pairs = [(m, base_method(m)) for m in stats if base_method(m) != m]
     parts = []
     for ablation, method in pairs:
         if method not in stats or stats[ablation].get(key) is None or stats[method].get(key) is None:
@@ -623,7 +630,7 @@ def report(
     order = list(info.get("methods", []))
     methods = sorted(  # the grid's order; an ablation right after its method
         {c.method for c in cells},
-        key=lambda m: (order.index(m.split(" (", 1)[0]) if m.split(" (", 1)[0] in order else len(order), m),
+        key=lambda m: (order.index(base_method(m)) if base_method(m) in order else len(order), m),
     )
     by_method = {m: [c for c in cells if c.method == m] for m in methods}
     stats = {m: method_stats(by_method[m], key, paper.get("target")) for m in methods}
