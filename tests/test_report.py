@@ -107,7 +107,7 @@ def test_report_numbers_figures_and_regeneration(tmp_path, small_config):
         assert (out / name).stat().st_size > 10_000  # a real picture, not an empty canvas
     text = (out / "report.md").read_text()
     assert "| fedre | 0,1 | 4 | 78.00 ± 2.83 |" in text and "| 86.99 |" in text and "| 86.33 |" in text
-    assert "mean over seeds, from that round to the last all have): fedre from round 1." in text
+    assert "up to the last round all have): fedre from round 1 to the end (first at round 1, 4 of 4 rounds)." in text
     assert "fedre 20 min wall, 30 min CPU" in text and "in all 0.67 h wall, 1.00 h CPU" in text
     # against the paper (86.99 ± 0.01 and 86.33 ± 0.11, 100 rounds): 4 rounds are provisional
     m, sd = (100 * v for v in fedre["final_accuracy_weighted"])
@@ -227,15 +227,24 @@ def test_a_paper_file_with_unknown_keys_is_refused_naming_it(tmp_path, monkeypat
         report_tool.paper_info("x.toml")
 
 
-def test_the_round_a_method_stays_above_local():
-    """Mean over seeds against Local's mean: the first round of the final stretch above it."""
-    from tools.report import Cell, round_ahead
+def test_where_a_method_is_above_local():
+    """Mean over seeds against Local's mean: first round above, the final stretch above, the count."""
+    from tools.report import Cell, above_baseline, describe_above
 
     def cells(*curves):
         return [Cell("m", s, [{"round": r + 1, "acc": a} for r, a in enumerate(c)], {}) for s, c in enumerate(curves)]
 
     local = cells([0.2, 0.4, 0.4, 0.5, 0.5], [0.2, 0.4, 0.4, 0.5, 0.5])
     # mean 0.1, 0.5, 0.3, 0.6, 0.7: above at round 2, below again at 3, above from round 4 on
-    assert round_ahead(cells([0.0, 0.4, 0.3, 0.7, 0.6], [0.2, 0.6, 0.3, 0.5, 0.8]), local, "acc") == 4
-    assert round_ahead(cells([0.3, 0.5, 0.5, 0.6, 0.5]), local, "acc") is None  # level at the end: not above
-    assert round_ahead(cells([0.3, 0.5, 0.5]), local, "acc") == 1  # up to the last round both have
+    above = above_baseline(cells([0.0, 0.4, 0.3, 0.7, 0.6], [0.2, 0.6, 0.3, 0.5, 0.8]), local, "acc")
+    assert above == {"first": 2, "stays_from": 4, "above": 3, "of": 5}
+    assert describe_above("m", above) == "m from round 4 to the end (first at round 2, 3 of 5 rounds)"
+    # above at round 3 only, level at the end: passed Local once, not above at the end
+    above = above_baseline(cells([0.1, 0.4, 0.5, 0.4, 0.5]), local, "acc")
+    assert above == {"first": 3, "stays_from": None, "above": 1, "of": 5}
+    assert describe_above("m", above) == "m first at round 3, 1 of 5 rounds, not at the end"
+    above = above_baseline(cells([0.1, 0.4, 0.4, 0.5, 0.5]), local, "acc")  # level is not above
+    assert above == {"first": None, "stays_from": None, "above": 0, "of": 5}
+    assert describe_above("m", above) == "m never"
+    # up to the last round both have
+    assert above_baseline(cells([0.3, 0.5, 0.5]), local, "acc") == {"first": 1, "stays_from": 1, "above": 3, "of": 3}

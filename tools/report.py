@@ -26,8 +26,9 @@ bytes per client-round up/down; the median seconds per round; training FLOPs per
 backward of the client's personal model, counted with ``torch.utils.flop_counter``, times its
 training samples and local epochs, averaged over clients; methods that train a second model,
 such as FedMRL, FML and FedKD, cost more than this); and the paper's number. Then the verdicts
-against the paper and its ranking (:func:`paper_comparison`); with ``local`` in the grid, the
-round from which each method stays above Local (:func:`round_ahead`).
+against the paper and its ranking (:func:`paper_comparison`); with ``local`` in the grid, where
+each method is above Local: first round, the final stretch, how many rounds
+(:func:`above_baseline`).
 """
 
 from __future__ import annotations
@@ -178,16 +179,31 @@ def seed_curves(cells: list[Cell], key: str) -> tuple[np.ndarray, np.ndarray]:
     return curves[0][0][:n], np.stack([values[:n] for _, values in curves])
 
 
-def round_ahead(cells: list[Cell], baseline: list[Cell], key: str) -> int | None:
-    """The first round from which the mean over seeds of ``key`` stays above ``baseline``'s (also
-    a mean over its seeds) up to the last round both have; None when it ends at or below it."""
+def above_baseline(cells: list[Cell], baseline: list[Cell], key: str) -> dict:
+    """Where the mean over seeds of ``key`` is above ``baseline``'s (also a mean over its seeds),
+    over the rounds both have: ``first`` (the first round above, None if never), ``stays_from``
+    (the first round of the final stretch above, None when it ends at or below), ``above`` (how
+    many rounds are above) and ``of`` (how many rounds were compared)."""
     rounds, ours = seed_curves(cells, key)
     theirs = seed_curves(baseline, key)[1]
     n = min(len(rounds), theirs.shape[1])
-    behind = np.nonzero(ours.mean(0)[:n] <= theirs.mean(0)[:n])[0]
-    if n == 0 or (len(behind) and behind[-1] == n - 1):
-        return None
-    return int(rounds[behind[-1] + 1]) if len(behind) else int(rounds[0])
+    is_above = ours.mean(0)[:n] > theirs.mean(0)[:n]
+    behind = np.nonzero(~is_above)[0]
+    stays_from = None
+    if n and not (len(behind) and behind[-1] == n - 1):
+        stays_from = int(rounds[behind[-1] + 1]) if len(behind) else int(rounds[0])
+    first = int(rounds[np.argmax(is_above)]) if is_above.any() else None
+    return {"first": first, "stays_from": stays_from, "above": int(is_above.sum()), "of": n}
+
+
+def describe_above(method: str, above: dict) -> str:
+    """One clause of the report's "Above Local" line for :func:`above_baseline`'s result."""
+    if above["first"] is None:
+        return f"{method} never"
+    share = f"{above['above']} of {above['of']} rounds"
+    if above["stays_from"] is None:
+        return f"{method} first at round {above['first']}, {share}, not at the end"
+    return f"{method} from round {above['stays_from']} to the end (first at round {above['first']}, {share})"
 
 
 def rounds_to_target(cell: Cell, key: str, target: float) -> int | None:
@@ -551,8 +567,8 @@ def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None)
     ahead = {m: s["ahead_of_local"] for m, s in stats.items() if "ahead_of_local" in s}
     if ahead:
         lines += [
-            f"Above Local (`{key.split('_', 1)[1]}`, mean over seeds, from that round to the last all have): "
-            + "; ".join(f"{m} from round {r}" if r is not None else f"{m} not at the end" for m, r in ahead.items())
+            f"Above Local (`{key.split('_', 1)[1]}`, mean over seeds, up to the last round all have): "
+            + "; ".join(describe_above(m, a) for m, a in ahead.items())
             + ".",
             "",
         ]
@@ -636,7 +652,7 @@ def report(
     stats = {m: method_stats(by_method[m], key, paper.get("target")) for m in methods}
     for m in methods if "local" in by_method else ():
         if m != "local":
-            stats[m]["ahead_of_local"] = round_ahead(by_method[m], by_method["local"], key)
+            stats[m]["ahead_of_local"] = above_baseline(by_method[m], by_method["local"], key)
     flops = None
     if figures:
         seeds = info.get("seeds") or [None]
