@@ -190,7 +190,7 @@ def above_baseline(cells: list[Cell], baseline: list[Cell], key: str) -> dict:
     is_above = ours.mean(0)[:n] > theirs.mean(0)[:n]
     behind = np.nonzero(~is_above)[0]
     stays_from = None
-    if n and not (len(behind) and behind[-1] == n - 1):
+    if n and is_above[-1]:  # the final stretch starts right after the last round not above
         stays_from = int(rounds[behind[-1] + 1]) if len(behind) else int(rounds[0])
     first = int(rounds[np.argmax(is_above)]) if is_above.any() else None
     return {"first": first, "stays_from": stays_from, "above": int(is_above.sum()), "of": n}
