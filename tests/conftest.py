@@ -22,9 +22,13 @@ DATA_DIR = ROOT.parent / "shared" / "data"
 def make_run_config(**overrides) -> dict:
     """pyproject defaults + small, fast settings + ``overrides`` (keys with '-' or '_')."""
     rc = app_defaults()
-    # round-timeout: the fake grid answers at once, so only a silent node waits for it
+    # round-timeout: the fake grid answers at once, so only a silent node waits for it.
+    # device: on the CPU also where a GPU is visible ('auto' would take it), since the tests compare
+    # exact numbers (CPU kernels are deterministic, cuDNN's need not be) and feed CPU tensors to the
+    # clients' models; tests/test_gpu.py checks the GPU path with CUDA faked.
     rc.update(
         {
+            "device": "cpu",
             "data-dir": str(DATA_DIR),
             "num-clients": 4,
             "num-server-rounds": 2,
