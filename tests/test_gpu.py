@@ -1,7 +1,7 @@
 """GPUs that share fairly (common.gpu), with CUDA replaced by fakes: this machine and CI have no GPU.
 
-The real check runs on a GPU machine (bench.throughput on CUDA, a loopback deployment with
-device='cuda', the FedTGP htfe2 preset with --gpus-per-client 0.25): see docs/running.md.
+The real check runs on a GPU machine (a loopback deployment with device='cuda'; the simulation
+with --gpus-per-client where Ray is installed): see docs/running.md for what ran on an H100.
 """
 
 from __future__ import annotations
