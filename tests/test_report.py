@@ -206,6 +206,14 @@ def test_paper_verdicts_reversed_rankings_and_single_seeds():
     assert "| b | 80.00 ± 1.00 (n=3) | 80.00 | +0.00 (tolerance 25.00) |" in lenient and "or 25 points" in lenient
     alone = "\n".join(paper_comparison(paper, {"a": stats["a"]}))
     assert "| a | 70.00" in alone and "Ranking" not in alone  # one method: nothing to rank
+    # a is not reproduced and b is in a reversed pair: the cross-check speaks to both, c (one seed) not
+    assert "- a: no cross-check recorded" in text and "- b: no cross-check recorded" in text
+    assert "- c:" not in text
+    checked = "\n".join(paper_comparison({**paper, "crosscheck": {"a": "agrees with R (x/)", "c": "C"}}, stats))
+    assert "- a: agrees with R (x/)" in checked and "- b: no cross-check recorded" in checked
+    assert "- c:" not in checked
+    level = {m: {**stats[m], "final_accuracy_mean": (r / 100, 0.01)} for m, r in paper["reported"].items()}
+    assert "cross-check" not in "\n".join(paper_comparison(paper, level))  # all reproduced and kept
     assert paper_comparison({"reported": {}}, stats) == []
 
 
@@ -214,6 +222,7 @@ def test_paper_verdicts_reversed_rankings_and_single_seeds():
     [
         ('paper = "P"\nreported_std = 1\n', r"unknown key\(s\) \['reported_std'\]"),
         ("[reported]\na = 90.0\n[reported-std]\nb = 0.1\n", r"\[reported-std\] names \['b'\]"),
+        ("[crosscheck]\na = 1.0\n", r"\[crosscheck\] \['a'\]: allowed values are text"),
     ],
 )
 def test_a_paper_file_with_unknown_keys_is_refused_naming_it(tmp_path, monkeypatch, text, match):

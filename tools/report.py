@@ -135,6 +135,7 @@ PAPER_KEYS = (
     "notes",
     "reported",
     "reported-std",
+    "crosscheck",
 )
 
 
@@ -143,12 +144,14 @@ def paper_info(preset: str) -> dict:
     ``metric`` (text), ``ours`` (the row metric beside the paper's), ``target`` (accuracy as a
     fraction), ``rounds`` (the paper's budget), ``tolerance`` (points: the least gap a verdict
     allows, where the method's spec fixes one for a paper without ±), ``notes``, ``[reported]``
-    (method -> percent) and ``[reported-std]`` (method -> the paper's ± in points, for methods in
-    ``[reported]``).
+    (method -> percent), ``[reported-std]`` (method -> the paper's ± in points, for methods in
+    ``[reported]``) and ``[crosscheck]`` (method -> text: what running ours beside a reference
+    implementation showed, with where the rows are; :func:`paper_comparison` prints it where the
+    paper is not reproduced).
 
     Raises:
-        ConfigError: a key outside these, or a ``[reported-std]`` method without a paper number
-            (naming the file and the key).
+        ConfigError: a key outside these, a ``[reported-std]`` method without a paper number, or a
+            ``[crosscheck]`` entry that is not text (naming the file and the key).
     """
     import tomllib
 
@@ -162,6 +165,9 @@ def paper_info(preset: str) -> dict:
     orphans = sorted(set(paper.get("reported-std", {})) - set(paper.get("reported", {})))
     if orphans:
         raise ConfigError(f"{path}: [reported-std] names {orphans}, which [reported] has no number for")
+    not_text = sorted(m for m, text in paper.get("crosscheck", {}).items() if not isinstance(text, str))
+    if not_text:
+        raise ConfigError(f"{path}: [crosscheck] {not_text}: allowed values are text (what the cross-check showed)")
     return paper
 
 
@@ -412,7 +418,9 @@ def paper_comparison(paper: dict, stats: dict[str, dict]) -> list[str]:
     (sqrt(std_a**2 / n_a + std_b**2 / n_b)): *kept* above 2, *reversed* below -2, else *not
     separated*. A method with one seed has no spread and gets no verdict. When a run has fewer
     rounds than the paper's (``rounds`` in the paper file) and the run config's ``stop-patience``
-    did not end it, every verdict is marked provisional.
+    did not end it, every verdict is marked provisional. Last, for every method not reproduced or
+    in a reversed pair, what the cross-check against a reference implementation showed (the paper
+    file's ``[crosscheck]``), or that none is recorded, so a reader can tell the method from the code.
     Accuracies in percent; ``stats`` as :func:`method_stats`.
     """
     key, reported = paper.get("ours", "final_accuracy_mean"), paper.get("reported", {})
@@ -446,6 +454,7 @@ def paper_comparison(paper: dict, stats: dict[str, dict]) -> list[str]:
         "| method | ours | paper | gap (points) | verdict |",
         "|---|---|---|---|---|",
     ]
+    missed = set()  # not reproduced, or in a reversed pair: the methods the cross-check must speak to
     for m, (mean, std) in ours.items():
         gap = 100 * mean - reported[m]
         tolerance = max(2 * float(np.hypot(100 * std / np.sqrt(n[m]), spread.get(m, 0.0))), least)
@@ -456,6 +465,8 @@ def paper_comparison(paper: dict, stats: dict[str, dict]) -> list[str]:
             if abs(gap) <= tolerance
             else f"not reproduced ({abs(gap):.2f} {'above' if gap > 0 else 'below'})"
         )
+        if verdict.startswith("not"):
+            missed.add(m)
         lines.append(
             f"| {m} | {pct((mean, std))} (n={n[m]}) | {reported[m]:.2f}"
             + (f" ± {spread[m]:.2f}" if m in spread else "")
@@ -463,9 +474,20 @@ def paper_comparison(paper: dict, stats: dict[str, dict]) -> list[str]:
             f"(tolerance {tolerance:.2f}) | {verdict}{' (provisional)' if provisional else ''} |"
         )
     order = sorted(ours, key=lambda m: -reported[m])
-    if len(order) < 2:
-        return lines
-    lines += [
+    if len(order) >= 2:
+        ranking, reversed_pairs = ranking_comparison(order, reported, ours, n)
+        lines += ranking
+        missed |= reversed_pairs
+    return lines + crosscheck_notes(paper.get("crosscheck", {}), [m for m in ours if m in missed])
+
+
+def ranking_comparison(
+    order: list[str], reported: dict, ours: dict[str, tuple[float, float]], n: dict[str, int]
+) -> tuple[list[str], set[str]]:
+    """The paper's ranking against ours (:func:`paper_comparison`): its Markdown lines, and the
+    methods of every reversed pair."""
+    reversed_pairs: set[str] = set()
+    lines = [
         "",
         "Ranking, paper: " + " > ".join(order) + "; ours: " + " > ".join(sorted(ours, key=lambda m: -ours[m][0])) + ".",
         "",
@@ -476,11 +498,27 @@ def paper_comparison(paper: dict, stats: dict[str, dict]) -> list[str]:
         for b in order[i + 1 :]:
             diff, z = difference(ours[a], n[a], ours[b], n[b])
             verdict = "no spread" if z is None else "kept" if z > 2 else "reversed" if z < -2 else "not separated"
+            if verdict == "reversed":
+                reversed_pairs |= {a, b}
             lines.append(
                 f"| {a} > {b} | {reported[a] - reported[b]:+.2f} | {diff:+.2f} | "
                 f"{'-' if z is None else f'{z:+.1f}'} | {verdict} |"
             )
-    return lines
+    return lines, reversed_pairs
+
+
+def crosscheck_notes(notes: dict[str, str], methods: list[str]) -> list[str]:
+    """Markdown lines: for each of ``methods`` (not reproduced, or in a reversed pair) its
+    ``[crosscheck]`` text from the paper file, or that no cross-check is recorded for it."""
+    if not methods:
+        return []
+    return [
+        "",
+        "What the cross-check against reference implementations shows for the methods not reproduced "
+        "or in a reversed pair (the paper file's `[crosscheck]`):",
+        "",
+        *(f"- {m}: {notes.get(m, 'no cross-check recorded: the gap may be the method or our code.')}" for m in methods),
+    ]
 
 
 def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None) -> str:
