@@ -125,6 +125,27 @@ def test_report_numbers_figures_and_regeneration(tmp_path, small_config):
     assert (out / "report.md").read_text() == first
 
 
+def test_a_cell_just_started_is_neither_copied_nor_counted(tmp_path, small_config, monkeypatch):
+    """A grid invoked for seeds 0-2 whose seed-2 cell has only started (a summary, no finished
+    round): the copy leaves it out, and the FLOPs are those of the partitions of the seeds reported."""
+    from tools import report as report_tool
+
+    grid = tmp_path / "grid"
+    write_grid(grid, small_config)
+    info = json.loads((grid / "grid.json").read_text())
+    (grid / "grid.json").write_text(json.dumps({**info, "seeds": [0, 1, 2]}))
+    started = grid / "fedre-seed2" / "20260101-000000-run"
+    started.mkdir(parents=True)
+    (started / "summary.json").write_text(json.dumps({"status": "running", "rounds_completed": 0}))
+    seeds = []
+    monkeypatch.setattr(report_tool, "training_flops", lambda config, data_dir: seeds.append(config["seed"]) or 1e9)
+    out = tmp_path / "results"
+    stats = report(grid, out, str(DATA_DIR))
+    assert seeds == [0, 1] and stats["fedre"]["seeds"] == [0, 1]
+    assert not (out / "fedre-seed2").exists() and (out / "fedre-seed1").is_dir()
+    assert "| 1.0 | 86.99 |" in (out / "report.md").read_text()
+
+
 def test_an_ablation_grid_is_reported_beside_its_method(tmp_path, small_config):
     """A grid of the same preset with one more override joins the report under its override, after
     its method, with its own numbers, time and command; the copies alone regenerate it."""

@@ -80,16 +80,27 @@ def load_grid(grid: Path) -> tuple[dict, list[Cell]]:
     """
     info = read_grid_info(grid)
     cells = []
-    for folder in sorted(p for p in grid.iterdir() if p.is_dir() and "-seed" in p.name):
-        found = newest_run(folder)
-        if found is None or not (found[0] / ROWS_FILE).is_file():
-            continue
-        run, summary = found
-        rows = read_rows(run)
-        if rows:
-            method, seed = folder.name.rsplit("-seed", 1)
-            cells.append(Cell(method, int(seed), rows, summary))
+    for folder, (_, summary, rows) in finished_runs(grid):
+        method, seed = folder.name.rsplit("-seed", 1)
+        cells.append(Cell(method, int(seed), rows, summary))
     return info, cells
+
+
+def finished_runs(grid: Path) -> list[tuple[Path, tuple[Path, dict, list[dict]]]]:
+    """``(cell folder, (newest run, its summary, its rows))`` for every cell of ``grid`` whose newest
+    run (:func:`tools.grid.newest_run`) has at least one finished round; a cell just started is left out.
+
+    Raises:
+        ConfigError: a ``metrics.jsonl`` is not what the grid wrote (naming the file and line).
+    """
+    found = []
+    for folder in sorted(p for p in grid.iterdir() if p.is_dir() and "-seed" in p.name):
+        newest = newest_run(folder)
+        if newest is not None and (newest[0] / ROWS_FILE).is_file():
+            rows = read_rows(newest[0])
+            if rows:
+                found.append((folder, (*newest, rows)))
+    return found
 
 
 ABLATIONS = "ablations"
@@ -635,21 +646,19 @@ def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None)
 
 def copy_runs(grid: Path, out: Path) -> None:
     """Copy ``grid.json`` and each cell's newest metrics.jsonl and summary.json into ``out`` (grid
-    layout), and so every grid under ``<grid>/ablations/``."""
+    layout), and so every grid under ``<grid>/ablations/``; a cell without a finished round is
+    left out, as the report leaves it out."""
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy2(grid / GRID_FILE, out / GRID_FILE)
     if (grid / ABLATIONS).is_dir():
         for sub in sorted(p for p in (grid / ABLATIONS).iterdir() if p.is_dir()):
             copy_runs(sub, out / ABLATIONS / sub.name)
-    for folder in sorted(p for p in grid.iterdir() if p.is_dir() and "-seed" in p.name):
-        found = newest_run(folder)
-        if found is None:
-            continue
-        target = out / folder.name / found[0].name
+    for folder, (run, _, _) in finished_runs(grid):
+        target = out / folder.name / run.name
         target.mkdir(parents=True, exist_ok=True)
         for name in ("metrics.jsonl", "summary.json"):
-            if (found[0] / name).is_file():
-                shutil.copy2(found[0] / name, target / name)
+            if (run / name).is_file():
+                shutil.copy2(run / name, target / name)
 
 
 def report(
@@ -693,7 +702,8 @@ def report(
             stats[m]["ahead_of_local"] = above_baseline(by_method[m], by_method["local"], key)
     flops = None
     if figures:
-        seeds = info.get("seeds") or [None]
+        # the partitions of the seeds reported (a seed the grid has only started has none yet)
+        seeds = sorted({c.seed for c in cells}) or [None]
         configs = [{**info["preset_config"], **({"seed": s} if s is not None else {})} for s in seeds]
         flops = float(np.mean([training_flops(c, data_dir) for c in configs]))
         plot_curves(cells, key, out, Path(info["preset"]).stem)
