@@ -469,15 +469,15 @@ def paper_comparison(paper: dict, stats: dict[str, dict]) -> list[str]:
     for m, (mean, std) in ours.items():
         gap = 100 * mean - reported[m]
         tolerance = max(2 * float(np.hypot(100 * std / np.sqrt(n[m]), spread.get(m, 0.0))), least)
+        if n[m] >= 2 and abs(gap) > tolerance:
+            missed.add(m)
         verdict = (
             "one seed: no verdict"
             if n[m] < 2
-            else "reproduced"
-            if abs(gap) <= tolerance
             else f"not reproduced ({abs(gap):.2f} {'above' if gap > 0 else 'below'})"
+            if m in missed
+            else "reproduced"
         )
-        if verdict.startswith("not"):
-            missed.add(m)
         lines.append(
             f"| {m} | {pct((mean, std))} (n={n[m]}) | {reported[m]:.2f}"
             + (f" ± {spread[m]:.2f}" if m in spread else "")
