@@ -137,6 +137,13 @@ def declared_fields(cls: type) -> list[tuple[dataclasses.Field, type]]:
     return [(f, hints[f.name]) for f in dataclasses.fields(cls) if "meaning" in f.metadata]
 
 
+def declared_defaults(cls: type, table: str | None = None) -> dict[str, Any]:
+    """Run config key -> declared default of every :func:`option` field of ``cls``; the keys are
+    ``<table>.<key>`` with ``table`` (a method's options), bare without (``RunConfig``)."""
+    prefix = f"{table}." if table else ""
+    return {prefix + option_key(f): f.default for f, _ in declared_fields(cls)}
+
+
 def _choices(meta: Mapping[str, Any]) -> tuple[str, ...] | None:
     return meta["choices"]() if callable(meta["choices"]) else meta["choices"]
 

@@ -38,6 +38,7 @@ from flwr.serverapp.strategy import Result
 
 from common.config import RunConfig
 from common.datasets import DATASETS
+from common.options import declared_defaults
 from common.payload import ClientReply, PayloadSchema, array_record
 from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics
@@ -122,7 +123,10 @@ class HeteroStrategy:
         self.counters = RoundCounters()
         self.registry = NodeRegistry(cfg, self.counters, self.rng)
         self.transport = Transport(cfg, self, self.registry.clients, self.counters)
-        self.checkpoints = Checkpoints(cfg, results)
+        defaults = declared_defaults(RunConfig)
+        if self.options is not None:  # None: the bare base (NO_METHOD)
+            defaults.update(declared_defaults(type(self.options), cfg.method))
+        self.checkpoints = Checkpoints(cfg, results, defaults)
         self.rows: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ hooks

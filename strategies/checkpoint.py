@@ -24,7 +24,7 @@ from strategies.records import RoundCounters
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
 #: run config keys a resumed run may set differently from the run that wrote its checkpoint
-RESUMABLE_CHANGES = ("num-server-rounds", "resume-from")
+RESUMABLE_CHANGES = frozenset({"num-server-rounds", "resume-from"})
 
 
 def server_state(owner: Any, names: tuple[str, ...] | None) -> dict[str, Any] | None:
@@ -58,10 +58,13 @@ class Checkpoints:
     Args:
         cfg: the run config (``resume-from``, and the config a checkpoint must match).
         results: the run's results writer (its folder names a new run's client state), or None.
+        defaults: run config key -> declared default (``RunConfig`` and the method's options): a
+            key a checkpoint's config lacks matches when this run has it at its default, since a
+            key added after the checkpoint was written defaults to the behaviour it ran with.
     """
 
-    def __init__(self, cfg: RunConfig, results: Any | None) -> None:
-        self.cfg, self.results = cfg, results
+    def __init__(self, cfg: RunConfig, results: Any | None, defaults: dict[str, Any] | None = None) -> None:
+        self.cfg, self.results, self.defaults = cfg, results, defaults or {}
 
     @cached_property
     def _saved(self) -> dict[str, Any] | None:
@@ -106,7 +109,8 @@ class Checkpoints:
         Raises:
             ConfigError: the checkpoint is of another method, the method cannot resume, or the
                 checkpoint's run config differs in any key but ``num-server-rounds`` (and
-                ``resume-from`` itself): the keys are named.
+                ``resume-from`` itself; a key it lacks differs unless this run has it at its
+                declared default): the keys are named.
         """
         if not self.cfg.resume_from:
             return None
@@ -118,7 +122,10 @@ class Checkpoints:
                 + ("" if state["server"] is not None else " (this method has no server_state yet)")
             )
         saved, now = state.get("config", {}), self.cfg.as_dict()
-        differ = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
+        added = {k for k in set(now) - set(saved) if k in self.defaults and now[k] == self.defaults[k]}
+        differ = sorted(
+            k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES | added and saved.get(k) != now.get(k)
+        )
         if differ:
             raise ConfigError(
                 f"run config key 'resume-from' = {self.cfg.resume_from!r}: the checkpoint's run used "

@@ -85,6 +85,22 @@ def test_resume_refuses_a_changed_run_config_naming_the_keys(run_config):
     assert strategy.resume() == 1  # the round count alone may change
 
 
+def test_resume_from_a_checkpoint_older_than_a_key_takes_the_key_at_its_default(run_config):
+    """A key added after a checkpoint was written (a new option) matches at its declared default only."""
+    rc = run_config(method="fedgh", **{"num-clients": 2, "num-server-rounds": 1})
+    first, _ = run_with_results(rc)
+    path = first.results.path / CHECKPOINT
+    state = torch.load(path, weights_only=True)
+    assert state["config"].pop("fedgh.server-lr") == 0.01 and state["config"].pop("eval-every") == 1
+    torch.save(state, path)
+    resumed = {**rc, "num-server-rounds": 3, "resume-from": str(first.results.path)}
+    strategy, _ = federation(resumed)
+    assert strategy.resume() == 1
+    strategy, _ = federation({**resumed, "fedgh.server-lr": 0.5, "eval-every": 2})
+    with pytest.raises(ConfigError, match=r"'eval-every' \(None, now 2\), 'fedgh.server-lr' \(None, now 0\.5\)"):
+        strategy.resume()
+
+
 def crash_after_training(strategy):
     def crash(server_round, replies):
         raise RuntimeError("server killed after the clients trained")
