@@ -133,7 +133,7 @@ REFERENCE_METHODS = {
         "FedTGP",
         flags={"-lam": "lambda", "-mart": "tau", "-se": "server-epochs"},
         tied={"server-lr": "lr", "server-batch-size": "batch-size", "hidden-dim": "feature-dim"},
-        unexpressed=("reg-form", "margin"),
+        unexpressed=("reg-form", "margin", "prototype-pass"),
     ),
     "fedgh": ReferenceMethod(
         "FedGH",

@@ -5,8 +5,9 @@ Learning for Data and Model Heterogeneity in Federated Learning", AAAI 2024; doc
 (section numbers below refer to it).
 
 Payload (section 2):
-- up (train): ``protos`` [C_i, K] float32, eval-mode class means of the trained extractor for
-  the classes the client holds, ``proto_labels`` [C_i] int64: 4*C_i*K + 8*C_i bytes.
+- up (train): ``protos`` [C_i, K] float32, eval-mode class means of the trained extractor (or,
+  ``prototype-pass = "before-training"``, the round-start one) for the classes the client holds,
+  ``proto_labels`` [C_i] int64: 4*C_i*K + 8*C_i bytes.
 - down (train from round 2, evaluate): ``global_protos`` [C, K] float32: 4*C*K bytes.
   Nothing in round 1 (no global prototypes yet).
 
@@ -57,6 +58,10 @@ GLOBAL = PayloadSchema({"global_protos": ArraySpec(("C", "d"), "float32")}, opti
 SCHEMAS = {**BASE_SCHEMAS, "train": (GLOBAL, UPLOAD), "evaluate": (GLOBAL, NO_PAYLOAD)}
 
 MARGINS = ("nearest", "max-pairwise")
+#: which model the uploaded prototypes are of: the one just trained (paper Algorithm 1, spec step 4)
+#: or the one the round started with (the official code: ``collect_protos`` reloads the model saved
+#: at the end of the previous round, before saving this round's)
+PROTOTYPE_PASSES = ("after-training", "before-training")
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,12 @@ class FedTGPOptions(RegularizerOptions):
         choices=MARGINS,
     )
     tau: float = option(100.0, "margin cap", low=0)
+    prototype_pass: str = option(
+        "after-training",
+        "prototypes of the model after this round's training (paper) | before-training (official code:"
+        " the round-start model, one round stale)",
+        choices=PROTOTYPE_PASSES,
+    )
     server_epochs: int = option(100, "epochs of the generator's SGD per round", low=0)
     server_lr: float = option(0.01, "learning rate of the generator's SGD", low=0)
     server_batch_size: int = option(10, "prototypes per server step", low=1)
@@ -219,11 +230,19 @@ class FedTGPClient(ClientProcedure):
     """FedTGP client: FedProto's objective towards P̂ (from round 2), eval-mode prototypes after training."""
 
     def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
-        """Returns ``protos`` float32 [C_i, K] and ``proto_labels`` int64 [C_i] (section 3)."""
+        """Returns ``protos`` float32 [C_i, K] and ``proto_labels`` int64 [C_i] (section 3): the
+        eval-mode class means of the extractor after this round's training, or with
+        ``prototype-pass = "before-training"`` of the extractor this round started with (the
+        official code's order, docs/methods/fedtgp.md §11 item 15)."""
         protos = torch.from_numpy(payload["global_protos"]).to(client.device) if payload else None
         mask = torch.ones(len(protos), dtype=torch.bool, device=client.device) if payload else None
+        pass_stats = {"train-seconds": 0.0}
+        if self.options.prototype_pass == "before-training":
+            means, labels = trained_class_means(client, pass_stats)
         stats = train_personal_model(client, config, PrototypeRegularizer(protos, mask, self.options))
-        means, labels = trained_class_means(client, stats)
+        if self.options.prototype_pass == "after-training":
+            means, labels = trained_class_means(client, pass_stats)
+        stats["train-seconds"] += pass_stats["train-seconds"]
         return {"protos": means.numpy(), "proto_labels": labels.numpy().astype(np.int64)}, stats
 
     def evaluate(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:

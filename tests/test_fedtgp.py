@@ -127,6 +127,24 @@ def test_upload_is_eval_mode_class_means(run_config):
     )
 
 
+# §11 item 15: the official code's order uploads the prototypes of the round-start model
+def test_before_training_pass_uploads_round_start_prototypes(run_config):
+    rc = run_config(method="fedtgp", **MNIST, **{"num-clients": 4, "max-examples-per-client": 120})
+    uploads = {}
+    for mode in ("before-training", "after-training"):
+        client = client_runtime({**rc, "fedtgp.prototype-pass": mode}, partition_id=1)
+        start = copy.deepcopy(client.model).eval()
+        procedure = FEDTGP_METHOD.build_client(RunConfig.from_dict({**rc, "fedtgp.prototype-pass": mode}))
+        uploads[mode], stats = procedure.train(client, {}, plain_sgd_config(rc))
+        assert stats["train-seconds"] > 0
+        x, y = normalize(client.data.train_x, client.data.info), client.data.train_y
+        with torch.no_grad():
+            feats = {"before-training": start.extractor(x), "after-training": client.model.eval().extractor(x)}
+        for row, c in zip(uploads[mode]["protos"], uploads[mode]["proto_labels"]):
+            np.testing.assert_allclose(row, feats[mode][y == int(c)].mean(0).numpy(), rtol=1e-4, atol=1e-5)
+    assert not np.allclose(uploads["before-training"]["protos"], uploads["after-training"]["protos"], atol=1e-3)
+
+
 # 11: a single-class client and an empty upload both work
 def test_degenerate_uploads():
     gen = PrototypeGenerator(10, K, K)
