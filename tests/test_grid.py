@@ -130,3 +130,8 @@ def test_grid_interrupted_after_round_one_resumes_to_the_same_rows(tmp_path, mon
     }
     info = json.loads((split / "grid.json").read_text())
     assert len(info["invocations"]) == 3 and info["rounds"] == 3 and info["preset_config"]["num-clients"] == 3
+    # a preset edited since the grid started would mix two configs in one grid: refused, naming the key
+    preset.write_text(preset.read_text() + "prototype-pass = 'before-training'\n")  # into its [fedtgp] table
+    with pytest.raises(ValueError, match=r"'fedtgp.prototype-pass': None, now 'before-training'.*another --out"):
+        run_grid(preset, ["fedtgp", "local"], [0], split, launcher=in_process)
+    assert len(json.loads((split / "grid.json").read_text())["invocations"]) == 3

@@ -214,22 +214,26 @@ def record_invocation(
     """Add this invocation to ``grid.json`` (created with the preset's config on the first one).
 
     Raises:
-        ValueError: ``overrides`` differ from those the grid was started with.
+        ValueError: ``overrides`` differ from those the grid was started with, or the preset's
+            config has changed since (its cells would mix two configs); the keys are named.
     """
     path = grid / GRID_FILE
+    config = {**parse_config_args([str(preset)]), **overrides}
     info = (
         read_grid_info(grid)
         if path.is_file()
-        else {
-            "preset": preset.name,
-            "preset_config": {**parse_config_args([str(preset)]), **overrides},
-            "overrides": overrides,
-            "invocations": [],
-        }
+        else {"preset": preset.name, "preset_config": config, "overrides": overrides, "invocations": []}
     )
     if info.get("overrides", {}) != overrides:
         raise ValueError(
             f"this grid was started with overrides {info.get('overrides')}, not {overrides}: use another --out folder"
+        )
+    started = info["preset_config"]
+    if changed := sorted(k for k in set(started) | set(config) if started.get(k) != config.get(k)):
+        raise ValueError(
+            f"{preset} has changed since this grid started ("
+            + ", ".join(f"{k!r}: {started.get(k)!r}, now {config.get(k)!r}" for k in changed)
+            + "): use another --out folder"
         )
     info.update(methods=methods, seeds=seeds, rounds=rounds)
     info["invocations"].append(
