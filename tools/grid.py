@@ -19,7 +19,8 @@ A cell whose newest run completed ``--rounds`` rounds (default: the preset's
 clients included (their state is on disk), so a grid can be stopped and continued later, also
 in another session. ``--minutes`` bounds each launch's wall time; the cell then continues at
 the next invocation. ``-c`` overrides preset keys for every cell (e.g. fewer local epochs to
-fit a CPU budget); they are recorded in ``grid.json`` and must not change between invocations.
+fit a CPU budget); they and the preset's config are recorded in ``grid.json`` and must not change
+between invocations.
 ``python -m tools.report <grid>`` summarises a grid.
 """
 
