@@ -222,11 +222,12 @@ class ClientRuntime:
                 previous = self._read(name + PREVIOUS, module)
                 usable = previous is not None and previous[0] < self.ahead_from
                 log.warning(
-                    "partition %d: '%s' on disk is from round %d, ahead of the server's round %d; %s",
+                    "partition %d: '%s' on disk is from round %d, later than the server's state "
+                    "(round %d); %s",
                     self.partition_id,
                     name,
                     saved[0],
-                    self.server_round,
+                    self.ahead_from - 1,
                     f"rolled back to round {previous[0]}" if usable else "starting afresh",
                 )
                 self.state_rollbacks += 1
