@@ -222,8 +222,7 @@ class ClientRuntime:
                 previous = self._read(name + PREVIOUS, module)
                 usable = previous is not None and previous[0] < self.ahead_from
                 log.warning(
-                    "partition %d: '%s' on disk is from round %d, later than the server's state "
-                    "(round %d); %s",
+                    "partition %d: '%s' on disk is from round %d, later than the server's state (round %d); %s",
                     self.partition_id,
                     name,
                     saved[0],

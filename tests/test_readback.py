@@ -246,4 +246,7 @@ def test_a_round_repeated_twice_after_two_crashes_rolls_back_both_times(run_conf
             next(model.parameters()).add_(1.0)  # round 2's training
         client.save_model()  # then the server crashes before its round-2 checkpoint
     assert "starting afresh" not in caplog.text
-    assert "'model' on disk is from round 2, later than the server's state (round 1); rolled back to round 1" in caplog.text
+    assert (
+        "'model' on disk is from round 2, later than the server's state (round 1); rolled back to round 1"
+        in caplog.text
+    )
