@@ -544,8 +544,9 @@ def run_ours(
 
 
 def compare(ours: list[list[float]], reference: list[list[float]]) -> dict:
-    """Final and best accuracy (mean and std over seeds, fractions) of each implementation and the
-    largest gap between the two mean curves (``ours - reference``, with its round, 1-based).
+    """Final and best accuracy (mean and population std over seeds, ddof 0 as HtFLlib's
+    ``get_mean_std``; fractions) of each implementation and the largest gap between the two mean
+    curves (``ours - reference``, with its round, 1-based).
 
     A seed whose run diverged has None from its first missing round: it counts in ``diverged``
     (seeds) and is left out of ``final_*`` and ``best_*`` (None when every seed diverged); the mean
@@ -621,7 +622,7 @@ def write_report(out: Path, info: dict, results: dict) -> None:
         f"Ours: commit {info['commit']}; HtFLlib: {info['reference']} at {info['reference_commit']}.",
         f"Seeds {info['seeds']} on one partition (`partition-seed` {info['partition_seed']}); {info['rounds']} rounds;",
         f"run config overrides: `{info['overrides']}`. Accuracy: pooled over every client's test split, %"
-        " (mean ± std over seeds).",
+        " (mean ± population std over seeds, ddof 0 as HtFLlib's `get_mean_std`).",
         "",
         "| method | ours final | HtFLlib final | ours best | HtFLlib best | largest gap (round) | wall s ours / HtFLlib"
         " | CPU s ours / HtFLlib |",
