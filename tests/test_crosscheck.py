@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import shutil
 import textwrap
 from pathlib import Path
@@ -133,8 +134,10 @@ def test_compare_leaves_a_diverged_seed_out_of_final_and_best_and_counts_it():
 
 def test_a_stand_in_reference_runs_through_the_bootstrap_with_its_seed(tmp_path):
     """A fake HtFLlib ``system/main.py`` that reads client 0's partition as HtFLlib does, seeds
-    torch with 0 as HtFLlib does, and prints HtFLlib's log lines: seed 0 leaves the draw unchanged,
-    seed 1 changes it, a failing optional server import is replaced, and every run is kept."""
+    torch with 0 as HtFLlib does, draws from numpy's and Python's generators unseeded as HtFLlib's
+    client order does, and prints HtFLlib's log lines: seed 0 leaves torch's draw unchanged and seeds
+    the other two with 0, seed 1 changes the draw, a failing optional server import is replaced, and
+    every run is kept."""
     system = tmp_path / "ref" / "system"
     (system / "flcore" / "servers").mkdir(parents=True)
     (system / "flcore" / "__init__.py").write_text("")
@@ -143,14 +146,14 @@ def test_a_stand_in_reference_runs_through_the_bootstrap_with_its_seed(tmp_path)
     (system / "main.py").write_text(
         textwrap.dedent(
             """
-            import argparse, numpy as np, torch
+            import argparse, random, numpy as np, torch
             from flcore.servers.serverbroken import Broken
             p = argparse.ArgumentParser()
             p.add_argument("-data"); p.add_argument("-gr", type=int)
             args, _ = p.parse_known_args()
             data = np.load(f"../dataset/{args.data}/train/0.npz", allow_pickle=True)["data"].tolist()
             torch.manual_seed(0)
-            draw = torch.rand(1).item()
+            draw = torch.rand(1).item() + np.random.rand() + random.random()
             print("Running time: 0th")
             for r in range(args.gr + 1):
                 print(f"Round number: {r}")
@@ -165,7 +168,7 @@ def test_a_stand_in_reference_runs_through_the_bootstrap_with_its_seed(tmp_path)
     out = tmp_path / "cc" / "fedgh"
     runs = [crosscheck.run_reference(tmp_path / "ref", config, "fedgh", s, partitions, out) for s in (0, 1)]
     torch.manual_seed(0)
-    unchanged = torch.rand(1).item()
+    unchanged = torch.rand(1).item() + np.random.RandomState(0).rand() + random.Random(0).random()
     assert runs[0]["curve"] == pytest.approx([unchanged + 0.01 + n / 1e6, unchanged + 0.02 + n / 1e6], abs=1e-6)
     assert runs[1]["initial"] != pytest.approx(runs[0]["initial"])
     assert "-algo FedGH" in runs[0]["command"] and runs[0]["cpu_seconds"] > 0
