@@ -195,6 +195,8 @@ REPETITION_LINE = re.compile(r"Running time: (\d+)th")
 DATA_FLAG = re.compile(r"-data \S+")
 #: HtFLlib's evaluation (scikit-learn's AUC) on NaN or infinite model outputs
 DIVERGED_LINE = re.compile(r"ValueError: Input contains (NaN|infinity)")
+#: a printed non-finite loss (FedTGP's ``Server loss: nan``): HtFLlib goes on with NaN models
+NONFINITE_LOSS_LINE = re.compile(r"loss: [-+]?(nan|inf)\b", re.IGNORECASE)
 
 #: the environment variable that gives :data:`BOOTSTRAP` the training seed
 SEED_VARIABLE = "CROSSCHECK_SEED"
@@ -381,15 +383,22 @@ def reference_command(config: dict, method: str, dataset_name: str) -> list[str]
 def parse_reference_log(text: str) -> list[dict[int, float]]:
     """Per repetition (``Running time: <i>th``), HtFLlib's pooled test accuracy (a fraction) by
     round number (0 = the initial models), from its stdout; a repetition cut off keeps the rounds it
-    printed."""
+    printed. A repetition that printed a non-finite loss in round r keeps the rounds up to r: HtFLlib
+    does not stop there, and the models it evaluates from round r + 1 on hold NaN (FedTGP's server
+    prints ``Server loss: nan`` and then classifies by distance to NaN prototypes, which prints
+    chance accuracy, 9.99 % on Fashion-MNIST, not a failure)."""
     runs: list[dict[int, float]] = []
     current_round = None
+    poisoned = False
     for line in text.splitlines():
         if REPETITION_LINE.search(line):
             runs.append({})
+            poisoned = False
         elif m := ROUND_LINE.search(line):
             current_round = int(m.group(1))
-        elif (m := ACCURACY_LINE.search(line)) and runs and current_round is not None:
+        elif NONFINITE_LOSS_LINE.search(line):
+            poisoned = True
+        elif (m := ACCURACY_LINE.search(line)) and runs and current_round is not None and not poisoned:
             runs[-1][current_round] = float(m.group(1))
     return runs
 
@@ -441,8 +450,9 @@ def run_reference(reference: Path, config: dict, method: str, seed: int, partiti
     preset or override never passes off an old curve as this config's.
 
     A run whose models diverged (HtFLlib's evaluation stops on NaN or infinite outputs:
-    scikit-learn's "Input contains NaN" or "Input contains infinity") is a result, not a failure:
-    its curve holds None from the first round it did not print, and ``diverged_round`` names it.
+    scikit-learn's "Input contains NaN" or "Input contains infinity"; or it printed a non-finite
+    loss and went on, :func:`parse_reference_log`) is a result, not a failure: its curve holds None
+    from the first round whose models had diverged, and ``diverged_round`` names it.
 
     Returns:
         ``{"curve": [accuracy by round 1..R], "initial": round 0's accuracy, "diverged_round": None
@@ -485,7 +495,8 @@ def run_reference(reference: Path, config: dict, method: str, seed: int, partiti
     text = log.read_text(errors="replace")
     runs = parse_reference_log(text)
     curve = [runs[-1].get(r) for r in range(1, rounds + 1)] if runs else [None]
-    diverged = code != 0 and runs and DIVERGED_LINE.search(text) is not None
+    stopped = code != 0 and DIVERGED_LINE.search(text) is not None
+    diverged = bool(runs) and None in curve and (stopped or NONFINITE_LOSS_LINE.search(text) is not None)
     if (code != 0 or None in curve) and not diverged:
         raise RuntimeError(
             f"the reference run (seed {seed}) ended with exit code {code} before {rounds} rounds:\n{text[-2000:]}"
@@ -671,7 +682,7 @@ def write_report(out: Path, info: dict, results: dict) -> None:
             "- the other seeds differ only in the seed (and the output folder)",
             *(
                 [
-                    "- HtFLlib diverged (NaN or infinite outputs; its evaluation stopped the run) at "
+                    "- HtFLlib diverged (NaN or infinite outputs or losses; curve left out from there) at "
                     + ", ".join(diverged)
                 ]
                 if diverged

@@ -315,3 +315,29 @@ def test_a_reference_whose_models_diverge_is_a_result_and_another_failure_is_not
     (system / "main.py").write_text(textwrap.dedent(main.replace("Input contains NaN.", "CUDA out of memory")))
     with pytest.raises(RuntimeError, match="exit code 1"):
         crosscheck.run_reference(tmp_path / "ref", config, "fd", 1, partitions, tmp_path / "cc" / "fd")
+
+
+def test_a_reference_that_prints_a_nonfinite_loss_and_goes_on_has_diverged_from_the_next_round(tmp_path):
+    """FedTGP's server prints ``Server loss: nan`` and HtFLlib goes on, printing chance accuracy of
+    NaN models with exit code 0: the curve stops at the round that printed it."""
+    system = tmp_path / "ref" / "system"
+    system.mkdir(parents=True)
+    main = """
+    print("Running time: 0th")
+    for r in range(4):
+        print(f"Round number: {r}")
+        print(f"Averaged Test Accuracy: {0.3 if r < 2 else 0.0999}")
+        print(f"Server loss: {float('nan') if r >= 1 else 2.5}")
+    """
+    (system / "main.py").write_text(textwrap.dedent(main))
+    config = small_config(**{"num-server-rounds": 3})
+    partitions = tmp_path / "cc" / "partitions"
+    crosscheck.write_partitions(config, partitions)
+    run = crosscheck.run_reference(tmp_path / "ref", config, "fedtgp", 0, partitions, tmp_path / "cc" / "fedtgp")
+    assert run["curve"] == [0.3, None, None] and run["diverged_round"] == 2
+    (system / "main.py").write_text(textwrap.dedent(main.replace("float('nan')", "float('inf')")))
+    run = crosscheck.run_reference(tmp_path / "ref", config, "fedtgp", 1, partitions, tmp_path / "cc" / "fedtgp")
+    assert run["diverged_round"] == 2
+    (system / "main.py").write_text(textwrap.dedent(main.replace("float('nan')", "7.25")))
+    run = crosscheck.run_reference(tmp_path / "ref", config, "fedtgp", 2, partitions, tmp_path / "cc" / "fedtgp")
+    assert run["curve"] == [0.3, 0.0999, 0.0999] and run["diverged_round"] is None
