@@ -288,11 +288,21 @@ def test_a_finished_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch
     assert len(calls) == 3
 
 
+def run_stand_in_reference(tmp_path, main: str, seed: int, method: str) -> dict:
+    """``run_reference`` for 3 rounds on a stand-in HtFLlib whose ``system/main.py`` is ``main``."""
+    system = tmp_path / "ref" / "system"
+    system.mkdir(parents=True, exist_ok=True)
+    (system / "main.py").write_text(textwrap.dedent(main))
+    config = small_config(**{"num-server-rounds": 3})
+    partitions = tmp_path / "cc" / "partitions"
+    if not partitions.exists():
+        crosscheck.write_partitions(config, partitions)
+    return crosscheck.run_reference(tmp_path / "ref", config, method, seed, partitions, tmp_path / "cc" / method)
+
+
 def test_a_reference_whose_models_diverge_is_a_result_and_another_failure_is_not(tmp_path):
     """HtFLlib stops on NaN outputs (scikit-learn's "Input contains NaN" in its evaluation): the curve
     keeps the rounds printed, None after, and names the round; any other early exit raises."""
-    system = tmp_path / "ref" / "system"
-    system.mkdir(parents=True)
     main = """
     import sys
     print("Running time: 0th")
@@ -302,26 +312,19 @@ def test_a_reference_whose_models_diverge_is_a_result_and_another_failure_is_not
     print("Round number: 2")
     raise SystemExit("ValueError: Input contains NaN.")
     """
-    (system / "main.py").write_text(textwrap.dedent(main))
-    config = small_config(**{"num-server-rounds": 3})
-    partitions = tmp_path / "cc" / "partitions"
-    crosscheck.write_partitions(config, partitions)
-    run = crosscheck.run_reference(tmp_path / "ref", config, "fd", 0, partitions, tmp_path / "cc" / "fd")
+    run = run_stand_in_reference(tmp_path, main, 0, "fd")
     assert run["curve"] == [0.3, None, None] and run["diverged_round"] == 2
     infinite = "Input contains infinity or a value too large for dtype('float32')."
-    (system / "main.py").write_text(textwrap.dedent(main.replace("Input contains NaN.", infinite)))
-    run = crosscheck.run_reference(tmp_path / "ref", config, "fd", 2, partitions, tmp_path / "cc" / "fd")
-    assert run["diverged_round"] == 2
-    (system / "main.py").write_text(textwrap.dedent(main.replace("Input contains NaN.", "CUDA out of memory")))
+    assert (
+        run_stand_in_reference(tmp_path, main.replace("Input contains NaN.", infinite), 2, "fd")["diverged_round"] == 2
+    )
     with pytest.raises(RuntimeError, match="exit code 1"):
-        crosscheck.run_reference(tmp_path / "ref", config, "fd", 1, partitions, tmp_path / "cc" / "fd")
+        run_stand_in_reference(tmp_path, main.replace("Input contains NaN.", "CUDA out of memory"), 1, "fd")
 
 
 def test_a_reference_that_prints_a_nonfinite_loss_and_goes_on_has_diverged_from_the_next_round(tmp_path):
     """FedTGP's server prints ``Server loss: nan`` and HtFLlib goes on, printing chance accuracy of
     NaN models with exit code 0: the curve stops at the round that printed it."""
-    system = tmp_path / "ref" / "system"
-    system.mkdir(parents=True)
     main = """
     print("Running time: 0th")
     for r in range(4):
@@ -329,15 +332,11 @@ def test_a_reference_that_prints_a_nonfinite_loss_and_goes_on_has_diverged_from_
         print(f"Averaged Test Accuracy: {0.3 if r < 2 else 0.0999}")
         print(f"Server loss: {float('nan') if r >= 1 else 2.5}")
     """
-    (system / "main.py").write_text(textwrap.dedent(main))
-    config = small_config(**{"num-server-rounds": 3})
-    partitions = tmp_path / "cc" / "partitions"
-    crosscheck.write_partitions(config, partitions)
-    run = crosscheck.run_reference(tmp_path / "ref", config, "fedtgp", 0, partitions, tmp_path / "cc" / "fedtgp")
+    run = run_stand_in_reference(tmp_path, main, 0, "fedtgp")
     assert run["curve"] == [0.3, None, None] and run["diverged_round"] == 2
-    (system / "main.py").write_text(textwrap.dedent(main.replace("float('nan')", "float('inf')")))
-    run = crosscheck.run_reference(tmp_path / "ref", config, "fedtgp", 1, partitions, tmp_path / "cc" / "fedtgp")
-    assert run["diverged_round"] == 2
-    (system / "main.py").write_text(textwrap.dedent(main.replace("float('nan')", "7.25")))
-    run = crosscheck.run_reference(tmp_path / "ref", config, "fedtgp", 2, partitions, tmp_path / "cc" / "fedtgp")
+    assert (
+        run_stand_in_reference(tmp_path, main.replace("float('nan')", "float('inf')"), 1, "fedtgp")["diverged_round"]
+        == 2
+    )
+    run = run_stand_in_reference(tmp_path, main.replace("float('nan')", "7.25"), 2, "fedtgp")
     assert run["curve"] == [0.3, 0.0999, 0.0999] and run["diverged_round"] is None
