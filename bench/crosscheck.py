@@ -195,7 +195,7 @@ REPETITION_LINE = re.compile(r"Running time: (\d+)th")
 DATA_FLAG = re.compile(r"-data \S+")
 #: HtFLlib's evaluation (scikit-learn's AUC) on NaN or infinite model outputs
 DIVERGED_LINE = re.compile(r"ValueError: Input contains (NaN|infinity)")
-#: a printed non-finite loss (FedTGP's ``Server loss: nan``): HtFLlib goes on with NaN models
+#: a printed non-finite loss (FedTGP's ``Server loss: nan``): HtFLlib goes on, evaluating NaN state
 NONFINITE_LOSS_LINE = re.compile(r"loss: [-+]?(nan|inf)\b", re.IGNORECASE)
 
 #: the environment variable that gives :data:`BOOTSTRAP` the training seed
@@ -384,9 +384,9 @@ def parse_reference_log(text: str) -> list[dict[int, float]]:
     """Per repetition (``Running time: <i>th``), HtFLlib's pooled test accuracy (a fraction) by
     round number (0 = the initial models), from its stdout; a repetition cut off keeps the rounds it
     printed. A repetition that printed a non-finite loss in round r keeps the rounds up to r: HtFLlib
-    does not stop there, and the models it evaluates from round r + 1 on hold NaN (FedTGP's server
-    prints ``Server loss: nan`` and then classifies by distance to NaN prototypes, which prints
-    chance accuracy, 9.99 % on Fashion-MNIST, not a failure)."""
+    does not stop there, and what it evaluates from round r + 1 on holds NaN (FedTGP's server
+    prints ``Server loss: nan``, its global prototypes turn NaN, and its clients, which classify by
+    distance to them, print chance accuracy, 9.99 % on Fashion-MNIST, not a failure)."""
     runs: list[dict[int, float]] = []
     current_round = None
     poisoned = False
