@@ -4,6 +4,7 @@ entry point started, as Ctrl-C does, and leave the run's files with a final stat
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 
 import psutil
 import pytest
@@ -213,6 +215,19 @@ def test_bench_simulation_reports_a_failed_run_with_its_status_and_reason(tmp_pa
     # each run its own folder and its own report, also when both fail within one second
     assert out.count("status tools.run exit 1 (failed): ValueError: client 1 sent no prototypes") == 2
     assert "0 rounds: final accuracy -" in out and "fedgh failed" in out and "local failed" in out
+
+
+def test_the_app_bundle_carries_the_code_and_not_the_curated_results():
+    """``flwr run`` submits the repository as a FAB, stored uncompressed and refused above 10 MiB;
+    ``results/`` grows with every curated run (9.6 MB of rows on 2026-11-27) and must stay out."""
+    from flwr.cli.build import build_fab_from_disk
+    from flwr.common.constant import FAB_MAX_SIZE
+
+    fab = build_fab_from_disk(ROOT)
+    names = zipfile.ZipFile(io.BytesIO(fab)).namelist()
+    assert {"server_app/app.py", "client_app/app.py", "common/config.py"} <= set(names)
+    assert not [n for n in names if n.startswith("results/")]
+    assert len(fab) < FAB_MAX_SIZE / 4  # room for the code to grow
 
 
 def test_bench_deployment_that_cannot_start_ends_with_the_reason(tmp_path, monkeypatch, capsys):
