@@ -89,10 +89,11 @@ class ResultsWriter:
             self.tensorboard.close()
 
     def summary(self) -> dict[str, Any]:
-        """Final and best ``accuracy_mean`` and best ``accuracy_weighted`` (fractions), totals, status."""
+        """Final and best ``accuracy_mean`` and ``accuracy_weighted`` (fractions) with the round of each
+        best (the first round that reached it), totals, status."""
         evaluated = [r for r in self.rows if r.get("accuracy_mean") is not None]
         best = max(evaluated, key=lambda r: r["accuracy_mean"], default=None)
-        best_weighted = max((r["accuracy_weighted"] for r in evaluated), default=None)
+        best_weighted = max(evaluated, key=lambda r: r["accuracy_weighted"], default=None)
         total = {
             k: sum(r.get(k, 0) for r in self.rows)
             for k in ("bytes_up", "bytes_down", "eval_bytes_up", "eval_bytes_down")
@@ -108,7 +109,9 @@ class ResultsWriter:
             "final_accuracy_weighted": evaluated[-1]["accuracy_weighted"] if evaluated else None,
             "best_accuracy_mean": best["accuracy_mean"] if best else None,
             "best_round": best["round"] if best else None,
-            "best_accuracy_weighted": best_weighted,  # FedTGP's headline: best pooled accuracy
+            # FedTGP's headline (and its presets' stop-metric): best pooled accuracy
+            "best_accuracy_weighted": best_weighted["accuracy_weighted"] if best_weighted else None,
+            "best_round_weighted": best_weighted["round"] if best_weighted else None,
             **{f"total_{k}": v for k, v in total.items()},
             "total_seconds": time.perf_counter() - self.start,
             "config": self.config,

@@ -481,8 +481,8 @@ def mark_stopped(folder: Path, reason: str, status_before: str | None) -> None:
 
 
 def print_outcome(folder: Path | None, status: str) -> None:
-    """The run's last lines: its status (and the reason when it failed), final and best accuracy, total
-    payload bytes and its folder, from ``summary.json``."""
+    """The run's last lines: its status (and the reason when it failed), final and best accuracy (mean over
+    clients and pooled, each best with its round), total payload bytes and its folder, from ``summary.json``."""
     from common.errors import ConfigError
     from common.files import read_summary
 
@@ -501,10 +501,12 @@ def print_outcome(folder: Path | None, status: str) -> None:
         return f"{100 * summary[key]:.2f} %" if summary.get(key) is not None else "-"
 
     total = sum(summary.get(f"total_{k}", 0) for k in ("bytes_up", "bytes_down", "eval_bytes_up", "eval_bytes_down"))
+    best_mean = f"{pct('best_accuracy_mean')} (mean over clients) in round {summary.get('best_round')}"
+    best_pooled = f"{pct('best_accuracy_weighted')} (pooled) in round {summary.get('best_round_weighted')}"
     print(
         f"{summary['rounds_completed']} rounds: final accuracy {pct('final_accuracy_mean')} (mean over clients), "
-        f"{pct('final_accuracy_weighted')} (pooled); best {pct('best_accuracy_mean')} in round "
-        f"{summary.get('best_round')}; payload {total / 2**20:.2f} MiB in all (training and evaluation, both ways)"
+        f"{pct('final_accuracy_weighted')} (pooled); best {best_mean}, {best_pooled}; "
+        f"payload {total / 2**20:.2f} MiB in all (training and evaluation, both ways)"
     )
     print(f"results: {folder} (python -m tools.report {folder} draws its curves)")
 
