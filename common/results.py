@@ -31,6 +31,12 @@ CHECKPOINT = "checkpoint.pt"
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
 
+def best_row(rows: list[dict[str, Any]], metric: str) -> dict[str, Any] | None:
+    """The first round row with the highest ``metric`` (a row key; a tie is no new best), None when no
+    row has a value for it. The summary's best and run config ``stop-patience`` both count from it."""
+    return max((r for r in rows if r.get(metric) is not None), key=lambda r: r[metric], default=None)
+
+
 class ResultsWriter:
     """Appends round rows and keeps ``summary.json`` current.
 
@@ -92,8 +98,7 @@ class ResultsWriter:
         """Final and best ``accuracy_mean`` and ``accuracy_weighted`` (fractions) with the round of each
         best (the first round that reached it), totals, status."""
         evaluated = [r for r in self.rows if r.get("accuracy_mean") is not None]
-        best = max(evaluated, key=lambda r: r["accuracy_mean"], default=None)
-        best_weighted = max(evaluated, key=lambda r: r["accuracy_weighted"], default=None)
+        best, best_weighted = best_row(self.rows, "accuracy_mean"), best_row(self.rows, "accuracy_weighted")
         total = {
             k: sum(r.get(k, 0) for r in self.rows)
             for k in ("bytes_up", "bytes_down", "eval_bytes_up", "eval_bytes_down")

@@ -14,6 +14,7 @@ from flwr.app import MetricRecord
 
 from common.metrics import EVAL_PREFIX, REQUIRED_METRICS
 from common.payload import ClientReply
+from common.results import best_row
 from strategies.aggregation import sample_weighted_mean
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
@@ -220,15 +221,14 @@ def patience_exhausted(rows: list[dict[str, Any]], patience: int, metric: str = 
     (``check_done(top_cnt=100)`` on the pooled accuracy; FedTGP's scripts run with ``-ab 1``). The
     count comes from the rows alone, so a resumed run (which starts with the old rows) goes on counting.
     """
-    evaluated = [(r["round"], r[metric]) for r in rows if r.get(metric) is not None]
-    if patience <= 0 or not evaluated:
+    best = best_row(rows, metric)
+    if patience <= 0 or best is None:
         return None
-    best_round, best = max(evaluated, key=lambda e: (e[1], -e[0]))
-    waited = rows[-1]["round"] - best_round
+    waited = rows[-1]["round"] - best["round"]
     if waited < patience:
         return None
     return (
-        f"no new best {metric} for {waited} rounds (best {best:.4f} in round {best_round}): "
+        f"no new best {metric} for {waited} rounds (best {best[metric]:.4f} in round {best['round']}): "
         f"run config key 'stop-patience' = {patience}"
     )
 
