@@ -37,6 +37,11 @@ EVAL_CLIENTS = ("all", "trained")
 #: auto-break, ``check_done`` on ``rs_test_acc``)
 STOP_METRICS = ("accuracy_mean", "accuracy_weighted")
 LOGGERS = ("none", "tensorboard")
+#: run config ``aggregation``: how the server combines the uploads of one round (see
+#: ``strategies.robust``): ``norm-bound`` (default) bounds each upload's change from what the server sent
+#: by the round's median (FLAME's clipping, Nguyen et al. 2022); ``mean`` is the papers' plain average;
+#: the others are Flower's robust aggregators, for the methods whose server step is an average
+AGGREGATIONS = ("norm-bound", "mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan")
 #: ``independent``: client k's model is initialised from seed + k (FedGH, FedMRL code); ``identical``:
 #: every client of one architecture starts from the same weights (HtFLlib/PFLlib: FedTGP, FedRE)
 INITS = ("independent", "identical")
@@ -126,6 +131,12 @@ class RunConfig:
         "row's and the summary's `stop_reason` say why, and a resumed run counts from its rows",
         low=0,
     )
+    max_untrained_rounds: int = option(
+        3,
+        "a run fails (status `failed`, the clients' errors in the summary) after this many rounds in a row without "
+        "one valid training reply",
+        low=1,
+    )
     stop_metric: str = option(
         "accuracy_mean",
         "the row key `stop-patience` watches: `accuracy_mean` (unweighted over clients) or `accuracy_weighted` "
@@ -140,6 +151,19 @@ class RunConfig:
     clip_norm: float = option(50.0, "global gradient-norm clip of local training (0: off)", low=0)
     fraction_train: float = option(
         1.0, "share of clients sampled per round: K = max(1, floor(fraction x N)), seeded", low=0, high=1, low_open=True
+    )
+    aggregation: str = option(
+        "norm-bound",
+        "how the server combines a round's uploads: `norm-bound` (each upload's change bounded by the round's "
+        "median), `mean` (the papers' plain average), or Flower's robust aggregators `median`, `trimmed-mean`, "
+        "`krum`, `multi-krum`, `bulyan` (methods that average models or heads)",
+        choices=AGGREGATIONS,
+    )
+    byzantine_clients: int = option(
+        1, "f, the Byzantine clients `krum`, `multi-krum` and `bulyan` tolerate (n > 2f + 2, Bulyan n > 4f + 2)", low=0
+    )
+    trim_fraction: float = option(
+        0.2, "share cut from each end per coordinate by `trimmed-mean` (Flower's `trim_mean`)", low=0, high=0.49
     )
     eval_every: int = option(1, "evaluate the clients' personal models every n rounds (and the last)", low=1)
     eval_clients: str = option(
