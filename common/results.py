@@ -13,10 +13,12 @@ into the same folder (``tensorboard --logdir <output-dir>`` shows all runs side 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,16 +66,31 @@ class ResultsWriter:
         self.rows: list[dict[str, Any]] = []
         self.status = "running"
         self.error: str | None = None  # why a failed or interrupted run ended
+        self.client_errors: list[str] = []  # the clients' distinct errors of a run that failed for them
         self._write_summary()
         log.info("Writing results to %s", self.path)
 
     def write_round(self, row: dict[str, Any]) -> None:
         """Append one round's row to ``metrics.jsonl`` (and TensorBoard) and refresh the summary."""
+        data = (json.dumps(row, allow_nan=False) + "\n").encode("utf-8")  # strict JSON: finite numbers only
+        path = self.path / ROWS_FILE
+        with naming(path):
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                start = os.lseek(fd, 0, os.SEEK_END)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    os.fsync(fd)
+                except OSError:
+                    # a row cut off (e.g. by a full disk) is no row: the file keeps whole rows only, as
+                    # many as the summary counts
+                    os.ftruncate(fd, start)
+                    raise
+            finally:
+                os.close(fd)
         self.rows.append(row)
-        with open(self.path / ROWS_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row, allow_nan=False) + "\n")  # strict JSON: rows hold finite numbers only
-            f.flush()
-            os.fsync(f.fileno())
         if self.tensorboard is not None:
             # plain float32 scalars (7 significant digits; metrics.jsonl keeps the exact values): the only
             # kind TensorBoard's default fast loader shows (it skips float64 tensor scalars)
@@ -87,10 +104,22 @@ class ResultsWriter:
         previous one), numpy arrays stored as tensors so that it loads with ``weights_only=True``."""
         atomic_write(self.path / CHECKPOINT, lambda f: torch.save(_to_tensors(state), f))
 
-    def finish(self, status: str = "completed", error: str | None = None) -> None:
-        """Mark the run ``completed`` (or ``failed``, with ``error`` saying why) in the summary."""
-        self.status, self.error = status, error
-        self._write_summary()
+    def finish(
+        self, status: str = "completed", error: str | None = None, client_errors: list[str] | None = None
+    ) -> None:
+        """Mark the run ``completed`` (or ``failed``, with ``error`` saying why and the clients' distinct
+        ``client_errors`` when they are the cause) in the summary.
+
+        A failed run's summary is written even on a full disk (:meth:`_write_summary`'s fallback); when
+        not even that can be written (a read-only disk) the error is logged and not raised, so the
+        run's own error is what its caller sees."""
+        self.status, self.error, self.client_errors = status, error, list(client_errors or [])
+        try:
+            self._write_summary()
+        except OSError as exc:
+            if status == "completed":
+                raise
+            log.error("Could not record the run as %s in %s: %s", status, self.path / SUMMARY_FILE, exc)
         if self.tensorboard is not None:
             self.tensorboard.close()
 
@@ -106,12 +135,15 @@ class ResultsWriter:
         return {
             "status": self.status,
             "error": self.error,
+            "client_errors": self.client_errors,
             "num_clients": self.num_clients,
             "rounds_completed": len(self.rows),
             # run config stop-patience ended the run before num-server-rounds (None: it did not)
             "stop_reason": self.rows[-1].get("stop_reason") if self.rows else None,
             "final_accuracy_mean": evaluated[-1]["accuracy_mean"] if evaluated else None,
             "final_accuracy_weighted": evaluated[-1]["accuracy_weighted"] if evaluated else None,
+            # the round the final accuracies come from (the last evaluated one)
+            "final_round": evaluated[-1]["round"] if evaluated else None,
             "best_accuracy_mean": best["accuracy_mean"] if best else None,
             "best_round": best["round"] if best else None,
             # FedTGP's headline (and its presets' stop-metric): best pooled accuracy
@@ -123,8 +155,41 @@ class ResultsWriter:
         }
 
     def _write_summary(self) -> None:
-        text = json.dumps(self.summary(), indent=2, allow_nan=False).encode("utf-8")
-        atomic_write(self.path / SUMMARY_FILE, lambda f: f.write(text))
+        """Replace ``summary.json`` atomically. When that fails (a full disk has no room for the new
+        copy) a run that is no longer ``running`` overwrites the old file in place with the summary
+        without its ``config``: that reuses the old file's blocks, so a failed run is recorded as
+        failed also on a full disk.
+
+        Raises:
+            OSError: naming ``summary.json``, when neither write succeeds.
+        """
+        path = self.path / SUMMARY_FILE
+        summary = self.summary()
+        text = json.dumps(summary, indent=2, allow_nan=False).encode("utf-8")
+        try:
+            with naming(path):
+                atomic_write(path, lambda f: f.write(text))
+        except OSError:
+            if self.status == "running":
+                raise
+            compact = json.dumps({**summary, "config": None}, allow_nan=False).encode("utf-8")
+            with naming(path), open(path, "r+b") as f:
+                f.truncate(0)
+                f.write(compact)
+                f.flush()
+                os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """Re-raise an ``OSError`` of the block (e.g. ``ENOSPC`` from a write, which names no file) as
+    an ``OSError`` of the same ``errno`` naming ``path``, so that a run's error says which file failed."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
 
 
 def tensorboard_class(logger: str) -> type | None:

@@ -42,8 +42,9 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str) -> ResultsWriter:
     """Run method ``cfg.method`` on ``grid``; returns the writer (its ``path`` holds the results).
 
     The config is fully validated (including the method's options) before any message is
-    sent. A failure (an invalid method option included) marks ``summary.json`` as ``failed`` and
-    re-raises. In a simulation
+    sent. A failure (an invalid method option included, a run in which no client trained for run
+    config ``max-untrained-rounds`` rounds: ``common.errors.RunFailed``, with the clients' errors)
+    marks ``summary.json`` as ``failed`` and re-raises, so Flower records the run as failed. In a simulation
     (an ``InMemoryGrid``) clients without a ``state-dir`` keep their state in
     ``<run folder>/client-state`` (``HeteroStrategy.start``'s ``state_in_run_folder``), and at most
     :func:`simulation_window` messages of an exchange wait at once (``Transport.window``).
@@ -58,7 +59,7 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str) -> ResultsWriter:
         # client; its engine scans every waiting message for every node, so few wait at once
         strategy.start(grid, window=simulation_window if simulation else None, state_in_run_folder=simulation)
     except BaseException as exc:
-        results.finish("failed", f"{type(exc).__name__}: {exc}")
+        results.finish("failed", f"{type(exc).__name__}: {exc}", getattr(exc, "client_errors", None))
         raise
     return results
 

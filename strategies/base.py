@@ -38,6 +38,7 @@ from flwr.serverapp.strategy import Result
 
 from common.config import RunConfig
 from common.datasets import DATASETS
+from common.errors import ConfigError, RunFailed
 from common.options import declared_defaults
 from common.payload import ClientReply, PayloadSchema, array_record
 from common.runtime import ClientRuntime
@@ -54,6 +55,8 @@ from strategies.records import (
     progress_line,
     round_metrics,
     round_row,
+    untrained_error,
+    untrained_streak,
 )
 from strategies.transport import Transport
 
@@ -268,7 +271,22 @@ class HeteroStrategy:
         log.info(progress_line(row, self.cfg.num_server_rounds))
         if stop:
             log.info("Stopping after round %d: %s", server_round, stop)
+        self.check_trained(last_round=bool(stop) or server_round == self.cfg.num_server_rounds)
         return train_metrics, eval_metrics
+
+    def check_trained(self, last_round: bool = False) -> None:
+        """Fail the run once ``max-untrained-rounds`` rounds in a row had no valid training reply, or
+        when the run ends on such rounds (``last_round``): its result would be an earlier round's.
+
+        Raises:
+            RunFailed: naming the rounds, the key and the clients' distinct errors.
+        """
+        streak = untrained_streak(self.rows)
+        if not streak or (len(streak) < self.cfg.max_untrained_rounds and not last_round):
+            return
+        limit = self.cfg.max_untrained_rounds if len(streak) >= self.cfg.max_untrained_rounds else None
+        errors = [e for row in streak for e in row.get("client_errors", [])]
+        raise RunFailed(untrained_error(streak, limit), list(dict.fromkeys(errors)))
 
     def evaluate_round(self, server_round: int, evaluated: list[ClientReply]) -> MetricRecord | None:
         """The round's evaluation (None when it is no evaluation round): one evaluate message to
@@ -292,11 +310,19 @@ class HeteroStrategy:
         written again); returns its last round (0 without one).
 
         Raises:
-            ConfigError: as ``Checkpoints.load``.
+            ConfigError: as ``Checkpoints.load``, or the checkpoint has more rounds than
+                ``num-server-rounds``.
         """
         state = self.checkpoints.load()
         if state is None:
             return 0
+        if state["round"] > self.cfg.num_server_rounds:
+            # the rows cannot be undone: a summary would report more rounds than were asked for
+            raise ConfigError(
+                f"run config key 'resume-from' = {self.cfg.resume_from!r} has {state['round']} completed rounds, "
+                f"more than 'num-server-rounds' = {self.cfg.num_server_rounds}: ask for at least {state['round']} "
+                "rounds (that many: nothing more is run)"
+            )
         self.rng.bit_generator.state = state["rng"]
         self.counters.traffic.update(state["traffic"])
         self.counters.dropped.update(state["dropped"])

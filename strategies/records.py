@@ -19,6 +19,9 @@ from strategies.aggregation import sample_weighted_mean
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
+#: distinct client errors kept per round (a row of a round that trained nothing quotes them)
+MAX_ERRORS = 5
+
 
 class RoundCounters:
     """What the transport and the node registry count, for the run and for the current round.
@@ -35,6 +38,9 @@ class RoundCounters:
         round_ray_nodes: Ray node id -> this round's valid replies from ClientApps on that node.
         seconds_per_image: architecture -> client training seconds per image in the last round
             that trained it (the transport's push order).
+        round_errors: why this round's train replies were dropped or missing, distinct reasons in
+            the order first seen, at most :data:`MAX_ERRORS` of them (rows of rounds that trained
+            nothing, and the error of a run that fails for it, quote them).
     """
 
     def __init__(self) -> None:
@@ -46,6 +52,13 @@ class RoundCounters:
         self.round_work: dict[str, list[float]] = {}
         self.round_gpu: dict[str, dict[str, object]] = {}
         self.round_ray_nodes: Counter[str] = Counter()
+        self.round_errors: list[str] = []
+
+    def train_error(self, reason: str) -> None:
+        """Note why a train reply of this round was dropped or missing (distinct reasons, at most
+        :data:`MAX_ERRORS`)."""
+        if reason not in self.round_errors and len(self.round_errors) < MAX_ERRORS:
+            self.round_errors.append(reason)
 
     def begin_round(self) -> None:
         """Keep the last round's training speed per architecture, reset the per-round counters."""
@@ -57,6 +70,7 @@ class RoundCounters:
         self.round_work = {}
         self.round_gpu = {}
         self.round_ray_nodes = Counter()
+        self.round_errors = []
 
 
 def evaluated_in_train(replies: list[ClientReply]) -> list[ClientReply]:
@@ -191,7 +205,36 @@ def round_row(
             {k.replace("-", "_"): v for k, v in ev.items() if k.startswith(("accuracy-mean-", "accuracy-weighted-"))}
         )
     row.update({k.replace("-", "_"): v for k, v in train.items() if k != "num-clients"})
+    # a round in which no sampled client trained: said so, with why (run config max-untrained-rounds)
+    row["untrained"] = row["num_clients"] == 0
+    if row["untrained"]:
+        row["client_errors"] = list(counters.round_errors)
     return finite_values(row)
+
+
+def untrained_streak(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The last rows of ``rows`` in a row whose round had no valid training reply (``untrained``;
+    rows written before that key by ``num_clients`` = 0), oldest first; [] when the last round trained."""
+    streak: list[dict[str, Any]] = []
+    for row in reversed(rows):
+        if not row.get("untrained", row.get("num_clients") == 0):
+            break
+        streak.append(row)
+    return streak[::-1]
+
+
+def untrained_error(streak: list[dict[str, Any]], limit: int | None) -> str:
+    """Why a run whose last rounds ``streak`` trained nothing failed: the rounds, the run config key
+    ``max-untrained-rounds`` = ``limit`` when it ran out (None: the run ended on such rounds), and the
+    clients' distinct errors of those rounds (at most :data:`MAX_ERRORS`)."""
+    errors: list[str] = []
+    for row in streak:
+        errors += [e for e in row.get("client_errors", []) if e not in errors]
+    first, last = streak[0]["round"], streak[-1]["round"]
+    rounds = f"round {first}" if first == last else f"rounds {first}-{last}"
+    why = f"run config key 'max-untrained-rounds' = {limit}" if limit is not None else "the run ended on it"
+    said = "; ".join(errors[:MAX_ERRORS]) or "no reply and no error recorded"
+    return f"no client trained in {rounds} ({why}); the clients' errors: {said}"
 
 
 def finite_values(row: dict[str, Any]) -> dict[str, Any]:

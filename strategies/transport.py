@@ -133,6 +133,8 @@ class Transport:
             )
             self.counters.dropped[_category(messages[0].metadata.message_type)] += len(missing)
             self.counters.round_dropped.update(partitions)
+            if _category(messages[0].metadata.message_type) == "train":
+                self.counters.train_error(f"no reply within {timeout:.0f} s (run config key 'round-timeout')")
         return replies
 
     def push_and_pull(self, messages: list[Message], timeout: float) -> list[Message]:
@@ -236,6 +238,8 @@ class Transport:
                 if len(reason) > REASON_CHARS:
                     reason = f"{reason[:REASON_CHARS]}... ({len(reason)} characters)"
                 log.warning("Dropped %s reply from node %s: %s", message_type, node, reason)
+                if category == "train" and not duplicate:
+                    self.counters.train_error(reason)
         if category == "train":
             self._count_work(valid)
         self.counters.round_ray_nodes.update(r.ray_node for r in valid if r.ray_node is not None)
