@@ -1,0 +1,242 @@
+"""Byzantine clients: honest-client accuracy with and without one attacker, per aggregation rule.
+
+Usage (from the repository root):
+
+    uv run --frozen python -m bench.byzantine --out outputs/bench-byzantine [--rounds 5]
+        [--max-examples 200] [--seeds 0,1,2] [--aggregations mean,norm-bound] [--attacks fml-10,...]
+
+Every run is in-process over :class:`tools.fakegrid.FakeGrid` (the real ClientApp, no Ray):
+MNIST, model group ``cnn1``, 4 clients, all sampled every round; the attacker is partition 1,
+whose train replies of every round pass through the attack's tamper. For each attack of
+:data:`ATTACKS`, aggregation and seed it runs the federation with and without the attacker and
+records the mean over the 3 honest clients' (partitions 0, 2, 3) final accuracy; then, on clean
+runs of FML and LG-FedAvg, the accuracy cost of ``norm-bound`` against ``mean``. One JSON row per
+run is appended to ``<out>/rows.jsonl`` as it finishes, and a run already there is skipped, so an
+interrupted bench continues where it stopped. The table printed at the end averages over seeds.
+
+:data:`ATTACKS` maps a name to ``(method, run config overrides, tamper factory)``; a factory
+``(seed) -> attack`` returns the function that rewrites the attacker's payload arrays
+(name -> ndarray, as it would upload them) into the hostile ones. Other engineers add attacks
+on other methods there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, RecordDict
+
+from common.config import RunConfig
+from common.errors import RunFailed
+from common.payload import PAYLOAD
+from tools.fakegrid import FakeGrid
+from tools.run import app_defaults
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR = ROOT.parent / "shared" / "data"
+ATTACKER = 1  # partition of the Byzantine client
+HONEST = (0, 2, 3)
+NUM_CLIENTS = 4
+
+#: an attack: the attacker's payload arrays (name -> ndarray) -> the arrays it uploads instead
+Attack = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+def constant(value: float) -> Callable[[int], Attack]:
+    """Every entry of every array set to ``value`` (FML's 10, FedMRL's 100, all-zero)."""
+    return lambda seed: lambda arrays: {k: np.full_like(v, value) for k, v in arrays.items()}
+
+
+def signs(scale: float) -> Callable[[int], Attack]:
+    """Every entry ``±scale``, signs drawn from ``seed`` (new draws every round)."""
+
+    def factory(seed: int) -> Attack:
+        rng = np.random.default_rng(seed)
+        return lambda arrays: {k: (scale * rng.choice([-1.0, 1.0], v.shape)).astype(v.dtype) for k, v in arrays.items()}
+
+    return factory
+
+
+def svd_rebuilding_to(value: float) -> Callable[[int], Attack]:
+    """FedKD: every SVD factor triple (``.u``, ``.s``, ``.v``) replaced so that (U·diag(s))·V has
+    every entry ``value``: U = V = 1, s_k = value / r. It passes the schema's rebuild bound
+    (Σ_k |u s_k| · max|v| = value) for ``value`` <= 1e6."""
+
+    def attack(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = dict(arrays)
+        for key in [k[:-2] for k in arrays if k.endswith(".s")]:
+            r = len(arrays[key + ".s"])
+            out[key + ".u"] = np.ones_like(arrays[key + ".u"])
+            out[key + ".s"] = np.full_like(arrays[key + ".s"], value / r)
+            out[key + ".v"] = np.ones_like(arrays[key + ".v"])
+        return out
+
+    return lambda seed: attack
+
+
+#: name -> (method, run config overrides, tamper factory (seed) -> attack on the payload arrays)
+ATTACKS: dict[str, tuple[str, dict, Callable[[int], Attack]]] = {
+    "fml-10": ("fml", {"fml.shared-model": "cnn1"}, constant(10.0)),
+    "fml-zero": ("fml", {"fml.shared-model": "cnn1"}, constant(0.0)),
+    "fedmrl-100": ("fedmrl", {"fedmrl.small-model": "cnn1"}, constant(100.0)),
+    "fedkd-1e6": ("fedkd", {"fedkd.shared-model": "cnn1"}, svd_rebuilding_to(1e6)),
+    "lg-fedavg-1e6": ("lg-fedavg", {}, signs(1e6)),
+}
+#: the methods whose clean runs measure the accuracy cost of norm-bound against mean
+CLEAN = {"fml": {"fml.shared-model": "cnn1"}, "lg-fedavg": {}}
+
+
+def tamper_of(attack: Attack) -> Callable[[int, Message], Message]:
+    """A FakeGrid ``tamper``: the attacker's valid train replies with their payload through ``attack``."""
+
+    def tamper(node: int, reply: Message) -> Message:
+        if node != 1000 + ATTACKER or reply.metadata.message_type != "train" or reply.has_error():
+            return reply
+        arrays = {k: v.numpy() for k, v in reply.content.array_records[PAYLOAD].items()}
+        hostile = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in attack(arrays).items()})
+        reply.content = RecordDict({PAYLOAD: hostile, "metrics": reply.content.metric_records["metrics"]})
+        return reply
+
+    return tamper
+
+
+def run_once(
+    method: str, options: dict, attack: Attack | None, aggregation: str, seed: int, rounds: int, examples: int
+) -> dict:
+    """One in-process federation; its row: honest clients' final accuracy, replies, rollbacks, seconds."""
+    from client_app.app import app as client_app
+    from strategies.registry import build_strategy
+
+    rc = {
+        **app_defaults(),
+        "device": "cpu",
+        "data-dir": str(DATA_DIR),
+        "dataset": "mnist",
+        "model-group": "cnn1",
+        "num-clients": NUM_CLIENTS,
+        "num-server-rounds": rounds,
+        "max-examples-per-client": examples,
+        "round-timeout": 5.0,
+        "seed": seed,
+        "method": method,
+        "aggregation": aggregation,
+        **options,
+    }
+    cfg = RunConfig.from_dict(rc)
+    strategy = build_strategy(cfg)
+    grid = FakeGrid(client_app, rc, cfg.num_clients, tamper_of(attack) if attack else None)
+    start = time.perf_counter()
+    failed = ""
+    try:
+        strategy.start(grid)
+    except RunFailed as exc:  # no client trained for max-untrained-rounds rounds: the honest ones too
+        failed = str(exc)
+    rows = strategy.rows
+    # a failed run's honest clients count as its last evaluation (rounds without one, e.g. all dropped, add none)
+    final = next((r["accuracy_per_client"] for r in reversed(rows) if "accuracy_per_client" in r), {})
+    return {
+        "honest_accuracy": float(np.mean([final.get(str(p), 0.0) for p in HONEST])),
+        "failed": failed,
+        "min_num_clients": min((r["num_clients"] for r in rows), default=0),
+        "bounded": int(sum(r.get("server_bounded", 0) for r in rows)),
+        "rolled_back": int(sum(r.get("server_rolled_back", 0) for r in rows)),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def plan(attacks: list[str], aggregations: list[str], seeds: list[int]) -> list[dict]:
+    """Every run of the bench: per attack, aggregation and seed with and without the attacker,
+    then the clean runs of :data:`CLEAN` per aggregation and seed (shared keys dedupe them)."""
+    cases = []
+    for name in attacks:
+        method, options, _ = ATTACKS[name]
+        for agg in aggregations:
+            for seed in seeds:
+                cases.append({"method": method, "options": options, "attack": name, "aggregation": agg, "seed": seed})
+                cases.append({"method": method, "options": options, "attack": None, "aggregation": agg, "seed": seed})
+    for method, options in CLEAN.items():
+        for agg in ("mean", "norm-bound"):
+            for seed in seeds:
+                cases.append({"method": method, "options": options, "attack": None, "aggregation": agg, "seed": seed})
+    unique = {}
+    for c in cases:
+        unique.setdefault(case_key(c), c)
+    return list(unique.values())
+
+
+def case_key(case: dict) -> str:
+    return json.dumps([case["method"], case["options"], case["attack"], case["aggregation"], case["seed"]])
+
+
+def table(rows: list[dict], attacks: list[str], aggregations: list[str]) -> str:
+    """Means over seeds: per attack and aggregation, honest accuracy without / with the attacker;
+    then the clean cost of norm-bound."""
+
+    def mean(**where) -> tuple[float, int]:
+        found = [r["honest_accuracy"] for r in rows if all(r[k] == v for k, v in where.items())]
+        return (float(np.mean(found)) if found else float("nan")), len(found)
+
+    lines = [f"{'attack':<16}{'aggregation':<13}{'clean':>8}{'attacked':>10}{'drop':>8}{'seeds':>7}"]
+    for name in attacks:
+        method, options, _ = ATTACKS[name]
+        for agg in aggregations:
+            clean, _ = mean(method=method, options=options, attack=None, aggregation=agg)
+            hit, n = mean(method=method, options=options, attack=name, aggregation=agg)
+            lines.append(f"{name:<16}{agg:<13}{clean:>8.3f}{hit:>10.3f}{clean - hit:>8.3f}{n:>7}")
+    lines.append("")
+    lines.append(f"{'clean method':<16}{'mean':>8}{'norm-bound':>12}{'cost':>8}")
+    for method, options in CLEAN.items():
+        plain, _ = mean(method=method, options=options, attack=None, aggregation="mean")
+        bounded, _ = mean(method=method, options=options, attack=None, aggregation="norm-bound")
+        lines.append(f"{method:<16}{plain:>8.3f}{bounded:>12.3f}{plain - bounded:>8.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder of rows.jsonl (resumable)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-examples", type=int, default=200, help="max-examples-per-client")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--aggregations", default="mean,norm-bound")
+    parser.add_argument("--attacks", default=",".join(ATTACKS))
+    args = parser.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    aggregations, attacks = args.aggregations.split(","), args.attacks.split(",")
+    unknown = sorted(set(attacks) - set(ATTACKS))
+    if unknown:
+        parser.error(f"unknown attacks {unknown}; known: {sorted(ATTACKS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "rows.jsonl"
+    settings = {"rounds": args.rounds, "max_examples": args.max_examples}
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    rows = [r for r in rows if all(r.get(k) == v for k, v in settings.items())]
+    done = {case_key(r) for r in rows}
+    for case in plan(attacks, aggregations, seeds):
+        if case_key(case) in done:
+            continue
+        attack = ATTACKS[case["attack"]][2](case["seed"]) if case["attack"] else None
+        result = run_once(
+            case["method"], case["options"], attack, case["aggregation"], case["seed"], args.rounds, args.max_examples
+        )
+        row = {**case, **settings, **result}
+        rows.append(row)
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(
+            f"{case['method']:<10} {case['attack'] or 'clean':<14} {case['aggregation']:<11} seed {case['seed']}: "
+            f"honest {result['honest_accuracy']:.3f} (min clients {result['min_num_clients']}, "
+            f"{result['seconds']:.0f} s){' FAILED' if result['failed'] else ''}",
+            flush=True,
+        )
+    print(table(rows, attacks, aggregations))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
