@@ -26,9 +26,25 @@ from common.errors import ConfigError
 INT64 = (-(2**63), 2**63 - 1)
 
 
+#: the longest string value of any key (characters; Linux's ``PATH_MAX`` bounds a path to 4096 bytes):
+#: a larger one is a mistake (a file pasted into a value) that would reach every message and summary
+MAX_STRING = 4096
+
+
+def excerpt(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to its first ``limit`` characters (its length said) when it is longer, so that
+    an error never echoes a huge value whole."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters as text"
+    return f"{text[:limit]}... ({size})"
+
+
 def invalid(key: str, value: Any, allowed: str) -> ConfigError:
-    """The error of a run config value outside its declaration, naming the key and what is allowed."""
-    return ConfigError(f"run config key '{key}' = {value!r} is invalid: allowed values are {allowed}")
+    """The error of a run config value outside its declaration, naming the key (and quoting at most the
+    start of the value: :func:`excerpt`) and what is allowed."""
+    return ConfigError(f"run config key '{key}' = {excerpt(value)} is invalid: allowed values are {allowed}")
 
 
 def choice(key: str, value: Any, allowed: tuple[str, ...] | list[str]) -> str:
@@ -149,7 +165,8 @@ def _choices(meta: Mapping[str, Any]) -> tuple[str, ...] | None:
 
 
 def check_value(key: str, value: Any, field: dataclasses.Field, kind: type) -> Any:
-    """``value`` of key ``key`` checked against its declaration; returns it typed.
+    """``value`` of key ``key`` checked against its declaration; returns it typed. A free string is at
+    most :data:`MAX_STRING` characters long.
 
     Raises:
         ConfigError: naming ``key`` and its allowed values.
@@ -161,8 +178,9 @@ def check_value(key: str, value: Any, field: dataclasses.Field, kind: type) -> A
         allowed = _choices(meta)
         if allowed is not None:
             return choice(key, value, allowed)
-        if not isinstance(value, str) or (meta["nonempty"] and not value):
-            raise invalid(key, value, "a non-empty string" if meta["nonempty"] else "a string (empty: off)")
+        if not isinstance(value, str) or (meta["nonempty"] and not value) or len(value) > MAX_STRING:
+            free = "a non-empty string" if meta["nonempty"] else "a string (empty: off)"
+            raise invalid(key, value, f"{free} of at most {MAX_STRING} characters")
         return value
     return number(key, value, kind=kind, low=meta["low"], high=meta["high"], low_open=meta["low_open"])
 
