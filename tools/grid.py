@@ -20,13 +20,16 @@ clients included (their state is on disk), so a grid can be stopped and continue
 in another session. ``--minutes`` bounds each launch's wall time; the cell then continues at
 the next invocation. ``-c`` overrides preset keys for every cell (e.g. fewer local epochs to
 fit a CPU budget); they and the preset's config are recorded in ``grid.json`` and must not change
-between invocations.
+between invocations. One grid at a time works in a grid folder (:func:`grid_lock`): a second one
+on the same ``--out`` is refused, naming the folder and the first one's PID.
 ``python -m tools.report <grid>`` summarises a grid.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import platform
@@ -37,14 +40,22 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from flwr.common.config import parse_config_args
-
 from common.errors import ConfigError
-from common.files import SUMMARY_FILE, read_json_object, read_rows, read_summary
+from common.files import SUMMARY_FILE, atomic_write, read_json_object, read_rows, read_summary
 from common.options import number
-from tools.run import ROOT, add_config_arguments, interrupt, read_config, stop_on_signals, validate_configs
+from tools.run import (
+    ROOT,
+    add_config_arguments,
+    interrupt,
+    read_config,
+    read_preset,
+    stop_on_signals,
+    validate_configs,
+)
 
 GRID_FILE = "grid.json"
+#: the lock file of a grid folder (:func:`grid_lock`); it holds the PID of the grid that has the lock
+LOCK_FILE = "grid.lock"
 #: the entries every grid.json has (``record_invocation``) and their types
 GRID_KEYS = {"preset": str, "preset_config": dict, "methods": list, "seeds": list, "rounds": int, "invocations": list}
 STATE_DIR = "client-state"
@@ -188,10 +199,35 @@ def read_grid_info(grid: Path) -> dict:
 
 
 def write_info(grid: Path, info: dict) -> None:
-    """Replace ``grid.json`` atomically."""
-    tmp = grid / (GRID_FILE + ".tmp")
-    tmp.write_text(json.dumps(info, indent=2))
-    tmp.replace(grid / GRID_FILE)
+    """Replace ``grid.json`` atomically (``common.files.atomic_write``: a temporary file of a unique name)."""
+    text = json.dumps(info, indent=2).encode("utf-8")
+    atomic_write(grid / GRID_FILE, lambda f: f.write(text))
+
+
+@contextlib.contextmanager
+def grid_lock(grid: Path):
+    """Hold the grid folder ``grid`` for this process within the block: an exclusive ``flock`` on
+    ``<grid>/grid.lock``, which then holds this PID. The kernel releases the lock when the process
+    ends, however it ends, so a stale lock file does not block the next grid. Two grids on one folder
+    would run every cell twice and race on ``grid.json``.
+
+    Raises:
+        ConfigError: another process holds the lock, naming the folder and that process's PID.
+    """
+    with open(grid / LOCK_FILE, "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise ConfigError(
+                f"grid folder {grid} is in use by another tools.grid (PID {holder}): wait for it to end, "
+                "or give this grid another --out folder"
+            ) from None
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield
 
 
 def git_commit() -> str:
@@ -219,7 +255,7 @@ def record_invocation(
             config has changed since (its cells would mix two configs); the keys are named.
     """
     path = grid / GRID_FILE
-    config = {**parse_config_args([str(preset)]), **overrides}
+    config = {**read_preset(preset), **overrides}
     info = (
         read_grid_info(grid)
         if path.is_file()
@@ -269,14 +305,31 @@ def run_grid(
     Raises:
         ValueError: ``preset`` has no ``num-server-rounds`` and ``rounds`` is not given, or
             ``overrides`` differ from the grid's.
+        ConfigError: the preset cannot be read, or another grid works in ``grid`` (:func:`grid_lock`).
     """
     overrides = dict(overrides or {})
-    config = {**parse_config_args([str(preset)]), **overrides}
+    config = {**read_preset(preset), **overrides}
     rounds = rounds or config.get("num-server-rounds")
     if not rounds:
         raise ValueError(f"{preset} sets no 'num-server-rounds': pass --rounds")
     grid.mkdir(parents=True, exist_ok=True)
-    record_invocation(grid, preset, methods, seeds, rounds, minutes, argv or [], overrides)
+    with grid_lock(grid):
+        return _run_cells(preset, methods, seeds, grid, rounds, minutes, launcher, argv or [], overrides)
+
+
+def _run_cells(
+    preset: Path,
+    methods: list[str],
+    seeds: list[int],
+    grid: Path,
+    rounds: int,
+    minutes: float,
+    launcher: Launcher,
+    argv: list[str],
+    overrides: dict,
+) -> dict[str, str]:
+    """:func:`run_grid`'s work, in a grid folder this process holds."""
+    record_invocation(grid, preset, methods, seeds, rounds, minutes, argv, overrides)
     outcomes = {}
     for seed in seeds:
         for method in methods:

@@ -5,9 +5,14 @@ Usage: ``uv run python -m tools.run [--preset presets/<name>.toml] [--run-config
 What plain ``flwr run . --stream`` does not do and this does (shared/notes/flower.md §0):
 
 - validates the run config before anything starts (a bad key fails in a second);
-- starts its *own* SuperLink (simulation mode, free ports, this checkout's ``.flwr`` home,
-  runtime dependency installation off) instead of the shared, detached local one, and stops
-  it on exit, so no stray process captures the next run from another checkout;
+- starts its *own* SuperLink (simulation mode, free ports, a Flower home of this launch's own
+  under ``.flwr/launches/``, runtime dependency installation off) instead of the shared, detached
+  local one, and stops it on exit, so no stray process captures the next run from another
+  checkout and launches from one checkout run side by side (:func:`launch_home`);
+- checks before anything starts: a preset that cannot be read or is not TOML, names of paths
+  too long for a file system, an ``output-dir`` that is a file or not writable (:func:`read_config`,
+  :func:`check_output_folders`), an ``--ray-address`` that is not a Ray cluster (within
+  :data:`RAY_JOIN_TIMEOUT` seconds);
 - takes a preset TOML file and ``key=value`` overrides together (``flwr run`` takes one or
   the other);
 - resolves ``data-dir``, ``output-dir``, ``resume-from`` and ``state-dir`` to absolute paths
@@ -17,7 +22,10 @@ What plain ``flwr run . --stream`` does not do and this does (shared/notes/flowe
   share when one is present;
 - runs the simulation on a Ray instance of its own, or with ``--ray-address`` (or ``RAY_ADDRESS``)
   on an existing Ray cluster, checked before anything starts (:func:`check_ray_cluster`);
-- exits 0 only if the run's status is ``finished:completed`` (``flwr run`` exits 0 on failure);
+- exits 0 only if the run's status is ``finished:completed`` and its ``summary.json`` says
+  ``completed`` (``flwr run`` exits 0 on failure; a ServerApp may record a failure without raising);
+- on every exit stops the SuperLink and every process the run started (the simulation and Ray
+  included), and gives a run folder left ``running`` a final status (:func:`mark_failed`);
 - on Ctrl-C, SIGTERM or SIGHUP (:func:`stop_on_signals`) stops the run, its SuperLink, the
   simulation and Ray, marks the run folder's ``summary.json`` ``interrupted`` (:func:`mark_stopped`)
   and exits 130.
@@ -29,6 +37,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +46,7 @@ import tempfile
 import time
 import tomllib
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +119,9 @@ def flwr_cli(*args: str, env: dict, capture: bool = True, timeout: float | None 
 
 #: ``--ray-address`` (and ``RAY_ADDRESS``) value for a Ray instance of this run's own (Ray's own word)
 LOCAL_RAY = "local"
+#: seconds a child may take to import Ray, join the cluster at ``--ray-address`` and list its nodes: Ray
+#: retries a GCS that does not answer (a TCP service that is not Ray) without end
+RAY_JOIN_TIMEOUT = 45.0
 
 
 def check_ray_cluster(address: str, cpus: float, gpus: float | None) -> bool:
@@ -120,11 +133,12 @@ def check_ray_cluster(address: str, cpus: float, gpus: float | None) -> bool:
 
     Ray is asked from a spawned child, as a short-lived driver of the cluster (``ray.init`` then
     ``ray.nodes()``), after a TCP connection to ``HOST:PORT`` has shown something listens there (Ray
-    itself retries an absent head for about a minute).
+    itself retries an absent head for about a minute); the child is killed after
+    :data:`RAY_JOIN_TIMEOUT` seconds (:func:`cluster_nodes`).
 
     Raises:
-        ConfigError: naming ``--ray-address``: nothing answers there, Ray cannot join it, or no alive
-            node has the CPUs (and GPUs) of one ClientApp.
+        ConfigError: naming ``--ray-address``: nothing answers there, Ray cannot join it (within
+            :data:`RAY_JOIN_TIMEOUT` s), or no alive node has the CPUs (and GPUs) of one ClientApp.
     """
     from common.errors import ConfigError
 
@@ -161,18 +175,38 @@ def client_slots(resources: dict[str, float], cpus: float, gpus: float) -> int:
     return min(fits, int(resources.get("GPU", 0) // gpus)) if gpus > 0 else fits
 
 
-def cluster_nodes(address: str) -> tuple[str | None, list[dict]]:
+def cluster_nodes(address: str, timeout: float | None = None) -> tuple[str | None, list[dict]]:
     """(error or None, ``[{"id": Ray node id (hex), "resources": {"CPU": ..., ...}}]`` of each alive
     node) of the Ray cluster at ``address``, asked by a spawned child that joins the cluster as a
-    driver and leaves (Ray and its driver state stay out of this process)."""
+    driver and leaves (Ray and its driver state stay out of this process). A child without an answer
+    after ``timeout`` seconds (default :data:`RAY_JOIN_TIMEOUT`) is killed, with whatever it started,
+    and the error says so."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_ray_nodes, address).result()
+    import psutil
+
+    timeout = RAY_JOIN_TIMEOUT if timeout is None else timeout
+    context = multiprocessing.get_context("spawn")
+    answer, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_ray_nodes, args=(address, sender), daemon=True)
+    child.start()
+    sender.close()  # this end is the child's: EOF here once the child is gone
+    try:
+        if answer.poll(timeout):
+            return answer.recv()
+        return f"no Ray cluster answered within {timeout:.0f} s (is a Ray head's GCS listening there?)", []
+    except EOFError:  # it died without an answer
+        return f"the child that joins the cluster exited with {child.exitcode} without an answer", []
+    finally:
+        with contextlib.suppress(psutil.Error):
+            kill_all(psutil.Process(child.pid).children(recursive=True))
+        child.kill()
+        child.join()
+        answer.close()
 
 
-def _ray_nodes(address: str) -> tuple[str | None, list[dict]]:
+def _ray_nodes(address: str, sender) -> None:
+    """Send :func:`cluster_nodes`'s answer for ``address`` through the pipe end ``sender``."""
     import ray
 
     try:
@@ -180,9 +214,9 @@ def _ray_nodes(address: str) -> tuple[str | None, list[dict]]:
         nodes = [
             {"id": n["NodeID"], "resources": dict(n["Resources"])} for n in ray.nodes() if n["Alive"] and n["Resources"]
         ]
-        return None, nodes
+        sender.send((None, nodes))
     except (ConnectionError, ValueError, RuntimeError) as exc:
-        return f"{type(exc).__name__}: {exc}", []
+        sender.send((f"{type(exc).__name__}: {exc}", []))
     finally:
         ray.shutdown()
 
@@ -283,9 +317,18 @@ def run_status(env: dict, run_id: int, connection: str = "sim") -> str:
     return runs[0].get("status", "unknown") if runs else "unknown"
 
 
-def wait_finished(env: dict, run_id: int, connection: str, timeout: float | None, echo: bool = False) -> str:
+def wait_finished(
+    env: dict,
+    run_id: int,
+    connection: str,
+    timeout: float | None,
+    echo: bool = False,
+    superlink: subprocess.Popen | None = None,
+) -> str:
     """Wait up to ``timeout`` seconds (None: no limit) for run ``run_id`` on CLI ``connection`` to
-    finish; returns its status (``finished:completed``, ...).
+    finish; returns its status (``finished:completed``, ...). ``superlink``: the SuperLink process
+    serving ``connection``, when this process started it (a run whose SuperLink has exited never
+    finishes).
 
     A ``flwr log --stream`` process waits for the end of the run (the SuperLink closes the
     stream then), printing the run's log when ``echo``; the status is asked only afterwards,
@@ -295,6 +338,7 @@ def wait_finished(env: dict, run_id: int, connection: str, timeout: float | None
 
     Raises:
         TimeoutError: the run did not finish within ``timeout`` seconds.
+        RuntimeError: ``superlink`` exited before the run finished.
     """
     deadline = time.monotonic() + timeout if timeout is not None else None
     while True:
@@ -306,6 +350,8 @@ def wait_finished(env: dict, run_id: int, connection: str, timeout: float | None
         status = run_status(env, run_id, connection)
         if status.startswith("finished"):
             return status
+        if superlink is not None and superlink.poll() is not None:
+            raise RuntimeError(f"flower-superlink exited with {superlink.returncode} before run {run_id} finished")
         if deadline is not None and time.monotonic() >= deadline:
             break
         time.sleep(2.0)
@@ -383,37 +429,120 @@ def add_config_arguments(parser: argparse.ArgumentParser, preset: bool = True) -
     )
 
 
-def read_config(preset: str | os.PathLike | None, items: list[str], base: dict | None = None) -> tuple[dict, dict]:
-    """``(config, overrides)``: the run config defaults (pyproject), then ``base`` (an entry point's
-    own settings), then the preset, then each ``-c`` item, parsed by Flower's ``parse_config_args``
-    as ``flwr run --run-config`` does (several ``key=value`` pairs per item); ``data-dir``,
-    ``output-dir``, ``resume-from`` and ``state-dir`` of ``config`` resolved to absolute paths.
-    ``overrides`` is everything but the defaults, as given.
+def read_preset(path: str | os.PathLike) -> dict[str, Any]:
+    """The run config keys of preset ``path``, a TOML file (whatever its name ends in), flattened to
+    Flower's dotted keys as ``flwr run --run-config FILE`` flattens them.
 
     Raises:
-        ConfigError: a key the app does not have (naming it), or an item Flower cannot parse.
+        ConfigError: naming the file: it cannot be read (missing, a folder, no permission) or is not
+            UTF-8 TOML of run config values (strings, numbers, booleans, tables of them).
     """
+    from flwr.common.config import flatten_dict
+
+    from common.errors import ConfigError
+    from common.options import excerpt
+
+    try:
+        with open(path, "rb") as f:
+            return flatten_dict(tomllib.load(f))
+    except OSError as exc:
+        raise ConfigError(f"preset {excerpt(str(path))} cannot be read: {exc.strerror or exc}") from None
+    except ValueError as exc:  # TOMLDecodeError, UnicodeDecodeError, or a value Flower does not take (a list)
+        raise ConfigError(f"preset {excerpt(str(path))} is not a TOML file of run config keys: {exc}") from None
+
+
+#: the run config keys that hold paths (:func:`read_config` resolves them)
+PATH_KEYS = ("data-dir", "output-dir", "resume-from", "state-dir")
+#: the longest name of one file or folder (bytes): ext4, XFS, Btrfs, tmpfs and APFS all stop there
+NAME_MAX = 255
+
+
+def check_path_names(key: str, value: str) -> None:
+    """Refuse path ``value`` of run config key ``key`` that no file system takes: longer than
+    ``common.options.MAX_STRING`` characters, or with a name (between two ``/``) over :data:`NAME_MAX`
+    bytes in UTF-8. Only the text is checked, nothing on disk.
+
+    Raises:
+        ConfigError: naming ``key``, quoting the start of the value (and of the long name).
+    """
+    from common.options import MAX_STRING, excerpt, invalid
+
+    if len(value) > MAX_STRING:
+        raise invalid(key, value, f"a path of at most {MAX_STRING} characters")
+    for name in Path(value).parts:
+        if len(os.fsencode(name)) > NAME_MAX:
+            raise invalid(
+                key,
+                value,
+                f"a path whose every name is at most {NAME_MAX} bytes (this one has a name of "
+                f"{len(os.fsencode(name))} bytes: {excerpt(name, 40)})",
+            )
+
+
+def read_config(preset: str | os.PathLike | None, items: list[str], base: dict | None = None) -> tuple[dict, dict]:
+    """``(config, overrides)``: the run config defaults (pyproject), then ``base`` (an entry point's
+    own settings), then the preset (:func:`read_preset`), then each ``-c`` item, parsed by Flower's
+    ``parse_config_args`` as ``flwr run --run-config`` does (several ``key=value`` pairs per item);
+    ``data-dir``, ``output-dir``, ``resume-from`` and ``state-dir`` of ``config`` checked
+    (:func:`check_path_names`) and resolved to absolute paths. ``overrides`` is everything but the
+    defaults, as given.
+
+    Raises:
+        ConfigError: a preset that cannot be read or is not TOML (naming it), a key the app does not
+            have (naming it), an item Flower cannot parse, or a path no file system takes.
+    """
+    import click
     from flwr.common.config import parse_config_args
 
     from common.errors import ConfigError
+    from common.options import excerpt
 
     overrides = dict(base or {})
+    overrides.update(read_preset(preset) if preset else {})
     try:
-        overrides.update(parse_config_args([str(preset)]) if preset else {})
         # one item at a time: Flower merges the items' nested tables shallowly (run_config_file)
         for item in items:
             overrides.update(parse_config_args([item]))
-    except (ValueError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"run config overrides {items} cannot be parsed: {exc}") from None
+    except (ValueError, tomllib.TOMLDecodeError, click.ClickException) as exc:
+        message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
+        raise ConfigError(f"run config overrides {excerpt(items)} cannot be parsed: {message}") from None
     defaults = app_defaults()
     unknown = sorted(set(overrides) - set(defaults))
     if unknown:
-        raise ConfigError(f"unknown run config key(s) {unknown}; see [tool.flwr.app.config] in pyproject.toml")
+        raise ConfigError(f"unknown run config key(s) {excerpt(unknown)}; see [tool.flwr.app.config] in pyproject.toml")
     config = {**defaults, **overrides}
-    for key in ("data-dir", "output-dir", "resume-from", "state-dir"):
-        if config[key]:
+    for key in PATH_KEYS:
+        if config[key] and isinstance(config[key], str):  # another type is refused by check_config, named
+            check_path_names(key, config[key])
             config[key] = str(Path(config[key]).expanduser().resolve())
     return config, overrides
+
+
+def check_output_folders(config: dict[str, Any]) -> None:
+    """Check that run config ``output-dir`` and (when set) ``state-dir`` of ``config`` (absolute paths,
+    :func:`read_config`) are folders this user can write, or can be created as such (the nearest
+    existing folder above is writable), before anything starts; nothing is created.
+
+    Raises:
+        ConfigError: naming the key: the path is a file, lies below a file, or cannot be written.
+    """
+    from common.errors import ConfigError
+    from common.options import excerpt
+
+    for key in ("output-dir", "state-dir"):
+        if not config.get(key):
+            continue
+        path = Path(config[key])
+        where = f"run config key '{key}' = {excerpt(config[key])}"
+        try:
+            existing = next(p for p in (path, *path.parents) if p.exists())
+        except OSError as exc:
+            raise ConfigError(f"{where} cannot be checked: {exc.strerror or exc}") from None
+        if not existing.is_dir():
+            what = "is a file" if existing == path else f"lies below {excerpt(str(existing))}, which is a file"
+            raise ConfigError(f"{where} {what}: allowed values are folders (existing or to be created)")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"{where}: {excerpt(str(existing))} is not writable by this user")
 
 
 def validate_configs(configs: list[dict]) -> list[tuple[int, bool]]:
@@ -465,6 +594,29 @@ def mark_stopped(folder: Path, reason: str, status_before: str | None) -> None:
     the signal came, was ``running`` or None: the failure is the stop's doing; its error is kept after
     ``reason``). A run that had ended before the signal keeps its summary, as does a folder without
     a readable one."""
+
+    def final(summary: dict) -> tuple[str, str] | None:
+        if summary["status"] != "running" and not (
+            summary["status"] == "failed" and status_before in (None, "running")
+        ):
+            return None
+        return "interrupted", reason + (
+            f"; the ServerApp then recorded: {summary['error']}" if summary.get("error") else ""
+        )
+
+    _finish_summary(folder, final)
+
+
+def mark_failed(folder: Path, reason: str) -> None:
+    """Give the run folder of a run that ended while its ``summary.json`` still said ``running`` (its
+    ServerApp was killed or died before it could write) the status ``failed`` with ``reason`` under
+    ``error``; any other summary, or a folder without a readable one, is left as it is."""
+    _finish_summary(folder, lambda summary: ("failed", reason) if summary["status"] == "running" else None)
+
+
+def _finish_summary(folder: Path, final: Callable[[dict], tuple[str, str] | None]) -> None:
+    """Rewrite ``<folder>/summary.json`` (atomically) with the ``(status, error)`` that ``final`` gives
+    for it; unchanged when ``final`` gives None or there is no readable summary."""
     from common.errors import ConfigError
     from common.files import SUMMARY_FILE, atomic_write, read_summary
 
@@ -472,10 +624,9 @@ def mark_stopped(folder: Path, reason: str, status_before: str | None) -> None:
         summary = read_summary(folder)
     except ConfigError:
         return
-    if summary["status"] != "running" and not (summary["status"] == "failed" and status_before in (None, "running")):
+    if (outcome := final(summary)) is None:
         return
-    error = reason + (f"; the ServerApp then recorded: {summary['error']}" if summary.get("error") else "")
-    summary.update(status="interrupted", error=error)
+    summary.update(status=outcome[0], error=outcome[1])
     text = json.dumps(summary, indent=2, allow_nan=False).encode("utf-8")
     atomic_write(folder / SUMMARY_FILE, lambda f: f.write(text))
 
@@ -581,6 +732,7 @@ def main(argv: list[str] | None = None) -> int:
     with stop_on_signals():
         try:
             config, _ = read_config(args.preset, args.run_config)
+            check_output_folders(config)
             ((num_clients, gpu),) = validate_configs([config])  # before anything starts
             supernodes = federation_size(args.num_supernodes, num_clients)
             if args.ray_address != LOCAL_RAY:
@@ -634,12 +786,45 @@ def check_config(config: dict) -> tuple[str | None, int, bool]:
     return None, cfg.num_clients, torch.cuda.is_available()
 
 
+#: the folder of each launch's Flower home (:func:`launch_home`)
+LAUNCHES = ROOT / ".flwr" / "launches"
+
+
+def launch_home(parent: Path | None = None) -> Path:
+    """A new, empty Flower home (``FLWR_HOME``) for one launch: ``<parent>/<UTC time>-<pid>-<random>``.
+
+    Its SuperLink's log (``superlink.log``), state database (``state.db``) and the CLI's connection
+    (``config.toml``) are this launch's alone: launches from one checkout at the same time never ask
+    each other's SuperLink (with one shared home the second launch's connection replaced the first's,
+    which then asked a stopped SuperLink for ever). ``parent`` defaults to :data:`LAUNCHES`."""
+    parent = parent or LAUNCHES
+    parent.mkdir(parents=True, exist_ok=True)
+    prefix = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + f"{os.getpid()}-"
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+
+
 def _run(args, config: dict, supernodes: int, gpu: bool) -> int:
-    """Start a SuperLink, submit the validated ``config`` to it, stream the run and report it; on
-    Ctrl-C, SIGTERM or SIGHUP stop the run, the SuperLink and every process they started, and give the
-    run folder a final status."""
-    home = ROOT / ".flwr"
-    home.mkdir(exist_ok=True)
+    """Run the validated ``config`` (:func:`_launch`) in a Flower home of its own (:func:`launch_home`),
+    removed when the run completed and kept otherwise, with its SuperLink log's path printed."""
+    home = launch_home()
+    code = 1
+    try:
+        with adopting_orphans():
+            code = _launch(home, args, config, supernodes, gpu)
+    finally:
+        if code == 0:
+            shutil.rmtree(home, ignore_errors=True)
+        else:
+            print(f"the SuperLink's log: {home / 'superlink.log'} (this launch's Flower home is kept)")
+    return code
+
+
+def _launch(home: Path, args, config: dict, supernodes: int, gpu: bool) -> int:
+    """Start a SuperLink with Flower home ``home``, submit the validated ``config`` to it, stream the run
+    and report it; exit status 0 only when the Flower run finished ``completed`` and its summary says
+    ``completed`` with the requested config. Whichever way it ends (Ctrl-C, SIGTERM or SIGHUP included),
+    the run, the SuperLink and every process they started are stopped and a run folder left ``running``
+    gets a final status."""
     bin_dir = str(Path(sys.executable).parent)  # flower-superexec etc. must be on PATH for the SuperLink
     env = {
         **os.environ,
@@ -672,12 +857,16 @@ def _run(args, config: dict, supernodes: int, gpu: bool) -> int:
             print("error: the run was not submitted")
             return 1
         print(f"Submitted run {run_id}; streaming its log (Ray needs tens of seconds before round 1)")
-        status = wait_finished(env, run_id, "sim", None, echo=True)
+        status = wait_finished(env, run_id, "sim", None, echo=True, superlink=superlink)
         print(f"Run {run_id}: {status}")
+        stop_everything(superlink)  # the run has ended: its simulation and Ray must not outlive it
         folder = run_folder(config["output-dir"], run_id)
+        if folder is not None:
+            mark_failed(folder, f"the Flower run ended {status} before its ServerApp recorded an outcome")
         print_outcome(folder, status)
-        return 0 if status == "finished:completed" and used_requested_config(folder, config) else 1
-    except RuntimeError as exc:  # the SuperLink did not come up: its log says why
+        used = used_requested_config(folder, config)
+        return 0 if status == "finished:completed" and summary_status(folder) == "completed" and used else 1
+    except RuntimeError as exc:  # the SuperLink did not come up or died: its log says why
         print(f"error: {exc}")
         return 1
     except KeyboardInterrupt:
@@ -694,7 +883,40 @@ def _run(args, config: dict, supernodes: int, gpu: bool) -> int:
         print(f"interrupted: stopped the run, its SuperLink and {len(started)} processes; {folder or 'no run folder'}")
         return 130
     finally:
-        stop(superlink)
+        stop_everything(superlink)
+        if run_id is not None and (folder := run_folder(config["output-dir"], run_id)) is not None:
+            mark_failed(folder, "tools.run ended before the run did (see the SuperLink's log)")
+
+
+#: ``prctl`` option of Linux (``<linux/prctl.h>``): orphaned descendants are re-parented to this process
+PR_SET_CHILD_SUBREAPER = 36
+
+
+@contextlib.contextmanager
+def adopting_orphans():
+    """Within the block, a process orphaned below this one (a simulation whose SuperLink died, Ray's
+    daemons once their driver exited) is re-parented to this process instead of init, so that
+    :func:`descendants` still lists it and the clean-up kills it (Linux's ``PR_SET_CHILD_SUBREAPER``,
+    prctl(2)); elsewhere nothing changes."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    if libc is not None:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+def stop_everything(superlink: subprocess.Popen) -> None:
+    """Stop ``superlink`` and kill every other process this one started (the simulation and Ray run in
+    process groups of their own); the processes are listed first, while they are still this process's
+    descendants."""
+    started = descendants()
+    stop(superlink)
+    kill_all(started)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,358 @@
+"""The launchers against hostile or faulty input: concurrent launches and grids, an ``--ray-address`` that
+is not Ray, huge or impossible values, a missing or broken preset, a run that recorded its failure without
+raising. Everything is refused before anything starts, named, quoted short; whatever ends a run, nothing it
+started outlives it and its summary is not left ``running``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from common.config import RunConfig
+from common.errors import ConfigError
+from conftest import DATA_DIR, ROOT
+from tools import grid as grids
+from tools import run as launcher
+
+#: a launch as cheap as a real one gets: MNIST, 2 clients, 1 round, 50 examples each
+TINY = {
+    "dataset": "mnist",
+    "num-clients": 2,
+    "num-server-rounds": 1,
+    "max-examples-per-client": 50,
+    "model-group": "cnn1",
+    "data-dir": str(DATA_DIR),
+}
+
+
+def never(*args, **kwargs):
+    raise AssertionError("started something before the input was checked")
+
+
+def tools_run(config: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tools.run"]
+    for key, value in config.items():
+        cmd += ["-c", f"{key}={json.dumps(value)}"]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_concurrent_launches_from_one_checkout_both_finish(tmp_path):
+    """SLOW (a real pair of simulations, about 100 s on 2 busy cores). The second launch starts once the
+    first has submitted its run, so it connects later: with one Flower home per checkout its connection
+    replaced the first's, and the first then asked the second's (stopped) SuperLink for ever."""
+    first = tools_run({**TINY, "output-dir": str(tmp_path / "a")})
+    lines = []
+    for line in first.stdout:  # until the first run is submitted
+        lines.append(line)
+        if line.startswith("Submitted run"):
+            break
+    second = tools_run({**TINY, "output-dir": str(tmp_path / "b")})
+    threading.Thread(target=lambda: lines.extend(first.stdout), daemon=True).start()
+    try:
+        out_b, _ = second.communicate(timeout=300)
+        first.wait(timeout=120)
+    finally:
+        for proc in (first, second):
+            if proc.poll() is None:
+                launcher.interrupt(proc, grace=30)
+    out_a = "".join(lines)
+    assert second.returncode == 0, out_b[-3000:]
+    assert first.returncode == 0, out_a[-3000:]
+    for out, folder in ((out_a, "a"), (out_b, "b")):
+        assert "finished:completed" in out and "the SuperLink's log" not in out
+        (summary,) = (tmp_path / folder).glob("*/summary.json")
+        assert json.loads(summary.read_text())["status"] == "completed"
+
+
+class FakeLaunch:
+    """What ``_launch`` starts, faked: a "SuperLink" process whose child detaches into a session of
+    its own (as flwr-simulation and Ray do, out of the SuperLink's process group), a submission that
+    gives run 7, and a run that ends with ``status`` after the ServerApp wrote ``summary``; with
+    ``status`` None the SuperLink dies instead while the run is streamed (the real
+    ``wait_finished`` then finds it gone)."""
+
+    def __init__(self, monkeypatch, tmp_path: Path, status: str | None, summary: dict) -> None:
+        self.homes: list[Path] = []
+        self.detached: list[psutil.Process] = []
+        self.out = tmp_path / "outputs"
+        self.status, self.summary = status, summary
+        monkeypatch.setattr(launcher, "LAUNCHES", tmp_path / "launches")
+        monkeypatch.setattr(launcher, "start_superlink", self.start_superlink)
+        monkeypatch.setattr(launcher, "wait_healthy", lambda *args: None)
+        monkeypatch.setattr(launcher, "flwr_cli", self.flwr_cli)
+        if status is not None:
+            monkeypatch.setattr(launcher, "wait_finished", self.wait_finished)
+
+    def start_superlink(self, env: dict, home: Path):
+        self.homes.append(Path(env["FLWR_HOME"]))
+        assert home == self.homes[-1]
+        script = (
+            "import subprocess, sys, time; "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True); "
+            "time.sleep(300)"
+        )
+        self.superlink = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+        launcher.wait_for(lambda: psutil.Process(self.superlink.pid).children(), 30, "the detached child")
+        self.detached += psutil.Process(self.superlink.pid).children()
+        return self.superlink, "127.0.0.1:1"
+
+    def write_summary(self) -> None:
+        run = self.out / "20260101-000000-fedgh-mnist-7"
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "summary.json").write_text(json.dumps(self.summary))
+
+    def flwr_cli(self, *args, env, **kwargs):
+        assert (Path(env["FLWR_HOME"]) / "config.toml").is_file()  # the CLI's connection is in this home
+        stdout = {"run": json.dumps({"run-id": 7}), "list": json.dumps({"runs": []})}.get(args[0], "")
+        if args[0] == "log":  # the ServerApp has started; then the SuperLink dies
+            self.write_summary()
+            self.superlink.kill()
+        return subprocess.CompletedProcess(args, 0, stdout=stdout, stderr="")
+
+    def wait_finished(self, env, run_id, connection, timeout, echo=False, superlink=None):
+        self.write_summary()
+        return self.status
+
+    def launch(self, config: dict) -> int:
+        args = argparse.Namespace(ray_address=launcher.LOCAL_RAY, gpus_per_client=None, cpus_per_client=1)
+        return launcher._run(args, {**config, "output-dir": str(self.out)}, 2, False)
+
+    def left_running(self) -> list[psutil.Process]:
+        time.sleep(0.5)
+        return [p for p in self.detached if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    def written(self) -> dict:
+        (summary,) = self.out.glob("*/summary.json")
+        return json.loads(summary.read_text())
+
+
+@pytest.fixture
+def fake_launch(tmp_path, monkeypatch):
+    """Factory of :class:`FakeLaunch`; whatever they leave is killed after the test."""
+    fakes: list[FakeLaunch] = []
+
+    def factory(status: str | None, summary: dict) -> FakeLaunch:
+        fakes.append(FakeLaunch(monkeypatch, tmp_path, status, summary))
+        return fakes[-1]
+
+    yield factory
+    for p in (p for fake in fakes for p in fake.detached):
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
+def test_each_launch_has_a_flower_home_of_its_own_removed_after_a_completed_run(tmp_path, fake_launch):
+    config = {"lr": 0.05}
+    fake = fake_launch("finished:completed", {"status": "completed", "rounds_completed": 1})
+    fake.summary["config"] = {**config, "output-dir": str(fake.out)}  # the run used what was asked
+    assert fake.launch(config) == 0
+    assert fake.launch(config) == 0
+    first, second = fake.homes
+    assert first != second and first.parent == second.parent == tmp_path / "launches"
+    assert list((tmp_path / "launches").iterdir()) == []  # a completed run's home is removed
+    assert not fake.left_running()  # a completed run's detached processes too
+
+
+@pytest.mark.parametrize(
+    "status, summary, reason",
+    [
+        # the ServerApp recorded its failure and returned: Flower says completed
+        ("finished:completed", {"status": "failed", "error": "RunFailed: no client trained for 3 rounds"}, None),
+        # it was killed (or died) before it could write anything: the summary still said running
+        ("finished:failed", {"status": "running", "error": None}, "the Flower run ended finished:failed"),
+        # the SuperLink died while the run was streamed (it waited for ever before)
+        (None, {"status": "running", "error": None}, "tools.run ended before the run did"),
+    ],
+)
+def test_a_run_whose_summary_is_not_completed_exits_1_and_stops_everything(
+    fake_launch, capsys, status, summary, reason
+):
+    fake = fake_launch(status, {**summary, "rounds_completed": 0, "config": {}})
+    assert fake.launch({}) == 1
+    out = capsys.readouterr().out
+    written = fake.written()
+    assert written["status"] == "failed"  # never left running
+    assert (reason or summary["error"]) in written["error"]
+    assert status is None or written["error"] in out  # the reason is printed with the outcome
+    if status is None:
+        assert "error: flower-superlink exited with -9 before run 7 finished" in out
+    (home,) = fake.homes
+    assert f"the SuperLink's log: {home / 'superlink.log'}" in out and home.is_dir()  # kept for the user
+    assert fake.detached and not fake.left_running()  # the detached "simulation" was killed too
+
+
+def http_server() -> tuple[subprocess.Popen, int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    launcher.wait_for(lambda: not socket.socket().connect_ex(("127.0.0.1", port)), 30, "http.server")
+    return server, port
+
+
+def test_a_ray_address_that_is_not_ray_fails_within_the_join_limit_naming_the_option(monkeypatch, capsys):
+    """A TCP service that is not Ray passes the TCP check; Ray then retried its GCS without end."""
+    server, port = http_server()
+    monkeypatch.setattr(launcher, "RAY_JOIN_TIMEOUT", 20.0)
+    monkeypatch.setattr(launcher, "validate_configs", lambda configs: [(2, False)])
+    monkeypatch.setattr(launcher, "_run", never)
+    start = time.monotonic()
+    try:
+        assert launcher.main(["--ray-address", f"127.0.0.1:{port}"]) == 2
+    finally:
+        server.kill()
+        server.wait()
+    assert time.monotonic() - start < 60
+    out = capsys.readouterr().out
+    assert f"--ray-address 127.0.0.1:{port}: Ray cannot join the cluster" in out
+    children = psutil.Process().children(recursive=True)
+    assert not [p for p in children if "ray" in " ".join(p.cmdline()).lower()]  # the joining child is gone
+
+
+def test_huge_values_are_refused_before_anything_starts_quoting_only_their_start(tmp_path, monkeypatch, capsys):
+    """A 100 MB state-dir ran for 179 s and left a 100 MB summary; a 10 MB method was echoed whole."""
+    monkeypatch.setattr(launcher, "validate_configs", never)
+    monkeypatch.setattr(launcher, "_run", never)
+    preset = tmp_path / "huge.toml"
+    preset.write_text(f'state-dir = "{"d" * 5_000_000}"\n')
+    assert launcher.main(["--preset", str(preset)]) == 2
+    out = capsys.readouterr().out
+    assert "run config key 'state-dir' = '/ddd" not in out  # quoted as given, not resolved first
+    assert "'state-dir' = 'ddd" in out and "(5000000 characters)" in out and len(out) < 400
+    # a path whose one name is longer than any file system takes
+    assert launcher.main(["-c", f"state-dir='{tmp_path}/{'n' * 256}/x'"]) == 2
+    out = capsys.readouterr().out
+    assert "'state-dir'" in out and "every name is at most 255 bytes" in out and "256 bytes" in out and len(out) < 500
+    # any other string: bounded where every value is checked (the ServerApp's RunConfig too)
+    config = {**launcher.app_defaults(), "method": "m" * 10_000_000}
+    error, _, _ = launcher.check_config(config)
+    assert error.startswith("run config key 'method' = 'mmm") and len(error) < 2000
+    with pytest.raises(ConfigError, match=r"'data-dir' = 'xxx.*\(5000 characters\).*at most 4096") as caught:
+        RunConfig.from_dict({**launcher.app_defaults(), "data-dir": "x" * 5000})
+    assert len(str(caught.value)) < 600
+
+
+@pytest.mark.parametrize("kind", ["file", "below a file", "long name", "read-only"])
+def test_an_output_dir_that_cannot_be_a_writable_folder_fails_fast_naming_it(tmp_path, monkeypatch, capsys, kind):
+    monkeypatch.setattr(launcher, "validate_configs", never)
+    monkeypatch.setattr(launcher, "_run", never)
+    (tmp_path / "file").write_text("not a folder")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    value = {
+        "file": tmp_path / "file",
+        "below a file": tmp_path / "file" / "runs",
+        "long name": tmp_path / ("o" * 300),
+        "read-only": locked / "runs",
+    }[kind]
+    if kind == "read-only" and psutil.Process().uids().effective == 0:
+        pytest.skip("root writes into a read-only folder")
+    start = time.monotonic()
+    assert launcher.main(["-c", f"output-dir='{value}'"]) == 2
+    out = capsys.readouterr().out
+    assert "run config key 'output-dir'" in out and time.monotonic() - start < 10, out
+    expected = {"file": "is a file", "below a file": "which is a file", "long name": "255 bytes"}
+    assert expected.get(kind, "is not writable") in out
+
+
+@pytest.mark.parametrize("module", ["tools.run", "tools.grid"])
+@pytest.mark.parametrize("kind", ["missing", "not toml", "a list"])
+def test_a_preset_that_cannot_be_read_is_named_with_exit_2(tmp_path, monkeypatch, capsys, module, kind):
+    import importlib
+
+    entry = importlib.import_module(module)
+    monkeypatch.setattr(entry, "validate_configs", never)
+    path = tmp_path / "nope.toml"
+    if kind == "not toml":
+        path.write_text("method: fedgh\n")  # YAML
+    elif kind == "a list":
+        path.write_text("method = ['fedgh']\n")
+    argv = ["--preset", str(path)] if module == "tools.run" else [str(path), "--methods", "fedgh"]
+    assert entry.main(argv) == 2
+    out = capsys.readouterr().out
+    assert f"preset {str(path)!r}" in out, out
+    assert ("cannot be read" if kind == "missing" else "is not a TOML file of run config keys") in out
+
+
+def instant_launcher(launches: list, release: threading.Event):
+    """A grid launcher that records each cell and finishes it at once (after ``release``)."""
+
+    def launch(preset: Path, overrides: dict, minutes: float) -> int:
+        launches.append(Path(overrides["output-dir"]).name)
+        release.wait(30)
+        run = Path(overrides["output-dir"]) / f"20260101-000000-{len(launches)}"
+        run.mkdir(parents=True)
+        summary = {"status": "completed", "rounds_completed": overrides["num-server-rounds"]}
+        (run / "summary.json").write_text(json.dumps(summary))
+        return 0
+
+    return launch
+
+
+def test_two_grids_on_one_folder_run_each_cell_once(tmp_path):
+    preset = tmp_path / "p.toml"
+    preset.write_text("num-server-rounds = 2\n")
+    out, launches, release = tmp_path / "grid", [], threading.Event()
+    outcomes = {}
+    first = threading.Thread(
+        target=lambda: outcomes.update(
+            grids.run_grid(preset, ["local", "fedgh"], [0], out, launcher=instant_launcher(launches, release))
+        )
+    )
+    first.start()
+    launcher.wait_for(lambda: launches, 30, "the first grid's first launch")
+    expected = rf"grid folder {re.escape(str(out))} is in use by another tools.grid \(PID {os.getpid()}\)"
+    with pytest.raises(ConfigError, match=expected):
+        grids.run_grid(preset, ["local", "fedgh"], [0], out, launcher=instant_launcher(launches, release))
+    release.set()
+    first.join(30)
+    assert outcomes == {"local-seed0": "completed", "fedgh-seed0": "completed"}
+    assert sorted(launches) == ["fedgh-seed0", "local-seed0"]  # each cell once
+    # the lock goes with the grid: the next one finds every cell done
+    assert grids.run_grid(preset, ["local", "fedgh"], [0], out, launcher=never) == {
+        "local-seed0": "done",
+        "fedgh-seed0": "done",
+    }
+    assert len(grids.read_grid_info(out)["invocations"]) == 2
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_grid_held_by_another_process_is_refused_naming_its_pid(tmp_path, capsys):
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from tools.grid import grid_lock\n"
+            "with grid_lock(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(60)",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        expected = rf"{re.escape(str(tmp_path))} is in use by another tools.grid \(PID {holder.pid}\)"
+        with pytest.raises(ConfigError, match=expected), grids.grid_lock(tmp_path):
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with grids.grid_lock(tmp_path):  # released with its holder, killed or not
+        assert (tmp_path / grids.LOCK_FILE).read_text().strip() == str(os.getpid())
