@@ -8,6 +8,7 @@ import statistics
 
 import pytest
 
+from common.errors import ConfigError
 from conftest import DATA_DIR
 from tools.report import FIGURES, report
 
@@ -278,3 +279,42 @@ def test_where_a_method_is_above_local():
     assert describe_above("m", above) == "m never"
     # up to the last round both have
     assert above_baseline(cells([0.3, 0.5, 0.5]), local, "acc") == {"first": 1, "stays_from": 1, "above": 3, "of": 3}
+
+
+def test_report_of_a_plain_flwr_run_folder_takes_the_federation_size_from_the_run(small_config, tmp_path):
+    """A run made with plain ``flwr run`` keeps ``num-clients = 0`` (every node) in its config: the partition
+    figure asked flwr-datasets for 0 partitions and failed; the federation's size is in the summary or the rows."""
+    from tools.report import Cell, main, with_federation_size
+
+    config = {**small_config, "num-clients": 0, "method": "fedgh"}
+    run = tmp_path / "20260101-000000-fedgh-mnist-7"
+    run.mkdir()
+    rows = [
+        {
+            "round": r,
+            "accuracy_mean": 0.5,
+            "accuracy_weighted": 0.6,
+            "accuracy_per_client": {"0": 0.4, "1": 0.5, "2": 0.6},
+            "bytes_up": 30,
+            "bytes_down": 60,
+            "eval_bytes_up": 0,
+            "eval_bytes_down": 0,
+            "num_clients": CLIENTS,
+            "round_seconds": 1.0,
+        }
+        for r in (1, 2)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"status": "completed", "rounds_completed": 2, "num_clients": CLIENTS, "config": config}
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert main([str(run), "--out", str(tmp_path / "report"), "--data-dir", str(DATA_DIR)]) == 0
+    assert (tmp_path / "report" / "label_distribution.png").stat().st_size > 10_000
+    assert "2 rounds" in (tmp_path / "report" / "report.md").read_text()
+
+    assert with_federation_size(config, [Cell("fedgh", 0, rows, summary)])["num-clients"] == CLIENTS
+    # an older summary without num_clients: the rows say it (fraction-train 0.5 of 6: partition id 5 seen)
+    sampled = [{**rows[0], "num_clients": 3, "accuracy_per_client": {"1": 0.5, "5": 0.6}}]
+    assert with_federation_size(config, [Cell("fedgh", 0, sampled, {"status": "completed"})])["num-clients"] == 6
+    assert with_federation_size(small_config, [])["num-clients"] == CLIENTS  # a config that sets it is kept
+    with pytest.raises(ConfigError, match="num-clients = 0 and no summary or round row"):
+        with_federation_size(config, [])

@@ -256,6 +256,33 @@ def method_stats(cells: list[Cell], key: str, target: float | None) -> dict:
     return out
 
 
+def with_federation_size(config: dict, cells: list[Cell]) -> dict:
+    """``config`` (a run's or a grid's run config) with ``num-clients`` the size of the federation its
+    ``cells`` ran in, for the partition figure and the FLOPs, which partition the data as the clients did.
+
+    A config with ``num-clients`` > 0 is returned as it is. With 0 (the default: the server takes every
+    node, as a plain ``flwr run`` does) the size is the ``num_clients`` the runs' summaries recorded,
+    else the most clients one round of theirs saw (its ``num_clients``, or its highest partition id of
+    ``accuracy_per_client`` + 1).
+
+    Raises:
+        ConfigError: ``num-clients`` is 0 and neither the summaries nor the rows say how many clients
+            there were.
+    """
+    if {**app_defaults(), **config}["num-clients"]:
+        return config
+    recorded = [n for c in cells if isinstance(n := c.summary.get("num_clients"), int) and n > 0]
+    seen = [
+        max([int(r.get("num_clients") or 0), *(int(p) + 1 for p in r.get("accuracy_per_client") or {})])
+        for c in cells
+        for r in c.rows
+    ]
+    size = max(recorded) if recorded else max(seen, default=0)
+    if size < 1:
+        raise ConfigError("run config num-clients = 0 and no summary or round row says how many clients took part")
+    return {**config, "num-clients": size}
+
+
 def training_flops(config: dict, data_dir: str | None = None) -> float:
     """Training FLOPs per client-round: forward + backward of each client's personal model on one
     sample (``FlopCounterMode``), times its training samples and ``local-epochs``, averaged over clients.
@@ -704,7 +731,8 @@ def report(
     if figures:
         # the partitions of the seeds reported (a seed the grid has only started has none yet)
         seeds = sorted({c.seed for c in cells}) or [None]
-        configs = [{**info["preset_config"], **({"seed": s} if s is not None else {})} for s in seeds]
+        preset_config = with_federation_size(info["preset_config"], cells)
+        configs = [{**preset_config, **({"seed": s} if s is not None else {})} for s in seeds]
         flops = float(np.mean([training_flops(c, data_dir) for c in configs]))
         plot_curves(cells, key, out, Path(info["preset"]).stem)
         plot_partitions(configs[0], out, data_dir)
@@ -734,7 +762,7 @@ def report_run(run: Path, out: Path | None = None, data_dir: str | None = None, 
     if figures:
         plot_curves([cell], "accuracy_mean", out, run.name)
         if config:
-            plot_partitions(config, out, data_dir)
+            plot_partitions(with_federation_size(config, [cell]), out, data_dir)
     lines = [
         f"# {run.name}",
         "",
