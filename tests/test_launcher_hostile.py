@@ -98,6 +98,7 @@ class FakeLaunch:
     def start_superlink(self, env: dict, home: Path):
         self.homes.append(Path(env["FLWR_HOME"]))
         assert home == self.homes[-1]
+        (home / "superlink.log").write_text("the SuperLink's own words\n")
         script = (
             "import subprocess, sys, time; "
             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True); "
@@ -189,7 +190,8 @@ def test_a_run_whose_summary_is_not_completed_exits_1_and_stops_everything(
     if status is None:
         assert "error: flower-superlink exited with -9 before run 7 finished" in out
     (home,) = fake.homes
-    assert f"the SuperLink's log: {home / 'superlink.log'}" in out and home.is_dir()  # kept for the user
+    assert f"the SuperLink's log: {home / 'superlink.log'}" in out
+    assert [p.name for p in home.iterdir()] == ["superlink.log"]  # kept for the user; the state database goes
     assert fake.detached and not fake.left_running()  # the detached "simulation" was killed too
 
 
@@ -356,3 +358,11 @@ def test_a_grid_held_by_another_process_is_refused_naming_its_pid(tmp_path, caps
         holder.wait()
     with grids.grid_lock(tmp_path):  # released with its holder, killed or not
         assert (tmp_path / grids.LOCK_FILE).read_text().strip() == str(os.getpid())
+
+
+def test_a_grid_folder_that_is_a_file_is_refused_naming_it(tmp_path):
+    preset = tmp_path / "p.toml"
+    preset.write_text("num-server-rounds = 2\n")
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(ConfigError, match=r"grid folder .*taken cannot be created: File exists"):
+        grids.run_grid(preset, ["local"], [0], tmp_path / "taken", launcher=never)

@@ -305,14 +305,18 @@ def run_grid(
     Raises:
         ValueError: ``preset`` has no ``num-server-rounds`` and ``rounds`` is not given, or
             ``overrides`` differ from the grid's.
-        ConfigError: the preset cannot be read, or another grid works in ``grid`` (:func:`grid_lock`).
+        ConfigError: the preset cannot be read, ``grid`` cannot be created as a folder, or another grid
+            works in it (:func:`grid_lock`).
     """
     overrides = dict(overrides or {})
     config = {**read_preset(preset), **overrides}
     rounds = rounds or config.get("num-server-rounds")
     if not rounds:
         raise ValueError(f"{preset} sets no 'num-server-rounds': pass --rounds")
-    grid.mkdir(parents=True, exist_ok=True)
+    try:
+        grid.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file of that name, or a folder above it that cannot be written
+        raise ConfigError(f"grid folder {grid} cannot be created: {exc.strerror or exc}") from None
     with grid_lock(grid):
         return _run_cells(preset, methods, seeds, grid, rounds, minutes, launcher, argv or [], overrides)
 

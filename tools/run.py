@@ -805,7 +805,8 @@ def launch_home(parent: Path | None = None) -> Path:
 
 def _run(args, config: dict, supernodes: int, gpu: bool) -> int:
     """Run the validated ``config`` (:func:`_launch`) in a Flower home of its own (:func:`launch_home`),
-    removed when the run completed and kept otherwise, with its SuperLink log's path printed."""
+    removed when the run completed; otherwise only its SuperLink's log is kept there (the state database
+    and the installed app, megabytes, go), and its path is printed."""
     home = launch_home()
     code = 1
     try:
@@ -815,7 +816,12 @@ def _run(args, config: dict, supernodes: int, gpu: bool) -> int:
         if code == 0:
             shutil.rmtree(home, ignore_errors=True)
         else:
-            print(f"the SuperLink's log: {home / 'superlink.log'} (this launch's Flower home is kept)")
+            for entry in home.iterdir():
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                elif entry.name != "superlink.log":
+                    entry.unlink(missing_ok=True)
+            print(f"the SuperLink's log: {home / 'superlink.log'}")
     return code
 
 
