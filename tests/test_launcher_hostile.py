@@ -366,3 +366,11 @@ def test_a_grid_folder_that_is_a_file_is_refused_naming_it(tmp_path):
     (tmp_path / "taken").write_text("a file")
     with pytest.raises(ConfigError, match=r"grid folder .*taken cannot be created: File exists"):
         grids.run_grid(preset, ["local"], [0], tmp_path / "taken", launcher=never)
+
+
+def test_an_item_flower_cannot_parse_is_named_with_exit_2(monkeypatch, capsys):
+    """Flower raises a click error (not a ValueError) for it: it ended in a traceback."""
+    monkeypatch.setattr(launcher, "validate_configs", never)
+    assert launcher.main(["-c", "lr=[1"]) == 2
+    out = capsys.readouterr().out
+    assert "run config overrides ['lr=[1'] cannot be parsed: The provided configuration string" in out

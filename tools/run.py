@@ -443,7 +443,7 @@ def read_preset(path: str | os.PathLike) -> dict[str, Any]:
     from common.options import excerpt
 
     try:
-        with open(path, "rb") as f:
+        with open(Path(path).expanduser(), "rb") as f:
             return flatten_dict(tomllib.load(f))
     except OSError as exc:
         raise ConfigError(f"preset {excerpt(str(path))} cannot be read: {exc.strerror or exc}") from None
