@@ -91,6 +91,10 @@ class FakeLaunch:
         monkeypatch.setattr(launcher, "LAUNCHES", tmp_path / "launches")
         monkeypatch.setattr(launcher, "start_superlink", self.start_superlink)
         monkeypatch.setattr(launcher, "wait_healthy", lambda *args: None)
+        # this test process's own children from before (multiprocessing's resource tracker) are not the launch's
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        descendants = launcher.descendants
+        monkeypatch.setattr(launcher, "descendants", lambda: [p for p in descendants() if p.pid not in before])
         monkeypatch.setattr(launcher, "flwr_cli", self.flwr_cli)
         if status is not None:
             monkeypatch.setattr(launcher, "wait_finished", self.wait_finished)
