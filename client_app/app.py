@@ -3,7 +3,8 @@
 Every message type any registered method uses (``train``, ``evaluate``, ``query``,
 ``train.<action>`` ...) gets a handler. The handler validates the incoming payload against
 the method's schema, calls the procedure, stores nothing itself (procedures persist their
-state through the runtime) and replies with the payload plus metrics (with ``partition-id``).
+state through the runtime) and replies with the payload plus metrics (with ``partition-id``); a
+query it cannot answer for a configuration or data error is answered with that error.
 """
 
 from __future__ import annotations
@@ -13,14 +14,22 @@ import sys
 import time
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from common import gpu
 from common.data import load_client_data
 from common.datasets import DATASETS
-from common.metrics import DEVICE_RECORD, EVAL_PREFIX, PARTITION_ID
-from common.payload import read_payload
+from common.errors import ConfigError
+from common.metrics import (
+    CONFIG_ERROR_KEY,
+    CONFIG_ERROR_RECORD,
+    DEVICE_RECORD,
+    EVAL_PREFIX,
+    MAX_ERROR_CHARS,
+    PARTITION_ID,
+)
+from common.payload import read_payload, short
 from common.runtime import ClientRuntime
 from strategies.records import metric_values
 from strategies.registry import all_message_types, client_procedure
@@ -58,6 +67,36 @@ def ray_node() -> str | None:
 
 
 def handle(msg: Message, context: Context) -> Message:
+    """Run the method's handler for ``msg`` and build the reply; a query that meets a configuration or
+    data error (a ConfigError: the run or node config, the data files, the partitioner) is answered
+    with that error instead (:func:`config_error_reply`), so the server learns it at the handshake.
+
+    Raises:
+        ConfigError, PayloadError, GPUShareExceeded: from any other message: turned into an error
+            reply by Flower; the server logs and drops it, the round goes on.
+    """
+    try:
+        return handle_message(msg, context)
+    except ConfigError as exc:
+        if msg.metadata.message_type != "query":
+            raise
+        return config_error_reply(msg, context, exc)
+
+
+def config_error_reply(msg: Message, context: Context, error: ConfigError) -> Message:
+    """The reply to query ``msg`` of a client that cannot serve the run: one ConfigRecord
+    ``config-error`` whose key ``error`` holds the error's text, cut to ``MAX_ERROR_CHARS``
+    (``common.metrics``), prefixed with the node config's ``partition-id`` when it has one.
+    ``strategies.nodes.NodeRegistry.handshake`` decides whether it ends the run."""
+    pid = context.node_config.get("partition-id")
+    text = str(error) if pid is None else f"partition-id {pid}: {error}"
+    return Message(
+        RecordDict({CONFIG_ERROR_RECORD: ConfigRecord({CONFIG_ERROR_KEY: short(text, MAX_ERROR_CHARS)})}),
+        reply_to=msg,
+    )
+
+
+def handle_message(msg: Message, context: Context) -> Message:
     """Run the method's handler for ``msg`` and build the reply.
 
     On a GPU the reply also carries the message's peak CUDA memory (metric ``gpu-peak-mib``) and
@@ -65,8 +104,7 @@ def handle(msg: Message, context: Context) -> Message:
     simulation the ``device`` record names the Ray node too (key ``ray-node``, :func:`ray_node`).
 
     Raises:
-        ConfigError, PayloadError, GPUShareExceeded: turned into an error reply by Flower; the
-            server logs and drops it, the round goes on.
+        ConfigError, PayloadError, GPUShareExceeded: see :func:`handle`.
     """
     started = startup_metrics()
     config = dict(msg.content.config_records["config"]) if "config" in msg.content.config_records else {}

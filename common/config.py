@@ -261,6 +261,15 @@ class RunConfig:
                 cfg.classes_per_client,
                 f"integers from 1 to {info.num_classes} for dataset '{cfg.dataset}'",
             )
+        # each client needs one local train and one local test example (test-fraction > 0): a larger N
+        # would fail on every client at the handshake, so it fails here, before anything starts
+        if cfg.num_clients > cfg.pool_size // 2:
+            raise invalid(
+                "num-clients",
+                cfg.num_clients,
+                f"0 to {cfg.pool_size // 2} for dataset '{cfg.dataset}' with data-pool '{cfg.data_pool}' "
+                f"({cfg.pool_size} examples, at least 2 per client: one to train, one to test)",
+            )
         return cfg
 
     @property

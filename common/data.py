@@ -15,6 +15,13 @@ The decoded tensors are also written to disk once (a cache folder, see
 ``common.runtime.ClientRuntime``) and memory-mapped by later processes: a deployed ClientApp
 is a fresh process per message, and every run would otherwise load Hugging Face ``datasets``,
 partition and decode again.
+
+The data are checked as they are read, each check once: a split's file must be whole parquet with
+the dataset's columns (:func:`check_parquet`, from its footer) and every label a class id
+(:func:`check_labels`, one vectorised pass over the label column); each image must decode to the
+dataset's shape as its partition is decoded (:func:`decode_images`). A failure is a ``ConfigError``
+naming the file and the first bad row. The handshake's query loads the partition
+(:func:`partition_sizes`), so faulty data fail there, before any round.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import math
 import os
 import time
 import warnings
+import zlib
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from pathlib import Path
@@ -105,31 +113,144 @@ def torch_seed(value: int) -> int:
     return value % 2**64
 
 
-def load_split(name: str, data_dir: str, split: str):
-    """Return split ``split`` of dataset ``name`` as a ``datasets.Dataset`` (images not decoded).
+#: parquet's magic bytes: a parquet file begins and ends with them
+PARQUET_MAGIC = b"PAR1"
+#: columns :func:`load_split` adds to every example: its row in its split's file (or Hub split) and
+#: the split's index in :func:`pool_splits`, so an error names the file and row of a bad example
+ROW_COLUMN, SPLIT_COLUMN = "source-row", "source-split"
+
+
+def split_path(data_dir: str, name: str, split: str) -> str:
+    """The parquet file of split ``split`` of dataset ``name``: ``<data_dir>/<name>/<split>.parquet``."""
+    return os.path.join(data_dir, name, f"{split}.parquet")
+
+
+def check_parquet(path: str, info: DatasetInfo) -> None:
+    """Check that ``path`` is a whole parquet file with ``info``'s image and label columns, from its
+    first and last bytes and its footer (no data page is read).
+
+    Raises:
+        ConfigError: naming ``path`` and what is wrong: empty, not parquet (no leading magic bytes),
+            truncated (no trailing magic bytes), a footer that cannot be parsed, or a missing column.
+    """
+    import pyarrow.parquet as pq
+
+    size = os.path.getsize(path)
+    if size == 0:
+        raise ConfigError(f"dataset file {path} is empty (0 bytes), not a parquet file")
+    with open(path, "rb") as f:
+        head = f.read(len(PARQUET_MAGIC))
+        f.seek(max(size - len(PARQUET_MAGIC), 0))
+        tail = f.read(len(PARQUET_MAGIC))
+    if head != PARQUET_MAGIC:
+        raise ConfigError(f"dataset file {path} is not a parquet file: it does not begin with parquet's magic bytes")
+    if tail != PARQUET_MAGIC or size < 3 * len(PARQUET_MAGIC):
+        raise ConfigError(
+            f"dataset file {path} is truncated: {size} bytes that do not end with parquet's footer (magic bytes)"
+        )
+    try:
+        columns = pq.read_schema(path).names
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a footer it cannot parse
+        raise ConfigError(
+            f"dataset file {path} is corrupt: its parquet footer cannot be read ({type(exc).__name__}: {exc})"
+        ) from exc
+    check_columns(columns, info, f"dataset file {path}")
+
+
+def check_columns(columns: list[str], info: DatasetInfo, where: str) -> None:
+    """Raises ConfigError naming ``where`` unless ``columns`` hold ``info``'s image and label columns."""
+    for column, holds in ((info.image_column, "the encoded images"), (info.label_column, "the class ids")):
+        if column not in columns:
+            raise ConfigError(
+                f"{where} has no column '{column}' ({holds}); its columns: {', '.join(map(repr, columns)) or 'none'}"
+            )
+
+
+def check_labels(labels, info: DatasetInfo, where: str) -> None:
+    """Check every label of a split at once: integers in ``[0, num_classes)``, none missing.
+
+    Args:
+        labels: the split's label column, a ``pyarrow.ChunkedArray`` (row order of the file).
+        info: the dataset (its ``num_classes``).
+        where: names the file (or Hub split) in the error.
+
+    Raises:
+        ConfigError: naming ``where``, the first bad row and how many rows are bad.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    column = f"column '{info.label_column}' of {where}"
+    if not pa.types.is_integer(labels.type):
+        raise ConfigError(f"{column} holds {labels.type}, not integer class ids")
+    if labels.null_count:
+        first = pc.index(pc.is_null(labels), True).as_py()
+        raise ConfigError(f"{column} has no label in {labels.null_count} row(s), the first row {first}")
+    y = labels.to_numpy()
+    bad = np.flatnonzero((y < 0) | (y >= info.num_classes))
+    if bad.size:
+        raise ConfigError(
+            f"{column}: row {bad[0]} has label {y[bad[0]]}, outside [0, {info.num_classes}) "
+            f"({bad.size} row(s) out of range)"
+        )
+
+
+def source_name(name: str, data_dir: str, split: str) -> str:
+    """Where split ``split`` of dataset ``name`` is read from, for errors: its file, or its Hub id."""
+    path = split_path(data_dir, name, split)
+    return f"dataset file {path}" if os.path.exists(path) else f"Hub dataset '{DATASETS[name].hub_id}' split '{split}'"
+
+
+def load_split(name: str, data_dir: str, split: str, split_index: int = 0):
+    """Return split ``split`` of dataset ``name`` as a ``datasets.Dataset`` (images not decoded),
+    checked: the file is whole parquet with the dataset's columns (:func:`check_parquet`) and every
+    label is a class id (:func:`check_labels`, one pass over the label column). Each example also
+    carries its row (:data:`ROW_COLUMN`) and ``split_index`` (:data:`SPLIT_COLUMN`).
 
     Uses ``<data_dir>/<name>/<split>.parquet`` when present, the Hub id otherwise.
 
     Raises:
-        ConfigError: when the dataset is neither on disk nor reachable on the Hub.
+        ConfigError: when the dataset is neither on disk nor reachable on the Hub; when the file
+            is not a readable parquet file, lacks a column or holds a label that is no class id
+            (naming the file, and the first bad row).
     """
     from datasets import Image, load_dataset
 
     info = DATASETS[name]
-    path = os.path.join(data_dir, name, f"{split}.parquet")
-    try:
-        if os.path.exists(path):
+    path = split_path(data_dir, name, split)
+    where = source_name(name, data_dir, split)
+    if os.path.exists(path):
+        check_parquet(path, info)
+        try:
             ds = load_dataset("parquet", data_files={split: path}, split=split)
-        else:
+        except Exception as exc:  # a damaged data page raises whatever pyarrow or datasets make of it
+            cause = exc
+            while cause.__cause__ is not None:  # datasets wraps pyarrow's error, which says what is wrong
+                cause = cause.__cause__
+            raise ConfigError(f"{where} is corrupt: reading it failed ({type(cause).__name__}: {cause})") from exc
+    else:
+        try:
             ds = load_dataset(info.hub_id, split=split)
-    except Exception as exc:  # offline Hub access raises several unrelated types
-        raise ConfigError(
-            f"dataset '{name}': no file {path} and the Hub dataset '{info.hub_id}' could not be loaded "
-            f"({type(exc).__name__}: {exc}); set run config key 'data-dir' (or node config 'data-dir') "
-            "to a folder holding <dataset>/train.parquet"
-        ) from exc
+        except Exception as exc:  # offline Hub access raises several unrelated types
+            raise ConfigError(
+                f"dataset '{name}': no file {path} and the Hub dataset '{info.hub_id}' could not be loaded "
+                f"({type(exc).__name__}: {exc}); set run config key 'data-dir' (or node config 'data-dir') "
+                "to a folder holding <dataset>/train.parquet"
+            ) from exc
+        check_columns(ds.column_names, info, where)
+    check_labels(ds.data.column(info.label_column), info, where)
     ds = ds.select_columns([info.image_column, info.label_column])
+    ds = ds.add_column(ROW_COLUMN, np.arange(len(ds), dtype=np.int64))
+    ds = ds.add_column(SPLIT_COLUMN, np.full(len(ds), split_index, dtype=np.int8))
     return ds.cast_column(info.image_column, Image(decode=False))
+
+
+#: the run config keys each partitioner's outcome depends on, named when it cannot split the pool
+PARTITIONER_KEYS = {
+    "iid": ("num-clients",),
+    "dirichlet": ("num-clients", "dirichlet-alpha", "dirichlet-min-size", "dirichlet-self-balancing"),
+    "pathological": ("num-clients", "classes-per-client"),
+}
 
 
 @lru_cache(maxsize=4)
@@ -172,11 +293,11 @@ def load_pool(spec: DataSpec):
     in that order (``data-pool = "train+test"``), as a ``datasets.Dataset`` (images not decoded).
 
     Raises:
-        ConfigError: see :func:`load_split`.
+        ConfigError: see :func:`load_split` (every split is checked).
     """
     from datasets import concatenate_datasets
 
-    splits = [load_split(spec.dataset, spec.data_dir, split) for split in pool_splits(spec.data_pool)]
+    splits = [load_split(spec.dataset, spec.data_dir, split, i) for i, split in enumerate(pool_splits(spec.data_pool))]
     return splits[0] if len(splits) == 1 else concatenate_datasets(splits)
 
 
@@ -207,13 +328,71 @@ def stratified_split(
     return torch.sort(torch.cat(first)).values, torch.sort(torch.cat(second)).values
 
 
-def _decode(images: list[dict], channels: int) -> torch.Tensor:
+#: the first 8 bytes of every PNG file (PNG specification, 3rd edition, section 5.2)
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_intact(data: bytes) -> bool:
+    """Whether every chunk of PNG ``data`` up to ``IEND`` is whole and matches its CRC-32 (PNG
+    specification, 3rd edition, section 5.3: length, type, data, CRC of type and data).
+
+    torchvision 0.29's ``decode_png`` ends the process (a segmentation fault) instead of raising
+    when libpng meets damaged image data (``IDAT: incorrect data check``), so one flipped bit in
+    a PNG would kill every client that decodes it; the CRCs catch such damage first (a PNG built
+    with valid CRCs around bad data can still crash it). Walking the chunks costs about 1.5 us per
+    MNIST image, decoding it about 22 us.
+    """
+    pos, end = len(PNG_SIGNATURE), len(data)
+    while pos + 12 <= end:
+        length = int.from_bytes(data[pos : pos + 4], "big")
+        stop = pos + 12 + length
+        if stop > end or zlib.crc32(data[pos + 4 : stop - 4]) != int.from_bytes(data[stop - 4 : stop], "big"):
+            return False
+        if data[pos + 4 : pos + 8] == b"IEND":
+            return True
+        pos = stop
+    return False
+
+
+def decode_images(examples, spec: DataSpec) -> torch.Tensor:
+    """Decode and check the images of ``examples`` (rows of :func:`load_pool`'s dataset).
+
+    Returns:
+        uint8 ``[n, channels, size, size]``: the decoder converts each image to the dataset's
+        channels (``ImageReadMode``), so an image is bad when it does not decode or has another size.
+
+    Raises:
+        ConfigError: naming the file (or Hub split) and the row of its first bad image, and how many
+            of ``examples`` are bad (every image is decoded once; the check is a shape comparison).
+    """
     from torchvision.io import ImageReadMode, decode_image  # torchvision costs seconds to import
 
-    mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
-    return torch.stack(
-        [decode_image(torch.frombuffer(bytearray(im["bytes"]), dtype=torch.uint8), mode=mode) for im in images]
-    )
+    info = DATASETS[spec.dataset]
+    mode = ImageReadMode.RGB if info.channels == 3 else ImageReadMode.GRAY
+    shape = (info.channels, info.image_size, info.image_size)
+    images, decoded, bad = examples[info.image_column], [], []
+    for i, im in enumerate(images):
+        data = im["bytes"]
+        if isinstance(data, bytes) and data.startswith(PNG_SIGNATURE) and not png_intact(data):
+            bad.append((i, "cannot be decoded (a damaged PNG: a chunk's CRC-32 does not match its bytes)"))
+            continue
+        try:
+            x = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode)
+        except Exception as exc:  # torchvision raises RuntimeError; missing or empty bytes TypeError/ValueError
+            bad.append((i, f"cannot be decoded ({type(exc).__name__}: {exc})"))
+            continue
+        if tuple(x.shape) != shape:
+            size = f"{x.shape[-2]}x{x.shape[-1]}"
+            bad.append((i, f"is {size} pixels, dataset '{spec.dataset}' has {shape[1]}x{shape[2]}"))
+            continue
+        decoded.append(x)
+    if bad:
+        (i, what), split = bad[0], pool_splits(spec.data_pool)[examples[SPLIT_COLUMN][bad[0][0]]]
+        raise ConfigError(
+            f"{source_name(spec.dataset, spec.data_dir, split)}: the image in row {examples[ROW_COLUMN][i]} {what} "
+            f"({len(bad)} of {len(images)} images of this partition are bad)"
+        )
+    return torch.stack(decoded) if decoded else torch.empty((0, *shape), dtype=torch.uint8)
 
 
 def partition_split(spec: DataSpec, partition_id: int):
@@ -225,13 +404,32 @@ def partition_split(spec: DataSpec, partition_id: int):
         stratified ``test-fraction`` split, both seeded by (seed, partition)).
 
     Raises:
-        ConfigError: if ``partition_id`` is outside ``[0, num_partitions)`` or the partition
-            is too small to split.
+        ConfigError: if ``partition_id`` is outside ``[0, num_partitions)``, the data fail their
+            checks (:func:`load_split`), the partitioner cannot split the pool (its ValueError,
+            naming the run config keys it depends on) or the partition is too small to split.
     """
     if not 0 <= partition_id < spec.num_partitions:
         raise ConfigError(f"partition-id {partition_id} is outside [0, {spec.num_partitions})")
     info = DATASETS[spec.dataset]
-    part = partitioner_for(spec).load_partition(partition_id)
+    partitioner = partitioner_for(spec)
+    pool = len(partitioner.dataset)
+    if 2 * spec.num_partitions > pool:  # flwr-datasets' iid partitioner would fail with an IndexError
+        raise ConfigError(
+            f"dataset '{spec.dataset}' has {pool} examples in data-pool '{spec.data_pool}' (under {spec.data_dir}), "
+            f"too few for {spec.num_partitions} partitions of at least 2 (one to train, one to test): run config "
+            f"key 'num-clients' (or node config 'num-partitions') must be at most {pool // 2}"
+        )
+    try:
+        part = partitioner.load_partition(partition_id)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # flwr-datasets' partitioners reject their settings with ValueError
+        keys = PARTITIONER_KEYS[spec.partitioner]
+        raise ConfigError(
+            f"the '{spec.partitioner}' partitioner cannot split dataset '{spec.dataset}' (data-pool "
+            f"'{spec.data_pool}') into {spec.num_partitions} partitions ({exc}); check run config key(s) "
+            f"{', '.join(repr(k) for k in keys)} (num-clients, or node config 'num-partitions', is the partition count)"
+        ) from exc
     labels = torch.tensor(part[info.label_column], dtype=torch.int64)
     g = torch.Generator().manual_seed(torch_seed(spec.seed * 100_003 + partition_id))
     keep = torch.arange(len(labels))
@@ -255,7 +453,7 @@ def partition_key(spec: DataSpec, partition_id: int) -> str:
     """A hex digest of everything that determines partition ``partition_id``'s tensors: the
     :class:`DataSpec`, the partition id, :data:`CACHE_FORMAT` and the size and modification time
     of each on-disk split of the pool (so a replaced data file misses)."""
-    paths = [os.path.join(spec.data_dir, spec.dataset, f"{split}.parquet") for split in pool_splits(spec.data_pool)]
+    paths = [split_path(spec.data_dir, spec.dataset, split) for split in pool_splits(spec.data_pool)]
     stamp = [(os.stat(p).st_size, os.stat(p).st_mtime_ns) if os.path.exists(p) else None for p in paths]
     text = repr((CACHE_FORMAT, dataclasses.astuple(spec), partition_id, stamp))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
@@ -264,23 +462,27 @@ def partition_key(spec: DataSpec, partition_id: int) -> str:
 TENSORS = ("train_x", "train_y", "test_x", "test_y")
 
 
-def _read_cache(path: Path, key: str) -> dict[str, torch.Tensor] | None:
+def _read_cache(path: Path, key: str, info: DatasetInfo) -> dict[str, torch.Tensor] | None:
     """The cached tensors of ``path`` when it holds ``key``'s partition whole, else None.
 
     Whole means what :func:`load_client_data` writes: a dict with this ``key``, uint8 image tensors
-    ``[n, C, H, W]`` and int64 label tensors ``[n]`` of matching lengths. Anything else (torn,
-    foreign, another partition's) is logged and ignored, and the caller decodes and rewrites it.
+    ``[n, channels, size, size]`` of dataset ``info`` and int64 label tensors ``[n]`` of class ids
+    in ``[0, num_classes)``, of matching lengths. Anything else (torn, foreign, another partition's,
+    written before the data were checked) is logged and ignored, and the caller decodes (and so
+    checks) the data again and rewrites it.
     """
+    shape = (info.channels, info.image_size, info.image_size)
     try:
         saved = torch.load(path, mmap=True, weights_only=True)
         if (
             isinstance(saved, dict)
             and saved.get("key") == key
             and all(isinstance(saved.get(t), torch.Tensor) for t in TENSORS)
-            and all(saved[x].dtype == torch.uint8 and saved[x].ndim == 4 for x in ("train_x", "test_x"))
+            and all(saved[x].dtype == torch.uint8 and saved[x].shape[1:] == shape for x in ("train_x", "test_x"))
             and all(saved[y].dtype == torch.int64 and saved[y].ndim == 1 for y in ("train_y", "test_y"))
             and len(saved["train_x"]) == len(saved["train_y"])
             and len(saved["test_x"]) == len(saved["test_y"])
+            and all(((saved[y] >= 0) & (saved[y] < info.num_classes)).all() for y in ("train_y", "test_y"))
         ):
             return saved
     except FileNotFoundError:
@@ -299,28 +501,30 @@ def _cache_file(spec: DataSpec, partition_id: int, cache_dir: str) -> tuple[Path
 
 @cache
 def load_client_data(spec: DataSpec, partition_id: int, cache_dir: str | None = None) -> ClientData:
-    """Load, split and decode partition ``partition_id`` (cached per process).
+    """Load, split, decode and check partition ``partition_id`` (cached per process).
 
-    With ``cache_dir``, the decoded tensors are read from
+    The data are checked as they are read: every label of the pool's files and every image of the
+    partition as it is decoded (:func:`load_split`, :func:`decode_images`; decoding dominates, the
+    checks add a shape comparison per image). With ``cache_dir``, the decoded tensors are read from
     ``<cache_dir>/partition-<id>-<key>.pt`` (:func:`partition_key`, memory-mapped) when that file
     is whole and holds this partition; otherwise they are decoded and the file written
     atomically. A torn, foreign or unreadable file is ignored and rewritten.
 
     Raises:
-        ConfigError: see :func:`partition_split`.
+        ConfigError: see :func:`partition_split` and :func:`decode_images`.
     """
     start = time.perf_counter()
     info = DATASETS[spec.dataset]
     if cache_dir:
         path, key = _cache_file(spec, partition_id, cache_dir)
-        saved = _read_cache(path, key)
+        saved = _read_cache(path, key, info)
         if saved is not None:
             data = ClientData(*(saved[t] for t in TENSORS), info)
             data.load_seconds = time.perf_counter() - start
             return data
     part, labels, train_idx, test_idx = partition_split(spec, partition_id)
     order = torch.cat([train_idx, test_idx])
-    x = _decode(part.select(order.tolist())[info.image_column], info.channels)
+    x = decode_images(part.select(order.tolist())[:], spec)
     n_train = len(train_idx)
     data = ClientData(x[:n_train], labels[train_idx], x[n_train:], labels[test_idx], info)
     if cache_dir:
@@ -332,19 +536,20 @@ def load_client_data(spec: DataSpec, partition_id: int, cache_dir: str | None = 
 
 
 def partition_sizes(spec: DataSpec, partition_id: int, cache_dir: str | None = None) -> tuple[int, int]:
-    """(local train, local test) sizes of partition ``partition_id`` without decoding an image:
-    from the memory-mapped cache file when it is whole, else from the partitioner's labels
-    (:func:`partition_split`, which also raises its errors here, early).
+    """(local train, local test) sizes of partition ``partition_id``: from the memory-mapped cache
+    file when it is whole, else by loading the partition (:func:`load_client_data`: decoded,
+    checked and cached once, so later messages find it decoded). The handshake asks for these
+    sizes, so faulty data fail there, before any round, rather than in every client's every round.
 
     Raises:
-        ConfigError: see :func:`partition_split`.
+        ConfigError: see :func:`load_client_data`.
     """
     if cache_dir:
-        saved = _read_cache(*_cache_file(spec, partition_id, cache_dir))
+        saved = _read_cache(*_cache_file(spec, partition_id, cache_dir), DATASETS[spec.dataset])
         if saved is not None:
             return len(saved["train_y"]), len(saved["test_y"])
-    _, _, train_idx, test_idx = partition_split(spec, partition_id)
-    return len(train_idx), len(test_idx)
+    data = load_client_data(spec, partition_id, cache_dir)
+    return len(data.train_y), len(data.test_y)
 
 
 def normalize(x: torch.Tensor, info: DatasetInfo) -> torch.Tensor:

@@ -36,6 +36,10 @@ GPU_PEAK = "gpu-peak-mib"
 DEVICE_RECORD = "device"
 DEVICE_KEYS = ("name", "ray-node")
 MAX_DEVICE_NAME = 100
+#: the ConfigRecord (its one key, a string) in which a query reply says instead of its sizes that the
+#: client cannot serve the run: its configuration or data error (``strategies.nodes``); the longest text
+CONFIG_ERROR_RECORD, CONFIG_ERROR_KEY = "config-error", "error"
+MAX_ERROR_CHARS = 1000
 #: largest seconds a client may report for one message step (~116 days: far beyond any round timeout)
 MAX_SECONDS = 1e7
 #: largest loss magnitude a client may report; a diverged honest client reports a non-finite loss

@@ -158,7 +158,8 @@ class ClientRuntime:
         return replace(load_client_data(self.spec, self.partition_id, self.cache_dir), info=self.info)
 
     def data_sizes(self) -> tuple[int, int]:
-        """(local train, local test) example counts, without decoding images (:func:`partition_sizes`)."""
+        """(local train, local test) example counts: from the cache file, else by loading (decoding and
+        checking) the partition once (:func:`partition_sizes`), so faulty data fail at the handshake."""
         if "data" in self.__dict__:
             return len(self.data.train_y), len(self.data.test_y)
         return partition_sizes(self.spec, self.partition_id, self.cache_dir)

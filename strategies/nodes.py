@@ -13,15 +13,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections import Counter
 from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord, Message
 
 from common.config import ConfigError, RunConfig
-from common.metrics import PARTITION_ID
-from common.payload import ClientReply
+from common.metrics import CONFIG_ERROR_KEY, CONFIG_ERROR_RECORD, MAX_ERROR_CHARS, PARTITION_ID
+from common.payload import ClientReply, short
 from strategies.records import RoundCounters
 from strategies.transport import Transport
 
@@ -75,9 +75,29 @@ class NodeRegistry:
         broken node is not flooded with queries; its error is logged). Every reply's metrics are
         kept in ``self.clients[node_id]`` (methods may add keys, e.g. a parameter count).
 
+        Disagreeing ``num-partitions`` claims (with ``num-clients`` = 0) are judged once the
+        federation has settled (a look at the grid lists no node that was not asked): the minority
+        is blamed, naming its nodes and the majority's value; a tie is reported as such.
+
+        A client that cannot serve the run answers with its configuration or data error
+        (:func:`config_error`: a bad run or node config, a faulty data file, a partitioner that
+        cannot split the pool). Whether that ends the run depends on who shares the error:
+
+        - in a simulation (``transport.window`` is set, see ``server_app.app.run``) every node
+          shares one run config and one data folder, so one node's error is the run's: the run
+          fails at once with it;
+        - in a deployment a node's data and node config are its own, and a hostile node must not
+          be able to end a run by claiming an error: the node is excluded (logged, not asked
+          again) and the run fails at once only when the settled federation has no node that
+          answered validly and at least ``num-clients`` nodes (1 with ``num-clients`` = 0: the
+          federation is then whoever has connected) reported an error, i.e. every node would
+          hit it; otherwise the handshake waits for the missing partitions, and its timeout
+          names the errors.
+
         Raises:
             ConfigError: a node reports a ``num-partitions`` other than ``num-clients`` (or than
-                another node), a partition id outside [0, N), or rejects the run config.
+                the other nodes' majority), a partition id outside [0, N), or a configuration or
+                data error as above.
             RuntimeError: not all N partitions answer within ``connect-timeout`` seconds.
 
         A second node claiming a partition already answered for is ignored (logged, counted as a
@@ -86,8 +106,11 @@ class NodeRegistry:
         timeout = self.cfg.connect_timeout
         began = time.monotonic()
         deadline = began + timeout
-        wanted: int | None = self.cfg.num_clients or None  # None until a node reports num-partitions
+        shared = transport.window is not None  # a simulation: one run config and data folder for all nodes
+        wanted: int | None = self.cfg.num_clients or None  # None until the nodes agree on num-partitions
         by_partition: dict[int, int] = {}
+        claims: dict[int, tuple[int, int]] = {}  # node id -> (partition id, num-partitions) of a valid reply
+        errors: dict[int, str] = {}  # node id -> the configuration or data error it reported
         asked: set[int] = set()
         while wanted is None or len(by_partition) < wanted:
             if time.monotonic() > deadline:
@@ -98,18 +121,28 @@ class NodeRegistry:
                 )
                 raise RuntimeError(
                     f"only {len(by_partition)} of {size} clients answered the handshake within "
-                    f"{timeout:.0f} s (run config key 'connect-timeout')"
+                    f"{timeout:.0f} s (run config key 'connect-timeout')" + _errors_text(errors, "; ")
                 )
             new = sorted(set(transport.grid.get_node_ids()) - asked)
-            if new:
+            if not new:  # settled: every node the grid lists has answered (or missed its time)
+                wanted = self._federation_size(claims, settled=True)
+                if errors and not claims and len(errors) >= max(self.cfg.num_clients, 1):
+                    raise ConfigError(f"no node that answered the handshake can serve the run{_errors_text(errors)}")
+            else:
                 asked.update(new)
                 replies = transport.exchange(
                     [transport.message("query", n, {}, ConfigRecord(), 0) for n in new],
                     max(deadline - time.monotonic(), 1.0),
                 )
-                _raise_config_errors(replies)
-                for r in transport.validate("query", replies):
-                    wanted = self._federation_size(r, wanted)
+                for r in replies:
+                    text = config_error(r)
+                    if text is not None:
+                        errors[r.metadata.src_node_id] = text
+                        log.warning("Node %s cannot serve the run: %s", r.metadata.src_node_id, text)
+                if errors and shared:
+                    raise ConfigError(f"the run's configuration or data fail on a simulated node{_errors_text(errors)}")
+                for r in transport.validate("query", [r for r in replies if r.metadata.src_node_id not in errors]):
+                    claims[r.node_id] = _claim(r)
                     if r.partition_id in by_partition:  # the first claim stands; the run goes on
                         log.warning(
                             "Node %s also claims partition %d, held by node %s: ignored (check each "
@@ -123,6 +156,7 @@ class NodeRegistry:
                         continue
                     by_partition[r.partition_id] = r.node_id
                     self.clients[r.node_id] = r.metrics
+                wanted = self._federation_size(claims, settled=False)
                 log.info(
                     "Handshake: %d of %s clients answered, %.1f s after the handshake began (slowest "
                     "client: %.1f s from its process start to the handler, %.1f s loading its partition)",
@@ -138,24 +172,44 @@ class NodeRegistry:
         self.connected = set(self.nodes)
         log.info("Handshake: %d clients, partitions %s", len(self.nodes), sorted(by_partition))
 
-    def _federation_size(self, reply: ClientReply, wanted: int | None) -> int:
-        """N after ``reply``: its ``num-partitions``, checked against ``num-clients`` and earlier nodes.
+    def _federation_size(self, claims: dict[int, tuple[int, int]], settled: bool) -> int | None:
+        """N from the ``(partition id, num-partitions)`` claims of the nodes that answered so far:
+        ``num-clients`` when set, else the value every node claims; None while no node answered, or
+        while nodes disagree and more may still connect (``settled`` False).
 
         Raises:
-            ConfigError: naming both keys when they disagree, or a partition id outside [0, N).
+            ConfigError: a node whose ``num-partitions`` differs from ``num-clients`` (naming both
+                keys and every such node); with ``num-clients`` = 0 and ``settled``, nodes that
+                disagree: the nodes of the minority value(s) and the majority's value, or, on a
+                tie, every value with its nodes.
         """
-        n, pid = reply.metrics["num-partitions"], reply.partition_id
-        where = f"node {reply.node_id} (partition-id {pid}) has node config 'num-partitions' = {n!r}"
-        if not isinstance(n, int) or not 0 <= pid < n:
-            raise ConfigError(f"{where}: 'num-partitions' must be an integer and 'partition-id' lie in [0, it)")
-        if self.cfg.num_clients and n != self.cfg.num_clients:
-            raise ConfigError(
-                f"run config key 'num-clients' = {self.cfg.num_clients} but {where}: set "
-                "num-clients=0 to follow the federation, or make the two agree"
+        if self.cfg.num_clients:
+            odd = {node: claim for node, claim in claims.items() if claim[1] != self.cfg.num_clients}
+            if odd:
+                raise ConfigError(
+                    f"run config key 'num-clients' = {self.cfg.num_clients} but {_claims_text(odd)}: set "
+                    "num-clients=0 to follow the federation, or make the two agree"
+                )
+            return self.cfg.num_clients
+        votes = Counter(n for _, n in claims.values()).most_common()
+        if len(votes) <= 1:
+            return votes[0][0] if votes else None
+        if not settled:
+            return None
+        (majority, count), runner_up = votes[0], votes[1][1]
+        if count == runner_up:
+            tied = "; ".join(
+                _claims_text({node: c for node, c in sorted(claims.items()) if c[1] == value}) for value, _ in votes
             )
-        if wanted is not None and n != wanted:
-            raise ConfigError(f"{where}, other nodes have {wanted}: every node must have the same 'num-partitions'")
-        return n
+            raise ConfigError(
+                f"the nodes disagree on node config 'num-partitions' and no value has a majority: {tied}; every "
+                "node must have the same 'num-partitions'"
+            )
+        odd = {node: claim for node, claim in sorted(claims.items()) if claim[1] != majority}
+        raise ConfigError(
+            f"{_claims_text(odd)}, other nodes have {majority} (the majority: {count} of {len(claims)} nodes): "
+            "every node must have the same 'num-partitions'"
+        )
 
     def refresh(self, transport: Transport) -> None:
         """Track nodes leaving and (re)joining between rounds (deployment: a SuperNode restarts),
@@ -167,9 +221,10 @@ class NodeRegistry:
         a claim on a partition whose node is still connected is refused and kept waiting, so no
         node can take a connected client's place (and its personal payload), and it is granted
         without a new query once that node is gone. A node that gives no valid answer within
-        :data:`QUERY_SECONDS` is asked again only after 1, 2, 4, ... rounds, so a silent or broken
-        node cannot stall every round; a node holding a partition outside this run is not asked
-        again. A rejoining client restores its state from its node's ``state-dir``.
+        :data:`QUERY_SECONDS` (silent, broken, or reporting a configuration or data error, which is
+        logged: :func:`config_error`) is asked again only after 1, 2, 4, ... rounds, so it cannot
+        stall every round; a node holding a partition outside this run is not asked again. A
+        rejoining client restores its state from its node's ``state-dir``.
         """
         self.connected = set(transport.grid.get_node_ids())
         self.refreshes += 1
@@ -179,13 +234,15 @@ class NodeRegistry:
             for n in self.connected - set(self.clients) - set(self.claims) - self.outsiders
             if self.silent_nodes.get(n, (0, 0))[1] <= self.refreshes
         )
-        valid = transport.validate(
-            "query",
-            transport.exchange(
-                [transport.message("query", n, {}, ConfigRecord(), 0) for n in new],
-                min(QUERY_SECONDS, self.cfg.round_timeout),
-            ),
+        replies = transport.exchange(
+            [transport.message("query", n, {}, ConfigRecord(), 0) for n in new],
+            min(QUERY_SECONDS, self.cfg.round_timeout),
         )
+        errors = {r.metadata.src_node_id: config_error(r) for r in replies}
+        for node, text in errors.items():
+            if text is not None:  # that node's problem: it is asked again later, as a silent node
+                log.warning("Node %s cannot serve the run: %s", node, text)
+        valid = transport.validate("query", [r for r in replies if errors[r.metadata.src_node_id] is None])
         answered = {r.node_id for r in valid}
         for node in set(new) - answered:  # no reply, or none we can use
             misses = self.silent_nodes.get(node, (0, 0))[0] + 1
@@ -233,12 +290,64 @@ class NodeRegistry:
         return list(self.sampled)
 
 
-def _raise_config_errors(replies: Iterable[Message]) -> None:
-    """Fail fast when a client rejected the run config (a ConfigError raised in the ClientApp).
+def _claim(reply: ClientReply) -> tuple[int, int]:
+    """A valid query reply's (partition id, num-partitions).
 
     Raises:
-        ConfigError: with the client's message, which names the offending key.
+        ConfigError: its ``num-partitions`` is not an integer, or its partition id lies outside [0, it).
     """
-    for r in replies:
-        if r.has_error() and "ConfigError" in r.error.reason:
-            raise ConfigError(f"node {r.metadata.src_node_id} rejected the run config: {r.error.reason}")
+    n, pid = reply.metrics["num-partitions"], reply.partition_id
+    if not isinstance(n, int) or not 0 <= pid < n:
+        raise ConfigError(
+            f"node {reply.node_id} (partition-id {pid}) has node config 'num-partitions' = {n!r}: 'num-partitions' "
+            "must be an integer and 'partition-id' lie in [0, it)"
+        )
+    return pid, n
+
+
+#: nodes named in one error message; the others are counted
+NODES_SHOWN = 5
+
+
+def _claims_text(claims: dict[int, tuple[int, int]]) -> str:
+    """``node <id> (partition-id <p>) has node config 'num-partitions' = <n>`` for each of the first
+    :data:`NODES_SHOWN` claims, then how many more."""
+    shown = [f"node {i} (partition-id {p}) has node config 'num-partitions' = {n}" for i, (p, n) in claims.items()]
+    more = len(shown) - NODES_SHOWN
+    return ", ".join(shown[:NODES_SHOWN]) + (f" and {more} more node(s) as well" if more > 0 else "")
+
+
+def _errors_text(errors: dict[int, str], lead: str = ": ") -> str:
+    """The configuration or data errors of the first :data:`NODES_SHOWN` nodes (each already cut
+    to ``MAX_ERROR_CHARS``), then how many more; empty for none."""
+    if not errors:
+        return ""
+    shown = [f"node {node}: {text}" for node, text in sorted(errors.items())[:NODES_SHOWN]]
+    more = len(errors) - NODES_SHOWN
+    return (
+        f"{lead}{len(errors)} node(s) reported a configuration or data error: "
+        + "; ".join(shown)
+        + (f"; and {more} more" if more > 0 else "")
+    )
+
+
+def config_error(reply: Message) -> str | None:
+    """The configuration or data error a query reply reports instead of its sizes, or None when it
+    reports none (a valid reply, or any other fault, which :meth:`Transport.validate` drops).
+
+    A client reports it with one ConfigRecord ``config-error`` holding one string (see
+    ``client_app.app.config_error_reply``); an error reply of a ClientApp that raised a ConfigError
+    counts too. The text is cut to ``MAX_ERROR_CHARS`` and unprintable characters are replaced,
+    so a hostile node's claim cannot flood the log or the run's summary.
+    """
+    if reply.has_error():
+        text = reply.error.reason if "ConfigError" in reply.error.reason else None
+    else:
+        content = reply.content
+        record = content.config_records.get(CONFIG_ERROR_RECORD) if CONFIG_ERROR_RECORD in content else None
+        values = dict(record) if record is not None else {}
+        well_formed = list(content.keys()) == [CONFIG_ERROR_RECORD] and list(values) == [CONFIG_ERROR_KEY]
+        text = values[CONFIG_ERROR_KEY] if well_formed and isinstance(values[CONFIG_ERROR_KEY], str) else None
+    if text is None:
+        return None
+    return short("".join(c if c.isprintable() else " " for c in text[: MAX_ERROR_CHARS + 1]), MAX_ERROR_CHARS)
