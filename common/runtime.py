@@ -257,7 +257,20 @@ class ClientRuntime:
         round. Later stores in the same round (FedRE's client stores its model in train and in
         evaluate) overwrite only ``<name>.pt``, so ``.prev`` stays the state from before the
         round.
+
+        Raises:
+            RuntimeError: ``module`` has a non-finite float entry (training diverged, e.g. from a
+                poisoned server payload): nothing is stored, the record keeps its previous state in
+                memory and on disk, and the message's reply becomes an error the server drops.
         """
+        diverged = [k for k, v in module.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if diverged:
+            reason = (
+                f"partition {self.partition_id}: refused to store '{name}' with non-finite values in "
+                f"{diverged[:3]}{' ...' if len(diverged) > 3 else ''}; its previous state is kept"
+            )
+            log.warning("%s", reason)
+            raise RuntimeError(reason)
         path = self._state_file(name)
         if path is None:
             self.context.state[name] = ArrayRecord(module.state_dict())

@@ -43,7 +43,7 @@ from common.options import declared_defaults
 from common.payload import ClientReply, PayloadSchema, array_record
 from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics
-from strategies.checkpoint import Checkpoints, finite, load_server_state, server_state
+from strategies.checkpoint import Checkpoints, broken_state, load_server_state, server_state
 from strategies.method import MethodBinding, Schemas
 from strategies.nodes import NodeRegistry
 from strategies.records import (
@@ -231,20 +231,22 @@ class HeteroStrategy:
 
     def play_round(self, server_round: int, run_start: float) -> tuple[dict[str, Any], MetricRecord | None]:
         """One round of the loop: refresh the nodes, :meth:`run_round` (its server update undone if it
-        left the server state non-finite), :meth:`evaluate_round`, then the round's row (with the
-        ``stop-patience`` verdict) and checkpoint written. ``run_start``: :func:`time.perf_counter`
-        at the loop's start. Returns the round's train metrics and evaluation."""
+        left the server state non-finite or exploded: :func:`strategies.checkpoint.broken_state`),
+        :meth:`evaluate_round`, then the round's row (with the ``stop-patience`` verdict) and
+        checkpoint written. ``run_start``: :func:`time.perf_counter` at the loop's start. Returns the
+        round's train metrics and evaluation."""
         before = self.counters.traffic.copy()
         t0 = time.perf_counter()
         self.counters.begin_round()
         self.registry.refresh(self.transport)
         before_state = copy.deepcopy(self.server_state())
         train_metrics, replies = self.run_round(server_round)
-        if before_state is not None and not finite(self.server_state()):
-            # the server would send non-finite state to every client from now on: undo this round's update
+        broken = None if before_state is None else broken_state(before_state, self.server_state())
+        if broken:
+            # the server would send a broken state to every client from now on: undo this round's update
             load_server_state(self, before_state)
             train_metrics["server-rolled-back"] = 1
-            log.warning("Round %d: the server update made the server state non-finite; rolled back", server_round)
+            log.warning("Round %d: the server update made the server state %s; rolled back", server_round, broken)
         t1 = time.perf_counter()
         eval_metrics = self.evaluate_round(server_round, evaluated_in_train(replies))
         t2 = time.perf_counter()

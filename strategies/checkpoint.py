@@ -142,6 +142,59 @@ def _state_of(obj: Any) -> Any:
     return dict(obj) if isinstance(obj, dict) else obj.state_dict()
 
 
+#: a server-state tensor has exploded in one round when its root-mean-square entry grows beyond this
+#: factor times the larger of its RMS before the round and 1 (see :func:`exploded`)
+GROWTH = 100.0
+
+
+def broken_state(before: Any, after: Any) -> str | None:
+    """Why the server state ``after`` a round's update must not be kept, given the state ``before`` it
+    (both as :func:`server_state`); None when it may. Non-finite entries (:func:`finite`), or a tensor
+    that exploded (:func:`exploded`); the reason names at most three tensors."""
+    if not finite(after):
+        return "non-finite"
+    grown = exploded(before, after)
+    if grown:
+        return f"explode (RMS entry above {GROWTH:g} x max(its RMS before, 1) in {grown[:3]})"
+    return None
+
+
+def exploded(before: Any, after: Any, path: str = "") -> list[str]:
+    """The paths of the float tensors and arrays of a (nested) server state whose root-mean-square
+    entry grew in one round beyond :data:`GROWTH` · max(RMS before, 1).
+
+    Why this bound: an averaged model can be finite and still poisoned beyond use (one upload of
+    entries ~1e6 makes the FedAvg's entries ~1e5, and the next round's training NaN for every
+    client). Honest state never moves like that in one round: weights, prototypes and headers of
+    RMS ~0.01-10 move by a fraction per round; Adam's second moments follow clipped gradients
+    with beta2 ~0.999; step counters grow additively. The floor of 1 keeps small or zero-initialised
+    tensors (biases, fresh optimiser moments) from tripping it on ordinary steps. Tensors are
+    paired by their path and compared only when both exist with the same shape (state created this
+    round, e.g. a first Adam step's moments, has no "before").
+
+    Returns:
+        dotted paths (e.g. ``shared.conv1.weight``), in the state's order; [] when nothing exploded.
+    """
+    if isinstance(after, dict) and isinstance(before, dict):
+        return [p for k, v in after.items() if k in before for p in exploded(before[k], v, f"{path}{k}.")]
+    if isinstance(after, (list, tuple)) and isinstance(before, (list, tuple)) and len(after) == len(before):
+        return [p for i, (b, a) in enumerate(zip(before, after)) for p in exploded(b, a, f"{path}{i}.")]
+    a, b = _float_values(after), _float_values(before)
+    if a is None or b is None or a.shape != b.shape or a.size == 0:
+        return []
+    rms_after, rms_before = (float(np.sqrt(np.mean(np.square(x)))) for x in (a, b))
+    return [path.rstrip(".")] if rms_after > GROWTH * max(rms_before, 1.0) else []
+
+
+def _float_values(value: Any) -> np.ndarray | None:
+    """A float tensor's or array's values as float64 numpy; None for anything else."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().cpu().double().numpy()
+    if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+        return value.astype(np.float64)
+    return None
+
+
 def finite(state: Any) -> bool:
     """Whether every float tensor and array in a (nested) server state is finite."""
     if isinstance(state, torch.Tensor):

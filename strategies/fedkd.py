@@ -12,8 +12,9 @@ as they are). T rises linearly from ``energy-start`` (0.95) to ``energy-end`` (0
 T_t = start + (end − start)·t/T for round t of T. As in HtFLlib, the *parameters* are
 compressed both ways (the original paper compresses the updates; parameters need no client
 to track the server's state, which partial participation would break): the client uploads
-its compressed trained mentee; the server reconstructs, averages (sample-weighted) and
-broadcasts the compressed average. Its bytes are 4·Σ(m·r + r + r·n) + the biases.
+its compressed trained mentee; the server reconstructs, averages (sample-weighted; run config
+``aggregation`` bounds or replaces the average on the rebuilt weights, :mod:`strategies.robust`)
+and broadcasts the compressed average. Its bytes are 4·Σ(m·r + r + r·n) + the biases.
 
 Client step (mentor t = the private model, mentee s), per augmented batch:
     L_t = CE_t + KL(p_s ‖ p_t)/(CE_t+CE_s) + MSE(H_t, W_h H_s)/(CE_t+CE_s)
@@ -40,7 +41,6 @@ from common.options import option
 from common.payload import MAX_ABS, ArraySpec, PayloadError, PayloadSchema
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model
-from strategies.aggregation import fedavg
 from strategies.base import BASE_SCHEMAS, Arrays, ClientReply, Reply
 from strategies.method import Method, MethodBinding
 from strategies.shared_model import (
@@ -186,13 +186,16 @@ class FedKDStrategy(SharedModelStrategy):
         return self._broadcast[1]
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """θ^t = sample-weighted mean of the reconstructed mentees."""
+        """θ^t = the run's ``aggregation`` of the reconstructed mentees (``mean``: their sample-weighted
+        mean), the reference being the mentee the clients rebuilt from this round's broadcast."""
         shapes = {k: tuple(v.shape) for k, v in self.shared.state_dict().items()}
         full = [ClientReply(r.node_id, r.partition_id, svd_decompress(r.arrays, shapes), r.metrics) for r in replies]
-        averaged = fedavg(full, list(shapes))
+        # what every client started from: the broadcast compressed at T_t, rebuilt as they rebuilt it
+        sent = svd_decompress(self.train_payload(0, server_round), shapes)
+        averaged, metrics = self.aggregator.replies(sent, full)
         if averaged is not None:  # unchanged when no reply trained on an example
             load_arrays(self.shared, averaged)
-        return {"server-num-averaged": len(full), "svd-energy": self.energy(server_round)}
+        return {"server-num-averaged": len(full), "svd-energy": self.energy(server_round), **metrics}
 
     def energy(self, server_round: int) -> float:
         """T_t of this run (:func:`energy_threshold`)."""

@@ -13,7 +13,8 @@ activation); loss = m_G·CE(G^hd(z[:, :d1]), y) + m_F·CE(F_k^hd(z), y); one SGD
 θ, ω_k and φ_k, each parameter set's gradient clipped separately. ω_k and φ_k persist in
 client state; θ is replaced by the broadcast every round; optimisers are fresh every round.
 
-Server step (section 4): sample-weighted FedAvg of the returned θ_k (:mod:`strategies.shared_model`).
+Server step (section 4): sample-weighted FedAvg of the returned θ_k (:mod:`strategies.shared_model`),
+under run config ``aggregation`` (``mean``: the paper's; default ``norm-bound``, :mod:`strategies.robust`).
 
 Evaluation (section 6): the deployed model is "mix-large", F_k^hd(P_k(G^ex(x) ∘ F_k^ex(x)));
 "mix-small" (G^hd on the first d1 coordinates) is reported alongside. Protocols:

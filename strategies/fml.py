@@ -13,7 +13,9 @@ per example unless ``fml.kl-reduction = "mean"``, HtFLlib's KL / C):
     L_meme    = β·CE(p_meme, y)    + (1−β)·KL(p_private ‖ p_meme)
 one SGD step on L_private + L_meme (the two parameter sets are disjoint, so this equals two
 optimisers); gradient norms clipped per model at ``clip-norm``.
-Server step: sample-weighted FedAvg of the meme models (HtFLlib: uniform).
+Server step: sample-weighted FedAvg of the meme models (HtFLlib: uniform), under run config
+``aggregation`` (default ``norm-bound``: each upload's change bounded by the round's median;
+``mean``: the paper's plain FedAvg; :mod:`strategies.robust`).
 Inference: the private model.
 """
 

@@ -8,7 +8,8 @@ Payload: the head ``head.weight`` [C, d] and ``head.bias`` [C], float32, both wa
 ``lg-fedavg.eval-global-head`` sends the averaged head for the secondary metric (evaluation
 traffic). Every member of the model group must have a linear head of the same d (true of CNN-1..5).
 Client step: overwrite the local head with the global one, train the whole model with CE,
-upload the head. Server step: sample-weighted FedAvg of the heads. The head starts from
+upload the head. Server step: sample-weighted FedAvg of the heads, under run config ``aggregation``
+(``mean``: the paper's; default ``norm-bound``, :mod:`strategies.robust`). The head starts from
 PyTorch's default init drawn from ``seed``. Inference: the personal model.
 """
 

@@ -22,7 +22,10 @@ only on the trunk, the client's head and its embedding. ``sequential`` (default,
 code): generate, send, receive and step one client at a time in a random order; ``parallel``:
 send all at once, then step per reply in a random order, each regenerated at the current φ.
 GD adds one data-weighted step from the global model's deltas before the personal phase; the
-clients distil from that round's untrained global model (section 3, P8).
+clients distil from that round's untrained global model (section 3, P8). Run config
+``aggregation`` applies to that step's mean delta (:mod:`strategies.robust`; ``mean``: the paper's);
+a personal reply's influence is one Adam step whose gradient is clipped at ``server-clip-norm``,
+so however large its ``delta_theta`` (within the payload's entry bound), its step is bounded.
 
 Project choice: embeddings are keyed by partition id, not Flower node id, so a client that
 reconnects under a new node id keeps its embedding.
@@ -55,6 +58,7 @@ from models.mh import build_mh_model
 from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
 from strategies.method import Method, MethodBinding
 from strategies.records import round_metrics
+from strategies.robust import RobustAggregator
 
 SCHEDULES = ("sequential", "parallel")
 #: the public architectures a GD global model may use (the client builds it; the server never does)
@@ -348,7 +352,19 @@ class MHpFedHNStrategy(HeteroStrategy):
 
 
 class MHpFedHNGDStrategy(MHpFedHNStrategy):
-    """MH-pFedHNGD server: a global model from a global embedding, one extra data-weighted step per round."""
+    """MH-pFedHNGD server: a global model from a global embedding, one extra data-weighted step per round.
+
+    The global step follows the clients' mean ``delta_w_g`` under run config ``aggregation``
+    (:class:`strategies.robust.RobustAggregator` over the deltas, whose reference is zero; ``mean``
+    is the paper's data-weighted mean).
+
+    Raises:
+        ConfigError: also an ``aggregation`` the sampled clients cannot satisfy.
+    """
+
+    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
+        super().__init__(cfg, binding, results)
+        self.aggregator = RobustAggregator(cfg)
 
     def client_models(self) -> list[nn.Module]:
         """The model group's models and the public global model."""
@@ -397,7 +413,14 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
         if replies:
             sizes = np.array([r.metrics.get("num-examples", 0) for r in replies], dtype=np.float64)
             weights = sizes / sizes.sum() if sizes.sum() > 0 else np.full(len(replies), 1 / len(replies))
-            mean_delta = sum(w * r.arrays["delta_w_g"].astype(np.float64) for w, r in zip(weights, replies))
+            if self.aggregator.rule == "mean":  # the paper's data-weighted mean, as before run config aggregation
+                mean_delta = sum(w * r.arrays["delta_w_g"].astype(np.float64) for w, r in zip(weights, replies))
+            else:  # the deltas are changes already: their reference is zero
+                combined, robust = self.aggregator.aggregate(
+                    {"delta_w_g": np.zeros_like(w_g)}, [r.arrays for r in replies], sizes
+                )
+                mean_delta = combined["delta_w_g"] if combined is not None else np.zeros_like(w_g)
+                server.update(robust)
             hn_step(
                 self.hn,
                 self.optimizer,

@@ -1,4 +1,5 @@
-"""A shared module every client trains a copy of, averaged by the server (FedAvg).
+"""A shared module every client trains a copy of, averaged by the server (FedAvg, or a robust
+rule: run config ``aggregation``, :mod:`strategies.robust`).
 
 The machinery of the methods whose payload is a whole homogeneous module: FedMRL's small
 global model, FML's meme model, FedKD's mentee, LG-FedAvg's head. Each method module
@@ -24,9 +25,9 @@ from common.payload import ArraySpec, PayloadSchema
 from models.base import SplitModel
 from models.cnn import CNN_SHAPES, REPRESENTATION_DIM, SmallCNN
 from models.groups import MODEL_GROUPS
-from strategies.aggregation import fedavg
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
 from strategies.method import MethodBinding, Schemas
+from strategies.robust import RobustAggregator
 
 #: ``build_shared(cfg, options)``: the module every client of a run trains a copy of
 Builder = Callable[[RunConfig, Any], nn.Module]
@@ -101,7 +102,8 @@ def shared_module(cfg: RunConfig, layout: str, key: str, d: int | None = None) -
 
 
 class SharedModelStrategy(HeteroStrategy):
-    """Server of a method that shares one module: FedAvg of the clients' trained copies.
+    """Server of a method that shares one module: the run's ``aggregation`` of the clients' trained
+    copies (:class:`strategies.robust.RobustAggregator`; ``mean`` is the papers' FedAvg).
 
     Subclasses set ``build_shared`` (a ``staticmethod`` ``(cfg, options) -> nn.Module``, which
     their client half uses too). Evaluate instructions carry the module when the method's
@@ -109,6 +111,10 @@ class SharedModelStrategy(HeteroStrategy):
     The module starts from PyTorch's default init drawn from ``seed`` (docs/methods/fedmrl.md
     §5), before round 1, so a payload always exists. A round without valid replies
     leaves it unchanged.
+
+    Raises:
+        ConfigError: also an ``aggregation`` the sampled clients cannot satisfy
+            (:func:`strategies.robust.check_aggregation`).
     """
 
     evaluate_in_train = True
@@ -121,6 +127,7 @@ class SharedModelStrategy(HeteroStrategy):
 
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
         super().__init__(cfg, binding, results)
+        self.aggregator = RobustAggregator(cfg)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             self.shared = self.build_shared(cfg, self.options)
@@ -134,11 +141,13 @@ class SharedModelStrategy(HeteroStrategy):
         return self.global_arrays() if self.schemas["evaluate"][0].arrays else {}
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """θ^t = :func:`fedavg` of the replies (unchanged when none trained on an example)."""
-        averaged = fedavg(replies, list(self.shared.state_dict()))
+        """θ^t = the run's ``aggregation`` of the replies against θ^{t-1}, the module they trained
+        from (``mean``: :func:`strategies.aggregation.fedavg`); unchanged when none trained on an
+        example. Metrics: ``server-num-averaged`` and the aggregator's (e.g. ``server-bounded``)."""
+        averaged, metrics = self.aggregator.replies(self.global_arrays(), replies)
         if averaged is not None:
             load_arrays(self.shared, averaged)
-        return {"server-num-averaged": len(replies)}
+        return {"server-num-averaged": len(replies), **metrics}
 
 
 class SharedModelClient(ClientProcedure):
