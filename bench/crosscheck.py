@@ -722,10 +722,12 @@ def main(argv: list[str] | None = None) -> int:
             if not methods or not seeds or (args.rounds is not None and args.rounds < 1):
                 raise ConfigError("--methods and --seeds need at least one value, --rounds at least 1")
             base, overrides = read_config(args.preset, args.run_config)
-            # every round on both sides, compared round by round: HtFLlib runs without its auto-break (-ab)
+            # every round on both sides, compared round by round: HtFLlib runs without its auto-break (-ab);
+            # its servers average plainly, so ours does too (run config aggregation = mean)
             fixed = {
                 "partition-seed": base["partition-seed"] if base["partition-seed"] >= 0 else seeds[0],
                 "stop-patience": 0,
+                "aggregation": "mean",
             }
             if args.rounds is not None:
                 fixed["num-server-rounds"] = args.rounds

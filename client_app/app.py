@@ -86,14 +86,13 @@ def handle(msg: Message, context: Context) -> Message:
 def config_error_reply(msg: Message, context: Context, error: ConfigError) -> Message:
     """The reply to query ``msg`` of a client that cannot serve the run: one ConfigRecord
     ``config-error`` whose key ``error`` holds the error's text, cut to ``MAX_ERROR_CHARS``
-    (``common.metrics``), prefixed with the node config's ``partition-id`` when it has one.
+    (``common.metrics``), and key ``partition-id`` the node config's, when it has an integer one.
     ``strategies.nodes.NodeRegistry.handshake`` decides whether it ends the run."""
-    pid = context.node_config.get("partition-id")
-    text = str(error) if pid is None else f"partition-id {pid}: {error}"
-    return Message(
-        RecordDict({CONFIG_ERROR_RECORD: ConfigRecord({CONFIG_ERROR_KEY: short(text, MAX_ERROR_CHARS)})}),
-        reply_to=msg,
-    )
+    record = {CONFIG_ERROR_KEY: short(str(error), MAX_ERROR_CHARS)}
+    pid = context.node_config.get(PARTITION_ID)
+    if isinstance(pid, int) and not isinstance(pid, bool):
+        record[PARTITION_ID] = pid
+    return Message(RecordDict({CONFIG_ERROR_RECORD: ConfigRecord(record)}), reply_to=msg)
 
 
 def handle_message(msg: Message, context: Context) -> Message:

@@ -36,8 +36,9 @@ GPU_PEAK = "gpu-peak-mib"
 DEVICE_RECORD = "device"
 DEVICE_KEYS = ("name", "ray-node")
 MAX_DEVICE_NAME = 100
-#: the ConfigRecord (its one key, a string) in which a query reply says instead of its sizes that the
-#: client cannot serve the run: its configuration or data error (``strategies.nodes``); the longest text
+#: the ConfigRecord in which a query reply says instead of its sizes that the client cannot serve the
+#: run: its configuration or data error (key ``error``, a string; ``strategies.nodes``), and its
+#: ``partition-id`` when the node config has one; the longest error text
 CONFIG_ERROR_RECORD, CONFIG_ERROR_KEY = "config-error", "error"
 MAX_ERROR_CHARS = 1000
 #: largest seconds a client may report for one message step (~116 days: far beyond any round timeout)

@@ -25,6 +25,10 @@ log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
 #: run config keys a resumed run may set differently from the run that wrote its checkpoint
 RESUMABLE_CHANGES = frozenset({"num-server-rounds", "resume-from"})
+#: run config keys added later whose declared default is not how runs behaved before they existed:
+#: a checkpoint without the key ran as this value (the averaging methods averaged plainly before
+#: ``aggregation`` existed, and its default, ``norm-bound``, does not)
+BEFORE_THE_KEY = {"aggregation": "mean"}
 
 
 def server_state(owner: Any, names: tuple[str, ...] | None) -> dict[str, Any] | None:
@@ -60,7 +64,8 @@ class Checkpoints:
         results: the run's results writer (its folder names a new run's client state), or None.
         defaults: run config key -> declared default (``RunConfig`` and the method's options): a
             key a checkpoint's config lacks matches when this run has it at its default, since a
-            key added after the checkpoint was written defaults to the behaviour it ran with.
+            key added after the checkpoint was written defaults to the behaviour it ran with
+            (except the keys of :data:`BEFORE_THE_KEY`, which match at the value given there).
     """
 
     def __init__(self, cfg: RunConfig, results: Any | None, defaults: dict[str, Any] | None = None) -> None:
@@ -110,7 +115,7 @@ class Checkpoints:
             ConfigError: the checkpoint is of another method, the method cannot resume, or the
                 checkpoint's run config differs in any key but ``num-server-rounds`` (and
                 ``resume-from`` itself; a key it lacks differs unless this run has it at its
-                declared default): the keys are named.
+                declared default, or at its :data:`BEFORE_THE_KEY` value): the keys are named.
         """
         if not self.cfg.resume_from:
             return None
@@ -122,7 +127,8 @@ class Checkpoints:
                 + ("" if state["server"] is not None else " (this method has no server_state yet)")
             )
         saved, now = state.get("config", {}), self.cfg.as_dict()
-        added = {k for k in set(now) - set(saved) if k in self.defaults and now[k] == self.defaults[k]}
+        behaved = {**self.defaults, **BEFORE_THE_KEY}  # how a run that lacked a key behaved
+        added = {k for k in set(now) - set(saved) if k in behaved and now[k] == behaved[k]}
         differ = sorted(
             k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES | added and saved.get(k) != now.get(k)
         )

@@ -110,7 +110,7 @@ class NodeRegistry:
         wanted: int | None = self.cfg.num_clients or None  # None until the nodes agree on num-partitions
         by_partition: dict[int, int] = {}
         claims: dict[int, tuple[int, int]] = {}  # node id -> (partition id, num-partitions) of a valid reply
-        errors: dict[int, str] = {}  # node id -> the configuration or data error it reported
+        errors: dict[int, tuple[int | None, str]] = {}  # node id -> (partition id, error) it reported
         asked: set[int] = set()
         while wanted is None or len(by_partition) < wanted:
             if time.monotonic() > deadline:
@@ -135,10 +135,12 @@ class NodeRegistry:
                     max(deadline - time.monotonic(), 1.0),
                 )
                 for r in replies:
-                    text = config_error(r)
-                    if text is not None:
-                        errors[r.metadata.src_node_id] = text
-                        log.warning("Node %s cannot serve the run: %s", r.metadata.src_node_id, text)
+                    error = config_error(r)
+                    if error is not None:
+                        errors[r.metadata.src_node_id] = error
+                        log.warning(
+                            "Node %s (partition-id %s) cannot serve the run: %s", r.metadata.src_node_id, *error
+                        )
                 if errors and shared:
                     raise ConfigError(f"the run's configuration or data fail on a simulated node{_errors_text(errors)}")
                 for r in transport.validate("query", [r for r in replies if r.metadata.src_node_id not in errors]):
@@ -239,9 +241,9 @@ class NodeRegistry:
             min(QUERY_SECONDS, self.cfg.round_timeout),
         )
         errors = {r.metadata.src_node_id: config_error(r) for r in replies}
-        for node, text in errors.items():
-            if text is not None:  # that node's problem: it is asked again later, as a silent node
-                log.warning("Node %s cannot serve the run: %s", node, text)
+        for node, error in errors.items():
+            if error is not None:  # that node's problem: it is asked again later, as a silent node
+                log.warning("Node %s (partition-id %s) cannot serve the run: %s", node, *error)
         valid = transport.validate("query", [r for r in replies if errors[r.metadata.src_node_id] is None])
         answered = {r.node_id for r in valid}
         for node in set(new) - answered:  # no reply, or none we can use
@@ -309,45 +311,58 @@ def _claim(reply: ClientReply) -> tuple[int, int]:
 NODES_SHOWN = 5
 
 
+def _listed(items: list[str]) -> str:
+    """The first :data:`NODES_SHOWN` of ``items``, then how many more: a message stays short."""
+    more = len(items) - NODES_SHOWN
+    return ", ".join(items[:NODES_SHOWN]) + (f" and {more} more" if more > 0 else "")
+
+
 def _claims_text(claims: dict[int, tuple[int, int]]) -> str:
-    """``node <id> (partition-id <p>) has node config 'num-partitions' = <n>`` for each of the first
-    :data:`NODES_SHOWN` claims, then how many more."""
-    shown = [f"node {i} (partition-id {p}) has node config 'num-partitions' = {n}" for i, (p, n) in claims.items()]
-    more = len(shown) - NODES_SHOWN
-    return ", ".join(shown[:NODES_SHOWN]) + (f" and {more} more node(s) as well" if more > 0 else "")
-
-
-def _errors_text(errors: dict[int, str], lead: str = ": ") -> str:
-    """The configuration or data errors of the first :data:`NODES_SHOWN` nodes (each already cut
-    to ``MAX_ERROR_CHARS``), then how many more; empty for none."""
-    if not errors:
-        return ""
-    shown = [f"node {node}: {text}" for node, text in sorted(errors.items())[:NODES_SHOWN]]
-    more = len(errors) - NODES_SHOWN
-    return (
-        f"{lead}{len(errors)} node(s) reported a configuration or data error: "
-        + "; ".join(shown)
-        + (f"; and {more} more" if more > 0 else "")
+    """``node <id> (partition-id <p>) has node config 'num-partitions' = <n>`` for each claim (:func:`_listed`)."""
+    return _listed(
+        [f"node {i} (partition-id {p}) has node config 'num-partitions' = {n}" for i, (p, n) in claims.items()]
     )
 
 
-def config_error(reply: Message) -> str | None:
-    """The configuration or data error a query reply reports instead of its sizes, or None when it
-    reports none (a valid reply, or any other fault, which :meth:`Transport.validate` drops).
+def _errors_text(errors: dict[int, tuple[int | None, str]], lead: str = ": ") -> str:
+    """The configuration or data errors of ``errors`` (node id -> (partition id or None, text)), each
+    distinct text once with the nodes that reported it (:func:`_listed`); empty for none."""
+    if not errors:
+        return ""
+    by_text: dict[str, list[str]] = {}
+    for node, (pid, text) in sorted(errors.items()):
+        by_text.setdefault(text, []).append(f"node {node}" + ("" if pid is None else f" (partition-id {pid})"))
+    texts = [f"{text} [{_listed(nodes)}]" for text, nodes in by_text.items()]
+    return f"{lead}{len(errors)} node(s) reported a configuration or data error: {_listed(texts)}"
 
-    A client reports it with one ConfigRecord ``config-error`` holding one string (see
-    ``client_app.app.config_error_reply``); an error reply of a ClientApp that raised a ConfigError
-    counts too. The text is cut to ``MAX_ERROR_CHARS`` and unprintable characters are replaced,
-    so a hostile node's claim cannot flood the log or the run's summary.
+
+def config_error(reply: Message) -> tuple[int | None, str] | None:
+    """The configuration or data error a query reply reports instead of its sizes, as (the partition
+    id it names or None, the text), or None when it reports none (a valid reply, or any other
+    fault, which :meth:`Transport.validate` drops).
+
+    A client reports it with one ConfigRecord ``config-error``: key ``error``, a string, and
+    optionally ``partition-id``, an integer (see ``client_app.app.config_error_reply``); an error
+    reply of a ClientApp that raised a ConfigError counts too. The text is cut to
+    ``MAX_ERROR_CHARS`` and unprintable characters are replaced, so a hostile node's claim cannot
+    flood the log or the run's summary.
     """
+    pid = None
     if reply.has_error():
         text = reply.error.reason if "ConfigError" in reply.error.reason else None
     else:
         content = reply.content
         record = content.config_records.get(CONFIG_ERROR_RECORD) if CONFIG_ERROR_RECORD in content else None
         values = dict(record) if record is not None else {}
-        well_formed = list(content.keys()) == [CONFIG_ERROR_RECORD] and list(values) == [CONFIG_ERROR_KEY]
-        text = values[CONFIG_ERROR_KEY] if well_formed and isinstance(values[CONFIG_ERROR_KEY], str) else None
+        text, pid = values.get(CONFIG_ERROR_KEY), values.get(PARTITION_ID)
+        well_formed = (
+            list(content.keys()) == [CONFIG_ERROR_RECORD]
+            and set(values) <= {CONFIG_ERROR_KEY, PARTITION_ID}
+            and isinstance(text, str)
+            and (pid is None or (type(pid) is int and 0 <= pid < 2**31))
+        )
+        if not well_formed:
+            return None
     if text is None:
         return None
-    return short("".join(c if c.isprintable() else " " for c in text[: MAX_ERROR_CHARS + 1]), MAX_ERROR_CHARS)
+    return pid, short("".join(c if c.isprintable() else " " for c in text[: MAX_ERROR_CHARS + 1]), MAX_ERROR_CHARS)

@@ -250,3 +250,25 @@ def test_a_client_never_stores_a_non_finite_model(tmp_path, state_dir):
     restored = nn.Linear(3, 2)
     assert client_runtime(rc).restore("model", restored) if state_dir else client.restore("model", restored)
     assert all(torch.equal(restored.state_dict()[k], good[k]) for k in good)
+
+
+def test_a_checkpoint_from_before_aggregation_existed_resumes_only_as_mean(tmp_path):
+    """Such a run averaged plainly: its checkpoint resumes with ``aggregation = "mean"`` (what the
+    presets say), and is refused with the default ``norm-bound``, which would change the method."""
+    from common.options import declared_defaults
+    from common.results import CHECKPOINT
+    from strategies.checkpoint import Checkpoints
+    from strategies.records import RoundCounters
+
+    rc = make_run_config(method="lg-fedavg", aggregation="mean")
+    saved = Checkpoints(cfg_of(**rc), None).build(1, "key", np.random.default_rng(0), RoundCounters(), [], {})
+    assert saved["config"].pop("aggregation") == "mean"
+    torch.save(saved, tmp_path / CHECKPOINT)
+    for rule, fits in (("mean", True), ("norm-bound", False)):
+        cfg = cfg_of(**{**rc, "aggregation": rule, "resume-from": str(tmp_path)})
+        checkpoints = Checkpoints(cfg, None, declared_defaults(RunConfig))
+        if fits:
+            assert checkpoints.load()["round"] == 1
+        else:
+            with pytest.raises(ConfigError, match=r"'aggregation' \(None, now 'norm-bound'\)"):
+                checkpoints.load()

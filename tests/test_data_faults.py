@@ -241,6 +241,8 @@ def test_a_client_data_error_fails_the_run_at_the_handshake_in_seconds(
     assert isinstance(error, ConfigError) and re.search(match, str(error)), error
     lead = "fail on a simulated node" if simulated else "no node that answered the handshake can serve the run"
     assert lead in str(error), error
+    # one text for the nodes that share it, each named with its partition
+    assert len(re.findall(match, str(error))) == 1 and "[node 1000 (partition-id 0)" in str(error)
     assert seconds < 20, seconds  # connect-timeout is 60 s
     if not simulated:
         assert summary["status"] == "failed" and re.search(match, summary["error"])
@@ -267,12 +269,15 @@ def test_one_node_claiming_an_error_is_excluded_in_a_deployment_and_fails_a_simu
         strategy.start(grid)
     assert time.monotonic() - start >= 1.0 and not isinstance(failure.value, ConfigError)
     text = str(failure.value)
-    assert "only 2 of num-clients=3" in text and f"node {HOSTILE}: dataset file /x is corrupt" in text
+    assert "only 2 of num-clients=3" in text and "error: dataset file /x is corrupt dataset file" in text
+    assert text.endswith(f"... [node {HOSTILE}]")
     assert "\n" not in text and len(text) < 1500  # the claim is cut and made printable
     assert HOSTILE not in strategy.registry.clients and len(strategy.registry.clients) == 2
     # a simulation shares one config and data folder: one node's error is the run's, at once
     strategy, grid = federation(rc, tamper=claims_an_error)
-    with pytest.raises(ConfigError, match=f"fail on a simulated node: 1 node.* node {HOSTILE}: dataset file /x"):
+    with pytest.raises(
+        ConfigError, match=rf"fail on a simulated node: 1 node\(s\) .*: dataset file /x .*\[node {HOSTILE}\]"
+    ):
         strategy.start(grid, window=lambda: 16)
 
 
