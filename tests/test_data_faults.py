@@ -43,8 +43,10 @@ def png(size: int = 28, seed: int = 0) -> bytes:
     return encode_png(pixels).numpy().tobytes()
 
 
-def write_mnist(root, images=None, labels=None, label_type="int64", columns=("image", "label"), compression="zstd"):
-    """``root/mnist/train.parquet`` in the Hub's schema (zstd, as the offline files): ``ROWS`` random
+def write_mnist(
+    root, images=None, labels=None, label_type="int64", columns=("image", "label"), compression="zstd", split="train"
+):
+    """``root/mnist/<split>.parquet`` in the Hub's schema (zstd, as the offline files): ``ROWS`` random
     28x28 PNGs with labels ``i % 10`` unless ``images``/``labels`` say otherwise; returns its path."""
     images = images if images is not None else [png(seed=i) for i in range(ROWS)]
     labels = labels if labels is not None else [i % 10 for i in range(len(images))]
@@ -54,7 +56,7 @@ def write_mnist(root, images=None, labels=None, label_type="int64", columns=("im
             "label": pa.array(labels, pa.type_for_alias(label_type)),
         }
     ).select(list(columns))
-    path = root / "mnist" / "train.parquet"
+    path = root / "mnist" / f"{split}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table.replace_schema_metadata({"huggingface": json.dumps(FEATURES)}), path, compression=compression)
     return path
@@ -125,6 +127,16 @@ def test_an_undecodable_or_wrong_size_image_names_the_file_and_row(tmp_path, bad
     path = write_mnist(tmp_path, images=images)
     text = load_fails(tmp_path, match)
     assert str(path) in text and "1 of 60 images" in text
+
+
+def test_a_bad_image_of_the_test_split_in_a_train_and_test_pool_names_the_test_file(tmp_path):
+    write_mnist(tmp_path)
+    images = [png(seed=i) for i in range(20)]
+    images[3] = png(size=14)
+    path = write_mnist(tmp_path, images=images, split="test")
+    pooled = dataclasses.replace(spec(tmp_path), data_pool="train+test")
+    with pytest.raises(ConfigError, match=rf"^dataset file {re.escape(str(path))}: the image in row 3 is 14x14"):
+        load_client_data.__wrapped__(pooled, 0)
 
 
 def flip_footer(data: bytes) -> bytes:
