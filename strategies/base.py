@@ -389,8 +389,8 @@ class ClientProcedure:
         return {}, evaluation_metrics(*evaluate_model(client.model, data.test_x, data.test_y, data.info, client.device))
 
     def query(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
-        """Handshake: data sizes (the runtime adds the partition id), from the partition's labels
-        or its cache file, without decoding images; a partition that cannot be split fails here."""
+        """Handshake: data sizes (the runtime adds the partition id) of the partition, decoded, checked
+        and cached here, so a partition that cannot be split or holds bad data fails at the handshake."""
         start = time.perf_counter()
         num_train, num_test = client.data_sizes()
         return {}, {
