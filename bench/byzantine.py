@@ -80,6 +80,25 @@ def svd_rebuilding_to(value: float) -> Callable[[int], Attack]:
     return lambda seed: attack
 
 
+def setting(key: str, value: float) -> Callable[[int], Attack]:
+    """Payload array ``key`` filled with ``value``, the others as uploaded (FedRE: z = 100, its
+    soft label kept, so the reply passes the soft-label check)."""
+    return lambda seed: lambda arrays: {**arrays, key: np.full_like(arrays[key], value)}
+
+
+def every_class(values: str, labels: str, value: float, next_class: bool = False) -> Callable[[int], Attack]:
+    """Per-class uploads (prototypes, LARs, logits): a row for each of the 10 classes, held or not,
+    every entry ``value``; with ``next_class`` row c is ``value`` · e_{c+1 mod 10} instead (FD: logits
+    that name the next class, since a constant logit vector changes no softmax)."""
+
+    def attack(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        width = arrays[values].shape[1]
+        rows = np.roll(np.eye(10, width), 1, axis=1) if next_class else np.ones((10, width))
+        return {values: (value * rows).astype(arrays[values].dtype), labels: np.arange(10, dtype=arrays[labels].dtype)}
+
+    return lambda seed: attack
+
+
 #: name -> (method, run config overrides, tamper factory (seed) -> attack on the payload arrays)
 ATTACKS: dict[str, tuple[str, dict, Callable[[int], Attack]]] = {
     "fml-10": ("fml", {}, constant(10.0)),
@@ -87,9 +106,14 @@ ATTACKS: dict[str, tuple[str, dict, Callable[[int], Attack]]] = {
     "fedmrl-100": ("fedmrl", {}, constant(100.0)),
     "fedkd-1e6": ("fedkd", {}, svd_rebuilding_to(0.99e6)),
     "lg-fedavg-1e6": ("lg-fedavg", {}, signs(1e6)),
+    "fedre-z-100": ("fedre", {}, setting("z", 100.0)),
+    "fedproto-1e5": ("fedproto", {}, every_class("protos", "proto_labels", 1e5)),
+    "fedtgp-1e5": ("fedtgp", {}, every_class("protos", "proto_labels", 1e5)),
+    "fedgh-1e5": ("fedgh", {}, every_class("lar", "lar_labels", 1e5)),
+    "fd-next-1e5": ("fd", {}, every_class("logits", "logit_labels", 1e5, next_class=True)),
 }
 #: the methods whose clean runs measure the accuracy cost of norm-bound against mean
-CLEAN = {"fml": {}, "lg-fedavg": {}}
+CLEAN = {"fml": {}, "lg-fedavg": {}, "fedproto": {}, "fedre": {}}
 
 
 def tamper_of(attack: Attack) -> Callable[[int, Message], Message]:

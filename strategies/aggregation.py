@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,11 +43,20 @@ def fedavg(replies: list[ClientReply], keys: list[str]) -> dict[str, np.ndarray]
 
 
 def class_average(
-    replies: list[ClientReply], values: str, labels: str, num_classes: int, width: int
+    replies: list[ClientReply],
+    values: str,
+    labels: str,
+    num_classes: int,
+    width: int,
+    center: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Per-class unweighted mean over the clients that uploaded a row for the class.
 
     FedProto's server step (prototypes, FedProto Eq. 4 without the count weights), FD's (per-class logits).
+
+    Args:
+        center: instead of the mean, a per-class statistic of the class's rows, float64 [m_c, width]
+            -> [width] (a coordinate-wise median or trimmed mean, run config ``aggregation``).
 
     Returns:
         ``({values: float32 [a, width], "mask": bool [C]} or {} when nothing was uploaded,
@@ -59,5 +68,10 @@ def class_average(
         np.add.at(sums, r.arrays[labels], r.arrays[values])
         np.add.at(counts, r.arrays[labels], 1)
     mask = counts > 0
-    out = {values: (sums[mask] / counts[mask, None]).astype(np.float32), "mask": mask} if mask.any() else {}
+    rows = sums[mask] / counts[mask, None]
+    if center is not None and mask.any():
+        uploaded = np.concatenate([r.arrays[values] for r in replies]).astype(np.float64)
+        every = np.concatenate([r.arrays[labels] for r in replies])
+        rows = np.stack([center(uploaded[every == c]) for c in np.flatnonzero(mask)])
+    out = {values: rows.astype(np.float32), "mask": mask} if mask.any() else {}
     return out, {"server-num-rows": int(counts.sum()), "server-num-classes": int(mask.sum())}

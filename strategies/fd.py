@@ -18,7 +18,11 @@ uploads the exact per-class means of its model's logits over its whole train spl
 mode without augmentation (the paper averages logits seen during training; the post-training
 means describe the model that is uploaded and do not depend on batch order).
 Server step: per-class unweighted mean over the clients that uploaded the class
-(:func:`strategies.aggregation.class_average`). Inference: the personal model.
+(:func:`strategies.aggregation.class_average`), under run config ``aggregation``
+(:func:`strategies.prototypes.aggregate_class_sets`: ``mean`` is the paper's step, ``norm-bound``
+bounds each uploaded logit row's change from the global row sent this round (its norm where none
+was sent) by the round's median first, ``median`` / ``trimmed-mean``
+replace the mean per class). Inference: the personal model.
 """
 
 from __future__ import annotations
@@ -33,10 +37,10 @@ from common.config import RunConfig
 from common.options import option
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model, trained_class_means
-from strategies.aggregation import class_average
 from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
 from strategies.method import Method, MethodBinding
-from strategies.prototypes import class_set_schemas, unpack_global_set
+from strategies.prototypes import CLASS_AGGREGATIONS, aggregate_class_sets, class_set_schemas, unpack_global_set
+from strategies.robust import require_aggregation
 
 TARGETS = ("softmax", "logits")
 
@@ -55,6 +59,10 @@ class FDOptions:
         "soft target (HtFLlib, so FedTGP's FD baseline; unbounded below, it can diverge)",
         choices=TARGETS,
     )
+
+    def check(self, cfg: RunConfig) -> None:
+        """Raises ConfigError: ``aggregation`` is not one of :data:`strategies.prototypes.CLASS_AGGREGATIONS`."""
+        require_aggregation(cfg, CLASS_AGGREGATIONS)
 
 
 def fd_loss(
@@ -101,10 +109,13 @@ class FDStrategy(HeteroStrategy):
         return dict(self.global_logits)
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """ẑ_c = mean of the uploaded per-class logits of class c; a round whose valid replies upload
+        """ẑ_c = mean of the uploaded per-class logits of class c, under run config ``aggregation``
+        (:func:`strategies.prototypes.aggregate_class_sets`); a round whose valid replies upload
         no logits at all (none arrived, or each carries zero classes) keeps the previous global
         logits (as FedProto keeps its prototypes)."""
-        global_logits, metrics = class_average(replies, "logits", "logit_labels", self.dims["C"], self.dims["C"])
+        global_logits, metrics = aggregate_class_sets(
+            replies, "logits", "logit_labels", self.dims["C"], self.dims["C"], self.cfg, self.global_logits
+        )
         if global_logits:
             self.global_logits = global_logits
         return metrics

@@ -15,7 +15,9 @@ Client step (section 3): overwrite the local head with the global header, train 
 model, then upload the exact per-class means of the post-training extractor.
 Server step (section 4, Eq. 4): SGD on cross-entropy of the header over the round's LARs,
 one step per LAR in (partition id, class) order by default. The authors' released code
-never applies this update (P1); ``server-mode = "none"`` reproduces that.
+never applies this update (P1); ``server-mode = "none"`` reproduces that. Run config
+``aggregation``: ``mean`` trains on the LARs as uploaded (the paper); ``norm-bound`` (default) first
+bounds each LAR's norm by the round's median (:func:`strategies.prototypes.bound_class_rows`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from strategies.heads import (
     require_linear_heads,
 )
 from strategies.method import Method, MethodBinding
+from strategies.prototypes import ROW_AGGREGATIONS, bound_class_rows
+from strategies.robust import BOUNDED, require_aggregation
 
 LARS = PayloadSchema(
     {
@@ -76,8 +80,10 @@ class FedGHOptions:
     eval_global_head: bool = option(False, "also report accuracy with the current global header")
 
     def check(self, cfg: RunConfig) -> None:
-        """Raises ConfigError: the model group has a non-linear head (FedGH exchanges a linear one)."""
+        """Raises ConfigError: the model group has a non-linear head (FedGH exchanges a linear one), or
+        ``aggregation`` is not one of :data:`strategies.prototypes.ROW_AGGREGATIONS`."""
         require_linear_heads(cfg, "header")
+        require_aggregation(cfg, ROW_AGGREGATIONS)
 
 
 def schemas(cfg: RunConfig, options: FedGHOptions) -> dict:
@@ -166,8 +172,12 @@ class FedGHStrategy(HeteroStrategy):
         return self.global_arrays() if self.options.eval_global_head else {}
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """Train the header on the round's LARs (:func:`train_header`)."""
-        return train_header(self.header, replies, self.options, self.header_generator)
+        """Train the header on the round's LARs (:func:`train_header`), under ``norm-bound`` bounded
+        first (:func:`strategies.prototypes.bound_class_rows`)."""
+        bounded = {}
+        if self.cfg.aggregation == "norm-bound":
+            replies, bounded[BOUNDED] = bound_class_rows(replies, "lar", "lar_labels")
+        return {**train_header(self.header, replies, self.options, self.header_generator), **bounded}
 
 
 class FedGHClient(ClientProcedure):

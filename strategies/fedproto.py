@@ -14,7 +14,11 @@ Payload:
 Client step: CE + lambda * prototype regulariser (FedTGP's client objective, so that the
 comparison isolates the server), inference by the nearest available global prototype.
 Server step: unweighted per-class mean of the uploads (no per-class counts are sent); classes
-nobody uploaded this round get no prototype and are never predicted.
+nobody uploaded this round get no prototype and are never predicted. Run config ``aggregation``:
+``mean`` is that step; ``norm-bound`` (default) first bounds each uploaded prototype's change from
+the global prototype sent this round (its norm where none was sent) by the round's median
+(:func:`strategies.prototypes.bound_class_rows`); ``median`` / ``trimmed-mean`` take
+that statistic per class instead of the mean (:func:`strategies.prototypes.aggregate_class_sets`).
 """
 
 from __future__ import annotations
@@ -27,17 +31,19 @@ import numpy as np
 from common.config import RunConfig
 from common.runtime import ClientRuntime
 from common.training import evaluation_metrics, train_personal_model
-from strategies.aggregation import class_average
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
 from strategies.method import Method, MethodBinding
 from strategies.prototypes import (
+    CLASS_AGGREGATIONS,
     ClassMeanCollector,
     PrototypeRegularizer,
     RegularizerOptions,
+    aggregate_class_sets,
     class_set_schemas,
     nearest_prototype_correct,
     unpack_global_set,
 )
+from strategies.robust import require_aggregation
 
 UPLOAD, GLOBAL_SET = class_set_schemas("protos", "proto_labels", "d")
 SCHEMAS = {**BASE_SCHEMAS, "train": (GLOBAL_SET, UPLOAD), "evaluate": (GLOBAL_SET, NO_PAYLOAD)}
@@ -46,6 +52,10 @@ SCHEMAS = {**BASE_SCHEMAS, "train": (GLOBAL_SET, UPLOAD), "evaluate": (GLOBAL_SE
 @dataclass(frozen=True)
 class FedProtoOptions(RegularizerOptions):
     """``[tool.flwr.app.config.fedproto]``: the client's prototype term (FedTGP's client objective)."""
+
+    def check(self, cfg: RunConfig) -> None:
+        """Raises ConfigError: ``aggregation`` is not one of :data:`strategies.prototypes.CLASS_AGGREGATIONS`."""
+        require_aggregation(cfg, CLASS_AGGREGATIONS)
 
 
 class FedProtoStrategy(HeteroStrategy):
@@ -66,13 +76,16 @@ class FedProtoStrategy(HeteroStrategy):
         return self.global_arrays()
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """P̄^c = unweighted mean of the uploaded P_i^c for every class uploaded this round (:func:`class_average`).
+        """P̄^c = unweighted mean of the uploaded P_i^c for every class uploaded this round, under run
+        config ``aggregation`` (:func:`strategies.prototypes.aggregate_class_sets`).
 
         A round whose valid replies upload no prototype at all (none arrived, or each carries zero
         classes) keeps the previous global set: no upload is no evidence, and clients would
         otherwise train without the regulariser and evaluate against nothing next round.
         """
-        global_set, metrics = class_average(replies, "protos", "proto_labels", self.dims["C"], self.dims["d"])
+        global_set, metrics = aggregate_class_sets(
+            replies, "protos", "proto_labels", self.dims["C"], self.dims["d"], self.cfg, self.global_set
+        )
         if global_set:
             self.global_set = global_set
         return metrics

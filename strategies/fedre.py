@@ -19,6 +19,16 @@ each server batch (revised P6: the authors' HtFLlib tree sums at lr 0.01 and ove
 FedRE fell below Local here; a batch of exactly 10 uploads makes the mean at lr 0.01 equal the
 PFLlib tree's summed step at lr 0.001, which produced the paper's homogeneous table: N = 10, all
 clients every round; a batch of K uploads makes it a sum at lr 0.01 / K).
+Run config ``aggregation``: ``mean`` is that step on the pairs as uploaded; ``norm-bound``
+(default) first scales each ``z`` to at most the round's median ``z`` norm (:func:`bound_entangled`).
+Why: a pair's gradient on the head is (softmax(W z + b) - y) zᵀ, linear in ‖z‖, and one step moves
+the logits of any representation r by lr·(p - y)·⟨z, r⟩. A constant z of 100 (scaled by the
+transport's outlier bound to 100 times the longest honest z, ~200 against ~2) makes one pair's step
+about 100 times an honest pair's and lr·‖z‖² ≈ 10² far beyond a stable step, so the head swings
+each round along that direction; honest representations (ReLU outputs, all non-negative) share it,
+so every honest sample lands on the attacker's classes (0.0 accuracy for the clients without them).
+With ‖z‖ at most the median, a pair's gradient is at most √2 times an honest-sized one and its
+soft label, a point of the simplex (section 4's check), weighs as one pair of the batch.
 Evaluation (section 6): own extractor + the newest global head, sent to every client after
 the server step; the client keeps that head (P11). The authors' released loop never sends
 the head back (P1), which makes FedRE "Local"; here it is sent in every train and evaluate
@@ -29,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -49,6 +59,8 @@ from common.training import EVAL_BATCH, train_personal_model
 from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
 from strategies.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
 from strategies.method import Method, MethodBinding
+from strategies.prototypes import MEDIAN_VOTES, ROW_AGGREGATIONS
+from strategies.robust import BOUNDED, bound_by_median, require_aggregation
 
 #: how the client turns its representations into one (z, y) pair (section 3, Appendix A)
 RE_MODES = ("rap", "vap", "rsp", "rar", "var", "rsr", "rap-fixed")
@@ -89,8 +101,10 @@ class FedREOptions:
     )
 
     def check(self, cfg: RunConfig) -> None:
-        """Raises ConfigError: the model group has a non-linear head (FedRE exchanges a linear one)."""
+        """Raises ConfigError: the model group has a non-linear head (FedRE exchanges a linear one), or
+        ``aggregation`` is not one of :data:`strategies.prototypes.ROW_AGGREGATIONS`."""
         require_linear_heads(cfg, "head")
+        require_aggregation(cfg, ROW_AGGREGATIONS)
 
 
 def entangling_weights(labels: torch.Tensor, mode: str, generator: torch.Generator) -> torch.Tensor:
@@ -211,6 +225,28 @@ def train_head(
     return {"server-num-uploads": len(z), "server-loss-before": before, "server-loss-after": after}
 
 
+def bound_entangled(replies: list[ClientReply]) -> tuple[list[ClientReply], int]:
+    """``aggregation = "norm-bound"``: every ``z`` scaled to at most the median ``z`` norm of the round.
+
+    FLAME's clipping (Nguyen et al. 2022, §4.3; :func:`strategies.robust.bound_by_median`) over the
+    round's uploads, one z each: with an honest majority the bound is an honest norm, so one pair's
+    gradient on the head is no larger than an honest pair's (see the module docstring). ``y`` needs
+    no bound (non-negative, summing to 1). With fewer than
+    :data:`strategies.prototypes.MEDIAN_VOTES` pairs nothing is bounded.
+
+    Returns:
+        (the replies, those with a scaled ``z`` as copies, float32; how many ``z`` were scaled).
+    """
+    pairs = [i for i, r in enumerate(replies) if r.arrays]
+    if len(pairs) < MEDIAN_VOTES:
+        return replies, 0
+    bounded, scaled = bound_by_median([replies[i].arrays["z"] for i in pairs])
+    out = list(replies)
+    for i, z in zip(pairs, bounded):
+        out[i] = replace(replies[i], arrays={**replies[i].arrays, "z": np.asarray(z, np.float32)})
+    return out, scaled
+
+
 class FedREStrategy(HeteroStrategy):
     """FedRE server: holds the global head φ = Linear(d, C), trains it on (z, y), sends it to all.
 
@@ -236,8 +272,12 @@ class FedREStrategy(HeteroStrategy):
         return self.global_arrays()
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """Train the head on the round's entangled pairs (:func:`train_head`)."""
-        return train_head(self.head, replies, self.options, self.head_generator)
+        """Train the head on the round's entangled pairs (:func:`train_head`), under ``norm-bound``
+        with each ``z`` bounded first (:func:`bound_entangled`)."""
+        bounded = {}
+        if self.cfg.aggregation == "norm-bound":
+            replies, bounded[BOUNDED] = bound_entangled(replies)
+        return {**train_head(self.head, replies, self.options, self.head_generator), **bounded}
 
 
 class FedREClient(ClientProcedure):

@@ -22,7 +22,13 @@ epochs of SGD on the round's uploads with the ACL loss (Eq. 10) and the adaptive
 delta(t) (the official nearest-centre rule, ``fedtgp.margin = "max-pairwise"`` for the paper's
 Eq. 9), then P̂ = F(E). Each round row also carries diagnostics of P̂: the smallest distance
 between two global prototypes and how far they moved since the last round (the margin grows
-by design, as in the official code; these show whether it settles).
+by design, as in the official code; these show whether it settles). Run config ``aggregation``:
+``mean`` is the paper's step; ``norm-bound`` (default) takes the margin from the uploads with each
+prototype's change from the P̂ sent this round (its norm in round 1) bounded by the round's median
+(:func:`strategies.prototypes.bound_class_rows`), so one client's far-off rows cannot drive it to
+tau, and trains the generator on the uploads as they are: the ACL's gradient is -‖p - P̂_c‖'s, a
+unit vector per row whatever the row's length, so a row's influence on the generator is bounded
+already, and bounded rows measured worse (docs/methods/fedtgp.md, aggregation).
 """
 
 from __future__ import annotations
@@ -45,11 +51,14 @@ from common.training import evaluation_metrics, train_personal_model, trained_cl
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
 from strategies.method import Method, MethodBinding
 from strategies.prototypes import (
+    ROW_AGGREGATIONS,
     PrototypeRegularizer,
     RegularizerOptions,
+    bound_class_rows,
     class_set_schemas,
     nearest_prototype_correct,
 )
+from strategies.robust import BOUNDED, require_aggregation
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -85,6 +94,10 @@ class FedTGPOptions(RegularizerOptions):
     server_lr: float = option(0.01, "learning rate of the generator's SGD", low=0)
     server_batch_size: int = option(10, "prototypes per server step", low=1)
     hidden_dim: int = option(512, "hidden width H of the generator", low=1)
+
+    def check(self, cfg: RunConfig) -> None:
+        """Raises ConfigError: ``aggregation`` is not one of :data:`strategies.prototypes.ROW_AGGREGATIONS`."""
+        require_aggregation(cfg, ROW_AGGREGATIONS)
 
 
 class PrototypeGenerator(nn.Module):
@@ -138,12 +151,18 @@ def acl_loss(protos: torch.Tensor, labels: torch.Tensor, global_protos: torch.Te
 
 
 def train_generator(
-    generator: PrototypeGenerator, replies: list[ClientReply], opts: FedTGPOptions, rng: torch.Generator
+    generator: PrototypeGenerator,
+    replies: list[ClientReply],
+    opts: FedTGPOptions,
+    rng: torch.Generator,
+    margin_replies: list[ClientReply] | None = None,
 ) -> dict[str, float]:
     """Train the generator in place on this round's uploads (section 4).
 
     SGD (lr ``server-lr``, fresh each round: stateless), ``server-epochs`` epochs of shuffled
-    batches of ``server-batch-size`` (last partial batch kept). Only this round's uploads.
+    batches of ``server-batch-size`` (last partial batch kept). Only this round's uploads. The
+    margin delta is taken from ``margin_replies`` (the same uploads with bounded rows, run config
+    ``aggregation = "norm-bound"``), by default from ``replies``.
 
     Returns:
         ``server-num-protos`` (M), ``server-margin`` (delta), ``server-acl-before`` /
@@ -153,7 +172,8 @@ def train_generator(
     if protos is None or len(protos) == 0:
         return {"server-num-protos": 0}
     labels = torch.from_numpy(np.concatenate([r.arrays["proto_labels"] for r in replies]))
-    delta = adaptive_margin(protos, labels, opts.tau, opts.margin)
+    centred = protos if margin_replies is None else np.concatenate([r.arrays["protos"] for r in margin_replies])
+    delta = adaptive_margin(torch.as_tensor(centred), labels, opts.tau, opts.margin)
     if len(torch.unique(labels)) < 2:
         log.warning("FedTGP: fewer than two classes uploaded this round; margin set to 0")
     with torch.no_grad():
@@ -217,8 +237,14 @@ class FedTGPStrategy(HeteroStrategy):
         return self.global_arrays()
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """Train the generator on the round's prototypes, then emit P̂ for all C classes."""
-        metrics = train_generator(self.generator, replies, self.options, self.batch_rng)
+        """Train the generator on the round's prototypes (under ``norm-bound`` with the margin from
+        bounded rows: :func:`strategies.prototypes.bound_class_rows`), then emit P̂ for all C classes."""
+        bounded, margin_replies = {}, None
+        if self.cfg.aggregation == "norm-bound":
+            sent = self.global_set.get("global_protos")
+            margin_replies, bounded[BOUNDED] = bound_class_rows(replies, "protos", "proto_labels", sent)
+        trained = train_generator(self.generator, replies, self.options, self.batch_rng, margin_replies)
+        metrics = {**trained, **bounded}
         old = self.global_set.get("global_protos")
         if metrics["server-num-protos"] or old is None:
             with torch.no_grad():

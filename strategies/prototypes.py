@@ -6,19 +6,34 @@ per-class mean logits, of FD).
   (FedTGP Eq. 11 and its official-code form, which FedProto's client uses too);
 - :class:`ClassMeanCollector`: exact class means of the representations seen in training;
 - :func:`nearest_prototype_correct`: inference by the nearest global prototype;
-- :func:`unpack_global_set`: a received per-class set as full [C, w] rows and a mask.
+- :func:`unpack_global_set`: a received per-class set as full [C, w] rows and a mask;
+- :func:`bound_class_rows` and :func:`aggregate_class_sets`: run config ``aggregation`` for the
+  per-class uploads (FedProto, FedTGP, FD, FedGH's LARs; FedRE's ``z`` uses :data:`MEDIAN_VOTES`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 
+from common.config import RunConfig
 from common.data import batches, normalize
 from common.options import option
-from common.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, PayloadSchema
+from common.payload import ROW_NORM_FACTOR, ArraySpec, ClientReply, PayloadError, PayloadSchema
+from strategies.aggregation import class_average
+from strategies.robust import BOUNDED, bound_by_median, clip_to_norm
+
+#: the fewest norms whose median one upload cannot move outside the range of the others; with
+#: fewer uploads (one of two may be the attacker) ``norm-bound`` leaves the rows as they are
+MEDIAN_VOTES = 3
+#: ``aggregation`` values of a server step that trains on the uploaded rows (FedRE, FedGH, FedTGP)
+ROW_AGGREGATIONS = ("norm-bound", "mean")
+#: ``aggregation`` values of a per-class average (FedProto, FD): also per-class coordinate-wise
+#: median and trimmed mean; Krum and Bulyan select whole uploads, which hold different classes
+CLASS_AGGREGATIONS = ("norm-bound", "mean", "median", "trimmed-mean")
 
 
 def class_set_schemas(values: str, labels: str, width: str) -> tuple[PayloadSchema, PayloadSchema]:
@@ -157,3 +172,97 @@ def unpack_global_set(
     full = torch.zeros(num_classes, payload[values].shape[1])
     full[mask] = torch.from_numpy(payload[values])
     return full, mask
+
+
+def bound_class_rows(
+    replies: list[ClientReply], values: str, labels: str, reference: np.ndarray | None = None
+) -> tuple[list[ClientReply], int]:
+    """``aggregation = "norm-bound"`` of per-class row uploads: each row's change from what the
+    server sent for its class (``reference``; zero without one) at most a median of the round.
+
+    FLAME's clipping (Nguyen et al. 2022, §4.3) per class, on the change from the server's row as
+    :mod:`strategies.robust` bounds a model's change from the model sent: a row of class c whose
+    change δ = row - reference[c] is longer than the median ‖δ‖ of the round's rows of class c,
+    when at least :data:`MEDIAN_VOTES` uploads hold c (:func:`strategies.robust.bound_by_median`),
+    is scaled to it; for a class fewer uploads hold (under a pathological split most classes) the
+    bound is the median over the uploads of each upload's median ‖δ‖, one vote per upload
+    (:func:`strategies.robust.clip_to_norm`). With an honest majority of the voters either bound
+    is an honest length, so one upload's row moves a class mean, or a server step trained on the
+    rows, no further than a typical honest row, however long it was. Directions are kept: a row
+    within the bound pointing anywhere is not caught. Fewer than :data:`MEDIAN_VOTES` uploads with
+    rows: nothing is bounded.
+
+    Args:
+        replies: the round's valid replies, each with ``values`` float [k_i, w] and ``labels``
+            int [k_i] (unique class ids).
+        reference: float [C, w], the row the server sent this round for each class (zeros where
+            it sent none), or None: every reference zero, a bound on the rows' norms.
+
+    Returns:
+        (the replies, those with a bounded row as copies whose ``values`` keep their dtype and whose
+        other rows are unchanged; how many rows were scaled down).
+    """
+    rows = [r.arrays[values].astype(np.float64) for r in replies]
+    if sum(len(x) > 0 for x in rows) < MEDIAN_VOTES:
+        return replies, 0
+    refs = [np.zeros_like(x) if reference is None else reference[r.arrays[labels]] for x, r in zip(rows, replies)]
+    deltas = [x - ref for x, ref in zip(rows, refs)]
+    vote = float(np.median([np.median(np.linalg.norm(d, axis=1)) for d in deltas if len(d)]))
+    places = [(i, j, int(c)) for i, r in enumerate(replies) for j, c in enumerate(r.arrays[labels])]
+    scaled = 0
+    for c in sorted({c for _, _, c in places}):
+        where = [(i, j) for i, j, k in places if k == c]
+        group = [deltas[i][j] for i, j in where]
+        bounded, n = bound_by_median(group) if len(group) >= MEDIAN_VOTES else clip_to_norm(group, vote)
+        for (i, j), delta, before in zip(where, bounded, group):
+            if delta is not before:
+                rows[i][j] = refs[i][j] + delta
+        scaled += n
+    if not scaled:
+        return replies, 0
+    return [
+        replace(r, arrays={**r.arrays, values: x.astype(r.arrays[values].dtype)}) for r, x in zip(replies, rows)
+    ], scaled
+
+
+def full_rows(global_set: dict[str, np.ndarray], values: str, num_classes: int) -> np.ndarray | None:
+    """A global class set as sent (``values`` [a, w] and ``mask`` [C]) -> float64 [C, w] with zero
+    rows where ``mask`` is False; None when nothing was sent yet."""
+    if not global_set:
+        return None
+    full = np.zeros((num_classes, global_set[values].shape[1]))
+    full[global_set["mask"]] = global_set[values]
+    return full
+
+
+def aggregate_class_sets(
+    replies: list[ClientReply],
+    values: str,
+    labels: str,
+    num_classes: int,
+    width: int,
+    cfg: RunConfig,
+    sent: dict[str, np.ndarray],
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """A per-class average of the round's rows under run config ``aggregation`` (FedProto, FD).
+
+    ``mean``: :func:`strategies.aggregation.class_average` as the papers; ``norm-bound``: the same
+    over :func:`bound_class_rows` with the global set ``sent`` this round (``values``, ``mask``;
+    empty in round 1) as the reference (the round metric ``server-bounded`` counts the scaled rows);
+    ``median`` / ``trimmed-mean``: per class the coordinate-wise median / Flower's ``trim_mean``
+    (cutting ``floor(trim-fraction * m_c)`` of the class's m_c rows from each end) instead of the
+    mean. With 2 rows of a class a median is their mean: only classes that at least 3 uploads hold
+    are protected by those two.
+
+    Returns:
+        as :func:`strategies.aggregation.class_average`, plus ``server-bounded`` under ``norm-bound``.
+    """
+    bounded = {}
+    if cfg.aggregation == "norm-bound":
+        replies, bounded[BOUNDED] = bound_class_rows(replies, values, labels, full_rows(sent, values, num_classes))
+    centers = {
+        "median": lambda rows: np.median(rows, axis=0),
+        "trimmed-mean": lambda rows: trim_mean(rows, cfg.trim_fraction),
+    }
+    out, metrics = class_average(replies, values, labels, num_classes, width, centers.get(cfg.aggregation))
+    return out, {**metrics, **bounded}

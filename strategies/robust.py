@@ -84,17 +84,47 @@ def bound_by_median(deltas: Sequence[np.ndarray]) -> tuple[list[np.ndarray], int
     """
     if not deltas:
         return [], 0
-    norms = np.array([float(np.linalg.norm(np.asarray(d, np.float64).ravel())) for d in deltas])
-    bound = float(np.median(norms))
+    return clip_to_norm(deltas, float(np.median(_norms(deltas))))
+
+
+def clip_to_norm(vectors: Sequence[np.ndarray], bound: float) -> tuple[list[np.ndarray], int]:
+    """Scale every vector whose L2 norm exceeds ``bound`` down to ``bound``, keeping its direction.
+
+    Args:
+        vectors: arrays of any shape (each treated as one flattened vector), float.
+        bound: the largest L2 norm kept, >= 0 (e.g. a median of :func:`bound_by_median`, or one
+            taken from other uploads of the round).
+
+    Returns:
+        (the arrays, float64 for the scaled ones, the others the same objects; how many were scaled).
+    """
     out: list[np.ndarray] = []
     scaled = 0
-    for d, norm in zip(deltas, norms):
+    for d, norm in zip(vectors, _norms(vectors)):
         if norm > bound:
             out.append(np.asarray(d, np.float64) * (bound / norm))
             scaled += 1
         else:
             out.append(d)
     return out, scaled
+
+
+def _norms(vectors: Sequence[np.ndarray]) -> np.ndarray:
+    """float64 [n]: the L2 norm of each array, flattened."""
+    return np.array([float(np.linalg.norm(np.asarray(d, np.float64).ravel())) for d in vectors])
+
+
+def require_aggregation(cfg: RunConfig, allowed: Sequence[str]) -> None:
+    """Refuse before the run an ``aggregation`` that method ``cfg.method``'s server step cannot do.
+
+    Raises:
+        ConfigError: naming ``aggregation``, the method and the values ``allowed`` for it.
+    """
+    if cfg.aggregation not in allowed:
+        raise ConfigError(
+            f"run config key 'aggregation' = {cfg.aggregation!r} does not apply to method '{cfg.method}', "
+            f"whose uploads are not models; allowed for it: {', '.join(repr(a) for a in allowed)}"
+        )
 
 
 def sampled_per_round(cfg: RunConfig) -> int | None:

@@ -149,7 +149,7 @@ def test_matches_hand_written_sgd_and_ignores_arrival_order():
 
 # 11: no stale knowledge: an earlier round's replies do not affect this round's update
 def test_update_uses_only_this_rounds_lars():
-    strategy = FEDGH_METHOD.build_strategy(RunConfig.from_dict(make_run_config()))
+    strategy = FEDGH_METHOD.build_strategy(RunConfig.from_dict(make_run_config(aggregation="mean")))
     start = copy.deepcopy(strategy.header.state_dict())
     strategy.server_update(1, synthetic_replies(seed=9))
     mid = copy.deepcopy(strategy.header.state_dict())

@@ -13,7 +13,7 @@ K = 512
 
 def test_fedproto_server_is_unweighted_class_mean():
     strategy = FEDPROTO_METHOD.build_strategy(
-        RunConfig.from_dict(make_run_config(method="fedproto", **{"model-group": "htfe2"}))
+        RunConfig.from_dict(make_run_config(method="fedproto", aggregation="mean", **{"model-group": "htfe2"}))
     )
     rng = np.random.default_rng(0)
     replies = [

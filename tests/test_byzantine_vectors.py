@@ -1,0 +1,210 @@
+"""Byzantine clients against the vector-payload methods (FedRE, FedProto, FedTGP, FedGH, FD): run
+config ``aggregation`` bounds what one upload of representations, prototypes or logits can do.
+
+The attacks are those of ``bench.byzantine.ATTACKS``: one client (partition 1) of 4 uploads a
+well-formed payload within every schema check, every round, on MNIST with model group ``cnn1``.
+With plain ``mean`` (the papers' steps, and this code before ``norm-bound``) FedRE's z = 100 put
+every honest client at 0.0 accuracy in round 2, FD's next-class logits cost them 40 points and
+FedGH's constant LARs for every class 13 points.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bench.byzantine import ATTACKS, HONEST, tamper_of
+from common.config import ConfigError, RunConfig
+from common.payload import ClientReply
+from conftest import federation, make_run_config
+from strategies.aggregation import class_average
+from strategies.fedgh import train_header
+from strategies.fedre import train_head
+from strategies.fedtgp import train_generator
+from strategies.prototypes import bound_class_rows
+from strategies.registry import build_strategy
+from strategies.robust import BOUNDED
+
+#: honest clients may lose at most this much accuracy to the attacker (fraction) by the last round
+TOLERANCE = 0.05
+
+
+def mnist(tmp_path, method: str, options: dict, rounds: int, **overrides) -> dict:
+    """4 MNIST clients with ``cnn1``, 200 examples each, ``rounds`` rounds."""
+    return make_run_config(
+        **{
+            "output-dir": str(tmp_path / "outputs"),
+            "dataset": "mnist",
+            "model-group": "cnn1",
+            "num-server-rounds": rounds,
+            "method": method,
+            **options,
+            **overrides,
+        }
+    )
+
+
+def honest_accuracy(rows) -> list[float]:
+    """Per round, the mean accuracy of the honest partitions."""
+    return [float(np.mean([r["accuracy_per_client"][str(p)] for p in HONEST])) for r in rows]
+
+
+@pytest.mark.parametrize(
+    "attack, rounds",
+    [("fedre-z-100", 2), ("fedgh-1e5", 2), ("fd-next-1e5", 2), ("fedproto-1e5", 2)],
+)
+def test_one_byzantine_upload_costs_the_honest_clients_little(tmp_path, attack, rounds):
+    """Under the default ``norm-bound`` the attacker's rows are bounded every round (counted in
+    ``server_bounded``) and the honest clients end within ``TOLERANCE`` of the same
+    run without the attacker, after the last round."""
+    method, options, factory = ATTACKS[attack]
+    strategy, grid = federation(mnist(tmp_path / "attacked", method, options, rounds), tamper_of(factory(0)))
+    strategy.start(grid)
+    clean, clean_grid = federation(mnist(tmp_path / "clean", method, options, rounds))
+    clean.start(clean_grid)
+    attacked = strategy.rows
+    assert [r["num_clients"] for r in attacked] == [4] * rounds
+    assert all(r["server_bounded"] >= 1 for r in attacked)
+    assert honest_accuracy(attacked)[-1] - honest_accuracy(clean.rows)[-1] >= -TOLERANCE, (
+        honest_accuracy(attacked),
+        honest_accuracy(clean.rows),
+    )
+
+
+def reply(partition: int, rows: list[tuple[int, float]], width: int = 4, **names) -> ClientReply:
+    """A reply of per-class rows: (class, L2 norm) each, all along one direction, float32."""
+    values, labels = names.get("values", "protos"), names.get("labels", "proto_labels")
+    direction = np.arange(1, width + 1, dtype=np.float64) / np.linalg.norm(np.arange(1, width + 1))
+    return ClientReply(
+        1000 + partition,
+        partition,
+        {
+            values: np.array([n * direction for _, n in rows], np.float32).reshape(len(rows), width),
+            labels: np.array([c for c, _ in rows], np.int64),
+        },
+        {"num-examples": 10},
+    )
+
+
+def norms(replies) -> list[list[float]]:
+    return [np.linalg.norm(r.arrays["protos"].astype(np.float64), axis=1).round(4).tolist() for r in replies]
+
+
+def test_rows_are_bounded_by_the_class_median_or_by_the_uploads_median():
+    """Class 0 is held by four uploads (norms 1, 1000, 2, 4: median 3); classes 5 and 7 by fewer
+    than three, so their rows are bounded by the median of the uploads' own median norms
+    (5.5, 800, 2, 4: 4.75). Rows within their bound are left bit for bit; fewer than three uploads
+    are not bounded at all."""
+    replies = [
+        reply(0, [(0, 1.0), (5, 10.0)]),
+        reply(1, [(0, 1000.0), (5, 500.0), (7, 800.0)]),
+        reply(2, [(0, 2.0)]),
+        reply(3, [(0, 4.0)]),
+    ]
+    bounded, scaled = bound_class_rows(replies, "protos", "proto_labels")
+    assert scaled == 5
+    assert norms(bounded) == [[1.0, 4.75], [3.0, 4.75, 4.75], [2.0], [3.0]]
+    assert np.array_equal(bounded[0].arrays["protos"][0], replies[0].arrays["protos"][0])
+    assert np.array_equal(bounded[2].arrays["protos"], replies[2].arrays["protos"])
+    assert all(b.arrays["protos"].dtype == np.float32 for b in bounded)
+    assert bound_class_rows(replies[:2], "protos", "proto_labels") == (replies[:2], 0)
+
+
+def test_rows_of_a_sparse_class_are_bounded_by_their_change_from_the_row_sent():
+    """With the global rows sent this round as reference, a class fewer than three uploads hold is
+    bounded on each row's change from its class's reference: class 0 rows 1 and 1000 from the row
+    sent, the others' changes 2 and 3 from none (zero), so the bound is median(1, 1000, 2, 3) = 2.5."""
+    sent = np.zeros((10, 4))
+    sent[0] = [5.0, 0.0, 0.0, 0.0]
+    replies = [reply(0, [(0, 1.0)]), reply(1, [(0, 1000.0)]), reply(2, [(1, 2.0)]), reply(3, [(2, 3.0)])]
+    for r in replies[:2]:
+        r.arrays["protos"] = (r.arrays["protos"] + sent[0]).astype(np.float32)
+    bounded, scaled = bound_class_rows(replies, "protos", "proto_labels", sent)
+    changes = [
+        float(np.linalg.norm(b.arrays["protos"][0].astype(np.float64) - sent[b.arrays["proto_labels"][0]]))
+        for b in bounded
+    ]
+    assert scaled == 2 and changes == pytest.approx([1.0, 2.5, 2.0, 2.5], rel=1e-5)
+
+
+@pytest.mark.parametrize("method", ["fedproto", "fd", "fedtgp", "fedgh", "fedre"])
+def test_mean_is_the_papers_server_step_bit_for_bit(method):
+    """``aggregation = "mean"`` runs the paper's server step on the uploads as they are (the same
+    arrays as calling it directly, one row 1000 times the others included); ``norm-bound`` does not."""
+    width = 10 if method == "fd" else 500
+    names = {
+        "fedproto": ("protos", "proto_labels"),
+        "fedtgp": ("protos", "proto_labels"),
+        "fd": ("logits", "logit_labels"),
+        "fedgh": ("lar", "lar_labels"),
+    }
+    rng = np.random.default_rng(0)
+    replies = []
+    for p, classes in enumerate([[0, 1], [0, 1, 2], [1, 2], [0, 2]]):
+        rows = rng.random((len(classes), width)).astype(np.float32) * (1000 if p == 1 else 1)
+        if method == "fedre":
+            arrays = {"z": rows[:1], "y": np.full((1, 10), 0.1, np.float32)}
+        else:
+            values, labels = names[method]
+            dtype = np.int32 if method == "fedgh" else np.int64
+            arrays = {values: rows, labels: np.array(classes, dtype)}
+        replies.append(ClientReply(1000 + p, p, arrays, {"num-examples": 10}))
+    overrides = {"fedtgp.server-epochs": 3} if method == "fedtgp" else {}
+
+    def strategy(rule: str):
+        return build_strategy(RunConfig.from_dict(make_run_config(method=method, aggregation=rule, **overrides)))
+
+    plain, bounded, direct = strategy("mean"), strategy("norm-bound"), strategy("mean")
+    metrics = plain.server_update(1, replies)
+    bounded_metrics = bounded.server_update(1, replies)
+    if method in ("fedproto", "fd"):
+        expected, _ = class_average(replies, *names[method], 10, width)
+    else:
+        step, state, rng = {
+            "fedtgp": (train_generator, "generator", "batch_rng"),
+            "fedgh": (train_header, "header", "header_generator"),
+            "fedre": (train_head, "head", "head_generator"),
+        }[method]
+        step(getattr(direct, state), replies, direct.options, getattr(direct, rng))
+        if method == "fedtgp":
+            with torch.no_grad():
+                direct.global_set["global_protos"] = direct.generator().numpy()
+        expected = direct.global_arrays()
+    got = plain.global_arrays()
+    assert got.keys() == expected.keys() and all(np.array_equal(got[k], expected[k]) for k in got)
+    assert BOUNDED not in metrics and bounded_metrics[BOUNDED] >= 1
+    assert any(not np.array_equal(bounded.global_arrays()[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize(
+    "method, rule, allowed",
+    [
+        ("fedre", "median", "'norm-bound', 'mean'"),
+        ("fedgh", "krum", "'norm-bound', 'mean'"),
+        ("fedtgp", "trimmed-mean", "'norm-bound', 'mean'"),
+        ("fedproto", "krum", "'norm-bound', 'mean', 'median', 'trimmed-mean'"),
+        ("fd", "bulyan", "'norm-bound', 'mean', 'median', 'trimmed-mean'"),
+    ],
+)
+def test_an_aggregation_the_method_cannot_do_is_refused_before_the_run(method, rule, allowed):
+    with pytest.raises(ConfigError, match=f"'aggregation' = '{rule}'.*allowed for it: {allowed}"):
+        build_strategy(RunConfig.from_dict(make_run_config(method=method, aggregation=rule)))
+
+
+@pytest.mark.parametrize("rule", ["median", "trimmed-mean"])
+def test_per_class_median_and_trimmed_mean(rule):
+    """FedProto under ``median`` / ``trimmed-mean`` (trim-fraction 0.25 cuts one of four rows at each
+    end): class 0's rows of norms 1, 2, 4, 1000 give 3 (both), class 5's two rows their mean."""
+    replies = [
+        reply(0, [(0, 1.0), (5, 2.0)], 500),
+        reply(1, [(0, 1000.0), (5, 4.0)], 500),
+        reply(2, [(0, 2.0)], 500),
+        reply(3, [(0, 4.0)], 500),
+    ]
+    cfg = RunConfig.from_dict(make_run_config(method="fedproto", aggregation=rule, **{"trim-fraction": 0.25}))
+    strategy = build_strategy(cfg)
+    metrics = strategy.server_update(1, replies)
+    protos = strategy.global_arrays()["protos"]
+    assert np.linalg.norm(protos, axis=1) == pytest.approx([3.0, 3.0], rel=1e-5)
+    assert metrics["server-num-classes"] == 2 and BOUNDED not in metrics
