@@ -12,9 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from flwr.app import Array
 from torch import nn
 
-from bench.byzantine import ATTACKS, HONEST, tamper_of
+from bench.byzantine import ATTACKER, ATTACKS, HONEST, tamper_of
 from common.config import ConfigError, RunConfig
 from common.payload import PAYLOAD, ClientReply
 from conftest import client_runtime, federation, make_run_config
@@ -272,3 +273,38 @@ def test_a_checkpoint_from_before_aggregation_existed_resumes_only_as_mean(tmp_p
         else:
             with pytest.raises(ConfigError, match=r"'aggregation' \(None, now 'norm-bound'\)"):
                 checkpoints.load()
+
+
+def test_mh_pfedhngd_global_step_follows_the_bounded_mean(run_config, monkeypatch):
+    """MH-pFedHNGD: a ``delta_w_g`` 1000 times an honest one moves the global step no further than
+    the longest honest delta (its reference is zero: the uploads are changes already)."""
+    import strategies.mh_pfedhn as mh
+
+    rc = run_config(
+        method="mh-pfedhngd",
+        **{"model-group": "mh-lenet", "num-server-rounds": 1, "mh-pfedhngd.hidden-dim": 16},
+    )
+    uploads, steps = {}, []
+
+    def tamper(node, reply):
+        if reply.metadata.message_type == "train.global" and not reply.has_error():
+            delta = reply.content.array_records[PAYLOAD]["delta_w_g"].numpy()
+            if node == 1000 + ATTACKER:
+                delta = delta * 1e3
+                reply.content.array_records[PAYLOAD]["delta_w_g"] = Array(delta)
+            uploads[node - 1000] = delta.astype(np.float64)
+        return reply
+
+    original = mh.hn_step
+
+    def hn_step(hn, optimizer, key, delta, clip_norm):
+        if key == "global":
+            steps.append(delta.numpy().copy())
+        original(hn, optimizer, key, delta, clip_norm)
+
+    monkeypatch.setattr(mh, "hn_step", hn_step)
+    strategy, grid = federation(rc, tamper)
+    strategy.start(grid)
+    assert strategy.rows[0]["server_bounded"] >= 1 and len(steps) == 1
+    honest = max(np.linalg.norm(uploads[p]) for p in HONEST)
+    assert np.linalg.norm(steps[0]) <= honest * (1 + 1e-5) < np.linalg.norm(uploads[ATTACKER]) / 100
