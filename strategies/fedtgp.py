@@ -23,12 +23,11 @@ delta(t) (the official nearest-centre rule, ``fedtgp.margin = "max-pairwise"`` f
 Eq. 9), then P̂ = F(E). Each round row also carries diagnostics of P̂: the smallest distance
 between two global prototypes and how far they moved since the last round (the margin grows
 by design, as in the official code; these show whether it settles). Run config ``aggregation``:
-``mean`` is the paper's step; ``norm-bound`` (default) takes the margin from the uploads with each
-prototype's change from the P̂ sent this round (its norm in round 1) bounded by the round's median
-(:func:`strategies.prototypes.bound_class_rows`), so one client's far-off rows cannot drive it to
-tau, and trains the generator on the uploads as they are: the ACL's gradient is -‖p - P̂_c‖'s, a
-unit vector per row whatever the row's length, so a row's influence on the generator is bounded
-already, and bounded rows measured worse (docs/methods/fedtgp.md, aggregation).
+``norm-bound`` (default) and ``mean`` both run the paper's step: it bounds one upload's
+influence by design. A row's ACL gradient on P̂ is -‖p - P̂_c‖'s, a unit vector whatever the row's
+length, and the margin is capped at tau. Bounding the rows' length (or only the margin's input) by
+the round's median, as FedProto's ``norm-bound``, measured worse: scaled to an honest length an
+attacker's rows sit among the honest ones (docs/methods/fedtgp.md, Server step).
 """
 
 from __future__ import annotations
@@ -54,11 +53,10 @@ from strategies.prototypes import (
     ROW_AGGREGATIONS,
     PrototypeRegularizer,
     RegularizerOptions,
-    bound_class_rows,
     class_set_schemas,
     nearest_prototype_correct,
 )
-from strategies.robust import BOUNDED, require_aggregation
+from strategies.robust import require_aggregation
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -151,18 +149,12 @@ def acl_loss(protos: torch.Tensor, labels: torch.Tensor, global_protos: torch.Te
 
 
 def train_generator(
-    generator: PrototypeGenerator,
-    replies: list[ClientReply],
-    opts: FedTGPOptions,
-    rng: torch.Generator,
-    margin_replies: list[ClientReply] | None = None,
+    generator: PrototypeGenerator, replies: list[ClientReply], opts: FedTGPOptions, rng: torch.Generator
 ) -> dict[str, float]:
     """Train the generator in place on this round's uploads (section 4).
 
     SGD (lr ``server-lr``, fresh each round: stateless), ``server-epochs`` epochs of shuffled
-    batches of ``server-batch-size`` (last partial batch kept). Only this round's uploads. The
-    margin delta is taken from ``margin_replies`` (the same uploads with bounded rows, run config
-    ``aggregation = "norm-bound"``), by default from ``replies``.
+    batches of ``server-batch-size`` (last partial batch kept). Only this round's uploads.
 
     Returns:
         ``server-num-protos`` (M), ``server-margin`` (delta), ``server-acl-before`` /
@@ -172,8 +164,7 @@ def train_generator(
     if protos is None or len(protos) == 0:
         return {"server-num-protos": 0}
     labels = torch.from_numpy(np.concatenate([r.arrays["proto_labels"] for r in replies]))
-    centred = protos if margin_replies is None else np.concatenate([r.arrays["protos"] for r in margin_replies])
-    delta = adaptive_margin(torch.as_tensor(centred), labels, opts.tau, opts.margin)
+    delta = adaptive_margin(protos, labels, opts.tau, opts.margin)
     if len(torch.unique(labels)) < 2:
         log.warning("FedTGP: fewer than two classes uploaded this round; margin set to 0")
     with torch.no_grad():
@@ -237,14 +228,9 @@ class FedTGPStrategy(HeteroStrategy):
         return self.global_arrays()
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """Train the generator on the round's prototypes (under ``norm-bound`` with the margin from
-        bounded rows: :func:`strategies.prototypes.bound_class_rows`), then emit P̂ for all C classes."""
-        bounded, margin_replies = {}, None
-        if self.cfg.aggregation == "norm-bound":
-            sent = self.global_set.get("global_protos")
-            margin_replies, bounded[BOUNDED] = bound_class_rows(replies, "protos", "proto_labels", sent)
-        trained = train_generator(self.generator, replies, self.options, self.batch_rng, margin_replies)
-        metrics = {**trained, **bounded}
+        """Train the generator on the round's prototypes, then emit P̂ for all C classes (any
+        ``aggregation``: the step bounds a row's influence itself, see the module docstring)."""
+        metrics = train_generator(self.generator, replies, self.options, self.batch_rng)
         old = self.global_set.get("global_protos")
         if metrics["server-num-protos"] or old is None:
             with torch.no_grad():

@@ -32,7 +32,7 @@ from strategies.robust import BOUNDED
 TOLERANCE = 0.05
 #: FD and FedProto: what a row within the bound still does. The attacker's row of a class that one
 #: honest client holds is half of that class's mean, pointing wherever it likes (measured: FD 5.8
-#: points, FedProto 11.7 points at seed 0, against 39 and 29 with ``mean``)
+#: points, FedProto 11.7 points at seed 0, against 39 and 17 with ``mean``)
 RESIDUAL = 0.12
 ROUNDS = 2
 
@@ -183,8 +183,13 @@ def test_mean_is_the_papers_server_step_bit_for_bit(method):
         expected = direct.global_arrays()
     got = plain.global_arrays()
     assert got.keys() == expected.keys() and all(np.array_equal(got[k], expected[k]) for k in got)
-    assert BOUNDED not in metrics and bounded_metrics[BOUNDED] >= 1
-    assert any(not np.array_equal(bounded.global_arrays()[k], expected[k]) for k in expected)
+    assert BOUNDED not in metrics
+    if method == "fedtgp":  # its step bounds a row's influence by design: norm-bound is the same step
+        assert all(np.array_equal(bounded.global_arrays()[k], expected[k]) for k in expected)
+        assert BOUNDED not in bounded_metrics
+    else:
+        assert bounded_metrics[BOUNDED] >= 1
+        assert any(not np.array_equal(bounded.global_arrays()[k], expected[k]) for k in expected)
 
 
 @pytest.mark.parametrize(
