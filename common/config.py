@@ -156,7 +156,8 @@ class RunConfig:
         "norm-bound",
         "how the server combines a round's uploads: `norm-bound` (each upload's change bounded by the round's "
         "median), `mean` (the papers' plain average), or Flower's robust aggregators `median`, `trimmed-mean`, "
-        "`krum`, `multi-krum`, `bulyan` (methods that average models or heads)",
+        "`krum`, `multi-krum`, `bulyan` (methods that average models or heads; FedProto and FD take `median` and "
+        "`trimmed-mean` per class; each method page says which it takes)",
         choices=AGGREGATIONS,
     )
     byzantine_clients: int = option(

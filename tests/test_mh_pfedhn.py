@@ -282,7 +282,13 @@ def test_gd_teacher_is_this_rounds_untrained_global_model(run_config):
 
 # 10: GD's global step: data-weighted, one Adam step touching trunk, head(tau_g) and v_g only
 def test_gd_global_step_is_data_weighted_and_local(run_config):
-    rc = mh_config(run_config, "mh-pfedhngd", model_group="mh-zoo", **{"num-clients": 3, "num-server-rounds": 1})
+    rc = mh_config(
+        run_config,
+        "mh-pfedhngd",
+        model_group="mh-zoo",
+        aggregation="mean",
+        **{"num-clients": 3, "num-server-rounds": 1},
+    )
     strategy, grid = federation(rc)
     strategy.transport.open(grid, "in-memory")
     strategy.registry.handshake(strategy.transport)
