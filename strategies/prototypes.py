@@ -225,16 +225,6 @@ def bound_class_rows(
     ], scaled
 
 
-def full_rows(global_set: dict[str, np.ndarray], values: str, num_classes: int) -> np.ndarray | None:
-    """A global class set as sent (``values`` [a, w] and ``mask`` [C]) -> float64 [C, w] with zero
-    rows where ``mask`` is False; None when nothing was sent yet."""
-    if not global_set:
-        return None
-    full = np.zeros((num_classes, global_set[values].shape[1]))
-    full[global_set["mask"]] = global_set[values]
-    return full
-
-
 def aggregate_class_sets(
     replies: list[ClientReply],
     values: str,
@@ -259,7 +249,9 @@ def aggregate_class_sets(
     """
     bounded = {}
     if cfg.aggregation == "norm-bound":
-        replies, bounded[BOUNDED] = bound_class_rows(replies, values, labels, full_rows(sent, values, num_classes))
+        full, _ = unpack_global_set(sent, num_classes, values)  # zero rows where nothing was sent
+        reference = None if full is None else full.numpy().astype(np.float64)
+        replies, bounded[BOUNDED] = bound_class_rows(replies, values, labels, reference)
     centers = {
         "median": lambda rows: np.median(rows, axis=0),
         "trimmed-mean": lambda rows: trim_mean(rows, cfg.trim_fraction),

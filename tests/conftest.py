@@ -19,6 +19,28 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = ROOT.parent / "shared" / "data"
 
 
+def data_spec(**kw):
+    """A ``common.data.DataSpec``: CIFAR-10 from the offline data, pathological over 10 partitions,
+    seed 7; ``kw`` overriding any field."""
+    from common.data import DataSpec
+
+    base = dict(
+        dataset="cifar10",
+        data_dir=str(DATA_DIR),
+        data_pool="train",
+        partitioner="pathological",
+        num_partitions=10,
+        dirichlet_alpha=0.5,
+        dirichlet_min_size=2,
+        dirichlet_self_balancing=False,
+        classes_per_client=2,
+        test_fraction=0.2,
+        max_examples_per_client=0,
+        seed=7,
+    )
+    return DataSpec(**{**base, **kw})
+
+
 def make_run_config(**overrides) -> dict:
     """pyproject defaults + small, fast settings + ``overrides`` (keys with '-' or '_')."""
     rc = app_defaults()

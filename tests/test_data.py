@@ -5,27 +5,9 @@ import pytest
 import torch
 
 from common.config import ConfigError
-from common.data import DataSpec, augment, class_counts, load_client_data, normalize, stratified_split
+from common.data import augment, class_counts, load_client_data, normalize, stratified_split
 from common.datasets import DATASETS
-from conftest import DATA_DIR
-
-
-def spec(**kw):
-    base = dict(
-        dataset="cifar10",
-        data_dir=str(DATA_DIR),
-        data_pool="train",
-        partitioner="pathological",
-        num_partitions=10,
-        dirichlet_alpha=0.5,
-        dirichlet_min_size=2,
-        dirichlet_self_balancing=False,
-        classes_per_client=2,
-        test_fraction=0.2,
-        max_examples_per_client=0,
-        seed=7,
-    )
-    return DataSpec(**{**base, **kw})
+from conftest import data_spec as spec
 
 
 def test_pathological_gives_k_classes_and_matching_test_split():

@@ -20,7 +20,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from common.config import ConfigError, RunConfig
 from common.data import DataSpec, load_client_data
 from common.metrics import CONFIG_ERROR_KEY, CONFIG_ERROR_RECORD
-from conftest import federation
+from conftest import data_spec, federation
 
 #: the Hugging Face features of the offline MNIST files (../shared/data/README.md): an Image column
 #: of encoded bytes and a ClassLabel
@@ -63,20 +63,8 @@ def write_mnist(
 
 
 def spec(root, num_partitions: int = 1) -> DataSpec:
-    return DataSpec(
-        dataset="mnist",
-        data_dir=str(root),
-        data_pool="train",
-        partitioner="iid",
-        num_partitions=num_partitions,
-        dirichlet_alpha=0.5,
-        dirichlet_min_size=2,
-        dirichlet_self_balancing=False,
-        classes_per_client=2,
-        test_fraction=0.2,
-        max_examples_per_client=0,
-        seed=0,
-    )
+    """MNIST from the tiny files in ``root``, iid over ``num_partitions``, seed 0."""
+    return data_spec(dataset="mnist", data_dir=str(root), partitioner="iid", num_partitions=num_partitions, seed=0)
 
 
 def load_fails(root, match: str) -> str:
