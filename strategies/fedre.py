@@ -10,6 +10,8 @@ Payload (section 2):
   soft label: non-negative, sums to 1, non-zero on the client's present classes only),
   float32: 4*(d+C) bytes (2,088 B for CIFAR-10). A client without training samples sends
   nothing (P8). Nothing else travels: no per-sample representation, no prototype, no count.
+- up (train, ``head-source = "client-0"`` only, partition 0 only): its trained head beside (z, y),
+  ``head.weight`` [C, d] and ``head.bias`` [C], float32: +4*C*(d+1) bytes (P13).
 
 Client step (section 3): overwrite the head with the global head, train the whole model,
 then in eval mode entangle the trained extractor's representations with fresh random
@@ -34,10 +36,27 @@ Evaluation (section 6): own extractor + the newest global head, sent to every cl
 the server step; the client keeps that head (P11). The authors' released loop never sends
 the head back (P1), which makes FedRE "Local"; here it is sent in every train and evaluate
 instruction.
+
+Option ``head-source`` (P13): ``server`` (default) is the paper's method above. ``client-0`` is the
+authors' released PFLlib tree behind the paper's Table 12, whose server head *is* client 0's head
+object: partition 0 is sent a ``train.head`` instruction instead of ``train`` and uploads its locally
+trained head beside its pair; the server replaces its head by that upload, then runs its step on it
+and broadcasts the result. When partition 0 gives no valid reply in a round (not sampled, failed,
+late, or dropped by the checks), the server runs its step on its own head, as the PFLlib tree does
+with client 0's untouched head. This hands one client control of the global head: not robust.
+The upload passes only the transport's schema checks (float32, [C, d] and [C], finite, entries at
+most :data:`common.payload.MAX_ABS`; otherwise the whole reply is dropped and logged and the round
+goes on without partition 0); ``aggregation``'s bound applies to z, never to the head, and the
+only other guard is the server's rollback of a state whose RMS grows beyond 100 x max(RMS before, 1)
+in one round (``strategies.checkpoint.broken_state``). Partition 0's reply is checked in a call of
+its own, so the transport's outlier bound on z (:data:`common.payload.ROW_NORM_FACTOR`, over at least
+3 uploads) does not compare its z with the other clients'; under ``norm-bound`` its z is bounded by
+the round's median with all others.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -51,7 +70,7 @@ from torch import nn
 from common.config import RunConfig
 from common.data import batches, normalize
 from common.datasets import DatasetInfo
-from common.metrics import count
+from common.metrics import PARTITION_ID, count
 from common.optim import SGD
 from common.options import option
 from common.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, PayloadSchema
@@ -61,11 +80,16 @@ from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, 
 from strategies.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
 from strategies.method import Method, MethodBinding
 from strategies.prototypes import MEDIAN_VOTES, ROW_AGGREGATIONS
+from strategies.records import round_metrics
 from strategies.robust import BOUNDED, bound_by_median, require_aggregation
 
 #: how the client turns its representations into one (z, y) pair (section 3, Appendix A)
 RE_MODES = ("rap", "vap", "rsp", "rar", "var", "rsr", "rap-fixed")
 LOSS_REDUCTIONS = ("mean", "sum")
+#: where the head of the server step comes from (P13): the server's own | partition 0's upload
+HEAD_SOURCES = ("server", "client-0")
+#: message type of partition 0's train instruction under ``head-source = "client-0"``
+TRAIN_HEAD = "train.head"
 SOFT_LABEL_TOLERANCE = 1e-4  # |sum(y) - 1| accepted by the server (section 4)
 _ENTANGLE_RNG = 7  # ``purpose`` of the client's entangling RNG (independent of training's)
 
@@ -81,13 +105,22 @@ ENTANGLED = PayloadSchema(
     optional=True,
     check=_check_soft_label,
 )
-SCHEMAS = {**BASE_SCHEMAS, "train": (HEADER, ENTANGLED), "evaluate": (HEADER, PayloadSchema())}
+#: partition 0's reply under ``head-source = "client-0"``: its pair and its trained head (nothing
+#: without training samples, as :data:`ENTANGLED`)
+ENTANGLED_AND_HEAD = PayloadSchema({**ENTANGLED.arrays, **HEADER.arrays}, optional=True, check=_check_soft_label)
+SCHEMAS = {
+    **BASE_SCHEMAS,
+    "train": (HEADER, ENTANGLED),
+    TRAIN_HEAD: (HEADER, ENTANGLED_AND_HEAD),
+    "evaluate": (HEADER, PayloadSchema()),
+}
 
 
 @dataclass(frozen=True)
 class FedREOptions:
-    """``[tool.flwr.app.config.fedre]`` (sections 3, 4, 9 and P6): the entangling mode and the
-    head's SGD on the server (η_s, B_s, epochs, loss reduction over a server batch)."""
+    """``[tool.flwr.app.config.fedre]`` (sections 3, 4, 9, P6 and P13): the entangling mode, the
+    head's SGD on the server (η_s, B_s, epochs, loss reduction over a server batch) and where the
+    head of that step comes from."""
 
     re_mode: str = option(
         "rap", "entangling weights: rap (the paper) | vap, rsp, rar, var, rsr, rap-fixed (ablations)", choices=RE_MODES
@@ -99,6 +132,12 @@ class FedREOptions:
         "mean",
         "mean over a server batch (the PFLlib tree behind the paper's Table 12) | sum (the HtFLlib tree; overshoots)",
         choices=LOSS_REDUCTIONS,
+    )
+    head_source: str = option(
+        "server",
+        "head of the server step: server (the paper) | client-0 (the PFLlib tree: partition 0's trained head; "
+        "one client controls the global head, not robust)",
+        choices=HEAD_SOURCES,
     )
 
     def check(self, cfg: RunConfig) -> None:
@@ -272,13 +311,46 @@ class FedREStrategy(HeteroStrategy):
         """The head after this round's server step: clients evaluate (and keep) it."""
         return self.global_arrays()
 
+    def run_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
+        """One train exchange and :meth:`server_update`; under ``head-source = "client-0"`` partition 0
+        is sent :data:`TRAIN_HEAD` (its reply adds its trained head) in the same exchange, and its
+        reply is checked against that message type's schema."""
+        if self.options.head_source == "server":
+            return super().run_round(server_round)
+        config = self.train_config(server_round)
+        nodes = self.registry.sample()
+        kinds = {n: TRAIN_HEAD if self.registry.clients[n][PARTITION_ID] == 0 else "train" for n in nodes}
+        messages = [
+            self.transport.message(kinds[n], n, self.train_payload(n, server_round), config, server_round)
+            for n in nodes
+        ]
+        replies = self.transport.exchange(messages)
+        # a reply from a node not sent to (none expected) is checked as a plain train reply, as by default
+        kind_of = {id(r): kinds.get(r.metadata.src_node_id, "train") for r in replies}
+        valid = [
+            reply
+            for kind in ("train", TRAIN_HEAD)
+            for reply in self.transport.validate(kind, [r for r in replies if kind_of[id(r)] == kind])
+        ]
+        valid.sort(key=lambda r: r.partition_id)
+        start = time.perf_counter()
+        server = self.server_update(server_round, valid)
+        return round_metrics(valid, server, time.perf_counter() - start), valid
+
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """Train the head on the round's entangled pairs (:func:`train_head`), under ``norm-bound``
-        with each ``z`` bounded first (:func:`bound_entangled`)."""
-        bounded = {}
+        with each ``z`` bounded first (:func:`bound_entangled`). Under ``head-source = "client-0"``
+        the head is first replaced by partition 0's uploaded head when its reply carries one (row
+        ``server_head_from_client_0``: 1, else 0)."""
+        server = {}
+        if self.options.head_source == "client-0":
+            uploaded = [r.arrays for r in replies if r.partition_id == 0 and "head.weight" in r.arrays]
+            if uploaded:
+                load_header(self.head, uploaded[0])
+            server["server-head-from-client-0"] = len(uploaded)
         if self.cfg.aggregation == "norm-bound":
-            replies, bounded[BOUNDED] = bound_entangled(replies)
-        return {**train_head(self.head, replies, self.options, self.head_generator), **bounded}
+            replies, server[BOUNDED] = bound_entangled(replies)
+        return {**train_head(self.head, replies, self.options, self.head_generator), **server}
 
 
 class FedREClient(ClientProcedure):
@@ -299,6 +371,16 @@ class FedREClient(ClientProcedure):
         z, y = entangle(client.model.extractor, data.train_x, data.train_y, alpha, data.info, client.device)
         stats["train-seconds"] += time.perf_counter() - start
         return {"z": z.numpy(), "y": y.numpy()}, stats
+
+    def train_head(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
+        """:data:`TRAIN_HEAD` (``head-source = "client-0"``, sent to partition 0 only): :meth:`train`'s
+        ``z``, ``y`` plus the trained head ``head.weight`` float32 [C, d], ``head.bias`` float32 [C]
+        (nothing without training samples: the head is then the received one)."""
+        arrays, stats = self.train(client, payload, config)
+        if arrays:
+            # a copy on the CPU: the model may be on a GPU, and header_arrays reads CPU tensors
+            arrays.update(header_arrays(copy.deepcopy(client.model.head).cpu()))
+        return arrays, stats
 
     def evaluate(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Accuracy with the client's extractor and the received global head, which the client keeps (P11)."""

@@ -261,8 +261,9 @@ def test_rounds_payloads_bytes_and_head_replacement(run_config):
             "head.bias": (C,),
         }
         assert tensor_bytes(m.content) == 4 * C * (D + 1) == 20520
-    for row in strategy.rows:
+    for row in strategy.rows:  # head-source = server (default): no client uploads a head (P13)
         assert row["bytes_up"] == 3 * 2088 and row["bytes_down"] == 3 * 20520
+        assert "server_head_from_client_0" not in row
         assert row["eval_bytes_down"] == 3 * 20520 and row["eval_bytes_up"] == 0
         assert row["server_num_uploads"] == 3
         acc = np.array(list(row["accuracy_per_client"].values()))
@@ -363,3 +364,99 @@ def test_bad_options_fail_fast(run_config):
         FEDRE_METHOD.build_strategy(RunConfig.from_dict(fedre_config(run_config, **{"fedre.re-mode": "gaussian"})))
     with pytest.raises(ConfigError, match="non-linear heads"):
         FEDRE_METHOD.build_strategy(RunConfig.from_dict(run_config(method="fedre", model_group="htfe8-htc4")))
+
+
+# P13: head-source = client-0 (the PFLlib tree): partition 0's trained head is the head of the server step
+def client0_config(run_config, **kw):
+    return fedre_config(run_config, **{"fedre.head-source": "client-0", "aggregation": "mean", **kw})
+
+
+def expected_server_step(head, pairs, lr=0.01):
+    """One SGD step (lr, mean over the batch) of the soft-label CE from ``head`` (name -> array) on
+    ``pairs`` (a list of {z, y}), in float64: the server step of a round of at most B_s pairs."""
+    w, b = (torch.from_numpy(head[k]).double() for k in ("head.weight", "head.bias"))
+    z = torch.from_numpy(np.concatenate([p["z"] for p in pairs])).double()
+    y = torch.from_numpy(np.concatenate([p["y"] for p in pairs])).double()
+    err = torch.softmax(z @ w.T + b, dim=1) - y
+    return (w - lr / len(z) * err.T @ z).numpy(), (b - lr / len(z) * err.sum(0)).numpy()
+
+
+def payload_of(message):
+    return {k: v.numpy() for k, v in message.content.array_records[PAYLOAD].items()}
+
+
+def assert_head(strategy, weight, bias):
+    head = strategy.global_arrays()
+    assert np.allclose(head["head.weight"], weight, atol=1e-6) and np.allclose(head["head.bias"], bias, atol=1e-6)
+
+
+def test_client0_head_is_partition_0s_trained_head_after_the_server_step(run_config):
+    rc = client0_config(run_config, **{"num-clients": 3, "num-server-rounds": 1})
+    replies = []
+    strategy, grid = federation(rc, lambda node, reply: replies.append(reply) or reply)
+    initial = strategy.global_arrays()
+    strategy.start(grid)
+    train = {r.metadata.src_node_id: r for r in replies if r.metadata.message_type.startswith("train")}
+    assert {n: r.metadata.message_type for n, r in train.items()} == {1000: "train.head", 1001: "train", 1002: "train"}
+    uploads = {n: payload_of(r) for n, r in train.items()}
+    assert set(uploads[1000]) == {"z", "y", "head.weight", "head.bias"}  # only partition 0 uploads a head
+    assert set(uploads[1001]) == set(uploads[1002]) == {"z", "y"}
+    uploaded = uploads[1000]
+    assert not np.allclose(uploaded["head.weight"], initial["head.weight"], atol=1e-3)  # it trained the head
+    assert_head(strategy, *expected_server_step(uploaded, list(uploads.values())))
+    row = strategy.rows[0]
+    assert row["server_head_from_client_0"] == 1 and row["server_num_uploads"] == 3
+    assert row["bytes_up"] == 3 * 2088 + 4 * C * (D + 1) and row["bytes_down"] == 3 * 20520
+
+
+def test_client0_absent_partition_0_leaves_the_step_on_the_servers_head(run_config):
+    rc = client0_config(run_config, **{"num-clients": 3, "num-server-rounds": 2})
+    replies, heads = [], []
+    strategy, grid = federation(rc, lambda node, reply: replies.append(reply) or reply)
+    original_round = strategy.run_round
+
+    def run_round(server_round):
+        if server_round == 2:  # partition 0 stops answering after round 1
+            grid.silent.add(1000)
+            heads.append(strategy.global_arrays())
+            replies.clear()
+        return original_round(server_round)
+
+    strategy.run_round = run_round
+    strategy.start(grid)
+    pairs = [payload_of(r) for r in replies if r.metadata.message_type == "train"]
+    assert len(pairs) == 2 and not any(r.metadata.src_node_id == 1000 for r in replies)
+    assert_head(strategy, *expected_server_step(heads[0], pairs))
+    assert [r["server_head_from_client_0"] for r in strategy.rows] == [1, 0]
+    assert strategy.rows[1]["dropped_clients"] == [0] and strategy.rows[1]["bytes_up"] == 2 * 2088
+
+
+@pytest.mark.parametrize(
+    "name,bad,reason",
+    [
+        ("head.weight", lambda a: a[:, :-1], "shape"),
+        ("head.weight", lambda a: a.astype(np.float64), "dtype"),
+        ("head.bias", lambda a: np.full_like(a, np.nan), "non-finite"),
+    ],
+)
+def test_client0_malformed_head_is_dropped_and_the_round_goes_on(run_config, caplog, name, bad, reason):
+    pairs = []
+
+    def tamper(node, reply):
+        if reply.metadata.message_type == "train.head":
+            arrays = payload_of(reply)
+            reply.content[PAYLOAD] = array_record({**arrays, name: bad(arrays[name])})
+        elif reply.metadata.message_type == "train":
+            pairs.append(payload_of(reply))
+        return reply
+
+    rc = client0_config(run_config, **{"num-clients": 3, "num-server-rounds": 1})
+    strategy, grid = federation(rc, tamper)
+    initial = strategy.global_arrays()
+    strategy.start(grid)
+    assert "Dropped train.head reply from node 1000" in caplog.text and reason in caplog.text
+    row = strategy.rows[0]
+    assert strategy.counters.dropped["train"] == 1 and row["num_clients"] == 2
+    assert row["server_head_from_client_0"] == 0 and row["server_num_uploads"] == 2
+    assert_head(strategy, *expected_server_step(initial, pairs))
+    assert row["accuracy_mean"] is not None and len(row["accuracy_per_client"]) == 3
