@@ -6,8 +6,9 @@ digit mistyped). This test regenerates from the committed rows alone, with ``too
 quote against them at the quote's own decimals (``%.Nf`` of the unrounded number, as the reports
 round), section by section: a ``## <grid>`` section against ``results/<grid>/`` and every
 ``crosscheck/<folder>/`` it names, ``## crosscheck/`` against all of ``results/crosscheck/``. The
-same holds for a paragraph of ``docs/`` that names a committed grid, and for the ``A ± B`` of each
-committed ``report.md`` table. The kinds of quote:
+same holds for a paragraph of ``docs/`` that names a committed grid, for the ``A ± B`` of each
+committed ``report.md`` table, and for results/byzantine/README.md's table against
+:func:`bench.byzantine.table` of its rows. The kinds of quote:
 
 - ``A ± B``: a method's final or best accuracy (mean over clients or pooled) over any two or more of
   its seeds (:func:`tools.report.method_stats`, sample std), a paired-by-seed difference of two
@@ -38,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.byzantine import ATTACKS, table
 from bench.crosscheck import compare
 from common.files import read_rows
 from tools.report import (
@@ -55,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 README = RESULTS / "README.md"
 CROSSCHECK = RESULTS / "crosscheck"
+BYZANTINE = RESULTS / "byzantine"
 LAST = 10  # the README's "mean of the last 10 rounds"
 ACCURACIES = ("accuracy_mean", "accuracy_weighted")  # mean over clients, pooled
 
@@ -303,8 +306,11 @@ def test_every_number_results_readme_quotes_is_the_one_its_rows_give():
     text = README.read_text(encoding="utf-8")
     units = readme_units(text)
     assert misquoted(text, units) == []
-    # every kind of quote is found (a pattern that matched nothing would check nothing)
+    # every kind of quote is found (a pattern that matched nothing would check nothing), and every
+    # committed grid has its section (one under another heading would go unchecked)
     assert {q.kind.split()[0] for q in quotes(text, units)} >= {"seed", *(k.split()[0] for k in CHECKS)}
+    headed = set(re.findall(r"^## (\S+)", text, flags=re.M))
+    assert {p.parent.name for p in RESULTS.glob("*/grid.json")} <= headed
 
 
 @pytest.mark.parametrize("page", sorted((ROOT / "docs").rglob("*.md")), ids=lambda p: p.name)
@@ -342,3 +348,20 @@ def test_each_committed_report_table_is_its_rows(report):
     pairs = [q for q in quotes(table, [(0, table, numbers)]) if q.kind == "pair"]
     assert pairs
     assert [str(q) for q in pairs if not q.given] == []
+
+
+def test_the_byzantine_table_is_its_rows():
+    """results/byzantine/README.md: each table row's aggregation, clean, attacked and drop, and each
+    clean ``mean / norm-bound`` pair, is a line of :func:`bench.byzantine.table` over its rows.jsonl."""
+    rows = [json.loads(line) for line in (BYZANTINE / "rows.jsonl").read_text(encoding="utf-8").splitlines()]
+    regenerated = table(rows, list(ATTACKS), sorted({r["aggregation"] for r in rows}))
+    attacked = set(
+        re.findall(r"^\S+\s+(\S+)\s+(-?\d\.\d{3})\s+(-?\d\.\d{3})\s+(-?\d\.\d{3})\s+\d+$", regenerated, re.M)
+    )
+    clean = set(re.findall(r"^\S+\s+(\d\.\d{3})\s+(\d\.\d{3})\s+-?\d\.\d{3}$", regenerated, re.M))
+    text = (BYZANTINE / "README.md").read_text(encoding="utf-8")
+    quoted = re.findall(r"^\|[^|]*\| (\S+)[^|]*\| (-?\d\.\d{3}) \| (-?\d\.\d{3}) \| (-?\d\.\d{3})", text, re.M)
+    assert len(quoted) >= len(ATTACKS)
+    assert set(quoted) <= attacked, set(quoted) - attacked
+    pairs = re.findall(r"(\d\.\d{3}) / (\d\.\d{3})", text.split("Clean runs", 1)[1].split("\n\n", 1)[0])
+    assert pairs and set(pairs) <= clean, set(pairs) - clean
