@@ -1,0 +1,147 @@
+"""bench.fedre_authors: the bootstrap restores exactly one evaluate call, records every evaluation and
+gives every seeding call the training seed; a tree without the anchor is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from bench.fedre_authors import (
+    BOOTSTRAP,
+    EVALUATE_ANCHOR,
+    RESTORE_VARIABLE,
+    ROUNDS_VARIABLE,
+    SEED_VARIABLE,
+    authors_command,
+)
+
+SERVERBASE = """
+class Server:
+    def __init__(self):
+        self.rs_test_acc = []
+    def test_metrics(self):
+        # ids, test samples, correct predictions (PFLlib's order)
+        return [0, 1], [4, 6], [1, 3]
+    def evaluate(self):
+        ids, samples, correct = self.test_metrics()
+        self.rs_test_acc.append(sum(correct) / sum(samples))
+"""
+
+SERVERRE = """
+import random, numpy, torch
+from flcore.servers.serverbase import Server
+class FedRE(Server):
+    def train(self, rounds):
+        torch.manual_seed(2)
+        numpy.random.seed(2)
+        random.seed(2)
+        print("draws", torch.rand(1).item(), numpy.random.rand(), random.random())
+        for i in range(rounds + 1):
+            if True:
+                print("\\nEvaluate personalized models")
+"""
+
+MAIN = """
+from flcore.servers.serverre import FedRE
+FedRE().train(2)
+"""
+
+
+def fake_tree(root: Path, serverre: str = SERVERRE) -> Path:
+    """A tree with the FedRE PFLlib tree's layout: system/main.py and flcore/servers/."""
+    servers = root / "system" / "flcore" / "servers"
+    servers.mkdir(parents=True)
+    for package in (servers.parent, servers):
+        (package / "__init__.py").write_text("")
+    (servers / "serverbase.py").write_text(textwrap.dedent(SERVERBASE))
+    (servers / "serverre.py").write_text(textwrap.dedent(serverre))
+    (root / "system" / "main.py").write_text(textwrap.dedent(MAIN))
+    return root / "system"
+
+
+def bootstrap(system: Path, rounds_file: Path, seed: int) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        SEED_VARIABLE: str(seed),
+        ROUNDS_VARIABLE: str(rounds_file),
+        RESTORE_VARIABLE: EVALUATE_ANCHOR,
+    }
+    return subprocess.run(
+        [sys.executable, "-c", BOOTSTRAP, "main.py"], cwd=system, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_restored_evaluate_is_called_once_per_iteration_and_recorded(tmp_path):
+    system = fake_tree(tmp_path / "tree")
+    rows_file = tmp_path / "rounds.jsonl"
+    done = bootstrap(system, rows_file, seed=5)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    # train(2) iterates 3 times: one evaluation each, rounds 0, 1, 2
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert rows[0]["accuracy_weighted"] == pytest.approx(0.4)
+    assert rows[0]["accuracy_per_client"] == pytest.approx([0.25, 0.5])
+    assert rows[0]["test_examples"] == [4, 6]
+    # the tree's own file is untouched: the call exists only in the compiled copy
+    assert "self.evaluate()" not in (system / "flcore" / "servers" / "serverre.py").read_text()
+
+
+def test_every_seeding_call_gets_the_training_seed(tmp_path):
+    draws = {}
+    for seed in (0, 7):
+        system = fake_tree(tmp_path / f"tree{seed}")
+        done = bootstrap(system, tmp_path / f"rounds{seed}.jsonl", seed)
+        assert done.returncode == 0, done.stderr
+        draws[seed] = next(line for line in done.stdout.splitlines() if line.startswith("draws"))
+    import random
+
+    import numpy
+    import torch
+
+    torch.manual_seed(7)
+    numpy.random.seed(7)
+    random.seed(7)
+    # the tree asked for seed 2 everywhere; it got 7
+    assert draws[7] == f"draws {torch.rand(1).item()} {numpy.random.rand()} {random.random()}"
+    assert draws[0] != draws[7]
+
+
+def test_a_tree_without_the_anchor_is_refused(tmp_path):
+    system = fake_tree(tmp_path / "tree", SERVERRE.replace("Evaluate personalized models", "Evaluate"))
+    done = bootstrap(system, tmp_path / "rounds.jsonl", seed=0)
+    assert done.returncode != 0
+    assert "expected 1" in done.stderr
+    assert not (tmp_path / "rounds.jsonl").exists()
+
+
+def test_flags_follow_the_run_config():
+    config = {
+        "num-server-rounds": 100,
+        "num-clients": 10,
+        "fraction-train": 1.0,
+        "batch-size": 32,
+        "lr": 0.007,
+        "local-epochs": 1,
+        "fedre.server-batch-size": 10,
+    }
+    fedre = authors_command(config, "fedre", "Cifar10-x")
+    local = authors_command(config, "local", "Cifar10-x")
+    flags = lambda cmd: dict(zip(cmd[1::2], cmd[2::2]))  # noqa: E731
+    assert flags(fedre)["-algo"] == "FedRE" and flags(local)["-algo"] == "Local"
+    for cmd in (fedre, local):
+        f = flags(cmd)
+        assert (f["-gr"], f["-nc"], f["-lbs"], f["-lr"], f["-ls"], f["-dev"]) == (
+            "100",
+            "10",
+            "32",
+            "0.007",
+            "1",
+            "cpu",
+        )
+    assert flags(fedre)["-sbs"] == "10"
