@@ -14,13 +14,20 @@ For each method it
    ``test/<i>.npz`` (``data = {"x": float32 [n, C, H, W], "y": int64 [n]}``) and ``config.json``;
    HtFLlib reads them from ``<reference>/dataset/<name>``, a symlink to that folder;
 2. runs the reference (``system/main.py``) with the flags that map our run config
-   (:data:`FAMILIES`, :data:`REFERENCE_METHODS`, :func:`reference_command`) and parses its
+   (:data:`FAMILIES`, :data:`REFERENCE_METHODS`, :func:`reference_command`), paired with ours: every
+   client's model starts from our client's initial model for the run config and seed, and PyTorch
+   runs the threads each of our clients runs (:mod:`bench.crosscheck_pairing`; what a method cannot
+   pair, e.g. a shared model or server state, is ``unpaired`` and in the report); it parses its
    per-round pooled test accuracy (:func:`parse_reference_log`);
 3. runs ours (``tools.run``) on the same partitions (``partition-seed`` fixed) and recipe, one run per
-   training seed;
-4. writes ``report.md`` (final and best accuracy with the spread over seeds, the largest per-round
-   gap, what the reference cannot express, commands, commits, wall and CPU time) and one figure per
-   method (mean curve and min-max band over seeds for each implementation).
+   training seed; a run with a round that trained or evaluated without every client (a crashed Ray
+   node ends ``completed`` so) is refused, not compared (:func:`run_faults`);
+4. keeps the method's result (``<method>/result.json``) and writes ``report.md`` from every method's
+   kept result in the output folder, earlier calls' included (:mod:`bench.crosscheck_report`: a
+   verdict per method, final and best accuracy with the spread over seeds, the largest per-round
+   gap, the settings as run, the test set's size, what is not paired and what the reference cannot
+   express, commands, commits, wall and CPU time) and one figure per method (mean curve and min-max
+   band over seeds for each implementation).
 
 Where each evaluates: HtFLlib evaluates every client's model at the start of iteration ``i``, after
 ``i`` rounds of training and after the server's broadcast of round ``i``'s result (iteration 0 is
@@ -28,11 +35,14 @@ the initial models); our row ``i`` is the evaluation after round ``i``. Both rep
 pooled over all clients' test examples (our ``accuracy_weighted``), which is what is compared.
 
 Seeds: HtFLlib has no seed flag (``torch.manual_seed(0)`` once); its ``-t S`` repetitions run in one
-process and differ by the continuing random state. Ours vary run config ``seed``. The partition is
-the same for all (``partition-seed``, default the first seed).
+process and differ by the continuing random state. Ours vary run config ``seed``; paired, every client
+on both sides starts from our initial model of that seed, and the bootstrap seeds HtFLlib's other
+draws with it (:data:`BOOTSTRAP`). The partition is the same for all (``partition-seed``, default the
+first seed).
 
 Every run is resumable: the partitions, a reference run whose every repetition finished, and our
-completed seeds are kept and skipped when the command is given again.
+completed seeds are kept and skipped when the command is given again; a failed run (any early end
+but the reference's NaN divergence, or a run of ours with faults) is never kept.
 """
 
 from __future__ import annotations
@@ -47,13 +57,14 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench.crosscheck_pairing import CLIENT_THREADS, save_initial_states
+from bench.crosscheck_report import compare, plot, save_result, saved_results, verdict, write_report
 from common.errors import ConfigError
 from common.files import atomic_write, read_rows, read_summary
 from tools.grid import git_commit
@@ -114,6 +125,10 @@ class ReferenceMethod:
     ``recipe``: run config values HtFLlib's client for this method hard-codes beyond
     :data:`REFERENCE_RECIPE` (FML and FedKD clip every model's gradient norm at 10); ours is run
     with them, and the report lists them.
+
+    ``unpaired``: what starts from other random draws on the two sides although every client's
+    personal model is paired (:mod:`bench.crosscheck_pairing`): models and state HtFLlib builds
+    beside the clients' models; "" when nothing.
     """
 
     algorithm: str
@@ -122,6 +137,29 @@ class ReferenceMethod:
     tied: dict[str, str] = field(default_factory=dict)
     unexpressed: tuple[str, ...] = ()
     reported: tuple[str, Any, str] | None = None
+    unpaired: str = ""
+
+
+#: what a paired cross-check pairs for every method
+PAIRED = (
+    "every client's initial personal model (ours, built by our client for the run config and seed, "
+    "loaded into HtFLlib's client model right after HtFLlib builds it, tensor by tensor in order and shape)"
+)
+#: a model both sides build beside the clients' models, each from its own draws
+SHARED_MODEL = (
+    "the shared model (HtFLlib: `BaseHeadSplit(args, 0)` drawn in its server's constructor, before the "
+    "clients' models; ours: the group's first architecture drawn from `seed`)"
+)
+#: FedGH's and LG-FedAvg's server head before round 1
+SERVER_HEAD = (
+    "the server's initial head, every client's head in round 1 (HtFLlib: client 0's initial head, "
+    "which pairing makes ours; ours: a `Linear(d, C)` drawn from `seed`)"
+)
+#: the order of a server's training over the round's uploads
+SERVER_ORDER = (
+    "the server's mini-batch order over the uploads (HtFLlib: torch's global generator over uploads in "
+    "numpy's client order; ours: a generator of `seed`)"
+)
 
 
 #: our method -> its HtFLlib algorithm (``-algo``) and option mapping (HtFLlib ``system/main.py`` and
@@ -134,6 +172,7 @@ REFERENCE_METHODS = {
         flags={"-lam": "lambda", "-mart": "tau", "-se": "server-epochs"},
         tied={"server-lr": "lr", "server-batch-size": "batch-size", "hidden-dim": "feature-dim"},
         unexpressed=("reg-form", "margin", "prototype-pass"),
+        unpaired="the server's trainable global prototypes (each side draws them from its seed); " + SERVER_ORDER,
     ),
     "fedgh": ReferenceMethod(
         "FedGH",
@@ -142,11 +181,13 @@ REFERENCE_METHODS = {
         unexpressed=("server-mode", "server-clip-norm", "eval-global-head"),
         # HtFLlib evaluates every client's extractor with the global head it has just been sent
         reported=("eval-global-head", True, "accuracy_weighted_global_head"),
+        unpaired=f"{SERVER_HEAD}; {SERVER_ORDER}",
     ),
     "lg-fedavg": ReferenceMethod(
         "LG-FedAvg",
         unexpressed=("eval-global-head",),
         reported=("eval-global-head", True, "accuracy_weighted_global_head"),
+        unpaired=SERVER_HEAD,
     ),
     "fd": ReferenceMethod("FD", flags={"-lam": "lambda"}, unexpressed=("target",)),
     # clientfml.py and clientkd.py: clip_grad_norm_(..., 10) on each model ("prevent divergency"); their
@@ -159,9 +200,14 @@ REFERENCE_METHODS = {
         {"clip-norm": 10.0},
         {"-al": "alpha", "-bt": "beta"},
         unexpressed=("shared-model", "kl-reduction", "detach-targets"),
+        unpaired=SHARED_MODEL,
     ),
     "fedkd": ReferenceMethod(
-        "FedKD", {"clip-norm": 10.0}, {"-Ts": "energy-start", "-Te": "energy-end"}, unexpressed=("shared-model",)
+        "FedKD",
+        {"clip-norm": 10.0},
+        {"-Ts": "energy-start", "-Te": "energy-end"},
+        unexpressed=("shared-model",),
+        unpaired=f"{SHARED_MODEL} (the mentee); each client's alignment map `W_h` (each side draws it from its seed)",
     ),
     "fedmrl": ReferenceMethod(
         "FedMRL",
@@ -169,6 +215,7 @@ REFERENCE_METHODS = {
         unexpressed=("small-model", "weight-global", "weight-private", "eval-protocol", "inference", "keep-projector"),
         # HtFLlib evaluates every client with the server's aggregated small model (our protocol B)
         reported=("eval-protocol", "deployment", "accuracy_weighted"),
+        unpaired=f"{SHARED_MODEL} (the small model); each client's projector (each side draws it from its seed)",
     ),
 }
 
@@ -185,6 +232,31 @@ REFERENCE_RECIPE = {
     "eval-clients": "all",
 }
 
+#: the run config keys of a cross-check's settings line (as run: the rounds and stop-patience it
+#: pins, not the preset's)
+SETTINGS = (
+    "dataset",
+    "model-group",
+    "feature-dim",
+    "num-clients",
+    "max-examples-per-client",
+    "partitioner",
+    "dirichlet-alpha",
+    "test-fraction",
+    "partition-seed",
+    "normalize",
+    "init",
+    "num-server-rounds",
+    "stop-patience",
+    "aggregation",
+    "fraction-train",
+    "local-epochs",
+    "batch-size",
+    "lr",
+    "batch-order",
+    "eval-every",
+)
+
 #: HtFLlib's ``-lr`` for FedKD's mentee is a flag of its own; ours trains both with ``lr``
 FEDKD_MENTEE_LR = "-mlr"
 
@@ -193,6 +265,8 @@ ACCURACY_LINE = re.compile(r"Averaged Test Accuracy: ([0-9.]+)")
 REPETITION_LINE = re.compile(r"Running time: (\d+)th")
 #: the dataset flag of a reference command (its name is the output folder's)
 DATA_FLAG = re.compile(r"-data \S+")
+#: the initial models' file of a reference command (in the output folder)
+INITIAL_FLAG = re.compile(r"CROSSCHECK_INITIAL=\S+")
 #: HtFLlib's evaluation (scikit-learn's AUC) on NaN or infinite model outputs
 DIVERGED_LINE = re.compile(r"ValueError: Input contains (NaN|infinity)")
 #: a printed non-finite loss (FedTGP's ``Server loss: nan``): HtFLlib goes on, evaluating NaN state
@@ -203,6 +277,15 @@ SEED_VARIABLE = "CROSSCHECK_SEED"
 #: the environment variable that gives :data:`BOOTSTRAP` a removed family (:func:`restored_family`)
 #: as JSON ``[name, [constructor, ...]]``
 FAMILY_VARIABLE = "CROSSCHECK_FAMILY"
+#: the environment variable that gives :data:`BOOTSTRAP` PyTorch's thread count
+THREADS_VARIABLE = "CROSSCHECK_THREADS"
+#: the environment variable that gives :data:`BOOTSTRAP` our clients' initial models (a file of
+#: :func:`bench.crosscheck_pairing.save_initial_states`)
+INITIAL_VARIABLE = "CROSSCHECK_INITIAL"
+#: the environment variable that gives :data:`BOOTSTRAP` this repository (for :mod:`bench.crosscheck_pairing`)
+ROOT_VARIABLE = "CROSSCHECK_ROOT"
+#: what :data:`BOOTSTRAP` prints for each client model it loaded ours into
+PAIRED_LINE = re.compile(r"^crosscheck: client (\d+) paired", re.M)
 
 #: runs HtFLlib's ``main.py`` (argv[1:]) in its ``system/`` folder. HtFLlib seeds torch with
 #: ``torch.manual_seed(0)`` at start and again in every client's constructor, but leaves numpy's and
@@ -218,6 +301,10 @@ FAMILY_VARIABLE = "CROSSCHECK_FAMILY"
 #: StyleGAN, FedL2G ``higher``) is replaced by a placeholder that raises that import error if used.
 #: A removed family (``$CROSSCHECK_FAMILY``) becomes one more branch of ``main.py``'s family chain,
 #: just before its final ``raise NotImplementedError``.
+#: Paired (:mod:`bench.crosscheck_pairing`): PyTorch runs ``$CROSSCHECK_THREADS`` threads, and every
+#: client's model, right after HtFLlib's ``Client.__init__`` has built and stored it, is loaded with
+#: our initial model of that client (``$CROSSCHECK_INITIAL``) and stored again; a client model whose
+#: tensors do not match ours in order and shape stops the run with the first mismatch.
 BOOTSTRAP = r"""
 import json, os, random, re, sys, types
 import numpy, torch
@@ -226,8 +313,23 @@ manual_seed = torch.manual_seed
 torch.manual_seed = lambda s: manual_seed(seed if s == 0 else s)
 numpy.random.seed(seed)
 random.seed(seed)
+torch.set_num_threads(int(os.environ["CROSSCHECK_THREADS"]))
 sys.argv = sys.argv[1:]
 sys.path.insert(0, ".")
+sys.path.append(os.environ["CROSSCHECK_ROOT"])
+from bench.crosscheck_pairing import paired_state
+from flcore.clients import clientbase
+states = torch.load(os.environ["CROSSCHECK_INITIAL"], weights_only=True)
+built = clientbase.Client.__init__
+def paired_init(self, *args, **kwargs):
+    built(self, *args, **kwargs)
+    if self.id >= len(states):
+        sys.exit(f"crosscheck: client {self.id} has no initial model of ours ({len(states)} exported)")
+    model = clientbase.load_item(self.role, "model", self.save_folder_name)
+    model.load_state_dict(paired_state(states[self.id], model.state_dict(), f"client {self.id}"))
+    clientbase.save_item(model, self.role, "model", self.save_folder_name)
+    print(f"crosscheck: client {self.id} paired ({len(states[self.id])} tensors of ours)", flush=True)
+clientbase.Client.__init__ = paired_init
 for module, name in re.findall(r"^from (flcore\.servers\.\w+) import (\w+)", open("main.py").read(), re.M):
     try:
         __import__(module)
@@ -309,10 +411,11 @@ def write_partitions(config: dict, folder: Path) -> dict:
     normalised as run config ``normalize`` says) in PFLlib's layout under ``folder``, once:
     ``train/<i>.npz`` and ``test/<i>.npz`` hold ``data = {"x": float32 [n, C, H, W], "y": int64 [n]}``,
     ``config.json`` PFLlib's keys plus ``partition_key`` (ours: it names the data files' sizes and
-    modification times, so a copied data folder rewrites the partitions) and ``content_digest`` (a
+    modification times, so a copied data folder rewrites the partitions), ``content_digest`` (a
     SHA-256 of every array written, in client order: what a reference run is reused by, so that
-    rewriting identical partitions keeps its runs). A folder whose ``config.json`` has the same
-    ``partition_key`` is kept.
+    rewriting identical partitions keeps its runs) and ``test_examples`` (each client's test split
+    size, in client order). A folder whose ``config.json`` has the same ``partition_key`` and
+    ``test_examples`` is kept.
 
     Returns:
         ``config.json``'s content.
@@ -328,9 +431,11 @@ def write_partitions(config: dict, folder: Path) -> dict:
     key = "-".join(partition_key(spec, i) for i in range(cfg.num_clients))
     done = folder / "config.json"
     if done.exists() and json.loads(done.read_text()).get("partition_key") == key:
-        return json.loads(done.read_text())
+        kept = json.loads(done.read_text())
+        if "test_examples" in kept:
+            return kept
     info = with_recipe(DATASETS[cfg.dataset], cfg.augment, cfg.normalize)
-    sizes = []
+    sizes, tests = [], []
     digest = hashlib.sha256()
     for split in ("train", "test"):
         (folder / split).mkdir(parents=True, exist_ok=True)
@@ -340,6 +445,7 @@ def write_partitions(config: dict, folder: Path) -> dict:
             arrays = {"x": normalize(x, info).numpy(), "y": y.to(torch.int64).numpy()}
             digest.update(arrays["x"].tobytes() + arrays["y"].tobytes())
             atomic_write(folder / split / f"{i}.npz", lambda f, a=arrays: np.savez_compressed(f, data=a))
+        tests.append(len(data.test_y))
         labels = torch.cat([data.train_y, data.test_y])
         sizes.append([[int(c), int((labels == c).sum())] for c in labels.unique()])
     written = {
@@ -353,6 +459,7 @@ def write_partitions(config: dict, folder: Path) -> dict:
         "batch_size": cfg.batch_size,
         "partition_key": key,
         "content_digest": digest.hexdigest(),
+        "test_examples": tests,
     }
     done.write_text(json.dumps(written, indent=1))
     return written
@@ -443,63 +550,110 @@ def git_head(path: Path) -> str:
     return (head.stdout.strip() or "unknown") + ("-dirty" if dirty else "")
 
 
-def run_reference(reference: Path, config: dict, method: str, seed: int, partitions: Path, out: Path) -> dict:
-    """Run HtFLlib for ``method`` with training seed ``seed`` (:data:`BOOTSTRAP`), or reuse its finished
-    run: one with the same command (up to the dataset's name, which is the output folder's) on
-    partitions of the same content (their ``content_digest``); any other is run again, so a changed
-    preset or override never passes off an old curve as this config's.
+def stopped_by_divergence(text: str) -> bool:
+    """Whether the error a reference run ended with is its evaluation's on NaN or infinite outputs
+    (:data:`DIVERGED_LINE` in the last traceback, or in the last lines when it printed none): an
+    earlier such line, or a non-finite loss followed by another error, is not."""
+    last = text.rsplit("Traceback (most recent call last)", 1)
+    tail = last[1] if len(last) == 2 else "\n".join(text.splitlines()[-5:])
+    return DIVERGED_LINE.search(tail) is not None
+
+
+def run_reference(
+    reference: Path, config: dict, method: str, seed: int, partitions: Path, out: Path, threads: int = CLIENT_THREADS
+) -> dict:
+    """Run HtFLlib for ``method`` with training seed ``seed`` (:data:`BOOTSTRAP`), paired with ours, or
+    reuse its finished run: one with the same command (up to the dataset's name, which is the output
+    folder's, and the initial models' file), on partitions of the same content (their
+    ``content_digest``) and from the same initial models (``initial_digest``); any other is run
+    again, so a changed preset, override or model never passes off an old curve as this config's.
+
+    Paired: every client's model starts from ours for ``config`` and ``seed``
+    (:func:`bench.crosscheck_pairing.save_initial_states`, written to
+    ``out/initial-seed-<seed>.pt`` for the run and removed after it: ours rebuilds it from the
+    config), and PyTorch runs ``threads`` threads, as each of our clients does. A run whose log does
+    not show every client model paired is refused.
 
     A run whose models diverged (HtFLlib's evaluation stops on NaN or infinite outputs:
-    scikit-learn's "Input contains NaN" or "Input contains infinity"; or it printed a non-finite
-    loss and went on, :func:`parse_reference_log`) is a result, not a failure: its curve holds None
-    from the first round whose models had diverged, and ``diverged_round`` names it.
+    scikit-learn's "Input contains NaN" or "Input contains infinity" as the error it ended with; or it
+    printed a non-finite loss and went on to its end, :func:`parse_reference_log`) is a result, not a
+    failure: its curve holds None from the first round whose models had diverged, and
+    ``diverged_round`` names it. Any other early end is a failure, and nothing is kept of it.
 
     Returns:
         ``{"curve": [accuracy by round 1..R], "initial": round 0's accuracy, "diverged_round": None
-        or the first round without accuracy, "command", "commit", "content_digest", "wall_seconds",
-        "cpu_seconds"}`` (also in ``reference-seed-<seed>.json``).
+        or the first round without accuracy, "command", "commit", "content_digest", "initial_digest",
+        "threads", "wall_seconds", "cpu_seconds"}`` (also in ``reference-seed-<seed>.json``).
 
     Raises:
-        RuntimeError: the reference printed fewer rounds than asked for another reason (its log's
-            tail in the message).
+        RuntimeError: the reference printed fewer rounds than asked for another reason, or did not
+            pair every client (its log's tail in the message).
     """
     done = out / f"reference-seed-{seed}.json"
     rounds = config["num-server-rounds"]
     name = f"mheterofl-crosscheck-{partitions.resolve().parent.name}"
     args = reference_command(config, method, name)
-    env = {**os.environ, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1", SEED_VARIABLE: str(seed)}
-    command = f"{SEED_VARIABLE}={seed} python " + " ".join(args)
+    initial = (out / f"initial-seed-{seed}.pt").resolve()
+    initial_digest = save_initial_states({**config, "seed": seed}, initial)
+    env = {
+        **os.environ,
+        "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1",
+        SEED_VARIABLE: str(seed),
+        THREADS_VARIABLE: str(threads),
+        INITIAL_VARIABLE: str(initial),
+        ROOT_VARIABLE: str(ROOT),
+    }
+    command = f"{THREADS_VARIABLE}={threads} {INITIAL_VARIABLE}={initial} {SEED_VARIABLE}={seed} python " + " ".join(
+        args
+    )
     family = FAMILIES[config["model-group"]]
     if (models := restored_family(family, config["dataset"])) is not None:
         env[FAMILY_VARIABLE] = json.dumps([family, models])
         command = f"{FAMILY_VARIABLE}='{env[FAMILY_VARIABLE]}' {command}"
     key = json.loads((partitions / "config.json").read_text())["content_digest"]
-    if done.exists():
-        saved = json.loads(done.read_text())
-        # the dataset's name comes from the output folder; the content digest stands for the data
-        same = DATA_FLAG.sub("-data <partitions>", saved.get("command", "")) == DATA_FLAG.sub(
-            "-data <partitions>", command
-        )
-        if same and saved.get("content_digest") == key and len(saved["curve"]) == rounds:
-            return saved
-    out.mkdir(parents=True, exist_ok=True)
-    link = reference / "dataset" / name
-    link.parent.mkdir(exist_ok=True)
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(partitions.resolve(), target_is_directory=True)
-    cmd = [sys.executable, "-c", BOOTSTRAP, *args]
-    # HtFLlib pickles whole models into its own store and loads them back, written for torch < 2.6
-    log = out / f"reference-seed-{seed}.log"
-    code, wall, cpu = run_measured(cmd, reference / "system", log, env)
+
+    def unplaced(cmd: str) -> str:  # the dataset's name comes from the output folder, the file from out
+        return INITIAL_FLAG.sub(f"{INITIAL_VARIABLE}=<initial>", DATA_FLAG.sub("-data <partitions>", cmd))
+
+    try:
+        if done.exists():
+            saved = json.loads(done.read_text())
+            if (
+                unplaced(saved.get("command", "")) == unplaced(command)
+                and saved.get("content_digest") == key
+                and saved.get("initial_digest") == initial_digest
+                and len(saved["curve"]) == rounds
+            ):
+                return saved
+        out.mkdir(parents=True, exist_ok=True)
+        link = reference / "dataset" / name
+        link.parent.mkdir(exist_ok=True)
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(partitions.resolve(), target_is_directory=True)
+        cmd = [sys.executable, "-c", BOOTSTRAP, *args]
+        # HtFLlib pickles whole models into its own store and loads them back, written for torch < 2.6
+        log = out / f"reference-seed-{seed}.log"
+        code, wall, cpu = run_measured(cmd, reference / "system", log, env)
+    finally:
+        initial.unlink(missing_ok=True)
     text = log.read_text(errors="replace")
     runs = parse_reference_log(text)
     curve = [runs[-1].get(r) for r in range(1, rounds + 1)] if runs else [None]
-    stopped = code != 0 and DIVERGED_LINE.search(text) is not None
-    diverged = bool(runs) and None in curve and (stopped or NONFINITE_LOSS_LINE.search(text) is not None)
+    if code != 0:
+        diverged = bool(runs) and None in curve and stopped_by_divergence(text)
+    else:
+        diverged = bool(runs) and None in curve and NONFINITE_LOSS_LINE.search(text) is not None
     if (code != 0 or None in curve) and not diverged:
         raise RuntimeError(
             f"the reference run (seed {seed}) ended with exit code {code} before {rounds} rounds:\n{text[-2000:]}"
+        )
+    paired = {int(i) for i in PAIRED_LINE.findall(text)}
+    if paired != set(range(config["num-clients"])):
+        raise RuntimeError(
+            f"the reference run (seed {seed}) paired the models of clients {sorted(paired)}, not of all "
+            f"{config['num-clients']}: its clients are not built by flcore.clients.clientbase.Client "
+            f"(log {log})"
         )
     result = {
         "curve": curve,
@@ -508,6 +662,8 @@ def run_reference(reference: Path, config: dict, method: str, seed: int, partiti
         "command": command,
         "commit": git_head(reference),
         "content_digest": key,
+        "initial_digest": initial_digest,
+        "threads": threads,
         "wall_seconds": wall,
         "cpu_seconds": cpu,
     }
@@ -515,186 +671,121 @@ def run_reference(reference: Path, config: dict, method: str, seed: int, partiti
     return result
 
 
+def run_faults(rows: list[dict], summary: dict, config: dict, metric: str) -> list[str]:
+    """Why a run of ours that ended ``completed`` is no result to compare: every round from 1 to
+    ``num-server-rounds`` recorded once, in order; in each a client trained (row key ``untrained``, rows
+    before it: ``num_clients`` > 0), no sampled client dropped (``dropped_clients``), ``metric``
+    evaluated and every client evaluated (``accuracy_per_client``, where the row has it); and no
+    clients' errors in the summary (``client_errors``). A simulation whose Ray node crashed ends
+    ``completed`` with its last rounds untrained or with dropped clients. [] when none."""
+    faults = []
+    if summary.get("client_errors"):
+        faults.append("the clients' errors: " + "; ".join(summary["client_errors"][:3]))
+    recorded = [row.get("round") for row in rows]
+    if recorded != list(range(1, config["num-server-rounds"] + 1)):
+        faults.append(f"rounds recorded {recorded}, not 1..{config['num-server-rounds']}")
+    for row in rows:
+        r = row.get("round")
+        if row.get("untrained", row.get("num_clients") == 0):
+            errors = "; ".join(row.get("client_errors", [])[:3]) or "no error recorded"
+            faults.append(f"round {r}: no client trained ({errors})")
+        elif row.get("dropped_clients"):
+            faults.append(f"round {r}: no valid reply from clients {row['dropped_clients']}")
+        if row.get(metric) is None:
+            faults.append(f"round {r}: no {metric}")
+        elif "accuracy_per_client" in row and len(row["accuracy_per_client"]) != config["num-clients"]:
+            faults.append(f"round {r}: {len(row['accuracy_per_client'])} of {config['num-clients']} clients evaluated")
+    return faults
+
+
+def failure_cause(log: Path) -> str:
+    """What a run of ``tools.run`` that left no run folder said about why: its ``error:`` and
+    ``ERROR`` lines, and the ``ERROR`` lines of the SuperLink log it names (the last few of each),
+    else its last lines."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    lines = [line.strip() for line in text.splitlines() if line.startswith("error:") or "ERROR" in line]
+    superlink = re.search(r"the SuperLink's log: (.+)$", text, re.M)
+    if superlink and Path(superlink.group(1).strip()).is_file():
+        said = Path(superlink.group(1).strip()).read_text(errors="replace").splitlines()
+        lines += [f"SuperLink: {line.strip()}" for line in said if "ERROR" in line][-3:]
+    lines = list(dict.fromkeys(lines))[-6:] or [line for line in text.splitlines() if line.strip()][-5:]
+    return " | ".join(lines) or f"{log} is empty"
+
+
 def run_ours(
-    config_items: list[str], preset: str | None, seed: int, out: Path, metric: str = "accuracy_weighted"
+    config_items: list[str],
+    preset: str | None,
+    seed: int,
+    out: Path,
+    metric: str = "accuracy_weighted",
+    threads: int = CLIENT_THREADS,
 ) -> dict:
-    """Run ours (``tools.run``) for one training seed into ``out``, or reuse its completed run when
-    that ran the same whole run config (the preset's content and every override; any other is run
-    again).
+    """Run ours (``tools.run``, ``threads`` CPUs per client and ``OMP_NUM_THREADS`` = ``threads``) for
+    one training seed into ``out``, or reuse its completed run when that ran the same whole run config
+    (the preset's content and every override; any other is run again) with the same threads and has
+    no fault (:func:`run_faults`).
 
     Returns:
-        ``{"curve": [row key metric by round], "metric", "command", "config", "wall_seconds",
-        "cpu_seconds", "folder"}``.
+        ``{"curve": [row key metric by round], "metric", "command", "config", "threads",
+        "wall_seconds", "cpu_seconds", "folder"}``.
 
     Raises:
-        RuntimeError: the run did not complete (its status and reason in the message).
+        RuntimeError: the run did not complete (its status and why: the summary's error, or when it
+            left no run folder what its log says, :func:`failure_cause`), or completed with faults
+            (:func:`run_faults`); nothing is kept for reuse.
     """
     done = out / "ours.json"
     items = [*config_items, f"seed={seed} output-dir={json.dumps(str(out.resolve()))}"]
     config, _ = read_config(preset, items)
     if done.exists():
         saved = json.loads(done.read_text())
-        if saved.get("config") == config and (out / Path(saved["folder"]).name / "metrics.jsonl").is_file():
-            rows = read_rows(out / Path(saved["folder"]).name)
-            return {**saved, "metric": metric, "curve": [r[metric] for r in rows]}
-    cmd = [sys.executable, "-m", "tools.run", *(["--preset", preset] if preset else [])]
+        folder = out / Path(saved["folder"]).name
+        if saved.get("config") == config and saved.get("threads") == threads and (folder / "metrics.jsonl").is_file():
+            rows = read_rows(folder)
+            if not run_faults(rows, read_summary(folder), config, metric):
+                return {**saved, "metric": metric, "curve": [r[metric] for r in rows]}
+    cmd = [
+        sys.executable,
+        "-m",
+        "tools.run",
+        "--cpus-per-client",
+        str(threads),
+        *(["--preset", preset] if preset else []),
+    ]
     for item in items:
         cmd += ["-c", item]
     out.mkdir(parents=True, exist_ok=True)
     earlier = set(out.glob("*/summary.json"))  # a run cut off before: this one starts again from round 1
-    code, wall, cpu = run_measured(cmd, ROOT, out / "ours.log")
+    log = out / "ours.log"
+    code, wall, cpu = run_measured(cmd, ROOT, log, {**os.environ, "OMP_NUM_THREADS": str(threads)})
     folders = sorted(p.parent for p in set(out.glob("*/summary.json")) - earlier)
-    summary = read_summary(folders[-1]) if folders else {"status": "no run folder", "error": None}
+    if not folders:
+        raise RuntimeError(f"our run (seed {seed}) left no run folder: {failure_cause(log)}; log {log}")
+    summary = read_summary(folders[-1])
     if code != 0 or summary["status"] != "completed":
+        errors = "; ".join(summary.get("client_errors") or [])
         raise RuntimeError(
-            f"our run (seed {seed}) ended {summary['status']}: {summary.get('error')}; log {out / 'ours.log'}"
+            f"our run (seed {seed}) ended {summary['status']}: {summary.get('error')}"
+            + (f" (the clients' errors: {errors})" if errors else "")
+            + f"; log {log}"
+        )
+    rows = read_rows(folders[-1])
+    if faults := run_faults(rows, summary, config, metric):
+        raise RuntimeError(
+            f"our run (seed {seed}) ended completed but is refused: {'; '.join(faults)}; run folder {folders[-1]}"
         )
     result = {
-        "curve": [r[metric] for r in read_rows(folders[-1])],
+        "curve": [r[metric] for r in rows],
         "metric": metric,
         "command": " ".join(cmd[1:]),
         "config": config,
+        "threads": threads,
         "wall_seconds": wall,
         "cpu_seconds": cpu,
         "folder": str(folders[-1]),
     }
     done.write_text(json.dumps(result, indent=1))
     return result
-
-
-def compare(ours: list[list[float]], reference: list[list[float]]) -> dict:
-    """Final and best accuracy (mean and population std over seeds, ddof 0 as HtFLlib's
-    ``get_mean_std``; fractions) of each implementation and the largest gap between the two mean
-    curves (``ours - reference``, with its round, 1-based).
-
-    A seed whose run diverged has None from its first missing round: it counts in ``diverged``
-    (seeds) and is left out of ``final_*`` and ``best_*`` (None when every seed diverged); the mean
-    curves average the seeds each round has.
-
-    Args:
-        ours, reference: accuracy per round, one list per seed, all of one length R.
-    """
-    a, b = np.asarray(ours, dtype=float), np.asarray(reference, dtype=float)
-
-    def stats(x: np.ndarray) -> dict:
-        done = x[~np.isnan(x).any(axis=1)]
-        if not len(done):
-            return {"final_mean": None, "final_std": None, "best_mean": None, "best_std": None, "diverged": len(x)}
-        return {
-            "final_mean": float(done[:, -1].mean()),
-            "final_std": float(done[:, -1].std()),
-            "best_mean": float(done.max(axis=1).mean()),
-            "best_std": float(done.max(axis=1).std()),
-            "diverged": len(x) - len(done),
-        }
-
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a round no seed of one side reached: NaN
-        gap = np.nanmean(a, axis=0) - np.nanmean(b, axis=0)
-    worst = int(np.nanargmax(np.abs(gap))) if not np.isnan(gap).all() else 0
-    return {"ours": stats(a), "reference": stats(b), "largest_gap": float(gap[worst]), "largest_gap_round": worst + 1}
-
-
-def plot(
-    method: str, ours: list[list[float]], reference: list[list[float]], out: Path, reference_name: str = "HtFLlib"
-) -> None:
-    """``out``: accuracy by round, mean line and min-max band over seeds, ours and the reference's
-    (``reference_name`` in the legend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, curves, color in (("ours", ours, "tab:blue"), (reference_name, reference, "tab:orange")):
-        x = np.asarray(curves, dtype=float)
-        rounds = np.arange(1, x.shape[1] + 1)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # rounds after every seed diverged: a gap in the line
-            ax.plot(rounds, np.nanmean(x, axis=0), color=color, label=f"{label} (mean of {len(x)})")
-            ax.fill_between(rounds, np.nanmin(x, axis=0), np.nanmax(x, axis=0), color=color, alpha=0.2)
-    ax.set(xlabel="round", ylabel="test accuracy (pooled over clients)", title=method)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-
-
-def write_report(out: Path, info: dict, results: dict) -> None:
-    """``out/report.md`` from the settings ``info`` and the per-method ``results`` so far."""
-
-    def pct(side: dict, key: str) -> str:
-        value = (
-            "diverged"
-            if side[f"{key}_mean"] is None
-            else f"{100 * side[f'{key}_mean']:.2f} ± {100 * side[f'{key}_std']:.2f}"
-        )
-        return value + (
-            f" ({side['diverged']} seeds diverged)" if side.get("diverged") and side[f"{key}_mean"] is not None else ""
-        )
-
-    total = lambda runs, key: sum(run[key] for run in runs)  # noqa: E731
-    lines = [
-        f"# Cross-check against HtFLlib: {info['preset'] or 'run config'}",
-        "",
-        f"Command: `{info['command']}`",
-        f"Ours: commit {info['commit']}; HtFLlib: {info['reference']} at {info['reference_commit']}.",
-        f"Seeds {info['seeds']} on one partition (`partition-seed` {info['partition_seed']}); {info['rounds']} rounds;",
-        f"run config overrides: `{info['overrides']}`. Accuracy: pooled over every client's test split, %"
-        " (mean ± population std over seeds, ddof 0 as HtFLlib's `get_mean_std`).",
-        "",
-        "| method | ours final | HtFLlib final | ours best | HtFLlib best | largest gap (round) | wall s ours / HtFLlib"
-        " | CPU s ours / HtFLlib |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for method, r in results.items():
-        c = r["comparison"]
-        o, h = c["ours"], c["reference"]
-        lines.append(
-            f"| {method} | {pct(o, 'final')} | {pct(h, 'final')} | {pct(o, 'best')} | {pct(h, 'best')} | "
-            f"{100 * c['largest_gap']:+.2f} ({c['largest_gap_round']}) | "
-            f"{total(r['ours'], 'wall_seconds'):.0f} / {total(r['reference'], 'wall_seconds'):.0f} | "
-            f"{total(r['ours'], 'cpu_seconds'):.0f} / {total(r['reference'], 'cpu_seconds'):.0f} |"
-        )
-    lines += ["", "Figures: `<method>.png` (mean line, min-max band over seeds).", ""]
-    for method, r in results.items():
-        initial = ", ".join(f"{100 * x['initial']:.2f}" for x in r["reference"])
-        diverged = [
-            f"seed {seed}: round {x['diverged_round']}"
-            for seed, x in zip(info["seeds"], r["reference"])
-            if x.get("diverged_round")
-        ]
-        lines += [
-            f"## {method}",
-            "",
-            f"- HtFLlib, seed {info['seeds'][0]} (cwd `system/`): `{r['reference'][0]['command']}`; round 0 (the "
-            f"initial models) by seed: {initial} %",
-            f"- ours, seed {info['seeds'][0]}: `{r['ours'][0]['command']}`; compared: our row key "
-            f"`{r['ours'][0]['metric']}` with HtFLlib's printed accuracy",
-            *(
-                []
-                if r.get("same_model", True)
-                else [
-                    "- HtFLlib evaluates another model than this metric's: ours evaluates it with "
-                    f"`{method}.{REFERENCE_METHODS[method].reported[0]} = {REFERENCE_METHODS[method].reported[1]!r}`"
-                ]
-            ),
-            "- the other seeds differ only in the seed (and the output folder)",
-            *(
-                [
-                    "- HtFLlib diverged (NaN or infinite outputs or losses; curve left out from there) at "
-                    + ", ".join(diverged)
-                ]
-                if diverged
-                else []
-            ),
-            "- HtFLlib's built-in recipe for this method, ours run with it: "
-            + (", ".join(f"`{k}` = {v!r}" for k, v in REFERENCE_METHODS[method].recipe.items()) or "none"),
-            "- not expressible in HtFLlib (ours as run; see docs/methods): "
-            + (", ".join(f"`{k}` = {v!r}" for k, v in r["unexpressed"].items()) or "none"),
-            "",
-        ]
-    atomic_write(out / "report.md", lambda f: f.write("\n".join(lines).encode()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -721,7 +812,7 @@ def main(argv: list[str] | None = None) -> int:
             seeds = [int(s) for s in args.seeds.split(",") if s]
             if not methods or not seeds or (args.rounds is not None and args.rounds < 1):
                 raise ConfigError("--methods and --seeds need at least one value, --rounds at least 1")
-            base, overrides = read_config(args.preset, args.run_config)
+            base, _ = read_config(args.preset, args.run_config)
             # every round on both sides, compared round by round: HtFLlib runs without its auto-break (-ab);
             # its servers average plainly, so ours does too (run config aggregation = mean)
             fixed = {
@@ -747,6 +838,10 @@ def main(argv: list[str] | None = None) -> int:
             args.out or ROOT / "outputs" / "crosscheck" / (Path(args.preset).stem if args.preset else "config")
         ).resolve()
         out.mkdir(parents=True, exist_ok=True)
+        partitions = out / "partitions"
+        first = next(iter(configs.values()))
+        print(f"writing partitions to {partitions}", flush=True)
+        written = write_partitions(first, partitions)
         info = {
             "preset": args.preset,
             "command": "python -m bench.crosscheck " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -754,18 +849,17 @@ def main(argv: list[str] | None = None) -> int:
             "reference": str(reference),
             "reference_commit": git_head(reference),
             "seeds": seeds,
-            "partition_seed": fixed["partition-seed"],
-            "rounds": next(iter(configs.values()))["num-server-rounds"],
-            "overrides": overrides,
+            "settings": {k: first[k] for k in SETTINGS},
+            # the -c items as given (read_config's overrides hold the preset's keys too, e.g. its 1000 rounds)
+            "overrides": " ".join(args.run_config),
+            "threads": CLIENT_THREADS,
+            "test_examples": sum(written["test_examples"]),
         }
         (out / "crosscheck.json").write_text(json.dumps(info, indent=1))
-        results: dict = {}
         failed: list[str] = []
         try:
             for method, config in configs.items():
-                partitions = out / "partitions"
-                print(f"{method}: writing partitions to {partitions}", flush=True)
-                write_partitions(config, partitions)
+                write_partitions(config, partitions)  # the same partitions for every method: kept
                 pinned = {**fixed, **REFERENCE_METHODS[method].recipe, "method": method}
                 items = [*args.run_config, " ".join(f"{k}={json.dumps(v)}" for k, v in pinned.items())]
                 refs, ours = [], []
@@ -781,24 +875,31 @@ def main(argv: list[str] | None = None) -> int:
                     failed.append(method)
                     continue
                 curves, ref_curves = [o["curve"] for o in ours], [r["curve"] for r in refs]
-                results[method] = {
+                ref = REFERENCE_METHODS[method]
+                result = {
                     "comparison": compare(curves, ref_curves),
+                    "verdict": verdict(curves, ref_curves),
                     "reference": refs,
                     "ours": ours,
                     "same_model": evaluates_as_reference(config, method),
-                    "unexpressed": {
-                        k: method_options(config, method)[k] for k in REFERENCE_METHODS[method].unexpressed
-                    },
+                    "reported_option": list(ref.reported[:2]) if ref.reported else None,
+                    "unexpressed": {k: method_options(config, method)[k] for k in ref.unexpressed},
+                    "recipe": ref.recipe,
+                    "paired": PAIRED,
+                    "unpaired": ref.unpaired,
+                    "info": info,
                 }
+                save_result(out, method, result)
                 plot(method, curves, ref_curves, out / f"{method}.png")
-                write_report(out, info, results)
-                print(f"{method}: {json.dumps(results[method]['comparison'])}", flush=True)
+                write_report(out, info, saved_results(out, list(REFERENCE_METHODS)))
+                print(f"{method}: {result['verdict']['verdict']}; {json.dumps(result['comparison'])}", flush=True)
         except KeyboardInterrupt:
             print(f"interrupted; finished parts are kept in {out} and reused when the command is given again")
             return 130
-    print(f"report: {out / 'report.md'}")
+    if (out / "report.md").is_file():
+        print(f"report: {out / 'report.md'}")
     if failed:
-        print(f"error: no comparison for {', '.join(failed)} (see above); the others are in the report")
+        print(f"error: no comparison for {', '.join(failed)} (see above); any others are in the report")
         return 1
     return 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import shutil
 import textwrap
 from pathlib import Path
@@ -15,13 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torchvision
+from torch import nn
 
 from bench import crosscheck
+from bench import crosscheck_pairing as pairing
 from common.config import RunConfig
 from common.data import DataSpec, load_client_data, normalize
 from common.datasets import DATASETS, with_recipe
 from common.errors import ConfigError
 from common.options import option_key
+from models.groups import MODEL_GROUPS
 from models.zoo import HTCNN8
 from strategies.registry import METHODS
 from tools.run import read_config
@@ -40,6 +45,73 @@ def small_config(**overrides) -> dict:
         "data-dir": str(DATA_DIR),
         **overrides,
     }
+
+
+#: a stand-in for HtFLlib's ``flcore/clients/clientbase.py`` (no torchvision import: fast): ``Client``
+#: builds a model with ``BaseHeadSplit``'s names (``base``, ``head``) and the shapes of our initial
+#: models in ``$CROSSCHECK_INITIAL``, random values of its own (with ``WIDER_HEAD`` one more head row),
+#: and stores it as HtFLlib does; ``build_clients`` builds ``-nc`` clients and prints each stored
+#: model's digest and PyTorch's thread count
+STAND_IN_CLIENTBASE = """
+import argparse, os, torch
+from torch import nn
+
+WIDER_HEAD = {wider_head!r}
+
+def save_item(item, role, name, path):
+    os.makedirs(path, exist_ok=True)
+    torch.save(item, os.path.join(path, role + "_" + name + ".pt"))
+
+def load_item(role, name, path):
+    return torch.load(os.path.join(path, role + "_" + name + ".pt"), weights_only=False)
+
+def shaped(state):
+    root = nn.Module()
+    for name, tensor in state.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in ["base" if path[0] == "extractor" else path[0], *path[1:]]:
+            if part not in module._modules:
+                module.add_module(part, nn.Module())
+            module = module._modules[part]
+        shape = list(tensor.shape)
+        if WIDER_HEAD and name == "head.weight":
+            shape[0] += 1
+        value = torch.randn(shape) if tensor.is_floating_point() else torch.zeros_like(tensor)
+        if leaf in ("weight", "bias"):
+            module.register_parameter(leaf, nn.Parameter(value))
+        else:
+            module.register_buffer(leaf, value)
+    return root
+
+class Client:
+    def __init__(self, args, id, **kwargs):
+        torch.manual_seed(0)
+        self.id, self.role, self.save_folder_name = id, "Client_" + str(id), args.folder
+        ours = torch.load(os.environ["CROSSCHECK_INITIAL"], weights_only=True)[id]
+        save_item(shaped(ours), self.role, "model", args.folder)
+
+def build_clients():
+    from bench.crosscheck_pairing import states_digest
+    p = argparse.ArgumentParser()
+    p.add_argument("-nc", type=int)
+    args, _ = p.parse_known_args()
+    args.folder = "temp"
+    for c in [Client(args, id=i) for i in range(args.nc)]:
+        state = load_item(c.role, "model", args.folder).state_dict()
+        print("stand-in: client", c.id, states_digest([state]), "threads", torch.get_num_threads(), flush=True)
+"""
+
+
+def write_stand_in(system: Path, main: str, wider_head: bool = False, build: bool = True) -> None:
+    """A stand-in HtFLlib in ``system``: ``main.py`` builds its clients first (:data:`STAND_IN_CLIENTBASE`;
+    none without ``build``), then runs ``main``."""
+    (system / "flcore" / "clients").mkdir(parents=True, exist_ok=True)
+    (system / "flcore" / "__init__.py").write_text("")
+    (system / "flcore" / "clients" / "__init__.py").write_text("")
+    (system / "flcore" / "clients" / "clientbase.py").write_text(STAND_IN_CLIENTBASE.format(wider_head=wider_head))
+    clients = "from flcore.clients.clientbase import build_clients\nbuild_clients()\n" if build else ""
+    (system / "main.py").write_text(clients + textwrap.dedent(main))
 
 
 @pytest.mark.parametrize("method", list(crosscheck.REFERENCE_METHODS))
@@ -140,26 +212,24 @@ def test_a_stand_in_reference_runs_through_the_bootstrap_with_its_seed(tmp_path)
     every run is kept."""
     system = tmp_path / "ref" / "system"
     (system / "flcore" / "servers").mkdir(parents=True)
-    (system / "flcore" / "__init__.py").write_text("")
     (system / "flcore" / "servers" / "__init__.py").write_text("")
     (system / "flcore" / "servers" / "serverbroken.py").write_text("import not_installed_anywhere\n")
-    (system / "main.py").write_text(
-        textwrap.dedent(
-            """
-            import argparse, random, numpy as np, torch
-            from flcore.servers.serverbroken import Broken
-            p = argparse.ArgumentParser()
-            p.add_argument("-data"); p.add_argument("-gr", type=int)
-            args, _ = p.parse_known_args()
-            data = np.load(f"../dataset/{args.data}/train/0.npz", allow_pickle=True)["data"].tolist()
-            torch.manual_seed(0)
-            draw = torch.rand(1).item() + np.random.rand() + random.random()
-            print("Running time: 0th")
-            for r in range(args.gr + 1):
-                print(f"Round number: {r}")
-                print(f"Averaged Test Accuracy: {draw + r / 100 + len(data['y']) / 1e6:.6f}")
-            """
-        )
+    write_stand_in(
+        system,
+        """
+        import argparse, random, numpy as np, torch
+        from flcore.servers.serverbroken import Broken
+        p = argparse.ArgumentParser()
+        p.add_argument("-data"); p.add_argument("-gr", type=int)
+        args, _ = p.parse_known_args()
+        data = np.load(f"../dataset/{args.data}/train/0.npz", allow_pickle=True)["data"].tolist()
+        torch.manual_seed(0)
+        draw = torch.rand(1).item() + np.random.rand() + random.random()
+        print("Running time: 0th")
+        for r in range(args.gr + 1):
+            print(f"Round number: {r}")
+            print(f"Averaged Test Accuracy: {draw + r / 100 + len(data['y']) / 1e6:.6f}")
+        """,
     )
     config = small_config(**{"num-server-rounds": 2})
     partitions = tmp_path / "cc" / "partitions"
@@ -175,7 +245,7 @@ def test_a_stand_in_reference_runs_through_the_bootstrap_with_its_seed(tmp_path)
     assert "placeholder" in (out / "reference-seed-0.log").read_text()
     saved = json.loads((out / "reference-seed-1.json").read_text())
     assert saved == runs[1]
-    (system / "main.py").write_text("raise SystemExit(3)\n")  # a finished run is reused, not run again
+    write_stand_in(system, "raise SystemExit(3)\n")  # a finished run is reused, not run again
     assert (
         crosscheck.run_reference(tmp_path / "ref", config, "fedgh", 1, partitions, tmp_path / "cc" / "fedgh") == saved
     )
@@ -205,28 +275,24 @@ def test_a_family_htflib_removed_is_put_back_for_the_run(tmp_path):
     stand-in ``main.py``'s family chain, with our eight members' convs and widths and the dataset's
     channels and side; a family the chain has is left alone."""
     system = tmp_path / "ref" / "system"
-    system.mkdir(parents=True)
-    (system / "main.py").write_text(
-        textwrap.dedent(
-            """
-            import argparse, json
-            def run(args):
-                for i in range(1):
-                    if args.model_family == "HtFE-img-2":
-                        args.models = ["FedAvgCNN()"]
-                    else:
-                        raise NotImplementedError
-                    print("models:", json.dumps(args.models))
-                    print("Running time: 0th")
-                    for r in range(args.gr + 1):
-                        print(f"Round number: {r}")
-                        print("Averaged Test Accuracy: 0.5")
-            p = argparse.ArgumentParser()
-            p.add_argument("-m", dest="model_family"); p.add_argument("-gr", type=int)
-            run(p.parse_known_args()[0])
-            """
-        )
-    )
+    main = """
+        import argparse, json
+        def run(args):
+            for i in range(1):
+                if args.model_family == "HtFE-img-2":
+                    args.models = ["FedAvgCNN()"]
+                else:
+                    raise NotImplementedError
+                print("models:", json.dumps(args.models))
+                print("Running time: 0th")
+                for r in range(args.gr + 1):
+                    print(f"Round number: {r}")
+                    print("Averaged Test Accuracy: 0.5")
+        p = argparse.ArgumentParser()
+        p.add_argument("-m", dest="model_family"); p.add_argument("-gr", type=int)
+        run(p.parse_known_args()[0])
+        """
+    write_stand_in(system, main)
     config = small_config(
         **{"dataset": "fashion-mnist", "model-group": "htcnn8", "num-server-rounds": 1, "max-examples-per-client": 20}
     )
@@ -239,6 +305,7 @@ def test_a_family_htflib_removed_is_put_back_for_the_run(tmp_path):
     for constructor, (convs, widths) in zip(models, HTCNN8.values(), strict=True):
         assert f"num_cov={convs}, hidden_dims={list(widths[:-1])}, in_features=1, height=28," in constructor
     assert crosscheck.restored_family("HtFE-img-2", "cifar10") is None
+    write_stand_in(system, main)
     cifar = crosscheck.run_reference(
         tmp_path / "ref", small_config(**{"num-server-rounds": 1}), "local", 0, partitions, tmp_path / "cc" / "htfe2"
     )
@@ -268,8 +335,11 @@ def test_a_finished_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch
         run = out / f"run-{len(calls)}"
         run.mkdir(parents=True)
         (run / "summary.json").write_text(json.dumps({"status": "completed"}))
-        row = {"round": 1, "accuracy_weighted": 0.5, "accuracy_weighted_global_head": 0.25}
-        (run / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+        rounds = int(re.search(r"num-server-rounds=(\d+)", " ".join(cmd)).group(1))
+        rows = [
+            {"round": r, "accuracy_weighted": 0.5, "accuracy_weighted_global_head": 0.25} for r in range(1, rounds + 1)
+        ]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
         return 0, 1.0, 1.0
 
     monkeypatch.setattr(crosscheck, "run_measured", fake_run)
@@ -288,11 +358,10 @@ def test_a_finished_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch
     assert len(calls) == 3
 
 
-def run_stand_in_reference(tmp_path, main: str, seed: int, method: str) -> dict:
-    """``run_reference`` for 3 rounds on a stand-in HtFLlib whose ``system/main.py`` is ``main``."""
-    system = tmp_path / "ref" / "system"
-    system.mkdir(parents=True, exist_ok=True)
-    (system / "main.py").write_text(textwrap.dedent(main))
+def run_stand_in_reference(tmp_path, main: str, seed: int, method: str, **stand_in) -> dict:
+    """``run_reference`` for 3 rounds on a stand-in HtFLlib whose ``system/main.py`` is ``main``
+    (``stand_in``: :func:`write_stand_in`'s options)."""
+    write_stand_in(tmp_path / "ref" / "system", main, **stand_in)
     config = small_config(**{"num-server-rounds": 3})
     partitions = tmp_path / "cc" / "partitions"
     if not partitions.exists():
@@ -340,3 +409,249 @@ def test_a_reference_that_prints_a_nonfinite_loss_and_goes_on_has_diverged_from_
     )
     run = run_stand_in_reference(tmp_path, main.replace("float('nan')", "7.25"), 2, "fedtgp")
     assert run["curve"] == [0.3, 0.0999, 0.0999] and run["diverged_round"] is None
+
+
+class FedAvgCNNShaped(nn.Module):
+    """HtFLlib's FedAvgCNN as its ``BaseHeadSplit`` holds it: ``conv1``, ``conv2``, ``fc1`` blocks, its
+    classifier ``fc`` replaced by ``AdaptiveAvgPool1d(512)``; ``dim`` = the flattened conv output."""
+
+    def __init__(self, channels: int, dim: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Sequential(nn.Conv2d(channels, 32, 5), nn.ReLU(), nn.MaxPool2d(2))
+        self.conv2 = nn.Sequential(nn.Conv2d(32, 64, 5), nn.ReLU(), nn.MaxPool2d(2))
+        self.fc1 = nn.Sequential(nn.Linear(dim, 512), nn.ReLU())
+        self.fc = nn.AdaptiveAvgPool1d(512)
+
+    def forward(self, x):
+        return self.fc(self.fc1(torch.flatten(self.conv2(self.conv1(x)), 1)))
+
+
+class SplitShaped(nn.Module):
+    """HtFLlib's ``BaseHeadSplit``: ``base`` then ``head`` = ``Linear(512, C)``."""
+
+    def __init__(self, base: nn.Module, num_classes: int) -> None:
+        super().__init__()
+        self.base, self.head = base, nn.Linear(512, num_classes)
+
+    def forward(self, x):
+        return self.head(self.base(x))
+
+
+def reference_shaped(arch: str, dim: int = 1600) -> nn.Module:
+    """A reference-shaped CIFAR-10 client model of ``arch`` (torchvision's ResNet-18 with its 10-class
+    layer replaced by the pooling, as ``BaseHeadSplit`` does)."""
+    if arch == "fedavgcnn":
+        return SplitShaped(FedAvgCNNShaped(3, dim), 10)
+    base = torchvision.models.resnet18(num_classes=10)
+    base.fc = nn.AdaptiveAvgPool1d(512)
+    return SplitShaped(base, 10)
+
+
+def test_our_initial_models_map_exactly_onto_reference_shaped_models():
+    """Client i's initial model is our client's (the group's build for the seed and init); exported into
+    a reference-shaped model of its architecture it computes the same logits bit for bit, and read back
+    it is the same state; another architecture or input size fails naming the first mismatch."""
+    config = small_config(seed=7)  # htfe2, init identical: FedAvgCNN, ResNet-18, FedAvgCNN
+    states = pairing.initial_states(config)
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    for i, arch in enumerate(("fedavgcnn", "resnet18")):
+        ours = MODEL_GROUPS["htfe2"].build(i, 10, 3, 32, 7, 512, identical=True).eval()
+        assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), states[i].values(), strict=True))
+        theirs = reference_shaped(arch).eval()
+        assert not torch.equal(theirs(x), ours(x))  # its own draws
+        theirs.load_state_dict(pairing.paired_state(states[i], theirs.state_dict(), f"client {i}"))
+        with torch.no_grad():
+            assert torch.equal(theirs(x), ours(x))
+        back = pairing.paired_state(theirs.state_dict(), ours.state_dict(), "back")
+        assert list(back) == list(states[i])
+        assert all(torch.equal(back[k], v) for k, v in states[i].items())
+    assert pairing.states_digest([states[0]]) == pairing.states_digest([states[2]])  # identical init
+    independent = pairing.initial_states({**config, "init": "independent"})
+    assert pairing.states_digest([independent[0]]) != pairing.states_digest([independent[2]])
+    with pytest.raises(ValueError, match=r"client 0: tensor 4 differs: ours extractor\.0\.7\.weight \(512, 1600\)"):
+        pairing.paired_state(states[0], reference_shaped("fedavgcnn", dim=1024).state_dict(), "client 0")  # 28x28
+    with pytest.raises(ValueError, match="ours has 8 tensors, the reference's model 122"):
+        pairing.paired_state(states[0], reference_shaped("resnet18").state_dict(), "client 0")
+
+
+def test_the_bootstrap_pairs_every_client_with_our_initial_models_and_threads(tmp_path):
+    """Through the bootstrap, every client model HtFLlib's ``Client`` stored is ours for the run config and
+    seed (a stand-in ``Client`` draws its own), PyTorch runs our clients' thread count, the file of our
+    models is gone after the run, and a client model of another shape or a run that builds no client
+    through ``Client`` is refused and not kept."""
+    main = """
+    print("Running time: 0th")
+    for r in range(4):
+        print(f"Round number: {r}")
+        print("Averaged Test Accuracy: 0.3")
+    """
+    run = run_stand_in_reference(tmp_path, main, 5, "local")
+    log = (tmp_path / "cc" / "local" / "reference-seed-5.log").read_text()
+    ours = pairing.initial_states(small_config(seed=5))
+    lines = re.findall(r"stand-in: client (\d+) (\w+) threads (\d+)", log)
+    assert [(int(i), d) for i, d, _ in lines] == [(i, pairing.states_digest([s])) for i, s in enumerate(ours)]
+    assert {t for _, _, t in lines} == {str(pairing.CLIENT_THREADS)}
+    assert run["initial_digest"] == pairing.states_digest(ours) and run["threads"] == pairing.CLIENT_THREADS
+    assert "CROSSCHECK_THREADS=1 " in run["command"] and not list((tmp_path / "cc" / "local").glob("*.pt"))
+    with pytest.raises(RuntimeError, match=r"client 0: tensor 6 differs: ours head\.weight \(10, 512\)"):
+        run_stand_in_reference(tmp_path, main, 6, "local", wider_head=True)
+    with pytest.raises(RuntimeError, match=r"paired the models of clients \[\], not of all 3"):
+        run_stand_in_reference(tmp_path, main, 6, "local", build=False)
+    assert not (tmp_path / "cc" / "local" / "reference-seed-6.json").exists()
+
+
+def test_a_reference_that_ends_with_another_error_after_a_nonfinite_loss_is_refused(tmp_path):
+    """A printed NaN loss before a crash of another cause (here out of memory) is no divergence result."""
+    main = """
+    print("Running time: 0th")
+    for r in range(2):
+        print(f"Round number: {r}")
+        print("Averaged Test Accuracy: 0.3")
+        print("Server loss: nan")
+    raise MemoryError("out of memory")
+    """
+    with pytest.raises(RuntimeError, match="exit code 1"):
+        run_stand_in_reference(tmp_path, main, 0, "fedtgp")
+    assert not (tmp_path / "cc" / "fedtgp" / "reference-seed-0.json").exists()
+    nan_then_crash = main.replace('raise MemoryError("out of memory")', 'raise ValueError("Input contains NaN.")')
+    assert run_stand_in_reference(tmp_path, nan_then_crash, 0, "fedtgp")["diverged_round"] == 1
+
+
+def fake_ours(rows_of, log_text: str = ""):
+    """A ``run_measured`` for ``run_ours``: writes a run folder ``completed`` with ``rows_of(rounds)`` (None:
+    no run folder; ``log_text`` in the log instead), exit code 0 (1 without a folder)."""
+    calls = []
+
+    def run(cmd, cwd, log, env=None):
+        calls.append(env)
+        out = Path(json.loads(cmd[-1].split("output-dir=", 1)[1]))
+        rounds = int(re.search(r"num-server-rounds=(\d+)", " ".join(cmd)).group(1))
+        log.write_text(log_text)
+        rows = rows_of(rounds)
+        if rows is None:
+            return 1, 1.0, 1.0
+        folder = out / f"run-{len(list(out.glob('run-*'))) + 1}"
+        folder.mkdir(parents=True)
+        (folder / "summary.json").write_text(json.dumps({"status": "completed", "error": None}))
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return 0, 1.0, 1.0
+
+    return run, calls
+
+
+def good_row(r: int) -> dict:
+    return {"round": r, "num_clients": 2, "untrained": False, "dropped_clients": [], "accuracy_weighted": 0.5,
+            "accuracy_per_client": {"0": 0.5, "1": 0.5}}  # fmt: skip
+
+
+def test_a_crashed_run_of_ours_is_refused_and_not_kept(tmp_path, monkeypatch):
+    """A simulation whose Ray node crashed ends ``completed`` with its last rounds untrained: refused with
+    the clients' errors, never cached as a result (nor as diverged); a good run is kept; ours runs with
+    our clients' thread count."""
+    preset = tmp_path / "preset.toml"
+    preset.write_text('method = "local"\nnum-clients = 2\n')
+    monkeypatch.setattr(crosscheck, "read_summary", lambda folder: json.loads((folder / "summary.json").read_text()))
+    crashed = lambda n: [  # noqa: E731
+        *(good_row(r) for r in range(1, 5)),
+        *({"round": r, "num_clients": 0, "untrained": True, "dropped_clients": [0, 1], "accuracy_weighted": None,
+           "client_errors": ["RayActorError: the actor died unexpectedly"]} for r in range(5, n + 1)),
+    ]  # fmt: skip
+    run, calls = fake_ours(crashed)
+    monkeypatch.setattr(crosscheck, "run_measured", run)
+    out = tmp_path / "seed-0"
+    with pytest.raises(RuntimeError, match=r"refused: round 5: no client trained \(RayActorError: the actor died"):
+        crosscheck.run_ours(["num-server-rounds=6"], str(preset), 0, out)
+    assert not (out / "ours.json").exists() and calls[0]["OMP_NUM_THREADS"] == str(pairing.CLIENT_THREADS)
+    dropped = lambda n: [good_row(1), {**good_row(2), "dropped_clients": [1]}]  # noqa: E731
+    monkeypatch.setattr(crosscheck, "run_measured", fake_ours(dropped)[0])
+    with pytest.raises(RuntimeError, match=r"round 2: no valid reply from clients \[1\]"):
+        crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)
+    short = lambda n: [good_row(1), {**good_row(2), "accuracy_per_client": {"0": 0.5}}]  # noqa: E731
+    monkeypatch.setattr(crosscheck, "run_measured", fake_ours(short)[0])
+    with pytest.raises(RuntimeError, match="round 2: 1 of 2 clients evaluated"):
+        crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)
+    run, calls = fake_ours(lambda n: [good_row(r) for r in range(1, n + 1)])
+    monkeypatch.setattr(crosscheck, "run_measured", run)
+    assert crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)["curve"] == [0.5, 0.5]
+    assert (out / "ours.json").exists() and len(calls) == 1
+    kept = json.loads((out / "ours.json").read_text())
+    rows = Path(kept["folder"]) / "metrics.jsonl"
+    rows.write_text(rows.read_text().replace('"untrained": false', '"untrained": true'))  # a kept run gone bad
+    crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)
+    assert len(calls) == 2  # run again, not reused
+
+
+def test_a_run_of_ours_without_a_run_folder_says_why_from_its_logs(tmp_path, monkeypatch):
+    superlink = tmp_path / "superlink.log"
+    superlink.write_text("INFO : starting\nERROR :     [Errno 98] Address already in use\n")
+    log = f"error: flower-superlink exited with 1; see {superlink}\nthe SuperLink's log: {superlink}\n"
+    monkeypatch.setattr(crosscheck, "run_measured", fake_ours(lambda n: None, log)[0])
+    preset = tmp_path / "preset.toml"
+    preset.write_text('method = "local"\n')
+    with pytest.raises(RuntimeError) as caught:
+        crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, tmp_path / "seed-0")
+    message = str(caught.value)
+    assert (
+        "flower-superlink exited with 1" in message and "SuperLink: ERROR :     [Errno 98] Address already" in message
+    )
+    assert "None" not in message
+
+
+def test_verdict_identical_within_spread_or_apart():
+    v = crosscheck.verdict([[0.12345678, 0.5]], [[0.1235, 0.5]])  # HtFLlib's 4 decimals
+    assert v["verdict"] == "identical"
+    one = crosscheck.verdict([[0.1234, 0.5]], [[0.1236, 0.5]])  # one seed: any difference is apart
+    assert one["verdict"] == "apart" and one["largest_paired_gap"] == pytest.approx(-0.0002) and one["round"] == 1
+    spread = crosscheck.verdict([[0.4, 0.6], [0.6, 0.4]], [[0.45, 0.5], [0.55, 0.5]])
+    assert spread["verdict"] == "within seed spread" and spread["seed_index"] == 0 and spread["round"] == 2
+    apart = crosscheck.verdict([[0.4, 0.6], [0.6, 0.62]], [[0.45, 0.5], [0.55, 0.5]])
+    assert apart["verdict"] == "apart" and apart["largest_paired_gap"] == pytest.approx(0.12)
+    assert crosscheck.verdict([[0.3, None]], [[0.3, None]])["verdict"] == "identical"  # both diverged there
+    assert crosscheck.verdict([[0.3, 0.3]], [[0.3, None]])["verdict"] == "apart"
+
+
+def test_the_report_keeps_earlier_methods_and_says_the_settings_as_run(tmp_path, monkeypatch):
+    """``--methods local`` then ``--methods fedgh`` into one folder: one report with both, the rounds and
+    stop-patience run (not the preset's 1000 and 100), the pooled test set and one image in %, the
+    threads, a verdict per method and what is not paired."""
+
+    def reference(ref, config, method, seed, partitions, out, threads=1):
+        curve = [0.1 * r for r in range(1, config["num-server-rounds"] + 1)]
+        return {"curve": curve, "initial": 0.1, "diverged_round": None, "command": "main.py", "wall_seconds": 1,
+                "cpu_seconds": 1}  # fmt: skip
+
+    def ours(items, preset, seed, out, metric):
+        config, _ = read_config(preset, items)
+        shift = 0.01 if config["method"] == "fedgh" else 0.0  # 1 and 2 points in rounds 2 and 3
+        curve = [0.1 * r + shift * (r - 1) for r in range(1, config["num-server-rounds"] + 1)]
+        return {"curve": curve, "metric": metric, "command": "tools.run", "wall_seconds": 1, "cpu_seconds": 1}
+
+    monkeypatch.setattr(crosscheck, "run_reference", reference)
+    monkeypatch.setattr(crosscheck, "run_ours", ours)
+    ref = tmp_path / "ref"
+    (ref / "system").mkdir(parents=True)
+    (ref / "system" / "main.py").write_text("")
+    common = [
+        "--reference",
+        str(ref),
+        "--preset",
+        str(PRESET),
+        "--seeds",
+        "0",
+        "--rounds",
+        "3",
+        "--out",
+        str(tmp_path / "cc"),
+    ]
+    common += ["-c", f"num-clients=3 max-examples-per-client=40 data-dir={json.dumps(str(DATA_DIR))}"]
+    assert crosscheck.main([*common, "--methods", "local"]) == 0
+    assert crosscheck.main([*common, "--methods", "fedgh"]) == 0
+    report = (tmp_path / "cc" / "report.md").read_text()
+    assert "| local | identical |" in report and "| fedgh | apart: +2.00 (seed 0, round 3) |" in report
+    assert "`num-server-rounds = 3`" in report and "`stop-patience = 0`" in report and "1000" not in report
+    tests = sum(json.loads((tmp_path / "cc" / "partitions" / "config.json").read_text())["test_examples"])
+    assert f"Test set: {tests} examples pooled" in report and f"one test image is {100 / tests:.4g} %" in report
+    assert "Torch threads per client: 1 on both sides" in report
+    assert "run by an earlier call" in report.split("## local")[1] and "## fedgh" in report
+    assert "not paired: nothing" in report.split("## local")[1].split("##")[0]
+    assert "server's initial head" in report.split("## fedgh")[1]
