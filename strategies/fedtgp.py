@@ -28,6 +28,8 @@ influence by design. A row's ACL gradient on P̂ is -‖p - P̂_c‖'s, a unit v
 length, and the margin is capped at tau. Bounding the rows' length (or only the margin's input) by
 the round's median, as FedProto's ``norm-bound``, measured worse: scaled to an honest length an
 attacker's rows sit among the honest ones (docs/methods/fedtgp.md, Server step).
+``fedtgp.margin-freeze`` (off by default; not the paper's) holds the margin at a level once it
+reaches it (:func:`held_margin`), to test whether the growing margin makes the runs diverge.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from torch import nn
 
 from common.config import RunConfig
 from common.optim import SGD
-from common.options import option
+from common.options import number, option
 from common.payload import ArraySpec, PayloadSchema
 from common.runtime import ClientRuntime
 from common.training import evaluation_metrics, train_personal_model, trained_class_means
@@ -82,6 +84,12 @@ class FedTGPOptions(RegularizerOptions):
         choices=MARGINS,
     )
     tau: float = option(100.0, "margin cap", low=0)
+    margin_freeze: float = option(
+        0.0,
+        "stability option, not the paper's: once the capped margin first reaches this value it is held"
+        " there for every later round (0 = off: the adaptive rule every round; at most tau)",
+        low=0,
+    )
     prototype_pass: str = option(
         "after-training",
         "prototypes of the model after this round's training (paper) | before-training (official code:"
@@ -94,8 +102,10 @@ class FedTGPOptions(RegularizerOptions):
     hidden_dim: int = option(512, "hidden width H of the generator", low=1)
 
     def check(self, cfg: RunConfig) -> None:
-        """Raises ConfigError: ``aggregation`` is not one of :data:`strategies.prototypes.ROW_AGGREGATIONS`."""
+        """Raises ConfigError: ``aggregation`` is not one of :data:`strategies.prototypes.ROW_AGGREGATIONS`,
+        or ``margin-freeze`` is above ``tau`` (the capped margin would never reach it)."""
         require_aggregation(cfg, ROW_AGGREGATIONS)
+        number("fedtgp.margin-freeze", self.margin_freeze, low=0, high=self.tau)
 
 
 class PrototypeGenerator(nn.Module):
@@ -134,6 +144,26 @@ def adaptive_margin(protos: torch.Tensor, labels: torch.Tensor, tau: float, mode
     return min(value, tau)
 
 
+def held_margin(rule: float, level: float, frozen: bool) -> tuple[float, bool]:
+    """The margin the server trains with under ``fedtgp.margin-freeze`` = ``level``, and whether it is
+    frozen from now on (docs/methods/fedtgp.md §11 item 16; a stability option, not the paper's).
+
+    Once the rule's margin (after the tau cap) first reaches ``level``, the margin is ``level``
+    exactly, in that round and in every later one, whatever the rule gives (also when it falls
+    again); unlike ``tau``, which caps each round's value anew. ``level`` = 0: off, the rule's margin.
+
+    Args:
+        rule: this round's :func:`adaptive_margin`; level: the freeze level (>= 0);
+        frozen: whether an earlier round froze the margin.
+
+    Returns:
+        (delta, frozen after this round).
+    """
+    if level > 0 and (frozen or rule >= level):
+        return level, True
+    return rule, False
+
+
 def acl_loss(protos: torch.Tensor, labels: torch.Tensor, global_protos: torch.Tensor, delta: float) -> torch.Tensor:
     """Adaptive-margin contrastive loss (FedTGP Eq. 10), mean over the batch.
 
@@ -149,23 +179,30 @@ def acl_loss(protos: torch.Tensor, labels: torch.Tensor, global_protos: torch.Te
 
 
 def train_generator(
-    generator: PrototypeGenerator, replies: list[ClientReply], opts: FedTGPOptions, rng: torch.Generator
+    generator: PrototypeGenerator,
+    replies: list[ClientReply],
+    opts: FedTGPOptions,
+    rng: torch.Generator,
+    frozen: bool = False,
 ) -> dict[str, float]:
     """Train the generator in place on this round's uploads (section 4).
 
     SGD (lr ``server-lr``, fresh each round: stateless), ``server-epochs`` epochs of shuffled
     batches of ``server-batch-size`` (last partial batch kept). Only this round's uploads.
+    ``frozen``: an earlier round froze the margin at ``margin-freeze`` (:func:`held_margin`).
 
     Returns:
         ``server-num-protos`` (M), ``server-margin`` (delta), ``server-acl-before`` /
-        ``server-acl-after`` (mean ACL over all uploads).
+        ``server-acl-after`` (mean ACL over all uploads); with ``margin-freeze`` > 0 also
+        ``server-margin-frozen``: 1 once the margin is frozen, else 0. Without uploads only
+        ``server-num-protos`` (the frozen state is unchanged).
     """
     protos = torch.from_numpy(np.concatenate([r.arrays["protos"] for r in replies])) if replies else None
     if protos is None or len(protos) == 0:
         return {"server-num-protos": 0}
     labels = torch.from_numpy(np.concatenate([r.arrays["proto_labels"] for r in replies]))
-    delta = adaptive_margin(protos, labels, opts.tau, opts.margin)
-    if len(torch.unique(labels)) < 2:
+    delta, frozen = held_margin(adaptive_margin(protos, labels, opts.tau, opts.margin), opts.margin_freeze, frozen)
+    if len(torch.unique(labels)) < 2 and not frozen:
         log.warning("FedTGP: fewer than two classes uploaded this round; margin set to 0")
     with torch.no_grad():
         before = float(acl_loss(protos, labels, generator(), delta))
@@ -178,12 +215,15 @@ def train_generator(
             opt.step()
     with torch.no_grad():
         after = float(acl_loss(protos, labels, generator(), delta))
-    return {
+    metrics = {
         "server-num-protos": len(labels),
         "server-margin": delta,
         "server-acl-before": before,
         "server-acl-after": after,
     }
+    if opts.margin_freeze > 0:
+        metrics["server-margin-frozen"] = int(frozen)
+    return metrics
 
 
 def prototype_diagnostics(new: np.ndarray, old: np.ndarray | None) -> dict[str, float]:
@@ -209,7 +249,7 @@ def prototype_diagnostics(new: np.ndarray, old: np.ndarray | None) -> dict[str, 
 class FedTGPStrategy(HeteroStrategy):
     """FedTGP server: the generator persists across rounds; P̂ is regenerated after every update."""
 
-    checkpointed = ("generator", "batch_rng", "global_set")
+    checkpointed = ("generator", "batch_rng", "global_set", "margin_hold")
 
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
         super().__init__(cfg, binding, results)
@@ -218,6 +258,8 @@ class FedTGPStrategy(HeteroStrategy):
             self.generator = PrototypeGenerator(self.dims["C"], self.dims["d"], self.options.hidden_dim)
         self.batch_rng = torch.Generator().manual_seed(cfg.seed)  # server mini-batch shuffling
         self.global_set: dict[str, np.ndarray] = {}  # "global_protos" [C, K] once the first update ran
+        # whether the margin is frozen at fedtgp.margin-freeze (a checkpoint without it: not frozen)
+        self.margin_hold: dict[str, bool] = {"frozen": False}
 
     def global_arrays(self) -> dict[str, np.ndarray]:
         """``global_protos`` [C, K] after the first server update; empty before."""
@@ -230,7 +272,8 @@ class FedTGPStrategy(HeteroStrategy):
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """Train the generator on the round's prototypes, then emit P̂ for all C classes (any
         ``aggregation``: the step bounds a row's influence itself, see the module docstring)."""
-        metrics = train_generator(self.generator, replies, self.options, self.batch_rng)
+        metrics = train_generator(self.generator, replies, self.options, self.batch_rng, self.margin_hold["frozen"])
+        self.margin_hold["frozen"] = bool(metrics.get("server-margin-frozen", self.margin_hold["frozen"]))
         old = self.global_set.get("global_protos")
         if metrics["server-num-protos"] or old is None:
             with torch.no_grad():

@@ -1,4 +1,5 @@
-"""FedTGP: adaptive margin, ACL loss, the generator across rounds, eval-mode uploads, options, diagnostics."""
+"""FedTGP: adaptive margin (and its freeze), ACL loss, the generator across rounds, eval-mode uploads, options,
+diagnostics."""
 
 import copy
 
@@ -9,8 +10,10 @@ import torch.nn.functional as F
 
 from common.config import ConfigError, RunConfig
 from common.data import normalize
+from common.results import CHECKPOINT, ResultsWriter, load_checkpoint
 from conftest import client_runtime, federation, make_run_config, plain_sgd_config
 from strategies.base import ClientReply
+from strategies.checkpoint import load_server_state
 from strategies.fedproto import METHOD as FEDPROTO_METHOD
 from strategies.fedtgp import METHOD as FEDTGP_METHOD
 from strategies.fedtgp import (
@@ -18,6 +21,7 @@ from strategies.fedtgp import (
     PrototypeGenerator,
     acl_loss,
     adaptive_margin,
+    held_margin,
     train_generator,
 )
 from strategies.prototypes import RegularizerOptions
@@ -31,13 +35,14 @@ def tgp_options(**kw):
     return FedTGPOptions(**kw)
 
 
-def cluster_replies(num_classes=5, clients=4, k=K, seed=0):
-    """Synthetic uploads: every client holds every class; class c is a Gaussian cluster."""
+def cluster_replies(num_classes=5, clients=4, k=K, seed=0, scale=3.0):
+    """Synthetic uploads: every client holds every class; class c is a Gaussian cluster (centres of
+    standard deviation ``scale``: the margin grows with it)."""
     rng = np.random.default_rng(seed)
-    centres = rng.normal(scale=3.0, size=(num_classes, k))
+    centres = rng.normal(scale=scale, size=(num_classes, k))
     out = []
     for i in range(clients):
-        protos = (centres + rng.normal(scale=0.3, size=centres.shape)).astype(np.float32)
+        protos = (centres + rng.normal(scale=scale / 10, size=centres.shape)).astype(np.float32)
         out.append(ClientReply(i, i, {"protos": protos, "proto_labels": np.arange(num_classes, dtype=np.int64)}, {}))
     return out, centres
 
@@ -53,6 +58,82 @@ def test_margin_nearest_centre_not_max_pairwise():
     # Q^c is the unweighted mean over the clients that uploaded c
     two = torch.tensor([[0.0, 0.0], [2.0, 0.0], [7.0, 0.0]])
     assert adaptive_margin(two, torch.tensor([0, 0, 1]), tau=100) == pytest.approx(6.0)
+
+
+def rule_of(replies):
+    """The adaptive rule's margin (tau = 100) of a round's uploads."""
+    protos = torch.from_numpy(np.concatenate([r.arrays["protos"] for r in replies]))
+    return adaptive_margin(protos, torch.from_numpy(np.concatenate([r.arrays["proto_labels"] for r in replies])), 100)
+
+
+def freeze_strategy(level, **kw):
+    """A FedTGP server (K = 512, C = 10) with ``fedtgp.margin-freeze`` = ``level`` and a one-epoch server step."""
+    rc = make_run_config(
+        method="fedtgp",
+        **{"model-group": "htfe2", "fedtgp.margin-freeze": level, "fedtgp.server-epochs": 1, "fedtgp.hidden-dim": 16},
+        **kw,
+    )
+    return FEDTGP_METHOD.build_strategy(RunConfig.from_dict(rc))
+
+
+#: four rounds of uploads whose rule margins rise past 10 and fall again
+FREEZE_ROUNDS = [cluster_replies(seed=i, scale=s)[0] for i, s in enumerate((0.1, 0.5, 2.0, 0.1))]
+LEVEL = 10.0
+
+
+# §11 item 16 (stability option fedtgp.margin-freeze): the rule until it reaches the level, then the level
+def test_held_margin_follows_the_rule_then_holds_the_level():
+    frozen, deltas, flags = False, [], []
+    for rule in (2.0, 7.5, 10.0, 14.0, 3.0, 0.0, 25.0):
+        delta, frozen = held_margin(rule, LEVEL, frozen)
+        deltas.append(delta)
+        flags.append(frozen)
+    assert deltas == [2.0, 7.5, 10.0, 10.0, 10.0, 10.0, 10.0]
+    assert flags == [False, False, True, True, True, True, True]
+    assert held_margin(12.5, LEVEL, False) == (LEVEL, True)  # reached above the level: the level at once
+    for rule in (0.0, 3.0, 12.5, 100.0):  # off: the rule's value, never frozen
+        assert held_margin(rule, 0.0, False) == (rule, False)
+
+
+def test_margin_freeze_server_step_holds_the_level_when_the_rule_rises_and_falls():
+    rules = [rule_of(u) for u in FREEZE_ROUNDS]
+    assert rules[0] < LEVEL < rules[1] < rules[2] and rules[3] < LEVEL
+    strategy = freeze_strategy(LEVEL)
+    metrics = [strategy.server_update(t + 1, u) for t, u in enumerate(FREEZE_ROUNDS)]
+    assert [m["server-margin"] for m in metrics] == [rules[0], LEVEL, LEVEL, LEVEL]
+    assert [m["server-margin-frozen"] for m in metrics] == [0, 1, 1, 1]
+    assert strategy.margin_hold == {"frozen": True}
+    with pytest.raises(ConfigError, match="'fedtgp.margin-freeze'"):  # above tau: never reached
+        freeze_strategy(60.0, **{"fedtgp.tau": 50.0})
+
+
+def test_margin_freeze_off_is_the_rule_unchanged():
+    # off, and on at a level no round reaches: the same margins, metrics and global prototypes' bytes
+    off, unreached = freeze_strategy(0.0), freeze_strategy(100.0)
+    for t, u in enumerate(FREEZE_ROUNDS):
+        a, b = off.server_update(t + 1, u), unreached.server_update(t + 1, u)
+        assert a["server-margin"] == rule_of(u) and "server-margin-frozen" not in a
+        assert b["server-margin-frozen"] == 0 and a == {k: v for k, v in b.items() if k != "server-margin-frozen"}
+        assert off.global_arrays()["global_protos"].tobytes() == unreached.global_arrays()["global_protos"].tobytes()
+    assert off.margin_hold == {"frozen": False}
+
+
+def test_margin_freeze_survives_a_checkpoint_round_trip(tmp_path):
+    strategy = freeze_strategy(LEVEL)
+    for t, u in enumerate(FREEZE_ROUNDS[:2]):
+        strategy.server_update(t + 1, u)
+    writer = ResultsWriter(tmp_path, "run", strategy.cfg.as_dict())
+    writer.write_checkpoint(
+        strategy.checkpoints.build(2, "key", strategy.rng, strategy.counters, [], strategy.server_state())
+    )
+    assert (writer.path / CHECKPOINT).is_file()
+    resumed, fresh = freeze_strategy(LEVEL), freeze_strategy(LEVEL)
+    load_server_state(resumed, load_checkpoint(writer.path)["server"])
+    assert resumed.margin_hold == {"frozen": True}
+    # the rule falls below the level in round 4: the resumed server holds it, as the one that went on does
+    after = [s.server_update(3 + t, u) for s in (strategy, resumed) for t, u in enumerate(FREEZE_ROUNDS[2:])]
+    assert after[:2] == after[2:] and [m["server-margin"] for m in after] == [LEVEL] * 4
+    assert fresh.server_update(4, FREEZE_ROUNDS[3])["server-margin"] == rule_of(FREEZE_ROUNDS[3]) < LEVEL
 
 
 # 5: the implemented ACL is Eq. 10
@@ -178,17 +259,20 @@ def test_fedtgp_rows_carry_prototype_diagnostics(run_config):
         **MNIST, **{"num-clients": 4, "num-server-rounds": 3, "method": "fedtgp", "fedtgp.server-epochs": 5}
     )
     strategy, grid = federation(rc)
-    olds = []
+    olds, rules = [], []
     original = strategy.server_update
 
     def spy(server_round, replies):
         olds.append(strategy.global_set.get("global_protos"))
+        rules.append(rule_of(replies))
         return original(server_round, replies)
 
     strategy.server_update = spy
     strategy.start(grid)
     rows = strategy.rows
     assert all(r["server_margin"] > 0 for r in rows) and "server_proto_shift" not in rows[0]
+    # margin-freeze off (default): the adaptive rule's margin every round, no frozen key
+    assert [r["server_margin"] for r in rows] == rules and all("server_margin_frozen" not in r for r in rows)
     final = strategy.global_set["global_protos"].astype(np.float64)
     dist = np.linalg.norm(final[:, None] - final[None], axis=2) + np.diag(np.full(10, np.inf))
     assert rows[-1]["server_proto_min_distance"] == pytest.approx(dist.min(), rel=1e-6)
