@@ -84,6 +84,17 @@ FAMILIES = {
 }
 
 
+#: families whose HtFLlib models compute otherwise than ours from the same weights. Ours loaded into
+#: HtFLlib's models of every family (CIFAR-10, HCNNs8 on Fashion-MNIST) give the same logits bit for
+#: bit but for these: HtFLlib's HtC4 ``Head`` puts a ReLU after its last Linear, on the logits
+#: (``flcore/trainmodel/models.py``), ours (``linear``, ``mlp*``) does not
+FAMILY_DEVIATIONS = {
+    group: "HtFLlib's HtC4 heads (`Head`) end with a ReLU on the logits, ours do not: from the same "
+    "weights the logits differ"
+    for group in ("htfe8-htc4", "res34-htc4")
+}
+
+
 def restored_family(family: str, dataset: str) -> list[str] | None:
     """The model constructors (HtFLlib ``args.models`` strings) of a family HtFLlib has removed from
     ``system/main.py``, which :data:`BOOTSTRAP` puts back for the run; None for a family it still has.
@@ -853,6 +864,8 @@ def main(argv: list[str] | None = None) -> int:
             # the -c items as given (read_config's overrides hold the preset's keys too, e.g. its 1000 rounds)
             "overrides": " ".join(args.run_config),
             "threads": CLIENT_THREADS,
+            "family": f"ours `{first['model-group']}` as HtFLlib's `{FAMILIES[first['model-group']]}`"
+            + (f"; {FAMILY_DEVIATIONS[first['model-group']]}" if first["model-group"] in FAMILY_DEVIATIONS else ""),
             "test_examples": sum(written["test_examples"]),
         }
         (out / "crosscheck.json").write_text(json.dumps(info, indent=1))

@@ -156,7 +156,7 @@ def write_report(out: Path, info: dict, results: dict[str, dict]) -> None:
     (:func:`saved_results`: this call's and earlier calls' in the same folder).
 
     ``info``: ``preset``, ``command``, ``commit``, ``reference``, ``reference_commit``, ``seeds``,
-    ``settings`` (run config keys as run, :func:`settings_line`), ``overrides``, ``threads``,
+    ``settings`` (run config keys as run, :func:`settings_line`), ``overrides``, ``family``, ``threads``,
     ``test_examples`` (pooled over clients). A result: ``comparison`` (:func:`compare`), ``verdict``
     (:func:`verdict`), ``reference`` and ``ours`` (one run each per seed), ``same_model``,
     ``unexpressed``, ``recipe``, ``reported_option``, ``paired``, ``unpaired``, and the ``info`` of the
@@ -171,6 +171,7 @@ def write_report(out: Path, info: dict, results: dict[str, dict]) -> None:
         f"Ours: commit {info['commit']}; HtFLlib: {info['reference']} at {info['reference_commit']}.",
         f"Seeds {info['seeds']} on one partition. Settings as run: {settings_line(info['settings'])};"
         f" `-c` given: `{info['overrides'] or 'none'}`.",
+        f"Models: {info['family']}.",
         f"Torch threads per client: {info['threads']} on both sides (ours: each ClientApp's Ray actor has"
         f" {info['threads']} CPU, `OMP_NUM_THREADS={info['threads']}`; HtFLlib: `torch.set_num_threads` in the"
         " bootstrap, which runs its clients and server in one process).",

@@ -447,7 +447,7 @@ def reference_shaped(arch: str, dim: int = 1600) -> nn.Module:
     return SplitShaped(base, 10)
 
 
-def test_our_initial_models_map_exactly_onto_reference_shaped_models():
+def test_our_initial_models_map_exactly_onto_reference_shaped_models(tmp_path):
     """Client i's initial model is our client's (the group's build for the seed and init); exported into
     a reference-shaped model of its architecture it computes the same logits bit for bit, and read back
     it is the same state; another architecture or input size fails naming the first mismatch."""
@@ -466,6 +466,10 @@ def test_our_initial_models_map_exactly_onto_reference_shaped_models():
         assert list(back) == list(states[i])
         assert all(torch.equal(back[k], v) for k, v in states[i].items())
     assert pairing.states_digest([states[0]]) == pairing.states_digest([states[2]])  # identical init
+    pairing.save_initial_states(config, tmp_path / "initial.pt")
+    saved = torch.load(tmp_path / "initial.pt", weights_only=True)
+    assert pairing.states_digest(saved) == pairing.states_digest(states)
+    assert saved[0]["head.weight"].data_ptr() == saved[2]["head.weight"].data_ptr()  # stored once
     independent = pairing.initial_states({**config, "init": "independent"})
     assert pairing.states_digest([independent[0]]) != pairing.states_digest([independent[2]])
     with pytest.raises(ValueError, match=r"client 0: tensor 4 differs: ours extractor\.0\.7\.weight \(512, 1600\)"):
@@ -652,6 +656,7 @@ def test_the_report_keeps_earlier_methods_and_says_the_settings_as_run(tmp_path,
     tests = sum(json.loads((tmp_path / "cc" / "partitions" / "config.json").read_text())["test_examples"])
     assert f"Test set: {tests} examples pooled" in report and f"one test image is {100 / tests:.4g} %" in report
     assert "Torch threads per client: 1 on both sides" in report
+    assert "Models: ours `htfe2` as HtFLlib's `HtFE-img-2`." in report
     assert "run by an earlier call" in report.split("## local")[1] and "## fedgh" in report
     assert "not paired: nothing" in report.split("## local")[1].split("##")[0]
     assert "server's initial head" in report.split("## fedgh")[1]
