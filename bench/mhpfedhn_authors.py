@@ -24,10 +24,11 @@ For every training seed it
      client ``i``'s train and test split, the same loaders (``DataLoader``, ``batch-size``, train
      shuffled, test in order) and ``data_len`` (train sizes; MH-pFedHNGD weights its global step by
      them), and calls their ``utils.set_seed(seed)`` first, as theirs does;
-   - ``IPython`` when it is not installed (it is not among our dependencies): their ``display.py``
-     imports ``IPython.display.clear_output``, which only clears a notebook cell, so a no-op stands
-     in, and ``get_ipython()`` (matplotlib asks it when a backend is chosen) returns None, as IPython's
-     does outside an interactive shell;
+   - ``IPython`` when it is not installed (it is not among our dependencies): while their
+     ``display.py`` is imported, a stand-in gives it ``IPython.display.clear_output`` (it only
+     clears a notebook cell) as a no-op, and ``get_ipython()`` (matplotlib asks it when
+     ``display.py`` picks the svg backend) returns None, as IPython's does outside an interactive
+     shell; the stand-in is removed right after, so matplotlib sees no IPython from then on;
 
    and observes ``display.ExperimentLogger.log`` (called once per step with every client's test
    accuracy and loss; their logger runs unchanged) to append the step's row, at full precision, to
@@ -48,6 +49,11 @@ every client's training of the global model), then every client's generated mode
 own test split. Their ``AVG Acc`` is pooled over all clients' test examples, our
 ``accuracy_weighted``; their ``AVG Loss`` is the mean over clients of (sum of per-batch mean CE) /
 (test batches + 1), not comparable with our loss (recorded, not compared).
+
+Same seed, same partitions and the same random draws do not make equal numbers across PyTorch
+builds: their kernels round differently (on this machine, turning off oneDNN alone moves round 1 of
+seed 0 by one test image or two per client), and training amplifies it; ``authors.json`` records
+the PyTorch version that ran their script.
 """
 
 from __future__ import annotations
@@ -95,12 +101,15 @@ torch.set_num_threads(int(os.environ["MHPFL_THREADS"]))
 sys.path.insert(0, os.getcwd())
 try:
     import IPython.display
+    stubs = {}
 except ImportError:
-    ipython, shown = types.ModuleType("IPython"), types.ModuleType("IPython.display")
-    shown.clear_output = lambda wait=False: None
-    ipython.display, ipython.get_ipython = shown, lambda: None
-    sys.modules.update({"IPython": ipython, "IPython.display": shown})
+    stubs = {"IPython": types.ModuleType("IPython"), "IPython.display": types.ModuleType("IPython.display")}
+    stubs["IPython.display"].clear_output = lambda wait=False: None
+    stubs["IPython"].display, stubs["IPython"].get_ipython = stubs["IPython.display"], lambda: None
+    sys.modules.update(stubs)
 import dataset, display, utils
+for name in stubs:
+    del sys.modules[name]
 from torch.utils.data import DataLoader, TensorDataset
 folder, rows_file = os.environ["MHPFL_PARTITIONS"], os.environ["MHPFL_ROWS"]
 state = {}
@@ -324,12 +333,15 @@ def run_authors(reference: Path, config: dict, script: str, seed: int, partition
         ``accuracy_mean``, ``loss`` (theirs), ``accuracy_per_client``, ``round_wall_seconds``,
         ``round_cpu_seconds``; ``printed_steps`` (:func:`parse_steps`), ``their_argv``,
         ``command``, ``commit``, ``script_sha256``, ``content_digest``, ``test_examples``,
-        ``wall_seconds``, ``cpu_seconds`` (the whole process, setup included), ``torch_threads``.
+        ``wall_seconds``, ``cpu_seconds`` (the whole process, setup included), ``torch_threads``,
+        ``torch_version`` (this interpreter's, which runs theirs).
 
     Raises:
         RuntimeError: the run ended before step R (exit code and log tail), or a recorded pooled
             accuracy differs from their printed one by more than its rounding.
     """
+    import torch
+
     rounds = config["num-server-rounds"]
     written = json.loads((partitions / "config.json").read_text())
     script_file = reference / f"{script}.py"
@@ -388,6 +400,8 @@ def run_authors(reference: Path, config: dict, script: str, seed: int, partition
         "wall_seconds": wall,
         "cpu_seconds": cpu,
         "torch_threads": CLIENT_THREADS,
+        # the same curve differs by a few test images between PyTorch builds (their kernels' rounding)
+        "torch_version": torch.__version__,
     }
     atomic_write(done, lambda f: f.write(json.dumps(result, indent=1).encode()))
     return result

@@ -191,6 +191,7 @@ def test_run_authors_feeds_our_partitions_and_records_every_step(tmp_path):
     assert result["loss"] == [2.5] * 3
     assert result["accuracy_per_client"][0] == [2 / 3, 1 / 7]
     assert result["test_examples"] == [3, 7]
+    assert result["their_argv"][result["their_argv"].index("--seed") + 1] == "5"
     assert [p["round"] for p in result["printed_steps"]] == [1, 2, 3]
     assert len(result["round_cpu_seconds"]) == 3 and all(s >= 0 for s in result["round_wall_seconds"])
     rows = (tmp_path / "seed-5" / "authors.rounds.jsonl").read_text().splitlines()
