@@ -298,6 +298,23 @@ ROOT_VARIABLE = "CROSSCHECK_ROOT"
 #: what :data:`BOOTSTRAP` prints for each client model it loaded ours into
 PAIRED_LINE = re.compile(r"^crosscheck: client (\d+) paired", re.M)
 
+#: bootstrap code shared by the reference runners (run in a PFLlib-layout ``system/`` folder, with
+#: ``re``, ``sys`` and ``types`` imported): every server module ``main.py`` imports whose own imports
+#: fail here (HtFLlib's FedKTL needs StyleGAN, FedL2G ``higher``; PFLlib's FedPAC ``cvxpy``) is replaced
+#: by a placeholder that raises that import error if used; a module already in ``sys.modules`` is kept
+PLACEHOLDER_SERVERS = r"""
+for module, name in re.findall(r"^from (flcore\.servers\.\w+) import (\w+)", open("main.py").read(), re.M):
+    try:
+        __import__(module)
+    except ImportError as exc:
+        def unavailable(*args, _exc=exc, **kwargs):
+            raise _exc
+        stub = types.ModuleType(module)
+        setattr(stub, name, unavailable)
+        sys.modules[module] = stub
+        print(f"{module} not importable here ({exc}); a placeholder stands in", flush=True)
+"""
+
 #: runs HtFLlib's ``main.py`` (argv[1:]) in its ``system/`` folder. HtFLlib seeds torch with
 #: ``torch.manual_seed(0)`` at start and again in every client's constructor, but leaves numpy's and
 #: Python's global generators unseeded, and draws from them each round's client order
@@ -316,7 +333,8 @@ PAIRED_LINE = re.compile(r"^crosscheck: client (\d+) paired", re.M)
 #: client's model, right after HtFLlib's ``Client.__init__`` has built and stored it, is loaded with
 #: our initial model of that client (``$CROSSCHECK_INITIAL``) and stored again; a client model whose
 #: tensors do not match ours in order and shape stops the run with the first mismatch.
-BOOTSTRAP = r"""
+BOOTSTRAP = (
+    r"""
 import json, os, random, re, sys, types
 import numpy, torch
 seed = int(os.environ["CROSSCHECK_SEED"])
@@ -341,17 +359,9 @@ def paired_init(self, *args, **kwargs):
     clientbase.save_item(model, self.role, "model", self.save_folder_name)
     print(f"crosscheck: client {self.id} paired ({len(states[self.id])} tensors of ours)", flush=True)
 clientbase.Client.__init__ = paired_init
-for module, name in re.findall(r"^from (flcore\.servers\.\w+) import (\w+)", open("main.py").read(), re.M):
-    try:
-        __import__(module)
-    except ImportError as exc:
-        def unavailable(*args, _exc=exc, **kwargs):
-            raise _exc
-        stub = types.ModuleType(module)
-        setattr(stub, name, unavailable)
-        sys.modules[module] = stub
-        print(f"crosscheck: {module} not importable here ({exc}); a placeholder stands in", flush=True)
-source = open("main.py").read()
+"""
+    + PLACEHOLDER_SERVERS
+    + r"""source = open("main.py").read()
 if os.environ.get("CROSSCHECK_FAMILY"):
     name, models = json.loads(os.environ["CROSSCHECK_FAMILY"])
     anchor = "\n        else:\n            raise NotImplementedError"
@@ -361,6 +371,7 @@ if os.environ.get("CROSSCHECK_FAMILY"):
     source = source.replace(anchor, branch + anchor, 1)
 exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py"})
 """
+)
 
 
 def method_options(config: dict, method: str) -> dict:

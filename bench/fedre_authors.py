@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.crosscheck import git_head, method_options, run_measured, write_partitions
+from bench.crosscheck import PLACEHOLDER_SERVERS, git_head, method_options, run_measured, write_partitions
 from common.errors import ConfigError
 from common.files import atomic_write, read_rows
 from tools.grid import git_commit
@@ -65,7 +65,8 @@ RESTORE_VARIABLE = "AUTHORS_RESTORE_EVALUATE"
 EVALUATE_ANCHOR = 'print("\\nEvaluate personalized models")'
 
 #: runs ``main.py`` (argv[1:]) in a tree's ``system/`` folder (see the module docstring)
-BOOTSTRAP = r"""
+BOOTSTRAP = (
+    r"""
 import json, os, random, re, sys, types
 import numpy, torch
 seed = int(os.environ["AUTHORS_SEED"])
@@ -75,17 +76,6 @@ for owner, name in ((torch, "manual_seed"), (numpy.random, "seed"), (random, "se
 torch.set_num_threads(1)
 sys.argv = sys.argv[1:]
 sys.path.insert(0, ".")
-for module, name in re.findall(r"^from (flcore\.servers\.\w+) import (\w+)", open("main.py").read(), re.M):
-    if module == "flcore.servers.serverre":
-        continue
-    try:
-        __import__(module)
-    except ImportError as exc:
-        def unavailable(*args, _exc=exc, **kwargs):
-            raise _exc
-        stub = types.ModuleType(module)
-        setattr(stub, name, unavailable)
-        sys.modules[module] = stub
 if os.environ.get("AUTHORS_RESTORE_EVALUATE"):
     path = "flcore/servers/serverre.py"
     source = open(path).read()
@@ -99,7 +89,9 @@ if os.environ.get("AUTHORS_RESTORE_EVALUATE"):
     module.__file__ = os.path.abspath(path)
     exec(compile(source, path, "exec"), module.__dict__)
     sys.modules["flcore.servers.serverre"] = module
-from flcore.servers import serverbase
+"""
+    + PLACEHOLDER_SERVERS
+    + r"""from flcore.servers import serverbase
 test_metrics, evaluate = serverbase.Server.test_metrics, serverbase.Server.evaluate
 def recorded_test_metrics(self):
     self._recorded = test_metrics(self)
@@ -115,6 +107,7 @@ def recorded_evaluate(self, *args, **kwargs):
 serverbase.Server.test_metrics, serverbase.Server.evaluate = recorded_test_metrics, recorded_evaluate
 exec(compile(open("main.py").read(), "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py"})
 """
+)
 
 
 def authors_command(config: dict, side: str, dataset_name: str) -> list[str]:
