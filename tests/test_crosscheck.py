@@ -103,6 +103,17 @@ def build_clients():
 """
 
 
+#: the end of HtFLlib's model family chain in ``main.py`` (never called here)
+FAMILY_CHAIN = """
+def families(args):
+    for _ in range(1):
+        if args.model_family == "HtFE-img-2":
+            pass
+        else:
+            raise NotImplementedError
+"""
+
+
 def write_stand_in(system: Path, main: str, wider_head: bool = False, build: bool = True) -> None:
     """A stand-in HtFLlib in ``system``: ``main.py`` builds its clients first (:data:`STAND_IN_CLIENTBASE`;
     none without ``build``), then runs ``main``."""
@@ -111,7 +122,10 @@ def write_stand_in(system: Path, main: str, wider_head: bool = False, build: boo
     (system / "flcore" / "clients" / "__init__.py").write_text("")
     (system / "flcore" / "clients" / "clientbase.py").write_text(STAND_IN_CLIENTBASE.format(wider_head=wider_head))
     clients = "from flcore.clients.clientbase import build_clients\nbuild_clients()\n" if build else ""
-    (system / "main.py").write_text(clients + textwrap.dedent(main))
+    main = textwrap.dedent(main)
+    if "raise NotImplementedError" not in main:  # HtFLlib's family chain, where a removed family goes
+        main += FAMILY_CHAIN
+    (system / "main.py").write_text(clients + main)
 
 
 @pytest.mark.parametrize("method", list(crosscheck.REFERENCE_METHODS))
@@ -358,11 +372,15 @@ def test_a_finished_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch
     assert len(calls) == 3
 
 
+#: the run config of :func:`run_stand_in_reference`: HtCNN8's small models on Fashion-MNIST (fast)
+STAND_IN_CONFIG = {"dataset": "fashion-mnist", "model-group": "htcnn8", "max-examples-per-client": 20}
+
+
 def run_stand_in_reference(tmp_path, main: str, seed: int, method: str, **stand_in) -> dict:
-    """``run_reference`` for 3 rounds on a stand-in HtFLlib whose ``system/main.py`` is ``main``
-    (``stand_in``: :func:`write_stand_in`'s options)."""
+    """``run_reference`` for 3 rounds of :data:`STAND_IN_CONFIG` on a stand-in HtFLlib whose
+    ``system/main.py`` is ``main`` (``stand_in``: :func:`write_stand_in`'s options)."""
     write_stand_in(tmp_path / "ref" / "system", main, **stand_in)
-    config = small_config(**{"num-server-rounds": 3})
+    config = small_config(**{"num-server-rounds": 3, **STAND_IN_CONFIG})
     partitions = tmp_path / "cc" / "partitions"
     if not partitions.exists():
         crosscheck.write_partitions(config, partitions)
@@ -491,13 +509,13 @@ def test_the_bootstrap_pairs_every_client_with_our_initial_models_and_threads(tm
     """
     run = run_stand_in_reference(tmp_path, main, 5, "local")
     log = (tmp_path / "cc" / "local" / "reference-seed-5.log").read_text()
-    ours = pairing.initial_states(small_config(seed=5))
+    ours = pairing.initial_states(small_config(seed=5, **STAND_IN_CONFIG))
     lines = re.findall(r"stand-in: client (\d+) (\w+) threads (\d+)", log)
     assert [(int(i), d) for i, d, _ in lines] == [(i, pairing.states_digest([s])) for i, s in enumerate(ours)]
     assert {t for _, _, t in lines} == {str(pairing.CLIENT_THREADS)}
     assert run["initial_digest"] == pairing.states_digest(ours) and run["threads"] == pairing.CLIENT_THREADS
     assert "CROSSCHECK_THREADS=1 " in run["command"] and not list((tmp_path / "cc" / "local").glob("*.pt"))
-    with pytest.raises(RuntimeError, match=r"client 0: tensor 6 differs: ours head\.weight \(10, 512\)"):
+    with pytest.raises(RuntimeError, match=r"client 0: tensor 4 differs: ours head\.weight \(10, 512\)"):
         run_stand_in_reference(tmp_path, main, 6, "local", wider_head=True)
     with pytest.raises(RuntimeError, match=r"paired the models of clients \[\], not of all 3"):
         run_stand_in_reference(tmp_path, main, 6, "local", build=False)
