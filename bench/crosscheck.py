@@ -182,7 +182,7 @@ REFERENCE_METHODS = {
         "FedTGP",
         flags={"-lam": "lambda", "-mart": "tau", "-se": "server-epochs"},
         tied={"server-lr": "lr", "server-batch-size": "batch-size", "hidden-dim": "feature-dim"},
-        unexpressed=("reg-form", "margin", "prototype-pass"),
+        unexpressed=("reg-form", "margin", "prototype-pass", "margin-freeze"),
         unpaired="the server's trainable global prototypes (each side draws them from its seed); " + SERVER_ORDER,
     ),
     "fedgh": ReferenceMethod(
