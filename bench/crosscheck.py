@@ -48,6 +48,7 @@ but the reference's NaN divergence, or a run of ours with faults) is never kept.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -551,7 +552,8 @@ def run_measured(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) 
                         cpu[p.pid] = t.user + t.system + t.children_user + t.children_system
                     except psutil.Error:
                         continue
-                time.sleep(1.0)
+                with contextlib.suppress(subprocess.TimeoutExpired):  # not sleep: a run that ends is done at once
+                    proc.wait(timeout=1.0)
         except BaseException:  # Ctrl-C or a signal: the run goes with us (tools.run stops its own tree on SIGINT)
             proc.send_signal(signal.SIGINT)
             try:
