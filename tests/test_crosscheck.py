@@ -218,112 +218,285 @@ def test_compare_leaves_a_diverged_seed_out_of_final_and_best_and_counts_it():
     assert every["reference"]["final_mean"] is None and every["reference"]["diverged"] == 1
 
 
-def test_a_stand_in_reference_runs_through_the_bootstrap_with_its_seed(tmp_path):
-    """A fake HtFLlib ``system/main.py`` that reads client 0's partition as HtFLlib does, seeds
-    torch with 0 as HtFLlib does, draws from numpy's and Python's generators unseeded as HtFLlib's
-    client order does, and prints HtFLlib's log lines: seed 0 leaves torch's draw unchanged and seeds
-    the other two with 0, seed 1 changes the draw, a failing optional server import is replaced, and
-    every run is kept."""
-    system = tmp_path / "ref" / "system"
-    (system / "flcore" / "servers").mkdir(parents=True)
-    (system / "flcore" / "servers" / "__init__.py").write_text("")
-    (system / "flcore" / "servers" / "serverbroken.py").write_text("import not_installed_anywhere\n")
-    write_stand_in(
-        system,
-        """
-        import argparse, random, numpy as np, torch
-        from flcore.servers.serverbroken import Broken
-        p = argparse.ArgumentParser()
-        p.add_argument("-data"); p.add_argument("-gr", type=int)
-        args, _ = p.parse_known_args()
-        data = np.load(f"../dataset/{args.data}/train/0.npz", allow_pickle=True)["data"].tolist()
-        torch.manual_seed(0)
-        draw = torch.rand(1).item() + np.random.rand() + random.random()
+#: the run config of the stand-in reference runs: HtCNN8's small models on Fashion-MNIST (fast)
+STAND_IN_CONFIG = {"dataset": "fashion-mnist", "model-group": "htcnn8", "max-examples-per-client": 20}
+
+
+def stand_in_config(**overrides) -> dict:
+    """3 rounds of :data:`STAND_IN_CONFIG` for 3 clients."""
+    return small_config(**{"num-server-rounds": 3, **STAND_IN_CONFIG, **overrides})
+
+
+@pytest.fixture(scope="module")
+def stand_in_partitions(tmp_path_factory) -> Path:
+    """:func:`stand_in_config`'s partitions, written once for this module's stand-in runs (read only)."""
+    partitions = tmp_path_factory.mktemp("stand-in") / "cc" / "partitions"
+    crosscheck.write_partitions(stand_in_config(), partitions)
+    return partitions
+
+
+def run_stand_in_reference(tmp_path, partitions: Path, main: str, seed: int, method: str, **stand_in) -> dict:
+    """``run_reference`` for :func:`stand_in_config` on ``partitions`` with a stand-in HtFLlib whose
+    ``system/main.py`` is ``main`` (``stand_in``: :func:`write_stand_in`'s options)."""
+    write_stand_in(tmp_path / "ref" / "system", main, **stand_in)
+    return crosscheck.run_reference(
+        tmp_path / "ref", stand_in_config(), method, seed, partitions, tmp_path / "cc" / method
+    )
+
+
+#: a stand-in ``main.py`` that reads client 0's partition as HtFLlib does, seeds torch with 0 as HtFLlib
+#: does, draws from numpy's and Python's generators unseeded as HtFLlib's client order does, imports an
+#: optional server module whose own import fails, takes its models from HtFLlib's family chain, and
+#: prints them and HtFLlib's log lines
+BOOTSTRAPPED_MAIN = """
+import argparse, json, random, numpy as np, torch
+from flcore.servers.serverbroken import Broken
+def run(args):
+    data = np.load(f"../dataset/{args.data}/train/0.npz", allow_pickle=True)["data"].tolist()
+    torch.manual_seed(0)
+    draw = torch.rand(1).item() + np.random.rand() + random.random()
+    for i in range(1):
+        if args.model_family == "HtFE-img-2":
+            args.models = ["FedAvgCNN()"]
+        else:
+            raise NotImplementedError
+        print("models:", json.dumps(args.models))
         print("Running time: 0th")
         for r in range(args.gr + 1):
             print(f"Round number: {r}")
             print(f"Averaged Test Accuracy: {draw + r / 100 + len(data['y']) / 1e6:.6f}")
-        """,
+p = argparse.ArgumentParser()
+p.add_argument("-data"); p.add_argument("-m", dest="model_family"); p.add_argument("-gr", type=int)
+run(p.parse_known_args()[0])
+"""
+
+
+@dataclasses.dataclass
+class Bootstrapped:
+    """:func:`bootstrapped`'s runs: ``runs[s]``, ``logs[s]`` and ``saved[s]`` (its
+    ``reference-seed-<s>.json``) for seeds 0 and 1, read as they ended; ``left`` the ``*.pt`` files
+    left in ``out``."""
+
+    config: dict
+    out: Path
+    runs: list[dict]
+    logs: list[str]
+    saved: list[dict]
+    left: list[Path]
+
+
+@pytest.fixture(scope="module")
+def bootstrapped(tmp_path_factory, stand_in_partitions) -> Bootstrapped:
+    """The real bootstrap (:data:`bench.crosscheck.BOOTSTRAP`) run twice, seeds 0 and 1, for FedGH on a
+    stand-in HtFLlib that builds its clients (:data:`STAND_IN_CLIENTBASE`) then runs
+    :data:`BOOTSTRAPPED_MAIN`: one pair of runs whose outputs the seeding, family and pairing tests
+    assert on (each run starts PyTorch: seconds)."""
+    tmp = tmp_path_factory.mktemp("bootstrapped")
+    system = tmp / "ref" / "system"
+    (system / "flcore" / "servers").mkdir(parents=True)
+    (system / "flcore" / "servers" / "__init__.py").write_text("")
+    (system / "flcore" / "servers" / "serverbroken.py").write_text("import not_installed_anywhere\n")
+    runs = [run_stand_in_reference(tmp, stand_in_partitions, BOOTSTRAPPED_MAIN, s, "fedgh") for s in (0, 1)]
+    out = tmp / "cc" / "fedgh"
+    return Bootstrapped(
+        config=stand_in_config(),
+        out=out,
+        runs=runs,
+        logs=[(out / f"reference-seed-{s}.log").read_text() for s in (0, 1)],
+        saved=[json.loads((out / f"reference-seed-{s}.json").read_text()) for s in (0, 1)],
+        left=list(out.glob("*.pt")),
     )
-    config = small_config(**{"num-server-rounds": 2})
-    partitions = tmp_path / "cc" / "partitions"
-    crosscheck.write_partitions(config, partitions)
-    n = len(np.load(partitions / "train" / "0.npz", allow_pickle=True)["data"].tolist()["y"])
-    out = tmp_path / "cc" / "fedgh"
-    runs = [crosscheck.run_reference(tmp_path / "ref", config, "fedgh", s, partitions, out) for s in (0, 1)]
+
+
+def fails_with_code_3(calls: list):
+    """A ``run_measured`` standing in for a reference run that ends with exit code 3 (an empty log);
+    each call's command is appended to ``calls``."""
+
+    def run(cmd, cwd, log, env=None):
+        calls.append(cmd)
+        log.write_text("")
+        return 3, 0.0, 0.0
+
+    return run
+
+
+def test_a_stand_in_reference_runs_through_the_bootstrap_with_its_seed(
+    bootstrapped, stand_in_partitions, tmp_path, monkeypatch
+):
+    """Through the bootstrap (:func:`bootstrapped`): seed 0 leaves torch's draw unchanged and seeds
+    numpy's and Python's generators with 0, seed 1 changes the draw, a failing optional server import
+    is replaced, and every run is kept; a kept run is reused for the same command and partition
+    content (another folder, a copied data folder), and run again for another lr or other content
+    (seen as ``run_measured`` called: here a run that ends with exit code 3)."""
+    runs, out, config = bootstrapped.runs, bootstrapped.out, bootstrapped.config
+    n = len(np.load(stand_in_partitions / "train" / "0.npz", allow_pickle=True)["data"].tolist()["y"])
     torch.manual_seed(0)
     unchanged = torch.rand(1).item() + np.random.RandomState(0).rand() + random.Random(0).random()
-    assert runs[0]["curve"] == pytest.approx([unchanged + 0.01 + n / 1e6, unchanged + 0.02 + n / 1e6], abs=1e-6)
+    assert runs[0]["curve"] == pytest.approx([unchanged + r / 100 + n / 1e6 for r in (1, 2, 3)], abs=1e-6)
     assert runs[1]["initial"] != pytest.approx(runs[0]["initial"])
     assert "-algo FedGH" in runs[0]["command"] and runs[0]["cpu_seconds"] > 0
-    assert "placeholder" in (out / "reference-seed-0.log").read_text()
-    saved = json.loads((out / "reference-seed-1.json").read_text())
+    assert "placeholder" in bootstrapped.logs[0]
+    saved = bootstrapped.saved[1]
     assert saved == runs[1]
-    write_stand_in(system, "raise SystemExit(3)\n")  # a finished run is reused, not run again
-    assert (
-        crosscheck.run_reference(tmp_path / "ref", config, "fedgh", 1, partitions, tmp_path / "cc" / "fedgh") == saved
-    )
-    key = json.loads((partitions / "config.json").read_text())["partition_key"]
-    copied = {**config, "data-dir": str(tmp_path / "data")}  # the data folder copied: the same partitions written again
-    shutil.copytree(DATA_DIR / "cifar10", tmp_path / "data" / "cifar10")
-    crosscheck.write_partitions(copied, partitions)
-    assert json.loads((partitions / "config.json").read_text())["partition_key"] != key
-    assert crosscheck.run_reference(tmp_path / "ref", copied, "fedgh", 1, partitions, out) == saved
+    calls = []
+    monkeypatch.setattr(crosscheck, "run_measured", fails_with_code_3(calls))
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    assert crosscheck.run_reference(ref, config, "fedgh", 1, stand_in_partitions, out) == saved
     elsewhere = tmp_path / "cc2" / "partitions"  # another output folder: another dataset name, same data
-    crosscheck.write_partitions(config, elsewhere)
+    shutil.copytree(stand_in_partitions, elsewhere)
     (tmp_path / "cc2" / "fedgh").mkdir()
     shutil.copy(out / "reference-seed-1.json", tmp_path / "cc2" / "fedgh")
-    assert (
-        crosscheck.run_reference(tmp_path / "ref", config, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh") == saved
-    )
+    assert crosscheck.run_reference(ref, config, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh") == saved
+    key = json.loads((elsewhere / "config.json").read_text())["partition_key"]
+    copied = {**config, "data-dir": str(tmp_path / "data")}  # the data folder copied: the same partitions written again
+    shutil.copytree(DATA_DIR / "fashion-mnist", tmp_path / "data" / "fashion-mnist")
+    crosscheck.write_partitions(copied, elsewhere)
+    assert json.loads((elsewhere / "config.json").read_text())["partition_key"] != key
+    assert crosscheck.run_reference(ref, copied, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh") == saved
+    assert not calls
     with pytest.raises(RuntimeError, match="exit code 3"):  # another lr is another command: run again
-        crosscheck.run_reference(tmp_path / "ref", {**config, "lr": 0.02}, "fedgh", 1, partitions, out)
-    other = small_config(**{"num-server-rounds": 2, "max-examples-per-client": 30})
-    crosscheck.write_partitions(other, partitions)  # other content: run again
+        crosscheck.run_reference(ref, {**config, "lr": 0.02}, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh")
+    other = stand_in_config(**{"max-examples-per-client": 30})
+    crosscheck.write_partitions(other, elsewhere)  # other content: run again
     with pytest.raises(RuntimeError, match="exit code 3"):
-        crosscheck.run_reference(tmp_path / "ref", other, "fedgh", 1, partitions, out)
+        crosscheck.run_reference(ref, other, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh")
+    assert len(calls) == 2
 
 
-def test_a_family_htflib_removed_is_put_back_for_the_run(tmp_path):
+def test_a_family_htflib_removed_is_put_back_for_the_run(bootstrapped, stand_in_partitions, tmp_path, monkeypatch):
     """HtCNN8 (FedTGP's ``HCNNs8``, gone from today's HtFLlib): the bootstrap adds its branch to a
-    stand-in ``main.py``'s family chain, with our eight members' convs and widths and the dataset's
-    channels and side; a family the chain has is left alone."""
-    system = tmp_path / "ref" / "system"
-    main = """
-        import argparse, json
-        def run(args):
-            for i in range(1):
-                if args.model_family == "HtFE-img-2":
-                    args.models = ["FedAvgCNN()"]
-                else:
-                    raise NotImplementedError
-                print("models:", json.dumps(args.models))
-                print("Running time: 0th")
-                for r in range(args.gr + 1):
-                    print(f"Round number: {r}")
-                    print("Averaged Test Accuracy: 0.5")
-        p = argparse.ArgumentParser()
-        p.add_argument("-m", dest="model_family"); p.add_argument("-gr", type=int)
-        run(p.parse_known_args()[0])
-        """
-    write_stand_in(system, main)
-    config = small_config(
-        **{"dataset": "fashion-mnist", "model-group": "htcnn8", "num-server-rounds": 1, "max-examples-per-client": 20}
-    )
-    partitions = tmp_path / "cc" / "partitions"
-    crosscheck.write_partitions(config, partitions)
-    run = crosscheck.run_reference(tmp_path / "ref", config, "local", 0, partitions, tmp_path / "cc" / "local")
-    log = (tmp_path / "cc" / "local" / "reference-seed-0.log").read_text()
-    models = json.loads(log.split("models: ", 1)[1].splitlines()[0])
+    stand-in ``main.py``'s family chain (:func:`bootstrapped`), with our eight members' convs and
+    widths and the dataset's channels and side; a family the chain has is left alone (the run gets no
+    family to add)."""
+    run = bootstrapped.runs[0]
+    models = json.loads(bootstrapped.logs[0].split("models: ", 1)[1].splitlines()[0])
     assert len(models) == 8 and "-m HCNNs8" in run["command"] and "CROSSCHECK_FAMILY=" in run["command"]
     for constructor, (convs, widths) in zip(models, HTCNN8.values(), strict=True):
         assert f"num_cov={convs}, hidden_dims={list(widths[:-1])}, in_features=1, height=28," in constructor
     assert crosscheck.restored_family("HtFE-img-2", "cifar10") is None
-    write_stand_in(system, main)
+    envs = []
+
+    def one_round(cmd, cwd, log, env=None):  # HtFLlib's log of one round, every client paired
+        envs.append(env)
+        paired = "".join(f"crosscheck: client {i} paired\n" for i in range(3))
+        log.write_text(
+            paired
+            + "Running time: 0th\n"
+            + "".join(f"Round number: {r}\nAveraged Test Accuracy: 0.5\n" for r in (0, 1))
+        )
+        return 0, 0.0, 0.0
+
+    monkeypatch.setattr(crosscheck, "run_measured", one_round)
+    (tmp_path / "ref").mkdir()
     cifar = crosscheck.run_reference(
-        tmp_path / "ref", small_config(**{"num-server-rounds": 1}), "local", 0, partitions, tmp_path / "cc" / "htfe2"
+        tmp_path / "ref", small_config(**{"num-server-rounds": 1}), "local", 0, stand_in_partitions, tmp_path / "cc"
     )
-    assert "CROSSCHECK_FAMILY" not in cifar["command"]
+    assert "CROSSCHECK_FAMILY" not in cifar["command"] and crosscheck.FAMILY_VARIABLE not in envs[0]
+
+
+def test_the_bootstrap_pairs_every_client_with_our_initial_models_and_threads(
+    bootstrapped, stand_in_partitions, tmp_path
+):
+    """Through the bootstrap, every client model HtFLlib's ``Client`` stored is ours for the run config and
+    seed (a stand-in ``Client`` draws its own), PyTorch runs our clients' thread count, the file of our
+    models is gone after the run, and a client model of another shape or a run that builds no client
+    through ``Client`` is refused and not kept."""
+    for seed, run, log in zip((0, 1), bootstrapped.runs, bootstrapped.logs, strict=True):
+        ours = pairing.initial_states({**bootstrapped.config, "seed": seed})
+        lines = re.findall(r"stand-in: client (\d+) (\w+) threads (\d+)", log)
+        assert [(int(i), d) for i, d, _ in lines] == [(i, pairing.states_digest([s])) for i, s in enumerate(ours)]
+        assert {t for _, _, t in lines} == {str(pairing.CLIENT_THREADS)}
+        assert run["initial_digest"] == pairing.states_digest(ours) and run["threads"] == pairing.CLIENT_THREADS
+        assert "CROSSCHECK_THREADS=1 " in run["command"]
+    assert not bootstrapped.left
+    main = """
+    print("Running time: 0th")
+    for r in range(4):
+        print(f"Round number: {r}")
+        print("Averaged Test Accuracy: 0.3")
+    """
+    with pytest.raises(RuntimeError, match=r"client 0: tensor 4 differs: ours head\.weight \(10, 512\)"):
+        run_stand_in_reference(tmp_path, stand_in_partitions, main, 6, "local", wider_head=True)
+    with pytest.raises(RuntimeError, match=r"paired the models of clients \[\], not of all 3"):
+        run_stand_in_reference(tmp_path, stand_in_partitions, main, 6, "local", build=False)
+    assert not (tmp_path / "cc" / "local" / "reference-seed-6.json").exists()
+
+
+#: a bootstrap without PyTorch for the tests of how a run's end is read: it prints the line
+#: :data:`bench.crosscheck.BOOTSTRAP` prints for each of the ``-nc`` clients it pairs, then runs
+#: ``main.py`` as that one does (its pairing and seeding: the tests on :func:`bootstrapped`)
+LIGHT_BOOTSTRAP = """
+import sys
+sys.argv = sys.argv[1:]
+for i in range(int(sys.argv[sys.argv.index("-nc") + 1])):
+    print(f"crosscheck: client {i} paired (stand-in)", flush=True)
+exec(compile(open("main.py").read(), "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py"})
+"""
+
+
+@pytest.fixture
+def run_light(tmp_path, stand_in_partitions, monkeypatch):
+    """:func:`run_stand_in_reference` through :data:`LIGHT_BOOTSTRAP` (a main.py that builds no client):
+    ``run_light(main, seed, method)``, a fraction of a second each."""
+    monkeypatch.setattr(crosscheck, "BOOTSTRAP", LIGHT_BOOTSTRAP)
+    return lambda main, seed, method: run_stand_in_reference(
+        tmp_path, stand_in_partitions, main, seed, method, build=False
+    )
+
+
+def test_a_reference_whose_models_diverge_is_a_result_and_another_failure_is_not(run_light):
+    """HtFLlib stops on NaN outputs (scikit-learn's "Input contains NaN" in its evaluation): the curve
+    keeps the rounds printed, None after, and names the round; any other early exit raises."""
+    main = """
+    import sys
+    print("Running time: 0th")
+    for r in range(2):
+        print(f"Round number: {r}")
+        print("Averaged Test Accuracy: 0.3")
+    print("Round number: 2")
+    raise SystemExit("ValueError: Input contains NaN.")
+    """
+    run = run_light(main, 0, "fd")
+    assert run["curve"] == [0.3, None, None] and run["diverged_round"] == 2
+    infinite = "Input contains infinity or a value too large for dtype('float32')."
+    assert run_light(main.replace("Input contains NaN.", infinite), 2, "fd")["diverged_round"] == 2
+    with pytest.raises(RuntimeError, match="exit code 1"):
+        run_light(main.replace("Input contains NaN.", "CUDA out of memory"), 1, "fd")
+
+
+def test_a_reference_that_prints_a_nonfinite_loss_and_goes_on_has_diverged_from_the_next_round(run_light):
+    """FedTGP's server prints ``Server loss: nan`` and HtFLlib goes on, printing chance accuracy of
+    NaN models with exit code 0: the curve stops at the round that printed it."""
+    main = """
+    print("Running time: 0th")
+    for r in range(4):
+        print(f"Round number: {r}")
+        print(f"Averaged Test Accuracy: {0.3 if r < 2 else 0.0999}")
+        print(f"Server loss: {float('nan') if r >= 1 else 2.5}")
+    """
+    run = run_light(main, 0, "fedtgp")
+    assert run["curve"] == [0.3, None, None] and run["diverged_round"] == 2
+    assert run_light(main.replace("float('nan')", "float('inf')"), 1, "fedtgp")["diverged_round"] == 2
+    run = run_light(main.replace("float('nan')", "7.25"), 2, "fedtgp")
+    assert run["curve"] == [0.3, 0.0999, 0.0999] and run["diverged_round"] is None
+
+
+def test_a_reference_that_ends_with_another_error_after_a_nonfinite_loss_is_refused(run_light, tmp_path):
+    """A printed NaN loss before a crash of another cause (here out of memory) is no divergence result."""
+    main = """
+    print("Running time: 0th")
+    for r in range(2):
+        print(f"Round number: {r}")
+        print("Averaged Test Accuracy: 0.3")
+        print("Server loss: nan")
+    raise MemoryError("out of memory")
+    """
+    with pytest.raises(RuntimeError, match="exit code 1"):
+        run_light(main, 0, "fedtgp")
+    assert not (tmp_path / "cc" / "fedtgp" / "reference-seed-0.json").exists()
+    nan_then_crash = main.replace('raise MemoryError("out of memory")', 'raise ValueError("Input contains NaN.")')
+    assert run_light(nan_then_crash, 0, "fedtgp")["diverged_round"] == 1
 
 
 def test_fedgh_is_compared_on_the_model_htflib_evaluates_when_ours_reports_it():
@@ -370,63 +543,6 @@ def test_a_finished_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch
     assert crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, out)["config"]["batch-order"] == "shuffle"
     crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)  # an override changed
     assert len(calls) == 3
-
-
-#: the run config of :func:`run_stand_in_reference`: HtCNN8's small models on Fashion-MNIST (fast)
-STAND_IN_CONFIG = {"dataset": "fashion-mnist", "model-group": "htcnn8", "max-examples-per-client": 20}
-
-
-def run_stand_in_reference(tmp_path, main: str, seed: int, method: str, **stand_in) -> dict:
-    """``run_reference`` for 3 rounds of :data:`STAND_IN_CONFIG` on a stand-in HtFLlib whose
-    ``system/main.py`` is ``main`` (``stand_in``: :func:`write_stand_in`'s options)."""
-    write_stand_in(tmp_path / "ref" / "system", main, **stand_in)
-    config = small_config(**{"num-server-rounds": 3, **STAND_IN_CONFIG})
-    partitions = tmp_path / "cc" / "partitions"
-    if not partitions.exists():
-        crosscheck.write_partitions(config, partitions)
-    return crosscheck.run_reference(tmp_path / "ref", config, method, seed, partitions, tmp_path / "cc" / method)
-
-
-def test_a_reference_whose_models_diverge_is_a_result_and_another_failure_is_not(tmp_path):
-    """HtFLlib stops on NaN outputs (scikit-learn's "Input contains NaN" in its evaluation): the curve
-    keeps the rounds printed, None after, and names the round; any other early exit raises."""
-    main = """
-    import sys
-    print("Running time: 0th")
-    for r in range(2):
-        print(f"Round number: {r}")
-        print("Averaged Test Accuracy: 0.3")
-    print("Round number: 2")
-    raise SystemExit("ValueError: Input contains NaN.")
-    """
-    run = run_stand_in_reference(tmp_path, main, 0, "fd")
-    assert run["curve"] == [0.3, None, None] and run["diverged_round"] == 2
-    infinite = "Input contains infinity or a value too large for dtype('float32')."
-    assert (
-        run_stand_in_reference(tmp_path, main.replace("Input contains NaN.", infinite), 2, "fd")["diverged_round"] == 2
-    )
-    with pytest.raises(RuntimeError, match="exit code 1"):
-        run_stand_in_reference(tmp_path, main.replace("Input contains NaN.", "CUDA out of memory"), 1, "fd")
-
-
-def test_a_reference_that_prints_a_nonfinite_loss_and_goes_on_has_diverged_from_the_next_round(tmp_path):
-    """FedTGP's server prints ``Server loss: nan`` and HtFLlib goes on, printing chance accuracy of
-    NaN models with exit code 0: the curve stops at the round that printed it."""
-    main = """
-    print("Running time: 0th")
-    for r in range(4):
-        print(f"Round number: {r}")
-        print(f"Averaged Test Accuracy: {0.3 if r < 2 else 0.0999}")
-        print(f"Server loss: {float('nan') if r >= 1 else 2.5}")
-    """
-    run = run_stand_in_reference(tmp_path, main, 0, "fedtgp")
-    assert run["curve"] == [0.3, None, None] and run["diverged_round"] == 2
-    assert (
-        run_stand_in_reference(tmp_path, main.replace("float('nan')", "float('inf')"), 1, "fedtgp")["diverged_round"]
-        == 2
-    )
-    run = run_stand_in_reference(tmp_path, main.replace("float('nan')", "7.25"), 2, "fedtgp")
-    assert run["curve"] == [0.3, 0.0999, 0.0999] and run["diverged_round"] is None
 
 
 class FedAvgCNNShaped(nn.Module):
@@ -494,49 +610,6 @@ def test_our_initial_models_map_exactly_onto_reference_shaped_models(tmp_path):
         pairing.paired_state(states[0], reference_shaped("fedavgcnn", dim=1024).state_dict(), "client 0")  # 28x28
     with pytest.raises(ValueError, match="ours has 8 tensors, the reference's model 122"):
         pairing.paired_state(states[0], reference_shaped("resnet18").state_dict(), "client 0")
-
-
-def test_the_bootstrap_pairs_every_client_with_our_initial_models_and_threads(tmp_path):
-    """Through the bootstrap, every client model HtFLlib's ``Client`` stored is ours for the run config and
-    seed (a stand-in ``Client`` draws its own), PyTorch runs our clients' thread count, the file of our
-    models is gone after the run, and a client model of another shape or a run that builds no client
-    through ``Client`` is refused and not kept."""
-    main = """
-    print("Running time: 0th")
-    for r in range(4):
-        print(f"Round number: {r}")
-        print("Averaged Test Accuracy: 0.3")
-    """
-    run = run_stand_in_reference(tmp_path, main, 5, "local")
-    log = (tmp_path / "cc" / "local" / "reference-seed-5.log").read_text()
-    ours = pairing.initial_states(small_config(seed=5, **STAND_IN_CONFIG))
-    lines = re.findall(r"stand-in: client (\d+) (\w+) threads (\d+)", log)
-    assert [(int(i), d) for i, d, _ in lines] == [(i, pairing.states_digest([s])) for i, s in enumerate(ours)]
-    assert {t for _, _, t in lines} == {str(pairing.CLIENT_THREADS)}
-    assert run["initial_digest"] == pairing.states_digest(ours) and run["threads"] == pairing.CLIENT_THREADS
-    assert "CROSSCHECK_THREADS=1 " in run["command"] and not list((tmp_path / "cc" / "local").glob("*.pt"))
-    with pytest.raises(RuntimeError, match=r"client 0: tensor 4 differs: ours head\.weight \(10, 512\)"):
-        run_stand_in_reference(tmp_path, main, 6, "local", wider_head=True)
-    with pytest.raises(RuntimeError, match=r"paired the models of clients \[\], not of all 3"):
-        run_stand_in_reference(tmp_path, main, 6, "local", build=False)
-    assert not (tmp_path / "cc" / "local" / "reference-seed-6.json").exists()
-
-
-def test_a_reference_that_ends_with_another_error_after_a_nonfinite_loss_is_refused(tmp_path):
-    """A printed NaN loss before a crash of another cause (here out of memory) is no divergence result."""
-    main = """
-    print("Running time: 0th")
-    for r in range(2):
-        print(f"Round number: {r}")
-        print("Averaged Test Accuracy: 0.3")
-        print("Server loss: nan")
-    raise MemoryError("out of memory")
-    """
-    with pytest.raises(RuntimeError, match="exit code 1"):
-        run_stand_in_reference(tmp_path, main, 0, "fedtgp")
-    assert not (tmp_path / "cc" / "fedtgp" / "reference-seed-0.json").exists()
-    nan_then_crash = main.replace('raise MemoryError("out of memory")', 'raise ValueError("Input contains NaN.")')
-    assert run_stand_in_reference(tmp_path, nan_then_crash, 0, "fedtgp")["diverged_round"] == 1
 
 
 def fake_ours(rows_of, log_text: str = ""):
