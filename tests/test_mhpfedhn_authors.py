@@ -5,7 +5,9 @@ step (a fake tree: no run of their real script)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -179,12 +181,38 @@ def write_fake_partitions(folder: Path, labels: dict[str, list[list[int]]]) -> N
     (folder / "config.json").write_text(json.dumps({"content_digest": "fake"}))
 
 
-def test_run_authors_feeds_our_partitions_and_records_every_step(tmp_path):
-    tree = fake_checkout(tmp_path / "tree", FAKE_SCRIPT)
-    partitions = tmp_path / "partitions"
+@dataclasses.dataclass
+class AuthorsRun:
+    """:func:`authors_run`'s run: its tree, config, partitions, output folder and result, and the rows
+    file and log as the run left them."""
+
+    tree: Path
+    config: dict
+    partitions: Path
+    out: Path
+    result: dict
+    rows: str
+    log: str
+
+
+@pytest.fixture(scope="module")
+def authors_run(tmp_path_factory) -> AuthorsRun:
+    """One run of :data:`FAKE_SCRIPT` through the bootstrap for training seed 5: 2 clients (train labels
+    0 0 0 0 0 and 1 1 1, test labels 1 1 0 and 1 0 0 0 0 0 0), 3 rounds, batches of 2 (it starts
+    PyTorch: seconds; the tests share it)."""
+    tmp = tmp_path_factory.mktemp("authors")
+    tree = fake_checkout(tmp / "tree", FAKE_SCRIPT)
+    partitions = tmp / "partitions"
     write_fake_partitions(partitions, {"train": [[0] * 5, [1] * 3], "test": [[1, 1, 0], [1, 0, 0, 0, 0, 0, 0]]})
     cfg = config("num-clients=2 num-server-rounds=3 batch-size=2")
-    result = authors.run_authors(tree, cfg, "MH-pFedHN", 5, partitions, tmp_path / "seed-5")
+    out = tmp / "seed-5"
+    result = authors.run_authors(tree, cfg, "MH-pFedHN", 5, partitions, out)
+    rows, log = (out / "authors.rounds.jsonl").read_text(), (out / "authors.log").read_text()
+    return AuthorsRun(tree, cfg, partitions, out, result, rows, log)
+
+
+def test_run_authors_feeds_our_partitions_and_records_every_step(authors_run):
+    result = authors_run.result
     # client 0: 2 of 3 test labels are 1, client 1: 1 of 7; train batches of 2: 3 and 2
     assert result["curve"] == [3 / 10] * 3
     assert result["accuracy_mean"] == [pytest.approx((2 / 3 + 1 / 7) / 2)] * 3
@@ -194,19 +222,28 @@ def test_run_authors_feeds_our_partitions_and_records_every_step(tmp_path):
     assert result["their_argv"][result["their_argv"].index("--seed") + 1] == "5"
     assert [p["round"] for p in result["printed_steps"]] == [1, 2, 3]
     assert len(result["round_cpu_seconds"]) == 3 and all(s >= 0 for s in result["round_wall_seconds"])
-    rows = (tmp_path / "seed-5" / "authors.rounds.jsonl").read_text().splitlines()
-    assert [json.loads(r)["round"] for r in rows] == [1, 2, 3]
+    assert [json.loads(r)["round"] for r in authors_run.rows.splitlines()] == [1, 2, 3]
     # kept: the same flags and partitions are not run again
-    (tmp_path / "seed-5" / "authors.rounds.jsonl").unlink()
-    assert authors.run_authors(tree, cfg, "MH-pFedHN", 5, partitions, tmp_path / "seed-5") == result
+    (authors_run.out / "authors.rounds.jsonl").unlink()
+    again = authors.run_authors(
+        authors_run.tree, authors_run.config, "MH-pFedHN", 5, authors_run.partitions, authors_run.out
+    )
+    assert again == result
 
 
-def test_run_authors_refuses_a_run_whose_printed_accuracy_is_not_the_recorded_one(tmp_path):
+def test_run_authors_refuses_a_run_whose_printed_accuracy_is_not_the_recorded_one(authors_run, tmp_path, monkeypatch):
+    """A script that prints 0.9000 where it logs :func:`authors_run`'s accuracies: its run is that one's
+    rows and log with the printed accuracy replaced (replayed as ``run_measured``: no second run)."""
     lying = FAKE_SCRIPT.replace("AVG Acc: {sum(correct) / sum(total):.4f}", "AVG Acc: 0.9000")
     tree = fake_checkout(tmp_path / "tree", lying)
-    partitions = tmp_path / "partitions"
-    write_fake_partitions(partitions, {"train": [[0, 1]], "test": [[1, 0]]})
+    printed = re.sub(r"AVG Acc: [0-9.]+", "AVG Acc: 0.9000", authors_run.log)
+    assert printed != authors_run.log
+
+    def replay(cmd, cwd, log, env=None):
+        Path(env[authors.ROWS_VARIABLE]).write_text(authors_run.rows)
+        log.write_text(printed)
+        return 0, 1.0, 1.0
+
+    monkeypatch.setattr(authors, "run_measured", replay)
     with pytest.raises(RuntimeError, match="printed vs recorded"):
-        authors.run_authors(
-            tree, config("num-clients=1 num-server-rounds=1"), "MH-pFedHN", 0, partitions, tmp_path / "o"
-        )
+        authors.run_authors(tree, authors_run.config, "MH-pFedHN", 5, authors_run.partitions, tmp_path / "o")
