@@ -77,10 +77,22 @@ def bootstrap(system: Path, rounds_file: Path, seed: int) -> subprocess.Complete
     )
 
 
-def test_restored_evaluate_is_called_once_per_iteration_and_recorded(tmp_path):
-    system = fake_tree(tmp_path / "tree")
-    rows_file = tmp_path / "rounds.jsonl"
-    done = bootstrap(system, rows_file, seed=5)
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory) -> dict[int, tuple[Path, Path, subprocess.CompletedProcess]]:
+    """The bootstrap on a fake tree (:func:`fake_tree`) for training seeds 0 and 7: per seed its
+    ``system`` folder, rows file and finished process (each run starts PyTorch: seconds; the tests
+    share them)."""
+    tmp = tmp_path_factory.mktemp("seeded")
+    runs = {}
+    for seed in (0, 7):
+        system = fake_tree(tmp / f"tree{seed}")
+        rows_file = tmp / f"rounds{seed}.jsonl"
+        runs[seed] = (system, rows_file, bootstrap(system, rows_file, seed))
+    return runs
+
+
+def test_restored_evaluate_is_called_once_per_iteration_and_recorded(seeded):
+    system, rows_file, done = seeded[7]
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
     # train(2) iterates 3 times: one evaluation each, rounds 0, 1, 2
@@ -92,11 +104,9 @@ def test_restored_evaluate_is_called_once_per_iteration_and_recorded(tmp_path):
     assert "self.evaluate()" not in (system / "flcore" / "servers" / "serverre.py").read_text()
 
 
-def test_every_seeding_call_gets_the_training_seed(tmp_path):
+def test_every_seeding_call_gets_the_training_seed(seeded):
     draws = {}
-    for seed in (0, 7):
-        system = fake_tree(tmp_path / f"tree{seed}")
-        done = bootstrap(system, tmp_path / f"rounds{seed}.jsonl", seed)
+    for seed, (_, _, done) in seeded.items():
         assert done.returncode == 0, done.stderr
         draws[seed] = next(line for line in done.stdout.splitlines() if line.startswith("draws"))
     import random
