@@ -9,6 +9,7 @@ query it cannot answer for a configuration or data error is answered with that e
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -31,10 +32,12 @@ from common.metrics import (
 )
 from common.payload import read_payload, short
 from common.runtime import ClientRuntime
+from strategies.recording import snapshot_name
 from strategies.records import metric_values
 from strategies.registry import all_message_types, client_procedure
 from strategies.transport import CLIENT_STATE_DIR
 
+log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 app = ClientApp()
 _first_message = [True]
 
@@ -95,6 +98,22 @@ def config_error_reply(msg: Message, context: Context, error: ConfigError) -> Me
     return Message(RecordDict({CONFIG_ERROR_RECORD: ConfigRecord(record)}), reply_to=msg)
 
 
+def keep_snapshot(client: ClientRuntime) -> None:
+    """Keep the just-trained personal model as state record ``model-round-<r>`` for the privacy
+    evaluation's white-box attacker (run config ``record-payloads``). Only a client with a state folder
+    keeps it (a simulation's run folder, a node's ``state-dir``): in ``context.state`` every copy would
+    ride along with every later message."""
+    if client.state_dir is None:
+        log.warning(
+            "partition %d: no state folder (node config 'state-dir'), so the model of round %s is not kept for "
+            "run config key 'record-payloads'",
+            client.partition_id,
+            client.server_round,
+        )
+        return
+    client.store(snapshot_name(client.server_round or 0), client.model)
+
+
 def handle_message(msg: Message, context: Context) -> Message:
     """Run the method's handler for ``msg`` and build the reply.
 
@@ -125,6 +144,8 @@ def handle_message(msg: Message, context: Context) -> Message:
     try:
         arrays, metrics = getattr(procedure, message_type.replace(".", "_"))(client, payload, config)
         metrics.update(started, **{"handler-seconds": time.perf_counter() - start})
+        if config.get("record") and message_type.startswith("train"):
+            keep_snapshot(client)
         if config.get("evaluate"):  # evaluate the just-trained personal model in the same reply
             metrics.update({EVAL_PREFIX + k: v for k, v in procedure.evaluate(client, {}, config)[1].items()})
     except torch.cuda.OutOfMemoryError as exc:

@@ -219,6 +219,12 @@ class RunConfig:
     logger: str = option(
         "none", "`tensorboard`: also write every round row as TensorBoard scalars into the run folder", choices=LOGGERS
     )
+    record_payloads: str = option(
+        "",
+        "rounds whose payloads the server records for the privacy evaluation (`tools.privacy`): comma-separated "
+        "round numbers (`1,10`) or `all`; each client also keeps its personal model of those rounds in its state "
+        "folder (see docs/privacy.md)",
+    )
     augment: str = option(
         "auto",
         "training augmentation: `auto` (FedGH's code: flip + random erasing + crop for CIFAR, crop for MNIST and "
@@ -262,6 +268,7 @@ class RunConfig:
                 cfg.classes_per_client,
                 f"integers from 1 to {info.num_classes} for dataset '{cfg.dataset}'",
             )
+        cfg.recorded_rounds  # noqa: B018 (parses record-payloads: a bad value fails here)
         # each client needs one local train and one local test example (test-fraction > 0): a larger N
         # would fail on every client at the handshake, so it fails here, before anything starts
         if cfg.num_clients > cfg.pool_size // 2:
@@ -279,6 +286,28 @@ class RunConfig:
         ``partition-seed``, or ``seed`` when that is -1 (the default), so a grid can hold the
         partition fixed while ``seed`` varies the training (model initialisation, client RNG)."""
         return self.seed if self.partition_seed < 0 else self.partition_seed
+
+    @property
+    def recorded_rounds(self) -> frozenset[int] | None:
+        """The rounds ``record-payloads`` names: a set of rounds (empty: off), or None for ``all``.
+
+        Raises:
+            ConfigError: a value that is neither ``all`` nor comma-separated integers >= 1.
+        """
+        text = self.record_payloads.strip()
+        if text == "all":
+            return None
+        parts = [p.strip() for p in text.split(",")] if text else []
+        if not all(p.isdigit() and int(p) >= 1 for p in parts):
+            raise invalid(
+                "record-payloads", self.record_payloads, "'' (off), 'all' or comma-separated rounds >= 1 ('1,10')"
+            )
+        return frozenset(int(p) for p in parts)
+
+    def records_round(self, server_round: int) -> bool:
+        """True when ``record-payloads`` names round ``server_round`` (or is ``all``)."""
+        rounds = self.recorded_rounds
+        return server_round >= 1 and (rounds is None or server_round in rounds)
 
     @property
     def pool_size(self) -> int:

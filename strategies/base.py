@@ -46,6 +46,7 @@ from common.training import evaluate_model, evaluation_metrics
 from strategies.checkpoint import Checkpoints, broken_state, load_server_state, server_state
 from strategies.method import MethodBinding, Schemas
 from strategies.nodes import NodeRegistry
+from strategies.recording import PayloadRecorder
 from strategies.records import (
     RoundCounters,
     aggregate_evaluation,
@@ -125,7 +126,8 @@ class HeteroStrategy:
         self.results = results
         self.counters = RoundCounters()
         self.registry = NodeRegistry(cfg, self.counters, self.rng)
-        self.transport = Transport(cfg, self, self.registry.clients, self.counters)
+        recorder = PayloadRecorder(cfg, None if results is None else results.path)
+        self.transport = Transport(cfg, self, self.registry.clients, self.counters, recorder)
         defaults = declared_defaults(RunConfig)
         if self.options is not None:  # None: the bare base (NO_METHOD)
             defaults.update(declared_defaults(type(self.options), cfg.method))
@@ -404,7 +406,8 @@ class ClientProcedure:
 def train_config(cfg: RunConfig, server_round: int, evaluate: bool = False) -> dict[str, Any]:
     """The training settings every train instruction carries (not counted as payload): the round,
     ``local-epochs``, ``batch-size``, ``batch-order``, ``lr``, ``momentum``, ``weight-decay``,
-    ``clip-norm``, ``precision`` of ``cfg``, and ``evaluate`` (evaluate right after training)."""
+    ``clip-norm``, ``precision`` of ``cfg``, ``evaluate`` (evaluate right after training) and ``record``
+    (keep a copy of the trained personal model for the privacy evaluation: ``record-payloads``)."""
     return {
         "server-round": server_round,
         "local-epochs": cfg.local_epochs,
@@ -416,4 +419,5 @@ def train_config(cfg: RunConfig, server_round: int, evaluate: bool = False) -> d
         "clip-norm": cfg.clip_norm,
         "precision": cfg.precision,
         "evaluate": evaluate,
+        "record": cfg.records_round(server_round),
     }

@@ -33,6 +33,7 @@ from common.metrics import (
 from common.payload import ClientReply, PayloadError, clip_outlier_rows, read_payload, tensor_bytes
 from models.groups import MODEL_GROUPS
 from strategies.method import Schemas
+from strategies.recording import PayloadRecorder
 from strategies.records import RoundCounters
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
@@ -65,12 +66,19 @@ class Transport:
         rules: the method's schemas, declared metrics and reply checks.
         clients: node id -> the handshake's metrics (the node registry's, read only).
         counters: where bytes, dropped replies and the round's work are counted.
+        recorder: keeps the payloads of the rounds ``record-payloads`` names (None: nothing is kept).
     """
 
     def __init__(
-        self, cfg: RunConfig, rules: ReplyRules, clients: Mapping[int, Mapping[str, Any]], counters: RoundCounters
+        self,
+        cfg: RunConfig,
+        rules: ReplyRules,
+        clients: Mapping[int, Mapping[str, Any]],
+        counters: RoundCounters,
+        recorder: PayloadRecorder | None = None,
     ) -> None:
         self.cfg, self.rules, self.clients, self.counters = cfg, rules, clients, counters
+        self.recorder = recorder
         self.grid: Grid | None = None
         #: names this run's client state on disk (node config ``state-dir``): the results folder of
         #: the run that started it, kept by a resumed run so clients find their state again
@@ -97,8 +105,11 @@ class Transport:
     def message(
         self, message_type: str, node_id: int, arrays: Mapping[str, np.ndarray], config: ConfigRecord, server_round: int
     ) -> Message:
-        """A message to one node: its payload (checked against the schema) plus ``config``."""
+        """A message to one node: its payload (checked against the schema) plus ``config``; in a recorded
+        round the payload is also written to the run folder (``strategies.recording``)."""
         content = self.rules.schemas[message_type][0].to_record(arrays)
+        if self.recorder is not None and node_id in self.clients:
+            self.recorder.download(server_round, self.clients[node_id][PARTITION_ID], message_type, arrays)
         extra = {CLIENT_STATE_DIR: self.client_state_dir} if self.client_state_dir else {}
         content["config"] = ConfigRecord({**dict(config), "state-key": self.state_key, **extra})
         return Message(content, dst_node_id=node_id, message_type=message_type, group_id=str(server_round))
@@ -229,6 +240,8 @@ class Transport:
                 arrays = read_payload(content, up)
                 up.validate(arrays, self.rules.reply_dims(node))
                 valid.append(ClientReply(node, pid, arrays, metrics, device.get("name"), device.get("ray-node")))
+                if self.recorder is not None and reply.metadata.group_id.isdigit():
+                    self.recorder.upload(int(reply.metadata.group_id), pid, message_type, arrays, metrics)
                 answered.add(pid)
             except PayloadError as exc:
                 self.counters.dropped[category] += 1

@@ -1,0 +1,75 @@
+"""Run config ``record-payloads``: the server keeps what it sent and received in the named rounds, and each
+client keeps its just-trained model of those rounds, for the privacy evaluation (``strategies.recording``)."""
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import RunConfig
+from common.errors import ConfigError
+from common.payload import PAYLOAD
+from common.results import ResultsWriter
+from common.runtime import MODEL_STATE
+from strategies.recording import read_arrays, round_folder, snapshot_name
+from strategies.registry import build_strategy
+
+
+def recorded_run(rc: dict):
+    """A run on a fake grid with a results folder and the clients' state in it (as a simulation), every
+    reply the server received kept in order."""
+    from client_app.app import app as client_app
+    from fakegrid import FakeGrid
+
+    cfg = RunConfig.from_dict(rc)
+    strategy = build_strategy(cfg, ResultsWriter(cfg.output_dir, "run", cfg.as_dict()))
+    replies = []
+    grid = FakeGrid(client_app, rc, cfg.num_clients, lambda node, reply: replies.append(reply) or reply)
+    strategy.start(grid, state_in_run_folder=True)
+    return strategy, replies
+
+
+def test_the_named_round_keeps_downloads_uploads_and_the_trained_models(run_config):
+    rc = run_config(method="fedgh", **{"num-clients": 3, "max-examples-per-client": 60, "record-payloads": "2"})
+    strategy, replies = recorded_run(rc)
+    run = strategy.results.path
+    assert not (run / "payloads" / "round-1").exists()
+    train_replies = [r for r in replies if r.metadata.message_type == "train" and r.metadata.group_id == "2"]
+    assert len(train_replies) == 3
+    stored = 0
+    for reply in train_replies:
+        pid = reply.content.metric_records["metrics"]["partition-id"]
+        folder = round_folder(run, 2, pid)
+        up = read_arrays(folder / "train.up.npz")
+        sent = {k: v.numpy() for k, v in reply.content.array_records[PAYLOAD].items()}
+        assert up.keys() == sent.keys() and all(np.array_equal(up[k], sent[k]) for k in sent)
+        down = read_arrays(folder / "train.down.npz")
+        assert down.keys() == {"head.weight", "head.bias"}
+        assert (folder / "train.up.json").is_file()
+        stored += sum(a.nbytes for a in (*up.values(), *down.values()))
+        # the client's copy of round 2's model is the model it ended round 2 with (the run's last round)
+        state = run / "client-state" / f"partition-{pid}"
+        snapshot = torch.load(state / f"{snapshot_name(2)}.pt", weights_only=True)
+        final = torch.load(state / f"{MODEL_STATE}.pt", weights_only=True)
+        assert snapshot["round"] == 2 and all(torch.equal(snapshot["state"][k], v) for k, v in final["state"].items())
+        assert not (state / f"{snapshot_name(1)}.pt").exists()
+    row = strategy.rows[1]
+    assert stored == row["bytes_up"] + row["bytes_down"]  # what the recording costs: the round's payload bytes
+
+
+def test_no_recording_without_the_key(run_config):
+    rc = run_config(method="fedgh", **{"num-clients": 2, "num-server-rounds": 1, "max-examples-per-client": 40})
+    strategy, _ = recorded_run(rc)
+    assert not (strategy.results.path / "payloads").exists()
+    assert not list((strategy.results.path / "client-state").glob("*/model-round-*"))
+
+
+@pytest.mark.parametrize("value", ["0", "1,x", "-1", "1;2", "al"])
+def test_a_bad_round_list_is_refused_naming_the_key(run_config, value):
+    with pytest.raises(ConfigError, match="record-payloads"):
+        RunConfig.from_dict(run_config(**{"record-payloads": value}))
+
+
+@pytest.mark.parametrize(("value", "rounds"), [("", []), ("all", [1, 2, 3]), (" 3, 1 ", [1, 3])])
+def test_the_named_rounds(run_config, value, rounds):
+    cfg = RunConfig.from_dict(run_config(**{"record-payloads": value}))
+    assert [r for r in range(0, 4) if cfg.records_round(r)] == rounds
