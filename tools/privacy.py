@@ -1,0 +1,831 @@
+"""Attack what a finished run's clients shared: ``python -m tools.privacy <run folder>``.
+
+The run must have recorded its payloads (run config ``record-payloads``, ``strategies.recording``):
+the server's view of every upload and download of the named rounds, and each client's personal model
+after those rounds (the white-box attacker's knowledge). Each (round, client, attack) is one cell,
+written to ``<out>/cells/`` as it finishes and skipped when the command is given again, so a stopped
+evaluation resumes. At the end ``privacy.md`` (the tables), ``privacy.json`` (every row) and
+``reconstructions.png`` (originals above reconstructions, per payload kind) are written to ``<out>``
+(default ``<run folder>/privacy``). Threat models, attacks and scores: ``docs/privacy.md``.
+
+Attacks (``--attacks``, default all that apply to the run's method):
+
+- ``inversion``: white-box inversion of every shared vector (:func:`privacy.inversion.invert_representation`)
+  through the network that made it. Server: each upload through the victim's own recorded model, beside
+  two reference inputs from the same model (not payloads of any method): one image's representation and
+  the per-class mean representation (a prototype), FedRE's Q2 ladder. Client: the downloaded per-class
+  vectors (global prototypes, global logits) through the curious client's own model, scored against the
+  other clients' images of each class.
+- ``decoder``: black-box inversion (:func:`privacy.inversion.train_decoder`). Server: a surrogate of a public
+  architecture (the model group's first member) fitted on auxiliary images against the method's shared
+  knowledge (:func:`privacy.inversion.fit_surrogate`), then a decoder trained through it. Auxiliary images
+  are the official test split, which no client owns with ``data-pool = "train"``. Client: a decoder trained
+  through the curious client's own model on its own images, applied to the downloaded per-class vectors.
+- ``labels``: the victim's class set and class distribution from its upload (:mod:`privacy.labels`).
+- ``update``: weight uploads (LG-FedAvg's head, FML/FedKD/FedMRL's shared model, MH-pFedHN's
+  ``delta_theta``, GD's ``delta_w_g``) inverted with iDLG as if one step (:func:`privacy.gradients.idlg`)
+  and with inverting gradients over the real number of local steps (:func:`privacy.gradients.invert_update`).
+
+Scores (:mod:`privacy.scores`): PSNR, SSIM and MSE (0-255 scale) of each reconstruction against the
+images it stands for (one class's images, all of a client's, or the one image), best match and mean;
+label-set precision/recall and the class distribution's L1 error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.utils import vector_to_parameters
+
+from common.config import RunConfig
+from common.data import DataSpec, class_counts, decode_images, load_client_data, load_split
+from common.datasets import DATASETS, with_recipe
+from common.errors import ConfigError
+from common.files import atomic_write, read_summary
+from common.results import load_checkpoint
+from models.groups import MODEL_GROUPS
+from privacy import gradients, inversion, labels, scores
+from strategies.fedkd import svd_decompress
+from strategies.recording import PAYLOADS, read_arrays, round_folder, snapshot_name
+from strategies.registry import METHODS
+
+ATTACKS = ("inversion", "decoder", "labels", "update")
+#: upload array pairs (vectors, their class ids) of the per-class payloads, and the space they live in
+CLASS_VECTORS = {"lar": ("lar_labels", "representation"), "protos": ("proto_labels", "representation")}
+CLASS_LOGITS = {"logits": ("logit_labels", "logits")}
+#: downloads of per-class vectors: (vectors, mask of the classes they stand for)
+GLOBAL_VECTORS = {"protos": "representation", "logits": "logits", "global_protos": "representation"}
+#: the weight uploads and the download each is a change of
+UPDATES = {"delta_theta": "theta", "delta_w_g": "w_g"}
+FIGURE = "reconstructions.png"
+
+
+@dataclass
+class Settings:
+    """The attacks' budget (command-line flags). ``images``: reference images per class (scores) and
+    per-sample inputs; ``steps``: optimisation steps of each inversion; ``epochs``: of the surrogate and
+    decoder; ``update_images``: images the update inversion reconstructs."""
+
+    images: int = 32
+    samples: int = 4
+    steps: int = 400
+    lr: float = 0.05
+    tv_weight: float = 0.01
+    epochs: int = 5
+    update_images: int = 4
+    update_steps: int = 200
+    seed: int = 0
+
+
+@dataclass
+class Inverted:
+    """One payload's reconstructions and what they are scored against.
+
+    ``images``: float32 ``[n, C, H, W]`` in [0, 1]; ``references``: one uint8 tensor ``[m_i, C, H, W]``
+    per row (the images the row stands for); ``exact``: per row the index in its references of the one
+    image it was made from (per-sample inputs), else None."""
+
+    payload: str
+    threat: str
+    knowledge: str
+    images: torch.Tensor
+    references: list[torch.Tensor]
+    exact: list[int | None] = field(default_factory=list)
+
+
+class RunView:
+    """What one run recorded, and the run's data and models for scoring.
+
+    Raises:
+        ConfigError: ``run_dir`` is no run folder, or it recorded no payloads (naming ``record-payloads``).
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        summary = read_summary(self.run_dir)
+        self.cfg = RunConfig.from_dict(summary["config"])
+        self.method = METHODS[self.cfg.method]
+        if not (self.run_dir / PAYLOADS).is_dir():
+            raise ConfigError(
+                f"{self.run_dir} holds no recorded payloads: run it with run config key 'record-payloads' "
+                '(e.g. record-payloads="1,10") to attack what its clients shared'
+            )
+        self.info = with_recipe(DATASETS[self.cfg.dataset], self.cfg.augment, self.cfg.normalize)
+        self.num_clients = int(summary.get("num_clients") or self.cfg.num_clients)
+        self.spec = DataSpec.from_config(self.cfg, self.num_clients)
+
+    def rounds(self) -> list[int]:
+        """The recorded rounds."""
+        found = [p.name.removeprefix("round-") for p in (self.run_dir / PAYLOADS).glob("round-*")]
+        return sorted(int(r) for r in found if r.isdigit())
+
+    def partitions(self, server_round: int) -> list[int]:
+        """The partitions with a recorded payload in ``server_round``."""
+        folder = self.run_dir / PAYLOADS / f"round-{server_round}"
+        found = [p.name.removeprefix("partition-") for p in folder.glob("partition-*")]
+        return sorted(int(p) for p in found if p.isdigit())
+
+    def payload(self, server_round: int, partition_id: int, direction: str, message_type: str = "train") -> dict:
+        """The recorded arrays of one message (``direction``: ``up`` or ``down``); {} when none was recorded."""
+        path = round_folder(self.run_dir, server_round, partition_id) / f"{message_type}.{direction}.npz"
+        return read_arrays(path) if path.is_file() else {}
+
+    def messages(self, server_round: int, partition_id: int, direction: str) -> dict[str, dict]:
+        """Message type -> recorded arrays of every message of one client and round in ``direction``."""
+        folder = round_folder(self.run_dir, server_round, partition_id)
+        return {p.name.split(f".{direction}.")[0]: read_arrays(p) for p in sorted(folder.glob(f"*.{direction}.npz"))}
+
+    @cached_property
+    def state_dir(self) -> Path:
+        """The clients' state folder of the run (the resumed run's first folder when it was resumed)."""
+        try:
+            key = str(load_checkpoint(self.run_dir).get("state-key") or self.run_dir.name)
+        except (FileNotFoundError, ConfigError):
+            key = self.run_dir.name
+        if self.cfg.state_dir:
+            return Path(self.cfg.state_dir) / key
+        return self.run_dir.parent / key / "client-state"
+
+    def model(self, partition_id: int, server_round: int | None = None) -> torch.nn.Module:
+        """Client ``partition_id``'s personal model as built at the start, or, with ``server_round``, as kept
+        after that round (state record ``model-round-<r>``). Raises ConfigError naming the file when absent."""
+        cfg, info = self.cfg, self.info
+        model = MODEL_GROUPS[cfg.model_group].build(
+            partition_id,
+            info.num_classes,
+            info.channels,
+            info.image_size,
+            cfg.seed,
+            cfg.feature_dim,
+            identical=cfg.init == "identical",
+        )
+        if server_round is not None:
+            path = self.state_dir / f"partition-{partition_id}" / f"{snapshot_name(server_round)}.pt"
+            if not path.is_file():
+                raise ConfigError(
+                    f"{path} is missing: the clients keep their model of a recorded round (run config key "
+                    "'record-payloads') only with a state folder (a simulation's run folder or 'state-dir')"
+                )
+            model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["state"])
+        return model.eval()
+
+    def data(self, partition_id: int):
+        """Client ``partition_id``'s decoded partition (``common.data.ClientData``)."""
+        return load_client_data(self.spec, partition_id)
+
+    @cached_property
+    def auxiliary(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The black-box attacker's public labelled images: the official test split (uint8, int64).
+
+        Raises:
+            ConfigError: with ``data-pool = "train+test"`` the clients own those images too.
+        """
+        if self.cfg.data_pool != "train":
+            raise ConfigError(
+                f"run config key 'data-pool' = {self.cfg.data_pool!r}: the clients own the official test split, so "
+                "no public auxiliary images are left for the black-box attacks (use a run with data-pool='train')"
+            )
+        split = load_split(self.cfg.dataset, self.cfg.data_dir, "test")
+        ys = torch.tensor(split[self.info.label_column], dtype=torch.int64)
+        return decode_images(split, self.spec), ys
+
+
+def sample(images: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+    """At most ``count`` of ``images`` drawn without replacement (all of them, in order, when fewer)."""
+    if len(images) <= count:
+        return images
+    return images[torch.randperm(len(images), generator=generator)[:count]]
+
+
+def class_images(data, labels_: list[int | None], count: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """Per row the client's training images of that row's class (all its images for None), at most ``count``."""
+    return [sample(data.train_x if c is None else data.train_x[data.train_y == c], count, generator) for c in labels_]
+
+
+def class_rows(arrays: dict) -> tuple[str, torch.Tensor, list[int | None], str] | None:
+    """(payload name, vectors [k, w], the class of each row (None: all classes), space) of an upload's
+    vectors, or None for an upload without any."""
+    for name, (ids, space) in {**CLASS_VECTORS, **CLASS_LOGITS}.items():
+        if name in arrays:
+            return name, torch.from_numpy(arrays[name]), [int(c) for c in arrays[ids]], space
+    if "z" in arrays:
+        return "z", torch.from_numpy(arrays["z"]), [None], "representation"
+    return None
+
+
+def global_rows(arrays: dict) -> tuple[str, torch.Tensor, list[int], str] | None:
+    """(payload name, vectors, classes, space) of a download of per-class vectors (a mask of classes), or None."""
+    for name, space in GLOBAL_VECTORS.items():
+        if name in arrays and "mask" in arrays:
+            classes = [int(c) for c in np.flatnonzero(arrays["mask"])]
+            return global_name(name), torch.from_numpy(arrays[name]), classes, space
+        if name in arrays and arrays[name].ndim == 2:  # FedTGP's global prototypes: one row per class
+            vectors = torch.from_numpy(arrays[name])
+            return global_name(name), vectors, list(range(len(vectors))), space
+    return None
+
+
+def expanded(arrays: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """A shared module's arrays with FedKD's SVD factors (``<key>.u/.s/.v``) multiplied out; others as they are."""
+    return svd_decompress(arrays, shapes) if any(k.endswith(".u") for k in arrays) else arrays
+
+
+def global_name(name: str) -> str:
+    """A downloaded per-class payload's table name: ``global_protos`` as it is, ``protos`` -> ``global protos``."""
+    return name if name.startswith("global") else f"global {name}"
+
+
+def network(model: torch.nn.Module, space: str) -> torch.nn.Module:
+    """The part of a client model that maps images to vectors of ``space``: its extractor or the whole model."""
+    return model.extractor if space == "representation" else model
+
+
+def vectors_of(net: torch.nn.Module, images: torch.Tensor, info, batch_size: int = 256) -> torch.Tensor:
+    """``net``'s vectors float32 ``[n, w]`` of uint8 images ``[n, C, H, W]`` (normalised as in training)."""
+    from common.data import normalize
+
+    with torch.no_grad():
+        return torch.cat([net(normalize(images[i : i + batch_size], info)) for i in range(0, len(images), batch_size)])
+
+
+class Attacker:
+    """Runs the attacks of one run's cells with one budget (:class:`Settings`); caches the black-box
+    surrogate and decoder per round (the shared knowledge is the same for every victim of a round)."""
+
+    def __init__(self, view: RunView, settings: Settings) -> None:
+        self.view, self.settings = view, settings
+        self.shape = (view.info.channels, view.info.image_size, view.info.image_size)
+        self._decoders: dict[int, tuple[torch.nn.Module, torch.nn.Module, str]] = {}
+
+    def generator(self, *salt: int) -> torch.Generator:
+        """A CPU RNG for one cell and purpose: the same draws whatever ran before (resumable cells)."""
+        seed = self.settings.seed
+        for s in salt:
+            seed = seed * 1_000_003 + s
+        return torch.Generator().manual_seed(seed % 2**63)
+
+    def invert(self, net: torch.nn.Module, vectors: torch.Tensor, *salt: int) -> torch.Tensor:
+        """White-box inversion of ``vectors`` through ``net`` with the settings' budget."""
+        s = self.settings
+        return inversion.invert_representation(
+            net,
+            vectors,
+            self.shape,
+            self.view.info.mean,
+            self.view.info.std,
+            steps=s.steps,
+            lr=s.lr,
+            tv_weight=s.tv_weight,
+            generator=self.generator(*salt),
+        )
+
+    # ------------------------------------------------------------------ vector inversion
+    def inversion(self, r: int, p: int) -> list[Inverted]:
+        """White-box: the server inverts ``p``'s upload through ``p``'s model (with the two reference
+        inputs); ``p``, a curious client, inverts the per-class vectors it downloaded through its own model."""
+        view, g = self.view, self.generator(r, p, 1)
+        model, data = view.model(p, r), view.data(p)
+        out = []
+        found = class_rows(view.payload(r, p, "up"))
+        if found is not None:
+            name, vectors, row_classes, space = found
+            net = network(model, space)
+            out.append(
+                Inverted(
+                    name,
+                    "server",
+                    "white-box",
+                    self.invert(net, vectors, r, p, 2),
+                    class_images(data, row_classes, self.settings.images, g),
+                )
+            )
+            # FedRE's Q2 ladder from the same model: one image's representation, then its class prototype
+            picks = sample(torch.arange(len(data.train_x)), self.settings.samples, g)
+            refs = [
+                torch.cat(
+                    [data.train_x[i : i + 1], class_images(data, [int(data.train_y[i])], self.settings.images, g)[0]]
+                )
+                for i in picks
+            ]
+            single = vectors_of(net, data.train_x[picks], view.info)
+            out.append(
+                Inverted(
+                    "per-sample " + space,
+                    "server",
+                    "white-box",
+                    self.invert(net, single, r, p, 3),
+                    refs,
+                    [0] * len(picks),
+                )
+            )
+            classes = sorted(int(c) for c in data.train_y.unique())
+            means = torch.stack([vectors_of(net, data.train_x[data.train_y == c], view.info).mean(0) for c in classes])
+            out.append(
+                Inverted(
+                    "class mean " + space,
+                    "server",
+                    "white-box",
+                    self.invert(net, means, r, p, 4),
+                    class_images(data, classes, self.settings.images, g),
+                )
+            )
+        found = global_rows(view.payload(r, p, "down"))
+        if found is not None:
+            name, vectors, row_classes, space = found
+            images = self.invert(network(model, space), vectors, r, p, 5)
+            out.append(Inverted(name, "client", "own model", images, self.others(p, row_classes, g)))
+        return out
+
+    def others(self, p: int, row_classes: list[int], g: torch.Generator) -> list[torch.Tensor]:
+        """Per class the other clients' training images of it (what a curious client's reconstruction of
+        a global per-class vector could reveal); an empty tensor for a class no other client holds."""
+        pools = [self.view.data(q) for q in range(self.view.num_clients) if q != p]
+        out = []
+        for c in row_classes:
+            held = [d.train_x[d.train_y == c] for d in pools]
+            out.append(sample(torch.cat(held), self.settings.images, g))
+        return out
+
+    # ------------------------------------------------------------------ black-box decoder
+    def decoder(self, r: int, p: int) -> list[Inverted]:
+        """Black-box: the server decodes ``p``'s upload with a decoder trained on auxiliary images through a
+        surrogate fitted to the round's shared knowledge; ``p``, a curious client, decodes the per-class
+        vectors it downloaded with a decoder trained on its own images through its own model."""
+        view, s, out = self.view, self.settings, []
+        g = self.generator(r, p, 6)
+        found = class_rows(view.payload(r, p, "up"))
+        if found is not None:
+            name, vectors, row_classes, space = found
+            decoder, surrogate_space = self.surrogate_decoder(r, p, space)
+            images = inversion.decode(decoder, vectors)
+            data = view.data(p)
+            out.append(
+                Inverted(
+                    name,
+                    "server",
+                    f"black-box ({surrogate_space})",
+                    images,
+                    class_images(data, row_classes, s.images, g),
+                )
+            )
+        found = global_rows(view.payload(r, p, "down"))
+        if found is not None:
+            name, vectors, row_classes, space = found
+            net, data = network(view.model(p, r), space), view.data(p)
+            decoder = inversion.train_decoder(
+                net, data.train_x, view.info.mean, view.info.std, epochs=s.epochs, batch_size=64, lr=1e-3, generator=g
+            )
+            images = inversion.decode(decoder, vectors)
+            out.append(Inverted(name, "client", "own model + decoder", images, self.others(p, row_classes, g)))
+        return out
+
+    def surrogate_decoder(self, r: int, p: int, space: str) -> tuple[torch.nn.Module, str]:
+        """(decoder, how the surrogate was aligned) of round ``r``: a public architecture (the model group's
+        first member, freshly initialised) fitted on the auxiliary images against the knowledge ``p`` was
+        sent (a global head, global prototypes; none for logits: plain cross-entropy), then a decoder."""
+        if r in self._decoders:
+            return self._decoders[r][1], self._decoders[r][2]
+        view, s = self.view, self.settings
+        aux_x, aux_y = view.auxiliary
+        g = self.generator(r, 7)
+        surrogate = view.model(0)
+        down = view.payload(r, p, "down")
+        head = prototypes = None
+        if space == "logits":
+            how, extractor, head = "cross-entropy on auxiliary data", surrogate, torch.nn.Identity()
+        elif "head.weight" in down:
+            how, extractor = "global head", surrogate.extractor
+            head = torch.nn.Linear(*down["head.weight"].shape[::-1])
+            head.load_state_dict(
+                {"weight": torch.from_numpy(down["head.weight"]), "bias": torch.from_numpy(down["head.bias"])}
+            )
+        elif global_rows(down) is not None:
+            how, extractor = "global prototypes", surrogate.extractor
+            _, vectors, classes, _ = global_rows(down)
+            full = torch.zeros(view.info.num_classes, vectors.shape[1])
+            valid = torch.zeros(view.info.num_classes, dtype=torch.bool)
+            full[classes], valid[classes] = vectors, True
+            prototypes = (full, valid)
+        else:
+            how, extractor, head = "cross-entropy on auxiliary data", surrogate.extractor, surrogate.head
+        fitted = inversion.fit_surrogate(
+            extractor,
+            head,
+            prototypes,
+            aux_x,
+            aux_y,
+            view.info.mean,
+            view.info.std,
+            epochs=s.epochs,
+            batch_size=64,
+            lr=1e-3,
+            generator=g,
+        )
+        decoder = inversion.train_decoder(
+            fitted, aux_x, view.info.mean, view.info.std, epochs=s.epochs, batch_size=64, lr=1e-3, generator=g
+        )
+        self._decoders = {r: (fitted, decoder, how)}
+        return decoder, how
+
+    # ------------------------------------------------------------------ weight updates
+    def weight_update(self, r: int, p: int) -> tuple[torch.nn.Module, dict, dict[str, torch.Tensor]] | None:
+        """(model, its parameters as the client received them, the change the client uploaded per
+        parameter) of ``p``'s round-``r`` weight upload, or None for an upload of vectors (or none).
+
+        MH-pFedHN: the generated flat weights ``theta`` in the client's architecture (the server generates
+        them, so it knows it), ``delta_theta`` their change. Shared-model methods: the module every client
+        trains a copy of (FedKD's SVD factors multiplied out), up minus down. LG-FedAvg: the head's change,
+        on the victim's recorded extractor held fixed (white-box: the extractor never leaves the client)."""
+        view = self.view
+        up, down = view.payload(r, p, "up"), view.payload(r, p, "down")
+        if not up or class_rows(up) is not None or "z" in up:
+            return None
+        if "delta_theta" in up:
+            model = view.model(p)
+            vector_to_parameters(torch.from_numpy(down["theta"]).clone(), model.parameters())
+            change = gradients.parameter_update(model, up["delta_theta"])
+        else:
+            if set(up) == {"head.weight", "head.bias"}:
+                model = FixedExtractor(view.model(p, r))
+            else:
+                model = self.shared_module()
+            shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+            up, down = expanded(up, shapes), expanded(down, shapes)
+            model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in down.items()}, strict=False)
+            change = gradients.parameter_update(model, {k: np.asarray(up[k]) - np.asarray(down[k]) for k in up})
+        start = {k: v.detach().clone() for k, v in model.named_parameters()}
+        return model.eval(), start, change
+
+    def shared_module(self) -> torch.nn.Module:
+        """The module a shared-model method's clients train a copy of (its strategy's ``build_shared``)."""
+        strategy = self.view.method.strategy
+        return strategy.build_shared(self.view.cfg, self.view.method.read_options(self.view.cfg))
+
+    def update(self, r: int, p: int) -> list[Inverted]:
+        """iDLG on ``p``'s round-``r`` weight change read as one gradient (-change / lr), and inverting
+        gradients over the client's real number of local SGD steps (its lr, momentum, weight decay), the
+        labels from the change's label leakage."""
+        found = self.weight_update(r, p)
+        if found is None:
+            return []
+        model, start, change = found
+        view, s, cfg = self.view, self.settings, self.view.cfg
+        data = view.data(p)
+        g = self.generator(r, p, 8)
+        label, image = gradients.idlg(
+            model,
+            {k: -v / cfg.lr for k, v in change.items()},
+            self.shape,
+            view.info.mean,
+            view.info.std,
+            steps=max(1, s.update_steps // 20),
+            lr=1.0,
+            generator=g,
+        )
+        out = [
+            Inverted(
+                "update as one gradient (iDLG)", "server", "white-box", image[None], [sample(data.train_x, s.images, g)]
+            )
+        ]
+        steps = cfg.local_epochs * -(-len(data.train_x) // cfg.batch_size)
+        leaked = self.update_labels(change)
+        chosen = [int(c) for c in leaked.classes] if leaked is not None and len(leaked.classes) else [label]
+        batch_labels = torch.tensor([chosen[i % len(chosen)] for i in range(s.update_images)])
+        images = gradients.invert_update(
+            model,
+            start,
+            change,
+            num_images=s.update_images,
+            labels=batch_labels,
+            local_steps=steps,
+            lr=cfg.lr,
+            batch_size=s.update_images,
+            image_shape=self.shape,
+            mean=view.info.mean,
+            std=view.info.std,
+            steps=s.update_steps,
+            attack_lr=0.1,
+            tv_weight=s.tv_weight,
+            generator=g,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+        )
+        refs = class_images(data, [int(c) for c in batch_labels], s.images, g)
+        out.append(Inverted(f"update over {steps} steps (inverting gradients)", "server", "white-box", images, refs))
+        return out
+
+    # ------------------------------------------------------------------ labels
+    def update_labels(self, change: dict[str, torch.Tensor]) -> labels.LabelInference | None:
+        """The label leakage of a weight change (its last layer with C outputs), or None without one."""
+        C = self.view.info.num_classes
+        weights = [k for k, v in change.items() if v.dim() == 2 and v.shape[0] == C]
+        if not weights:
+            return None
+        key = weights[-1]
+        return labels.from_head_update(delta_bias=change.get(key.rsplit(".", 1)[0] + ".bias"), delta_weight=change[key])
+
+    def labels(self, r: int, p: int) -> list[dict[str, Any]]:
+        """Label-set precision/recall and the class distribution's L1 error of what ``p``'s upload reveals."""
+        view = self.view
+        up = view.payload(r, p, "up")
+        C = view.info.num_classes
+        truth = class_counts(view.data(p).train_y, C)
+        inferred = []
+        found = class_rows(up)
+        if found is not None and found[0] != "z":
+            inferred.append((found[0] + " class ids", labels.from_class_ids(np.asarray(found[2]), C)))
+        if "y" in up:
+            inferred.append(("entangled label y", labels.from_soft_label(up["y"][0])))
+        weight = self.weight_update(r, p)
+        leaked = None if weight is None else self.update_labels(weight[2])
+        if leaked is not None:
+            inferred.append(("weight change (last layer)", leaked))
+        rows = []
+        for payload, result in inferred:
+            precision, recall = labels.label_set_scores(result.classes, truth)
+            row = {
+                "payload": payload,
+                "threat": "server",
+                "knowledge": "payload only",
+                "label_precision": precision,
+                "label_recall": recall,
+            }
+            if result.distribution is not None:
+                row["distribution_l1"] = labels.distribution_l1(result.distribution, truth)
+            rows.append(row)
+        return rows
+
+
+class FixedExtractor(torch.nn.Module):
+    """A client model whose only parameters are its head's (``head.weight``, ``head.bias``): the extractor
+    is applied but held fixed, as LG-FedAvg's payload covers the head alone."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.frozen = [model.extractor.eval()]  # a list: not registered, so its weights are no parameters
+        self.head = model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, C]`` of images ``[B, C_in, H, W]``."""
+        return self.head(self.frozen[0](x))
+
+
+def scored(inverted: Inverted) -> tuple[dict[str, Any], list[tuple]]:
+    """One table row of a payload's reconstructions and its figure pairs (shown original, reconstruction,
+    caption).
+
+    Per reconstruction: PSNR / SSIM / MSE against the best-matching image among those it stands for and
+    the mean over them (:func:`privacy.scores.image_scores`); ``exact_psnr`` against the one image a
+    per-sample input was made from; ``gray_psnr``: what a uniform mid-gray image, which knows nothing,
+    scores as best match against the same images (the floor every attack is read against). The row
+    holds mean, std and count over reconstructions."""
+    per: dict[str, list] = {}
+    pairs = []
+    for i, (image, refs) in enumerate(zip(inverted.images, inverted.references, strict=True)):
+        if len(refs) == 0:  # a class no victim holds
+            continue
+        result = scores.image_scores(image[None], refs)
+        for k, v in result.items():
+            if k != "best_index":
+                per.setdefault(k, []).extend(v)
+        per.setdefault("gray_psnr", []).extend(
+            scores.image_scores(torch.full_like(image[None], 0.5), refs)["best_psnr"]
+        )
+        exact = inverted.exact[i] if inverted.exact else None
+        if exact is not None:
+            per.setdefault("exact_psnr", []).extend(
+                scores.image_scores(image[None], refs[exact : exact + 1])["best_psnr"]
+            )
+        shown = result["best_index"][0] if exact is None else exact
+        psnr = scores.image_scores(image[None], refs[shown : shown + 1])["best_psnr"][0]
+        pairs.append((refs[shown], image, f"{psnr:.1f} dB"))
+    row: dict[str, Any] = {"payload": inverted.payload, "threat": inverted.threat, "knowledge": inverted.knowledge}
+    for k, values in per.items():
+        summary = scores.summarize(values)
+        row[k], row[k + "_std"], row["n"] = summary["mean"], summary["std"], int(summary["n"])
+    return row, pairs
+
+
+def cell_path(out: Path, r: int, p: int, attack: str) -> Path:
+    """The result file of one (round, client, attack) cell."""
+    return out / "cells" / f"round-{r}-partition-{p}-{attack}.json"
+
+
+def run_cell(attacker: Attacker, r: int, p: int, attack: str, out: Path) -> dict[str, Any]:
+    """Run one cell, write its rows (and its reconstructions' first figure pair per payload, as uint8)
+    atomically, and return them."""
+    start = time.process_time()
+    if attack == "labels":
+        rows, pairs = attacker.labels(r, p), []
+    else:
+        rows, pairs = [], []
+        for inverted in getattr(attacker, attack)(r, p):
+            row, payload_pairs = scored(inverted)
+            rows.append(row)
+            if payload_pairs:
+                original, image, caption = payload_pairs[0]
+                pairs.append(
+                    {
+                        "payload": f"{inverted.payload}\n{inverted.threat}, {inverted.knowledge}",
+                        "caption": caption,
+                        "original": to_uint8(original).tolist(),
+                        "reconstruction": to_uint8(image).tolist(),
+                    }
+                )
+    seconds = time.process_time() - start
+    for row in rows:
+        row.update({"round": r, "partition": p, "attack": attack, "cpu_seconds": seconds})
+    cell = {"rows": rows, "figure": pairs}
+    path = cell_path(out, r, p, attack)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(cell, allow_nan=True).encode("utf-8")
+    atomic_write(path, lambda f: f.write(text))
+    return cell
+
+
+def to_uint8(image: torch.Tensor) -> np.ndarray:
+    """An image ``[C, H, W]`` (uint8, or float in [0, 1]) as uint8."""
+    return image.numpy() if image.dtype == torch.uint8 else (image.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+
+
+def applicable(view: RunView) -> list[str]:
+    """The attacks that have something to attack in this run's recorded uploads."""
+    r = view.rounds()[0]
+    up = view.payload(r, view.partitions(r)[0], "up")
+    if not up:
+        return []
+    vectors = class_rows(up) is not None
+    return ["inversion", "decoder", "labels"] if vectors else ["labels", "update"]
+
+
+ROW_COLUMNS = (
+    ("best_psnr", "PSNR best (dB)"),
+    ("best_ssim", "SSIM best"),
+    ("best_mse", "MSE best"),
+    ("mean_psnr", "PSNR mean (dB)"),
+    ("exact_psnr", "PSNR to its image (dB)"),
+    ("gray_psnr", "gray image PSNR best (dB)"),
+)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown tables: per round and (attack, threat, knowledge, payload) over victims, image scores as
+    mean ± std over every reconstruction, then the label leakage, and the CPU seconds per cell."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in sorted(rows, key=lambda r: r["round"]):
+        groups.setdefault((row["round"], row["attack"], row["threat"], row["knowledge"], row["payload"]), []).append(
+            row
+        )
+    lines = [
+        "| attack | threat | attacker knows | payload | round | victims | "
+        + " | ".join(t for _, t in ROW_COLUMNS)
+        + " | CPU s / cell |",
+        "|" + "---|" * (7 + len(ROW_COLUMNS)),
+    ]
+    label_lines = [
+        "| payload | round | victims | label-set precision | label-set recall | distribution L1 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (rounds, attack, threat, knowledge, payload), group in groups.items():
+        victims = ",".join(str(p) for p in sorted({g["partition"] for g in group}))
+        seconds = np.mean([g["cpu_seconds"] for g in group])
+        if attack == "labels":
+            cells = [
+                fmt(spread([g.get(k) for g in group]), 2)
+                for k in ("label_precision", "label_recall", "distribution_l1")
+            ]
+            label_lines.append(f"| {payload} | {rounds} | {victims} | " + " | ".join(cells) + " |")
+            continue
+        cells = [fmt(pooled(group, k), 3 if "ssim" in k else 0 if "mse" in k else 1) for k, _ in ROW_COLUMNS]
+        lines.append(
+            f"| {attack} | {threat} | {knowledge} | {payload} | {rounds} | {victims} | "
+            + " | ".join(cells)
+            + f" | {seconds:.0f} |"
+        )
+    return "\n".join(lines) + "\n\nLabel leakage (server, from each upload):\n\n" + "\n".join(label_lines) + "\n"
+
+
+def pooled(group: list[dict[str, Any]], key: str) -> tuple[float, float] | None:
+    """Mean and std of ``key`` over every reconstruction of ``group``'s rows (each row holds its mean,
+    std and count ``n``), or None when no row has it."""
+    parts = [(g["n"], g[key], g.get(key + "_std", 0.0)) for g in group if g.get(key) is not None]
+    if not parts:
+        return None
+    n = np.array([p[0] for p in parts], dtype=np.float64)
+    m = np.array([p[1] for p in parts], dtype=np.float64)
+    sd = np.array([p[2] for p in parts], dtype=np.float64)
+    mean = float((n * m).sum() / n.sum())
+    return mean, float(np.sqrt(max((n * (sd**2 + m**2)).sum() / n.sum() - mean**2, 0.0)))
+
+
+def spread(values: list) -> tuple[float, float] | None:
+    """Mean and std over the rows that have a value, or None."""
+    present = [v for v in values if v is not None]
+    return (float(np.mean(present)), float(np.std(present))) if present else None
+
+
+def fmt(stats: tuple[float, float] | None, digits: int) -> str:
+    """``mean ± std``, or ``-``."""
+    return "-" if stats is None else f"{stats[0]:.{digits}f} ± {stats[1]:.{digits}f}"
+
+
+def write_report(view: RunView, out: Path, cells: list[dict[str, Any]], command: str) -> None:
+    """``privacy.md``, ``privacy.json`` and ``reconstructions.png`` of the cells."""
+    rows = [row for cell in cells for row in cell["rows"]]
+    atomic_write(out / "privacy.json", lambda f: f.write(json.dumps(rows, indent=1).encode("utf-8")))
+    seen, pairs = set(), []
+    for cell in cells:
+        for pair in cell["figure"]:
+            if pair["payload"] not in seen:
+                seen.add(pair["payload"])
+                pairs.append(
+                    (
+                        torch.tensor(pair["original"], dtype=torch.uint8),
+                        torch.tensor(pair["reconstruction"], dtype=torch.uint8),
+                        f"{pair['payload']}\n{pair['caption']}",
+                    )
+                )
+    if pairs:
+        scores.reconstruction_figure(
+            pairs, out / FIGURE, f"{view.cfg.method}: best-matching original (top) and reconstruction (bottom)"
+        )
+    cfg = view.cfg
+    text = (
+        f"# Privacy evaluation: {cfg.method} on {cfg.dataset}, model group {cfg.model_group}\n\n"
+        f"Run folder `{view.run_dir.name}`; command `{command}`. PSNR in dB (higher: closer to the image), "
+        "SSIM in [-1, 1], MSE on the 0-255 scale; best: the reference image the reconstruction is closest to, mean: "
+        "over the images it stands for; mean ± std over reconstructions (rounds x victims x rows). Threat models "
+        "and attacks: docs/privacy.md.\n\n" + table(rows) + (f"\n![reconstructions]({FIGURE})\n" if pairs else "")
+    )
+    atomic_write(out / "privacy.md", lambda f: f.write(text.encode("utf-8")))
+
+
+def parse_list(text: str | None, allowed: list, what: str) -> list:
+    """A comma-separated flag's values (None: ``allowed``). Raises SystemExit naming a value not allowed."""
+    if text is None:
+        return list(allowed)
+    values = [
+        int(v) if isinstance(allowed[0] if allowed else 0, int) else v
+        for v in (t.strip() for t in text.split(","))
+        if v
+    ]
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise SystemExit(f"--{what}: {bad} not available; this run has {allowed}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.privacy", description=__doc__.split("\n")[0])
+    parser.add_argument("run", help="a run folder of a run with record-payloads")
+    parser.add_argument("--rounds", help="recorded rounds to attack, e.g. 1,10 (default: every recorded round)")
+    parser.add_argument("--clients", help="victim partitions, e.g. 0,1,2 (default: every recorded one)")
+    parser.add_argument("--attacks", help=f"comma-separated of {', '.join(ATTACKS)} (default: those that apply)")
+    parser.add_argument("--out", help="output folder (default <run>/privacy)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="PyTorch CPU threads (default 1: the attacks are small and sequential)"
+    )
+    for f in Settings.__dataclass_fields__.values():
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    try:
+        view = RunView(args.run)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"tools.privacy: {exc}", file=sys.stderr)
+        return 2
+    rounds = parse_list(args.rounds, view.rounds(), "rounds")
+    attacks = parse_list(args.attacks, applicable(view), "attacks") if args.attacks else applicable(view)
+    unknown = [a for a in attacks if a not in ATTACKS]
+    if unknown:
+        raise SystemExit(f"--attacks: {unknown} unknown; allowed {list(ATTACKS)}")
+    settings = Settings(**{k: getattr(args, k) for k in Settings.__dataclass_fields__})
+    out = Path(args.out) if args.out else view.run_dir / "privacy"
+    attacker = Attacker(view, settings)
+    todo = [(r, p, a) for r in rounds for p in parse_list(args.clients, view.partitions(r), "clients") for a in attacks]
+    from tqdm import tqdm
+
+    cells = []
+    for r, p, a in tqdm(todo, desc="privacy cells", unit="cell"):
+        path = cell_path(out, r, p, a)
+        try:
+            cells.append(json.loads(path.read_text()) if path.is_file() else run_cell(attacker, r, p, a, out))
+        except ConfigError as exc:
+            print(f"tools.privacy: {exc}", file=sys.stderr)
+            return 2
+    write_report(view, out, cells, "python -m tools.privacy " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print(f"tools.privacy: {len(cells)} cells; report {out / 'privacy.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
