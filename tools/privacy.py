@@ -37,7 +37,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -51,11 +51,11 @@ from common.data import DataSpec, class_counts, decode_images, load_client_data,
 from common.datasets import DATASETS, with_recipe
 from common.errors import ConfigError
 from common.files import atomic_write, read_summary
-from common.results import load_checkpoint
 from models.groups import MODEL_GROUPS
+from models.mh import build_mh_model
 from privacy import gradients, inversion, labels, scores
 from strategies.fedkd import svd_decompress
-from strategies.recording import PAYLOADS, read_arrays, round_folder, snapshot_name
+from strategies.recording import PAYLOADS, read_arrays, snapshot_name
 from strategies.registry import METHODS
 
 ATTACKS = ("inversion", "decoder", "labels", "update")
@@ -64,8 +64,8 @@ CLASS_VECTORS = {"lar": ("lar_labels", "representation"), "protos": ("proto_labe
 CLASS_LOGITS = {"logits": ("logit_labels", "logits")}
 #: downloads of per-class vectors: (vectors, mask of the classes they stand for)
 GLOBAL_VECTORS = {"protos": "representation", "logits": "logits", "global_protos": "representation"}
-#: the weight uploads and the download each is a change of
-UPDATES = {"delta_theta": "theta", "delta_w_g": "w_g"}
+#: the message types whose replies may carry a weight change (MH-pFedHNGD's global model: ``train.global``)
+WEIGHT_MESSAGES = ("train", "train.global")
 FIGURE = "reconstructions.png"
 
 
@@ -114,7 +114,12 @@ class RunView:
         summary = read_summary(self.run_dir)
         self.cfg = RunConfig.from_dict(summary["config"])
         self.method = METHODS[self.cfg.method]
-        if not (self.run_dir / PAYLOADS).is_dir():
+        #: this run and the runs it resumed (``resume-from``, newest first): a resumed run's earlier rounds
+        #: were recorded by the launch that ran them
+        self.chain = [self.run_dir]
+        while (previous := read_summary(self.chain[-1])["config"].get("resume-from")) and Path(previous).is_dir():
+            self.chain.append(Path(previous))
+        if not self.rounds():
             raise ConfigError(
                 f"{self.run_dir} holds no recorded payloads: run it with run config key 'record-payloads' "
                 '(e.g. record-payloads="1,10") to attack what its clients shared'
@@ -123,34 +128,31 @@ class RunView:
         self.num_clients = int(summary.get("num_clients") or self.cfg.num_clients)
         self.spec = DataSpec.from_config(self.cfg, self.num_clients)
 
+    def round_dir(self, server_round: int) -> Path | None:
+        """The folder of a recorded round (in the newest run of :attr:`chain` that recorded it), or None."""
+        return next((d for run in self.chain if (d := run / PAYLOADS / f"round-{server_round}").is_dir()), None)
+
     def rounds(self) -> list[int]:
         """The recorded rounds."""
-        found = [p.name.removeprefix("round-") for p in (self.run_dir / PAYLOADS).glob("round-*")]
+        found = {p.name.removeprefix("round-") for run in self.chain for p in (run / PAYLOADS).glob("round-*")}
         return sorted(int(r) for r in found if r.isdigit())
 
     def partitions(self, server_round: int) -> list[int]:
         """The partitions with a recorded payload in ``server_round``."""
-        folder = self.run_dir / PAYLOADS / f"round-{server_round}"
-        found = [p.name.removeprefix("partition-") for p in folder.glob("partition-*")]
+        folder = self.round_dir(server_round)
+        found = [p.name.removeprefix("partition-") for p in folder.glob("partition-*")] if folder else []
         return sorted(int(p) for p in found if p.isdigit())
 
     def payload(self, server_round: int, partition_id: int, direction: str, message_type: str = "train") -> dict:
         """The recorded arrays of one message (``direction``: ``up`` or ``down``); {} when none was recorded."""
-        path = round_folder(self.run_dir, server_round, partition_id) / f"{message_type}.{direction}.npz"
-        return read_arrays(path) if path.is_file() else {}
-
-    def messages(self, server_round: int, partition_id: int, direction: str) -> dict[str, dict]:
-        """Message type -> recorded arrays of every message of one client and round in ``direction``."""
-        folder = round_folder(self.run_dir, server_round, partition_id)
-        return {p.name.split(f".{direction}.")[0]: read_arrays(p) for p in sorted(folder.glob(f"*.{direction}.npz"))}
+        folder = self.round_dir(server_round)
+        path = None if folder is None else folder / f"partition-{partition_id}" / f"{message_type}.{direction}.npz"
+        return read_arrays(path) if path is not None and path.is_file() else {}
 
     @cached_property
     def state_dir(self) -> Path:
-        """The clients' state folder of the run (the resumed run's first folder when it was resumed)."""
-        try:
-            key = str(load_checkpoint(self.run_dir).get("state-key") or self.run_dir.name)
-        except (FileNotFoundError, ConfigError):
-            key = self.run_dir.name
+        """The clients' state folder of the run (named after the first run of a resumed chain)."""
+        key = self.chain[-1].name
         if self.cfg.state_dir:
             return Path(self.cfg.state_dir) / key
         return self.run_dir.parent / key / "client-state"
@@ -437,22 +439,34 @@ class Attacker:
         return decoder, how
 
     # ------------------------------------------------------------------ weight updates
-    def weight_update(self, r: int, p: int) -> tuple[torch.nn.Module, dict, dict[str, torch.Tensor]] | None:
+    def weight_update(
+        self, r: int, p: int, message_type: str = "train"
+    ) -> tuple[torch.nn.Module, dict, dict[str, torch.Tensor]] | None:
         """(model, its parameters as the client received them, the change the client uploaded per
-        parameter) of ``p``'s round-``r`` weight upload, or None for an upload of vectors (or none).
+        parameter) of ``p``'s round-``r`` weight upload in a ``message_type`` reply, or None for an
+        upload of vectors (or none).
 
         MH-pFedHN: the generated flat weights ``theta`` in the client's architecture (the server generates
-        them, so it knows it), ``delta_theta`` their change. Shared-model methods: the module every client
+        them, so it knows it), ``delta_theta`` their change; MH-pFedHNGD's ``train.global`` reply: ``w_g``
+        in the public global architecture, ``delta_w_g``. Shared-model methods: the module every client
         trains a copy of (FedKD's SVD factors multiplied out), up minus down. LG-FedAvg: the head's change,
         on the victim's recorded extractor held fixed (white-box: the extractor never leaves the client)."""
         view = self.view
-        up, down = view.payload(r, p, "up"), view.payload(r, p, "down")
+        up, down = view.payload(r, p, "up", message_type), view.payload(r, p, "down", message_type)
         if not up or class_rows(up) is not None or "z" in up:
             return None
-        if "delta_theta" in up:
-            model = view.model(p)
-            vector_to_parameters(torch.from_numpy(down["theta"]).clone(), model.parameters())
-            change = gradients.parameter_update(model, up["delta_theta"])
+        flat = {"delta_theta": "theta", "delta_w_g": "w_g"}
+        name = next((k for k in flat if k in up), None)
+        if name is not None:
+            if name == "delta_theta":
+                model = view.model(p)
+            else:
+                info = view.info
+                model = build_mh_model(
+                    view.method.read_options(view.cfg).global_model, info.num_classes, info.channels, info.image_size
+                )
+            vector_to_parameters(torch.from_numpy(down[flat[name]]).clone(), model.parameters())
+            change = gradients.parameter_update(model, up[name])
         else:
             if set(up) == {"head.weight", "head.bias"}:
                 model = FixedExtractor(view.model(p, r))
@@ -473,11 +487,20 @@ class Attacker:
     def update(self, r: int, p: int) -> list[Inverted]:
         """iDLG on ``p``'s round-``r`` weight change read as one gradient (-change / lr), and inverting
         gradients over the client's real number of local SGD steps (its lr, momentum, weight decay), the
-        labels from the change's label leakage."""
-        found = self.weight_update(r, p)
-        if found is None:
-            return []
-        model, start, change = found
+        labels from the change's label leakage. MH-pFedHNGD's global model's change is attacked the same way
+        (its appendix C.8 runs iDLG on it)."""
+        out = []
+        for message_type in WEIGHT_MESSAGES:
+            found = self.weight_update(r, p, message_type)
+            if found is not None:
+                prefix = "" if message_type == "train" else "global model: "
+                out += [replace(inv, payload=prefix + inv.payload) for inv in self.invert_weights(r, p, *found)]
+        return out
+
+    def invert_weights(
+        self, r: int, p: int, model: torch.nn.Module, start: dict, change: dict[str, torch.Tensor]
+    ) -> list[Inverted]:
+        """iDLG and inverting gradients on one weight change of ``p`` in round ``r`` (see :meth:`update`)."""
         view, s, cfg = self.view, self.settings, self.view.cfg
         data = view.data(p)
         g = self.generator(r, p, 8)
@@ -545,10 +568,12 @@ class Attacker:
             inferred.append((found[0] + " class ids", labels.from_class_ids(np.asarray(found[2]), C)))
         if "y" in up:
             inferred.append(("entangled label y", labels.from_soft_label(up["y"][0])))
-        weight = self.weight_update(r, p)
-        leaked = None if weight is None else self.update_labels(weight[2])
-        if leaked is not None:
-            inferred.append(("weight change (last layer)", leaked))
+        for message_type in WEIGHT_MESSAGES:
+            weight = self.weight_update(r, p, message_type)
+            leaked = None if weight is None else self.update_labels(weight[2])
+            if leaked is not None:
+                prefix = "" if message_type == "train" else "global model: "
+                inferred.append((prefix + "weight change (last layer)", leaked))
         rows = []
         for payload, result in inferred:
             precision, recall = labels.label_set_scores(result.classes, truth)
