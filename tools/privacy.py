@@ -610,8 +610,9 @@ def scored(inverted: Inverted) -> tuple[dict[str, Any], list[tuple]]:
 
     Per reconstruction: PSNR / SSIM / MSE against the best-matching image among those it stands for and
     the mean over them (:func:`privacy.scores.image_scores`); ``exact_psnr`` against the one image a
-    per-sample input was made from; ``gray_psnr``: what a uniform mid-gray image, which knows nothing,
-    scores as best match against the same images (the floor every attack is read against). The row
+    per-sample input was made from; ``gray_psnr`` (``gray_exact_psnr``): what a uniform mid-gray image,
+    which knows nothing, scores as best match against the same images (against that one image): the
+    floor every attack is read against. The row
     holds mean, std and count over reconstructions."""
     per: dict[str, list] = {}
     pairs = []
@@ -627,6 +628,8 @@ def scored(inverted: Inverted) -> tuple[dict[str, Any], list[tuple]]:
         )
         exact = inverted.exact[i] if inverted.exact else None
         if exact is not None:
+            gray = scores.image_scores(torch.full_like(image[None], 0.5), refs[exact : exact + 1])["best_psnr"]
+            per.setdefault("gray_exact_psnr", []).extend(gray)
             per.setdefault("exact_psnr", []).extend(
                 scores.image_scores(image[None], refs[exact : exact + 1])["best_psnr"]
             )
@@ -699,6 +702,7 @@ ROW_COLUMNS = (
     ("mean_psnr", "PSNR mean (dB)"),
     ("exact_psnr", "PSNR to its image (dB)"),
     ("gray_psnr", "gray image PSNR best (dB)"),
+    ("gray_exact_psnr", "gray image PSNR to the image (dB)"),
 )
 
 
@@ -839,16 +843,18 @@ def main(argv: list[str] | None = None) -> int:
     todo = [(r, p, a) for r in rounds for p in parse_list(args.clients, view.partitions(r), "clients") for a in attacks]
     from tqdm import tqdm
 
-    cells = []
     for r, p, a in tqdm(todo, desc="privacy cells", unit="cell"):
-        path = cell_path(out, r, p, a)
+        if cell_path(out, r, p, a).is_file():
+            continue
         try:
-            cells.append(json.loads(path.read_text()) if path.is_file() else run_cell(attacker, r, p, a, out))
+            run_cell(attacker, r, p, a, out)
         except ConfigError as exc:
             print(f"tools.privacy: {exc}", file=sys.stderr)
             return 2
+    # the report covers every cell in the folder, also those of earlier invocations (other rounds, clients)
+    cells = [json.loads(path.read_text()) for path in sorted((out / "cells").glob("*.json"))]
     write_report(view, out, cells, "python -m tools.privacy " + " ".join(argv if argv is not None else sys.argv[1:]))
-    print(f"tools.privacy: {len(cells)} cells; report {out / 'privacy.md'}")
+    print(f"tools.privacy: {len(todo)} cells asked, {len(cells)} in the report {out / 'privacy.md'}")
     return 0
 
 
