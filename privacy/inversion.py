@@ -11,7 +11,10 @@ Two attackers:
 
 - white box (:func:`invert_representation`): the attacker holds the network that made the vector
   (a client's extractor, or the whole model for logits) and optimises an image to reproduce it,
-  Mahendran & Vedaldi, "Understanding deep image representations by inverting them", CVPR 2015.
+  Mahendran & Vedaldi, "Understanding deep image representations by inverting them", CVPR 2015,
+  with their total-variation prior on the pixels or, instead, the deep image prior (the image as
+  the output of a randomly initialised generator whose weights are optimised, :class:`DeepImagePrior`),
+  Ulyanov, Vedaldi & Lempitsky, "Deep Image Prior", CVPR 2018.
 - black box (:func:`fit_surrogate`, :func:`train_decoder`, :func:`decode`): the attacker holds only
   what the federation shares (a global head, global prototypes) and public labelled images. It
   trains a public architecture whose representation space matches the shared knowledge, then an
@@ -89,6 +92,87 @@ def total_variation(x: torch.Tensor) -> torch.Tensor:
     return dh + dw
 
 
+class DeepImagePrior(nn.Module):
+    """A randomly initialised hourglass generator: ``copies`` independent images from fixed noise.
+
+    Ulyanov, Vedaldi & Lempitsky, "Deep Image Prior", CVPR 2018: the image is the output g_w(z) of
+    a convolutional encoder-decoder with skip connections on a fixed noise map z, and the weights w
+    are what an inversion optimises. Their feature-inversion network (the "skip" hourglass on 256 x
+    256 images: 6 scales of 16-32-64-128-128-128 channels, 7/7/5/5/3/3 kernels, 4-channel 1x1 skips,
+    average-pool down, nearest-neighbour up, BatchNorm, LeakyReLU 0.2, a sigmoid output, a
+    32-channel noise input uniform on [0, 0.1)) is scaled down here for 28 x 28 and 32 x 32 images to
+    3 scales of 16-32-64 channels with 3x3 kernels (H -> H/2 -> H/4 -> H/8, ceil), the rest as theirs.
+
+    One generator per image: every convolution is grouped ``copies`` times and every BatchNorm
+    channel belongs to one copy, so copy i's output depends only on copy i's weights and noise (the
+    same as ``copies`` separate generators, run as one batch). Call :meth:`forward` in training mode
+    (BatchNorm on the image's own statistics, as in the paper's optimisation).
+
+    Args:
+        copies: n, the number of independent images.
+        channels: C of the output images.
+        image_size: ``(H, W)`` of the output (and of the noise).
+        generator: draws the noise z (the weights draw from PyTorch's global RNG: seed it, or build
+            through :func:`invert_representation`, which does).
+        noise_depth, widths, skip, kernel: the architecture (defaults above).
+    """
+
+    def __init__(
+        self,
+        copies: int,
+        channels: int,
+        image_size: Sequence[int],
+        generator: torch.Generator,
+        noise_depth: int = 32,
+        widths: Sequence[int] = (16, 32, 64),
+        skip: int = 4,
+        kernel: int = 3,
+    ) -> None:
+        super().__init__()
+        self.copies, self.channels = copies, channels
+
+        def block(c_in: int, c_out: int, k: int, pool: bool = False) -> nn.Sequential:
+            conv = nn.Conv2d(copies * c_in, copies * c_out, k, padding=k // 2, groups=copies)
+            pooled = [conv, nn.AvgPool2d(2, ceil_mode=True)] if pool else [conv]
+            return nn.Sequential(*pooled, nn.BatchNorm2d(copies * c_out), nn.LeakyReLU(0.2))
+
+        c_in, ins = noise_depth, []
+        for w in widths:
+            ins.append(c_in)
+            c_in = w
+        self.skips = nn.ModuleList(block(c, skip, 1) for c in ins)
+        self.down = nn.ModuleList(
+            nn.Sequential(block(c, w, kernel, pool=True), block(w, w, kernel)) for c, w in zip(ins, widths, strict=True)
+        )
+        deeper = [*widths[1:], widths[-1]]  # what arrives from below: the next scale's up path, or the bottleneck
+        self.up = nn.ModuleList(
+            nn.Sequential(nn.BatchNorm2d(copies * (skip + d)), block(skip + d, w, kernel), block(w, w, 1))
+            for w, d in zip(widths, deeper, strict=True)
+        )
+        self.out = nn.Conv2d(copies * widths[0], copies * channels, 1, groups=copies)
+        noise = 0.1 * torch.rand(1, copies * noise_depth, *image_size, generator=generator)
+        self.register_buffer("noise", noise)
+
+    def _join(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Concatenation within each copy: ``[1, n*ca, H, W]`` and ``[1, n*cb, H, W]`` -> ``[1, n*(ca+cb), H, W]``."""
+        n, (h, w) = self.copies, a.shape[-2:]
+        return torch.cat([a.view(1, n, -1, h, w), b.view(1, n, -1, h, w)], 2).view(1, -1, h, w)
+
+    def forward(self) -> torch.Tensor:
+        """The images float32 ``[n, C, H, W]`` in [0, 1]."""
+        x, skips = self.noise, []
+        for skip, down in zip(self.skips, self.down, strict=True):
+            skips.append(skip(x))
+            x = down(x)
+        for skip, up in zip(reversed(skips), reversed(self.up), strict=True):
+            x = F.interpolate(x, size=skip.shape[-2:], mode="nearest")
+            x = up(self._join(skip, x))
+        return torch.sigmoid(self.out(x)).view(self.copies, self.channels, *x.shape[-2:])
+
+
+PRIORS = ("tv", "dip")
+
+
 def invert_representation(
     extractor: nn.Module,
     target: torch.Tensor,
@@ -101,20 +185,29 @@ def invert_representation(
     tv_weight: float,
     generator: torch.Generator,
     init: torch.Tensor | None = None,
+    prior: str = "tv",
 ) -> torch.Tensor:
     """White-box inversion: one image per target row whose vector matches that row.
 
     Mahendran & Vedaldi, CVPR 2015: their objective, the loss normalised by ||phi0||^2 plus the
     TV^beta regulariser with beta = 2 (:func:`total_variation`; their alpha-norm term is not needed
-    with bounded pixels). For each row phi0 of ``target`` minimise over x
+    with bounded pixels). For each row phi0 of ``target`` minimise over the image x
 
         ||phi(x) - phi0||^2 / ||phi0||^2 + tv_weight * TV(x)
 
-    with Adam (the paper: gradient descent with momentum). The pixels are
-    ``x = sigmoid(u)`` of an unconstrained variable u, so they stay in [0, 1] (the paper bounds them
-    by a penalty instead); ``phi`` sees ``(x - mean) / std``. The rows are optimised together in one
-    batch; the loss is their sum, so each row's gradient is its own. Assumed: the attacker holds the
-    network that produced ``target``, with the weights it had then.
+    with Adam (the paper: gradient descent with momentum); ``phi`` sees ``(x - mean) / std``. What
+    the optimiser moves is set by ``prior``:
+
+    - ``"tv"``: the pixels, as ``x = sigmoid(u)`` of an unconstrained variable u, so they stay in
+      [0, 1] (the paper bounds them by a penalty instead); ``lr`` is Adam's step on u.
+    - ``"dip"``: the weights w of a randomly initialised generator, ``x = g_w(z)`` with a fixed noise
+      input z (:class:`DeepImagePrior`, one per row), Ulyanov, Vedaldi & Lempitsky, "Deep Image
+      Prior", CVPR 2018, Sec. "natural pre-image" (their inversion of AlexNet/VGG features: Adam,
+      lr 1e-3, 3100 steps, no other regulariser, i.e. ``tv_weight`` 0); ``lr`` is Adam's step on w.
+
+    The rows are optimised together in one batch; the loss is their sum and no parameter is shared
+    between rows, so each row's optimisation is its own. Assumed: the attacker holds the network
+    that produced ``target``, with the weights it had then.
 
     Args:
         extractor: any module mapping normalised images ``[B, C, H, W]`` float32 to vectors
@@ -125,18 +218,21 @@ def invert_representation(
         image_shape: ``(C, H, W)`` of the images to reconstruct.
         mean, std: per-channel normalisation constants of pixels in [0, 1] (``DatasetInfo``).
         steps: Adam steps (>= 1).
-        lr: Adam step size on u (the logit of the pixels).
+        lr: Adam step size (on u or on w, see above).
         tv_weight: weight of the TV term (>= 0; 0 switches it off).
-        generator: draws the start u ~ 0.1 * N(0, 1) (pixels near 0.5) when ``init`` is None.
+        generator: draws the start u ~ 0.1 * N(0, 1) (pixels near 0.5) when ``init`` is None
+            (``"tv"``), or the generator's weights and noise (``"dip"``).
         init: optional start images float ``[n, C, H, W]`` in [0, 1] (clamped to [1e-3, 1 - 1e-3]
-            before the logit).
+            before the logit); ``"tv"`` only.
+        prior: ``"tv"`` (pixels) or ``"dip"`` (generator weights).
 
     Returns:
         float32 ``[n, C, H, W]`` in [0, 1], on the CPU.
 
     Raises:
-        ValueError: ``target`` not 2-D, ``image_shape`` not 3 numbers, ``init`` of another shape,
-            ``steps`` < 1, ``tv_weight`` < 0, or the extractor's output not shaped like ``target``.
+        ValueError: ``target`` not 2-D, ``image_shape`` not 3 numbers, ``init`` of another shape or
+            given with ``"dip"``, ``steps`` < 1, ``tv_weight`` < 0, an unknown ``prior``, or the
+            extractor's output not shaped like ``target``.
     """
     if target.dim() != 2:
         raise ValueError(f"target must be [n, d], got shape {tuple(target.shape)}")
@@ -144,23 +240,33 @@ def invert_representation(
         raise ValueError(f"image_shape must be (C, H, W), got {tuple(image_shape)}")
     if steps < 1 or tv_weight < 0:
         raise ValueError(f"steps must be >= 1 and tv_weight >= 0, got steps={steps}, tv_weight={tv_weight}")
+    if prior not in PRIORS:
+        raise ValueError(f"prior must be one of {PRIORS}, got {prior!r}")
     n = target.shape[0]
     shape = (n, *image_shape)
     device = _device(extractor)
-    m, s = _channel_stats(mean, std, image_shape[0], device)
-    if init is None:
-        u0 = 0.1 * torch.randn(shape, generator=generator)
+    if prior == "dip":
+        if init is not None:
+            raise ValueError("init is for prior 'tv' (pixels); prior 'dip' starts from its generator's output")
+        with _seeded(generator):
+            net = DeepImagePrior(n, image_shape[0], image_shape[1:], generator).to(device).train()
+        params, render = list(net.parameters()), net
     else:
-        if tuple(init.shape) != shape:
-            raise ValueError(f"init must be {shape}, got {tuple(init.shape)}")
-        u0 = torch.logit(init.float().clamp(1e-3, 1 - 1e-3))
-    u = u0.to(device).requires_grad_(True)
+        if init is None:
+            u0 = 0.1 * torch.randn(shape, generator=generator)
+        else:
+            if tuple(init.shape) != shape:
+                raise ValueError(f"init must be {shape}, got {tuple(init.shape)}")
+            u0 = torch.logit(init.float().clamp(1e-3, 1 - 1e-3))
+        u = u0.to(device).requires_grad_(True)
+        params, render = [u], lambda: torch.sigmoid(u)
+    m, s = _channel_stats(mean, std, image_shape[0], device)
     phi0 = target.detach().float().to(device)
     scale = phi0.pow(2).sum(1).clamp_min(1e-12)  # ||phi0||^2 per row; a zero row is matched absolutely
-    optimiser = torch.optim.Adam([u], lr=lr)
+    optimiser = torch.optim.Adam(params, lr=lr)
     with _frozen(extractor):
         for _ in range(steps):
-            x = torch.sigmoid(u)
+            x = render()
             phi = extractor((x - m) / s)
             if phi.shape != phi0.shape:
                 raise ValueError(f"the extractor gives {tuple(phi.shape)} for targets of shape {tuple(phi0.shape)}")
@@ -168,7 +274,8 @@ def invert_representation(
             optimiser.zero_grad(set_to_none=True)
             loss.backward()
             optimiser.step()
-    return torch.sigmoid(u.detach()).cpu()
+        with torch.no_grad():
+            return render().detach().cpu()
 
 
 @torch.no_grad()
