@@ -37,7 +37,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -71,18 +71,25 @@ FIGURE = "reconstructions.png"
 
 @dataclass
 class Settings:
-    """The attacks' budget (command-line flags). ``images``: reference images per class (scores) and
-    per-sample inputs; ``steps``: optimisation steps of each inversion; ``epochs``: of the surrogate and
-    decoder; ``update_images``: images the update inversion reconstructs."""
+    """The attacks' budget (command-line flags).
 
+    White-box inversion: ``prior`` ``tv`` (total variation) or ``dip`` (deep image prior, FedRE's Q2
+    attack, about 5x the CPU time for +0.5 dB), ``steps``, ``lr``, ``tv_weight``: the TV setting measured
+    best on CIFAR-10 CNN representations (``privacy.inversion.invert_representation``). ``images``:
+    reference images per class for the scores; ``samples``: per-sample inputs of the Q2 ladder;
+    ``epochs``: of the surrogate and each decoder; ``update_images``, ``update_steps``,
+    ``update_tv_weight``: the update inversion's images, iterations and TV weight."""
+
+    prior: str = "tv"
     images: int = 32
     samples: int = 4
-    steps: int = 400
-    lr: float = 0.05
-    tv_weight: float = 0.01
+    steps: int = 1500
+    lr: float = 0.1
+    tv_weight: float = 0.1
     epochs: int = 5
     update_images: int = 4
     update_steps: int = 200
+    update_tv_weight: float = 0.01
     seed: int = 0
 
 
@@ -288,6 +295,7 @@ class Attacker:
             lr=s.lr,
             tv_weight=s.tv_weight,
             generator=self.generator(*salt),
+            prior=s.prior,
         )
 
     # ------------------------------------------------------------------ vector inversion
@@ -537,7 +545,7 @@ class Attacker:
             std=view.info.std,
             steps=s.update_steps,
             attack_lr=0.1,
-            tv_weight=s.tv_weight,
+            tv_weight=s.update_tv_weight,
             generator=g,
             momentum=cfg.momentum,
             weight_decay=cfg.weight_decay,
@@ -672,7 +680,7 @@ def run_cell(attacker: Attacker, r: int, p: int, attack: str, out: Path) -> dict
     seconds = time.process_time() - start
     for row in rows:
         row.update({"round": r, "partition": p, "attack": attack, "cpu_seconds": seconds})
-    cell = {"rows": rows, "figure": pairs}
+    cell = {"rows": rows, "figure": pairs, "settings": asdict(attacker.settings)}
     path = cell_path(out, r, p, attack)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(cell, allow_nan=True).encode("utf-8")
@@ -793,7 +801,11 @@ def write_report(view: RunView, out: Path, cells: list[dict[str, Any]], command:
         f"Run folder `{view.run_dir.name}`; command `{command}`. PSNR in dB (higher: closer to the image), "
         "SSIM in [-1, 1], MSE on the 0-255 scale; best: the reference image the reconstruction is closest to, mean: "
         "over the images it stands for; mean ± std over reconstructions (rounds x victims x rows). Threat models "
-        "and attacks: docs/privacy.md.\n\n" + table(rows) + (f"\n![reconstructions]({FIGURE})\n" if pairs else "")
+        "and attacks: docs/privacy.md. Budgets (tools.privacy flags) of the cells: "
+        + "; ".join(sorted({json.dumps(c.get("settings"), sort_keys=True) for c in cells}))
+        + ".\n\n"
+        + table(rows)
+        + (f"\n![reconstructions]({FIGURE})\n" if pairs else "")
     )
     atomic_write(out / "privacy.md", lambda f: f.write(text.encode("utf-8")))
 
@@ -824,7 +836,12 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=1, help="PyTorch CPU threads (default 1: the attacks are small and sequential)"
     )
     for f in Settings.__dataclass_fields__.values():
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            type=type(f.default),
+            default=f.default,
+            choices=("tv", "dip") if f.name == "prior" else None,
+        )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     try:
