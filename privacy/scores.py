@@ -112,7 +112,7 @@ def reconstruction_figure(pairs: Sequence[tuple], path: str | Path, title: str) 
 
     if not pairs:
         raise ValueError("reconstruction_figure needs at least one pair")
-    fig = Figure(figsize=(1.3 * len(pairs) + 1.0, 3.0))
+    fig = Figure(figsize=(2.0 * len(pairs) + 1.0, 3.3))
     axes = fig.subplots(2, len(pairs), squeeze=False)
     for j, (original, reconstruction, *caption) in enumerate(pairs):
         for row, image in enumerate((original, reconstruction)):
@@ -121,7 +121,7 @@ def reconstruction_figure(pairs: Sequence[tuple], path: str | Path, title: str) 
             ax.set_xticks([])
             ax.set_yticks([])
         if caption:
-            axes[1, j].set_xlabel(str(caption[0]), fontsize=7)
+            axes[1, j].set_xlabel(str(caption[0]), fontsize=6)
     axes[0, 0].set_ylabel("original", fontsize=8)
     axes[1, 0].set_ylabel("reconstruction", fontsize=8)
     fig.suptitle(title, fontsize=9)
