@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 README = RESULTS / "README.md"
 CROSSCHECK = RESULTS / "crosscheck"
+PRIVACY = RESULTS / "privacy"
 BYZANTINE = RESULTS / "byzantine"
 LAST = 10  # the README's "mean of the last 10 rounds"
 ACCURACIES = ("accuracy_mean", "accuracy_weighted")  # mean over clients, pooled
@@ -336,7 +337,7 @@ def test_a_mistyped_digit_fails_the_check():
 
 @pytest.mark.parametrize(
     "report",
-    sorted([*RESULTS.glob("*/report.md"), *CROSSCHECK.glob("*/report.md")]),
+    sorted([*(p for p in RESULTS.glob("*/report.md") if p.parent != PRIVACY), *CROSSCHECK.glob("*/report.md")]),
     ids=lambda p: str(p.parent.relative_to(RESULTS)),
 )
 def test_each_committed_report_table_is_its_rows(report):
@@ -365,3 +366,16 @@ def test_the_byzantine_table_is_its_rows():
     assert set(quoted) <= attacked, set(quoted) - attacked
     pairs = re.findall(r"(\d\.\d{3}) / (\d\.\d{3})", text.split("Clean runs", 1)[1].split("\n\n", 1)[0])
     assert pairs and set(pairs) <= clean, set(pairs) - clean
+
+
+@pytest.mark.skipif(not (PRIVACY / "report.md").is_file(), reason="no committed privacy evaluation")
+def test_the_privacy_reports_are_their_rows():
+    """results/privacy/report.md is what ``tools.privacy_report`` makes of the committed rows, and each
+    method's privacy.md tables are what ``tools.privacy.table`` makes of its privacy.json."""
+    from tools.privacy import table as privacy_table
+    from tools.privacy_report import report
+
+    assert (PRIVACY / "report.md").read_text(encoding="utf-8") == report(PRIVACY)
+    for rows in sorted(PRIVACY.glob("*/privacy.json")):
+        text = (rows.parent / "privacy.md").read_text(encoding="utf-8")
+        assert privacy_table(json.loads(rows.read_text(encoding="utf-8"))) in text, rows.parent.name

@@ -870,7 +870,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     # the report covers every cell in the folder, also those of earlier invocations (other rounds, clients)
     cells = [json.loads(path.read_text()) for path in sorted((out / "cells").glob("*.json"))]
-    write_report(view, out, cells, "python -m tools.privacy " + " ".join(argv if argv is not None else sys.argv[1:]))
+    given = argv if argv is not None else sys.argv[1:]
+    # the run folder is a local output (never committed): the command names it by its role
+    command = "python -m tools.privacy " + " ".join("<run folder>" if a == args.run else a for a in given)
+    write_report(view, out, cells, command)
     print(f"tools.privacy: {len(todo)} cells asked, {len(cells)} in the report {out / 'privacy.md'}")
     return 0
 
