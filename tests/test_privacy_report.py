@@ -76,8 +76,9 @@ def test_report_pools_judges_and_checks_the_q2_ordering(tmp_path):
     text = (tmp_path / "report.md").read_text()
     assert "| fedre | 1 | z | 10.0 ± 0.0 | 7.0 ± 0.0 | 13.0 ± 0.0 | no better than a gray image |" in text
     assert "| fedre | 1 | entangled label y | 1.00 ± 0.00 | 1.00 ± 0.00 | 0.50 ± 0.00 |" in text
-    assert "| 1 | per-sample (to its image) | 14.0 ± 1.0 | - | 11.0 ± 0.0 | 12.89 | 4514.91 |" in text
-    assert "round 1: per-sample 14.0 > prototype 12.0 > entangled 10.0 dB holds" in text
+    assert "| 1 | per-sample (to its image) | 14.0 ± 1.0 | - | 11.0 ± 0.0 | - | - |" in text
+    assert "| 1 | per-sample (best match) | 16.0 ± 0.0 |" in text
+    assert "round 1: per-sample 16.0, prototype 12.0, entangled 10.0 dB: holds" in text
     # two rows of 2 reconstructions each at 20 and 22 dB pool to 21 ± 1, 4 dB above the gray image
     assert "| 1 | global model | update as one gradient (iDLG) | 21.0 ± 1.0 | 17.0 ± 0.0 | recovers more" in text
 
