@@ -135,6 +135,9 @@ def handle_message(msg: Message, context: Context) -> Message:
         trains=message_type.startswith("train"),
     )
     procedure = client_procedure(client.cfg)
+    trains = message_type.startswith("train")
+    if trains or message_type == "query":
+        client.dp = procedure.dp_plan(client)  # None with DP off; calibrated per client (common.dp)
     down, up = procedure.schemas[message_type]
     payload = read_payload(msg.content, down)
     down.validate(payload, {"C": DATASETS[client.cfg.dataset].num_classes, "d": client.cfg.representation_dim})
@@ -142,9 +145,13 @@ def handle_message(msg: Message, context: Context) -> Message:
     gpu.begin_message(client.device)
     start = time.perf_counter()
     try:
+        if trains:
+            client.check_budget()  # with DP on: a spent budget ends here, before any training
         arrays, metrics = getattr(procedure, message_type.replace(".", "_"))(client, payload, config)
         metrics.update(started, **{"handler-seconds": time.perf_counter() - start})
-        if config.get("record") and message_type.startswith("train"):
+        if trains:
+            metrics.update(client.privacy_metrics())
+        if config.get("record") and trains:
             keep_snapshot(client)
         if config.get("evaluate"):  # evaluate the just-trained personal model in the same reply
             metrics.update({EVAL_PREFIX + k: v for k, v in procedure.evaluate(client, {}, config)[1].items()})

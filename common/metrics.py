@@ -110,12 +110,15 @@ CATEGORY_METRICS: dict[str, dict[str, MetricSpec]] = {
         "num-train": count("local training examples"),
         "num-test": count("local test examples"),
         "num-partitions": MetricSpec(int, 1, 2**31 - 1, "partitions of the federation (node config)"),
+        "dp-noise-multiplier": MetricSpec(float, 0.0, 1e3, "σ calibrated for this client (run config dp.*)"),
     },
     "train": {
         "num-examples": count("training examples of this round"),
         "train-loss": loss("mean training loss of the last local epoch"),
         "train-acc": fraction("training accuracy of the last local epoch"),
         "train-seconds": seconds("local training (and the payload's computation), seconds"),
+        "dp-epsilon": MetricSpec(float, 0.0, 1e9, "ε the client has spent so far at dp.delta (run config dp.*)"),
+        "dp-rounds-left": count("whole rounds the client's dp.epsilon budget still allows"),
     },
     "evaluate": {
         "num-examples": count("local test examples evaluated"),

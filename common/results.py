@@ -150,6 +150,7 @@ class ResultsWriter:
             "best_accuracy_weighted": best_weighted["accuracy_weighted"] if best_weighted else None,
             "best_round_weighted": best_weighted["round"] if best_weighted else None,
             **{f"total_{k}": v for k, v in total.items()},
+            **privacy_spent(self.rows),
             "total_seconds": time.perf_counter() - self.start,
             "config": self.config,
         }
@@ -299,3 +300,20 @@ def load_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:
     if state["round"] < 0 or not rows_ok:
         raise ConfigError(f"{refuse}: 'round' = {state['round']} or its rows are malformed")
     return state
+
+
+def privacy_spent(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """With DP on (rows carry ``dp_epsilon_per_client``): ``dp_epsilon_per_client``, each partition's ε
+    as last reported (at run config ``dp.delta``), ``dp_epsilon_max`` the largest, and ``dp_exhausted``
+    the partitions whose budget ran out; empty for a run without DP."""
+    spent: dict[str, float] = {}
+    for row in rows:
+        spent.update(row.get("dp_epsilon_per_client") or {})
+    if not spent:
+        return {}
+    spent = dict(sorted(spent.items(), key=lambda item: int(item[0])))
+    return {
+        "dp_epsilon_per_client": spent,
+        "dp_epsilon_max": max(spent.values()),
+        "dp_exhausted": rows[-1].get("dp_exhausted", []),
+    }

@@ -21,11 +21,14 @@ from common import gpu
 from common.config import ConfigError, RunConfig
 from common.data import ClientData, DataSpec, load_client_data, partition_sizes, torch_seed
 from common.datasets import DATASETS, DatasetInfo, with_recipe
+from common.dp import BudgetSpent, DPPlan, PrivacyLedger
 from common.files import atomic_write
 from models.base import SplitModel
 from models.groups import MODEL_GROUPS
 
 MODEL_STATE = "model"
+#: the state record of the client's privacy ledger (run config ``dp.epsilon`` > 0; ``common.dp``)
+LEDGER_STATE = "dp-ledger"
 #: context.state ConfigRecord: record name -> the round stamped on its file in state-dir
 STAMPS = "state-rounds"
 #: suffix of the file a record replaced on disk (kept for a resumed server that repeats a round)
@@ -145,6 +148,9 @@ class ClientRuntime:
         #: objects the handlers of this one message share (e.g. FedMRL's just-trained small model
         #: for the evaluation in the same train reply); gone with the message
         self.scratch: dict[str, object] = {}
+        #: this client's DP mechanisms (run config ``dp.epsilon`` > 0), set by the ClientApp for its
+        #: query and train messages (``common.dp.make_plan``); None: DP off
+        self.dp: DPPlan | None = None
 
     @cached_property
     def info(self) -> DatasetInfo:
@@ -334,6 +340,67 @@ class ClientRuntime:
 
     def _state_file(self, name: str) -> Path | None:
         return self.state_dir / f"{_safe(name)}.pt" if self.state_dir is not None else None
+
+    @cached_property
+    def ledger(self) -> PrivacyLedger:
+        """The budget this client has spent so far (``common.dp.PrivacyLedger``), restored from state."""
+        ledger = PrivacyLedger()
+        self.restore(LEDGER_STATE, ledger)
+        return ledger
+
+    def check_budget(self) -> None:
+        """Before a train message: with DP on, refuse when the budget allows no further round.
+
+        A message of a round this client already trained in (MH-pFedHNGD's second train message)
+        finishes a round already counted; any other starts a new one.
+
+        Raises:
+            BudgetSpent: one more round would exceed ``DPPlan.rounds_within_budget``; the reply
+                becomes an error the server drops (and the server samples the client no more).
+            ConfigError: the ledger was spent at another σ (a resumed run with other settings).
+        """
+        if self.dp is None:
+            return
+        ledger = self.ledger
+        spent_at = float(ledger.noise_multiplier)
+        if spent_at and abs(spent_at - self.dp.noise_multiplier) > 1e-9 * spent_at:
+            raise ConfigError(
+                f"partition {self.partition_id} spent its 'dp.epsilon' budget at noise multiplier {spent_at:.6g}, this "
+                f"run's settings give {self.dp.noise_multiplier:.6g}: a resumed DP run must keep 'num-server-rounds', "
+                "'fraction-train', 'batch-size', 'local-epochs' and the 'dp.*' keys"
+            )
+        new_round = int(ledger.last_round) != (self.server_round or 0)
+        if int(ledger.rounds) + new_round > self.dp.rounds_within_budget():
+            epsilon = self.dp.epsilon(int(ledger.trainings), int(ledger.releases))
+            raise BudgetSpent(
+                f"partition {self.partition_id}: its privacy budget 'dp.epsilon' = {self.dp.options.epsilon:g} is "
+                f"spent ({int(ledger.rounds)} rounds trained, ε = {epsilon:.4g}); it sends nothing more"
+            )
+
+    def spend_privacy(self, trainings: int = 0, releases: int = 0) -> None:
+        """Charge ``trainings`` DP-SGD trainings and ``releases`` payload releases to the ledger (with DP
+        on; nothing otherwise) and store it."""
+        if self.dp is None:
+            return
+        ledger = self.ledger
+        if int(ledger.last_round) != (self.server_round or 0):
+            ledger.rounds += 1
+            ledger.last_round.fill_(self.server_round or 0)
+        ledger.trainings += trainings
+        ledger.releases += releases
+        ledger.noise_multiplier.fill_(self.dp.noise_multiplier)
+        self.store(LEDGER_STATE, ledger)
+
+    def privacy_metrics(self) -> dict[str, float]:
+        """``dp-epsilon`` (ε spent so far at ``dp.delta``) and ``dp-rounds-left`` (whole rounds the budget
+        still allows); empty with DP off."""
+        if self.dp is None:
+            return {}
+        ledger = self.ledger
+        return {
+            "dp-epsilon": self.dp.epsilon(int(ledger.trainings), int(ledger.releases)),
+            "dp-rounds-left": max(0, self.dp.rounds_within_budget() - int(ledger.rounds)),
+        }
 
     def save_model(self) -> None:
         """Persist the personal model."""

@@ -17,6 +17,7 @@ from torch import nn
 
 from common.data import ClientData, augment, batches, normalize
 from common.datasets import DatasetInfo
+from common.dp import DPPlan, noisy_class_means, secret_generator
 from common.optim import SGD
 from models.base import SplitModel
 
@@ -47,6 +48,7 @@ def train_supervised(
     regularizer: Regularizer | None = None,
     supervised_loss: SupervisedLoss | None = None,
     clip_groups: list[list[nn.Parameter]] | None = None,
+    dp: DPPlan | None = None,
 ) -> dict[str, float]:
     """Train all of ``model`` with cross-entropy for ``local-epochs`` epochs on the train split.
 
@@ -66,6 +68,9 @@ def train_supervised(
     (e.g. FedProto/FedTGP's prototype term); it sees the train-mode representations.
     ``precision`` ``bf16`` runs the forward pass and the loss under bfloat16 autocast (weights,
     gradients and the optimiser stay float32); ``fp32`` (the papers' recipe) does not.
+    With ``dp`` (run config ``dp.epsilon`` > 0) the training is DP-SGD (:func:`private_training`):
+    Poisson-sampled batches instead of ``batch-order``, each example's gradient clipped to
+    ``dp.clip-norm`` instead of ``clip-norm``, and Gaussian noise on each step's sum.
 
     Returns:
         ``train-loss`` (mean over samples of the last epoch), ``train-acc`` (fraction, last
@@ -74,6 +79,8 @@ def train_supervised(
     start = time.perf_counter()
     model.train()
     opt = make_sgd(model.parameters(), config)
+    if dp is not None:
+        return private_training(model, data, config, device, generator, opt, dp, regularizer, supervised_loss, start)
     clip = float(config["clip-norm"])
     clip_groups = clip_groups or [list(model.parameters())]
     x_all, y_all = data.train_x.to(device), data.train_y.to(device)
@@ -108,6 +115,85 @@ def train_supervised(
             loss_sum += float(loss.detach()) * len(y)
             correct += int((logits.detach().argmax(1) == y).sum())
             seen += len(y)
+    _sync(device)
+    return {
+        "train-loss": loss_sum / max(seen, 1),
+        "train-acc": correct / max(seen, 1),
+        "train-seconds": time.perf_counter() - start,
+    }
+
+
+def private_training(
+    model: nn.Module,
+    data: ClientData,
+    config: Mapping[str, Any],
+    device: torch.device,
+    generator: torch.Generator,
+    opt: torch.optim.Optimizer,
+    dp: DPPlan,
+    regularizer: Regularizer | None,
+    supervised_loss: SupervisedLoss | None,
+    start: float,
+) -> dict[str, float]:
+    """:func:`train_supervised`'s loop as DP-SGD (Abadi et al. 2016) with Opacus: ``local-epochs`` epochs of
+    ceil(n / B) steps, each on a Poisson sample of rate q = B / n (``UniformWithReplacementSampler``),
+    per-example gradients (``GradSampleModule``) clipped to ``dp.clip-norm``, summed, noised with
+    standard deviation σ·``dp.clip-norm`` and divided by B (``DPOptimizer``) before ``opt``'s step.
+    Augmentation (``generator``) is per example, so it keeps the per-example bound; the sampling and
+    the noise draw from the operating system's entropy (``common.dp.secret_generator``). The losses
+    must be per-example means (cross-entropy, the prototype term ``mse-mean``, KL ``batchmean``).
+
+    Returns:
+        as :func:`train_supervised`.
+    """
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+    from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+
+    n = len(data.train_y)
+    sampled = GradSampleModule(model)  # hooks on model's own layers: model.extractor(x) records too
+    private = DPOptimizer(
+        opt,
+        noise_multiplier=dp.noise_multiplier,
+        max_grad_norm=dp.options.clip_norm,
+        expected_batch_size=min(dp.batch_size, n),
+        generator=secret_generator(device),
+    )
+    sampler = UniformWithReplacementSampler(
+        num_samples=n,
+        sample_rate=dp.sample_rate,
+        generator=secret_generator(),
+        steps=dp.steps_per_training // int(config["local-epochs"]),
+    )
+    x_all, y_all = data.train_x.to(device), data.train_y.to(device)
+    loss_sum, correct, seen = 0.0, 0, 0
+    try:
+        for _ in range(int(config["local-epochs"])):
+            loss_sum, correct, seen = 0.0, 0, 0
+            for idx in sampler:
+                idx = torch.as_tensor(idx, dtype=torch.int64, device=device)
+                x = augment(normalize(x_all[idx], data.info), data.info, generator)
+                y = y_all[idx]
+                features = model.extractor(x)
+                logits = model.head(features)
+                if len(y) == 0:  # an empty Poisson sample still takes a (pure noise) step
+                    loss = logits.sum()
+                else:
+                    loss = (
+                        F.cross_entropy(logits, y)
+                        if supervised_loss is None
+                        else supervised_loss(x, features, logits, y)
+                    )
+                    if regularizer is not None:
+                        loss = loss + regularizer(features, y)
+                private.zero_grad(set_to_none=True)
+                loss.backward()
+                private.step()
+                loss_sum += float(loss.detach()) * len(y)
+                correct += int((logits.detach().argmax(1) == y).sum())
+                seen += len(y)
+    finally:
+        sampled._close()  # the model leaves as it came: no hooks, no per-example gradients
     _sync(device)
     return {
         "train-loss": loss_sum / max(seen, 1),
@@ -153,8 +239,10 @@ def train_personal_model(
         regularizer,
         supervised_loss,
         clip_groups,
+        client.dp,
     )
     client.save_model()
+    client.spend_privacy(trainings=1)
     return {**stats, "num-examples": len(client.data.train_y)}
 
 
@@ -165,13 +253,34 @@ def trained_class_means(
     model, for per-class mean logits), over its whole train split.
 
     Its time is added to ``stats["train-seconds"]``: the payload computation is part of the
-    client's training compute.
+    client's training compute. With run config ``dp.epsilon`` > 0 the means are released by
+    :func:`common.dp.noisy_class_means` (clipped rows, noisy sums and counts, the classes whose
+    noisy count passes its threshold) and the release is charged to the client's budget.
     """
     start = time.perf_counter()
     data = client.data
-    out = class_means(module or client.model.extractor, data.train_x, data.train_y, data.info, client.device)
+    extractor = module or client.model.extractor
+    if client.dp is None:
+        out = class_means(extractor, data.train_x, data.train_y, data.info, client.device)
+    else:
+        rows = representations(extractor, data.train_x, data.info, client.device)
+        dp = client.dp
+        out = noisy_class_means(rows, data.train_y, data.info.num_classes, dp.options.payload_clip, dp.noise_multiplier)
+        client.spend_privacy(releases=1)
     stats["train-seconds"] += time.perf_counter() - start
     return out
+
+
+@torch.no_grad()
+def representations(
+    extractor: nn.Module, x: torch.Tensor, info: DatasetInfo, device: torch.device, batch_size: int = EVAL_BATCH
+) -> torch.Tensor:
+    """float64 [n, d] on the CPU: ``extractor``'s output for every image of ``x`` (eval mode, no augmentation)."""
+    was_training = extractor.training
+    extractor.eval()
+    out = [extractor(normalize(x[idx].to(device), info)).double().cpu() for idx in batches(len(x), batch_size, None)]
+    extractor.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, 0, dtype=torch.float64)
 
 
 @torch.no_grad()

@@ -38,6 +38,7 @@ from flwr.serverapp.strategy import Result
 
 from common.config import RunConfig
 from common.datasets import DATASETS
+from common.dp import DPPlan, dp_options, make_plan
 from common.errors import ConfigError, RunFailed
 from common.options import declared_defaults
 from common.payload import ClientReply, PayloadSchema, array_record
@@ -121,6 +122,7 @@ class HeteroStrategy:
         self.cfg = cfg
         self.options, self.schemas, self.metrics = binding.options, binding.schemas, binding.metrics
         self.info = DATASETS[cfg.dataset]
+        self.dp = dp_options(cfg)  # a DP run that cannot give its guarantee fails here, before any message
         self.dims = {"C": self.info.num_classes, "d": cfg.representation_dim}
         self.rng = np.random.default_rng(cfg.seed)
         self.results = results
@@ -243,6 +245,8 @@ class HeteroStrategy:
         self.registry.refresh(self.transport)
         before_state = copy.deepcopy(self.server_state())
         train_metrics, replies = self.run_round(server_round)
+        if self.dp.enabled:
+            train_metrics["dp-exhausted"] = self.registry.exhaust(replies)
         broken = None if before_state is None else broken_state(before_state, self.server_state())
         if broken:
             # the server would send a broken state to every client from now on: undo this round's update
@@ -263,6 +267,8 @@ class HeteroStrategy:
             time.perf_counter() - run_start,
         )
         stop = patience_exhausted([*self.rows, row], self.cfg.stop_patience, self.cfg.stop_metric)
+        if self.dp.enabled and len(row["dp_exhausted"]) == len(self.registry.nodes):
+            stop = "every client's privacy budget (dp.epsilon) is spent"
         if stop:
             row["stop_reason"] = stop
         self.rows.append(row)
@@ -331,6 +337,8 @@ class HeteroStrategy:
         self.counters.traffic.update(state["traffic"])
         self.counters.dropped.update(state["dropped"])
         self.rows = list(state["rows"])
+        if self.rows:
+            self.registry.exhaust_partitions(self.rows[-1].get("dp_exhausted", []))
         if self.results is not None:
             for row in self.rows:
                 self.results.write_round(row)
@@ -378,9 +386,26 @@ class ClientProcedure:
     they return ``(arrays, metrics)``: the reply payload (must match the schema) and scalars.
     """
 
+    #: with run config ``dp.epsilon`` > 0: local trainings per round (each DP-SGD) and payload releases
+    #: per round computed from the examples themselves (each by ``common.dp.noisy_class_means``); what the
+    #: client's noise multiplier is calibrated for (``common.dp.make_plan``)
+    dp_trainings: int = 1
+    dp_releases: int = 0
+
     def __init__(self, cfg: RunConfig, binding: MethodBinding) -> None:
         self.cfg = cfg
         self.options, self.schemas = binding.options, binding.schemas
+
+    def dp_plan(self, client: ClientRuntime) -> DPPlan | None:
+        """This client's calibrated DP mechanisms (None with DP off).
+
+        Raises:
+            ConfigError: the ``dp.*`` target cannot be met for this client (``common.dp.make_plan``).
+        """
+        if not dp_options(self.cfg).enabled:
+            return None
+        num_train, _ = client.data_sizes()
+        return make_plan(self.cfg, num_train, client.spec.num_partitions, self.dp_trainings, self.dp_releases)
 
     def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         raise NotImplementedError
@@ -395,12 +420,15 @@ class ClientProcedure:
         and cached here, so a partition that cannot be split or holds bad data fails at the handshake."""
         start = time.perf_counter()
         num_train, num_test = client.data_sizes()
-        return {}, {
+        metrics = {
             "num-train": num_train,
             "num-test": num_test,
             "num-partitions": client.spec.num_partitions,
             "data-seconds": time.perf_counter() - start,
         }
+        if client.dp is not None:
+            metrics["dp-noise-multiplier"] = client.dp.noise_multiplier
+        return {}, metrics
 
 
 def train_config(cfg: RunConfig, server_round: int, evaluate: bool = False) -> dict[str, Any]:

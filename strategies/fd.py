@@ -124,6 +124,8 @@ class FDStrategy(HeteroStrategy):
 class FDClient(ClientProcedure):
     """FD client: CE plus distillation towards the global logit of each sample's class."""
 
+    dp_releases = 1
+
     def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Returns ``logits`` float32 [k, C] (post-training class means) and ``logit_labels`` int64 [k]."""
         lam = self.options.lambda_

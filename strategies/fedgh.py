@@ -183,6 +183,8 @@ class FedGHStrategy(HeteroStrategy):
 class FedGHClient(ClientProcedure):
     """FedGH client: replace head, train the whole model, upload exact LARs (section 3)."""
 
+    dp_releases = 1
+
     def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Returns ``lar`` float32 [C_k, d] and ``lar_labels`` int32 [C_k] of the trained extractor."""
         load_header(client.model.head, payload)

@@ -30,7 +30,7 @@ import numpy as np
 
 from common.config import RunConfig
 from common.runtime import ClientRuntime
-from common.training import evaluation_metrics, train_personal_model
+from common.training import evaluation_metrics, train_personal_model, trained_class_means
 from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
 from strategies.method import Method, MethodBinding
 from strategies.prototypes import (
@@ -54,8 +54,10 @@ class FedProtoOptions(RegularizerOptions):
     """``[tool.flwr.app.config.fedproto]``: the client's prototype term (FedTGP's client objective)."""
 
     def check(self, cfg: RunConfig) -> None:
-        """Raises ConfigError: ``aggregation`` is not one of :data:`strategies.prototypes.CLASS_AGGREGATIONS`."""
+        """Raises ConfigError: ``aggregation`` is not one of :data:`strategies.prototypes.CLASS_AGGREGATIONS`, or
+        ``reg-form`` cannot be trained privately (:meth:`RegularizerOptions.require_per_example`)."""
         require_aggregation(cfg, CLASS_AGGREGATIONS)
+        self.require_per_example(cfg)
 
 
 class FedProtoStrategy(HeteroStrategy):
@@ -94,8 +96,14 @@ class FedProtoStrategy(HeteroStrategy):
 class FedProtoClient(ClientProcedure):
     """FedProto client: prototype-regularised training, prototypes collected during training."""
 
+    dp_releases = 1
+
     def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
-        """Returns ``protos`` float32 [C_i, K] (train-mode means during training), ``proto_labels`` int64."""
+        """Returns ``protos`` float32 [C_i, K] (train-mode means during training), ``proto_labels`` int64.
+
+        With DP on (run config ``dp.epsilon``) the prototypes are the trained extractor's eval-mode class
+        means, released by ``common.dp.noisy_class_means``: means collected during training sum each
+        example once per epoch under a changing model, which the per-class sums' bound does not cover."""
         data = client.data
         protos, mask = unpack_global_set(payload, data.info.num_classes)
         device_protos = (protos.to(client.device), mask.to(client.device)) if protos is not None else (None, None)
@@ -106,6 +114,10 @@ class FedProtoClient(ClientProcedure):
             collector.add(features, labels)  # train-mode, before this batch's update (FedProto's code)
             return regularizer(features, labels)
 
+        if client.dp is not None:
+            stats = train_personal_model(client, config, regularizer)
+            means, labels = trained_class_means(client, stats)
+            return {"protos": means.numpy(), "proto_labels": labels.numpy().astype(np.int64)}, stats
         stats = train_personal_model(client, config, regularize_and_collect)
         means, labels = collector.means(client.model.feature_dim)
         return {"protos": means, "proto_labels": labels}, stats

@@ -70,12 +70,14 @@ from torch import nn
 from common.config import RunConfig
 from common.data import batches, normalize
 from common.datasets import DatasetInfo
+from common.dp import dp_options
+from common.errors import ConfigError
 from common.metrics import PARTITION_ID, count
 from common.optim import SGD
 from common.options import option
 from common.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, PayloadSchema
 from common.runtime import ClientRuntime
-from common.training import EVAL_BATCH, train_personal_model
+from common.training import EVAL_BATCH, train_personal_model, trained_class_means
 from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
 from strategies.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
 from strategies.method import Method, MethodBinding
@@ -85,6 +87,8 @@ from strategies.robust import BOUNDED, bound_by_median, require_aggregation
 
 #: how the client turns its representations into one (z, y) pair (section 3, Appendix A)
 RE_MODES = ("rap", "vap", "rsp", "rar", "var", "rsr", "rap-fixed")
+#: the modes that entangle class prototypes (z = Σ_c w_c p_c), the only ones with DP on
+CLASS_MODES = ("rap", "rap-fixed", "vap", "rsp")
 LOSS_REDUCTIONS = ("mean", "sum")
 #: where the head of the server step comes from (P13): the server's own | partition 0's upload
 HEAD_SOURCES = ("server", "client-0")
@@ -141,10 +145,16 @@ class FedREOptions:
     )
 
     def check(self, cfg: RunConfig) -> None:
-        """Raises ConfigError: the model group has a non-linear head (FedRE exchanges a linear one), or
-        ``aggregation`` is not one of :data:`strategies.prototypes.ROW_AGGREGATIONS`."""
+        """Raises ConfigError: the model group has a non-linear head (FedRE exchanges a linear one),
+        ``aggregation`` is not one of :data:`strategies.prototypes.ROW_AGGREGATIONS`, or DP is on with a
+        sample-level ``re-mode``."""
         require_linear_heads(cfg, "head")
         require_aggregation(cfg, ROW_AGGREGATIONS)
+        if dp_options(cfg).enabled and self.re_mode not in CLASS_MODES:
+            raise ConfigError(
+                f"run config key 'fedre.re-mode' = {self.re_mode!r} with 'dp.epsilon' > 0: DP releases noisy class "
+                f"means and entangles those, which only the class-level modes do ({', '.join(CLASS_MODES)})"
+            )
 
 
 def entangling_weights(labels: torch.Tensor, mode: str, generator: torch.Generator) -> torch.Tensor:
@@ -169,7 +179,7 @@ def entangling_weights(labels: torch.Tensor, mode: str, generator: torch.Generat
     """
     n = len(labels)
     classes, inverse, counts = torch.unique(labels, return_inverse=True, return_counts=True)
-    if mode in ("rap", "rap-fixed", "vap", "rsp"):
+    if mode in CLASS_MODES:
         if mode == "vap":
             w = torch.full((len(classes),), 1.0 / len(classes), dtype=torch.float64)
         elif mode == "rsp":
@@ -224,6 +234,26 @@ def entangle(
     extractor.train(was_training)
     y = torch.zeros(info.num_classes, dtype=torch.float64).index_add_(0, labels, alpha)
     return z.float().cpu()[None], y.float()[None]
+
+
+def entangle_private(
+    client: ClientRuntime, mode: str, generator: torch.Generator, stats: dict[str, float]
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """FedRE's (z, y) with DP on (run config ``dp.epsilon``): z = Σ_c w_c p̃_c, y = Σ_c w_c e_c over the
+    noisy class means p̃_c and the classes ``common.dp.noisy_class_means`` keeps (a class-level ``mode``:
+    w drawn over those classes as :func:`entangling_weights` does), so the pair is post-processing of
+    one release charged to the budget. ``(None, None)`` when no class passes its noisy-count threshold.
+
+    Returns:
+        ``z`` float32 [1, d] and ``y`` float32 [1, C] on the CPU.
+    """
+    means, classes = trained_class_means(client, stats)
+    if len(classes) == 0:
+        return None, None
+    w = entangling_weights(classes, mode, generator)  # one "sample" per class: α_c = w_c
+    z = (w @ means.double()).float()[None]
+    y = torch.zeros(client.info.num_classes, dtype=torch.float64).index_add_(0, classes, w).float()[None]
+    return z, y
 
 
 def soft_label_ce(head: nn.Linear, z: torch.Tensor, y: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
@@ -356,6 +386,8 @@ class FedREStrategy(HeteroStrategy):
 class FedREClient(ClientProcedure):
     """FedRE client: replace head, train the whole model, upload one entangled (z, y) (section 3)."""
 
+    dp_releases = 1
+
     def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Returns ``z`` float32 [1, d], ``y`` float32 [1, C] of the trained extractor (none without data)."""
         load_header(client.model.head, payload)
@@ -367,7 +399,11 @@ class FedREClient(ClientProcedure):
         start = time.perf_counter()
         # rap-fixed: the same seed every round gives the same weights (present classes are fixed)
         draw_round = 0 if self.options.re_mode == "rap-fixed" else int(config["server-round"])
-        alpha = entangling_weights(data.train_y, self.options.re_mode, client.generator(draw_round, _ENTANGLE_RNG))
+        generator = client.generator(draw_round, _ENTANGLE_RNG)
+        if client.dp is not None:
+            z, y = entangle_private(client, self.options.re_mode, generator, stats)
+            return ({"z": z.numpy(), "y": y.numpy()} if z is not None else {}), stats
+        alpha = entangling_weights(data.train_y, self.options.re_mode, generator)
         z, y = entangle(client.model.extractor, data.train_x, data.train_y, alpha, data.info, client.device)
         stats["train-seconds"] += time.perf_counter() - start
         return {"z": z.numpy(), "y": y.numpy()}, stats

@@ -103,9 +103,11 @@ class FedTGPOptions(RegularizerOptions):
 
     def check(self, cfg: RunConfig) -> None:
         """Raises ConfigError: ``aggregation`` is not one of :data:`strategies.prototypes.ROW_AGGREGATIONS`,
-        or ``margin-freeze`` is above ``tau`` (the capped margin would never reach it)."""
+        or ``margin-freeze`` is above ``tau`` (the capped margin would never reach it), or ``reg-form``
+        cannot be trained privately (:meth:`RegularizerOptions.require_per_example`)."""
         require_aggregation(cfg, ROW_AGGREGATIONS)
         number("fedtgp.margin-freeze", self.margin_freeze, low=0, high=self.tau)
+        self.require_per_example(cfg)
 
 
 class PrototypeGenerator(nn.Module):
@@ -283,6 +285,8 @@ class FedTGPStrategy(HeteroStrategy):
 
 class FedTGPClient(ClientProcedure):
     """FedTGP client: FedProto's objective towards P̂ (from round 2), eval-mode prototypes after training."""
+
+    dp_releases = 1
 
     def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Returns ``protos`` float32 [C_i, K] and ``proto_labels`` int64 [C_i] (section 3): the

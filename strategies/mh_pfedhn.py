@@ -47,6 +47,8 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from common.config import RunConfig
+from common.datasets import DATASETS
+from common.dp import dp_options, require_private_module
 from common.metrics import count
 from common.optim import Adam
 from common.options import option
@@ -108,6 +110,13 @@ class HNGDOptions(HNOptions):
     kd_temperature: float = option(
         20.0, "T: 20 for CIFAR-10 (code comments), 15 for CIFAR-100 (paper)", low=0, low_open=True
     )
+
+    def check(self, cfg: RunConfig) -> None:
+        """Raises ConfigError: with DP on, ``global-model`` has a layer DP-SGD cannot train (BatchNorm)."""
+        if dp_options(cfg).enabled:
+            info = DATASETS[cfg.dataset]
+            model = build_mh_model(self.global_model, info.num_classes, info.channels, info.image_size)
+            require_private_module(model, "mh-pfedhngd.global-model", self.global_model, self.global_model)
 
 
 class ChunkHead(nn.Module):
@@ -495,6 +504,8 @@ class MHpFedHNClient(ClientProcedure):
 class MHpFedHNGDClient(MHpFedHNClient):
     """MH-pFedHNGD client: trains the global model (global phase), then distils from it (personal phase)."""
 
+    dp_trainings = 2  # with DP on, both phases are DP-SGD
+
     def global_model(self, client) -> nn.Module:
         """A fresh instance of the public global architecture (``global-model``)."""
         info = client.info
@@ -524,7 +535,9 @@ class MHpFedHNGDClient(MHpFedHNClient):
             {**config, "clip-norm": 0.0},
             client.device,
             client.generator(int(config["server-round"]), 1),
+            dp=client.dp,
         )
+        client.spend_privacy(trainings=1)
         return {"delta_w_g": flat_delta(model, received)}, {**stats, "num-examples": len(client.data.train_y)}
 
     def supervised_loss(self, client, config):

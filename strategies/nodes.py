@@ -62,6 +62,8 @@ class NodeRegistry:
         #: node id -> handshake metrics of a node whose claim on a held partition waits for the holder to go
         self.claims: dict[int, dict[str, Any]] = {}
         self.outsiders: set[int] = set()  # nodes that hold a partition outside this run: not asked again
+        #: nodes whose privacy budget is spent (run config dp.epsilon): sampled, then left out
+        self.exhausted: set[int] = set()
 
     def handshake(self, transport: Transport) -> None:
         """Learn every client of the run: its node, partition id and data sizes, and the run's size N,
@@ -289,7 +291,21 @@ class NodeRegistry:
             log.warning("Sampled but disconnected: partitions %s", [self.clients[n][PARTITION_ID] for n in gone])
             self.counters.round_dropped.update(self.clients[n][PARTITION_ID] for n in gone)
             self.sampled = [n for n in self.sampled if n in self.connected]
+        # a client whose privacy budget is spent would refuse to train: it is not asked (the draw is
+        # still over all partitions, so the others' sampling does not change)
+        self.sampled = [n for n in self.sampled if n not in self.exhausted]
         return list(self.sampled)
+
+    def exhaust(self, replies: list[ClientReply]) -> list[int]:
+        """Note the clients whose train reply says their privacy budget allows no further round
+        (metric ``dp-rounds-left`` = 0); returns the partition ids of every such client so far."""
+        self.exhausted.update(r.node_id for r in replies if r.metrics.get("dp-rounds-left") == 0)
+        return sorted(self.clients[n][PARTITION_ID] for n in self.exhausted)
+
+    def exhaust_partitions(self, partitions: list[int]) -> None:
+        """Restore :meth:`exhaust`'s clients from their partition ids (a resumed run's last row)."""
+        held = set(partitions)
+        self.exhausted = {n for n in self.nodes if self.clients[n][PARTITION_ID] in held}
 
 
 def _claim(reply: ClientReply) -> tuple[int, int]:

@@ -21,6 +21,8 @@ from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 
 from common.config import RunConfig
 from common.data import batches, normalize
+from common.dp import dp_options
+from common.errors import ConfigError
 from common.options import option
 from common.payload import ROW_NORM_FACTOR, ArraySpec, ClientReply, PayloadError, PayloadSchema
 from strategies.aggregation import class_average
@@ -82,6 +84,16 @@ class RegularizerOptions:
     reg_form: str = option(
         "mse-mean", "mse-mean: official code's squared error; paper-l2: FedTGP Eq. 11", choices=REG_FORMS
     )
+
+    def require_per_example(self, cfg: RunConfig) -> None:
+        """Raises ConfigError: ``reg-form`` = ``paper-l2`` with DP on. Its term is a distance between
+        batch class means, so one example moves the other examples' gradients and DP-SGD's per-example
+        clipping would not bound its influence."""
+        if self.reg_form == "paper-l2" and dp_options(cfg).enabled:
+            raise ConfigError(
+                f"run config key '{cfg.method}.reg-form' = 'paper-l2' with 'dp.epsilon' > 0: its term couples the "
+                "examples of a batch, which DP-SGD cannot bound per example; use 'mse-mean'"
+            )
 
 
 class PrototypeRegularizer:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from functools import lru_cache
 
+from common import dp
 from common.config import ConfigError, RunConfig
 from common.options import option_defaults, option_rows, option_table
 from strategies import fd, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml, lg_fedavg, local, mh_pfedhn
@@ -31,12 +32,14 @@ METHODS: dict[str, Method] = {
         fd.METHOD,
     )
 }
+#: every option table of the run config: each method's, and the differential privacy keys every method shares
+OPTION_TABLES: dict[str, type] = {**{name: m.options for name, m in METHODS.items()}, dp.TABLE: dp.DPOptions}
 
 
 def method_of(cfg: RunConfig) -> Method:
-    """The descriptor of ``cfg.method``, after checking every dotted key of ``cfg`` names a method's
-    table and a key that table declares (values of the other methods' tables are not checked: the
-    run does not use them).
+    """The descriptor of ``cfg.method``, after checking every dotted key of ``cfg`` names a table of
+    :data:`OPTION_TABLES` and a key that table declares (values of the other methods' tables are not
+    checked: the run does not use them).
 
     Raises:
         ConfigError: an unknown method, table or key, naming it and what is allowed.
@@ -48,12 +51,12 @@ def method_of(cfg: RunConfig) -> Method:
         )
     for key, _ in cfg.extra:
         table, _, name = key.partition(".")
-        if table not in METHODS or not name:
+        if table not in OPTION_TABLES or not name:
             raise ConfigError(
                 f"run config key {key!r} is unknown: other than the keys of [tool.flwr.app.config], "
-                "keys belong to a method's table: " + ", ".join(f"'{m}.*'" for m in METHODS)
+                "keys belong to a table: " + ", ".join(f"'{t}.*'" for t in OPTION_TABLES)
             )
-        declared = list(option_defaults(METHODS[table].options))
+        declared = list(option_defaults(OPTION_TABLES[table]))
         if name not in declared:
             raise ConfigError(
                 f"run config key {key!r} is unknown: the keys of [{table}] are "
@@ -87,11 +90,12 @@ def all_message_types() -> list[str]:
 
 
 def option_tables() -> str:
-    """Markdown: one option table per method with options (key, default, allowed values, meaning)."""
+    """Markdown: one option table per table of :data:`OPTION_TABLES` with options (key, default, allowed
+    values, meaning)."""
     return "\n".join(
-        f"`[tool.flwr.app.config.{m.name}]`\n\n{option_table(m.options)}"
-        for m in METHODS.values()
-        if option_rows(m.options)
+        f"`[tool.flwr.app.config.{name}]`\n\n{option_table(options)}"
+        for name, options in OPTION_TABLES.items()
+        if option_rows(options)
     )
 
 

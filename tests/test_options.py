@@ -9,18 +9,19 @@ import pytest
 from common.config import ConfigError, RunConfig, read_options
 from common.options import option, option_defaults, option_rows
 from conftest import ROOT, federation, make_run_config
-from strategies.registry import METHODS, client_procedure, key_table, option_tables
+from strategies.registry import METHODS, OPTION_TABLES, client_procedure, key_table, option_tables
 from tools.run import app_defaults
 
 
 def test_pyproject_defaults_equal_the_declared_ones():
     defaults = app_defaults()
-    for method in METHODS.values():
-        declared = {f"{method.name}.{k}": v for k, v in option_defaults(method.options).items()}
-        in_pyproject = {k: v for k, v in defaults.items() if k.startswith(f"{method.name}.")}
-        assert in_pyproject == declared, method.name
+    for table, options in OPTION_TABLES.items():
+        declared = {f"{table}.{k}": v for k, v in option_defaults(options).items()}
+        in_pyproject = {k: v for k, v in defaults.items() if k.startswith(f"{table}.")}
+        assert in_pyproject == declared, table
     tables = {k.split(".", 1)[0] for k in defaults if "." in k}
-    assert tables <= set(METHODS)  # no table of an unknown method
+    assert tables <= set(OPTION_TABLES)  # no unknown table
+    assert set(OPTION_TABLES) == set(METHODS) | {"dp"}
 
 
 def test_pyproject_run_config_defaults_equal_the_declared_ones():
