@@ -54,6 +54,8 @@ from common.options import option
 
 #: the run config table of the keys below
 TABLE = "dp"
+#: the smallest noise multiplier a calibration returns: a target so loose that less noise meets it gets this
+MIN_NOISE_MULTIPLIER = 0.01
 #: the largest noise multiplier a calibration may return: beyond it no training learns anything,
 #: and a target that needs more is refused before the run starts
 MAX_NOISE_MULTIPLIER = 100.0
@@ -273,13 +275,19 @@ def make_plan(cfg: RunConfig, num_train: int, num_partitions: int, trainings: in
             events.append(dp_accounting.SelfComposedDpEvent(release, plan.rounds * releases))
         return dp_accounting.ComposedDpEvent(events)
 
+    def spent(sigma: float) -> float:
+        accountant = dp_accounting.rdp.RdpAccountant()
+        return accountant.compose(composed(sigma)).get_epsilon(options.delta)
+
+    if spent(MIN_NOISE_MULTIPLIER) <= options.epsilon:
+        return replace(plan, noise_multiplier=MIN_NOISE_MULTIPLIER)
     try:
         sigma = dp_accounting.calibrate_dp_mechanism(
             dp_accounting.rdp.RdpAccountant,
             composed,
             options.epsilon,
             options.delta,
-            dp_accounting.ExplicitBracketInterval(0.05, MAX_NOISE_MULTIPLIER),
+            dp_accounting.ExplicitBracketInterval(MIN_NOISE_MULTIPLIER, MAX_NOISE_MULTIPLIER),
             tol=1e-4,
         )
     except (dp_accounting.mechanism_calibration.NoBracketIntervalFoundError, ValueError) as exc:
@@ -316,6 +324,20 @@ def secret_generator(device: torch.device | str = "cpu") -> torch.Generator:
 
 
 @torch.no_grad()
+def clipped_class_sums(
+    rows: torch.Tensor, labels: torch.Tensor, num_classes: int, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`noisy_class_means` noises: per-class sums of the rows clipped to L2 norm ``clip``,
+    float64 [C, w], and the counts scaled by ``clip``, float64 [C] (so one example moves the pair by at
+    most √2·clip in L2). ``rows`` float [n, w], ``labels`` int64 [n]."""
+    rows = rows.double().cpu()
+    norms = rows.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    clipped = rows * (clip / norms).clamp(max=1.0)
+    sums = torch.zeros(num_classes, rows.shape[1], dtype=torch.float64).index_add_(0, labels.cpu(), clipped)
+    return sums, clip * torch.bincount(labels.cpu(), minlength=num_classes).double()
+
+
+@torch.no_grad()
 def noisy_class_means(
     rows: torch.Tensor, labels: torch.Tensor, num_classes: int, clip: float, noise_multiplier: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,11 +360,7 @@ def noisy_class_means(
     Returns:
         ``(means float32 [k, w], classes int64 [k])`` on the CPU, classes ascending; k may be 0.
     """
-    rows = rows.double().cpu()
-    norms = rows.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    clipped = rows * (clip / norms).clamp(max=1.0)
-    sums = torch.zeros(num_classes, rows.shape[1], dtype=torch.float64).index_add_(0, labels.cpu(), clipped)
-    counts = clip * torch.bincount(labels.cpu(), minlength=num_classes).double()
+    sums, counts = clipped_class_sums(rows, labels, num_classes, clip)
     std = noise_multiplier * math.sqrt(2.0) * clip
     generator = secret_generator()
     sums += std * torch.randn(sums.shape, generator=generator, dtype=torch.float64)

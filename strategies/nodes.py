@@ -62,7 +62,7 @@ class NodeRegistry:
         #: node id -> handshake metrics of a node whose claim on a held partition waits for the holder to go
         self.claims: dict[int, dict[str, Any]] = {}
         self.outsiders: set[int] = set()  # nodes that hold a partition outside this run: not asked again
-        #: nodes whose privacy budget is spent (run config dp.epsilon): sampled, then left out
+        #: nodes whose privacy budget is spent (run config dp.epsilon): never sampled again
         self.exhausted: set[int] = set()
 
     def handshake(self, transport: Transport) -> None:
@@ -280,10 +280,14 @@ class NodeRegistry:
             self.nodes[index] = node
 
     def sample(self) -> list[int]:
-        """This round's clients: K of the known nodes, seeded, returned in partition-id order."""
-        k = sample_size(self.cfg.fraction_train, len(self.nodes))
-        chosen = self.rng.choice(len(self.nodes), size=k, replace=False)
-        self.sampled = [self.nodes[i] for i in sorted(chosen)]
+        """This round's clients: K of the known nodes, seeded, returned in partition-id order.
+
+        Clients whose privacy budget is spent (:meth:`exhaust`) are not candidates: the others take
+        their places (fewer than K once fewer remain). Without DP the draw is over every node."""
+        candidates = [n for n in self.nodes if n not in self.exhausted]
+        k = min(sample_size(self.cfg.fraction_train, len(self.nodes)), len(candidates))
+        chosen = self.rng.choice(len(candidates), size=k, replace=False)
+        self.sampled = [candidates[i] for i in sorted(chosen)]
         # sampling is over all partitions, so a disconnected client does not shift the RNG stream;
         # it is recorded as dropped instead of being waited for
         gone = [n for n in self.sampled if n not in self.connected]
@@ -291,9 +295,6 @@ class NodeRegistry:
             log.warning("Sampled but disconnected: partitions %s", [self.clients[n][PARTITION_ID] for n in gone])
             self.counters.round_dropped.update(self.clients[n][PARTITION_ID] for n in gone)
             self.sampled = [n for n in self.sampled if n in self.connected]
-        # a client whose privacy budget is spent would refuse to train: it is not asked (the draw is
-        # still over all partitions, so the others' sampling does not change)
-        self.sampled = [n for n in self.sampled if n not in self.exhausted]
         return list(self.sampled)
 
     def exhaust(self, replies: list[ClientReply]) -> list[int]:
