@@ -149,7 +149,9 @@ def handle_message(msg: Message, context: Context) -> Message:
             client.check_budget()  # with DP on: a spent budget ends here, before any training
         arrays, metrics = getattr(procedure, message_type.replace(".", "_"))(client, payload, config)
         metrics.update(started, **{"handler-seconds": time.perf_counter() - start})
-        if trains:
+        if trains and client.dp is not None:
+            # the loss and accuracy of the training examples are not noised: they stay on the client
+            metrics = {k: v for k, v in metrics.items() if k not in ("train-loss", "train-acc")}
             metrics.update(client.privacy_metrics())
         if config.get("record") and trains:
             keep_snapshot(client)
