@@ -1,0 +1,216 @@
+"""What differential privacy costs: accuracy and attack scores against ε, over grids of one preset.
+
+Usage (from the repository root)::
+
+    uv run --frozen python -m tools.dp_report results/privacy-dp \\
+        --grid inf=outputs/grids/privacy-cifar10-cnn5 --grid 8=outputs/grids/privacy-dp-eps8 ...
+    uv run --frozen python -m tools.dp_report results/privacy-dp      # regenerate from the copies
+
+Each ``--grid <ε>=<folder>`` is a ``tools.grid`` folder of the same preset run with run config
+``dp.epsilon`` = ε (``inf``: without DP). Its ``grid.json``, each cell's newest ``metrics.jsonl`` and
+``summary.json`` and, where ``tools.privacy`` attacked that run, its ``privacy/privacy.json`` are
+copied to ``<folder>/eps-<ε>/`` (``tools.report.copy_runs``'s layout), so the report is regenerated
+from the copies alone. Writes ``<folder>/report.md`` and ``<folder>/accuracy_vs_epsilon.png``.
+
+Per method and ε, over its seeds (mean ± sample std): final pooled and mean-over-clients accuracy
+(percent), the largest ε any client spent (``dp_epsilon_max`` of the summaries), and from the
+privacy evaluation the server's white-box attack on the upload (inversion of a per-class payload,
+or the update attack on a weight payload): best-match PSNR against a mid-gray image's, and the
+recall of the client's class set from the upload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from common.errors import ConfigError  # noqa: E402
+from tools.grid import newest_run  # noqa: E402
+from tools.privacy_report import cell as score_cell  # noqa: E402
+from tools.privacy_report import stat  # noqa: E402
+from tools.report import copy_runs, load_grid, mean_std, method_colors, pct  # noqa: E402
+
+#: subfolder of a report folder holding the grid run at one ε
+PREFIX = "eps-"
+#: the label of the grid without DP
+NO_DP = "inf"
+#: the privacy evaluation's output inside a run folder (``tools.privacy``'s default ``--out``)
+PRIVACY = Path("privacy") / "privacy.json"
+#: payloads of the Q2 ladder, attacked from the victim's model rather than from its upload
+NOT_UPLOADS = ("per-sample representation", "class mean representation")
+
+
+def epsilon_value(label: str) -> float:
+    """ε of a label: ``inf`` or a positive number.
+
+    Raises:
+        ConfigError: any other label.
+    """
+    if label == NO_DP:
+        return math.inf
+    try:
+        value = float(label)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < math.inf:
+        raise ConfigError(f"ε label {label!r}: allowed are '{NO_DP}' and positive numbers")
+    return value
+
+
+def copy_grid(grid: Path, target: Path) -> None:
+    """:func:`tools.report.copy_runs` plus each cell's ``privacy/privacy.json`` (when attacked)."""
+    if target.exists():
+        shutil.rmtree(target)
+    copy_runs(grid, target)
+    for folder in sorted(p for p in grid.iterdir() if p.is_dir() and "-seed" in p.name):
+        newest = newest_run(folder)
+        if newest is not None and (newest[0] / PRIVACY).is_file():
+            copy = target / folder.name / newest[0].name / PRIVACY
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(newest[0] / PRIVACY, copy)
+
+
+def attack_rows(grid: Path, method: str) -> list[dict[str, Any]]:
+    """Every row of the method's cells' ``privacy.json`` in ``grid``."""
+    rows = []
+    for path in sorted(grid.glob(f"{method}-seed*/*/{PRIVACY}")):
+        rows += json.loads(path.read_text())
+    return rows
+
+
+def upload_attack(rows: list[dict[str, Any]]) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
+    """(best-match PSNR, gray PSNR) of the server's white-box attacks on the upload, pooled."""
+    uploads = [
+        r
+        for r in rows
+        if r.get("threat") == "server"
+        and r.get("knowledge") == "white-box"
+        and r.get("attack") in ("inversion", "update")
+        and r.get("payload") not in NOT_UPLOADS
+    ]
+    return stat(uploads, "best_psnr"), stat(uploads, "gray_psnr")
+
+
+def collect(folder: Path) -> tuple[dict, dict[str, dict[str, dict[str, Any]]]]:
+    """(the first grid's ``grid.json``, method -> ε label -> its numbers) over ``<folder>/eps-*``, for the
+    methods run at two ε or more.
+
+    Raises:
+        ConfigError: no ``eps-*`` grid, a bad label, or grids of different presets.
+    """
+    grids = sorted(p for p in folder.glob(PREFIX + "*") if p.is_dir())
+    if not grids:
+        raise ConfigError(f"{folder} holds no {PREFIX}<ε> grid: give them with --grid <ε>=<grid folder>")
+    info, out = None, {}
+    for grid in sorted(grids, key=lambda p: -epsilon_value(p.name[len(PREFIX) :])):  # no DP first, then ε down
+        label = grid.name[len(PREFIX) :]
+        grid_info, cells = load_grid(grid)
+        if info is None:
+            info = grid_info
+        elif grid_info["preset"] != info["preset"]:
+            raise ConfigError(f"{grid}: preset {grid_info['preset']!r}, the others {info['preset']!r}")
+        for method in sorted({c.method for c in cells}):
+            mine = [c for c in cells if c.method == method]
+            spent = [c.summary.get("dp_epsilon_max") for c in mine if c.summary.get("dp_epsilon_max") is not None]
+            psnr, gray = upload_attack(attack_rows(grid, method))
+            labels = stat([r for r in attack_rows(grid, method) if r.get("attack") == "labels"], "label_recall")
+            out.setdefault(method, {})[label] = {
+                "seeds": sorted(c.seed for c in mine),
+                "weighted": mean_std([c.summary["final_accuracy_weighted"] for c in mine]),
+                "mean": mean_std([c.summary["final_accuracy_mean"] for c in mine]),
+                "spent": max(spent) if spent else None,
+                "psnr": psnr,
+                "gray": gray,
+                "labels": labels,
+            }
+    # a method run at one ε only (the no-DP grid may hold every method) has no curve
+    return info, {m: by_eps for m, by_eps in out.items() if len(by_eps) > 1}
+
+
+def render(info: dict, stats: dict[str, dict[str, dict[str, Any]]]) -> str:
+    lines = [
+        f"# What differential privacy costs: {info['preset']}",
+        "",
+        "Record-level DP of every upload (run config `dp.epsilon`; docs/privacy.md), per method and ε: final accuracy",
+        "(percent, mean ± sample std over seeds), the largest ε a client spent (at `dp.delta`), and the server's",
+        "white-box attack on the upload (best-match PSNR in dB against a mid-gray image's, and the recall of the",
+        f"client's class set; `tools.privacy`, where it was run). ε = {NO_DP}: without DP.",
+        "",
+        "| method | ε | seeds | final acc weighted | final acc mean | ε spent (max) | attack PSNR | gray PSNR "
+        "| label recall |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method, by_eps in stats.items():
+        for label, s in by_eps.items():
+            spent = "-" if s["spent"] is None else f"{s['spent']:.3g}"
+            lines.append(
+                f"| {method} | {label} | {','.join(map(str, s['seeds']))} | {pct(s['weighted'])} | {pct(s['mean'])} "
+                f"| {spent} | {score_cell(s['psnr'])} | {score_cell(s['gray'])} | {score_cell(s['labels'], 2)} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(stats: dict[str, dict[str, dict[str, Any]]], out: Path, preset: str) -> None:
+    """Final pooled accuracy against ε (log scale; ε = ∞ drawn at the right edge), one line per method."""
+    labels = sorted({label for by_eps in stats.values() for label in by_eps if label != NO_DP}, key=float)
+    positions = {label: float(label) for label in labels}
+    positions[NO_DP] = 4 * max([float(v) for v in labels], default=1.0)
+    colors = method_colors(list(stats))
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for method, by_eps in stats.items():
+        points = sorted((positions[label], s["weighted"]) for label, s in by_eps.items())
+        ax.errorbar(
+            [p for p, _ in points],
+            [100 * w[0] for _, w in points],
+            yerr=[100 * w[1] for _, w in points],
+            label=method,
+            color=colors[method],
+            marker="o",
+            capsize=3,
+        )
+    ax.set_xscale("log")
+    ticks = [*labels, NO_DP]
+    ax.set_xticks([positions[t] for t in ticks], [("∞ (no DP)" if t == NO_DP else t) for t in ticks])
+    ax.set_xlabel("ε per client over the run (δ as configured)")
+    ax.set_ylabel("final accuracy, pooled (%)")
+    ax.set_title(f"{preset}: accuracy against ε", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_vs_epsilon.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("folder", type=Path, help="the report folder (holds eps-<ε>/ grid copies)")
+    parser.add_argument("--grid", action="append", default=[], help="<ε>=<grid folder> (ε: inf or a number)")
+    args = parser.parse_args(argv)
+    try:
+        for item in args.grid:
+            label, _, path = item.partition("=")
+            epsilon_value(label)
+            if not Path(path).is_dir():
+                raise ConfigError(f"--grid {item!r}: {path!r} is no folder")
+            copy_grid(Path(path), args.folder / f"{PREFIX}{label}")
+        info, stats = collect(args.folder)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    (args.folder / "report.md").write_text(render(info, stats))
+    plot(stats, args.folder, info["preset"])
+    print(f"wrote {args.folder / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
