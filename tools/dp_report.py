@@ -13,7 +13,7 @@ copied to ``<folder>/eps-<ε>/`` (``tools.report.copy_runs``'s layout), so the r
 from the copies alone. Writes ``<folder>/report.md`` and ``<folder>/accuracy_vs_epsilon.png``.
 
 Per method and ε, over its seeds (mean ± sample std): final pooled and mean-over-clients accuracy
-(percent), the largest ε any client spent (``dp_epsilon_max`` of the summaries), and from the
+(percent, the last evaluated round), the largest ε any client spent (the rows' ``dp_epsilon_max``), and from the
 privacy evaluation the server's white-box attack on the upload (inversion of a per-class payload,
 or the update attack on a weight payload): best-match PSNR against a mid-gray image's, and the
 recall of the client's class set from the upload.
@@ -121,13 +121,13 @@ def collect(folder: Path) -> tuple[dict, dict[str, dict[str, dict[str, Any]]]]:
             raise ConfigError(f"{grid}: preset {grid_info['preset']!r}, the others {info['preset']!r}")
         for method in sorted({c.method for c in cells}):
             mine = [c for c in cells if c.method == method]
-            spent = [c.summary.get("dp_epsilon_max") for c in mine if c.summary.get("dp_epsilon_max") is not None]
+            spent = [r["dp_epsilon_max"] for c in mine for r in c.rows if r.get("dp_epsilon_max") is not None]
             psnr, gray = upload_attack(attack_rows(grid, method))
             labels = stat([r for r in attack_rows(grid, method) if r.get("attack") == "labels"], "label_recall")
             out.setdefault(method, {})[label] = {
                 "seeds": sorted(c.seed for c in mine),
-                "weighted": mean_std([c.summary["final_accuracy_weighted"] for c in mine]),
-                "mean": mean_std([c.summary["final_accuracy_mean"] for c in mine]),
+                "weighted": mean_std([c.curve("accuracy_weighted")[1][-1] for c in mine]),
+                "mean": mean_std([c.curve("accuracy_mean")[1][-1] for c in mine]),
                 "spent": max(spent) if spent else None,
                 "psnr": psnr,
                 "gray": gray,

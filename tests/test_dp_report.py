@@ -1,0 +1,53 @@
+"""tools.dp_report on two small synthetic grids (no DP and ε = 8): numbers, the attack columns, the figure,
+and regeneration from the copies alone."""
+
+import json
+
+import pytest
+from test_report import ACC, write_grid
+
+from tools.dp_report import main
+
+
+def test_accuracy_and_attacks_against_epsilon_regenerate_from_the_copies(tmp_path, small_config):
+    write_grid(tmp_path / "plain", small_config)
+    write_grid(tmp_path / "private", small_config, overrides={"dp.epsilon": 8.0}, shift=-0.2)
+    for cell in (tmp_path / "private").glob("*-seed*/*"):
+        rows = [json.loads(line) for line in (cell / "metrics.jsonl").read_text().splitlines()]
+        for r in rows:
+            r["dp_epsilon_max"] = 2.0 * r["round"]
+        (cell / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    attacked = next((tmp_path / "private").glob("fedre-seed0/*")) / "privacy"
+    attacked.mkdir()
+    attack = {"threat": "server", "knowledge": "white-box", "attack": "inversion", "payload": "z", "n": 2}
+    rows = [
+        {**attack, "best_psnr": 11.0, "best_psnr_std": 0.0, "gray_psnr": 17.0, "gray_psnr_std": 0.0},
+        {**attack, "payload": "class mean representation", "best_psnr": 30.0, "gray_psnr": 17.0},
+        {"threat": "server", "attack": "labels", "label_recall": 0.5, "n": 1},
+    ]
+    (attacked / "privacy.json").write_text(json.dumps(rows))
+    out = tmp_path / "results"
+    assert main([str(out), "--grid", f"inf={tmp_path / 'plain'}", "--grid", f"8={tmp_path / 'private'}"]) == 0
+    text = (out / "report.md").read_text()
+    final = [ACC["fedre"][s][-1] for s in (0, 1)]
+    mean = sum(final) / 2
+    assert f"| fedre | inf | 0,1 | {100 * mean:.2f} ± " in text
+    assert f"| fedre | 8 | 0,1 | {100 * (mean - 0.2):.2f} ± " in text
+    # ε spent: the largest over rows; the upload's inversion only (not the ladder's class mean), and labels
+    assert "| 8 | 11.0 ± 0.0 | 17.0 ± 0.0 | 0.50 ± 0.00 |" in text
+    assert (out / "accuracy_vs_epsilon.png").stat().st_size > 10_000
+    (out / "report.md").unlink()
+    assert main([str(out)]) == 0
+    assert (out / "report.md").read_text() == text
+
+
+def test_a_bad_epsilon_label_is_refused(tmp_path, small_config):
+    write_grid(tmp_path / "plain", small_config)
+    assert main([str(tmp_path / "out"), "--grid", f"zero={tmp_path / 'plain'}"]) == 2
+
+
+@pytest.fixture
+def small_config():
+    from test_report import small_config as config
+
+    return config.__wrapped__()
