@@ -196,3 +196,16 @@ def test_the_server_receives_the_noised_payload(run_config):
     noised, again = sent(8.0), sent(8.0)
     assert all(a.shape == b.shape for a, b in zip(noised, again))
     assert not any(np.allclose(a, b) for a, b in zip(noised, again) if a.shape == b.shape)
+
+
+@pytest.mark.parametrize("method", ["fedproto", "lg-fedavg"])
+def test_a_vector_and_a_weight_payload_method_learn_at_a_loose_epsilon(run_config, method):
+    from conftest import chance
+
+    private = {"dp.epsilon": 1e3, "dp.clip-norm": 10.0, "dp.payload-clip": 10.0, "lr": 0.05, "local-epochs": 2}
+    small = {"num-clients": 2, "num-server-rounds": 1, "max-examples-per-client": 300}
+    rc = run_config(method=method, dataset="mnist", partitioner="iid", **small, **private)
+    strategy, grid = federation(rc)
+    strategy.start(grid)
+    assert strategy.rows[-1]["accuracy_mean"] > chance(rc, 2) + 0.1, strategy.rows[-1]["accuracy_mean"]
+    assert "train_loss" not in strategy.rows[-1]  # not noised: the clients keep it
