@@ -267,7 +267,8 @@ class HeteroStrategy:
             time.perf_counter() - run_start,
         )
         stop = patience_exhausted([*self.rows, row], self.cfg.stop_patience, self.cfg.stop_metric)
-        if self.dp.enabled and len(row["dp_exhausted"]) == len(self.registry.nodes):
+        last = server_round == self.cfg.num_server_rounds
+        if self.dp.enabled and not last and len(row["dp_exhausted"]) == len(self.registry.nodes):
             stop = "every client's privacy budget (dp.epsilon) is spent"
         if stop:
             row["stop_reason"] = stop
