@@ -393,7 +393,8 @@ class FedREClient(ClientProcedure):
         load_header(client.model.head, payload)
         stats = train_personal_model(client, config)
         data = client.data
-        stats["num-classes-present"] = len(torch.unique(data.train_y))
+        if client.dp is None:  # with DP on the class set is released only through the noisy release
+            stats["num-classes-present"] = len(torch.unique(data.train_y))
         if len(data.train_y) == 0:
             return {}, stats
         start = time.perf_counter()
