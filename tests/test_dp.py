@@ -210,3 +210,11 @@ def test_a_vector_and_a_weight_payload_method_learn_at_a_loose_epsilon(run_confi
     strategy.start(grid)
     assert strategy.rows[-1]["accuracy_mean"] > chance(rc, 2) + 0.1, strategy.rows[-1]["accuracy_mean"]
     assert "train_loss" not in strategy.rows[-1]  # not noised: the clients keep it
+
+
+def test_a_run_whose_target_cannot_be_met_fails_at_the_handshake_before_any_training(run_config):
+    rc = run_config(method="fedgh", dataset="mnist", **{"dp.epsilon": 1e-4, "num-server-rounds": 50})
+    strategy, grid, replies = captured_federation(rc)
+    with pytest.raises(ConfigError, match="'dp.epsilon' = 0.0001 cannot be met"):
+        strategy.start(grid)
+    assert replies and all(r.metadata.message_type == "query" for r in replies)
