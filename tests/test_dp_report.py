@@ -23,7 +23,7 @@ def test_accuracy_and_attacks_against_epsilon_regenerate_from_the_copies(tmp_pat
     rows = [
         {**attack, "best_psnr": 11.0, "best_psnr_std": 0.0, "gray_psnr": 17.0, "gray_psnr_std": 0.0},
         {**attack, "payload": "class mean representation", "best_psnr": 30.0, "gray_psnr": 17.0},
-        {"threat": "server", "attack": "labels", "label_recall": 0.5, "n": 1},
+        {"threat": "server", "attack": "labels", "label_recall": 0.5},
     ]
     (attacked / "privacy.json").write_text(json.dumps(rows))
     out = tmp_path / "results"
