@@ -35,7 +35,7 @@ from common.runtime import ClientRuntime
 from strategies.recording import snapshot_name
 from strategies.records import metric_values
 from strategies.registry import all_message_types, client_procedure
-from strategies.transport import CLIENT_STATE_DIR
+from strategies.transport import CLIENT_STATE_DIR, STATE_SCOPE
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 app = ClientApp()
@@ -133,6 +133,7 @@ def handle_message(msg: Message, context: Context) -> Message:
         int(config["server-round"]) if "server-round" in config else None,
         str(config.get(CLIENT_STATE_DIR, "")),
         trains=message_type.startswith("train"),
+        scope=str(config.get(STATE_SCOPE, "")),
     )
     procedure = client_procedure(client.cfg)
     trains = message_type.startswith("train")

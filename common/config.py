@@ -124,6 +124,12 @@ class RunConfig:
         "`num-partitions` differs fails the run at the handshake",
         low=0,
     )
+    min_clients: int = option(
+        0,
+        "0: the run starts once every training partition has answered the handshake; m > 0: once m have, the "
+        "others joining at a round boundary when their SuperNode connects (a federation that grows while it runs)",
+        low=0,
+    )
     num_server_rounds: int = option(20, "rounds", low=1)
     stop_patience: int = option(
         0,

@@ -62,6 +62,8 @@ class ResultsWriter:
         self.config = config
         #: clients taking part (known after the handshake; with ``num-clients`` = 0 the federation's size)
         self.num_clients: int | None = None
+        #: the partitions that never train (run config generalization.held-out-clients)
+        self.held_out_partitions: list[int] = []
         self.start = time.perf_counter()
         self.rows: list[dict[str, Any]] = []
         self.status = "running"
@@ -151,6 +153,7 @@ class ResultsWriter:
             "best_round_weighted": best_weighted["round"] if best_weighted else None,
             **{f"total_{k}": v for k, v in total.items()},
             **privacy_spent(self.rows),
+            **held_out_summary(self.held_out_partitions, self.rows),
             "total_seconds": time.perf_counter() - self.start,
             "config": self.config,
         }
@@ -300,6 +303,23 @@ def load_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:
     if state["round"] < 0 or not rows_ok:
         raise ConfigError(f"{refuse}: 'round' = {state['round']} or its rows are malformed")
     return state
+
+
+def held_out_summary(partitions: list[int], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The held-out clients (run config ``generalization.*``): ``held_out_partitions``, and from the last
+    generalisation phase (``strategies.generalization``) ``final_heldout_accuracy_mean`` and
+    ``final_heldout_accuracy_weighted`` (fractions after its last personalisation round) and
+    ``final_heldout_round``, the round it followed; None before any phase, {} without held-out clients."""
+    if not partitions:
+        return {}
+    phases = [r for r in rows if "heldout_accuracy_mean" in r]
+    last = phases[-1] if phases else {}
+    return {
+        "held_out_partitions": list(partitions),
+        "final_heldout_accuracy_mean": last.get("heldout_accuracy_mean"),
+        "final_heldout_accuracy_weighted": last.get("heldout_accuracy_weighted"),
+        "final_heldout_round": last.get("round"),
+    }
 
 
 def privacy_spent(rows: list[dict[str, Any]]) -> dict[str, Any]:

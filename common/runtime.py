@@ -23,6 +23,7 @@ from common.data import ClientData, DataSpec, load_client_data, partition_sizes,
 from common.datasets import DATASETS, DatasetInfo, with_recipe
 from common.dp import BudgetSpent, DPPlan, PrivacyLedger
 from common.files import atomic_write
+from common.generalization import architecture_for
 from models.base import SplitModel
 from models.groups import MODEL_GROUPS
 
@@ -96,6 +97,10 @@ class ClientRuntime:
             ``client-state`` (message config ``client-state-dir``); empty: ``context.state``.
         trains: True for a train message (it trains the round's model), False for the others
             (evaluate), which come after the round's training (see :meth:`restore`).
+        scope: a state of its own beside the run's (message config ``state-scope``; empty: the run's):
+            its records live in ``<state folder>/<scope>/`` and under ``<scope>/<name>`` in
+            ``context.state``, so a held-out client's generalisation phase starts from nothing and
+            leaves the run's state alone (``strategies.generalization``).
     """
 
     def __init__(
@@ -105,8 +110,10 @@ class ClientRuntime:
         server_round: int | None = None,
         run_state_dir: str = "",
         trains: bool = True,
+        scope: str = "",
     ) -> None:
         self.context = context
+        self.scope = scope
         #: the message's server round (None: none given): stamps the state on disk
         self.server_round = server_round
         #: a record on disk stamped this round or later is ahead of the server (see restore)
@@ -138,6 +145,8 @@ class ClientRuntime:
             self.state_dir: Path | None = Path(str(state_dir)) / _safe(state_key) / partition
         else:  # the run folder's client-state (a simulation without state-dir), or context.state
             self.state_dir = Path(run_state_dir) / partition if run_state_dir else None
+        if scope and self.state_dir is not None:
+            self.state_dir = self.state_dir / _safe(scope)
         #: where the decoded partition is cached on disk
         self.cache_dir = str(
             node.get("cache-dir")
@@ -183,6 +192,7 @@ class ClientRuntime:
             self.cfg.seed,
             self.cfg.feature_dim,
             identical=self.cfg.init == "identical",
+            architecture=architecture_for(self.cfg, self.partition_id, self.spec.num_partitions),
         )
         self.restore(MODEL_STATE, model)
         return model.to(self.device)
@@ -208,10 +218,11 @@ class ClientRuntime:
         counts this). The ahead file is dropped (``.prev`` takes its place), so a second crash
         in the repeated round rolls back to the same state again.
         """
-        if name in self.context.state.array_records:
-            module.load_state_dict(self.context.state.array_records[name].to_torch_state_dict())
+        key = self._record(name)
+        if key in self.context.state.array_records:
+            module.load_state_dict(self.context.state.array_records[key].to_torch_state_dict())
             return True
-        known = self._stamps().get(name)
+        known = self._stamps().get(key)
         if known is not None:
             saved = self._stamped(name, known, module)
             if saved is None:
@@ -247,7 +258,7 @@ class ClientRuntime:
             if saved is None:
                 return False
             log.info("partition %d: restored '%s' of round %d from disk", self.partition_id, name, saved[0])
-            self._stamp(name, saved[0])
+            self._stamp(key, saved[0])
             self.state_restores += 1
         module.load_state_dict(saved[1])
         return True
@@ -277,17 +288,21 @@ class ClientRuntime:
             )
             log.warning("%s", reason)
             raise RuntimeError(reason)
-        path = self._state_file(name)
+        path, key = self._state_file(name), self._record(name)
         if path is None:
-            self.context.state[name] = ArrayRecord(module.state_dict())
+            self.context.state[key] = ArrayRecord(module.state_dict())
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         round_ = self.server_round or 0
-        if path.is_file() and self._stamps().get(name) != round_:
+        if path.is_file() and self._stamps().get(key) != round_:
             os.replace(path, self._state_file(name + PREVIOUS))
         saved = {"round": round_, "state": {k: v.detach().cpu() for k, v in module.state_dict().items()}}
         atomic_write(path, lambda f: torch.save(saved, f))
-        self._stamp(name, round_)
+        self._stamp(key, round_)
+
+    def _record(self, name: str) -> str:
+        """The ``context.state`` key of record ``name`` in this message's scope."""
+        return f"{self.scope}/{name}" if self.scope else name
 
     def _stamps(self) -> dict[str, int]:
         """Record name -> the round stamped on its file in ``state-dir`` (as read or written)."""

@@ -67,6 +67,7 @@ class ModelGroup:
         seed: int,
         k: int = 512,
         identical: bool = False,
+        architecture: str | None = None,
     ) -> SplitModel:
         """Build client ``partition_id``'s model, initialised from ``seed + partition_id``, or from
         ``seed`` alone with ``identical`` (run config ``init``).
@@ -74,9 +75,10 @@ class ModelGroup:
         Per client seeds make two clients of one architecture start from independent weights
         (FedGH's code, docs/methods/fedgh.md P10); ``identical`` gives every client of one architecture the
         same initial model, as HtFLlib/PFLlib (FedTGP, FedRE) do with ``manual_seed(0)`` before
-        building each. Either way every process builds the same model.
+        building each. Either way every process builds the same model. ``architecture`` overrides
+        the round-robin member (``common.generalization.architecture_for``: held-out architectures).
         """
-        arch = self.architecture_for(partition_id)
+        arch = architecture or self.architecture_for(partition_id)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed if identical else seed + partition_id)
             if arch in CNN_SHAPES:

@@ -45,6 +45,7 @@ from common.payload import ClientReply, PayloadSchema, array_record
 from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics
 from strategies.checkpoint import Checkpoints, broken_state, load_server_state, server_state
+from strategies.generalization import phase_due, run_phase
 from strategies.method import MethodBinding, Schemas
 from strategies.nodes import NodeRegistry
 from strategies.recording import PayloadRecorder
@@ -135,6 +136,7 @@ class HeteroStrategy:
             defaults.update(declared_defaults(type(self.options), cfg.method))
         self.checkpoints = Checkpoints(cfg, results, defaults)
         self.rows: list[dict[str, Any]] = []
+        self.phases = 0  # generalisation phases run by this process (strategies.generalization)
 
     # ------------------------------------------------------------------ hooks
     def global_arrays(self) -> Arrays:
@@ -165,6 +167,32 @@ class HeteroStrategy:
     def joined(self) -> None:
         """Called once the handshake knows every client, before a resume restores the server state
         (e.g. MH-pFedHN registers each client's embedding). Nothing by default."""
+
+    def admitted(self, nodes: list[int]) -> None:
+        """Called at a round boundary with the nodes of partitions that joined after the handshake
+        (``strategies.nodes.NodeRegistry.refresh``), before they are served. Nothing by default."""
+
+    def begin_generalization(self, nodes: list[int], server_round: int) -> None:
+        """Called before a generalisation phase serves the held-out ``nodes`` after round
+        ``server_round`` (``strategies.generalization``). Nothing by default."""
+
+    def end_generalization(self) -> None:
+        """Called after a generalisation phase, also when it failed. Nothing by default."""
+
+    def personalize(self, nodes: list[int], step: int, scope: str, server_round: int) -> list[ClientReply]:
+        """One personalisation round of held-out ``nodes`` in a generalisation phase after round
+        ``server_round``: by default the method's own train message with what a client sampled in the
+        next round would receive (:meth:`train_payload` of round ``server_round + 1``), its reply not
+        used by the server. ``step`` (1, 2, ...) is the message's round in the client's fresh state
+        ``scope``. Returns the valid train replies (with their evaluation when
+        ``evaluate_in_train``). Methods whose new clients get something else override it, leaving
+        the server's state unchanged."""
+        config = self.generalization_config(step)
+        messages = [
+            self.transport.message("train", n, self.train_payload(n, server_round + 1), config, step, scope)
+            for n in nodes
+        ]
+        return self.transport.validate("train", self.transport.exchange(messages))
 
     def run_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
         """One training round: one train exchange with the sampled clients, then :meth:`server_update`.
@@ -216,6 +244,7 @@ class HeteroStrategy:
         self.registry.handshake(self.transport)
         if self.results is not None:
             self.results.num_clients = len(self.registry.nodes)
+            self.results.held_out_partitions = self.registry.held_out_partitions
         self.joined()
         self.log_settings()
         first = self.resume() + 1
@@ -242,7 +271,9 @@ class HeteroStrategy:
         before = self.counters.traffic.copy()
         t0 = time.perf_counter()
         self.counters.begin_round()
-        self.registry.refresh(self.transport)
+        admitted = self.registry.refresh(self.transport)
+        if admitted:
+            self.admitted(admitted)
         before_state = copy.deepcopy(self.server_state())
         train_metrics, replies = self.run_round(server_round)
         if self.dp.enabled:
@@ -268,10 +299,12 @@ class HeteroStrategy:
         )
         stop = patience_exhausted([*self.rows, row], self.cfg.stop_patience, self.cfg.stop_metric)
         last = server_round == self.cfg.num_server_rounds
-        if self.dp.enabled and not last and len(row["dp_exhausted"]) == len(self.registry.nodes):
+        if self.dp.enabled and not last and len(row["dp_exhausted"]) == len(self.registry.training_nodes):
             stop = "every client's privacy budget (dp.epsilon) is spent"
         if stop:
             row["stop_reason"] = stop
+        if phase_due(self, server_round, last or bool(stop)):
+            row.update(run_phase(self, server_round))
         self.rows.append(row)
         if self.results is not None:
             self.results.write_round(row)
@@ -307,7 +340,7 @@ class HeteroStrategy:
         if not self.is_eval_round(server_round):
             return None
         done = {r.node_id for r in evaluated}
-        targets = self.registry.nodes if self.cfg.eval_clients == "all" else self.registry.sampled
+        targets = self.registry.training_nodes if self.cfg.eval_clients == "all" else self.registry.sampled
         config = ConfigRecord({"server-round": server_round})
         messages = [
             self.transport.message("evaluate", node, self.eval_payload(node, server_round), config, server_round)
@@ -368,6 +401,13 @@ class HeteroStrategy:
     def is_eval_round(self, server_round: int) -> bool:
         """Every ``eval-every`` rounds, and the last round."""
         return server_round % self.cfg.eval_every == 0 or server_round == self.cfg.num_server_rounds
+
+    def generalization_config(self, step: int) -> ConfigRecord:
+        """The training settings of a held-out client's personalisation round ``step``: as
+        :meth:`train_config`, evaluating right after training when ``evaluate_in_train``, never recorded."""
+        config = self.train_config(step)
+        config["evaluate"], config["record"] = self.evaluate_in_train, False
+        return config
 
     def train_config(self, server_round: int) -> ConfigRecord:
         """The training settings sent with every train instruction (:func:`train_config`); ``evaluate``

@@ -20,6 +20,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message
 
 from common.config import ConfigError, RunConfig
+from common.generalization import generalization_options
 from common.metrics import CONFIG_ERROR_KEY, CONFIG_ERROR_RECORD, MAX_ERROR_CHARS, PARTITION_ID
 from common.payload import ClientReply, short
 from strategies.records import RoundCounters
@@ -64,10 +65,19 @@ class NodeRegistry:
         self.outsiders: set[int] = set()  # nodes that hold a partition outside this run: not asked again
         #: nodes whose privacy budget is spent (run config dp.epsilon): never sampled again
         self.exhausted: set[int] = set()
+        self.generalization = generalization_options(cfg)
+        #: N, the run's partitions, once the handshake has learnt it
+        self.num_partitions = 0
+        #: nodes of held-out partitions (run config generalization.held-out-clients): never sampled to train
+        self.held_out: set[int] = set()
 
     def handshake(self, transport: Transport) -> None:
-        """Learn every client of the run: its node, partition id and data sizes, and the run's size N,
+        """Learn the clients of the run: their node, partition id and data sizes, and the run's size N,
         asking through ``transport`` on its grid.
+
+        The run starts once every training partition has answered (the held-out ones of run config
+        ``generalization.held-out-clients`` need not), or once ``min-clients`` of them have when that
+        is set; a partition that answers later joins at a round boundary (:meth:`refresh`).
 
         N is run config ``num-clients``, or with ``num-clients`` = 0 the ``num-partitions`` the nodes
         report (Flower gives each simulated SuperNode ``partition-id`` and ``num-partitions``; a
@@ -114,7 +124,7 @@ class NodeRegistry:
         claims: dict[int, tuple[int, int]] = {}  # node id -> (partition id, num-partitions) of a valid reply
         errors: dict[int, tuple[int | None, str]] = {}  # node id -> (partition id, error) it reported
         asked: set[int] = set()
-        while wanted is None or len(by_partition) < wanted:
+        while wanted is None or self._trainers(by_partition, wanted) < self._needed(wanted):
             if time.monotonic() > deadline:
                 size = (
                     f"num-clients={wanted}"
@@ -170,11 +180,35 @@ class NodeRegistry:
                     max((m.get("app-start-seconds", 0.0) for m in self.clients.values()), default=0.0),
                     max((m.get("data-seconds", 0.0) for m in self.clients.values()), default=0.0),
                 )
-            if wanted is None or len(by_partition) < wanted:
+            if wanted is None or self._trainers(by_partition, wanted) < self._needed(wanted):
                 time.sleep(NODE_POLL_SECONDS)
+        self.num_partitions = wanted
         self.nodes = [by_partition[p] for p in sorted(by_partition)]
+        self.held_out = {n for p, n in by_partition.items() if self.generalization.is_held_out(p, wanted)}
         self.connected = set(self.nodes)
         log.info("Handshake: %d clients, partitions %s", len(self.nodes), sorted(by_partition))
+        if self.held_out_partitions:
+            log.info("Held out (run config generalization.held-out-clients): partitions %s", self.held_out_partitions)
+
+    def _trainers(self, by_partition: dict[int, int], num_partitions: int) -> int:
+        """How many of ``by_partition``'s partitions train (are not held out)."""
+        return sum(not self.generalization.is_held_out(p, num_partitions) for p in by_partition)
+
+    def _needed(self, num_partitions: int) -> int:
+        """Training partitions the handshake waits for: all of them, or ``min-clients`` when set."""
+        trainers = num_partitions - self.generalization.count(num_partitions)
+        return min(self.cfg.min_clients, trainers) if self.cfg.min_clients else trainers
+
+    @property
+    def held_out_partitions(self) -> list[int]:
+        """The held-out partition ids of the run, whether their nodes have connected or not."""
+        k = self.generalization.count(self.num_partitions) if self.num_partitions else 0
+        return list(range(self.num_partitions - k, self.num_partitions))
+
+    @property
+    def training_nodes(self) -> list[int]:
+        """The known nodes that train (not held out), in partition order."""
+        return [n for n in self.nodes if n not in self.held_out]
 
     def _federation_size(self, claims: dict[int, tuple[int, int]], settled: bool) -> int | None:
         """N from the ``(partition id, num-partitions)`` claims of the nodes that answered so far:
@@ -215,9 +249,14 @@ class NodeRegistry:
             "every node must have the same 'num-partitions'"
         )
 
-    def refresh(self, transport: Transport) -> None:
+    def refresh(self, transport: Transport) -> list[int]:
         """Track nodes leaving and (re)joining between rounds (deployment: a SuperNode restarts),
-        asking new nodes through ``transport``.
+        asking new nodes through ``transport``; returns the nodes admitted as new clients.
+
+        A node holding a partition of the run that no node has held yet (it connected after the
+        handshake, or it is a held-out partition) is admitted as a new client, after the
+        handshake's checks (its configuration or data error, the method's reply checks, its
+        ``num-partitions`` equal to the run's N), and is served from this round on.
 
         Nodes the grid no longer lists are skipped when sampled (and recorded as dropped). An
         unknown node is asked once for its partition id. It takes a partition over only when the
@@ -251,10 +290,16 @@ class NodeRegistry:
         for node in set(new) - answered:  # no reply, or none we can use
             misses = self.silent_nodes.get(node, (0, 0))[0] + 1
             self.silent_nodes[node] = (misses, self.refreshes + 2 ** (misses - 1))
+        admitted = []
         for reply in valid:
             self.silent_nodes.pop(reply.node_id, None)
             if any(self.clients[n][PARTITION_ID] == reply.partition_id for n in self.nodes):
                 self.claims[reply.node_id] = reply.metrics
+            elif 0 <= reply.partition_id < self.num_partitions and reply.metrics.get("num-partitions") == (
+                self.num_partitions
+            ):
+                self.admit(reply)
+                admitted.append(reply.node_id)
             else:
                 self.outsiders.add(reply.node_id)
                 log.warning(
@@ -277,15 +322,31 @@ class NodeRegistry:
             del self.claims[node]
             self.clients[node] = metrics
             log.info("Partition %d rejoined as node %s (was %s)", metrics[PARTITION_ID], node, self.nodes[index])
+            if self.nodes[index] in self.held_out:
+                self.held_out = (self.held_out - {self.nodes[index]}) | {node}
             self.nodes[index] = node
+        return admitted
+
+    def admit(self, reply: ClientReply) -> None:
+        """Add a new client (a valid query reply) in partition order; it may be held out."""
+        self.clients[reply.node_id] = reply.metrics
+        self.nodes = sorted([*self.nodes, reply.node_id], key=lambda n: self.clients[n][PARTITION_ID])
+        held_out = self.generalization.is_held_out(reply.partition_id, self.num_partitions)
+        if held_out:
+            self.held_out.add(reply.node_id)
+        log.info(
+            "Partition %d joined as node %s%s", reply.partition_id, reply.node_id, " (held out)" if held_out else ""
+        )
 
     def sample(self) -> list[int]:
         """This round's clients: K of the known nodes, seeded, returned in partition-id order.
 
-        Clients whose privacy budget is spent (:meth:`exhaust`) are not candidates: the others take
-        their places (fewer than K once fewer remain). Without DP the draw is over every node."""
-        candidates = [n for n in self.nodes if n not in self.exhausted]
-        k = min(sample_size(self.cfg.fraction_train, len(self.nodes)), len(candidates))
+        K counts the run's training partitions (N minus the held-out ones). Held-out clients are never
+        candidates, nor are clients whose privacy budget is spent (:meth:`exhaust`): the others take
+        their places (fewer than K once fewer remain, e.g. before late partitions have joined)."""
+        candidates = [n for n in self.training_nodes if n not in self.exhausted]
+        trainers = self.num_partitions - len(self.held_out_partitions) if self.num_partitions else len(self.nodes)
+        k = min(sample_size(self.cfg.fraction_train, trainers), len(candidates))
         chosen = self.rng.choice(len(candidates), size=k, replace=False)
         self.sampled = [candidates[i] for i in sorted(chosen)]
         # sampling is over all partitions, so a disconnected client does not shift the RNG stream;

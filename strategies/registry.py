@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from functools import lru_cache
 
-from common import dp
+from common import dp, generalization
 from common.config import ConfigError, RunConfig
 from common.options import option_defaults, option_rows, option_table
 from strategies import fd, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml, lg_fedavg, local, mh_pfedhn
@@ -32,8 +32,13 @@ METHODS: dict[str, Method] = {
         fd.METHOD,
     )
 }
-#: every option table of the run config: each method's, and the differential privacy keys every method shares
-OPTION_TABLES: dict[str, type] = {**{name: m.options for name, m in METHODS.items()}, dp.TABLE: dp.DPOptions}
+#: every option table of the run config: each method's, and the keys every method shares (differential
+#: privacy, held-out clients)
+OPTION_TABLES: dict[str, type] = {
+    **{name: m.options for name, m in METHODS.items()},
+    dp.TABLE: dp.DPOptions,
+    generalization.TABLE: generalization.GeneralizationOptions,
+}
 
 
 def method_of(cfg: RunConfig) -> Method:

@@ -19,6 +19,7 @@ from flwr.app import ConfigRecord, Message
 from flwr.serverapp import Grid
 
 from common.config import RunConfig
+from common.generalization import architecture_for
 from common.metrics import (
     DEVICE_KEYS,
     DEVICE_RECORD,
@@ -31,7 +32,6 @@ from common.metrics import (
     declared_metrics,
 )
 from common.payload import ClientReply, PayloadError, clip_outlier_rows, read_payload, tensor_bytes
-from models.groups import MODEL_GROUPS
 from strategies.method import Schemas
 from strategies.recording import PayloadRecorder
 from strategies.records import RoundCounters
@@ -44,6 +44,8 @@ PULL_SECONDS = 0.05
 REASON_CHARS = 300
 #: message config key: the run folder's client-state folder, for clients without any state-dir
 CLIENT_STATE_DIR = "client-state-dir"
+#: message config key: a state of the client's own beside its run state (``common.runtime.ClientRuntime``)
+STATE_SCOPE = "state-scope"
 
 
 class ReplyRules(Protocol):
@@ -103,16 +105,29 @@ class Transport:
         self.grid, self.state_key, self.client_state_dir, self.window = grid, state_key, client_state_dir, window
 
     def message(
-        self, message_type: str, node_id: int, arrays: Mapping[str, np.ndarray], config: ConfigRecord, server_round: int
+        self,
+        message_type: str,
+        node_id: int,
+        arrays: Mapping[str, np.ndarray],
+        config: ConfigRecord,
+        server_round: int,
+        scope: str = "",
     ) -> Message:
         """A message to one node: its payload (checked against the schema) plus ``config``; in a recorded
-        round the payload is also written to the run folder (``strategies.recording``)."""
+        round the payload is also written to the run folder (``strategies.recording``). A ``scope``
+        (message config ``state-scope``) gives the client a state of its own beside its run state
+        (``common.runtime.ClientRuntime``: a held-out client's generalisation phase); such messages are
+        never recorded."""
         content = self.rules.schemas[message_type][0].to_record(arrays)
-        if self.recorder is not None and node_id in self.clients:
+        if self.recorder is not None and node_id in self.clients and not scope:
             self.recorder.download(server_round, self.clients[node_id][PARTITION_ID], message_type, arrays)
-        extra = {CLIENT_STATE_DIR: self.client_state_dir} if self.client_state_dir else {}
+        extra: dict[str, str] = {CLIENT_STATE_DIR: self.client_state_dir} if self.client_state_dir else {}
+        if scope:
+            extra[STATE_SCOPE] = scope
         content["config"] = ConfigRecord({**dict(config), "state-key": self.state_key, **extra})
-        return Message(content, dst_node_id=node_id, message_type=message_type, group_id=str(server_round))
+        # a scoped message's group is not a round number: its reply is not recorded either
+        group = f"{scope}-{server_round}" if scope else str(server_round)
+        return Message(content, dst_node_id=node_id, message_type=message_type, group_id=group)
 
     def exchange(self, messages: Iterable[Message], timeout: float | None = None) -> list[Message]:
         """Send ``messages``, wait for the replies (at most ``timeout`` s, default ``round-timeout``),
@@ -278,17 +293,18 @@ class Transport:
         category = _category(message.metadata.message_type)
         if known is None or category not in ("train", "evaluate"):
             return 0.0
-        arch = MODEL_GROUPS[self.cfg.model_group].architecture_for(known[PARTITION_ID])
+        arch = architecture_for(self.cfg, known[PARTITION_ID], known["num-partitions"])
         examples = known.get("num-train" if category == "train" else "num-test", 0)
         return float(examples) * self.counters.seconds_per_image.get(arch, 1.0)
 
     def _count_work(self, replies: list[ClientReply]) -> None:
         """Add the replies' training images (``num-examples`` x ``local-epochs``) and ``train-seconds``
         to the round's work under each client's architecture (its model group's, by partition)."""
-        group = MODEL_GROUPS[self.cfg.model_group]
         for r in replies:
             if "train-seconds" in r.metrics and "num-examples" in r.metrics:
-                work = self.counters.round_work.setdefault(group.architecture_for(r.partition_id), [0.0, 0.0])
+                known = self.clients[r.node_id]
+                arch = architecture_for(self.cfg, r.partition_id, known["num-partitions"])
+                work = self.counters.round_work.setdefault(arch, [0.0, 0.0])
                 work[0] += float(r.metrics["num-examples"]) * self.cfg.local_epochs
                 work[1] += float(r.metrics["train-seconds"])
 

@@ -1,0 +1,92 @@
+"""The generalisation phase: clients that never trained are served what a new client gets.
+
+Run config table ``[generalization]`` (``common.generalization``) holds partitions out of training.
+Every ``generalization.every`` rounds and after the last round (or the round ``stop-patience`` ends
+the run on), :func:`run_phase` serves each connected held-out client for ``generalization.rounds``
+personalisation rounds through the strategy's hooks ``begin_generalization``, ``personalize`` and
+``end_generalization`` (``strategies.base.HeteroStrategy``), and evaluates it on its own test split
+before the first and after each. Each phase runs under a state scope of its own (message config ``state-scope``), so a
+held-out client starts every phase from nothing and the run's state is never touched; the server's
+state is left as it was (the method's hooks must not change it). The phase's bytes are reported
+apart from the training's (row keys ``heldout_bytes_*``), so a run's training traffic is the same
+with and without held-out clients.
+
+Source: MH-pFedHN (NeurIPS 2025) §4.4 and Figures 3-5 (held-out clients solid, training clients
+dashed); docs/generalization.md.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from flwr.app import ConfigRecord
+
+from strategies.records import aggregate_evaluation, evaluated_in_train
+
+if TYPE_CHECKING:
+    from strategies.base import HeteroStrategy
+
+
+def phase_due(strategy: HeteroStrategy, server_round: int, last: bool) -> bool:
+    """True when a generalisation phase follows round ``server_round``: held-out clients are set and it
+    is a multiple of ``generalization.every`` (> 0) or the run's ``last`` round."""
+    opts = strategy.registry.generalization
+    return opts.enabled and (last or (opts.every > 0 and server_round % opts.every == 0))
+
+
+def run_phase(strategy: HeteroStrategy, server_round: int) -> dict[str, Any]:
+    """One generalisation phase after round ``server_round``: the row keys it adds.
+
+    Returns:
+        ``heldout_partitions`` (the run's held-out partition ids), ``heldout_clients`` (held-out
+        clients connected and served), ``heldout_accuracy_mean`` / ``_weighted`` (fractions after the
+        last personalisation round; None when no held-out client answered), ``heldout_curve_mean`` /
+        ``_weighted`` (before any personalisation, then after each round: ``rounds`` + 1 values),
+        ``heldout_accuracy_per_client``
+        (partition id -> fraction, last round), ``heldout_bytes_up`` / ``_down`` (payload bytes of
+        the phase, every message category), ``heldout_seconds``.
+    """
+    registry, transport, counters = strategy.registry, strategy.transport, strategy.counters
+    nodes = [n for n in registry.nodes if n in registry.held_out and n in registry.connected]
+    strategy.phases += 1  # a phase repeated for the same round (a test, a resumed run) starts afresh too
+    scope = f"heldout-{strategy.phases}-round-{server_round}"
+    before = counters.traffic.copy()
+    start = time.perf_counter()
+    curve_mean: list[float | None] = []
+    curve_weighted: list[float | None] = []
+    evaluation: dict[str, Any] = {}
+    strategy.begin_generalization(nodes, server_round)
+    try:
+        for step in range(registry.generalization.rounds + 1):  # step 0: what a new client gets, untouched
+            replies = strategy.personalize(nodes, step, scope, server_round) if nodes and step else []
+            evaluated = evaluated_in_train(replies)
+            done = {r.node_id for r in evaluated}
+            config = ConfigRecord({"server-round": step})
+            messages = [
+                transport.message("evaluate", n, strategy.eval_payload(n, server_round), config, step, scope)
+                for n in nodes
+                if n not in done
+            ]
+            record = aggregate_evaluation(transport.validate("evaluate", transport.exchange(messages)) + evaluated)
+            evaluation = dict(record) if record is not None else {}
+            curve_mean.append(evaluation.get("accuracy-mean"))
+            curve_weighted.append(evaluation.get("accuracy-weighted"))
+    finally:
+        strategy.end_generalization()
+    traffic = counters.traffic - before
+    counters.traffic = before  # the run's training traffic stays what it is without held-out clients
+    return {
+        "heldout_partitions": registry.held_out_partitions,
+        "heldout_clients": len(nodes),
+        "heldout_accuracy_mean": curve_mean[-1],
+        "heldout_accuracy_weighted": curve_weighted[-1],
+        "heldout_curve_mean": curve_mean,
+        "heldout_curve_weighted": curve_weighted,
+        "heldout_accuracy_per_client": dict(
+            zip((str(p) for p in evaluation.get("partition-ids", [])), evaluation.get("accuracy-per-client", []))
+        ),
+        "heldout_bytes_up": sum(v for k, v in traffic.items() if k.endswith("_bytes_up")),
+        "heldout_bytes_down": sum(v for k, v in traffic.items() if k.endswith("_bytes_down")),
+        "heldout_seconds": time.perf_counter() - start,
+    }
