@@ -33,6 +33,7 @@ reconnects under a new node id keeps its embedding.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -140,7 +141,8 @@ class HyperNetwork(nn.Module):
     """h(v; φ): trunk φ_f, heads φ_H[tau] keyed by chunk count, private embeddings (section 4, Eq. 3).
 
     ``register(key, K)`` adds a client: an embedding [ceil(K/B), D_e] ~ Normal(0, std) and,
-    when its tau is new, a head. ``generate(key)`` gives that client's flat weights [K].
+    when its tau is new, a head (or a head of its own name, ``head``: a new architecture of a
+    generalisation phase, §4.4). ``generate(key)`` gives that client's flat weights [K].
     """
 
     def __init__(self, opts: HNOptions) -> None:
@@ -153,13 +155,15 @@ class HyperNetwork(nn.Module):
         self.heads = nn.ModuleDict()
         self.embeddings = nn.ParameterDict()
         self.sizes: dict[str, int] = {}  # key -> K
+        self.head_names: dict[str, str] = {}  # key -> name of its head in ``heads``
 
     def tau(self, num_params: int) -> int:
         """Chunk count ceil(K / B)."""
         return -(-num_params // self.opts.chunk_size)
 
-    def register(self, key: str, num_params: int) -> list[nn.Parameter]:
-        """Add client ``key`` with K = ``num_params``; returns the new parameters (for the optimiser).
+    def register(self, key: str, num_params: int, head: str | None = None) -> list[nn.Parameter]:
+        """Add client ``key`` with K = ``num_params``, on the head of its tau or on head ``head``; returns
+        the new parameters (for the optimiser).
 
         Raises:
             ValueError: if ``key`` is known with another K.
@@ -169,16 +173,17 @@ class HyperNetwork(nn.Module):
                 raise ValueError(f"client {key} re-registered with K={num_params}, was {self.sizes[key]}")
             return []
         tau, new = self.tau(num_params), []
-        if str(tau) not in self.heads:
-            self.heads[str(tau)] = ChunkHead(tau, self.opts.hidden_dim, self.opts.chunk_size)
-            new += list(self.heads[str(tau)].parameters())
+        name = head or str(tau)
+        if name not in self.heads:
+            self.heads[name] = ChunkHead(tau, self.opts.hidden_dim, self.opts.chunk_size)
+            new += list(self.heads[name].parameters())
         self.embeddings[key] = nn.Parameter(torch.randn(tau, self.opts.embedding_dim) * self.opts.embedding_std)
-        self.sizes[key] = num_params
+        self.sizes[key], self.head_names[key] = num_params, name
         return [*new, self.embeddings[key]]
 
     def head_of(self, key: str) -> ChunkHead:
-        """The head client ``key`` shares with every client of the same tau."""
-        return self.heads[str(self.tau(self.sizes[key]))]
+        """The head client ``key`` shares with every client of the same tau (or its own named head)."""
+        return self.heads[self.head_names[key]]
 
     def generate(self, key: str) -> torch.Tensor:
         """θ = [W_1 g(v[1]) + b_1; ...; W_tau g(v[tau]) + b_tau][:K], float32 [K] (Eq. 3), with graph."""
@@ -222,6 +227,14 @@ class MHpFedHNStrategy(HeteroStrategy):
             self.hn = HyperNetwork(self.options)
         # fused: one kernel over all tensors, ~4x faster than the per-tensor loop on CPU (same maths)
         self.optimizer = Adam(self.hn.trunk.parameters(), lr=self.options.server_lr, fused=True)
+        #: during a generalisation phase: a copy of the hypernetwork with the held-out clients' new
+        #: embeddings (and new heads), and the optimiser of only those (:meth:`begin_generalization`)
+        self.phase: tuple[HyperNetwork, torch.optim.Optimizer] | None = None
+
+    @property
+    def serving(self) -> HyperNetwork:
+        """The hypernetwork that generates clients' weights: the phase's copy during a generalisation phase."""
+        return self.phase[0] if self.phase is not None else self.hn
 
     # ----------------------------------------------------------- registry
     def key(self, node_id: int) -> str:
@@ -229,15 +242,60 @@ class MHpFedHNStrategy(HeteroStrategy):
         return f"p{self.registry.clients[node_id]['partition-id']}"
 
     def joined(self) -> None:
-        """Every client's K_i registered after the handshake (embedding, head if tau is new).
+        """Every training client's K_i registered after the handshake (embedding, head if tau is new);
+        held-out clients get theirs in each generalisation phase only.
 
         Raises:
             RuntimeError: a client did not report a positive integer ``num-params``.
         """
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed + 1)
-            for node in self.registry.nodes:
+            for node in self.registry.training_nodes:
                 self.register(self.key(node), self._reported(node, "num-params"))
+
+    def admitted(self, nodes: list[int]) -> None:
+        """A training client that joined after the handshake is registered as at the handshake, its
+        embedding drawn from the run's seed and its partition id."""
+        for node in nodes:
+            if node in self.registry.held_out:
+                continue
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.cfg.seed + 1 + 7919 * (1 + self.registry.clients[node]["partition-id"]))
+                self.register(self.key(node), self._reported(node, "num-params"))
+
+    def begin_generalization(self, nodes: list[int], server_round: int) -> None:
+        """§4.4's protocol on a copy of the hypernetwork, the trained one frozen and untouched: every
+        held-out client gets a new embedding (drawn from the run's seed and ``server_round``); one whose
+        K_i no training client has (a new architecture) also gets a new head of its own. Only these are
+        optimised (Adam, ``server-lr``) by :meth:`personalize`."""
+        copy_ = copy.deepcopy(self.hn).requires_grad_(False)
+        trained = {self.hn.sizes[self.key(n)] for n in self.registry.training_nodes if self.key(n) in self.hn.sizes}
+        params: list[nn.Parameter] = []
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.seed + 3 + server_round)
+            for node in nodes:
+                size = self._reported(node, "num-params")
+                head = None if size in trained else f"new-{self.key(node)}"
+                params += copy_.register(self.key(node), size, head=head)
+        self.phase = (copy_, Adam(params, lr=self.options.server_lr) if params else None)
+
+    def end_generalization(self) -> None:
+        self.phase = None
+
+    def personalize(self, nodes: list[int], step: int, scope: str, server_round: int) -> list[ClientReply]:
+        """One personalisation round: each held-out client trains from its generated weights and its
+        reply steps only its embedding (and new head) on the phase's copy, in a random order."""
+        config = self.personal_config(step)
+        config["record"] = False
+        hn, optimizer = self.phase
+        messages = [self.transport.message("train", n, self.weights_for(n), config, step, scope) for n in nodes]
+        replies = {r.node_id: r for r in self.transport.validate("train", self.transport.exchange(messages))}
+        order = np.random.default_rng([self.cfg.seed, server_round, step]).permutation(len(nodes))
+        for node in [nodes[i] for i in order]:
+            if node in replies:
+                delta = torch.from_numpy(replies[node].arrays["delta_theta"])
+                hn_step(hn, optimizer, self.key(node), delta, self.options.server_clip_norm)
+        return [replies[n] for n in nodes if n in replies]
 
     @cached_property
     def max_params(self) -> int:
@@ -289,8 +347,9 @@ class MHpFedHNStrategy(HeteroStrategy):
     def reply_dims(self, node_id: int) -> dict[str, int]:
         """``K`` = the node's registered parameter count (and ``G`` = K_g for GD), once registered."""
         dims = dict(self.dims)
-        if node_id in self.registry.clients and self.key(node_id) in self.hn.sizes:
-            dims["K"] = self.hn.sizes[self.key(node_id)]
+        hn = self.serving
+        if node_id in self.registry.clients and self.key(node_id) in hn.sizes:
+            dims["K"] = hn.sizes[self.key(node_id)]
         if GLOBAL_KEY in self.hn.sizes:
             dims["G"] = self.hn.sizes[GLOBAL_KEY]
         return dims
@@ -298,7 +357,7 @@ class MHpFedHNStrategy(HeteroStrategy):
     def weights_for(self, node_id: int) -> dict[str, np.ndarray]:
         """``theta`` = h(v_i; φ) at the current φ, a detached float32 copy [K_i]."""
         with torch.no_grad():
-            return {"theta": self.hn.generate(self.key(node_id)).numpy().copy()}
+            return {"theta": self.serving.generate(self.key(node_id)).numpy().copy()}
 
     def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
         """The post-round generated weights: the evaluated model (section 6)."""
@@ -406,6 +465,17 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
         config["kd-alpha"] = self.options.kd_alpha
         config["kd-temperature"] = self.options.kd_temperature
         return config
+
+    def personalize(self, nodes: list[int], step: int, scope: str, server_round: int) -> list[ClientReply]:
+        """MH-pFedHN's personalisation round, after a global phase whose only use is the clients' teacher:
+        w_g of the frozen hypernetwork is sent, and the replies' ``delta_w_g`` are not used."""
+        config = self.train_config(step)
+        config["record"] = False
+        with torch.no_grad():
+            w_g = self.serving.generate(GLOBAL_KEY).numpy().copy()
+        messages = [self.transport.message("train.global", n, {"w_g": w_g}, config, step, scope) for n in nodes]
+        self.transport.validate("train.global", self.transport.exchange(messages))
+        return super().personalize(nodes, step, scope, server_round)
 
     def run_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
         """Global phase (one HN step from the data-weighted mean delta), then the personal phase."""
