@@ -65,3 +65,33 @@ def test_tls_auth_deployment_survives_a_killed_and_restarted_supernode(tmp_path)
     for i in range(3):
         assert list((tmp_path / f"state-{i}").glob("*/partition-*/model.pt"))
     print("deployment round seconds:", [round(r["round_seconds"], 1) for r in rows])
+
+
+def test_a_supernode_started_after_round_1_joins_the_running_federation(tmp_path):
+    """Run config ``min-clients`` = 2 of ``num-clients`` = 3: the run starts with two SuperNodes; the
+    third, started once round 1 is written, is registered at a later round boundary and trains from then on."""
+    out = tmp_path / "outputs"
+    with LoopbackDeployment(tmp_path, 3, DATA_DIR) as deployment:
+        deployment.start(started=2)
+        run_config = {
+            "method": "fedproto",
+            "num-clients": 3,
+            "min-clients": 2,
+            "num-server-rounds": 6,
+            "max-examples-per-client": 200,
+            "batch-size": 32,
+            "data-dir": str(DATA_DIR),
+            "output-dir": str(out),
+            "round-timeout": 90.0,
+        }
+        run_id = deployment.submit(run_config)
+        wait_for(lambda: len(rows_of(out)) >= 1, 400, "round 1")
+        deployment.supernode(2)
+        assert deployment.finished(run_id, 600) == "finished:completed"
+
+    rows = rows_of(out)
+    assert rows[0]["num_clients"] == 2 and set(rows[0]["accuracy_per_client"]) == {"0", "1"}
+    joined = [r["round"] for r in rows if "2" in r["accuracy_per_client"]]
+    assert joined and joined == list(range(joined[0], 7)), joined  # from the round it joined to the last
+    assert all(r["num_clients"] == 3 for r in rows if r["round"] >= joined[0])
+    print("partition 2 joined in round", joined[0])

@@ -72,8 +72,9 @@ class LoopbackDeployment:
         except OSError:
             return False
 
-    def start(self) -> LoopbackDeployment:
-        """Start the SuperLink, register the nodes' keys, start the SuperNodes.
+    def start(self, started: int | None = None) -> LoopbackDeployment:
+        """Start the SuperLink, register the nodes' keys, start the SuperNodes (only the first ``started``
+        of them when given: the others can join later with :meth:`supernode`).
 
         Raises:
             TimeoutError: the SuperLink did not become healthy within 60 s.
@@ -90,7 +91,7 @@ class LoopbackDeployment:
         self.registered = register_nodes(
             [public for _, public in self.keys[: self.num_nodes]], CONNECTION, env=self.env
         )
-        for i in range(self.num_nodes):
+        for i in range(self.num_nodes if started is None else started):
             self.supernode(i)
         return self
 
