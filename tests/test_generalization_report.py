@@ -1,0 +1,52 @@
+"""tools.generalization_report on two small synthetic grids with held-out phases: numbers, verdicts, figures,
+and regeneration from the copies alone."""
+
+import json
+
+import pytest
+from test_report import write_grid
+
+from tools.generalization_report import main
+
+#: method -> (held-out personalisation curve of the last phase per seed 0, 1)
+CURVES = {"fedre": ([0.2, 0.5, 0.9], [0.3, 0.6, 0.7]), "local": ([0.1, 0.2, 0.3], [0.1, 0.3, 0.4])}
+
+
+def add_phases(grid):
+    for method, curves in CURVES.items():
+        for seed, curve in enumerate(curves):
+            cell = next(grid.glob(f"{method}-seed{seed}/*"))
+            rows = [json.loads(line) for line in (cell / "metrics.jsonl").read_text().splitlines()]
+            rows[-1].update(
+                heldout_curve_mean=curve, heldout_accuracy_mean=curve[-1], heldout_bytes_up=10, heldout_bytes_down=30
+            )
+            (cell / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_held_out_numbers_and_figures_regenerate_from_the_copies(tmp_path, small_config):
+    write_grid(tmp_path / "homo", small_config)
+    add_phases(tmp_path / "homo")
+    out = tmp_path / "results"
+    assert main([str(out), "--grid", f"homogeneous={tmp_path / 'homo'}"]) == 0
+    text = (out / "report.md").read_text()
+    # fedre: training finals 0.9 - 0.1 and 0.86 - 0.1 (test_report.ACC); held-out 0.9, 0.7; new 0.2, 0.3
+    assert "| fedre | 0,1 | 78.00 ± 2.83 | 25.00 ± 7.07 | 80.00 ± 14.14 | 2, - | 40 |" in text
+    assert "| local | 0,1 | 66.50 ± 2.12 | 10.00 ± 0.00 | 35.00 ± 7.07 | -, - | 40 |" in text
+    assert "not run" in text  # no hypernetwork method in this grid
+    for name in ("generalization_homogeneous.png", "personalization_homogeneous.png"):
+        assert (out / name).stat().st_size > 10_000
+    (out / "report.md").unlink()
+    assert main([str(out)]) == 0
+    assert (out / "report.md").read_text() == text
+
+
+def test_a_bad_setting_is_refused(tmp_path, small_config):
+    write_grid(tmp_path / "homo", small_config)
+    assert main([str(tmp_path / "out"), "--grid", f"a/b={tmp_path / 'homo'}"]) == 2
+
+
+@pytest.fixture
+def small_config():
+    from test_report import small_config as config
+
+    return config.__wrapped__()

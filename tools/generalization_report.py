@@ -1,0 +1,233 @@
+"""Clients that never trained: training against held-out accuracy, per method and setting, over grids.
+
+Usage (from the repository root)::
+
+    uv run --frozen python -m tools.generalization_report results/generalization \\
+        --grid homogeneous=outputs/grids/generalization-cifar10-mh-lenet \\
+        --grid heterogeneous=outputs/grids/generalization-cifar10-hetero-cnn5
+    uv run --frozen python -m tools.generalization_report results/generalization   # from the copies
+
+Each ``--grid <setting>=<folder>`` is a ``tools.grid`` folder of a preset with held-out clients (run
+config ``generalization.*``, docs/generalization.md). Its ``grid.json`` and each cell's newest
+``metrics.jsonl`` and ``summary.json`` are copied to ``<folder>/<setting>/`` (``tools.report.copy_runs``),
+so the report is regenerated from the copies alone. Writes ``<folder>/report.md`` and per setting
+``generalization_<setting>.png`` (accuracy against round: training clients dashed, held-out clients
+solid, as MH-pFedHN's Figures 3-5) and ``personalization_<setting>.png`` (the last phase's held-out
+accuracy against its personalisation rounds).
+
+Per method and setting, over its seeds (mean ± sample std, percent, unweighted over clients): the
+training clients' final accuracy (last evaluated round), the held-out clients' accuracy after the
+last phase's personalisation and before it (what a new client gets), the personalisation rounds
+the held-out clients took to reach the training clients' final accuracy (per seed; ``-``: not
+within the phase), and the bytes of the last phase. Then the verdicts on MH-pFedHN's claims (§4.4):
+MH-pFedHNGD generalises better than MH-pFedHN, and both beat the baselines on held-out clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from common.errors import ConfigError  # noqa: E402
+from tools.report import Cell, copy_runs, load_grid, mean_std, method_colors, pct  # noqa: E402
+
+#: MH-pFedHN's methods and the claims of its §4.4 the verdicts test
+HYPERNETWORKS = ("mh-pfedhn", "mh-pfedhngd")
+CLAIMS = {
+    "gd": "MH-pFedHNGD generalises better than MH-pFedHN (§4.4, Figures 3-4)",
+    "baselines": "MH-pFedHN and MH-pFedHNGD beat the baselines on held-out clients, by up to 20 % (homogeneous "
+    "models) and up to 50 % (heterogeneous models) (§4.4)",
+}
+
+
+def last_phase(cell: Cell) -> dict[str, Any] | None:
+    """The row of the cell's last generalisation phase (None: the run had none)."""
+    phases = [r for r in cell.rows if r.get("heldout_curve_mean")]
+    return phases[-1] if phases else None
+
+
+def rounds_to_level(cell: Cell) -> int | None:
+    """Personalisation rounds of the last phase until the held-out clients' mean accuracy reaches the
+    training clients' final mean accuracy (0: before any); None when it never does."""
+    phase, training = last_phase(cell), cell.curve("accuracy_mean")[1]
+    if phase is None or not len(training):
+        return None
+    return next((i for i, a in enumerate(phase["heldout_curve_mean"]) if a is not None and a >= training[-1]), None)
+
+
+def method_numbers(cells: list[Cell]) -> dict[str, Any]:
+    """The report's numbers of one method's cells (seeds) in one setting (module docstring)."""
+    phased = [(c, last_phase(c)) for c in cells if last_phase(c) is not None]
+    return {
+        "seeds": sorted(c.seed for c in cells),
+        "training": mean_std([c.curve("accuracy_mean")[1][-1] for c in cells]),
+        "heldout": mean_std([p["heldout_accuracy_mean"] for _, p in phased]) if phased else None,
+        "untouched": mean_std([p["heldout_curve_mean"][0] for _, p in phased]) if phased else None,
+        "to_level": [rounds_to_level(c) for c, _ in phased],
+        "phase_bytes": mean_std([p["heldout_bytes_up"] + p["heldout_bytes_down"] for _, p in phased])
+        if phased
+        else None,
+        "personalization": [p["heldout_curve_mean"] for _, p in phased],
+    }
+
+
+def collect(folder: Path) -> dict[str, tuple[dict, dict[str, dict[str, Any]], list[Cell]]]:
+    """setting -> (its ``grid.json``, method -> :func:`method_numbers`, its cells) over ``<folder>/*/grid.json``.
+
+    Raises:
+        ConfigError: no grid copy in ``folder``.
+    """
+    grids = sorted(p.parent for p in folder.glob("*/grid.json"))
+    if not grids:
+        raise ConfigError(f"{folder} holds no grid copy: give them with --grid <setting>=<grid folder>")
+    out = {}
+    for grid in grids:
+        info, cells = load_grid(grid)
+        by_method = {m: method_numbers([c for c in cells if c.method == m]) for m in sorted({c.method for c in cells})}
+        out[grid.name] = (info, by_method, cells)
+    return out
+
+
+def verdict_gd(stats: dict[str, dict[str, Any]]) -> str:
+    """Held-out accuracy of MH-pFedHNGD against MH-pFedHN, with the seed spread."""
+    gd, hn = (stats.get(m, {}).get("heldout") for m in ("mh-pfedhngd", "mh-pfedhn"))
+    if gd is None or hn is None:
+        return "not run"
+    diff = 100 * (gd[0] - hn[0])
+    spread = 100 * max(gd[1], hn[1])
+    word = "higher" if diff > 0 else "lower"
+    sure = "beyond" if abs(diff) > spread else "within"
+    return f"GD {word} by {abs(diff):.2f} points ({sure} the larger seed std, {spread:.2f}): " + (
+        "holds" if diff > spread else "does not hold"
+    )
+
+
+def verdict_baselines(stats: dict[str, dict[str, Any]]) -> str:
+    """Held-out accuracy of each hypernetwork method against the best baseline (Local excluded: the control)."""
+    baselines = {m: s["heldout"] for m, s in stats.items() if m not in (*HYPERNETWORKS, "local") and s["heldout"]}
+    if not baselines:
+        return "no baseline run"
+    best = max(baselines, key=lambda m: baselines[m][0])
+    parts = []
+    for method in HYPERNETWORKS:
+        mine = stats.get(method, {}).get("heldout")
+        if mine is None:
+            continue
+        diff = 100 * (mine[0] - baselines[best][0])
+        parts.append(f"{method} {'+' if diff >= 0 else ''}{diff:.2f} points")
+    held = all(stats[m]["heldout"][0] > baselines[best][0] for m in HYPERNETWORKS if m in stats and stats[m]["heldout"])
+    return f"against the best baseline ({best}, {pct(baselines[best])}): {', '.join(parts)}: " + (
+        "holds" if held and parts else "does not hold"
+    )
+
+
+def render(settings: dict[str, tuple[dict, dict[str, dict[str, Any]], list[Cell]]]) -> str:
+    lines = [
+        "# Clients that never trained: held-out against training accuracy",
+        "",
+        "Accuracy in percent, unweighted over clients, mean ± sample std over seeds (docs/generalization.md).",
+        "*training*: the training clients' final accuracy; *held-out, new*: the held-out clients before any",
+        "personalisation (what a new client gets); *held-out*: after the last phase's personalisation rounds;",
+        "*rounds to level*: per seed, the personalisation rounds until the held-out mean reached the training",
+        "mean (`-`: not within the phase); *phase bytes*: payload bytes of the last phase, both ways.",
+    ]
+    for setting, (info, stats, _) in settings.items():
+        overrides = ", ".join(f"{k}={v}" for k, v in info.get("overrides", {}).items()) or "none"
+        lines += [
+            "",
+            f"## {setting}: {info['preset']} (overrides: {overrides})",
+            "",
+            "| method | seeds | training | held-out, new | held-out | rounds to level | phase bytes |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for method, s in stats.items():
+            level = ", ".join("-" if r is None else str(r) for r in s["to_level"]) or "-"
+            phase_bytes = "-" if s["phase_bytes"] is None else f"{s['phase_bytes'][0]:,.0f}"
+            lines.append(
+                f"| {method} | {','.join(map(str, s['seeds']))} | {pct(s['training'])} | {pct(s['untouched'])} "
+                f"| {pct(s['heldout'])} | {level} | {phase_bytes} |"
+            )
+        lines += [
+            "",
+            f"- {CLAIMS['gd']}: {verdict_gd(stats)}.",
+            f"- {CLAIMS['baselines']}: {verdict_baselines(stats)}.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(setting: str, stats: dict[str, dict[str, Any]], cells: list[Cell], out: Path) -> None:
+    """The two figures of one setting (module docstring), means over seeds."""
+    colors = method_colors(list(stats))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for method in stats:
+        mine = [c for c in cells if c.method == method]
+        rounds = mine[0].curve("accuracy_mean")[0]
+        n = min(len(c.curve("accuracy_mean")[0]) for c in mine)
+        mean = sum(c.curve("accuracy_mean")[1][:n] for c in mine) / len(mine)
+        ax.plot(rounds[:n], 100 * mean, linestyle="--", color=colors[method], alpha=0.7)
+        phases = [
+            [(r["round"], r["heldout_accuracy_mean"]) for r in c.rows if r.get("heldout_curve_mean")] for c in mine
+        ]
+        m = min(len(p) for p in phases)
+        if m:
+            xs = [phases[0][i][0] for i in range(m)]
+            ys = [100 * sum(p[i][1] for p in phases) / len(phases) for i in range(m)]
+            ax.plot(xs, ys, linestyle="-", marker="o", color=colors[method], label=method)
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy, mean over clients (%)")
+    ax.set_title(f"{setting}: held-out clients (solid) and training clients (dashed)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / f"generalization_{setting}.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, s in stats.items():
+        curves = s["personalization"]
+        if curves:
+            n = min(len(c) for c in curves)
+            ys = [100 * sum(c[i] for c in curves) / len(curves) for i in range(n)]
+            ax.plot(range(n), ys, marker="o", color=colors[method], label=method)
+            ax.axhline(100 * s["training"][0], color=colors[method], linestyle="--", alpha=0.5)
+    ax.set_xlabel("personalisation round of the last phase (0: before any)")
+    ax.set_ylabel("held-out accuracy, mean over clients (%)")
+    ax.set_title(f"{setting}: held-out clients after the last round (dashed: training clients)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / f"personalization_{setting}.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("folder", type=Path, help="the report folder (holds <setting>/ grid copies)")
+    parser.add_argument("--grid", action="append", default=[], help="<setting>=<grid folder>")
+    args = parser.parse_args(argv)
+    try:
+        for item in args.grid:
+            setting, _, path = item.partition("=")
+            if not setting.replace("-", "").isalnum() or not Path(path).is_dir():
+                raise ConfigError(f"--grid {item!r}: give <setting>=<grid folder>, the setting a plain name")
+            if (args.folder / setting).exists():  # a stale cell of an earlier copy must not stay
+                shutil.rmtree(args.folder / setting)
+            copy_runs(Path(path), args.folder / setting)
+        settings = collect(args.folder)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    (args.folder / "report.md").write_text(render(settings))
+    for setting, (_, stats, cells) in settings.items():
+        plot(setting, stats, cells, args.folder)
+    print(f"wrote {args.folder / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
