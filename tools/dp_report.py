@@ -122,8 +122,9 @@ def collect(folder: Path) -> tuple[dict, dict[str, dict[str, dict[str, Any]]]]:
         for method in sorted({c.method for c in cells}):
             mine = [c for c in cells if c.method == method]
             spent = [r["dp_epsilon_max"] for c in mine for r in c.rows if r.get("dp_epsilon_max") is not None]
-            psnr, gray = upload_attack(attack_rows(grid, method))
-            recalls = [r["label_recall"] for r in attack_rows(grid, method) if r.get("label_recall") is not None]
+            attacks = attack_rows(grid, method)
+            psnr, gray = upload_attack(attacks)
+            recalls = [r["label_recall"] for r in attacks if r.get("label_recall") is not None]
             labels = mean_std(recalls) if recalls else None  # one recall per (round, victim): no pooling
             out.setdefault(method, {})[label] = {
                 "seeds": sorted(c.seed for c in mine),
