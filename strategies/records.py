@@ -305,7 +305,14 @@ def metric_values(values: Mapping[str, Any]) -> dict[str, Any]:
 def progress_line(row: Mapping[str, Any], rounds: int) -> str:
     acc = row["accuracy_mean"]
     acc_text = f"acc mean {acc:.4f} weighted {row['accuracy_weighted']:.4f}" if acc is not None else "acc -"
-    return (
+    line = (
         f"[round {row['round']}/{rounds}] {acc_text} | clients {row['num_clients']} | "
         f"up {row['bytes_up']} B down {row['bytes_down']} B | {row['round_seconds']:.1f} s"
     )
+    curve = row.get("heldout_curve_mean")
+    if curve and curve[0] is not None and curve[-1] is not None:  # a generalisation phase followed the round
+        line += (
+            f" | held-out {row['heldout_clients']}: acc mean {curve[0]:.4f} -> {curve[-1]:.4f} in "
+            f"{len(curve) - 1} personalisation rounds, {row['heldout_seconds']:.1f} s"
+        )
+    return line
