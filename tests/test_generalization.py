@@ -154,8 +154,14 @@ def test_a_scoped_state_leaves_the_run_state_alone(run_config):
     assert scoped.restore("model", torch.nn.Linear(2, 2))
 
 
-def test_a_partition_that_connects_after_the_handshake_joins_at_a_round_boundary(run_config):
-    rc = run_config(method="fedproto", dataset="mnist", **{"num-clients": 3, "min-clients": 2, "num-server-rounds": 3})
+@pytest.mark.parametrize(("method", "group"), [("fedproto", "hetero-cnn5"), ("mh-pfedhn", "mh-lenet")])
+def test_a_partition_that_connects_after_the_handshake_joins_at_a_round_boundary(run_config, method, group):
+    """MH-pFedHN also registers the late client's embedding before it is served."""
+    rc = run_config(
+        method=method,
+        dataset="mnist",
+        **{"model-group": group, "num-clients": 3, "min-clients": 2, "num-server-rounds": 3},
+    )
     strategy, grid = federation(rc)
     grid.gone.add(1002)
     play = strategy.play_round
@@ -171,3 +177,5 @@ def test_a_partition_that_connects_after_the_handshake_joins_at_a_round_boundary
     assert rows[0]["num_clients"] == 2 and set(rows[0]["accuracy_per_client"]) == {"0", "1"}
     assert rows[1]["num_clients"] == 3 and set(rows[-1]["accuracy_per_client"]) == {"0", "1", "2"}
     assert np.isfinite(rows[-1]["accuracy_mean"])
+    if method == "mh-pfedhn":
+        assert set(strategy.hn.embeddings) == {"p0", "p1", "p2"}
