@@ -18,24 +18,42 @@ dashed); docs/generalization.md.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import numpy as np
 from flwr.app import ConfigRecord
 
-from strategies.records import aggregate_evaluation, evaluated_in_train
+from common.payload import ClientReply
+from strategies.nodes import NodeRegistry
+from strategies.records import RoundCounters, aggregate_evaluation, evaluated_in_train
+from strategies.transport import Transport
 
-if TYPE_CHECKING:
-    from strategies.base import HeteroStrategy
+
+class HeldOutHost(Protocol):
+    """What a phase needs of its strategy (``strategies.base.HeteroStrategy`` is one)."""
+
+    registry: NodeRegistry
+    transport: Transport
+    counters: RoundCounters
+    phases: int
+
+    def begin_generalization(self, nodes: list[int], server_round: int) -> None: ...
+
+    def personalize(self, nodes: list[int], step: int, scope: str, server_round: int) -> list[ClientReply]: ...
+
+    def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]: ...
+
+    def end_generalization(self) -> None: ...
 
 
-def phase_due(strategy: HeteroStrategy, server_round: int, last: bool) -> bool:
+def phase_due(strategy: HeldOutHost, server_round: int, last: bool) -> bool:
     """True when a generalisation phase follows round ``server_round``: held-out clients are set and it
     is a multiple of ``generalization.every`` (> 0) or the run's ``last`` round."""
     opts = strategy.registry.generalization
     return opts.enabled and (last or (opts.every > 0 and server_round % opts.every == 0))
 
 
-def run_phase(strategy: HeteroStrategy, server_round: int) -> dict[str, Any]:
+def run_phase(strategy: HeldOutHost, server_round: int) -> dict[str, Any]:
     """One generalisation phase after round ``server_round``: the row keys it adds.
 
     Returns:

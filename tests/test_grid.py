@@ -40,10 +40,11 @@ def in_process(preset: Path, overrides: dict, minutes: float) -> int:
 
 def test_every_preset_parses_and_a_paper_preset_has_paper_numbers():
     """Every preset is a valid run config; a paper's preset (with a ``.paper.toml``) has its numbers. The
-    others are evaluation settings of no paper's table (the privacy evaluation's runs)."""
+    others are evaluation settings of no paper's table (the privacy evaluation's runs, the held-out clients')."""
     papers = [p for p in RUN_PRESETS if p.with_suffix(".paper.toml").is_file()]
     assert len(papers) >= 6
-    assert {p.name for p in RUN_PRESETS} - {p.name for p in papers} == {"privacy-cifar10-cnn5.toml"}
+    evaluations = {"privacy-cifar10-cnn5.toml", "generalization-cifar10-mh-lenet.toml"}
+    assert {p.name for p in RUN_PRESETS} - {p.name for p in papers} == evaluations
     defaults = app_defaults()
     for preset in RUN_PRESETS:
         config = parse_config_args([str(preset)])
@@ -78,10 +79,14 @@ def test_every_preset_runs_one_round_in_process(preset, tmp_path):
         "fedtgp.server-epochs": 2,
         "mh-pfedhn.hidden-dim": 16,
     }
+    held_out = 1 if config.get("generalization.held-out-clients") else 0
+    if held_out:  # one of the 4 clients is held out, served after the round
+        small.update({"generalization.held-out-clients": 1.0, "generalization.rounds": 1})
     assert in_process(preset, small, 0) == 0
     (run,) = tmp_path.iterdir()
     rows = read_rows(run)
-    assert len(rows) == 1 and rows[0]["num_clients"] == small["num-clients"]
+    assert len(rows) == 1 and rows[0]["num_clients"] == small["num-clients"] - held_out
+    assert rows[0].get("heldout_clients", 0) == held_out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["config"]["augment"] == config["augment"] and summary["config"]["init"] == config["init"]
 
