@@ -257,6 +257,8 @@ class HeteroStrategy:
             result.train_metrics_clientapp[server_round] = MetricRecord(metric_values(train_metrics))
             if eval_metrics is not None:
                 result.evaluate_metrics_clientapp[server_round] = eval_metrics
+        # a resumed run with no round left to play ends on its restored rows: they must have trained too
+        self.check_trained(last_round=True)
         result.arrays = array_record(self.global_arrays())
         if self.results is not None:
             self.results.finish()

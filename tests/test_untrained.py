@@ -70,6 +70,17 @@ def test_a_run_that_ends_on_untrained_rounds_is_not_completed(run_config):
     assert summary["final_round"] in (2, 3) and summary["rounds_completed"] == 3
 
 
+def test_resuming_a_run_that_ended_on_untrained_rounds_fails_again(run_config):
+    """Its checkpoint holds every round: the resumed run plays none, and ends on the same untrained rows."""
+    rc = run_config(method="local", num_server_rounds=3, max_untrained_rounds=3)
+    folder, exc = run_folder(rc, failing_train({3}))
+    assert isinstance(exc, RunFailed)
+    again = run_config(method="local", num_server_rounds=3, max_untrained_rounds=3, resume_from=str(folder))
+    strategy, grid = federation(again)
+    with pytest.raises(RunFailed, match="round 3"):
+        strategy.start(grid)
+
+
 def test_an_untrained_round_between_trained_ones_is_recorded_and_the_run_goes_on(run_config):
     rc = run_config(method="fedproto", num_server_rounds=3, max_untrained_rounds=2)
     folder, exc = run_folder(rc, failing_train({2}))
