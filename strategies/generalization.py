@@ -66,7 +66,8 @@ def run_phase(strategy: HeldOutHost, server_round: int) -> dict[str, Any]:
         the phase, every message category), ``heldout_seconds``.
     """
     registry, transport, counters = strategy.registry, strategy.transport, strategy.counters
-    nodes = [n for n in registry.nodes if n in registry.held_out and n in registry.connected]
+    held = registry.held_out
+    nodes = [n for n in registry.nodes if n in held and n in registry.connected]
     strategy.phases += 1  # a phase repeated for the same round (a test, a resumed run) starts afresh too
     scope = f"heldout-{strategy.phases}-round-{server_round}"
     before = counters.traffic.copy()

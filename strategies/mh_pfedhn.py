@@ -256,8 +256,9 @@ class MHpFedHNStrategy(HeteroStrategy):
     def admitted(self, nodes: list[int]) -> None:
         """A training client that joined after the handshake is registered as at the handshake, its
         embedding drawn from the run's seed and its partition id."""
+        held = self.registry.held_out
         for node in nodes:
-            if node in self.registry.held_out:
+            if node in held:
                 continue
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.cfg.seed + 1 + 7919 * (1 + self.registry.clients[node]["partition-id"]))

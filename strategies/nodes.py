@@ -68,8 +68,6 @@ class NodeRegistry:
         self.generalization = generalization_options(cfg)
         #: N, the run's partitions, once the handshake has learnt it
         self.num_partitions = 0
-        #: nodes of held-out partitions (run config generalization.held-out-clients): never sampled to train
-        self.held_out: set[int] = set()
 
     def handshake(self, transport: Transport) -> None:
         """Learn the clients of the run: their node, partition id and data sizes, and the run's size N,
@@ -184,7 +182,6 @@ class NodeRegistry:
                 time.sleep(NODE_POLL_SECONDS)
         self.num_partitions = wanted
         self.nodes = [by_partition[p] for p in sorted(by_partition)]
-        self.held_out = {n for p, n in by_partition.items() if self.generalization.is_held_out(p, wanted)}
         self.connected = set(self.nodes)
         log.info("Handshake: %d clients, partitions %s", len(self.nodes), sorted(by_partition))
         if self.held_out_partitions:
@@ -206,9 +203,17 @@ class NodeRegistry:
         return list(range(self.num_partitions - k, self.num_partitions))
 
     @property
+    def held_out(self) -> set[int]:
+        """The known nodes of held-out partitions (run config generalization.held-out-clients): never
+        sampled to train."""
+        held = set(self.held_out_partitions)
+        return {n for n in self.nodes if self.clients[n][PARTITION_ID] in held}
+
+    @property
     def training_nodes(self) -> list[int]:
         """The known nodes that train (not held out), in partition order."""
-        return [n for n in self.nodes if n not in self.held_out]
+        held = self.held_out
+        return [n for n in self.nodes if n not in held]
 
     def _federation_size(self, claims: dict[int, tuple[int, int]], settled: bool) -> int | None:
         """N from the ``(partition id, num-partitions)`` claims of the nodes that answered so far:
@@ -322,8 +327,6 @@ class NodeRegistry:
             del self.claims[node]
             self.clients[node] = metrics
             log.info("Partition %d rejoined as node %s (was %s)", metrics[PARTITION_ID], node, self.nodes[index])
-            if self.nodes[index] in self.held_out:
-                self.held_out = (self.held_out - {self.nodes[index]}) | {node}
             self.nodes[index] = node
         return admitted
 
@@ -332,8 +335,6 @@ class NodeRegistry:
         self.clients[reply.node_id] = reply.metrics
         self.nodes = sorted([*self.nodes, reply.node_id], key=lambda n: self.clients[n][PARTITION_ID])
         held_out = self.generalization.is_held_out(reply.partition_id, self.num_partitions)
-        if held_out:
-            self.held_out.add(reply.node_id)
         log.info(
             "Partition %d joined as node %s%s", reply.partition_id, reply.node_id, " (held out)" if held_out else ""
         )
