@@ -56,6 +56,8 @@ def test_registry_and_transport_alone_handshake_sample_and_count(run_config):
     sampled = registry.sample()
     again = NodeRegistry(registry.cfg, RoundCounters(), np.random.default_rng(registry.cfg.seed))
     again.nodes, again.connected = list(registry.nodes), set(registry.connected)
+    again.clients.update(registry.clients)
+    again.num_partitions = registry.num_partitions
     assert len(sampled) == 2 and again.sample() == sampled  # seeded: the same draw from the same seed
     grid.silent.add(sampled[0])
     transport.timeout = 0.3
