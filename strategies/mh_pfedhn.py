@@ -34,6 +34,7 @@ reconnects under a new node id keeps its embedding.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -62,6 +63,8 @@ from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, 
 from strategies.method import Method, MethodBinding
 from strategies.records import round_metrics
 from strategies.robust import RobustAggregator
+
+log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
 SCHEDULES = ("sequential", "parallel")
 #: the public architectures a GD global model may use (the client builds it; the server never does)
@@ -248,6 +251,19 @@ class MHpFedHNStrategy(HeteroStrategy):
         Raises:
             RuntimeError: a client did not report a positive integer ``num-params``.
         """
+        self.register_clients()
+        size = sum(p.numel() for p in self.hn.parameters())
+        # the heads hold ~H weights per client weight: a group of large models can outgrow the server's
+        # memory (Adam keeps two moments and a gradient beside each weight), and the kernel kills it silently
+        log.info(
+            "Hypernetwork: %d parameters in %d heads, %.2f GiB float32 (about 4x with gradients and Adam's moments)",
+            size,
+            len(self.hn.heads),
+            size * 4 / 2**30,
+        )
+
+    def register_clients(self) -> None:
+        """Register every training client's K_i, embeddings drawn from the run's seed."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed + 1)
             for node in self.registry.training_nodes:
@@ -443,13 +459,13 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
             build_mh_model(self.options.global_model, info.num_classes, info.channels, info.image_size),
         ]
 
-    def joined(self) -> None:
+    def register_clients(self) -> None:
         """MH-pFedHN's registration plus K_g, which every client must report alike (section 5).
 
         Raises:
             RuntimeError: clients disagree on ``global-num-params``.
         """
-        super().joined()
+        super().register_clients()
         sizes = {self._reported(node, "global-num-params") for node in self.registry.nodes}
         if len(sizes) != 1:
             raise RuntimeError(

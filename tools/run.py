@@ -868,7 +868,11 @@ def _launch(home: Path, args, config: dict, supernodes: int, gpu: bool) -> int:
         stop_everything(superlink)  # the run has ended: its simulation and Ray must not outlive it
         folder = run_folder(config["output-dir"], run_id)
         if folder is not None:
-            mark_failed(folder, f"the Flower run ended {status} before its ServerApp recorded an outcome")
+            mark_failed(
+                folder,
+                f"the Flower run ended {status} before its ServerApp recorded an outcome (with no error in the "
+                "log, the process was killed: out of memory? see dmesg)",
+            )
         print_outcome(folder, status)
         used = used_requested_config(folder, config)
         return 0 if status == "finished:completed" and summary_status(folder) == "completed" and used else 1
