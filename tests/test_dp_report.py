@@ -35,6 +35,7 @@ def test_accuracy_and_attacks_against_epsilon_regenerate_from_the_copies(tmp_pat
     assert f"| fedre | 8 | 0,1 | {100 * (mean - 0.2):.2f} ± " in text
     # ε spent: the largest over rows; the upload's inversion only (not the ladder's class mean), and labels
     assert "| 8 | 11.0 ± 0.0 | 17.0 ± 0.0 | 0.50 ± 0.00 |" in text
+    assert "Class prior alone (every client predicts" in text and " pooled, " in text
     assert (out / "accuracy_vs_epsilon.png").stat().st_size > 10_000
     (out / "report.md").unlink()
     assert main([str(out)]) == 0

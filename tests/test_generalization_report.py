@@ -33,6 +33,7 @@ def test_held_out_numbers_and_figures_regenerate_from_the_copies(tmp_path, small
     assert "| fedre | 0,1 | 78.00 ± 2.83 | 25.00 ± 7.07 | 80.00 ± 14.14 | 2, - | 40 |" in text
     assert "| local | 0,1 | 66.50 ± 2.12 | 10.00 ± 0.00 | 35.00 ± 7.07 | -, - | 40 |" in text
     assert "not run" in text  # no hypernetwork method in this grid
+    assert "| class prior alone | 0,1 |" in text  # the grid names no held-out partitions: training only
     for name in ("generalization_homogeneous.png", "personalization_homogeneous.png"):
         assert (out / name).stat().st_size > 10_000
     (out / "report.md").unlink()
@@ -50,3 +51,12 @@ def small_config():
     from test_report import small_config as config
 
     return config.__wrapped__()
+
+
+def test_the_class_prior_scores_one_client_class_fully_and_iid_clients_near_chance(small_config):
+    from tools.report import prior_accuracy
+
+    one_class = {**small_config, "partitioner": "pathological", "classes-per-client": 1}
+    assert prior_accuracy(one_class, [0, 1, 2]) == (1.0, 1.0)  # every test example is the client's class
+    mean, pooled = prior_accuracy({**small_config, "partitioner": "iid", "max-examples-per-client": 400}, [0, 1])
+    assert 0.05 < pooled < 0.25 and 0.05 < mean < 0.25, (mean, pooled)  # 10 balanced classes: about 1/10

@@ -38,7 +38,7 @@ from common.errors import ConfigError  # noqa: E402
 from tools.grid import newest_run  # noqa: E402
 from tools.privacy_report import cell as score_cell  # noqa: E402
 from tools.privacy_report import stat  # noqa: E402
-from tools.report import copy_runs, load_grid, mean_std, method_colors, pct  # noqa: E402
+from tools.report import copy_runs, load_grid, mean_std, method_colors, pct, prior_over_seeds  # noqa: E402
 
 #: subfolder of a report folder holding the grid run at one ε
 PREFIX = "eps-"
@@ -101,9 +101,10 @@ def upload_attack(rows: list[dict[str, Any]]) -> tuple[tuple[float, float] | Non
     return stat(uploads, "best_psnr"), stat(uploads, "gray_psnr")
 
 
-def collect(folder: Path) -> tuple[dict, dict[str, dict[str, dict[str, Any]]]]:
+def collect(folder: Path, data_dir: str | None = None) -> tuple[dict, dict[str, dict[str, dict[str, Any]]]]:
     """(the first grid's ``grid.json``, method -> ε label -> its numbers) over ``<folder>/eps-*``, for the
-    methods run at two ε or more.
+    methods run at two ε or more. The grid info also gets ``prior``, the class prior's accuracy over every
+    cell's seed (``tools.report.prior_over_seeds``), or ``prior_error`` when the data are not readable.
 
     Raises:
         ConfigError: no ``eps-*`` grid, a bad label, or grids of different presets.
@@ -111,10 +112,11 @@ def collect(folder: Path) -> tuple[dict, dict[str, dict[str, dict[str, Any]]]]:
     grids = sorted(p for p in folder.glob(PREFIX + "*") if p.is_dir())
     if not grids:
         raise ConfigError(f"{folder} holds no {PREFIX}<ε> grid: give them with --grid <ε>=<grid folder>")
-    info, out = None, {}
+    info, out, every_cell = None, {}, []
     for grid in sorted(grids, key=lambda p: -epsilon_value(p.name[len(PREFIX) :])):  # no DP first, then ε down
         label = grid.name[len(PREFIX) :]
         grid_info, cells = load_grid(grid)
+        every_cell += cells
         if info is None:
             info = grid_info
         elif grid_info["preset"] != info["preset"]:
@@ -135,8 +137,24 @@ def collect(folder: Path) -> tuple[dict, dict[str, dict[str, dict[str, Any]]]]:
                 "gray": gray,
                 "labels": labels,
             }
+    try:
+        info["prior"] = prior_over_seeds(info["preset_config"], every_cell, data_dir)
+    except ConfigError as exc:  # regenerating without the dataset: the rest of the report stands
+        info["prior_error"] = str(exc)
     # a method run at one ε only (the no-DP grid may hold every method) has no curve
     return info, {m: by_eps for m, by_eps in out.items() if len(by_eps) > 1}
+
+
+def prior_line(info: dict) -> str:
+    """The class prior's accuracy (the floor a DP run that learnt only its clients' label skew reaches)."""
+    if "prior" not in info:
+        return f"Class prior alone: not computed ({info['prior_error']}; pass --data-dir)."
+    prior = info["prior"]["training"]
+    return (
+        "Class prior alone (every client predicts its most frequent training class; `tools.report.prior_accuracy`): "
+        f"{pct(prior['weighted'])} pooled, {pct(prior['mean'])} mean over clients. A model at this accuracy has "
+        "learnt its client's label skew and nothing of the images."
+    )
 
 
 def render(info: dict, stats: dict[str, dict[str, dict[str, Any]]]) -> str:
@@ -147,6 +165,8 @@ def render(info: dict, stats: dict[str, dict[str, dict[str, Any]]]) -> str:
         "(percent, mean ± sample std over seeds), the largest ε a client spent (at `dp.delta`), and the server's",
         "white-box attack on the upload (best-match PSNR in dB against a mid-gray image's, and the recall of the",
         f"client's class set; `tools.privacy`, where it was run). ε = {NO_DP}: without DP.",
+        "",
+        prior_line(info),
         "",
         "| method | ε | seeds | final acc weighted | final acc mean | ε spent (max) | attack PSNR | gray PSNR "
         "| label recall |",
@@ -196,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("folder", type=Path, help="the report folder (holds eps-<ε>/ grid copies)")
     parser.add_argument("--grid", action="append", default=[], help="<ε>=<grid folder> (ε: inf or a number)")
+    parser.add_argument("--data-dir", default=None, help="dataset folder for the class prior (default: the runs')")
     args = parser.parse_args(argv)
     try:
         for item in args.grid:
@@ -204,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             if not Path(path).is_dir():
                 raise ConfigError(f"--grid {item!r}: {path!r} is no folder")
             copy_grid(Path(path), args.folder / f"{PREFIX}{label}")
-        info, stats = collect(args.folder)
+        info, stats = collect(args.folder, args.data_dir)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

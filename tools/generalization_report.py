@@ -4,7 +4,7 @@ Usage (from the repository root)::
 
     uv run --frozen python -m tools.generalization_report results/generalization \\
         --grid homogeneous=outputs/grids/generalization-cifar10-mh-lenet \\
-        --grid heterogeneous=outputs/grids/generalization-cifar10-hetero-cnn5
+        --grid heterogeneous=outputs/grids/generalization-cifar10-mh-zoo
     uv run --frozen python -m tools.generalization_report results/generalization   # from the copies
 
 Each ``--grid <setting>=<folder>`` is a ``tools.grid`` folder of a preset with held-out clients (run
@@ -37,7 +37,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from common.errors import ConfigError  # noqa: E402
-from tools.report import Cell, copy_runs, load_grid, mean_std, method_colors, pct  # noqa: E402
+from tools.report import Cell, copy_runs, load_grid, mean_std, method_colors, pct, prior_over_seeds  # noqa: E402
 
 #: MH-pFedHN's methods and the claims of its §4.4 the verdicts test
 HYPERNETWORKS = ("mh-pfedhn", "mh-pfedhngd")
@@ -79,8 +79,10 @@ def method_numbers(cells: list[Cell]) -> dict[str, Any]:
     }
 
 
-def collect(folder: Path) -> dict[str, tuple[dict, dict[str, dict[str, Any]], list[Cell]]]:
+def collect(folder: Path, data_dir: str | None = None) -> dict[str, tuple[dict, dict[str, dict[str, Any]], list[Cell]]]:
     """setting -> (its ``grid.json``, method -> :func:`method_numbers`, its cells) over ``<folder>/*/grid.json``.
+    The grid info also gets ``prior``: the class prior's accuracy of its training and held-out clients
+    (``tools.report.prior_over_seeds``), or ``prior_error`` when the data are not readable.
 
     Raises:
         ConfigError: no grid copy in ``folder``.
@@ -92,6 +94,10 @@ def collect(folder: Path) -> dict[str, tuple[dict, dict[str, dict[str, Any]], li
     for grid in grids:
         info, cells = load_grid(grid)
         by_method = {m: method_numbers([c for c in cells if c.method == m]) for m in sorted({c.method for c in cells})}
+        try:
+            info["prior"] = prior_over_seeds(info["preset_config"], cells, data_dir)
+        except ConfigError as exc:  # regenerating without the dataset: the rest of the report stands
+            info["prior_error"] = str(exc)
         out[grid.name] = (info, by_method, cells)
     return out
 
@@ -104,6 +110,8 @@ def verdict_gd(stats: dict[str, dict[str, Any]]) -> str:
     diff = 100 * (gd[0] - hn[0])
     spread = 100 * max(gd[1], hn[1])
     word = "higher" if diff > 0 else "lower"
+    if min(len(stats[m]["seeds"]) for m in ("mh-pfedhngd", "mh-pfedhn")) < 2:
+        return f"GD {word} by {abs(diff):.2f} points on one seed, no spread to judge it against: undecided"
     sure = "beyond" if abs(diff) > spread else "within"
     return f"GD {word} by {abs(diff):.2f} points ({sure} the larger seed std, {spread:.2f}): " + (
         "holds" if diff > spread else "does not hold"
@@ -138,8 +146,10 @@ def render(settings: dict[str, tuple[dict, dict[str, dict[str, Any]], list[Cell]
         "personalisation (what a new client gets); *held-out*: after the last phase's personalisation rounds;",
         "*rounds to level*: per seed, the personalisation rounds until the held-out mean reached the training",
         "mean (`-`: not within the phase); *phase bytes*: payload bytes of the last phase, both ways.",
+        "*class prior alone*: every client predicts its most frequent training class (`tools.report.prior_accuracy`):",
+        "what a model that learnt only its client's label skew scores.",
     ]
-    for setting, (info, stats, _) in settings.items():
+    for setting, (info, stats, cells) in settings.items():
         overrides = ", ".join(f"{k}={v}" for k, v in info.get("overrides", {}).items()) or "none"
         lines += [
             "",
@@ -155,6 +165,15 @@ def render(settings: dict[str, tuple[dict, dict[str, dict[str, Any]], list[Cell]
                 f"| {method} | {','.join(map(str, s['seeds']))} | {pct(s['training'])} | {pct(s['untouched'])} "
                 f"| {pct(s['heldout'])} | {level} | {phase_bytes} |"
             )
+        if "prior" in info:
+            prior = info["prior"]
+            lines.append(
+                f"| class prior alone | {','.join(map(str, sorted({c.seed for c in cells})))} "
+                f"| {pct(prior['training']['mean'])} | {pct(prior.get('held-out', {}).get('mean'))} "
+                f"| {pct(prior.get('held-out', {}).get('mean'))} | - | - |"
+            )
+        else:
+            lines += ["", f"Class prior alone: not computed ({info['prior_error']}; pass --data-dir)."]
         lines += [
             "",
             f"- {CLAIMS['gd']}: {verdict_gd(stats)}.",
@@ -209,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("folder", type=Path, help="the report folder (holds <setting>/ grid copies)")
     parser.add_argument("--grid", action="append", default=[], help="<setting>=<grid folder>")
+    parser.add_argument("--data-dir", default=None, help="dataset folder for the class prior (default: the runs')")
     args = parser.parse_args(argv)
     try:
         for item in args.grid:
@@ -218,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             if (args.folder / setting).exists():  # a stale cell of an earlier copy must not stay
                 shutil.rmtree(args.folder / setting)
             copy_runs(Path(path), args.folder / setting)
-        settings = collect(args.folder)
+        settings = collect(args.folder, args.data_dir)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -380,6 +380,61 @@ def plot_curves(cells: list[Cell], key: str, out: Path, preset: str) -> None:
         plt.close(fig)
 
 
+def prior_accuracy(config: dict, partitions: list[int], data_dir: str | None = None) -> tuple[float, float]:
+    """(mean over clients, pooled) test accuracy, fractions, of the class prior alone: each client of
+    ``partitions`` predicts its most frequent training class (the lowest id on a tie) for every test
+    example. A model that learnt only its client's label skew scores this; the rows' accuracies are
+    read against it.
+
+    ``config`` is the run config of one cell (its seed and ``num-clients`` fix the partitions);
+    ``data_dir`` overrides its ``data-dir``.
+
+    Raises:
+        ConfigError: the dataset is not readable there (``common.data.load_client_data``), or
+            ``partitions`` is empty.
+    """
+    import torch
+
+    from common.config import RunConfig
+    from common.data import DataSpec, load_client_data
+
+    if not partitions:
+        raise ConfigError("no partitions to score the class prior on")
+    cfg = RunConfig.from_dict({**app_defaults(), **config, **({"data-dir": data_dir} if data_dir else {})})
+    spec = DataSpec.from_config(cfg, cfg.num_clients)
+    hits, totals = [], []
+    for pid in partitions:
+        data = load_client_data(spec, pid)
+        majority = torch.bincount(data.train_y).argmax()
+        hits.append(int((data.test_y == majority).sum()))
+        totals.append(len(data.test_y))
+    per_client = [h / t for h, t in zip(hits, totals, strict=True) if t]
+    return float(np.mean(per_client)), sum(hits) / max(1, sum(totals))
+
+
+def prior_over_seeds(
+    preset_config: dict, cells: list[Cell], data_dir: str | None = None
+) -> dict[str, dict[str, tuple[float, float]]]:
+    """:func:`prior_accuracy` of a grid's clients, mean ± sample std over its cells' seeds: ``training``
+    (every partition but the held-out ones) and, when the summaries name held-out partitions (run
+    config ``generalization.held-out-clients``), ``held-out``; each ``{"mean": ..., "weighted": ...}``.
+
+    Raises:
+        ConfigError: see :func:`prior_accuracy` and :func:`with_federation_size`.
+    """
+    config = with_federation_size(preset_config, cells)
+    size = {**app_defaults(), **config}["num-clients"]
+    held = sorted({p for c in cells for p in c.summary.get("held_out_partitions") or []})
+    groups = {"training": [p for p in range(size) if p not in held], **({"held-out": held} if held else {})}
+    out = {}
+    for label, partitions in groups.items():
+        scores = [
+            prior_accuracy({**config, "seed": seed}, partitions, data_dir) for seed in sorted({c.seed for c in cells})
+        ]
+        out[label] = {"mean": mean_std([m for m, _ in scores]), "weighted": mean_std([w for _, w in scores])}
+    return out
+
+
 def plot_partitions(config: dict, out: Path, data_dir: str | None = None) -> None:
     """label_distribution.png: samples per class of every client's partition (flwr-datasets)."""
     import matplotlib
