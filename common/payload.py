@@ -174,7 +174,8 @@ class PayloadSchema:
 
 
 def clip_outlier_rows(schema: PayloadSchema, uploads: list[dict[str, np.ndarray]]) -> int:
-    """Bound the rows of one outlying upload by the round's other uploads, in place (issue 17).
+    """Bound the rows of one outlying upload by the round's other uploads, in place (docs/deployment.md:
+    what a faulty or hostile client cannot do).
 
     For every array of ``schema`` with a ``row_norm_factor`` f: each upload votes once with
     the median L2 norm of its rows (last axis), and the reference r is the second-largest

@@ -67,7 +67,7 @@ class Method:
     metrics: Mapping[str, Mapping[str, MetricSpec]] = field(default_factory=dict)
 
     def read_options(self, cfg: RunConfig) -> Any:
-        """This method's validated options from ``cfg`` (see :func:`common.options.read_options`).
+        """This method's validated options from ``cfg`` (see :func:`common.config.read_options`).
 
         Raises:
             ConfigError: an unknown key of the method's table or a value outside its declaration.
