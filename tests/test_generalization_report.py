@@ -6,7 +6,10 @@ import json
 import pytest
 from test_report import write_grid
 
-from tools.generalization_report import main
+from conftest import DATA_DIR, ROOT
+from tools.generalization_report import collect, main, render
+
+COMMITTED = ROOT / "results" / "generalization"
 
 #: method -> (held-out personalisation curve of the last phase per seed 0, 1)
 CURVES = {"fedre": ([0.2, 0.5, 0.9], [0.3, 0.6, 0.7]), "local": ([0.1, 0.2, 0.3], [0.1, 0.3, 0.4])}
@@ -60,3 +63,8 @@ def test_the_class_prior_scores_one_client_class_fully_and_iid_clients_near_chan
     assert prior_accuracy(one_class, [0, 1, 2]) == (1.0, 1.0)  # every test example is the client's class
     mean, pooled = prior_accuracy({**small_config, "partitioner": "iid", "max-examples-per-client": 400}, [0, 1])
     assert 0.05 < pooled < 0.25 and 0.05 < mean < 0.25, (mean, pooled)  # 10 balanced classes: about 1/10
+
+
+@pytest.mark.skipif(not (COMMITTED / "report.md").is_file(), reason="no committed generalisation evaluation")
+def test_the_committed_report_is_what_its_rows_give():
+    assert (COMMITTED / "report.md").read_text() == render(collect(COMMITTED, str(DATA_DIR)))

@@ -337,7 +337,13 @@ def test_a_mistyped_digit_fails_the_check():
 
 @pytest.mark.parametrize(
     "report",
-    sorted([*(p for p in RESULTS.glob("*/report.md") if p.parent != PRIVACY), *CROSSCHECK.glob("*/report.md")]),
+    # the grids' reports; the privacy, DP and generalisation reports have tests of their own
+    sorted(
+        [
+            *(p for p in RESULTS.glob("*/report.md") if (p.parent / "grid.json").is_file()),
+            *CROSSCHECK.glob("*/report.md"),
+        ]
+    ),
     ids=lambda p: str(p.parent.relative_to(RESULTS)),
 )
 def test_each_committed_report_table_is_its_rows(report):
