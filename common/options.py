@@ -203,12 +203,16 @@ def option_defaults(cls: type) -> dict[str, Any]:
     return {option_key(f): f.default for f, _ in declared_fields(cls)}
 
 
-def option_rows(cls: type) -> list[tuple[str, str, str, str]]:
-    """``(key, default, allowed, meaning)`` of every option of ``cls``, as Markdown cell texts."""
+def option_rows(cls: type, choices: dict[str, list[str]] | None = None) -> list[tuple[str, str, str, str]]:
+    """``(key, default, allowed, meaning)`` of every option of ``cls``, as Markdown cell texts;
+    ``choices`` (key -> names) lists the allowed values of a string checked elsewhere (``method``:
+    the method table)."""
     rows = []
     for f, kind in declared_fields(cls):
         meta = f.metadata
-        if kind is bool:
+        if option_key(f) in (choices or {}):
+            allowed = ", ".join(f"`{c}`" for c in choices[option_key(f)])
+        elif kind is bool:
             allowed = "`true`, `false`"
         elif kind is str:
             names = _choices(meta)
@@ -223,7 +227,7 @@ def option_rows(cls: type) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def option_table(cls: type) -> str:
+def option_table(cls: type, choices: dict[str, list[str]] | None = None) -> str:
     """Markdown table (key, default, allowed, meaning) of every option of ``cls`` (:func:`option_rows`)."""
     lines = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in option_rows(cls)]) + "\n"
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in option_rows(cls, choices)]) + "\n"

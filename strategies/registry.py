@@ -106,7 +106,7 @@ def option_tables() -> str:
 
 def key_table() -> str:
     """Markdown: the table of every run config key of ``[tool.flwr.app.config]`` (``RunConfig``)."""
-    return option_table(RunConfig)
+    return option_table(RunConfig, {"method": sorted(METHODS)})
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ def test_the_key_table_of_the_docs_is_the_generated_one():
     assert section == key_table()
     assert '| `data-pool` | `"train"` | `train`, `train+test` |' in section
     assert "| `partition-seed` | `-1` | integer >= -1 |" in section
+    assert "`lg-fedavg`, `local`, `mh-pfedhn`, `mh-pfedhngd` | the method" in section  # the method table's names
 
 
 @dataclass(frozen=True)
