@@ -198,11 +198,6 @@ def read_values(cls: type, given: Mapping[str, Any], prefix: str = "") -> dict[s
     }
 
 
-def option_defaults(cls: type) -> dict[str, Any]:
-    """Key -> declared default of every option of ``cls``."""
-    return {option_key(f): f.default for f, _ in declared_fields(cls)}
-
-
 def option_rows(cls: type, choices: dict[str, list[str]] | None = None) -> list[tuple[str, str, str, str]]:
     """``(key, default, allowed, meaning)`` of every option of ``cls``, as Markdown cell texts;
     ``choices`` (key -> names) lists the allowed values of a string checked elsewhere (``method``:

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 from common import dp, generalization
 from common.config import ConfigError, RunConfig
-from common.options import option_defaults, option_rows, option_table
+from common.options import declared_defaults, option_rows, option_table
 from strategies import fd, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml, lg_fedavg, local, mh_pfedhn
 from strategies.method import Method
 
@@ -61,7 +61,7 @@ def method_of(cfg: RunConfig) -> Method:
                 f"run config key {key!r} is unknown: other than the keys of [tool.flwr.app.config], "
                 "keys belong to a table: " + ", ".join(f"'{t}.*'" for t in OPTION_TABLES)
             )
-        declared = list(option_defaults(OPTION_TABLES[table]))
+        declared = list(declared_defaults(OPTION_TABLES[table]))
         if name not in declared:
             raise ConfigError(
                 f"run config key {key!r} is unknown: the keys of [{table}] are "

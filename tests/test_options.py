@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from common.config import ConfigError, RunConfig, read_options
-from common.options import option, option_defaults, option_rows
+from common.options import declared_defaults, option, option_rows
 from conftest import ROOT, federation, make_run_config
 from strategies.registry import METHODS, OPTION_TABLES, client_procedure, key_table, option_tables
 from tools.run import app_defaults
@@ -16,7 +16,7 @@ from tools.run import app_defaults
 def test_pyproject_defaults_equal_the_declared_ones():
     defaults = app_defaults()
     for table, options in OPTION_TABLES.items():
-        declared = {f"{table}.{k}": v for k, v in option_defaults(options).items()}
+        declared = declared_defaults(options, table)
         in_pyproject = {k: v for k, v in defaults.items() if k.startswith(f"{table}.")}
         assert in_pyproject == declared, table
     tables = {k.split(".", 1)[0] for k in defaults if "." in k}
@@ -25,7 +25,7 @@ def test_pyproject_defaults_equal_the_declared_ones():
 
 
 def test_pyproject_run_config_defaults_equal_the_declared_ones():
-    declared = option_defaults(RunConfig)
+    declared = declared_defaults(RunConfig)
     assert {k: v for k, v in app_defaults().items() if "." not in k} == declared
     assert declared["method"] == "fedgh" and declared["partition-seed"] == -1
 
