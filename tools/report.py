@@ -393,10 +393,8 @@ def prior_accuracy(config: dict, partitions: list[int], data_dir: str | None = N
         ConfigError: the dataset is not readable there (``common.data.load_client_data``), or
             ``partitions`` is empty.
     """
-    import torch
-
     from common.config import RunConfig
-    from common.data import DataSpec, load_client_data
+    from common.data import DataSpec, class_counts, load_client_data
 
     if not partitions:
         raise ConfigError("no partitions to score the class prior on")
@@ -405,7 +403,7 @@ def prior_accuracy(config: dict, partitions: list[int], data_dir: str | None = N
     hits, totals = [], []
     for pid in partitions:
         data = load_client_data(spec, pid)
-        majority = torch.bincount(data.train_y).argmax()
+        majority = int(class_counts(data.train_y, data.info.num_classes).argmax())
         hits.append(int((data.test_y == majority).sum()))
         totals.append(len(data.test_y))
     per_client = [h / t for h, t in zip(hits, totals, strict=True) if t]
