@@ -183,21 +183,28 @@ def test_every_method_trains_privately_with_the_payload_it_sends_without(run_con
 
 def test_the_server_receives_the_noised_payload(run_config):
     """The noise is drawn in the ClientApp from the OS's entropy: two DP runs with the same seed send the
-    server different prototypes, where two runs without DP send the same bytes."""
+    server different prototypes, where two runs without DP send the same bytes. Under DP the set of classes
+    a client keeps is itself a noisy release, so prototypes are paired by (client, class)."""
     from common.payload import PAYLOAD
 
     def sent(eps):
         rc = run_config(method="fedtgp", dataset="mnist", **{"dp.epsilon": eps, "num-server-rounds": 1})
         strategy, grid, replies = captured_federation(rc)
         strategy.start(grid)
-        ups = [r for r in replies if r.metadata.message_type == "train"]
-        return {r.metadata.src_node_id: r.content.array_records[PAYLOAD]["protos"].numpy() for r in ups}
+        ups = [r.content.array_records[PAYLOAD] for r in replies if r.metadata.message_type == "train"]
+        srcs = [r.metadata.src_node_id for r in replies if r.metadata.message_type == "train"]
+        return {
+            (node, int(c)): row
+            for node, up in zip(srcs, ups)
+            for c, row in zip(up["proto_labels"].numpy(), up["protos"].numpy())
+        }
 
     def pairs(first, second):
-        """The two runs' payloads of the clients that replied in both (a client may time out on a loaded machine)."""
+        """Both runs' prototypes of the (client, class) pairs present in both (a client may time out on a
+        loaded machine; a DP client may drop a class whose noisy count is small)."""
         common = sorted(first.keys() & second.keys())
         assert common, (sorted(first), sorted(second))
-        return [(first[n], second[n]) for n in common]
+        return [(first[k], second[k]) for k in common]
 
     assert all(np.array_equal(a, b) for a, b in pairs(sent(0.0), sent(0.0)))
     noised = pairs(sent(8.0), sent(8.0))
