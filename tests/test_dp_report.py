@@ -2,11 +2,15 @@
 and regeneration from the copies alone."""
 
 import json
+import statistics
 
 import pytest
-from test_report import ACC, write_grid
+from test_report import ACC, CLIENTS, write_grid
 
-from tools.dp_report import main
+from conftest import DATA_DIR, ROOT
+from tools.dp_report import collect, main, render
+
+COMMITTED = ROOT / "results" / "privacy-dp"
 
 
 def test_accuracy_and_attacks_against_epsilon_regenerate_from_the_copies(tmp_path, small_config):
@@ -36,6 +40,12 @@ def test_accuracy_and_attacks_against_epsilon_regenerate_from_the_copies(tmp_pat
     # ε spent: the largest over rows; the upload's inversion only (not the ladder's class mean), and labels
     assert "| 8 | 11.0 ± 0.0 | 17.0 ± 0.0 | 0.50 ± 0.00 |" in text
     assert "Class prior alone (every client predicts" in text and " pooled, " in text
+    # above prior: each seed's final pooled accuracy minus the class prior of that seed's partitions
+    from tools.report import prior_accuracy
+
+    gains = [ACC["fedre"][s][-1] - prior_accuracy({**small_config, "seed": s}, list(range(CLIENTS)))[1] for s in (0, 1)]
+    gain = f"{100 * statistics.mean(gains):.2f} ± {100 * statistics.stdev(gains):.2f}"
+    assert f"| fedre | inf | 0,1 | {100 * mean:.2f} ± {100 * statistics.stdev(final):.2f} | {gain} |" in text
     assert (out / "accuracy_vs_epsilon.png").stat().st_size > 10_000
     (out / "report.md").unlink()
     assert main([str(out)]) == 0
@@ -52,3 +62,8 @@ def small_config():
     from test_report import small_config as config
 
     return config.__wrapped__()
+
+
+@pytest.mark.skipif(not (COMMITTED / "report.md").is_file(), reason="no committed DP evaluation")
+def test_the_committed_report_is_what_its_rows_give():
+    assert (COMMITTED / "report.md").read_text() == render(*collect(COMMITTED, str(DATA_DIR)))

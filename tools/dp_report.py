@@ -13,10 +13,11 @@ copied to ``<folder>/eps-<ε>/`` (``tools.report.copy_runs``'s layout), so the r
 from the copies alone. Writes ``<folder>/report.md`` and ``<folder>/accuracy_vs_epsilon.png``.
 
 Per method and ε, over its seeds (mean ± sample std): final pooled and mean-over-clients accuracy
-(percent, the last evaluated round), the largest ε any client spent (the rows' ``dp_epsilon_max``), and from the
-privacy evaluation the server's white-box attack on the upload (inversion of a per-class payload,
-or the update attack on a weight payload): best-match PSNR against a mid-gray image's, and the
-recall of the client's class set from the upload.
+(percent, the last evaluated round), the pooled one's gain over the class prior of its seed (points),
+the largest ε any client spent (the rows' ``dp_epsilon_max``), and from the privacy evaluation the
+server's white-box attack on the upload (inversion of a per-class payload, or the update attack on a
+weight payload): best-match PSNR against a mid-gray image's, and the recall of the client's class set
+from the upload.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from common.errors import ConfigError  # noqa: E402
 from tools.grid import newest_run  # noqa: E402
 from tools.privacy_report import cell as score_cell  # noqa: E402
 from tools.privacy_report import stat  # noqa: E402
-from tools.report import copy_runs, load_grid, mean_std, method_colors, pct, prior_over_seeds  # noqa: E402
+from tools.report import copy_runs, load_grid, mean_std, method_colors, pct, prior_by_seed  # noqa: E402
 
 #: subfolder of a report folder holding the grid run at one ε
 PREFIX = "eps-"
@@ -104,7 +105,9 @@ def upload_attack(rows: list[dict[str, Any]]) -> tuple[tuple[float, float] | Non
 def collect(folder: Path, data_dir: str | None = None) -> tuple[dict, dict[str, dict[str, dict[str, Any]]]]:
     """(the first grid's ``grid.json``, method -> ε label -> its numbers) over ``<folder>/eps-*``, for the
     methods run at two ε or more. The grid info also gets ``prior``, the class prior's accuracy over every
-    cell's seed (``tools.report.prior_over_seeds``), or ``prior_error`` when the data are not readable.
+    cell's seed (``tools.report.prior_by_seed``, mean ± std), and each method and ε ``above_prior``: its
+    final pooled accuracy minus its seed's prior, mean ± std over seeds; without readable data the info
+    gets ``prior_error`` instead and ``above_prior`` is None.
 
     Raises:
         ConfigError: no ``eps-*`` grid, a bad label, or grids of different presets.
@@ -112,7 +115,7 @@ def collect(folder: Path, data_dir: str | None = None) -> tuple[dict, dict[str, 
     grids = sorted(p for p in folder.glob(PREFIX + "*") if p.is_dir())
     if not grids:
         raise ConfigError(f"{folder} holds no {PREFIX}<ε> grid: give them with --grid <ε>=<grid folder>")
-    info, out, every_cell = None, {}, []
+    info, out, every_cell, finals = None, {}, [], {}
     for grid in sorted(grids, key=lambda p: -epsilon_value(p.name[len(PREFIX) :])):  # no DP first, then ε down
         label = grid.name[len(PREFIX) :]
         grid_info, cells = load_grid(grid)
@@ -128,6 +131,7 @@ def collect(folder: Path, data_dir: str | None = None) -> tuple[dict, dict[str, 
             psnr, gray = upload_attack(attacks)
             recalls = [r["label_recall"] for r in attacks if r.get("label_recall") is not None]
             labels = mean_std(recalls) if recalls else None  # one recall per (round, victim): no pooling
+            finals[method, label] = [(c.seed, c.curve("accuracy_weighted")[1][-1]) for c in mine]
             out.setdefault(method, {})[label] = {
                 "seeds": sorted(c.seed for c in mine),
                 "weighted": mean_std([c.curve("accuracy_weighted")[1][-1] for c in mine]),
@@ -138,9 +142,15 @@ def collect(folder: Path, data_dir: str | None = None) -> tuple[dict, dict[str, 
                 "labels": labels,
             }
     try:
-        info["prior"] = prior_over_seeds(info["preset_config"], every_cell, data_dir)
+        priors = prior_by_seed(info["preset_config"], every_cell, data_dir)["training"]
+        info["prior"] = {
+            "mean": mean_std([m for m, _ in priors.values()]),
+            "weighted": mean_std([w for _, w in priors.values()]),
+        }
     except ConfigError as exc:  # regenerating without the dataset: the rest of the report stands
-        info["prior_error"] = str(exc)
+        info["prior_error"], priors = str(exc), None
+    for (method, label), seeds in finals.items():
+        out[method][label]["above_prior"] = None if priors is None else mean_std([a - priors[s][1] for s, a in seeds])
     # a method run at one ε only (the no-DP grid may hold every method) has no curve
     return info, {m: by_eps for m, by_eps in out.items() if len(by_eps) > 1}
 
@@ -149,7 +159,7 @@ def prior_line(info: dict) -> str:
     """The class prior's accuracy (the floor a DP run that learnt only its clients' label skew reaches)."""
     if "prior" not in info:
         return f"Class prior alone: not computed ({info['prior_error']}; pass --data-dir)."
-    prior = info["prior"]["training"]
+    prior = info["prior"]
     return (
         "Class prior alone (every client predicts its most frequent training class; `tools.report.prior_accuracy`): "
         f"{pct(prior['weighted'])} pooled, {pct(prior['mean'])} mean over clients. A model at this accuracy has "
@@ -162,22 +172,24 @@ def render(info: dict, stats: dict[str, dict[str, dict[str, Any]]]) -> str:
         f"# What differential privacy costs: {info['preset']}",
         "",
         "Record-level DP of every upload (run config `dp.epsilon`; docs/privacy.md), per method and ε: final accuracy",
-        "(percent, mean ± sample std over seeds), the largest ε a client spent (at `dp.delta`), and the server's",
-        "white-box attack on the upload (best-match PSNR in dB against a mid-gray image's, and the recall of the",
-        f"client's class set; `tools.privacy`, where it was run). ε = {NO_DP}: without DP.",
+        "(percent, mean ± sample std over seeds), the pooled one's gain over its seed's class prior (points),",
+        "the largest ε a client spent (at `dp.delta`), and the server's white-box attack on the upload",
+        "(best-match PSNR in dB against a mid-gray image's, and the recall of the client's class set;",
+        f"`tools.privacy`, where it was run). ε = {NO_DP}: without DP.",
         "",
         prior_line(info),
         "",
-        "| method | ε | seeds | final acc weighted | final acc mean | ε spent (max) | attack PSNR | gray PSNR "
-        "| label recall |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | ε | seeds | final acc weighted | above prior (points) | final acc mean | ε spent (max) "
+        "| attack PSNR | gray PSNR | label recall |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, by_eps in stats.items():
         for label, s in by_eps.items():
             spent = "-" if s["spent"] is None else f"{s['spent']:.3g}"
             lines.append(
-                f"| {method} | {label} | {','.join(map(str, s['seeds']))} | {pct(s['weighted'])} | {pct(s['mean'])} "
-                f"| {spent} | {score_cell(s['psnr'])} | {score_cell(s['gray'])} | {score_cell(s['labels'], 2)} |"
+                f"| {method} | {label} | {','.join(map(str, s['seeds']))} | {pct(s['weighted'])} "
+                f"| {pct(s['above_prior'])} | {pct(s['mean'])} | {spent} | {score_cell(s['psnr'])} "
+                f"| {score_cell(s['gray'])} | {score_cell(s['labels'], 2)} |"
             )
     return "\n".join(lines) + "\n"
 

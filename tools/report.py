@@ -410,12 +410,12 @@ def prior_accuracy(config: dict, partitions: list[int], data_dir: str | None = N
     return float(np.mean(per_client)), sum(hits) / max(1, sum(totals))
 
 
-def prior_over_seeds(
+def prior_by_seed(
     preset_config: dict, cells: list[Cell], data_dir: str | None = None
-) -> dict[str, dict[str, tuple[float, float]]]:
-    """:func:`prior_accuracy` of a grid's clients, mean ± sample std over its cells' seeds: ``training``
-    (every partition but the held-out ones) and, when the summaries name held-out partitions (run
-    config ``generalization.held-out-clients``), ``held-out``; each ``{"mean": ..., "weighted": ...}``.
+) -> dict[str, dict[int, tuple[float, float]]]:
+    """:func:`prior_accuracy` (mean over clients, pooled) of a grid's clients for each of its cells' seeds:
+    ``training`` (every partition but the held-out ones) and, when the summaries name held-out partitions
+    (run config ``generalization.held-out-clients``), ``held-out``; each seed -> (mean, pooled).
 
     Raises:
         ConfigError: see :func:`prior_accuracy` and :func:`with_federation_size`.
@@ -424,13 +424,28 @@ def prior_over_seeds(
     size = {**app_defaults(), **config}["num-clients"]
     held = sorted({p for c in cells for p in c.summary.get("held_out_partitions") or []})
     groups = {"training": [p for p in range(size) if p not in held], **({"held-out": held} if held else {})}
-    out = {}
-    for label, partitions in groups.items():
-        scores = [
-            prior_accuracy({**config, "seed": seed}, partitions, data_dir) for seed in sorted({c.seed for c in cells})
-        ]
-        out[label] = {"mean": mean_std([m for m, _ in scores]), "weighted": mean_std([w for _, w in scores])}
-    return out
+    seeds = sorted({c.seed for c in cells})
+    return {
+        label: {seed: prior_accuracy({**config, "seed": seed}, partitions, data_dir) for seed in seeds}
+        for label, partitions in groups.items()
+    }
+
+
+def prior_over_seeds(
+    preset_config: dict, cells: list[Cell], data_dir: str | None = None
+) -> dict[str, dict[str, tuple[float, float]]]:
+    """:func:`prior_by_seed`, mean ± sample std over the seeds: per group ``{"mean": ..., "weighted": ...}``.
+
+    Raises:
+        ConfigError: see :func:`prior_accuracy` and :func:`with_federation_size`.
+    """
+    return {
+        label: {
+            "mean": mean_std([m for m, _ in scores.values()]),
+            "weighted": mean_std([w for _, w in scores.values()]),
+        }
+        for label, scores in prior_by_seed(preset_config, cells, data_dir).items()
+    }
 
 
 def plot_partitions(config: dict, out: Path, data_dir: str | None = None) -> None:
