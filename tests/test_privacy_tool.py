@@ -81,3 +81,16 @@ def test_black_box_needs_public_images(fedgh_run, tmp_path, capsys):
     (copy / "summary.json").write_text(json.dumps(summary))
     assert privacy.main([str(copy), "--rounds", "2", "--clients", "0", "--attacks", "decoder"] + BUDGET) == 2
     assert "data-pool" in capsys.readouterr().err
+
+
+def test_a_run_recorded_before_a_key_existed_is_read_with_that_keys_default(fedgh_run, tmp_path):
+    """A summary whose config lacks a key added later (here ``min-clients``) describes a run that ran as
+    that key's default does; the attacks read it instead of refusing it."""
+    run, cfg = fedgh_run
+    old = tmp_path / "old"
+    shutil.copytree(run, old)
+    summary = json.loads((old / "summary.json").read_text())
+    del summary["config"]["min-clients"]
+    (old / "summary.json").write_text(json.dumps(summary))
+    view = privacy.RunView(old)
+    assert view.cfg.min_clients == cfg.min_clients and view.rounds() == [1, 2]

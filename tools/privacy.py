@@ -57,6 +57,7 @@ from privacy import gradients, inversion, labels, scores
 from strategies.fedkd import svd_decompress
 from strategies.recording import PAYLOADS, read_arrays, snapshot_name
 from strategies.registry import METHODS
+from tools.run import app_defaults
 
 ATTACKS = ("inversion", "decoder", "labels", "update")
 #: upload array pairs (vectors, their class ids) of the per-class payloads, and the space they live in
@@ -119,7 +120,8 @@ class RunView:
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
         summary = read_summary(self.run_dir)
-        self.cfg = RunConfig.from_dict(summary["config"])
+        # a run recorded before a key existed ran as that key's default does (e.g. min-clients)
+        self.cfg = RunConfig.from_dict({**app_defaults(), **summary["config"]})
         self.method = METHODS[self.cfg.method]
         #: this run and the runs it resumed (``resume-from``, newest first): a resumed run's earlier rounds
         #: were recorded by the launch that ran them
