@@ -42,6 +42,7 @@ from common.dp import DPPlan, dp_options, make_plan
 from common.errors import ConfigError, RunFailed
 from common.options import declared_defaults
 from common.payload import ClientReply, PayloadSchema, array_record
+from common.protocol import SERVER_ROUND, metric_values, train_config
 from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics
 from strategies.checkpoint import Checkpoints, broken_state, load_server_state, server_state
@@ -53,7 +54,6 @@ from strategies.records import (
     RoundCounters,
     aggregate_evaluation,
     evaluated_in_train,
-    metric_values,
     patience_exhausted,
     progress_line,
     round_metrics,
@@ -343,7 +343,7 @@ class HeteroStrategy:
             return None
         done = {r.node_id for r in evaluated}
         targets = self.registry.training_nodes if self.cfg.eval_clients == "all" else self.registry.sampled
-        config = ConfigRecord({"server-round": server_round})
+        config = ConfigRecord({SERVER_ROUND: server_round})
         messages = [
             self.transport.message("evaluate", node, self.eval_payload(node, server_round), config, server_round)
             for node in targets
@@ -472,23 +472,3 @@ class ClientProcedure:
         if client.dp is not None:
             metrics["dp-noise-multiplier"] = client.dp.noise_multiplier
         return {}, metrics
-
-
-def train_config(cfg: RunConfig, server_round: int, evaluate: bool = False) -> dict[str, Any]:
-    """The training settings every train instruction carries (not counted as payload): the round,
-    ``local-epochs``, ``batch-size``, ``batch-order``, ``lr``, ``momentum``, ``weight-decay``,
-    ``clip-norm``, ``precision`` of ``cfg``, ``evaluate`` (evaluate right after training) and ``record``
-    (keep a copy of the trained personal model for the privacy evaluation: ``record-payloads``)."""
-    return {
-        "server-round": server_round,
-        "local-epochs": cfg.local_epochs,
-        "batch-size": cfg.batch_size,
-        "batch-order": cfg.batch_order,
-        "lr": cfg.lr,
-        "momentum": cfg.momentum,
-        "weight-decay": cfg.weight_decay,
-        "clip-norm": cfg.clip_norm,
-        "precision": cfg.precision,
-        "evaluate": evaluate,
-        "record": cfg.records_round(server_round),
-    }

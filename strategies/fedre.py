@@ -76,6 +76,7 @@ from common.metrics import PARTITION_ID, count
 from common.optim import SGD
 from common.options import option
 from common.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, PayloadSchema
+from common.protocol import SERVER_ROUND
 from common.runtime import ClientRuntime
 from common.training import EVAL_BATCH, train_personal_model, trained_class_means
 from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
@@ -399,7 +400,7 @@ class FedREClient(ClientProcedure):
             return {}, stats
         start = time.perf_counter()
         # rap-fixed: the same seed every round gives the same weights (present classes are fixed)
-        draw_round = 0 if self.options.re_mode == "rap-fixed" else int(config["server-round"])
+        draw_round = 0 if self.options.re_mode == "rap-fixed" else int(config[SERVER_ROUND])
         generator = client.generator(draw_round, _ENTANGLE_RNG)
         if client.dp is not None:
             z, y = entangle_private(client, self.options.re_mode, generator, stats)

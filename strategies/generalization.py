@@ -24,6 +24,7 @@ import numpy as np
 from flwr.app import ConfigRecord
 
 from common.payload import ClientReply
+from common.protocol import SERVER_ROUND
 from strategies.nodes import NodeRegistry
 from strategies.records import RoundCounters, aggregate_evaluation, evaluated_in_train
 from strategies.transport import Transport
@@ -81,7 +82,7 @@ def run_phase(strategy: HeldOutHost, server_round: int) -> dict[str, Any]:
             replies = strategy.personalize(nodes, step, scope, server_round) if nodes and step else []
             evaluated = evaluated_in_train(replies)
             done = {r.node_id for r in evaluated}
-            config = ConfigRecord({"server-round": step})
+            config = ConfigRecord({SERVER_ROUND: step})
             messages = [
                 transport.message("evaluate", n, strategy.eval_payload(n, server_round), config, step, scope)
                 for n in nodes

@@ -55,6 +55,7 @@ from common.metrics import count
 from common.optim import Adam
 from common.options import option
 from common.payload import ArraySpec, PayloadError, PayloadSchema, array_record
+from common.protocol import SERVER_ROUND
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model, train_supervised
 from models.groups import MODEL_GROUPS
@@ -614,14 +615,14 @@ class MHpFedHNGDClient(MHpFedHNClient):
         model = self.global_model(client)
         received = load_flat(model, payload["w_g"], client.device)
         client.context.state[TEACHER_STATE] = array_record(
-            {"w_g": payload["w_g"], "round": np.array([int(config["server-round"])], dtype=np.int64)}
+            {"w_g": payload["w_g"], "round": np.array([int(config[SERVER_ROUND])], dtype=np.int64)}
         )
         stats = train_supervised(
             model,
             client.data,
             {**config, "clip-norm": 0.0},
             client.device,
-            client.generator(int(config["server-round"]), 1),
+            client.generator(int(config[SERVER_ROUND]), 1),
             dp=client.dp,
         )
         client.spend_privacy(trainings=1)
@@ -634,7 +635,7 @@ class MHpFedHNGDClient(MHpFedHNClient):
         """
         alpha, temperature = float(config["kd-alpha"]), float(config["kd-temperature"])
         cached = client.context.state.array_records.get(TEACHER_STATE)
-        if alpha == 0 or cached is None or int(cached["round"].numpy()[0]) != int(config["server-round"]):
+        if alpha == 0 or cached is None or int(cached["round"].numpy()[0]) != int(config[SERVER_ROUND]):
             return None
         teacher = self.global_model(client)
         load_flat(teacher, cached["w_g"].numpy(), client.device)

@@ -289,19 +289,6 @@ def _client_sums(replies: list[ClientReply], keys: tuple[str, ...]) -> dict[str,
     return out
 
 
-def metric_values(values: Mapping[str, Any]) -> dict[str, Any]:
-    """MetricRecord accepts only Python int/float (and lists): cast numpy scalars, drop the rest."""
-    out = {}
-    for k, v in values.items():
-        if isinstance(v, (bool, np.bool_, int, np.integer)):
-            out[k] = int(v)
-        elif isinstance(v, (float, np.floating)):
-            out[k] = float(v)
-        elif isinstance(v, list):
-            out[k] = v
-    return out
-
-
 def progress_line(row: Mapping[str, Any], rounds: int) -> str:
     acc = row["accuracy_mean"]
     acc_text = f"acc mean {acc:.4f} weighted {row['accuracy_weighted']:.4f}" if acc is not None else "acc -"

@@ -32,6 +32,7 @@ from common.metrics import (
     declared_metrics,
 )
 from common.payload import ClientReply, PayloadError, clip_outlier_rows, read_payload, tensor_bytes
+from common.protocol import CLIENT_STATE_DIR, CONFIG_RECORD, STATE_KEY, STATE_SCOPE
 from strategies.method import Schemas
 from strategies.recording import PayloadRecorder
 from strategies.records import RoundCounters
@@ -42,10 +43,6 @@ log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 PULL_SECONDS = 0.05
 #: longest reason quoted in the log line of a dropped reply (a hostile reply's error may be long)
 REASON_CHARS = 300
-#: message config key: the run folder's client-state folder, for clients without any state-dir
-CLIENT_STATE_DIR = "client-state-dir"
-#: message config key: a state of the client's own beside its run state (``common.runtime.ClientRuntime``)
-STATE_SCOPE = "state-scope"
 
 
 class ReplyRules(Protocol):
@@ -124,7 +121,7 @@ class Transport:
         extra: dict[str, str] = {CLIENT_STATE_DIR: self.client_state_dir} if self.client_state_dir else {}
         if scope:
             extra[STATE_SCOPE] = scope
-        content["config"] = ConfigRecord({**dict(config), "state-key": self.state_key, **extra})
+        content[CONFIG_RECORD] = ConfigRecord({**dict(config), STATE_KEY: self.state_key, **extra})
         # a scoped message's group is not a round number: its reply is not recorded either
         group = f"{scope}-{server_round}" if scope else str(server_round)
         return Message(content, dst_node_id=node_id, message_type=message_type, group_id=group)

@@ -104,7 +104,7 @@ def train_config(rc: dict, server_round: int = 1, **kw) -> dict:
     """The config of a train instruction for run config ``rc`` (``strategies.base.train_config``),
     ``kw`` overriding (keys with '-')."""
     from common.config import RunConfig
-    from strategies.base import train_config as base_train_config
+    from common.protocol import train_config as base_train_config
 
     return {**base_train_config(RunConfig.from_dict(rc), server_round), **kw}
 

@@ -113,3 +113,11 @@ def test_every_method_has_its_page_and_code_cites_no_outside_document():
         for path in (ROOT / pkg).rglob("*.py"):
             text = path.read_text()
             assert "shared/specs" not in text and "spec section" not in text, path
+
+
+def test_the_client_app_takes_only_the_method_table_from_the_server_side_package():
+    """The wire protocol (config keys, train settings, metric values, state names) lives in
+    ``common.protocol``; of ``strategies`` the ClientApp needs only the method table (which procedure
+    answers which message)."""
+    graph = import_graph()
+    assert {b for b in graph["client_app.app"] if b.startswith("strategies")} == {"strategies.registry"}
