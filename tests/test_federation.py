@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
+import torch
 
 from common.config import ConfigError, RunConfig
 from common.files import read_rows
-from common.results import scalars
+from common.results import load_checkpoint, scalars
 from conftest import federation
 from server_app.app import run
 
@@ -53,6 +55,11 @@ def test_num_clients_zero_takes_every_node_even_when_they_connect_one_by_one(run
     assert all(sorted(r["accuracy_per_client"]) == ["0", "1", "2", "3", "4"] for r in rows)
     summary = json.loads((results.path / "summary.json").read_text())
     assert summary["num_clients"] == 5 and summary["config"]["num-clients"] == 0
+    # the run's final global arrays (the strategy's Result) are kept: FedGH's header after the last round
+    final = torch.load(results.path / "global_arrays.pt", weights_only=True)
+    header = load_checkpoint(results.path)["server"]["header"]
+    assert set(final) == {"head.weight", "head.bias"} and set(header) == {"weight", "bias"}
+    assert all(np.array_equal(final[f"head.{k}"].numpy(), header[k]) for k in header)
 
 
 def test_explicit_num_clients_that_disagrees_with_the_nodes_fails_fast_naming_both_keys(run_config):
@@ -117,7 +124,6 @@ def test_scalars_of_a_row():
 
 
 def test_tensorboard_scalars_equal_the_metrics_rows(run_config):
-    import numpy as np
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     rc = run_config(**{"num-clients": 3, "num-server-rounds": 3, "logger": "tensorboard", "eval-every": 2})
