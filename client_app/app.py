@@ -98,7 +98,7 @@ def config_error_reply(msg: Message, context: Context, error: ConfigError) -> Me
     """The reply to query ``msg`` of a client that cannot serve the run: one ConfigRecord
     ``config-error`` whose key ``error`` holds the error's text, cut to ``MAX_ERROR_CHARS``
     (``common.metrics``), and key ``partition-id`` the node config's, when it has an integer one.
-    ``strategies.nodes.NodeRegistry.handshake`` decides whether it ends the run."""
+    ``strategies.nodes.Roster.handshake`` decides whether it ends the run."""
     record = {CONFIG_ERROR_KEY: short(str(error), MAX_ERROR_CHARS)}
     pid = context.node_config.get(PARTITION_ID)
     if isinstance(pid, int) and not isinstance(pid, bool):

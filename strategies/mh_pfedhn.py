@@ -243,7 +243,7 @@ class MHpFedHNStrategy(HeteroStrategy):
     # ----------------------------------------------------------- registry
     def key(self, node_id: int) -> str:
         """The hypernetwork key of a node: its partition id."""
-        return f"p{self.registry.clients[node_id]['partition-id']}"
+        return f"p{self.roster.clients[node_id]['partition-id']}"
 
     def joined(self) -> None:
         """Every training client's K_i registered after the handshake (embedding, head if tau is new);
@@ -267,18 +267,18 @@ class MHpFedHNStrategy(HeteroStrategy):
         """Register every training client's K_i, embeddings drawn from the run's seed."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed + 1)
-            for node in self.registry.training_nodes:
+            for node in self.roster.training_nodes:
                 self.register(self.key(node), self._reported(node, "num-params"))
 
     def admitted(self, nodes: list[int]) -> None:
         """A training client that joined after the handshake is registered as at the handshake, its
         embedding drawn from the run's seed and its partition id."""
-        held = self.registry.held_out
+        held = self.roster.held_out
         for node in nodes:
             if node in held:
                 continue
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.cfg.seed + 1 + 7919 * (1 + self.registry.clients[node]["partition-id"]))
+                torch.manual_seed(self.cfg.seed + 1 + 7919 * (1 + self.roster.clients[node]["partition-id"]))
                 self.register(self.key(node), self._reported(node, "num-params"))
 
     def begin_generalization(self, nodes: list[int], server_round: int) -> None:
@@ -287,7 +287,7 @@ class MHpFedHNStrategy(HeteroStrategy):
         K_i no training client has (a new architecture) also gets a new head of its own. Only these are
         optimised (Adam, ``server-lr``) by :meth:`personalize`."""
         copy_ = copy.deepcopy(self.hn).requires_grad_(False)
-        trained = {self.hn.sizes[self.key(n)] for n in self.registry.training_nodes if self.key(n) in self.hn.sizes}
+        trained = {self.hn.sizes[self.key(n)] for n in self.roster.training_nodes if self.key(n) in self.hn.sizes}
         params: list[nn.Parameter] = []
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed + 3 + server_round)
@@ -354,7 +354,7 @@ class MHpFedHNStrategy(HeteroStrategy):
             self.optimizer.add_param_group({"params": new})
 
     def _reported(self, node: int, name: str) -> int:
-        value = self.registry.clients[node].get(name)
+        value = self.roster.clients[node].get(name)
         if not isinstance(value, int) or value <= 0:
             raise RuntimeError(
                 f"node {node} reported {name}={value!r} at the handshake; expected a positive "
@@ -366,7 +366,7 @@ class MHpFedHNStrategy(HeteroStrategy):
         """``K`` = the node's registered parameter count (and ``G`` = K_g for GD), once registered."""
         dims = dict(self.dims)
         hn = self.serving
-        if node_id in self.registry.clients and self.key(node_id) in hn.sizes:
+        if node_id in self.roster.clients and self.key(node_id) in hn.sizes:
             dims["K"] = hn.sizes[self.key(node_id)]
         if GLOBAL_KEY in self.hn.sizes:
             dims["G"] = self.hn.sizes[GLOBAL_KEY]
@@ -386,9 +386,9 @@ class MHpFedHNStrategy(HeteroStrategy):
         return self.train_config(server_round)
 
     # --------------------------------------------------------------- round
-    def run_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
+    def train_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
         """The personal phase: |S| hypernetwork steps, one per valid reply (section 4)."""
-        nodes = self.registry.sample()
+        nodes = self.roster.sample()
         replies, server, seconds = self.personal_phase(server_round, nodes, self.personal_config(server_round))
         return round_metrics(replies, server, seconds), replies
 
@@ -467,7 +467,7 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
             RuntimeError: clients disagree on ``global-num-params``.
         """
         super().register_clients()
-        sizes = {self._reported(node, "global-num-params") for node in self.registry.nodes}
+        sizes = {self._reported(node, "global-num-params") for node in self.roster.nodes}
         if len(sizes) != 1:
             raise RuntimeError(
                 f"clients report different global-num-params {sorted(sizes)}: they must share the "
@@ -495,9 +495,9 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
         self.transport.validate("train.global", self.transport.exchange(messages))
         return super().personalize(nodes, step, scope, server_round)
 
-    def run_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
+    def train_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
         """Global phase (one HN step from the data-weighted mean delta), then the personal phase."""
-        nodes = self.registry.sample()
+        nodes = self.roster.sample()
         config = self.train_config(server_round)
         start = time.perf_counter()
         with torch.no_grad():

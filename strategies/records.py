@@ -24,7 +24,7 @@ MAX_ERRORS = 5
 
 
 class RoundCounters:
-    """What the transport and the node registry count, for the run and for the current round.
+    """What the transport and the roster count, for the run and for the current round.
 
     Attributes:
         traffic: ``"<category>_bytes_<up|down>"`` -> payload bytes of the run so far.

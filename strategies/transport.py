@@ -63,7 +63,7 @@ class Transport:
     Args:
         cfg: the run config (``round-timeout``, ``model-group``, ``local-epochs``, the pool size).
         rules: the method's schemas, declared metrics and reply checks.
-        clients: node id -> the handshake's metrics (the node registry's, read only).
+        clients: node id -> the handshake's metrics (the roster's, read only).
         counters: where bytes, dropped replies and the round's work are counted.
         recorder: keeps the payloads of the rounds ``record-payloads`` names (None: nothing is kept).
     """
@@ -214,7 +214,7 @@ class Transport:
         names are checked before any array is decoded), or, in a train or evaluate exchange,
         its partition already gave a valid reply in this exchange (a replayed or spoofed
         reply: it is counted as dropped, while the partition's first reply stands). Query
-        replies are claims: the node registry decides between two claims of one partition.
+        replies are claims: the roster decides between two claims of one partition.
         The log line of a dropped reply quotes at most :data:`REASON_CHARS` of its reason.
         """
         category = _category(message_type)
