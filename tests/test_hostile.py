@@ -399,7 +399,7 @@ def test_hostile_num_params_claim_is_bounded_by_the_model_group(run_config):
     """MH-pFedHN allocates a hypernetwork head of the claimed size K: a claim above the largest
     model of the run's group (here 1e8, ~51 GB of head) is dropped before anything is allocated."""
     from common.config import RunConfig
-    from strategies.mh_pfedhn import num_params
+    from strategies.hypernetwork import num_params
 
     rc = run_config(
         **{
