@@ -26,7 +26,7 @@ from common.protocol import train_config
 from common.runtime import ClientRuntime
 from common.training import representations, train_supervised, trained_class_means
 from models.groups import MODEL_GROUPS
-from tools.run import app_defaults, read_preset
+from tools.runconfig import app_defaults, read_preset
 
 
 def client(rc: dict, partition: int) -> ClientRuntime:

@@ -13,7 +13,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 import fakegrid  # noqa: E402,F401  (sets Flower's task identity, needed to build Messages in tests)
-from tools.run import app_defaults  # noqa: E402
+from tools.runconfig import app_defaults  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = ROOT.parent / "shared" / "data"
