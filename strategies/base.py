@@ -106,7 +106,8 @@ class HeteroStrategy:
         ConfigError: an invalid option of the method's table.
 
     Hooks (all optional): :meth:`global_arrays`, :meth:`train_payload`, :meth:`eval_payload`,
-    :meth:`server_update`, :meth:`reply_dims`, :meth:`check_reply`, :meth:`joined`, :meth:`train_round`.
+    :meth:`server_update`, :meth:`reply_dims`, :meth:`check_reply`, :meth:`joined`, :meth:`train_round`,
+    :meth:`evaluates_in_train`.
     """
 
     #: True when the evaluated model is the client's post-training personal model and the
@@ -122,6 +123,8 @@ class HeteroStrategy:
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results: Any | None = None) -> None:
         self.cfg = cfg
         self.options, self.schemas, self.metrics = binding.options, binding.schemas, binding.metrics
+        # decided once from the options, before the transport that checks replies against it exists
+        self.evaluate_in_train = self.evaluates_in_train()
         self.info = DATASETS[cfg.dataset]
         self.dp = dp_options(cfg)  # a DP run that cannot give its guarantee fails here, before any message
         self.dims = {"C": self.info.num_classes, "d": cfg.representation_dim}
@@ -139,6 +142,11 @@ class HeteroStrategy:
         self.phases = 0  # generalisation phases run by this process (strategies.generalization)
 
     # ------------------------------------------------------------------ hooks
+    def evaluates_in_train(self) -> bool:
+        """Hook: whether sampled clients evaluate in their train reply (:attr:`evaluate_in_train`, the
+        class's value by default); called once in ``__init__`` with ``self.options`` set."""
+        return type(self).evaluate_in_train
+
     def global_arrays(self) -> Arrays:
         """The server's current shared arrays (e.g. FedGH's header); empty by default."""
         return {}
