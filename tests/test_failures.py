@@ -3,7 +3,8 @@
 import torch
 
 from common.config import RunConfig
-from common.runtime import MODEL_STATE, STAMPS, ClientRuntime
+from common.runtime import MODEL_STATE, ClientRuntime
+from common.state_store import STAMPS
 from fakegrid import FakeGrid
 from strategies.registry import build_strategy
 
