@@ -36,7 +36,7 @@ from common.config import RunConfig
 from common.errors import RunFailed
 from common.payload import PAYLOAD
 from tools.fakegrid import FakeGrid
-from tools.run import app_defaults
+from tools.runconfig import app_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = ROOT.parent / "shared" / "data"

@@ -69,7 +69,8 @@ from bench.crosscheck_report import compare, plot, save_result, saved_results, v
 from common.errors import ConfigError
 from common.files import atomic_write, read_rows, read_summary
 from tools.grid import git_commit
-from tools.run import ROOT, add_config_arguments, read_config, stop_on_signals, validate_configs
+from tools.processes import stop_on_signals
+from tools.runconfig import ROOT, add_config_arguments, read_config, validate_configs
 
 #: our run config ``model-group`` -> HtFLlib's ``-m`` model family (same architectures in the same
 #: order: client i gets architecture ``i % len(group)`` in both)
@@ -377,7 +378,7 @@ exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__file__": "m
 
 def method_options(config: dict, method: str) -> dict:
     """Our options of ``method`` as the run will have them: declared defaults, then ``config``'s
-    ``<method>.<key>`` values (the flat run config :func:`tools.run.read_config` gives)."""
+    ``<method>.<key>`` values (the flat run config :func:`tools.runconfig.read_config` gives)."""
     from common.options import option_key
     from strategies.registry import METHODS
 

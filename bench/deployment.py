@@ -38,7 +38,9 @@ from pathlib import Path
 
 from common.errors import ConfigError
 from tools.loopback import LoopbackDeployment, rows_of
-from tools.run import add_config_arguments, print_outcome, read_config, run_folder, stop_on_signals, validate_configs
+from tools.outcome import print_outcome, run_folder
+from tools.processes import stop_on_signals
+from tools.runconfig import add_config_arguments, read_config, validate_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = ROOT.parent / "shared" / "data"

@@ -22,11 +22,11 @@ from flwr.app import Context, RecordDict
 
 from common.config import RunConfig
 from common.dp import make_plan, noisy_class_means
+from common.protocol import train_config
 from common.runtime import ClientRuntime
 from common.training import representations, train_supervised, trained_class_means
 from models.groups import MODEL_GROUPS
-from strategies.base import train_config
-from tools.run import app_defaults, read_preset
+from tools.runconfig import app_defaults, read_preset
 
 
 def client(rc: dict, partition: int) -> ClientRuntime:

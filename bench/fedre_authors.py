@@ -54,7 +54,8 @@ from bench.crosscheck import PLACEHOLDER_SERVERS, git_head, method_options, run_
 from common.errors import ConfigError
 from common.files import atomic_write, read_rows
 from tools.grid import git_commit
-from tools.run import ROOT, add_config_arguments, read_config, stop_on_signals
+from tools.processes import stop_on_signals
+from tools.runconfig import ROOT, add_config_arguments, read_config
 
 #: the environment variables :data:`BOOTSTRAP` reads
 SEED_VARIABLE = "AUTHORS_SEED"

@@ -75,7 +75,8 @@ from bench.crosscheck_report import PRINTED_HALF_STEP, compare, plot
 from common.errors import ConfigError
 from common.files import atomic_write, read_rows
 from tools.grid import git_commit
-from tools.run import ROOT, add_config_arguments, read_config, stop_on_signals
+from tools.processes import stop_on_signals
+from tools.runconfig import ROOT, add_config_arguments, read_config
 
 #: their script name -> our method
 SCRIPTS = {"MH-pFedHN": "mh-pfedhn", "MH-pFedHNGD": "mh-pfedhngd"}

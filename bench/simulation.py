@@ -38,7 +38,9 @@ import psutil
 
 from common.errors import ConfigError
 from common.files import read_rows
-from tools.run import add_config_arguments, interrupt, print_outcome, read_config, stop_on_signals, validate_configs
+from tools.outcome import print_outcome
+from tools.processes import interrupt, stop_on_signals
+from tools.runconfig import add_config_arguments, read_config, validate_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -31,11 +31,19 @@ from common.metrics import (
     PARTITION_ID,
 )
 from common.payload import read_payload, short
+from common.protocol import (
+    CLIENT_STATE_DIR,
+    CONFIG_RECORD,
+    EVALUATE,
+    RECORD,
+    SERVER_ROUND,
+    STATE_KEY,
+    STATE_SCOPE,
+    metric_values,
+    snapshot_name,
+)
 from common.runtime import ClientRuntime
-from strategies.recording import snapshot_name
-from strategies.records import metric_values
 from strategies.registry import all_message_types, client_procedure
-from strategies.transport import CLIENT_STATE_DIR, STATE_SCOPE
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 app = ClientApp()
@@ -90,7 +98,7 @@ def config_error_reply(msg: Message, context: Context, error: ConfigError) -> Me
     """The reply to query ``msg`` of a client that cannot serve the run: one ConfigRecord
     ``config-error`` whose key ``error`` holds the error's text, cut to ``MAX_ERROR_CHARS``
     (``common.metrics``), and key ``partition-id`` the node config's, when it has an integer one.
-    ``strategies.nodes.NodeRegistry.handshake`` decides whether it ends the run."""
+    ``strategies.nodes.Roster.handshake`` decides whether it ends the run."""
     record = {CONFIG_ERROR_KEY: short(str(error), MAX_ERROR_CHARS)}
     pid = context.node_config.get(PARTITION_ID)
     if isinstance(pid, int) and not isinstance(pid, bool):
@@ -125,12 +133,13 @@ def handle_message(msg: Message, context: Context) -> Message:
         ConfigError, PayloadError, GPUShareExceeded: see :func:`handle`.
     """
     started = startup_metrics()
-    config = dict(msg.content.config_records["config"]) if "config" in msg.content.config_records else {}
+    records = msg.content.config_records
+    config = dict(records[CONFIG_RECORD]) if CONFIG_RECORD in records else {}
     message_type = msg.metadata.message_type
     client = ClientRuntime(
         context,
-        str(config.get("state-key", "in-memory")),
-        int(config["server-round"]) if "server-round" in config else None,
+        str(config.get(STATE_KEY, "in-memory")),
+        int(config[SERVER_ROUND]) if SERVER_ROUND in config else None,
         str(config.get(CLIENT_STATE_DIR, "")),
         trains=message_type.startswith("train"),
         scope=str(config.get(STATE_SCOPE, "")),
@@ -154,9 +163,9 @@ def handle_message(msg: Message, context: Context) -> Message:
             # the loss and accuracy of the training examples are not noised: they stay on the client
             metrics = {k: v for k, v in metrics.items() if k not in ("train-loss", "train-acc")}
             metrics.update(client.privacy_metrics())
-        if config.get("record") and trains:
+        if config.get(RECORD) and trains:
             keep_snapshot(client)
-        if config.get("evaluate"):  # evaluate the just-trained personal model in the same reply
+        if config.get(EVALUATE):  # evaluate the just-trained personal model in the same reply
             metrics.update({EVAL_PREFIX + k: v for k, v in procedure.evaluate(client, {}, config)[1].items()})
     except torch.cuda.OutOfMemoryError as exc:
         raise gpu.share_exceeded(exc, client.partition_id, client.device, client.gpu_share) from exc

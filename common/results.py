@@ -29,6 +29,8 @@ from common.config import ConfigError
 from common.files import ROWS_FILE, SUMMARY_FILE, atomic_write
 
 CHECKPOINT = "checkpoint.pt"
+#: the run's final global arrays (the strategy's ``Result.arrays``), a torch state dict
+GLOBAL_ARRAYS = "global_arrays.pt"
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -105,6 +107,14 @@ class ResultsWriter:
         """Save the strategy's state atomically and durably as ``checkpoint.pt`` (replaces the
         previous one), numpy arrays stored as tensors so that it loads with ``weights_only=True``."""
         atomic_write(self.path / CHECKPOINT, lambda f: torch.save(_to_tensors(state), f))
+
+    def write_global_arrays(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Save the run's final global arrays (name -> tensor, e.g. FedGH's header ``head.weight``
+        float32 [C, d]; Flower's ``ArrayRecord.to_torch_state_dict()`` of the strategy's ``Result``) as
+        ``global_arrays.pt``, which loads with ``torch.load(weights_only=True)``. A method without global
+        arrays (Local, MH-pFedHN: its hypernetwork is in ``checkpoint.pt``) writes nothing."""
+        if state_dict:
+            atomic_write(self.path / GLOBAL_ARRAYS, lambda f: torch.save(dict(state_dict), f))
 
     def finish(
         self, status: str = "completed", error: str | None = None, client_errors: list[str] | None = None

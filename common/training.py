@@ -19,6 +19,7 @@ from common.data import ClientData, augment, batches, normalize
 from common.datasets import DatasetInfo
 from common.dp import DPPlan, noisy_class_means, secret_generator
 from common.optim import SGD
+from common.protocol import SERVER_ROUND
 from models.base import SplitModel
 
 EVAL_BATCH = 512
@@ -235,7 +236,7 @@ def train_personal_model(
         client.data,
         config,
         client.device,
-        client.generator(int(config["server-round"])),
+        client.generator(int(config[SERVER_ROUND])),
         regularizer,
         supervised_loss,
         clip_groups,

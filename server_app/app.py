@@ -57,7 +57,8 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str) -> ResultsWriter:
         # a simulation's clients share this file system: without state-dir their state goes to the run
         # folder, not into context.state, which the simulation keeps in this one process for every
         # client; its engine scans every waiting message for every node, so few wait at once
-        strategy.start(grid, window=simulation_window if simulation else None, state_in_run_folder=simulation)
+        result = strategy.start(grid, window=simulation_window if simulation else None, state_in_run_folder=simulation)
+        results.write_global_arrays(result.arrays.to_torch_state_dict())
     except BaseException as exc:
         results.finish("failed", f"{type(exc).__name__}: {exc}", getattr(exc, "client_errors", None))
         raise

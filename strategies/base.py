@@ -5,13 +5,13 @@ Server (:class:`HeteroStrategy`, the method's hooks and one round loop over Flow
 - a ``query`` handshake with every node as it connects learns its partition id, data sizes and
   the federation's size N (``num-clients``, or the nodes' ``num-partitions`` when that is 0);
   node ids are random, so sampling and ordering by partition id make runs reproducible and
-  methods comparable on the same clients (``strategies.nodes.NodeRegistry``);
+  methods comparable on the same clients (``strategies.nodes.Roster``);
 - ``max(1, floor(fraction-train * N))`` clients are sampled per round with a seeded RNG;
 - one message per client carries only that client's payload (:meth:`HeteroStrategy.train_payload`
   may differ per client); the transport sends, receives, counts payload bytes per message
   category and checks every reply against the method's schema, dropping bad ones with a log
   line, so one broken client never stops a round (``strategies.transport.Transport``);
-- :meth:`HeteroStrategy.run_round` is one exchange + :meth:`HeteroStrategy.server_update` by
+- :meth:`HeteroStrategy.train_round` is one exchange + :meth:`HeteroStrategy.server_update` by
   default; methods with sequential server updates or two exchanges per round override it;
 - every client's personal model is evaluated every ``eval-every`` rounds (and the last), one
   results row per round is written as it goes (``strategies.records``), and a checkpoint after
@@ -42,18 +42,18 @@ from common.dp import DPPlan, dp_options, make_plan
 from common.errors import ConfigError, RunFailed
 from common.options import declared_defaults
 from common.payload import ClientReply, PayloadSchema, array_record
+from common.protocol import SERVER_ROUND, metric_values, train_config
 from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics
 from strategies.checkpoint import Checkpoints, broken_state, load_server_state, server_state
 from strategies.generalization import phase_due, run_phase
 from strategies.method import MethodBinding, Schemas
-from strategies.nodes import NodeRegistry
+from strategies.nodes import Roster
 from strategies.recording import PayloadRecorder
 from strategies.records import (
     RoundCounters,
     aggregate_evaluation,
     evaluated_in_train,
-    metric_values,
     patience_exhausted,
     progress_line,
     round_metrics,
@@ -90,7 +90,7 @@ class HeteroStrategy:
     drives Flower's ``Grid`` (Message API) itself, through collaborators with explicit inputs:
 
     - ``counters``: :class:`strategies.records.RoundCounters` (bytes, dropped replies, the round's work);
-    - ``registry``: :class:`strategies.nodes.NodeRegistry` (handshake, node refresh, sampling);
+    - ``roster``: :class:`strategies.nodes.Roster` (handshake, node refresh, sampling);
     - ``transport``: :class:`strategies.transport.Transport` (messages, exchange, reply checks by
       this method's :class:`strategies.transport.ReplyRules`: its schemas, metrics and hooks);
     - ``checkpoints``: :class:`strategies.checkpoint.Checkpoints` (resume, per-round checkpoint).
@@ -106,7 +106,8 @@ class HeteroStrategy:
         ConfigError: an invalid option of the method's table.
 
     Hooks (all optional): :meth:`global_arrays`, :meth:`train_payload`, :meth:`eval_payload`,
-    :meth:`server_update`, :meth:`reply_dims`, :meth:`check_reply`, :meth:`joined`, :meth:`run_round`.
+    :meth:`server_update`, :meth:`reply_dims`, :meth:`check_reply`, :meth:`joined`, :meth:`train_round`,
+    :meth:`evaluates_in_train`.
     """
 
     #: True when the evaluated model is the client's post-training personal model and the
@@ -122,15 +123,17 @@ class HeteroStrategy:
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results: Any | None = None) -> None:
         self.cfg = cfg
         self.options, self.schemas, self.metrics = binding.options, binding.schemas, binding.metrics
+        # decided once from the options, before the transport that checks replies against it exists
+        self.evaluate_in_train = self.evaluates_in_train()
         self.info = DATASETS[cfg.dataset]
         self.dp = dp_options(cfg)  # a DP run that cannot give its guarantee fails here, before any message
         self.dims = {"C": self.info.num_classes, "d": cfg.representation_dim}
         self.rng = np.random.default_rng(cfg.seed)
         self.results = results
         self.counters = RoundCounters()
-        self.registry = NodeRegistry(cfg, self.counters, self.rng)
+        self.roster = Roster(cfg, self.counters, self.rng)
         recorder = PayloadRecorder(cfg, None if results is None else results.path)
-        self.transport = Transport(cfg, self, self.registry.clients, self.counters, recorder)
+        self.transport = Transport(cfg, self, self.roster.clients, self.counters, recorder)
         defaults = declared_defaults(RunConfig)
         if self.options is not None:  # None: the bare base (NO_METHOD)
             defaults.update(declared_defaults(type(self.options), cfg.method))
@@ -139,6 +142,11 @@ class HeteroStrategy:
         self.phases = 0  # generalisation phases run by this process (strategies.generalization)
 
     # ------------------------------------------------------------------ hooks
+    def evaluates_in_train(self) -> bool:
+        """Hook: whether sampled clients evaluate in their train reply (:attr:`evaluate_in_train`, the
+        class's value by default); called once in ``__init__`` with ``self.options`` set."""
+        return type(self).evaluate_in_train
+
     def global_arrays(self) -> Arrays:
         """The server's current shared arrays (e.g. FedGH's header); empty by default."""
         return {}
@@ -170,7 +178,7 @@ class HeteroStrategy:
 
     def admitted(self, nodes: list[int]) -> None:
         """Called at a round boundary with the nodes of partitions that joined after the handshake
-        (``strategies.nodes.NodeRegistry.refresh``), before they are served. Nothing by default."""
+        (``strategies.nodes.Roster.refresh``), before they are served. Nothing by default."""
 
     def begin_generalization(self, nodes: list[int], server_round: int) -> None:
         """Called before a generalisation phase serves the held-out ``nodes`` after round
@@ -194,11 +202,12 @@ class HeteroStrategy:
         ]
         return self.transport.validate("train", self.transport.exchange(messages))
 
-    def run_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
-        """One training round: one train exchange with the sampled clients, then :meth:`server_update`.
+    def train_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
+        """The method's hook for a round's training (:meth:`run_round`, the loop's round, calls it): by
+        default one train exchange with the sampled clients, then :meth:`server_update`.
 
         Methods with sequential server updates or several exchanges per round override it, using
-        ``self.registry.sample()`` and ``self.transport`` (``message``, ``exchange``, ``validate``).
+        ``self.roster.sample()`` and ``self.transport`` (``message``, ``exchange``, ``validate``).
 
         Returns:
             the round's train metrics (:func:`strategies.records.round_metrics` and the method's
@@ -207,7 +216,7 @@ class HeteroStrategy:
         config = self.train_config(server_round)
         messages = [
             self.transport.message("train", node, self.train_payload(node, server_round), config, server_round)
-            for node in self.registry.sample()
+            for node in self.roster.sample()
         ]
         valid = self.transport.validate("train", self.transport.exchange(messages))
         start = time.perf_counter()
@@ -241,10 +250,10 @@ class HeteroStrategy:
             # the folder of the run that started the clients' state: a resumed run finds it again
             client_state_dir = str(Path(self.results.path).parent / state_key / CLIENT_STATE)
         self.transport.open(grid, state_key, client_state_dir, window=window)
-        self.registry.handshake(self.transport)
+        self.roster.handshake(self.transport)
         if self.results is not None:
-            self.results.num_clients = len(self.registry.nodes)
-            self.results.held_out_partitions = self.registry.held_out_partitions
+            self.results.num_clients = len(self.roster.nodes)
+            self.results.held_out_partitions = self.roster.held_out_partitions
         self.joined()
         self.log_settings()
         first = self.resume() + 1
@@ -253,7 +262,7 @@ class HeteroStrategy:
         for server_round in range(first, self.cfg.num_server_rounds + 1):
             if self.rows and self.rows[-1].get("stop_reason"):  # stop-patience ran out (maybe before a resume)
                 break
-            train_metrics, eval_metrics = self.play_round(server_round, run_start)
+            train_metrics, eval_metrics = self.run_round(server_round, run_start)
             result.train_metrics_clientapp[server_round] = MetricRecord(metric_values(train_metrics))
             if eval_metrics is not None:
                 result.evaluate_metrics_clientapp[server_round] = eval_metrics
@@ -264,22 +273,22 @@ class HeteroStrategy:
             self.results.finish()
         return result
 
-    def play_round(self, server_round: int, run_start: float) -> tuple[dict[str, Any], MetricRecord | None]:
-        """One round of the loop: refresh the nodes, :meth:`run_round` (its server update undone if it
-        left the server state non-finite or exploded: :func:`strategies.checkpoint.broken_state`),
+    def run_round(self, server_round: int, run_start: float) -> tuple[dict[str, Any], MetricRecord | None]:
+        """One round of the loop (not a method hook): refresh the nodes, :meth:`train_round` (its server
+        update undone if it left the server state non-finite or exploded: ``checkpoint.broken_state``),
         :meth:`evaluate_round`, then the round's row (with the ``stop-patience`` verdict) and
         checkpoint written. ``run_start``: :func:`time.perf_counter` at the loop's start. Returns the
         round's train metrics and evaluation."""
         before = self.counters.traffic.copy()
         t0 = time.perf_counter()
         self.counters.begin_round()
-        admitted = self.registry.refresh(self.transport)
+        admitted = self.roster.refresh(self.transport)
         if admitted:
             self.admitted(admitted)
         before_state = copy.deepcopy(self.server_state())
-        train_metrics, replies = self.run_round(server_round)
+        train_metrics, replies = self.train_round(server_round)
         if self.dp.enabled:
-            train_metrics["dp-exhausted"] = self.registry.exhaust(replies)
+            train_metrics["dp-exhausted"] = self.roster.exhaust(replies)
         broken = None if before_state is None else broken_state(before_state, self.server_state())
         if broken:
             # the server would send a broken state to every client from now on: undo this round's update
@@ -301,7 +310,7 @@ class HeteroStrategy:
         )
         stop = patience_exhausted([*self.rows, row], self.cfg.stop_patience, self.cfg.stop_metric)
         last = server_round == self.cfg.num_server_rounds
-        if self.dp.enabled and not last and len(row["dp_exhausted"]) == len(self.registry.training_nodes):
+        if self.dp.enabled and not last and len(row["dp_exhausted"]) == len(self.roster.training_nodes):
             stop = "every client's privacy budget (dp.epsilon) is spent"
         if stop:
             row["stop_reason"] = stop
@@ -342,12 +351,12 @@ class HeteroStrategy:
         if not self.is_eval_round(server_round):
             return None
         done = {r.node_id for r in evaluated}
-        targets = self.registry.training_nodes if self.cfg.eval_clients == "all" else self.registry.sampled
-        config = ConfigRecord({"server-round": server_round})
+        targets = self.roster.training_nodes if self.cfg.eval_clients == "all" else self.roster.sampled
+        config = ConfigRecord({SERVER_ROUND: server_round})
         messages = [
             self.transport.message("evaluate", node, self.eval_payload(node, server_round), config, server_round)
             for node in targets
-            if node not in done and node in self.registry.connected
+            if node not in done and node in self.roster.connected
         ]
         return aggregate_evaluation(self.transport.validate("evaluate", self.transport.exchange(messages)) + evaluated)
 
@@ -374,7 +383,7 @@ class HeteroStrategy:
         self.counters.dropped.update(state["dropped"])
         self.rows = list(state["rows"])
         if self.rows:
-            self.registry.exhaust_partitions(self.rows[-1].get("dp_exhausted", []))
+            self.roster.exhaust_partitions(self.rows[-1].get("dp_exhausted", []))
         if self.results is not None:
             for row in self.rows:
                 self.results.write_round(row)
@@ -394,7 +403,7 @@ class HeteroStrategy:
             type(self).__name__,
             c.dataset,
             c.partitioner,
-            len(self.registry.nodes),
+            len(self.roster.nodes),
             c.model_group,
             c.num_server_rounds,
             c.fraction_train,
@@ -472,23 +481,3 @@ class ClientProcedure:
         if client.dp is not None:
             metrics["dp-noise-multiplier"] = client.dp.noise_multiplier
         return {}, metrics
-
-
-def train_config(cfg: RunConfig, server_round: int, evaluate: bool = False) -> dict[str, Any]:
-    """The training settings every train instruction carries (not counted as payload): the round,
-    ``local-epochs``, ``batch-size``, ``batch-order``, ``lr``, ``momentum``, ``weight-decay``,
-    ``clip-norm``, ``precision`` of ``cfg``, ``evaluate`` (evaluate right after training) and ``record``
-    (keep a copy of the trained personal model for the privacy evaluation: ``record-payloads``)."""
-    return {
-        "server-round": server_round,
-        "local-epochs": cfg.local_epochs,
-        "batch-size": cfg.batch_size,
-        "batch-order": cfg.batch_order,
-        "lr": cfg.lr,
-        "momentum": cfg.momentum,
-        "weight-decay": cfg.weight_decay,
-        "clip-norm": cfg.clip_norm,
-        "precision": cfg.precision,
-        "evaluate": evaluate,
-        "record": cfg.records_round(server_round),
-    }

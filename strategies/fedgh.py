@@ -157,11 +157,12 @@ class FedGHStrategy(HeteroStrategy):
 
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
         super().__init__(cfg, binding, results)
-        if self.options.eval_global_head:
-            # the secondary metric needs the header *after* this round's server step
-            self.evaluate_in_train = False
         self.header = initial_header(self.dims["d"], self.dims["C"], cfg.seed)
         self.header_generator = torch.Generator().manual_seed(cfg.seed)
+
+    def evaluates_in_train(self) -> bool:
+        """Not with ``eval-global-head``: the secondary metric needs the header *after* this round's server step."""
+        return not self.options.eval_global_head
 
     def global_arrays(self) -> dict[str, np.ndarray]:
         """The header (:func:`header_arrays`)."""

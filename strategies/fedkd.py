@@ -39,6 +39,7 @@ from torch import nn
 from common.config import RunConfig
 from common.options import option
 from common.payload import MAX_ABS, ArraySpec, PayloadError, PayloadSchema
+from common.protocol import SERVER_ROUND
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model
 from strategies.base import BASE_SCHEMAS, Arrays, ClientReply, Reply
@@ -242,7 +243,7 @@ class FedKDClient(SharedModelClient):
         )
         client.store(ALIGN_STATE, align)
         return svd_compress(
-            mentee.state_dict(), energy_threshold(self.options, self.cfg.num_server_rounds, int(config["server-round"]))
+            mentee.state_dict(), energy_threshold(self.options, self.cfg.num_server_rounds, int(config[SERVER_ROUND]))
         ), stats
 
 

@@ -41,7 +41,7 @@ from models.base import SplitModel
 from models.cnn import SmallCNN
 from models.groups import MODEL_GROUPS
 from strategies.base import Arrays, Reply
-from strategies.method import Method, MethodBinding
+from strategies.method import Method
 from strategies.shared_model import (
     GROUP_FIRST,
     SHARED_LAYOUTS,
@@ -162,9 +162,9 @@ class FedMRLStrategy(SharedModelStrategy):
 
     build_shared = staticmethod(small_model)
 
-    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
-        super().__init__(cfg, binding, results)
-        self.evaluate_in_train = self.options.eval_protocol == "official"
+    def evaluates_in_train(self) -> bool:
+        """Only with ``eval-protocol = "official"`` (the post-training models, as the authors' code)."""
+        return self.options.eval_protocol == "official"
 
 
 class FedMRLClient(SharedModelClient):

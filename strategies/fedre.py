@@ -76,6 +76,7 @@ from common.metrics import PARTITION_ID, count
 from common.optim import SGD
 from common.options import option
 from common.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, PayloadSchema
+from common.protocol import SERVER_ROUND
 from common.runtime import ClientRuntime
 from common.training import EVAL_BATCH, train_personal_model, trained_class_means
 from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
@@ -341,15 +342,15 @@ class FedREStrategy(HeteroStrategy):
         """The head after this round's server step: clients evaluate (and keep) it."""
         return self.global_arrays()
 
-    def run_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
+    def train_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
         """One train exchange and :meth:`server_update`; under ``head-source = "client-0"`` partition 0
         is sent :data:`TRAIN_HEAD` (its reply adds its trained head) in the same exchange, and its
         reply is checked against that message type's schema."""
         if self.options.head_source == "server":
-            return super().run_round(server_round)
+            return super().train_round(server_round)
         config = self.train_config(server_round)
-        nodes = self.registry.sample()
-        kinds = {n: TRAIN_HEAD if self.registry.clients[n][PARTITION_ID] == 0 else "train" for n in nodes}
+        nodes = self.roster.sample()
+        kinds = {n: TRAIN_HEAD if self.roster.clients[n][PARTITION_ID] == 0 else "train" for n in nodes}
         messages = [
             self.transport.message(kinds[n], n, self.train_payload(n, server_round), config, server_round)
             for n in nodes
@@ -399,7 +400,7 @@ class FedREClient(ClientProcedure):
             return {}, stats
         start = time.perf_counter()
         # rap-fixed: the same seed every round gives the same weights (present classes are fixed)
-        draw_round = 0 if self.options.re_mode == "rap-fixed" else int(config["server-round"])
+        draw_round = 0 if self.options.re_mode == "rap-fixed" else int(config[SERVER_ROUND])
         generator = client.generator(draw_round, _ENTANGLE_RNG)
         if client.dp is not None:
             z, y = entangle_private(client, self.options.re_mode, generator, stats)

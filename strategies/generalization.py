@@ -24,7 +24,8 @@ import numpy as np
 from flwr.app import ConfigRecord
 
 from common.payload import ClientReply
-from strategies.nodes import NodeRegistry
+from common.protocol import SERVER_ROUND
+from strategies.nodes import Roster
 from strategies.records import RoundCounters, aggregate_evaluation, evaluated_in_train
 from strategies.transport import Transport
 
@@ -32,7 +33,7 @@ from strategies.transport import Transport
 class HeldOutHost(Protocol):
     """What a phase needs of its strategy (``strategies.base.HeteroStrategy`` is one)."""
 
-    registry: NodeRegistry
+    roster: Roster
     transport: Transport
     counters: RoundCounters
     phases: int
@@ -49,7 +50,7 @@ class HeldOutHost(Protocol):
 def phase_due(strategy: HeldOutHost, server_round: int, last: bool) -> bool:
     """True when a generalisation phase follows round ``server_round``: held-out clients are set and it
     is a multiple of ``generalization.every`` (> 0) or the run's ``last`` round."""
-    opts = strategy.registry.generalization
+    opts = strategy.roster.generalization
     return opts.enabled and (last or (opts.every > 0 and server_round % opts.every == 0))
 
 
@@ -65,9 +66,9 @@ def run_phase(strategy: HeldOutHost, server_round: int) -> dict[str, Any]:
         (partition id -> fraction, last round), ``heldout_bytes_up`` / ``_down`` (payload bytes of
         the phase, every message category), ``heldout_seconds``.
     """
-    registry, transport, counters = strategy.registry, strategy.transport, strategy.counters
-    held = registry.held_out
-    nodes = [n for n in registry.nodes if n in held and n in registry.connected]
+    roster, transport, counters = strategy.roster, strategy.transport, strategy.counters
+    held = roster.held_out
+    nodes = [n for n in roster.nodes if n in held and n in roster.connected]
     strategy.phases += 1  # a phase repeated for the same round (a test, a resumed run) starts afresh too
     scope = f"heldout-{strategy.phases}-round-{server_round}"
     before = counters.traffic.copy()
@@ -77,11 +78,11 @@ def run_phase(strategy: HeldOutHost, server_round: int) -> dict[str, Any]:
     evaluation: dict[str, Any] = {}
     strategy.begin_generalization(nodes, server_round)
     try:
-        for step in range(registry.generalization.rounds + 1):  # step 0: what a new client gets, untouched
+        for step in range(roster.generalization.rounds + 1):  # step 0: what a new client gets, untouched
             replies = strategy.personalize(nodes, step, scope, server_round) if nodes and step else []
             evaluated = evaluated_in_train(replies)
             done = {r.node_id for r in evaluated}
-            config = ConfigRecord({"server-round": step})
+            config = ConfigRecord({SERVER_ROUND: step})
             messages = [
                 transport.message("evaluate", n, strategy.eval_payload(n, server_round), config, step, scope)
                 for n in nodes
@@ -96,7 +97,7 @@ def run_phase(strategy: HeldOutHost, server_round: int) -> dict[str, Any]:
     traffic = counters.traffic - before
     counters.traffic = before  # the run's training traffic stays what it is without held-out clients
     return {
-        "heldout_partitions": registry.held_out_partitions,
+        "heldout_partitions": roster.held_out_partitions,
         "heldout_clients": len(nodes),
         "heldout_accuracy_mean": curve_mean[-1],
         "heldout_accuracy_weighted": curve_weighted[-1],

@@ -27,7 +27,7 @@ from common.runtime import ClientRuntime
 from common.training import train_personal_model
 from strategies.base import Arrays, Reply
 from strategies.heads import GLOBAL_HEAD_METRICS, add_global_head_accuracy, require_linear_heads
-from strategies.method import Method, MethodBinding
+from strategies.method import Method
 from strategies.shared_model import SharedModelClient, SharedModelStrategy, load_arrays, module_arrays, shared_schemas
 
 
@@ -59,11 +59,9 @@ class LGFedAvgStrategy(SharedModelStrategy):
 
     build_shared = staticmethod(global_head)
 
-    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
-        super().__init__(cfg, binding, results)
-        if self.options.eval_global_head:
-            # the secondary metric needs the head *after* this round's average
-            self.evaluate_in_train = False
+    def evaluates_in_train(self) -> bool:
+        """Not with ``eval-global-head``: the secondary metric needs the head *after* this round's average."""
+        return not self.options.eval_global_head
 
 
 class LGFedAvgClient(SharedModelClient):

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.config import RunConfig, read_options
 from common.metrics import MetricSpec
 from common.payload import PayloadSchema
+
+if TYPE_CHECKING:  # for the annotations only: strategies.base imports this module
+    from common.results import ResultsWriter
+    from strategies.base import ClientProcedure, HeteroStrategy
 
 #: message type -> (server->client schema, client->server schema)
 Schemas = dict[str, tuple[PayloadSchema, PayloadSchema]]
@@ -60,8 +64,8 @@ class Method:
     """
 
     name: str
-    strategy: type
-    client: type
+    strategy: type[HeteroStrategy]
+    client: type[ClientProcedure]
     schemas: Schemas | Callable[[RunConfig, Any], Schemas]
     options: type = NoOptions
     metrics: Mapping[str, Mapping[str, MetricSpec]] = field(default_factory=dict)
@@ -87,7 +91,7 @@ class Method:
         options = self.read_options(cfg)
         return MethodBinding(options, self.schemas_for(cfg, options), self.metrics)
 
-    def build_strategy(self, cfg: RunConfig, results: Any | None = None) -> Any:
+    def build_strategy(self, cfg: RunConfig, results: ResultsWriter | None = None) -> HeteroStrategy:
         """The server half for ``cfg`` (``results``: see ``HeteroStrategy``).
 
         Raises:
@@ -95,7 +99,7 @@ class Method:
         """
         return self.strategy(cfg, self.bind(cfg), results)
 
-    def build_client(self, cfg: RunConfig) -> Any:
+    def build_client(self, cfg: RunConfig) -> ClientProcedure:
         """The client half for ``cfg``.
 
         Raises:

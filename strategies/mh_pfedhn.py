@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -46,7 +45,6 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ConfigRecord
 from torch import nn
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from common.config import RunConfig
 from common.datasets import DATASETS
@@ -55,11 +53,13 @@ from common.metrics import count
 from common.optim import Adam
 from common.options import option
 from common.payload import ArraySpec, PayloadError, PayloadSchema, array_record
+from common.protocol import SERVER_ROUND
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model, train_supervised
 from models.groups import MODEL_GROUPS
 from models.mh import build_mh_model
 from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
+from strategies.hypernetwork import HyperNetwork, flat_delta, hn_step, load_flat, num_params
 from strategies.method import Method, MethodBinding
 from strategies.records import round_metrics
 from strategies.robust import RobustAggregator
@@ -123,97 +123,6 @@ class HNGDOptions(HNOptions):
             require_private_module(model, "mh-pfedhngd.global-model", self.global_model, self.global_model)
 
 
-class ChunkHead(nn.Module):
-    """tau independent ``Linear(H, B)`` output channels: weight [tau, B, H], bias [tau, B] float32.
-
-    Initialised like PyTorch's Linear (uniform ±1/sqrt(H) for weight and bias, section 5).
-    """
-
-    def __init__(self, tau: int, hidden_dim: int, chunk_size: int) -> None:
-        super().__init__()
-        bound = 1.0 / math.sqrt(hidden_dim)
-        self.weight = nn.Parameter(torch.empty(tau, chunk_size, hidden_dim).uniform_(-bound, bound))
-        self.bias = nn.Parameter(torch.empty(tau, chunk_size).uniform_(-bound, bound))
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """Chunks [tau, B] of trunk outputs ``features`` [tau, H]: chunk j = W_j g(v[j]) + b_j."""
-        return torch.einsum("tbh,th->tb", self.weight, features) + self.bias
-
-
-class HyperNetwork(nn.Module):
-    """h(v; φ): trunk φ_f, heads φ_H[tau] keyed by chunk count, private embeddings (section 4, Eq. 3).
-
-    ``register(key, K)`` adds a client: an embedding [ceil(K/B), D_e] ~ Normal(0, std) and,
-    when its tau is new, a head (or a head of its own name, ``head``: a new architecture of a
-    generalisation phase, §4.4). ``generate(key)`` gives that client's flat weights [K].
-    """
-
-    def __init__(self, opts: HNOptions) -> None:
-        super().__init__()
-        self.opts = opts
-        h = opts.hidden_dim
-        self.trunk = nn.Sequential(
-            nn.Linear(opts.embedding_dim, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU()
-        )
-        self.heads = nn.ModuleDict()
-        self.embeddings = nn.ParameterDict()
-        self.sizes: dict[str, int] = {}  # key -> K
-        self.head_names: dict[str, str] = {}  # key -> name of its head in ``heads``
-
-    def tau(self, num_params: int) -> int:
-        """Chunk count ceil(K / B)."""
-        return -(-num_params // self.opts.chunk_size)
-
-    def register(self, key: str, num_params: int, head: str | None = None) -> list[nn.Parameter]:
-        """Add client ``key`` with K = ``num_params``, on the head of its tau or on head ``head``; returns
-        the new parameters (for the optimiser).
-
-        Raises:
-            ValueError: if ``key`` is known with another K.
-        """
-        if key in self.sizes:
-            if self.sizes[key] != num_params:
-                raise ValueError(f"client {key} re-registered with K={num_params}, was {self.sizes[key]}")
-            return []
-        tau, new = self.tau(num_params), []
-        name = head or str(tau)
-        if name not in self.heads:
-            self.heads[name] = ChunkHead(tau, self.opts.hidden_dim, self.opts.chunk_size)
-            new += list(self.heads[name].parameters())
-        self.embeddings[key] = nn.Parameter(torch.randn(tau, self.opts.embedding_dim) * self.opts.embedding_std)
-        self.sizes[key], self.head_names[key] = num_params, name
-        return [*new, self.embeddings[key]]
-
-    def head_of(self, key: str) -> ChunkHead:
-        """The head client ``key`` shares with every client of the same tau (or its own named head)."""
-        return self.heads[self.head_names[key]]
-
-    def generate(self, key: str) -> torch.Tensor:
-        """θ = [W_1 g(v[1]) + b_1; ...; W_tau g(v[tau]) + b_tau][:K], float32 [K] (Eq. 3), with graph."""
-        return self.head_of(key)(self.trunk(self.embeddings[key])).flatten()[: self.sizes[key]]
-
-
-def hn_step(
-    hn: HyperNetwork, optimizer: torch.optim.Optimizer, key: str, delta: torch.Tensor, clip_norm: float
-) -> None:
-    """One Adam step of the hypernetwork from a client's weight change (section 4).
-
-    Sets grad = ∇_φ -<h(v_key; φ), sg(delta)> = -J^T delta on the trunk, the head of the
-    client's tau and its embedding (all other parameters keep grad None, so Adam leaves them
-    and their state untouched), clips the gradient norm at ``clip_norm`` (<= 0: off), steps.
-
-    Args:
-        delta: float32 [K], trained minus received weights (the wire's sign; the descent on
-            the surrogate moves h(v) towards the trained weights).
-    """
-    optimizer.zero_grad(set_to_none=True)
-    (-(hn.generate(key) * delta).sum()).backward()
-    if clip_norm > 0:
-        nn.utils.clip_grad_norm_([p for p in hn.parameters() if p.grad is not None], clip_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
 class MHpFedHNStrategy(HeteroStrategy):
     """MH-pFedHN server: hypernetwork, Adam over all its parameters, sequential or parallel steps.
 
@@ -242,7 +151,7 @@ class MHpFedHNStrategy(HeteroStrategy):
     # ----------------------------------------------------------- registry
     def key(self, node_id: int) -> str:
         """The hypernetwork key of a node: its partition id."""
-        return f"p{self.registry.clients[node_id]['partition-id']}"
+        return f"p{self.roster.clients[node_id]['partition-id']}"
 
     def joined(self) -> None:
         """Every training client's K_i registered after the handshake (embedding, head if tau is new);
@@ -266,18 +175,18 @@ class MHpFedHNStrategy(HeteroStrategy):
         """Register every training client's K_i, embeddings drawn from the run's seed."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed + 1)
-            for node in self.registry.training_nodes:
+            for node in self.roster.training_nodes:
                 self.register(self.key(node), self._reported(node, "num-params"))
 
     def admitted(self, nodes: list[int]) -> None:
         """A training client that joined after the handshake is registered as at the handshake, its
         embedding drawn from the run's seed and its partition id."""
-        held = self.registry.held_out
+        held = self.roster.held_out
         for node in nodes:
             if node in held:
                 continue
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.cfg.seed + 1 + 7919 * (1 + self.registry.clients[node]["partition-id"]))
+                torch.manual_seed(self.cfg.seed + 1 + 7919 * (1 + self.roster.clients[node]["partition-id"]))
                 self.register(self.key(node), self._reported(node, "num-params"))
 
     def begin_generalization(self, nodes: list[int], server_round: int) -> None:
@@ -286,7 +195,7 @@ class MHpFedHNStrategy(HeteroStrategy):
         K_i no training client has (a new architecture) also gets a new head of its own. Only these are
         optimised (Adam, ``server-lr``) by :meth:`personalize`."""
         copy_ = copy.deepcopy(self.hn).requires_grad_(False)
-        trained = {self.hn.sizes[self.key(n)] for n in self.registry.training_nodes if self.key(n) in self.hn.sizes}
+        trained = {self.hn.sizes[self.key(n)] for n in self.roster.training_nodes if self.key(n) in self.hn.sizes}
         params: list[nn.Parameter] = []
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed + 3 + server_round)
@@ -353,7 +262,7 @@ class MHpFedHNStrategy(HeteroStrategy):
             self.optimizer.add_param_group({"params": new})
 
     def _reported(self, node: int, name: str) -> int:
-        value = self.registry.clients[node].get(name)
+        value = self.roster.clients[node].get(name)
         if not isinstance(value, int) or value <= 0:
             raise RuntimeError(
                 f"node {node} reported {name}={value!r} at the handshake; expected a positive "
@@ -365,7 +274,7 @@ class MHpFedHNStrategy(HeteroStrategy):
         """``K`` = the node's registered parameter count (and ``G`` = K_g for GD), once registered."""
         dims = dict(self.dims)
         hn = self.serving
-        if node_id in self.registry.clients and self.key(node_id) in hn.sizes:
+        if node_id in self.roster.clients and self.key(node_id) in hn.sizes:
             dims["K"] = hn.sizes[self.key(node_id)]
         if GLOBAL_KEY in self.hn.sizes:
             dims["G"] = self.hn.sizes[GLOBAL_KEY]
@@ -385,9 +294,9 @@ class MHpFedHNStrategy(HeteroStrategy):
         return self.train_config(server_round)
 
     # --------------------------------------------------------------- round
-    def run_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
+    def train_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
         """The personal phase: |S| hypernetwork steps, one per valid reply (section 4)."""
-        nodes = self.registry.sample()
+        nodes = self.roster.sample()
         replies, server, seconds = self.personal_phase(server_round, nodes, self.personal_config(server_round))
         return round_metrics(replies, server, seconds), replies
 
@@ -466,7 +375,7 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
             RuntimeError: clients disagree on ``global-num-params``.
         """
         super().register_clients()
-        sizes = {self._reported(node, "global-num-params") for node in self.registry.nodes}
+        sizes = {self._reported(node, "global-num-params") for node in self.roster.nodes}
         if len(sizes) != 1:
             raise RuntimeError(
                 f"clients report different global-num-params {sorted(sizes)}: they must share the "
@@ -494,9 +403,9 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
         self.transport.validate("train.global", self.transport.exchange(messages))
         return super().personalize(nodes, step, scope, server_round)
 
-    def run_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
+    def train_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
         """Global phase (one HN step from the data-weighted mean delta), then the personal phase."""
-        nodes = self.registry.sample()
+        nodes = self.roster.sample()
         config = self.train_config(server_round)
         start = time.perf_counter()
         with torch.no_grad():
@@ -532,35 +441,6 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
         server.update(metrics)
         server["server-hn-steps"] += int(bool(replies))
         return round_metrics(personal, server, seconds + personal_seconds), personal
-
-
-def num_params(model: nn.Module) -> int:
-    """K: the number of generated (trainable) parameters, buffers excluded."""
-    return sum(p.numel() for p in model.parameters())
-
-
-def load_flat(model: nn.Module, theta: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Load flat weights into ``model``'s parameters in canonical order; returns them as a tensor.
-
-    The order is ``model.parameters()`` (registration order), each tensor row-major; buffers
-    (BatchNorm statistics) are not part of it (section 3, "Canonical flat order").
-
-    Raises:
-        PayloadError: if ``theta`` does not have exactly as many entries as the model has parameters.
-    """
-    count = num_params(model)
-    if theta.shape != (count,):
-        raise PayloadError(f"received {theta.shape[0]} weights for a model with {count} parameters")
-    flat = torch.from_numpy(theta).to(device)
-    with torch.no_grad():
-        vector_to_parameters(flat.clone(), model.parameters())
-    return flat
-
-
-def flat_delta(model: nn.Module, received: torch.Tensor) -> np.ndarray:
-    """Trained minus received weights, float32 [K] on the CPU, canonical order."""
-    with torch.no_grad():
-        return (parameters_to_vector(model.parameters()) - received).cpu().numpy()
 
 
 class MHpFedHNClient(ClientProcedure):
@@ -614,14 +494,14 @@ class MHpFedHNGDClient(MHpFedHNClient):
         model = self.global_model(client)
         received = load_flat(model, payload["w_g"], client.device)
         client.context.state[TEACHER_STATE] = array_record(
-            {"w_g": payload["w_g"], "round": np.array([int(config["server-round"])], dtype=np.int64)}
+            {"w_g": payload["w_g"], "round": np.array([int(config[SERVER_ROUND])], dtype=np.int64)}
         )
         stats = train_supervised(
             model,
             client.data,
             {**config, "clip-norm": 0.0},
             client.device,
-            client.generator(int(config["server-round"]), 1),
+            client.generator(int(config[SERVER_ROUND]), 1),
             dp=client.dp,
         )
         client.spend_privacy(trainings=1)
@@ -634,7 +514,7 @@ class MHpFedHNGDClient(MHpFedHNClient):
         """
         alpha, temperature = float(config["kd-alpha"]), float(config["kd-temperature"])
         cached = client.context.state.array_records.get(TEACHER_STATE)
-        if alpha == 0 or cached is None or int(cached["round"].numpy()[0]) != int(config["server-round"]):
+        if alpha == 0 or cached is None or int(cached["round"].numpy()[0]) != int(config[SERVER_ROUND]):
             return None
         teacher = self.global_model(client)
         load_flat(teacher, cached["w_g"].numpy(), client.device)

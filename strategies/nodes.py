@@ -1,8 +1,8 @@
-"""The node registry every strategy keeps: which node serves which partition, learnt by a handshake
+"""The roster every strategy keeps: which node serves which partition, learnt by a handshake
 as nodes connect, kept current as nodes leave and rejoin between rounds, and sampled each round.
 
 Node ids are random, so everything is ordered by partition id: sampling and reply order, hence
-results, do not depend on which node got which id. A :class:`NodeRegistry` is built by
+results, do not depend on which node got which id. A :class:`Roster` is built by
 ``strategies.base.HeteroStrategy`` from explicit inputs (the run config, the round counters it
 records dropped clients in, the strategy's seeded ``rng``); the handshake and the refresh send
 their queries through the transport they are given.
@@ -42,7 +42,7 @@ def sample_size(fraction: float, num_nodes: int) -> int:
     return max(1, math.floor(round(fraction * num_nodes, 9)))
 
 
-class NodeRegistry:
+class Roster:
     """Handshake, node refresh and sampling.
 
     Args:

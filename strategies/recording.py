@@ -3,7 +3,7 @@
 In a recorded round the server writes every payload it sends (downloads: what a curious client
 sees) and every valid reply's payload and metrics (uploads: what an honest-but-curious server sees)
 into the run folder, and the train instruction asks each client to keep a copy of its personal
-model as it was after that round's training (``record``, :func:`snapshot_name`): the white-box
+model as it was after that round's training (``record``, :func:`common.protocol.snapshot_name`): the white-box
 attacker's knowledge, used by ``tools.privacy`` only to attack and score, never by the run.
 
 Layout, one folder per round and partition::
@@ -31,11 +31,6 @@ from common.files import atomic_write
 
 #: the run folder's sub-folder of recorded payloads
 PAYLOADS = "payloads"
-
-
-def snapshot_name(server_round: int) -> str:
-    """The client state record holding the personal model as it was after training round ``server_round``."""
-    return f"model-round-{server_round}"
 
 
 def round_folder(run_dir: str | Path, server_round: int, partition_id: int) -> Path:

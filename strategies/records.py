@@ -24,7 +24,7 @@ MAX_ERRORS = 5
 
 
 class RoundCounters:
-    """What the transport and the node registry count, for the run and for the current round.
+    """What the transport and the roster count, for the run and for the current round.
 
     Attributes:
         traffic: ``"<category>_bytes_<up|down>"`` -> payload bytes of the run so far.
@@ -286,19 +286,6 @@ def _client_sums(replies: list[ClientReply], keys: tuple[str, ...]) -> dict[str,
         values = [float(r.metrics[key]) for r in replies if key in r.metrics]
         out["client-" + key] = float(sum(values))
         out["client-" + key.replace("seconds", "max-seconds")] = max(values, default=0.0)
-    return out
-
-
-def metric_values(values: Mapping[str, Any]) -> dict[str, Any]:
-    """MetricRecord accepts only Python int/float (and lists): cast numpy scalars, drop the rest."""
-    out = {}
-    for k, v in values.items():
-        if isinstance(v, (bool, np.bool_, int, np.integer)):
-            out[k] = int(v)
-        elif isinstance(v, (float, np.floating)):
-            out[k] = float(v)
-        elif isinstance(v, list):
-            out[k] = v
     return out
 
 

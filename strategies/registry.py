@@ -12,7 +12,9 @@ from functools import lru_cache
 from common import dp, generalization
 from common.config import ConfigError, RunConfig
 from common.options import declared_defaults, option_rows, option_table
+from common.results import ResultsWriter
 from strategies import fd, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml, lg_fedavg, local, mh_pfedhn
+from strategies.base import ClientProcedure, HeteroStrategy
 from strategies.method import Method
 
 METHODS: dict[str, Method] = {
@@ -70,7 +72,7 @@ def method_of(cfg: RunConfig) -> Method:
     return METHODS[cfg.method]
 
 
-def build_strategy(cfg: RunConfig, results=None):
+def build_strategy(cfg: RunConfig, results: ResultsWriter | None = None) -> HeteroStrategy:
     """The method's Strategy for ``cfg`` (validates the method name and its options).
 
     Raises:
@@ -80,7 +82,7 @@ def build_strategy(cfg: RunConfig, results=None):
 
 
 @lru_cache(maxsize=8)
-def client_procedure(cfg: RunConfig):
+def client_procedure(cfg: RunConfig) -> ClientProcedure:
     """The method's client procedure for ``cfg`` (one per config and process).
 
     Raises:

@@ -32,6 +32,7 @@ from common.metrics import (
     declared_metrics,
 )
 from common.payload import ClientReply, PayloadError, clip_outlier_rows, read_payload, tensor_bytes
+from common.protocol import CLIENT_STATE_DIR, CONFIG_RECORD, STATE_KEY, STATE_SCOPE
 from strategies.method import Schemas
 from strategies.recording import PayloadRecorder
 from strategies.records import RoundCounters
@@ -42,10 +43,10 @@ log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 PULL_SECONDS = 0.05
 #: longest reason quoted in the log line of a dropped reply (a hostile reply's error may be long)
 REASON_CHARS = 300
-#: message config key: the run folder's client-state folder, for clients without any state-dir
-CLIENT_STATE_DIR = "client-state-dir"
-#: message config key: a state of the client's own beside its run state (``common.runtime.ClientRuntime``)
-STATE_SCOPE = "state-scope"
+
+
+class DuplicateReply(PayloadError):
+    """A reply of a partition that already gave a valid reply in this exchange (replayed or spoofed)."""
 
 
 class ReplyRules(Protocol):
@@ -66,7 +67,7 @@ class Transport:
     Args:
         cfg: the run config (``round-timeout``, ``model-group``, ``local-epochs``, the pool size).
         rules: the method's schemas, declared metrics and reply checks.
-        clients: node id -> the handshake's metrics (the node registry's, read only).
+        clients: node id -> the handshake's metrics (the roster's, read only).
         counters: where bytes, dropped replies and the round's work are counted.
         recorder: keeps the payloads of the rounds ``record-payloads`` names (None: nothing is kept).
     """
@@ -124,7 +125,7 @@ class Transport:
         extra: dict[str, str] = {CLIENT_STATE_DIR: self.client_state_dir} if self.client_state_dir else {}
         if scope:
             extra[STATE_SCOPE] = scope
-        content["config"] = ConfigRecord({**dict(config), "state-key": self.state_key, **extra})
+        content[CONFIG_RECORD] = ConfigRecord({**dict(config), STATE_KEY: self.state_key, **extra})
         # a scoped message's group is not a round number: its reply is not recorded either
         group = f"{scope}-{server_round}" if scope else str(server_round)
         return Message(content, dst_node_id=node_id, message_type=message_type, group_id=group)
@@ -208,17 +209,14 @@ class Transport:
         return sorted(replies, key=lambda r: order.get(r.metadata.reply_to_message_id, len(order)))
 
     def validate(self, message_type: str, replies: Iterable[Message]) -> list[ClientReply]:
-        """Keep the replies that match the schema of ``message_type``; log and drop the rest.
+        """Keep the replies that pass :meth:`check`; log and count the rest as dropped. Then count the
+        round's work, Ray nodes and GPU peaks of the valid ones (:meth:`count_valid`) and scale down
+        outlier rows (``common.payload.clip_outlier_rows``).
 
-        A reply is dropped when it is an error, carries records other than the payload and
-        one ``metrics`` MetricRecord, its metrics fail their declarations
-        (``common.metrics.check_metrics``), it lacks ``partition-id`` (or claims another
-        partition than its node did at the handshake), its payload fails the schema (array
-        names are checked before any array is decoded), or, in a train or evaluate exchange,
-        its partition already gave a valid reply in this exchange (a replayed or spoofed
-        reply: it is counted as dropped, while the partition's first reply stands). Query
-        replies are claims: the node registry decides between two claims of one partition.
-        The log line of a dropped reply quotes at most :data:`REASON_CHARS` of its reason.
+        In a train or evaluate exchange, a reply from a partition that already gave a valid reply in
+        this exchange (a replayed or spoofed reply) is counted as dropped, while the partition's first
+        reply stands. Query replies are claims: the roster decides between two claims of one
+        partition. The log line of a dropped reply quotes at most :data:`REASON_CHARS` of its reason.
         """
         category = _category(message_type)
         up = self.rules.schemas[message_type][1]
@@ -227,54 +225,18 @@ class Transport:
         answered: set[int] = set()  # partitions with a valid reply in this exchange
         for reply in replies:
             node = reply.metadata.src_node_id
-            duplicate = False
             try:
-                if reply.has_error():
-                    raise PayloadError(f"client error {reply.error.code}: {reply.error.reason}")
-                content = reply.content
-                extra = set(content.keys()) - {"payload", "metrics", DEVICE_RECORD}
-                if extra or "metrics" not in content.metric_records:
-                    raise PayloadError(f"records {sorted(content.keys())[:5]}, expected payload + metrics")
-                device = device_record(content)
-                metrics = dict(content.metric_records["metrics"])
-                pid = metrics.get(PARTITION_ID)
-                if not isinstance(pid, int):
-                    raise PayloadError("metrics lack an integer 'partition-id'")
-                absent = [k for k in REQUIRED_METRICS.get(category, ()) if k not in metrics]
-                if absent:
-                    raise PayloadError(f"metrics lack {absent}")
-                check_metrics(metrics, declared, self.clients.get(node), category, self.cfg.pool_size)
-                self.rules.check_reply(message_type, metrics)
-                if node in self.clients and self.clients[node][PARTITION_ID] != pid:
-                    raise PayloadError(
-                        f"partition-id {pid} differs from the handshake's {self.clients[node][PARTITION_ID]}"
-                    )
-                if category != "query" and pid in answered:
-                    duplicate = True
-                    raise PayloadError(f"partition {pid} already replied in this exchange")
-                arrays = read_payload(content, up)
-                up.validate(arrays, self.rules.reply_dims(node))
-                valid.append(ClientReply(node, pid, arrays, metrics, device.get("name"), device.get("ray-node")))
-                if self.recorder is not None and reply.metadata.group_id.isdigit():
-                    self.recorder.upload(int(reply.metadata.group_id), pid, message_type, arrays, metrics)
-                answered.add(pid)
+                checked = self.check(message_type, reply, declared, answered)
             except PayloadError as exc:
-                self.counters.dropped[category] += 1
-                if node in self.clients and not duplicate:
-                    self.counters.round_dropped.add(self.clients[node][PARTITION_ID])
-                reason = str(exc)
-                if len(reason) > REASON_CHARS:
-                    reason = f"{reason[:REASON_CHARS]}... ({len(reason)} characters)"
-                log.warning("Dropped %s reply from node %s: %s", message_type, node, reason)
-                if category == "train" and not duplicate:
-                    self.counters.train_error(reason)
-        if category == "train":
-            self._count_work(valid)
-        self.counters.round_ray_nodes.update(r.ray_node for r in valid if r.ray_node is not None)
-        for r in valid:
-            if GPU_PEAK in r.metrics:  # the peak of the client's messages this round, on the device it names
-                used = self.counters.round_gpu.setdefault(str(r.partition_id), {"device": r.device, "peak_mib": 0.0})
-                used["peak_mib"] = max(float(used["peak_mib"]), float(r.metrics[GPU_PEAK]))
+                self.drop(message_type, node, str(exc), duplicate=isinstance(exc, DuplicateReply))
+                continue
+            valid.append(checked)
+            answered.add(checked.partition_id)
+            if self.recorder is not None and reply.metadata.group_id.isdigit():
+                self.recorder.upload(
+                    int(reply.metadata.group_id), checked.partition_id, message_type, checked.arrays, checked.metrics
+                )
+        self.count_valid(category, valid)
         clipped = clip_outlier_rows(up, [r.arrays for r in valid])
         if clipped:
             self.counters.round_clipped += clipped
@@ -284,6 +246,70 @@ class Transport:
                 message_type,
             )
         return valid
+
+    def check(
+        self, message_type: str, reply: Message, declared: Mapping[str, MetricSpec], answered: set[int]
+    ) -> ClientReply:
+        """``reply`` as a :class:`ClientReply` when it is well formed and, in a train or evaluate
+        exchange, its partition is not among those that ``answered`` already.
+
+        Raises:
+            PayloadError: it is an error, carries records other than the payload and one ``metrics``
+                MetricRecord, its metrics fail their declarations ``declared``
+                (``common.metrics.check_metrics``) or the method's ``check_reply``, it lacks
+                ``partition-id`` (or claims another partition than its node did at the handshake),
+                or its payload fails the schema (array names are checked before any array is decoded).
+            DuplicateReply: its partition answered already (checked before its payload is decoded).
+        """
+        category, node = _category(message_type), reply.metadata.src_node_id
+        if reply.has_error():
+            raise PayloadError(f"client error {reply.error.code}: {reply.error.reason}")
+        content = reply.content
+        extra = set(content.keys()) - {"payload", "metrics", DEVICE_RECORD}
+        if extra or "metrics" not in content.metric_records:
+            raise PayloadError(f"records {sorted(content.keys())[:5]}, expected payload + metrics")
+        device = device_record(content)
+        metrics = dict(content.metric_records["metrics"])
+        pid = metrics.get(PARTITION_ID)
+        if not isinstance(pid, int):
+            raise PayloadError("metrics lack an integer 'partition-id'")
+        absent = [k for k in REQUIRED_METRICS.get(category, ()) if k not in metrics]
+        if absent:
+            raise PayloadError(f"metrics lack {absent}")
+        check_metrics(metrics, declared, self.clients.get(node), category, self.cfg.pool_size)
+        self.rules.check_reply(message_type, metrics)
+        if node in self.clients and self.clients[node][PARTITION_ID] != pid:
+            raise PayloadError(f"partition-id {pid} differs from the handshake's {self.clients[node][PARTITION_ID]}")
+        if category != "query" and pid in answered:
+            raise DuplicateReply(f"partition {pid} already replied in this exchange")
+        up = self.rules.schemas[message_type][1]
+        arrays = read_payload(content, up)
+        up.validate(arrays, self.rules.reply_dims(node))
+        return ClientReply(node, pid, arrays, metrics, device.get("name"), device.get("ray-node"))
+
+    def drop(self, message_type: str, node: int, reason: str, duplicate: bool) -> None:
+        """Count and log a dropped reply of ``node``; a train reply's error (not a ``duplicate``'s) also
+        goes to the round's client errors (``RoundCounters.train_error``)."""
+        category = _category(message_type)
+        self.counters.dropped[category] += 1
+        if node in self.clients and not duplicate:
+            self.counters.round_dropped.add(self.clients[node][PARTITION_ID])
+        if len(reason) > REASON_CHARS:
+            reason = f"{reason[:REASON_CHARS]}... ({len(reason)} characters)"
+        log.warning("Dropped %s reply from node %s: %s", message_type, node, reason)
+        if category == "train" and not duplicate:
+            self.counters.train_error(reason)
+
+    def count_valid(self, category: str, valid: list[ClientReply]) -> None:
+        """The round's work (train replies), the Ray nodes that served ``valid`` and the peak GPU memory of
+        each client's messages this round, on the device it names."""
+        if category == "train":
+            self._count_work(valid)
+        self.counters.round_ray_nodes.update(r.ray_node for r in valid if r.ray_node is not None)
+        for r in valid:
+            if GPU_PEAK in r.metrics:
+                used = self.counters.round_gpu.setdefault(str(r.partition_id), {"device": r.device, "peak_mib": 0.0})
+                used["peak_mib"] = max(float(used["peak_mib"]), float(r.metrics[GPU_PEAK]))
 
     def expected_seconds(self, message: Message) -> float:
         """Relative work a message asks of its client: its training (train messages) or test

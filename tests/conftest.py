@@ -13,7 +13,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 import fakegrid  # noqa: E402,F401  (sets Flower's task identity, needed to build Messages in tests)
-from tools.run import app_defaults  # noqa: E402
+from tools.runconfig import app_defaults  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = ROOT.parent / "shared" / "data"
@@ -104,7 +104,7 @@ def train_config(rc: dict, server_round: int = 1, **kw) -> dict:
     """The config of a train instruction for run config ``rc`` (``strategies.base.train_config``),
     ``kw`` overriding (keys with '-')."""
     from common.config import RunConfig
-    from strategies.base import train_config as base_train_config
+    from common.protocol import train_config as base_train_config
 
     return {**base_train_config(RunConfig.from_dict(rc), server_round), **kw}
 

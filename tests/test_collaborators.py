@@ -1,5 +1,5 @@
 """The strategy's collaborators alone, each built from its explicit inputs without a HeteroStrategy:
-the node registry and the transport on the fake grid, the round counters, the checkpoint store."""
+the roster and the transport on the fake grid, the round counters, the checkpoint store."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from common.results import ResultsWriter
 from strategies.base import NO_PAYLOAD_SCHEMAS
 from strategies.checkpoint import Checkpoints
 from strategies.method import Schemas
-from strategies.nodes import NodeRegistry
+from strategies.nodes import Roster
 from strategies.records import RoundCounters
 from strategies.transport import Transport
 
@@ -40,24 +40,24 @@ def collaborators(rc: dict):
 
     cfg = RunConfig.from_dict(rc)
     counters = RoundCounters()
-    registry = NodeRegistry(cfg, counters, np.random.default_rng(cfg.seed))
-    transport = Transport(cfg, Rules(), registry.clients, counters)
+    roster = Roster(cfg, counters, np.random.default_rng(cfg.seed))
+    transport = Transport(cfg, Rules(), roster.clients, counters)
     grid = FakeGrid(client_app, rc, cfg.num_clients)
     transport.open(grid, "alone")
-    return registry, transport, counters, grid
+    return roster, transport, counters, grid
 
 
 def test_registry_and_transport_alone_handshake_sample_and_count(run_config):
-    registry, transport, counters, grid = collaborators(run_config(method="local", **{"fraction-train": 0.5}))
-    registry.handshake(transport)
-    assert registry.nodes == [1000, 1001, 1002, 1003]  # ordered by partition id
-    assert [registry.clients[n]["partition-id"] for n in registry.nodes] == [0, 1, 2, 3]
+    roster, transport, counters, grid = collaborators(run_config(method="local", **{"fraction-train": 0.5}))
+    roster.handshake(transport)
+    assert roster.nodes == [1000, 1001, 1002, 1003]  # ordered by partition id
+    assert [roster.clients[n]["partition-id"] for n in roster.nodes] == [0, 1, 2, 3]
     assert counters.traffic == {"query_bytes_down": 0, "query_bytes_up": 0}  # queries carry no arrays
-    sampled = registry.sample()
-    again = NodeRegistry(registry.cfg, RoundCounters(), np.random.default_rng(registry.cfg.seed))
-    again.nodes, again.connected = list(registry.nodes), set(registry.connected)
-    again.clients.update(registry.clients)
-    again.num_partitions = registry.num_partitions
+    sampled = roster.sample()
+    again = Roster(roster.cfg, RoundCounters(), np.random.default_rng(roster.cfg.seed))
+    again.nodes, again.connected = list(roster.nodes), set(roster.connected)
+    again.clients.update(roster.clients)
+    again.num_partitions = roster.num_partitions
     assert len(sampled) == 2 and again.sample() == sampled  # seeded: the same draw from the same seed
     grid.silent.add(sampled[0])
     transport.timeout = 0.3

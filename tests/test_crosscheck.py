@@ -29,7 +29,7 @@ from common.options import option_key
 from models.groups import MODEL_GROUPS
 from models.zoo import HTCNN8
 from strategies.registry import METHODS
-from tools.run import read_config
+from tools.runconfig import read_config
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 PRESET = Path(__file__).resolve().parents[1] / "presets" / "fedtgp-cifar10-htfe2.toml"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tools.deploy import register_nodes
 from tools.loopback import CONNECTION, LoopbackDeployment, rows_of
-from tools.run import stop, wait_for
+from tools.processes import stop, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = ROOT.parent / "shared" / "data"

@@ -19,43 +19,43 @@ import pytest
 
 from common.errors import ConfigError
 from conftest import DATA_DIR, ROOT
-from tools import run as launcher
+from tools import outcome, processes, runconfig
 
 ITEMS = ["num-server-rounds=3 lr=0.05", "method='fedproto'"]
 
 
 def test_every_entry_point_reads_several_pairs_per_c_item():
-    config, overrides = launcher.read_config(None, ITEMS)
+    config, overrides = runconfig.read_config(None, ITEMS)
     assert overrides == {"num-server-rounds": 3, "lr": 0.05, "method": "fedproto"}
-    assert config["num-server-rounds"] == 3 and config["batch-size"] == launcher.app_defaults()["batch-size"]
+    assert config["num-server-rounds"] == 3 and config["batch-size"] == runconfig.app_defaults()["batch-size"]
     with pytest.raises(ConfigError, match="unknown run config key.*'no-such-key'"):
-        launcher.read_config(None, ["no-such-key=1"])
+        runconfig.read_config(None, ["no-such-key=1"])
 
 
 def test_c_items_of_one_table_all_count():
     # Flower merges its items' nested tables shallowly: the second item used to drop fedgh.server-mode
-    _, overrides = launcher.read_config(None, ["fedgh.server-mode='minibatch'", "fedgh.server-lr=0.5"])
+    _, overrides = runconfig.read_config(None, ["fedgh.server-mode='minibatch'", "fedgh.server-lr=0.5"])
     assert overrides == {"fedgh.server-mode": "minibatch", "fedgh.server-lr": 0.5}
 
 
 def test_the_run_config_reaches_flower_whole():
     from flwr.common.config import fuse_dicts, parse_config_args
 
-    config, _ = launcher.read_config(None, ["fedgh.server-mode='minibatch' fedgh.server-lr=0.5 lr=0.05"])
+    config, _ = runconfig.read_config(None, ["fedgh.server-mode='minibatch' fedgh.server-lr=0.5 lr=0.05"])
     config["output-dir"] = "/tmp/a \"quoted\" 'path' = x"
-    with launcher.run_config_file(config) as path:
+    with runconfig.run_config_file(config) as path:
         parsed = parse_config_args([str(path)])  # what flwr run does with the file
     assert not path.exists()
     assert parsed == config
-    assert fuse_dicts(launcher.app_defaults(), parsed) == config
+    assert fuse_dicts(runconfig.app_defaults(), parsed) == config
 
 
 def test_a_run_that_did_not_use_the_requested_config_is_named(tmp_path, capsys):
     (tmp_path / "summary.json").write_text(
         json.dumps({"status": "completed", "rounds_completed": 1, "config": {"lr": 0.05, "fedgh.server-lr": 0.01}})
     )
-    assert launcher.used_requested_config(tmp_path, {"lr": 0.05})
-    assert not launcher.used_requested_config(tmp_path, {"lr": 0.05, "fedgh.server-lr": 0.5})
+    assert outcome.used_requested_config(tmp_path, {"lr": 0.05})
+    assert not outcome.used_requested_config(tmp_path, {"lr": 0.05, "fedgh.server-lr": 0.5})
     assert "fedgh.server-lr: 0.5 -> 0.01" in capsys.readouterr().out
 
 
@@ -142,8 +142,8 @@ def test_a_failed_run_ends_with_its_status_and_reason(tmp_path, monkeypatch, cap
 
 
 def test_sigterm_and_sighup_raise_keyboard_interrupt_inside_the_block_only():
-    for sig in launcher.STOP_SIGNALS:
-        with pytest.raises(KeyboardInterrupt), launcher.stop_on_signals():
+    for sig in processes.STOP_SIGNALS:
+        with pytest.raises(KeyboardInterrupt), processes.stop_on_signals():
             os.kill(os.getpid(), sig)
             time.sleep(5)
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
@@ -153,12 +153,12 @@ def test_later_signals_do_not_break_off_the_clean_up_the_first_started(capfd):
     """A terminal's Ctrl-C reaches a launcher and its tools.run at once, and the launcher then sends
     that tools.run one more SIGINT: the second signal must not abort the clean-up of the first."""
     cleaned = []
-    with pytest.raises(KeyboardInterrupt), launcher.stop_on_signals():
+    with pytest.raises(KeyboardInterrupt), processes.stop_on_signals():
         try:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)
         except KeyboardInterrupt:
-            for sig in launcher.STOP_SIGNALS:
+            for sig in processes.STOP_SIGNALS:
                 os.kill(os.getpid(), sig)
             time.sleep(0.2)
             cleaned.append("done")
@@ -181,7 +181,7 @@ def test_later_signals_do_not_break_off_the_clean_up_the_first_started(capfd):
 def test_a_stopped_run_is_marked_interrupted_unless_it_had_ended(tmp_path, before, after, expected):
     error = "RunNotRunningException: run 7 was stopped" if after == "failed" else None
     (tmp_path / "summary.json").write_text(json.dumps({"status": after, "rounds_completed": 2, "error": error}))
-    launcher.mark_stopped(tmp_path, "stopped by a signal", before)
+    outcome.mark_stopped(tmp_path, "stopped by a signal", before)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == expected and summary["rounds_completed"] == 2
     if expected == "interrupted":
@@ -248,7 +248,7 @@ def test_a_finished_run_prints_final_and_both_best_accuracies_with_rounds_bytes_
         "total_eval_bytes_down": 2**19,
     }
     (tmp_path / "summary.json").write_text(json.dumps(summary))
-    launcher.print_outcome(tmp_path, "exit 0")
+    outcome.print_outcome(tmp_path, "exit 0")
     out = capsys.readouterr().out
     assert "3 rounds: final accuracy 50.00 % (mean over clients), 55.00 % (pooled)" in out
     assert "best 62.50 % (mean over clients) in round 2, 75.00 % (pooled) in round 1" in out
@@ -313,7 +313,7 @@ def test_the_grid_stops_its_launch_on_sigterm(tmp_path, monkeypatch):
     recorded = []
     monkeypatch.setattr(grid, "record_launch", lambda *args: recorded.append(args))
     threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
-    with pytest.raises(KeyboardInterrupt), launcher.stop_on_signals():
+    with pytest.raises(KeyboardInterrupt), processes.stop_on_signals():
         grid.launch_tools_run(tmp_path / "p.toml", {"output-dir": str(tmp_path / "cell")}, 0)
     assert child[0].poll() is not None and recorded and recorded[0][-1] == 130
 

@@ -3,7 +3,8 @@
 import torch
 
 from common.config import RunConfig
-from common.runtime import MODEL_STATE, STAMPS, ClientRuntime
+from common.runtime import MODEL_STATE, ClientRuntime
+from common.state_store import STAMPS
 from fakegrid import FakeGrid
 from strategies.registry import build_strategy
 
@@ -47,10 +48,10 @@ def test_state_is_written_to_the_node_dir_and_restored_after_a_restart(run_confi
 def test_a_killed_node_is_dropped_and_rejoins_with_its_state(run_config, tmp_path):
     rc = run_config(**{"num-clients": 3, "num-server-rounds": 4})
     strategy, grid = deployed(rc, tmp_path / "state")
-    original_round = strategy.run_round
+    original_round = strategy.train_round
     events = []
 
-    def run_round(server_round):
+    def train_round(server_round):
         if server_round == 2:  # killed after round 1: still listed, never answers
             grid.silent.add(1002)
         if server_round == 3:  # its heartbeat expired: no longer listed
@@ -58,17 +59,17 @@ def test_a_killed_node_is_dropped_and_rejoins_with_its_state(run_config, tmp_pat
         if server_round == 4:  # restarted under a new node id with an empty context
             grid.add_node(2002, 2)
             events.append(saved_model(tmp_path / "state", strategy.transport.state_key, 2))
-        strategy.registry.refresh(strategy.transport)
+        strategy.roster.refresh(strategy.transport)
         return original_round(server_round)
 
-    strategy.run_round = run_round
+    strategy.train_round = train_round
     strategy.start(grid)
     rows = strategy.rows
     assert [r["dropped_clients"] for r in rows] == [[], [2], [2], []]
     assert [r["num_clients"] for r in rows] == [3, 2, 2, 3]
     assert rows[-1]["client_state_restores"] == 1  # the restarted node found its model on disk
     assert set(rows[1]["accuracy_per_client"]) == {"0", "1"} and set(rows[3]["accuracy_per_client"]) == {"0", "1", "2"}
-    assert strategy.registry.nodes[2] == 2002
+    assert strategy.roster.nodes[2] == 2002
     # what it restored is what it had saved at the end of round 1 (it missed rounds 2 and 3)
     first = events[0]
     now = saved_model(tmp_path / "state", strategy.transport.state_key, 2)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
+import torch
 
 from common.config import ConfigError, RunConfig
 from common.files import read_rows
-from common.results import scalars
+from common.results import load_checkpoint, scalars
 from conftest import federation
 from server_app.app import run
 
@@ -53,6 +55,11 @@ def test_num_clients_zero_takes_every_node_even_when_they_connect_one_by_one(run
     assert all(sorted(r["accuracy_per_client"]) == ["0", "1", "2", "3", "4"] for r in rows)
     summary = json.loads((results.path / "summary.json").read_text())
     assert summary["num_clients"] == 5 and summary["config"]["num-clients"] == 0
+    # the run's final global arrays (the strategy's Result) are kept: FedGH's header after the last round
+    final = torch.load(results.path / "global_arrays.pt", weights_only=True)
+    header = load_checkpoint(results.path)["server"]["header"]
+    assert set(final) == {"head.weight", "head.bias"} and set(header) == {"weight", "bias"}
+    assert all(np.array_equal(final[f"head.{k}"].numpy(), header[k]) for k in header)
 
 
 def test_explicit_num_clients_that_disagrees_with_the_nodes_fails_fast_naming_both_keys(run_config):
@@ -117,7 +124,6 @@ def test_scalars_of_a_row():
 
 
 def test_tensorboard_scalars_equal_the_metrics_rows(run_config):
-    import numpy as np
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     rc = run_config(**{"num-clients": 3, "num-server-rounds": 3, "logger": "tensorboard", "eval-every": 2})
@@ -154,12 +160,12 @@ def _handshaken(run_config):
 
     strategy, grid = federation(run_config(**{"num-clients": 3}))
     strategy.transport.open(grid, "in-memory")
-    strategy.registry.handshake(strategy.transport)
+    strategy.roster.handshake(strategy.transport)
     grid.pulls = 0
     return (
         strategy,
         grid,
-        [strategy.transport.message("query", n, {}, ConfigRecord(), 0) for n in strategy.registry.nodes],
+        [strategy.transport.message("query", n, {}, ConfigRecord(), 0) for n in strategy.roster.nodes],
     )
 
 
@@ -183,7 +189,7 @@ def test_pull_loop_returns_as_soon_as_all_replies_are_in(run_config):
 def messages_again(strategy):
     from flwr.app import ConfigRecord
 
-    return [strategy.transport.message("query", n, {}, ConfigRecord(), 0) for n in strategy.registry.nodes]
+    return [strategy.transport.message("query", n, {}, ConfigRecord(), 0) for n in strategy.roster.nodes]
 
 
 def test_pull_loop_honours_the_timeout_and_records_late_clients_as_dropped(run_config):
@@ -202,23 +208,23 @@ def test_largest_expected_work_is_pushed_first_and_replies_keep_the_sent_order(r
     from models.groups import MODEL_GROUPS
 
     strategy, grid, _ = _handshaken(run_config)
-    for i, n in enumerate(strategy.registry.nodes):  # the later the partition, the more test examples
-        strategy.registry.clients[n]["num-test"] = 10 * (i + 1)
-    messages = [strategy.transport.message("evaluate", n, {}, ConfigRecord(), 1) for n in strategy.registry.nodes]
+    for i, n in enumerate(strategy.roster.nodes):  # the later the partition, the more test examples
+        strategy.roster.clients[n]["num-test"] = 10 * (i + 1)
+    messages = [strategy.transport.message("evaluate", n, {}, ConfigRecord(), 1) for n in strategy.roster.nodes]
     grid.sent.clear()
     replies = strategy.transport.exchange(messages, timeout=30.0)
     # evaluate work ~ test examples (no speed measured yet: every architecture counts alike)
-    assert [m.metadata.dst_node_id for m in grid.sent] == strategy.registry.nodes[::-1]
-    assert [r.metadata.src_node_id for r in replies] == strategy.registry.nodes  # in the order of ``messages``
+    assert [m.metadata.dst_node_id for m in grid.sent] == strategy.roster.nodes[::-1]
+    assert [r.metadata.src_node_id for r in replies] == strategy.roster.nodes  # in the order of ``messages``
     # a measured training speed weighs the examples: the client of a slow architecture goes first
     group = MODEL_GROUPS[strategy.cfg.model_group]
-    slow = min(strategy.registry.nodes, key=lambda n: strategy.registry.clients[n]["num-train"])
+    slow = min(strategy.roster.nodes, key=lambda n: strategy.roster.clients[n]["num-train"])
     strategy.counters.seconds_per_image = {
-        group.architecture_for(strategy.registry.clients[slow]["partition-id"]): 1000.0
+        group.architecture_for(strategy.roster.clients[slow]["partition-id"]): 1000.0
     }
     train = [
         strategy.transport.message("train", n, strategy.train_payload(n, 1), ConfigRecord(), 1)
-        for n in strategy.registry.nodes
+        for n in strategy.roster.nodes
     ]
     assert max(train, key=strategy.transport.expected_seconds).metadata.dst_node_id == slow
     assert strategy.transport.expected_seconds(strategy.transport.message("query", slow, {}, ConfigRecord(), 0)) == 0.0

@@ -185,7 +185,7 @@ def test_state_persists_theta_is_replaced_and_idle_clients_untouched(run_config)
     rc = mrl_config(run_config, **{"num-clients": 4, "fraction-train": 0.5, "num-server-rounds": 1})
     strategy, grid = federation(rc)
     strategy.start(grid)
-    sampled = {strategy.registry.clients[n]["partition-id"] for n in strategy.registry.sampled}
+    sampled = {strategy.roster.clients[n]["partition-id"] for n in strategy.roster.sampled}
     cfg = RunConfig.from_dict(rc)
     procedure = FEDMRL_METHOD.build_client(cfg)
     for ctx in grid.contexts.values():

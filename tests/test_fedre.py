@@ -413,16 +413,16 @@ def test_client0_absent_partition_0_leaves_the_step_on_the_servers_head(run_conf
     rc = client0_config(run_config, **{"num-clients": 3, "num-server-rounds": 2})
     replies, heads = [], []
     strategy, grid = federation(rc, lambda node, reply: replies.append(reply) or reply)
-    original_round = strategy.run_round
+    original_round = strategy.train_round
 
-    def run_round(server_round):
+    def train_round(server_round):
         if server_round == 2:  # partition 0 stops answering after round 1
             grid.silent.add(1000)
             heads.append(strategy.global_arrays())
             replies.clear()
         return original_round(server_round)
 
-    strategy.run_round = run_round
+    strategy.train_round = train_round
     strategy.start(grid)
     pairs = [payload_of(r) for r in replies if r.metadata.message_type == "train"]
     assert len(pairs) == 2 and not any(r.metadata.src_node_id == 1000 for r in replies)

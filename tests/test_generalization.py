@@ -108,7 +108,7 @@ def test_a_new_architecture_is_held_out_and_gets_a_new_head(run_config):
     assert [architecture_for(cfg, p, 5) for p in range(5)] == ["cnn1", "cnn2", "cnn3", "cnn5", "cnn5"]
     strategy, grid = captured(rc)
     assert strategy.rows[-1]["heldout_clients"] == 2
-    nodes = strategy.registry.nodes[3:]
+    nodes = strategy.roster.nodes[3:]
     strategy.begin_generalization(nodes, 1)
     hn = strategy.phase[0]
     assert hn.head_names["p3"] == "new-p3" and hn.head_names["p0"] == str(hn.tau(hn.sizes["p0"]))
@@ -164,14 +164,14 @@ def test_a_partition_that_connects_after_the_handshake_joins_at_a_round_boundary
     )
     strategy, grid = federation(rc)
     grid.gone.add(1002)
-    play = strategy.play_round
+    play = strategy.run_round
 
     def play_and_connect(server_round, run_start):
         out = play(server_round, run_start)
         grid.gone.discard(1002)  # the third SuperNode starts after round 1
         return out
 
-    strategy.play_round = play_and_connect
+    strategy.run_round = play_and_connect
     strategy.start(grid)
     rows = strategy.rows
     assert rows[0]["num_clients"] == 2 and set(rows[0]["accuracy_per_client"]) == {"0", "1"}

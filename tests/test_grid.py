@@ -16,7 +16,7 @@ from conftest import DATA_DIR, ROOT
 from strategies.registry import build_strategy
 from tools.grid import newest_run, plan, run_grid
 from tools.report import paper_info
-from tools.run import app_defaults
+from tools.runconfig import app_defaults
 
 PRESETS = sorted((ROOT / "presets").glob("*.toml"))
 RUN_PRESETS = [p for p in PRESETS if not p.name.endswith(".paper.toml")]

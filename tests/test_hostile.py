@@ -331,16 +331,16 @@ def test_hostile_impostor_cannot_take_a_connected_partition(run_config):
     """A new node claiming partition 1 while node 1001 is connected is refused: 1001 keeps
     training and the impostor never receives that client's payload."""
     strategy, grid = _fedgh(run_config, 3)
-    original = strategy.run_round
+    original = strategy.train_round
 
-    def run_round(server_round):
+    def train_round(server_round):
         if server_round == 2:
             grid.add_node(6666, 1)  # joins before round 3's refresh
         return original(server_round)
 
-    strategy.run_round = run_round
+    strategy.train_round = train_round
     strategy.start(grid)
-    assert strategy.registry.nodes == [1000, 1001, 1002] and strategy.counters.dropped["query"] == 1
+    assert strategy.roster.nodes == [1000, 1001, 1002] and strategy.counters.dropped["query"] == 1
     assert [r["num_clients"] for r in strategy.rows] == [3, 3, 3]
     to_impostor = [m.metadata.message_type for m in grid.sent if m.metadata.dst_node_id == 6666]
     assert to_impostor == ["query"]
@@ -350,7 +350,7 @@ def test_hostile_duplicate_claim_at_the_handshake_drops_the_later_node(run_confi
     strategy, grid = _fedgh(run_config, 1)
     grid.add_node(6666, 0)  # a fourth node claiming partition 0, listed after node 1000
     strategy.start(grid)
-    assert strategy.registry.nodes == [1000, 1001, 1002] and strategy.counters.dropped["query"] == 1
+    assert strategy.roster.nodes == [1000, 1001, 1002] and strategy.counters.dropped["query"] == 1
     assert strategy.rows[0]["num_clients"] == 3
 
 
@@ -358,14 +358,14 @@ def test_hostile_silent_new_node_is_asked_with_backoff(run_config):
     """A node that connects but never answers is asked in rounds 1, 2 and 4 of 6, not every
     round (each ask costs up to QUERY_SECONDS of waiting in a deployment)."""
     strategy, grid = _fedgh(run_config, 6)
-    original = strategy.registry.handshake
+    original = strategy.roster.handshake
 
     def handshake(transport):
         original(transport)
         grid.add_node(6666, 2)
         grid.silent.add(6666)
 
-    strategy.registry.handshake = handshake
+    strategy.roster.handshake = handshake
     strategy.start(grid)
     assert sum(m.metadata.dst_node_id == 6666 for m in grid.sent) == 3
     assert [r["num_clients"] for r in strategy.rows] == [3] * 6
@@ -375,9 +375,9 @@ def test_hostile_restarted_node_takes_its_partition_once_the_old_one_is_gone(run
     """Without node auth a restarted SuperNode has a new id while the old one may still be listed:
     its claim waits (no new query) and is granted in the first round the old node is gone."""
     strategy, grid = _fedgh(run_config, 4)
-    original = strategy.run_round
+    original = strategy.train_round
 
-    def run_round(server_round):
+    def train_round(server_round):
         if server_round == 1:
             grid.silent.add(1002)  # killed, still listed
             grid.add_node(2002, 2)  # restarted under a new id
@@ -387,9 +387,9 @@ def test_hostile_restarted_node_takes_its_partition_once_the_old_one_is_gone(run
             grid.add_node(7777, 9).node_config["num-partitions"] = 10
         return original(server_round)
 
-    strategy.run_round = run_round
+    strategy.train_round = train_round
     strategy.start(grid)
-    assert strategy.registry.nodes == [1000, 1001, 2002]
+    assert strategy.roster.nodes == [1000, 1001, 2002]
     assert [r["num_clients"] for r in strategy.rows] == [2, 2, 3, 3]
     assert sum(m.metadata.dst_node_id == 2002 and m.metadata.message_type == "query" for m in grid.sent) == 1
     assert sum(m.metadata.dst_node_id == 7777 for m in grid.sent) == 1
@@ -399,7 +399,7 @@ def test_hostile_num_params_claim_is_bounded_by_the_model_group(run_config):
     """MH-pFedHN allocates a hypernetwork head of the claimed size K: a claim above the largest
     model of the run's group (here 1e8, ~51 GB of head) is dropped before anything is allocated."""
     from common.config import RunConfig
-    from strategies.mh_pfedhn import num_params
+    from strategies.hypernetwork import num_params
 
     rc = run_config(
         **{
@@ -427,7 +427,7 @@ def test_hostile_handshake_size_claim_beyond_the_dataset_is_dropped(run_config):
     strategy, grid = federation(rc, attacker("query", lambda reply: with_metrics(reply, **{"num-train": 10**9})))
     with pytest.raises(RuntimeError, match="only 2 of num-clients=3"):
         strategy.start(grid)
-    assert strategy.counters.dropped["query"] == 1 and ATTACKER not in strategy.registry.clients
+    assert strategy.counters.dropped["query"] == 1 and ATTACKER not in strategy.roster.clients
 
 
 def scaled(key: str, value: float):

@@ -24,6 +24,7 @@ from common.config import RunConfig
 from common.errors import ConfigError
 from conftest import DATA_DIR, ROOT
 from tools import grid as grids
+from tools import processes, ray_cluster, runconfig
 from tools import run as launcher
 
 #: a launch as cheap as a real one gets: MNIST, 2 clients, 1 round, 50 examples each
@@ -66,7 +67,7 @@ def test_two_concurrent_launches_from_one_checkout_both_finish(tmp_path):
     finally:
         for proc in (first, second):
             if proc.poll() is None:
-                launcher.interrupt(proc, grace=30)
+                processes.interrupt(proc, grace=30)
     out_a = "".join(lines)
     assert second.returncode == 0, out_b[-3000:]
     assert first.returncode == 0, out_a[-3000:]
@@ -109,7 +110,7 @@ class FakeLaunch:
             "time.sleep(300)"
         )
         self.superlink = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
-        launcher.wait_for(lambda: psutil.Process(self.superlink.pid).children(), 30, "the detached child")
+        processes.wait_for(lambda: psutil.Process(self.superlink.pid).children(), 30, "the detached child")
         self.detached += psutil.Process(self.superlink.pid).children()
         return self.superlink, "127.0.0.1:1"
 
@@ -131,7 +132,7 @@ class FakeLaunch:
         return self.status
 
     def launch(self, config: dict) -> int:
-        args = argparse.Namespace(ray_address=launcher.LOCAL_RAY, gpus_per_client=None, cpus_per_client=1)
+        args = argparse.Namespace(ray_address=ray_cluster.LOCAL_RAY, gpus_per_client=None, cpus_per_client=1)
         return launcher._run(args, {**config, "output-dir": str(self.out)}, 2, False)
 
     def left_running(self) -> list[psutil.Process]:
@@ -208,14 +209,14 @@ def http_server() -> tuple[subprocess.Popen, int]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    launcher.wait_for(lambda: not socket.socket().connect_ex(("127.0.0.1", port)), 30, "http.server")
+    processes.wait_for(lambda: not socket.socket().connect_ex(("127.0.0.1", port)), 30, "http.server")
     return server, port
 
 
 def test_a_ray_address_that_is_not_ray_fails_within_the_join_limit_naming_the_option(monkeypatch, capsys):
     """A TCP service that is not Ray passes the TCP check; Ray then retried its GCS without end."""
     server, port = http_server()
-    monkeypatch.setattr(launcher, "RAY_JOIN_TIMEOUT", 20.0)
+    monkeypatch.setattr(ray_cluster, "RAY_JOIN_TIMEOUT", 20.0)
     monkeypatch.setattr(launcher, "validate_configs", lambda configs: [(2, False)])
     monkeypatch.setattr(launcher, "_run", never)
     start = time.monotonic()
@@ -246,11 +247,11 @@ def test_huge_values_are_refused_before_anything_starts_quoting_only_their_start
     out = capsys.readouterr().out
     assert "'state-dir'" in out and "every name is at most 255 bytes" in out and "256 bytes" in out and len(out) < 500
     # any other string: bounded where every value is checked (the ServerApp's RunConfig too)
-    config = {**launcher.app_defaults(), "method": "m" * 10_000_000}
-    error, _, _ = launcher.check_config(config)
+    config = {**runconfig.app_defaults(), "method": "m" * 10_000_000}
+    error, _, _ = runconfig.check_config(config)
     assert error.startswith("run config key 'method' = 'mmm") and len(error) < 2000
     with pytest.raises(ConfigError, match=r"'data-dir' = 'xxx.*\(5000 characters\).*at most 4096") as caught:
-        RunConfig.from_dict({**launcher.app_defaults(), "data-dir": "x" * 5000})
+        RunConfig.from_dict({**runconfig.app_defaults(), "data-dir": "x" * 5000})
     assert len(str(caught.value)) < 600
 
 
@@ -322,7 +323,7 @@ def test_two_grids_on_one_folder_run_each_cell_once(tmp_path):
         )
     )
     first.start()
-    launcher.wait_for(lambda: launches, 30, "the first grid's first launch")
+    processes.wait_for(lambda: launches, 30, "the first grid's first launch")
     expected = rf"grid folder {re.escape(str(out))} is in use by another tools.grid \(PID {os.getpid()}\)"
     with pytest.raises(ConfigError, match=expected):
         grids.run_grid(preset, ["local", "fedgh"], [0], out, launcher=instant_launcher(launches, release))

@@ -12,8 +12,8 @@ PACKAGES = ("bench", "client_app", "common", "models", "privacy", "server_app", 
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Project module -> the project modules it imports anywhere in its body (``from x import y``
-    counts ``x.y`` when that is a module)."""
+    """Project module -> the project modules it imports anywhere in its body but under ``if
+    TYPE_CHECKING:`` (``from x import y`` counts ``x.y`` when that is a module)."""
     modules = {
         ".".join(p.relative_to(ROOT).with_suffix("").parts): p
         for pkg in PACKAGES
@@ -23,7 +23,16 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        type_only = {  # imports under ``if TYPE_CHECKING:`` are for annotations: they never run
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+            for n in ast.walk(block)
+        }
+        for node in ast.walk(tree):
+            if id(node) in type_only:
+                continue
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -113,3 +122,11 @@ def test_every_method_has_its_page_and_code_cites_no_outside_document():
         for path in (ROOT / pkg).rglob("*.py"):
             text = path.read_text()
             assert "shared/specs" not in text and "spec section" not in text, path
+
+
+def test_the_client_app_takes_only_the_method_table_from_the_server_side_package():
+    """The wire protocol (config keys, train settings, metric values, state names) lives in
+    ``common.protocol``; of ``strategies`` the ClientApp needs only the method table (which procedure
+    answers which message)."""
+    graph = import_graph()
+    assert {b for b in graph["client_app.app"] if b.startswith("strategies")} == {"strategies.registry"}

@@ -15,16 +15,10 @@ from common.runtime import MODEL_STATE
 from common.training import kd_loss
 from conftest import client_runtime, federation, train_config
 from models.mh import build_mh_model
+from strategies.hypernetwork import HyperNetwork, flat_delta, hn_step, load_flat
 from strategies.mh_pfedhn import METHOD as MHPFEDHN_METHOD
 from strategies.mh_pfedhn import METHOD_GD as MHPFEDHNGD_METHOD
-from strategies.mh_pfedhn import (
-    TEACHER_STATE,
-    HNOptions,
-    HyperNetwork,
-    flat_delta,
-    hn_step,
-    load_flat,
-)
+from strategies.mh_pfedhn import TEACHER_STATE, HNOptions
 
 # docs/methods/mh-pfedhn.md §7: generated parameter counts for 3x32x32 input
 K_C10 = {"lenet": 234_006, "vgg8": 268_814, "mhresnet10": 347_178, "mhresnet12": 523_242, "mhresnet18": 565_386}
@@ -198,7 +192,7 @@ def test_rounds_payloads_steps_and_evaluation(run_config, method, schedule):
     last_eval = {m.metadata.dst_node_id: m for m in grid.sent if m.metadata.message_type == "evaluate"}
     for node, m in last_eval.items():
         assert np.array_equal(m.content.array_records[PAYLOAD]["theta"].numpy(), strategy.weights_for(node)["theta"])
-    for metrics in strategy.registry.clients.values():  # the handshake disclosed sizes only
+    for metrics in strategy.roster.clients.values():  # the handshake disclosed sizes only
         assert metrics["num-params"] == k and all(isinstance(v, (int, float)) for v in metrics.values())
 
 
@@ -291,7 +285,7 @@ def test_gd_global_step_is_data_weighted_and_local(run_config):
     )
     strategy, grid = federation(rc)
     strategy.transport.open(grid, "in-memory")
-    strategy.registry.handshake(strategy.transport)
+    strategy.roster.handshake(strategy.transport)
     strategy.joined()
     pre_step = copy.deepcopy(strategy.hn)
     deltas = {}
@@ -306,7 +300,7 @@ def test_gd_global_step_is_data_weighted_and_local(run_config):
 
     grid.tamper = capture
     strategy.personal_phase = lambda r, n, c: ([], {"server-hn-steps": 0}, 0.0)  # the global phase only
-    strategy.run_round(1)
+    strategy.train_round(1)
     before, after = snapshot(pre_step), snapshot(strategy.hn)
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     tau_g = strategy.hn.tau(strategy.hn.sizes["global"])

@@ -16,7 +16,7 @@ import pytest
 
 import bench.mhpfedhn_authors as authors
 from common.errors import ConfigError
-from tools.run import ROOT, read_config
+from tools.runconfig import ROOT, read_config
 
 PRESET = "presets/mh-pfedhn-table7-cifar10.toml"
 OLD_WRAPPER = ROOT / "results" / "crosscheck" / "{}-table7" / "seed-0" / "authors.json"

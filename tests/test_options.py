@@ -10,7 +10,7 @@ from common.config import ConfigError, RunConfig, read_options
 from common.options import declared_defaults, option, option_rows
 from conftest import ROOT, federation, make_run_config
 from strategies.registry import METHODS, OPTION_TABLES, client_procedure, key_table, option_tables
-from tools.run import app_defaults
+from tools.runconfig import app_defaults
 
 
 def test_pyproject_defaults_equal_the_declared_ones():

@@ -30,7 +30,8 @@ from tools.deploy import (
     write_node_keys,
 )
 from tools.loopback import spawn
-from tools.run import flwr_cli, free_port, stop, wait_for
+from tools.processes import free_port, stop, wait_for
+from tools.run import flwr_cli
 
 pytestmark = pytest.mark.skipif(
     shutil.which("nginx") is None, reason="nginx is not installed (apt-get install nginx; .ci/run installs it)"

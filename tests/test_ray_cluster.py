@@ -19,7 +19,7 @@ import pytest
 from common.errors import ConfigError
 from common.files import read_rows
 from conftest import DATA_DIR, ROOT, federation
-from tools import run as launcher
+from tools import processes, ray_cluster
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -54,16 +54,16 @@ def test_rows_outside_ray_have_no_placement(run_config):
     ],
 )
 def test_client_slots_per_node(resources, cpus, gpus, fits):
-    assert launcher.client_slots(resources, cpus, gpus) == fits
+    assert ray_cluster.client_slots(resources, cpus, gpus) == fits
 
 
 def test_an_address_where_nothing_listens_fails_fast_naming_the_option():
-    port = launcher.free_port()  # bound and released: nothing listens there
+    port = processes.free_port()  # bound and released: nothing listens there
     began = time.monotonic()
     with pytest.raises(ConfigError, match=rf"--ray-address 127.0.0.1:{port}: no Ray cluster answers there"):
-        launcher.check_ray_cluster(f"127.0.0.1:{port}", 1, None)
+        ray_cluster.check_ray_cluster(f"127.0.0.1:{port}", 1, None)
     with pytest.raises(ConfigError, match="expected HOST:PORT"):
-        launcher.check_ray_cluster("nowhere", 1, None)
+        ray_cluster.check_ray_cluster("nowhere", 1, None)
     assert time.monotonic() - began < 20
 
 
@@ -84,13 +84,13 @@ def ray_node(temp_dir: str, *args: str):
             tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
             proc.send_signal(signal.SIGTERM)
             psutil.wait_procs(tree, timeout=20)
-            launcher.kill_all(tree)
+            processes.kill_all(tree)
 
 
 def wait_nodes(address: str, count: int, timeout: float = 90) -> list[dict]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        error, nodes = launcher.cluster_nodes(address)
+        error, nodes = ray_cluster.cluster_nodes(address)
         if not error and len(nodes) == count:
             return nodes
         time.sleep(1)
@@ -110,20 +110,20 @@ def test_a_simulation_on_a_two_node_loopback_cluster_runs_every_clientapp_on_the
     """A head node with no CPUs for ClientApps, then a worker node with 2: before the worker joins,
     tools.run refuses the cluster (no node fits a ClientApp); after, the run completes and every
     reply of every round came from a ClientApp on the worker node."""
-    port = launcher.free_port()
+    port = processes.free_port()
     address = f"127.0.0.1:{port}"
     # a short folder: Ray's unix sockets live under it (107 characters at most); and not /tmp/ray, so
     # that no other simulation on this host joins this cluster through Ray's address file
     with tempfile.TemporaryDirectory(prefix="ray-") as temp_dir:
         head_args = ["--head", "--port", str(port), "--num-cpus", "0", "--include-dashboard", "false"]
-        with ray_node(temp_dir, *head_args, "--dashboard-agent-listen-port", str(launcher.free_port())):
+        with ray_node(temp_dir, *head_args, "--dashboard-agent-listen-port", str(processes.free_port())):
             (head,) = wait_nodes(address, 1)
             refused = launch(address, tmp_path / "refused")
             assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
             assert "no alive node of the cluster can host a ClientApp of 1 CPUs" in refused.stdout
             assert not (tmp_path / "refused").exists()  # nothing started
             worker_args = ["--address", address, "--num-cpus", "2"]
-            with ray_node(temp_dir, *worker_args, "--dashboard-agent-listen-port", str(launcher.free_port())):
+            with ray_node(temp_dir, *worker_args, "--dashboard-agent-listen-port", str(processes.free_port())):
                 worker = next(n for n in wait_nodes(address, 2) if n["id"] != head["id"])
                 assert worker["resources"]["CPU"] == 2 and head["resources"].get("CPU", 0) == 0
                 proc = launch(address, tmp_path / "out")

@@ -43,18 +43,9 @@ from pathlib import Path
 from common.errors import ConfigError
 from common.files import read_rows, read_summary
 from tools.deploy import environment, write_connection
-from tools.run import (
-    STOP_SIGNALS,
-    add_config_arguments,
-    app_defaults,
-    flwr_cli,
-    read_config,
-    run_config_file,
-    stop_on_signals,
-    validate_configs,
-    wait_finished,
-    wait_for,
-)
+from tools.processes import STOP_SIGNALS, stop_on_signals, wait_for
+from tools.run import flwr_cli, wait_finished
+from tools.runconfig import add_config_arguments, app_defaults, read_config, run_config_file, validate_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"

@@ -43,15 +43,8 @@ from pathlib import Path
 from common.errors import ConfigError
 from common.files import SUMMARY_FILE, atomic_write, read_json_object, read_rows, read_summary
 from common.options import number
-from tools.run import (
-    ROOT,
-    add_config_arguments,
-    interrupt,
-    read_config,
-    read_preset,
-    stop_on_signals,
-    validate_configs,
-)
+from tools.processes import interrupt, stop_on_signals
+from tools.runconfig import ROOT, add_config_arguments, read_config, read_preset, validate_configs
 
 GRID_FILE = "grid.json"
 #: the lock file of a grid folder (:func:`grid_lock`); it holds the PID of the grid that has the lock

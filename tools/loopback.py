@@ -24,14 +24,16 @@ from tools.deploy import (
     write_connection,
     write_node_keys,
 )
-from tools.run import flwr_cli, free_port, run_config_file, stop, wait_finished, wait_for
+from tools.processes import free_port, stop, wait_for
+from tools.run import flwr_cli, wait_finished
+from tools.runconfig import run_config_file
 
 ROOT = Path(__file__).resolve().parents[1]
 CONNECTION = "deploy"
 
 
 def spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    """Start ``cmd`` in its own session (stop it with ``tools.run.stop``), output appended to ``log``."""
+    """Start ``cmd`` in its own session (stop it with ``tools.processes.stop``), output appended to ``log``."""
     with open(log, "ab") as out:
         return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -51,11 +51,12 @@ from common.data import DataSpec, class_counts, decode_images, load_client_data,
 from common.datasets import DATASETS, with_recipe
 from common.errors import ConfigError
 from common.files import atomic_write, read_summary
+from common.protocol import snapshot_name
 from models.groups import MODEL_GROUPS
 from models.mh import build_mh_model
 from privacy import gradients, inversion, labels, scores
 from strategies.fedkd import svd_decompress
-from strategies.recording import PAYLOADS, read_arrays, snapshot_name
+from strategies.recording import PAYLOADS, read_arrays
 from strategies.registry import METHODS
 from tools.run import app_defaults
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.privacy import pooled, spread
-from tools.run import ROOT
+from tools.runconfig import ROOT
 
 #: FedRE's Q2 (TinyImageNet, its reference [35]): PSNR (dB) and MSE (0-255 scale) of images reconstructed
 #: from per-sample representations, prototypes and entangled representations

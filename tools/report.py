@@ -44,7 +44,7 @@ import numpy as np
 from common.errors import ConfigError
 from common.files import ROWS_FILE, read_rows
 from tools.grid import GRID_FILE, newest_run, read_grid_info, run_summary
-from tools.run import ROOT, app_defaults
+from tools.runconfig import ROOT, app_defaults
 
 FIGURES = ("accuracy_vs_round.png", "accuracy_vs_bytes.png", "label_distribution.png")
 

@@ -1,0 +1,72 @@
+"""The wire protocol between the ServerApp and the ClientApps, defined once for both halves.
+
+A message to a client carries the method's payload (ArrayRecord ``common.payload.PAYLOAD``) and a
+ConfigRecord :data:`CONFIG_RECORD` of scalar settings: the keys below, and for a train instruction the
+training settings of :func:`train_config` (plus a method's own, e.g. FedKD's ``kd-temperature``). A
+reply carries the payload and a MetricRecord of the keys ``common.metrics`` declares, built with
+:func:`metric_values`. A client keeps its state under record names such as :func:`snapshot_name`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from common.config import RunConfig
+
+#: the ConfigRecord of a message to a client
+CONFIG_RECORD = "config"
+#: config key: the round a message belongs to (a generalisation phase's step for its messages)
+SERVER_ROUND = "server-round"
+#: config key: the key of the run's client state (a resumed run sends its first run's; ``common.runtime``)
+STATE_KEY = "state-key"
+#: config key: the run folder's client-state folder, for clients without a node config ``state-dir``
+CLIENT_STATE_DIR = "client-state-dir"
+#: config key: a state of the client's own beside its run state (``common.runtime.ClientRuntime``:
+#: a held-out client's generalisation phase)
+STATE_SCOPE = "state-scope"
+#: config key (train): evaluate the just-trained personal model in the same reply
+EVALUATE = "evaluate"
+#: config key (train): keep the just-trained personal model for the privacy evaluation (:func:`snapshot_name`)
+RECORD = "record"
+
+
+def train_config(cfg: RunConfig, server_round: int, evaluate: bool = False) -> dict[str, Any]:
+    """The training settings every train instruction carries (not counted as payload): the round,
+    ``local-epochs``, ``batch-size``, ``batch-order``, ``lr``, ``momentum``, ``weight-decay``,
+    ``clip-norm``, ``precision`` of ``cfg``, :data:`EVALUATE` (evaluate right after training) and
+    :data:`RECORD` (keep a copy of the trained personal model for the privacy evaluation:
+    ``record-payloads``)."""
+    return {
+        SERVER_ROUND: server_round,
+        "local-epochs": cfg.local_epochs,
+        "batch-size": cfg.batch_size,
+        "batch-order": cfg.batch_order,
+        "lr": cfg.lr,
+        "momentum": cfg.momentum,
+        "weight-decay": cfg.weight_decay,
+        "clip-norm": cfg.clip_norm,
+        "precision": cfg.precision,
+        EVALUATE: evaluate,
+        RECORD: cfg.records_round(server_round),
+    }
+
+
+def metric_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """MetricRecord accepts only Python int/float (and lists): cast numpy scalars, drop the rest."""
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, (bool, np.bool_, int, np.integer)):
+            out[k] = int(v)
+        elif isinstance(v, (float, np.floating)):
+            out[k] = float(v)
+        elif isinstance(v, list):
+            out[k] = v
+    return out
+
+
+def snapshot_name(server_round: int) -> str:
+    """The client state record holding the personal model as it was after training round ``server_round``."""
+    return f"model-round-{server_round}"
