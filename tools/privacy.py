@@ -58,7 +58,7 @@ from privacy import gradients, inversion, labels, scores
 from strategies.fedkd import svd_decompress
 from strategies.recording import PAYLOADS, read_arrays
 from strategies.registry import METHODS
-from tools.run import app_defaults
+from tools.runconfig import app_defaults
 
 ATTACKS = ("inversion", "decoder", "labels", "update")
 #: upload array pairs (vectors, their class ids) of the per-class payloads, and the space they live in
