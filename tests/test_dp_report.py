@@ -67,3 +67,14 @@ def small_config():
 @pytest.mark.skipif(not (COMMITTED / "report.md").is_file(), reason="no committed DP evaluation")
 def test_the_committed_report_is_what_its_rows_give():
     assert (COMMITTED / "report.md").read_text() == render(*collect(COMMITTED, str(DATA_DIR)))
+
+
+def test_an_interrupted_run_does_not_count_as_a_final_accuracy(tmp_path, small_config):
+    write_grid(tmp_path / "plain", small_config)
+    write_grid(tmp_path / "private", small_config, overrides={"dp.epsilon": 8.0}, shift=-0.2)
+    stopped = next((tmp_path / "private").glob("local-seed1/*")) / "summary.json"
+    stopped.write_text(json.dumps({"status": "interrupted", "rounds_completed": 4}))
+    out = tmp_path / "results"
+    assert main([str(out), "--grid", f"inf={tmp_path / 'plain'}", "--grid", f"8={tmp_path / 'private'}"]) == 0
+    text = (out / "report.md").read_text()
+    assert "| local | inf | 0,1 |" in text and "| local | 8 | 0 |" in text

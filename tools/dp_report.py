@@ -39,7 +39,7 @@ from common.errors import ConfigError  # noqa: E402
 from tools.grid import newest_run  # noqa: E402
 from tools.privacy_report import cell as score_cell  # noqa: E402
 from tools.privacy_report import stat  # noqa: E402
-from tools.report import copy_runs, load_grid, mean_std, method_colors, pct, prior_by_seed  # noqa: E402
+from tools.report import copy_runs, load_grid, mean_std, method_colors, pct, prior_by_seed, prior_stats  # noqa: E402
 
 #: subfolder of a report folder holding the grid run at one ε
 PREFIX = "eps-"
@@ -104,8 +104,9 @@ def upload_attack(rows: list[dict[str, Any]]) -> tuple[tuple[float, float] | Non
 
 def collect(folder: Path, data_dir: str | None = None) -> tuple[dict, dict[str, dict[str, dict[str, Any]]]]:
     """(the first grid's ``grid.json``, method -> ε label -> its numbers) over ``<folder>/eps-*``, for the
-    methods run at two ε or more. The grid info also gets ``prior``, the class prior's accuracy over every
-    cell's seed (``tools.report.prior_by_seed``, mean ± std), and each method and ε ``above_prior``: its
+    methods run at two ε or more; a cell counts once its newest run completed. The grid info also gets
+    ``prior``, the class prior's accuracy over every cell's seed (``tools.report.prior_by_seed``,
+    :func:`tools.report.prior_stats`), and each method and ε ``above_prior``: its
     final pooled accuracy minus its seed's prior, mean ± std over seeds; without readable data the info
     gets ``prior_error`` instead and ``above_prior`` is None.
 
@@ -119,6 +120,8 @@ def collect(folder: Path, data_dir: str | None = None) -> tuple[dict, dict[str, 
     for grid in sorted(grids, key=lambda p: -epsilon_value(p.name[len(PREFIX) :])):  # no DP first, then ε down
         label = grid.name[len(PREFIX) :]
         grid_info, cells = load_grid(grid)
+        # an interrupted run's last round is not its final accuracy: only completed runs count
+        cells = [c for c in cells if c.summary.get("status") == "completed"]
         every_cell += cells
         if info is None:
             info = grid_info
@@ -143,10 +146,7 @@ def collect(folder: Path, data_dir: str | None = None) -> tuple[dict, dict[str, 
             }
     try:
         priors = prior_by_seed(info["preset_config"], every_cell, data_dir)["training"]
-        info["prior"] = {
-            "mean": mean_std([m for m, _ in priors.values()]),
-            "weighted": mean_std([w for _, w in priors.values()]),
-        }
+        info["prior"] = prior_stats(priors)
     except ConfigError as exc:  # regenerating without the dataset: the rest of the report stands
         info["prior_error"], priors = str(exc), None
     for (method, label), seeds in finals.items():
