@@ -47,7 +47,7 @@ from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics
 from strategies.checkpoint import Checkpoints, broken_state, load_server_state, server_state
 from strategies.generalization import phase_due, run_phase
-from strategies.method import MethodBinding, Schemas
+from strategies.method import SHARED_OPTION_TABLES, MethodBinding, Schemas
 from strategies.nodes import Roster
 from strategies.recording import PayloadRecorder
 from strategies.records import (
@@ -135,6 +135,8 @@ class HeteroStrategy:
         recorder = PayloadRecorder(cfg, None if results is None else results.path)
         self.transport = Transport(cfg, self, self.roster.clients, self.counters, recorder)
         defaults = declared_defaults(RunConfig)
+        for table, options in SHARED_OPTION_TABLES.items():
+            defaults.update(declared_defaults(options, table))
         if self.options is not None:  # None: the bare base (NO_METHOD)
             defaults.update(declared_defaults(type(self.options), cfg.method))
         self.checkpoints = Checkpoints(cfg, results, defaults)

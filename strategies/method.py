@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from common import dp, generalization
 from common.config import RunConfig, read_options
 from common.metrics import MetricSpec
 from common.payload import PayloadSchema
@@ -25,6 +26,12 @@ if TYPE_CHECKING:  # for the annotations only: strategies.base imports this modu
 Schemas = dict[str, tuple[PayloadSchema, PayloadSchema]]
 #: the message types of a method whose schemas are computed from its config
 DEFAULT_MESSAGE_TYPES = ("evaluate", "query", "train")
+#: the option tables every method shares (differential privacy, held-out clients), beside each
+#: method's own table
+SHARED_OPTION_TABLES: dict[str, type] = {
+    dp.TABLE: dp.DPOptions,
+    generalization.TABLE: generalization.GeneralizationOptions,
+}
 
 
 @dataclass(frozen=True)

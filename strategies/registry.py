@@ -9,13 +9,12 @@ from __future__ import annotations
 import sys
 from functools import lru_cache
 
-from common import dp, generalization
 from common.config import ConfigError, RunConfig
 from common.options import declared_defaults, option_rows, option_table
 from common.results import ResultsWriter
 from strategies import fd, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml, lg_fedavg, local, mh_pfedhn
 from strategies.base import ClientProcedure, HeteroStrategy
-from strategies.method import Method
+from strategies.method import SHARED_OPTION_TABLES, Method
 
 METHODS: dict[str, Method] = {
     m.name: m
@@ -38,8 +37,7 @@ METHODS: dict[str, Method] = {
 #: privacy, held-out clients)
 OPTION_TABLES: dict[str, type] = {
     **{name: m.options for name, m in METHODS.items()},
-    dp.TABLE: dp.DPOptions,
-    generalization.TABLE: generalization.GeneralizationOptions,
+    **SHARED_OPTION_TABLES,
 }
 
 

@@ -91,13 +91,20 @@ def test_resume_from_a_checkpoint_older_than_a_key_takes_the_key_at_its_default(
     first, _ = run_with_results(rc)
     path = first.results.path / CHECKPOINT
     state = torch.load(path, weights_only=True)
-    assert state["config"].pop("fedgh.server-lr") == 0.01 and state["config"].pop("eval-every") == 1
+    # a key of the run config, of the method's table and of a table every method shares
+    saved = state["config"]
+    assert saved.pop("fedgh.server-lr") == 0.01 and saved.pop("eval-every") == 1
+    assert saved.pop("generalization.rounds") == 5 and saved.pop("dp.epsilon") == 0.0
     torch.save(state, path)
     resumed = {**rc, "num-server-rounds": 3, "resume-from": str(first.results.path)}
     strategy, _ = federation(resumed)
     assert strategy.resume() == 1
-    strategy, _ = federation({**resumed, "fedgh.server-lr": 0.5, "eval-every": 2})
-    with pytest.raises(ConfigError, match=r"'eval-every' \(None, now 2\), 'fedgh.server-lr' \(None, now 0\.5\)"):
+    strategy, _ = federation({**resumed, "fedgh.server-lr": 0.5, "eval-every": 2, "generalization.rounds": 3})
+    with pytest.raises(
+        ConfigError,
+        match=r"'eval-every' \(None, now 2\), 'fedgh.server-lr' \(None, now 0\.5\), "
+        r"'generalization.rounds' \(None, now 3\)",
+    ):
         strategy.resume()
 
 
