@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tools.deploy import register_nodes
 from tools.loopback import CONNECTION, LoopbackDeployment, rows_of
 from tools.processes import stop, wait_for
@@ -22,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = ROOT.parent / "shared" / "data"
 
 
+@pytest.mark.slow
 def test_tls_auth_deployment_survives_a_killed_and_restarted_supernode(tmp_path):
     out = tmp_path / "outputs"
     with LoopbackDeployment(tmp_path, 3, DATA_DIR, spare_keys=1) as deployment:
@@ -67,6 +70,7 @@ def test_tls_auth_deployment_survives_a_killed_and_restarted_supernode(tmp_path)
     print("deployment round seconds:", [round(r["round_seconds"], 1) for r in rows])
 
 
+@pytest.mark.slow
 def test_a_supernode_started_after_round_1_joins_the_running_federation(tmp_path):
     """Run config ``min-clients`` = 2 of ``num-clients`` = 3: the run starts with two SuperNodes; the
     third, started once round 1 is written, is registered at a later round boundary and trains from then on."""

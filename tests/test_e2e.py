@@ -22,6 +22,7 @@ def launch(overrides: dict, *args: str, timeout: float = 400) -> subprocess.Comp
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_flwr_run_learns_on_real_cifar10(tmp_path):
     # no num-clients (default 0): the run takes every SuperNode of the federation, here 3
     overrides = {
@@ -55,6 +56,7 @@ def test_flwr_run_learns_on_real_cifar10(tmp_path):
     assert summary["final_accuracy_mean"] > chance + 0.1, (summary["final_accuracy_mean"], chance)
 
 
+@pytest.mark.slow
 def test_failed_run_exits_non_zero(tmp_path):
     proc = launch(
         {

@@ -318,6 +318,7 @@ def test_the_grid_stops_its_launch_on_sigterm(tmp_path, monkeypatch):
     assert child[0].poll() is not None and recorded and recorded[0][-1] == 130
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_simulation_and_everything_it_started(tmp_path):
     """A real ``tools.run`` simulation, stopped by SIGTERM once its ServerApp runs (and sent a Ctrl-C while
     it stops): exit 130, no process it started is left, and the run folder's summary is ``interrupted``."""

@@ -97,6 +97,7 @@ def test_mh_pfedhn_generalisation_moves_only_new_embeddings_and_learns(run_confi
     assert len(curve) == 7 and curve[-1] > curve[0], curve
 
 
+@pytest.mark.slow
 def test_a_new_architecture_is_held_out_and_gets_a_new_head(run_config):
     rc = run_config(
         method="mh-pfedhn",

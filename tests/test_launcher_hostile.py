@@ -49,6 +49,7 @@ def tools_run(config: dict) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_two_concurrent_launches_from_one_checkout_both_finish(tmp_path):
     """SLOW (a real pair of simulations, about 100 s on 2 busy cores). The second launch starts once the
     first has submitted its run, so it connects later: with one Flower home per checkout its connection
@@ -213,6 +214,7 @@ def http_server() -> tuple[subprocess.Popen, int]:
     return server, port
 
 
+@pytest.mark.slow
 def test_a_ray_address_that_is_not_ray_fails_within_the_join_limit_naming_the_option(monkeypatch, capsys):
     """A TCP service that is not Ray passes the TCP check; Ray then retried its GCS without end."""
     server, port = http_server()

@@ -106,6 +106,7 @@ def launch(address: str, out: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
 
 
+@pytest.mark.slow
 def test_a_simulation_on_a_two_node_loopback_cluster_runs_every_clientapp_on_the_worker(tmp_path):
     """A head node with no CPUs for ClientApps, then a worker node with 2: before the worker joins,
     tools.run refuses the cluster (no node fits a ClientApp); after, the run completes and every
