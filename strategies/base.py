@@ -61,7 +61,7 @@ from strategies.records import (
     untrained_error,
     untrained_streak,
 )
-from strategies.transport import Transport
+from strategies.transport import ReplyRules, Transport
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -133,7 +133,8 @@ class HeteroStrategy:
         self.counters = RoundCounters()
         self.roster = Roster(cfg, self.counters, self.rng)
         recorder = PayloadRecorder(cfg, None if results is None else results.path)
-        self.transport = Transport(cfg, self, self.roster.clients, self.counters, recorder)
+        rules = ReplyRules(self.schemas, self.metrics, self.evaluate_in_train, self.check_reply, self.reply_dims)
+        self.transport = Transport(cfg, rules, self.roster.clients, self.counters, recorder)
         defaults = declared_defaults(RunConfig)
         for table, options in SHARED_OPTION_TABLES.items():
             defaults.update(declared_defaults(options, table))

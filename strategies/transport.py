@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord, Message
@@ -49,16 +50,28 @@ class DuplicateReply(PayloadError):
     """A reply of a partition that already gave a valid reply in this exchange (replayed or spoofed)."""
 
 
-class ReplyRules(Protocol):
-    """What the transport needs of a method to build messages and check replies (the strategy)."""
+@dataclass(frozen=True)
+class ReplyRules:
+    """What the transport needs of a method to build messages and check replies, settled from the
+    method's binding before the transport is built (``strategies.base.HeteroStrategy``).
+
+    Attributes:
+        schemas: message type -> (server->client, client->server) payload schema.
+        metrics: message category -> the method's declared reply metrics.
+        evaluate_in_train: whether evaluation rides in train replies (the declared evaluate metrics
+            are then expected in train replies too, ``common.metrics.declared_metrics``).
+        check_reply: the method's own checks of a reply's metrics, ``(message_type, metrics)``;
+            raises ``common.payload.PayloadError`` to drop the reply.
+        reply_dims: node id -> the symbol values (``C``, ``d``, per-client sizes such as
+            MH-pFedHN's ``K``) that node's reply is validated with; it may change as the server
+            registers clients, so it is asked per reply.
+    """
 
     schemas: Schemas
     metrics: Mapping[str, Mapping[str, MetricSpec]]
     evaluate_in_train: bool
-
-    def check_reply(self, message_type: str, metrics: Mapping[str, Any]) -> None: ...
-
-    def reply_dims(self, node_id: int) -> dict[str, int]: ...
+    check_reply: Callable[[str, Mapping[str, Any]], None]
+    reply_dims: Callable[[int], dict[str, int]]
 
 
 class Transport:

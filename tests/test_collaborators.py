@@ -3,8 +3,6 @@ the roster and the transport on the fake grid, the round counters, the checkpoin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord
@@ -13,25 +11,14 @@ from common.config import ConfigError, RunConfig
 from common.results import ResultsWriter
 from strategies.base import NO_PAYLOAD_SCHEMAS
 from strategies.checkpoint import Checkpoints
-from strategies.method import Schemas
 from strategies.nodes import Roster
 from strategies.records import RoundCounters
-from strategies.transport import Transport
+from strategies.transport import ReplyRules, Transport
 
-
-@dataclass
-class Rules:
-    """The least a transport needs of a method: schemas without payload, no metrics of its own."""
-
-    schemas: Schemas = field(default_factory=lambda: NO_PAYLOAD_SCHEMAS)
-    metrics: dict = field(default_factory=dict)
-    evaluate_in_train: bool = False
-
-    def check_reply(self, message_type, metrics) -> None:
-        pass
-
-    def reply_dims(self, node_id) -> dict[str, int]:
-        return {}
+#: the least a transport needs of a method: schemas without payload, no metrics or checks of its own
+RULES = ReplyRules(
+    NO_PAYLOAD_SCHEMAS, {}, False, check_reply=lambda message_type, metrics: None, reply_dims=lambda node: {}
+)
 
 
 def collaborators(rc: dict):
@@ -41,7 +28,7 @@ def collaborators(rc: dict):
     cfg = RunConfig.from_dict(rc)
     counters = RoundCounters()
     roster = Roster(cfg, counters, np.random.default_rng(cfg.seed))
-    transport = Transport(cfg, Rules(), roster.clients, counters)
+    transport = Transport(cfg, RULES, roster.clients, counters)
     grid = FakeGrid(client_app, rc, cfg.num_clients)
     transport.open(grid, "alone")
     return roster, transport, counters, grid
