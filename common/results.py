@@ -35,10 +35,22 @@ GLOBAL_ARRAYS = "global_arrays.pt"
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
 
+def counted_rows(rows: list[dict[str, Any]], metric: str = "accuracy_mean") -> list[dict[str, Any]]:
+    """The rows with a value of ``metric`` whose evaluation every client asked gave (row key
+    ``eval_missing`` empty or absent); all rows with a value when no round's evaluation was complete
+    (e.g. a client whose every reply is dropped). A round in which some clients' evaluations failed
+    (a crashed worker, a dropped reply) averages over the others only, so its accuracy is not
+    comparable with the other rounds': the summary's final and best, and run config
+    ``stop-patience``, leave it out."""
+    valued = [r for r in rows if r.get(metric) is not None]
+    return [r for r in valued if not r.get("eval_missing")] or valued
+
+
 def best_row(rows: list[dict[str, Any]], metric: str) -> dict[str, Any] | None:
-    """The first round row with the highest ``metric`` (a row key; a tie is no new best), None when no
-    row has a value for it. The summary's best and run config ``stop-patience`` both count from it."""
-    return max((r for r in rows if r.get(metric) is not None), key=lambda r: r[metric], default=None)
+    """The first round row with the highest ``metric`` (a row key; a tie is no new best) among
+    :func:`counted_rows`, None when no row has a value for it. The summary's best and run config
+    ``stop-patience`` both count from it."""
+    return max(counted_rows(rows, metric), key=lambda r: r[metric], default=None)
 
 
 class ResultsWriter:
@@ -137,8 +149,9 @@ class ResultsWriter:
 
     def summary(self) -> dict[str, Any]:
         """Final and best ``accuracy_mean`` and ``accuracy_weighted`` (fractions) with the round of each
-        best (the first round that reached it), totals, status."""
-        evaluated = [r for r in self.rows if r.get("accuracy_mean") is not None]
+        best (the first round that reached it), from :func:`counted_rows` (``incomplete_evaluations``:
+        the rounds left out because some clients' evaluations failed), totals, status."""
+        evaluated = counted_rows(self.rows)
         best, best_weighted = best_row(self.rows, "accuracy_mean"), best_row(self.rows, "accuracy_weighted")
         total = {
             k: sum(r.get(k, 0) for r in self.rows)
@@ -161,6 +174,9 @@ class ResultsWriter:
             # FedTGP's headline (and its presets' stop-metric): best pooled accuracy
             "best_accuracy_weighted": best_weighted["accuracy_weighted"] if best_weighted else None,
             "best_round_weighted": best_weighted["round"] if best_weighted else None,
+            "incomplete_evaluations": [
+                r["round"] for r in self.rows if r.get("eval_missing") and all(r is not c for c in evaluated)
+            ],
             **{f"total_{k}": v for k, v in total.items()},
             **privacy_spent(self.rows),
             **held_out_summary(self.held_out_partitions, self.rows),

@@ -350,18 +350,21 @@ class HeteroStrategy:
         """The round's evaluation (None when it is no evaluation round): one evaluate message to
         every client to evaluate (``eval-clients``: all known clients, or this round's sampled
         ones) that is connected and not among ``evaluated`` (evaluations carried by train replies),
-        then :func:`strategies.records.aggregate_evaluation` over both."""
+        then :func:`strategies.records.aggregate_evaluation` over both, naming the connected clients
+        asked that gave no valid evaluation (row key ``eval_missing``)."""
         if not self.is_eval_round(server_round):
             return None
         done = {r.node_id for r in evaluated}
         targets = self.roster.training_nodes if self.cfg.eval_clients == "all" else self.roster.sampled
+        asked = [node for node in targets if node in self.roster.connected]
         config = ConfigRecord({SERVER_ROUND: server_round})
         messages = [
             self.transport.message("evaluate", node, self.eval_payload(node, server_round), config, server_round)
-            for node in targets
-            if node not in done and node in self.roster.connected
+            for node in asked
+            if node not in done
         ]
-        return aggregate_evaluation(self.transport.validate("evaluate", self.transport.exchange(messages)) + evaluated)
+        replies = self.transport.validate("evaluate", self.transport.exchange(messages)) + evaluated
+        return aggregate_evaluation(replies, [self.roster.clients[node]["partition-id"] for node in asked])
 
     def resume(self) -> int:
         """Restore the ``resume-from`` checkpoint (RNG, counters, rows, server state; the rows are

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -88,7 +88,7 @@ def evaluated_in_train(replies: list[ClientReply]) -> list[ClientReply]:
     ]
 
 
-def aggregate_evaluation(replies: list[ClientReply]) -> MetricRecord | None:
+def aggregate_evaluation(replies: list[ClientReply], asked: Sequence[int] = ()) -> MetricRecord | None:
     """Accuracy of the clients' personal models on their local test splits (None without replies).
 
     ``accuracy-mean`` is the unweighted mean over clients (the papers' "average test
@@ -96,7 +96,9 @@ def aggregate_evaluation(replies: list[ClientReply]) -> MetricRecord | None:
     Per-client values come as parallel lists ``partition-ids`` / ``accuracy-per-client``, in
     partition-id order. Any other ``test-acc-<name>`` metric is averaged unweighted into
     ``accuracy-mean-<name>`` and weighted by ``num-examples`` into ``accuracy-weighted-<name>``
-    (over the replies that have it).
+    (over the replies that have it). ``partitions-not-evaluated`` lists the partitions of
+    ``asked`` (the partitions asked to evaluate) without a valid reply, when there are any: that
+    round's accuracy covers only part of the clients (``common.results.counted_rows``).
     """
     valid = sorted(replies, key=lambda r: r.partition_id)
     if not valid:
@@ -119,6 +121,9 @@ def aggregate_evaluation(replies: list[ClientReply]) -> MetricRecord | None:
         name = key[len("test-acc-") :]
         out["accuracy-mean-" + name] = float(values.mean())
         out["accuracy-weighted-" + name] = float((values * weights).sum() / max(weights.sum(), 1))
+    missing = sorted(set(asked) - set(out["partition-ids"]))
+    if missing:
+        out["partitions-not-evaluated"] = missing
     return MetricRecord(out)
 
 
@@ -205,6 +210,8 @@ def round_row(
         row["gpu_per_client"] = {pid: dict(used) for pid, used in sorted(gpu.items(), key=lambda p: int(p[0]))}
     if ev:
         row["accuracy_per_client"] = dict(zip((str(p) for p in ev["partition-ids"]), ev["accuracy-per-client"]))
+        # clients asked to evaluate that gave no valid evaluation: this accuracy covers only the others
+        row["eval_missing"] = list(ev.get("partitions-not-evaluated", []))
         row.update(
             {k.replace("-", "_"): v for k, v in ev.items() if k.startswith(("accuracy-mean-", "accuracy-weighted-"))}
         )

@@ -253,6 +253,10 @@ def test_a_finished_run_prints_final_and_both_best_accuracies_with_rounds_bytes_
     assert "3 rounds: final accuracy 50.00 % (mean over clients), 55.00 % (pooled)" in out
     assert "best 62.50 % (mean over clients) in round 2, 75.00 % (pooled) in round 1" in out
     assert "payload 2.50 MiB in all" in out and f"results: {tmp_path} " in out
+    assert "left out of final and best" not in out
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, "incomplete_evaluations": [2, 4]}))
+    outcome.print_outcome(tmp_path, "exit 0")
+    assert "rounds [2, 4] left out of final and best" in capsys.readouterr().out
 
 
 def test_bench_deployment_that_cannot_start_ends_with_the_reason(tmp_path, monkeypatch, capsys):

@@ -67,6 +67,9 @@ def test_a_killed_node_is_dropped_and_rejoins_with_its_state(run_config, tmp_pat
     rows = strategy.rows
     assert [r["dropped_clients"] for r in rows] == [[], [2], [2], []]
     assert [r["num_clients"] for r in rows] == [3, 2, 2, 3]
+    # asked in round 2 and silent; no longer listed in round 3, so not asked
+    assert [r["eval_missing"] for r in rows] == [[], [2], [], []]
+    assert strategy.results is None or strategy.results.summary()["incomplete_evaluations"] == [2]
     assert rows[-1]["client_state_restores"] == 1  # the restarted node found its model on disk
     assert set(rows[1]["accuracy_per_client"]) == {"0", "1"} and set(rows[3]["accuracy_per_client"]) == {"0", "1", "2"}
     assert strategy.roster.nodes[2] == 2002

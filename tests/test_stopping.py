@@ -78,3 +78,28 @@ def test_a_run_stops_after_patience_rounds_and_a_resumed_run_keeps_counting(run_
         {**base, "num-server-rounds": 8, "resume-from": str(second.results.path)}, grid, name="third"
     )
     assert [r["round"] for r in third.rows] == [1, 2, 3, 4]
+
+
+def test_a_round_whose_evaluation_some_clients_failed_is_left_out_of_final_best_and_patience(tmp_path):
+    """Round 2's 0.9 comes from the one client of three whose evaluation did not fail (a worker killed
+    for memory): not comparable with the complete rounds, so neither the best nor the final nor
+    the patience count rests on it; a run without any complete round keeps its rows."""
+    from common.results import ResultsWriter
+
+    history = [
+        {"round": 1, "accuracy_mean": 0.5, "accuracy_weighted": 0.5, "eval_missing": []},
+        {"round": 2, "accuracy_mean": 0.9, "accuracy_weighted": 0.9, "eval_missing": [1, 2]},
+        {"round": 3, "accuracy_mean": 0.6, "accuracy_weighted": 0.6, "eval_missing": []},
+        {"round": 4, "accuracy_mean": 0.95, "accuracy_weighted": 0.95, "eval_missing": [0]},
+    ]
+    writer = ResultsWriter(tmp_path, "run", {})
+    writer.rows = history
+    summary = writer.summary()
+    assert (summary["best_accuracy_mean"], summary["best_round"]) == (0.6, 3)
+    assert (summary["best_accuracy_weighted"], summary["best_round_weighted"]) == (0.6, 3)
+    assert (summary["final_accuracy_mean"], summary["final_round"]) == (0.6, 3)
+    assert summary["incomplete_evaluations"] == [2, 4]
+    assert "best 0.5000 in round 1" in patience_exhausted(history[:2], 1)  # round 2 is no new best
+    writer.rows = [r for r in history if r["eval_missing"]]  # none complete: the rows are all there is
+    summary = writer.summary()
+    assert (summary["best_round"], summary["final_round"], summary["incomplete_evaluations"]) == (4, 4, [])

@@ -105,6 +105,11 @@ def print_outcome(folder: Path | None, status: str) -> None:
         f"{pct('final_accuracy_weighted')} (pooled); best {best_mean}, {best_pooled}; "
         f"payload {total / 2**20:.2f} MiB in all (training and evaluation, both ways)"
     )
+    if summary.get("incomplete_evaluations"):
+        print(
+            f"rounds {summary['incomplete_evaluations']} left out of final and best: some clients asked to "
+            "evaluate gave no valid evaluation (row key eval_missing)"
+        )
     print(f"results: {folder} (python -m tools.report {folder} draws its curves)")
 
 
