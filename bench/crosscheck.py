@@ -21,7 +21,7 @@ For each method it
    per-round pooled test accuracy (:func:`parse_reference_log`);
 3. runs ours (``tools.run``) on the same partitions (``partition-seed`` fixed) and recipe, one run per
    training seed; a run with a round that trained or evaluated without every client (a crashed Ray
-   node ends ``completed`` so) is refused, not compared (:func:`run_faults`);
+   node ends ``completed`` so) is refused, not compared (:func:`bench.our_side.run_faults`);
 4. keeps the method's result (``<method>/result.json``) and writes ``report.md`` from every method's
    kept result in the output folder, earlier calls' included (:mod:`bench.crosscheck_report`: a
    verdict per method, final and best accuracy with the spread over seeds, the largest per-round
@@ -48,26 +48,20 @@ but the reference's NaN divergence, or a run of ours with faults) is never kept.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import hashlib
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bench.crosscheck_pairing import CLIENT_THREADS, save_initial_states
 from bench.crosscheck_report import compare, plot, save_result, saved_results, verdict, write_report
+from bench.measure import git_head, run_measured
+from bench.our_side import method_options, run_ours
+from bench.pfllib import PLACEHOLDER_SERVERS, write_partitions
 from common.errors import ConfigError
-from common.files import atomic_write, read_rows, read_summary
 from tools.grid import git_commit
 from tools.processes import stop_on_signals
 from tools.runconfig import ROOT, add_config_arguments, read_config, validate_configs
@@ -300,23 +294,6 @@ ROOT_VARIABLE = "CROSSCHECK_ROOT"
 #: what :data:`BOOTSTRAP` prints for each client model it loaded ours into
 PAIRED_LINE = re.compile(r"^crosscheck: client (\d+) paired", re.M)
 
-#: bootstrap code shared by the reference runners (run in a PFLlib-layout ``system/`` folder, with
-#: ``re``, ``sys`` and ``types`` imported): every server module ``main.py`` imports whose own imports
-#: fail here (HtFLlib's FedKTL needs StyleGAN, FedL2G ``higher``; PFLlib's FedPAC ``cvxpy``) is replaced
-#: by a placeholder that raises that import error if used; a module already in ``sys.modules`` is kept
-PLACEHOLDER_SERVERS = r"""
-for module, name in re.findall(r"^from (flcore\.servers\.\w+) import (\w+)", open("main.py").read(), re.M):
-    try:
-        __import__(module)
-    except ImportError as exc:
-        def unavailable(*args, _exc=exc, **kwargs):
-            raise _exc
-        stub = types.ModuleType(module)
-        setattr(stub, name, unavailable)
-        sys.modules[module] = stub
-        print(f"{module} not importable here ({exc}); a placeholder stands in", flush=True)
-"""
-
 #: runs HtFLlib's ``main.py`` (argv[1:]) in its ``system/`` folder. HtFLlib seeds torch with
 #: ``torch.manual_seed(0)`` at start and again in every client's constructor, but leaves numpy's and
 #: Python's global generators unseeded, and draws from them each round's client order
@@ -376,17 +353,6 @@ exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__file__": "m
 )
 
 
-def method_options(config: dict, method: str) -> dict:
-    """Our options of ``method`` as the run will have them: declared defaults, then ``config``'s
-    ``<method>.<key>`` values (the flat run config :func:`tools.runconfig.read_config` gives)."""
-    from common.options import option_key
-    from strategies.registry import METHODS
-
-    declared = {option_key(f): f.default for f in dataclasses.fields(METHODS[method].options)}
-    prefix = f"{method}."
-    return {**declared, **{k[len(prefix) :]: v for k, v in config.items() if k.startswith(prefix)}}
-
-
 def compared_metric(config: dict, method: str) -> str:
     """Our row key compared with HtFLlib's printed accuracy: the method's ``reported`` row key when
     its option has that value in ``config``, else ``accuracy_weighted`` (every client's personal
@@ -428,65 +394,6 @@ def check_expressible(config: dict, method: str) -> None:
     ]
     if problems:
         raise ConfigError("the reference cannot follow: " + "; ".join(problems))
-
-
-def write_partitions(config: dict, folder: Path) -> dict:
-    """Write every client's train and test split of ``config`` (our partitioner, our 75/25 split,
-    normalised as run config ``normalize`` says) in PFLlib's layout under ``folder``, once:
-    ``train/<i>.npz`` and ``test/<i>.npz`` hold ``data = {"x": float32 [n, C, H, W], "y": int64 [n]}``,
-    ``config.json`` PFLlib's keys plus ``partition_key`` (ours: it names the data files' sizes and
-    modification times, so a copied data folder rewrites the partitions), ``content_digest`` (a
-    SHA-256 of every array written, in client order: what a reference run is reused by, so that
-    rewriting identical partitions keeps its runs) and ``test_examples`` (each client's test split
-    size, in client order). A folder whose ``config.json`` has the same ``partition_key`` and
-    ``test_examples`` is kept.
-
-    Returns:
-        ``config.json``'s content.
-    """
-    import torch
-
-    from common.config import RunConfig
-    from common.data import DataSpec, load_client_data, normalize, partition_key
-    from common.datasets import DATASETS, with_recipe
-
-    cfg = RunConfig.from_dict(config)
-    spec = DataSpec.from_config(cfg, cfg.num_clients)
-    key = "-".join(partition_key(spec, i) for i in range(cfg.num_clients))
-    done = folder / "config.json"
-    if done.exists() and json.loads(done.read_text()).get("partition_key") == key:
-        kept = json.loads(done.read_text())
-        if "test_examples" in kept:
-            return kept
-    info = with_recipe(DATASETS[cfg.dataset], cfg.augment, cfg.normalize)
-    sizes, tests = [], []
-    digest = hashlib.sha256()
-    for split in ("train", "test"):
-        (folder / split).mkdir(parents=True, exist_ok=True)
-    for i in range(cfg.num_clients):
-        data = load_client_data(spec, i)
-        for split, x, y in (("train", data.train_x, data.train_y), ("test", data.test_x, data.test_y)):
-            arrays = {"x": normalize(x, info).numpy(), "y": y.to(torch.int64).numpy()}
-            digest.update(arrays["x"].tobytes() + arrays["y"].tobytes())
-            atomic_write(folder / split / f"{i}.npz", lambda f, a=arrays: np.savez_compressed(f, data=a))
-        tests.append(len(data.test_y))
-        labels = torch.cat([data.train_y, data.test_y])
-        sizes.append([[int(c), int((labels == c).sum())] for c in labels.unique()])
-    written = {
-        "num_clients": cfg.num_clients,
-        "num_classes": info.num_classes,
-        "non_iid": cfg.partitioner != "iid",
-        "balance": False,
-        "partition": cfg.partitioner,
-        "Size of samples for labels in clients": sizes,
-        "alpha": cfg.dirichlet_alpha,
-        "batch_size": cfg.batch_size,
-        "partition_key": key,
-        "content_digest": digest.hexdigest(),
-        "test_examples": tests,
-    }
-    done.write_text(json.dumps(written, indent=1))
-    return written
 
 
 def reference_command(config: dict, method: str, dataset_name: str) -> list[str]:
@@ -532,47 +439,6 @@ def parse_reference_log(text: str) -> list[dict[int, float]]:
         elif (m := ACCURACY_LINE.search(line)) and runs and current_round is not None and not poisoned:
             runs[-1][current_round] = float(m.group(1))
     return runs
-
-
-def run_measured(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) -> tuple[int, float, float]:
-    """Run ``cmd`` with its output in ``log``; ``(exit code, wall seconds, CPU seconds)``, the CPU
-    time summed over its whole process tree (user + system, each process as last sampled, every
-    second), so Ray's workers count too."""
-    import psutil
-
-    cpu: dict[int, float] = {}
-    start = time.perf_counter()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        root = psutil.Process(proc.pid)
-        try:
-            while proc.poll() is None:
-                for p in [root, *root.children(recursive=True)]:
-                    try:
-                        t = p.cpu_times()
-                        cpu[p.pid] = t.user + t.system + t.children_user + t.children_system
-                    except psutil.Error:
-                        continue
-                with contextlib.suppress(subprocess.TimeoutExpired):  # not sleep: a run that ends is done at once
-                    proc.wait(timeout=1.0)
-        except BaseException:  # Ctrl-C or a signal: the run goes with us (tools.run stops its own tree on SIGINT)
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            raise
-    return proc.returncode, time.perf_counter() - start, sum(cpu.values())
-
-
-def git_head(path: Path) -> str:
-    """The checked-out commit of the git checkout at ``path`` (``-dirty`` when tracked files differ)."""
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True, check=False)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=path, capture_output=True, text=True, check=False
-    ).stdout.strip()
-    return (head.stdout.strip() or "unknown") + ("-dirty" if dirty else "")
 
 
 def stopped_by_divergence(text: str) -> bool:
@@ -691,123 +557,6 @@ def run_reference(
         "threads": threads,
         "wall_seconds": wall,
         "cpu_seconds": cpu,
-    }
-    done.write_text(json.dumps(result, indent=1))
-    return result
-
-
-def run_faults(rows: list[dict], summary: dict, config: dict, metric: str) -> list[str]:
-    """Why a run of ours that ended ``completed`` is no result to compare: every round from 1 to
-    ``num-server-rounds`` recorded once, in order; in each a client trained (row key ``untrained``, rows
-    before it: ``num_clients`` > 0), no sampled client dropped (``dropped_clients``), ``metric``
-    evaluated and every client evaluated (``accuracy_per_client``, where the row has it); and no
-    clients' errors in the summary (``client_errors``). A simulation whose Ray node crashed ends
-    ``completed`` with its last rounds untrained or with dropped clients. [] when none."""
-    faults = []
-    if summary.get("client_errors"):
-        faults.append("the clients' errors: " + "; ".join(summary["client_errors"][:3]))
-    recorded = [row.get("round") for row in rows]
-    if recorded != list(range(1, config["num-server-rounds"] + 1)):
-        faults.append(f"rounds recorded {recorded}, not 1..{config['num-server-rounds']}")
-    for row in rows:
-        r = row.get("round")
-        if row.get("untrained", row.get("num_clients") == 0):
-            errors = "; ".join(row.get("client_errors", [])[:3]) or "no error recorded"
-            faults.append(f"round {r}: no client trained ({errors})")
-        elif row.get("dropped_clients"):
-            faults.append(f"round {r}: no valid reply from clients {row['dropped_clients']}")
-        if row.get(metric) is None:
-            faults.append(f"round {r}: no {metric}")
-        elif "accuracy_per_client" in row and len(row["accuracy_per_client"]) != config["num-clients"]:
-            faults.append(f"round {r}: {len(row['accuracy_per_client'])} of {config['num-clients']} clients evaluated")
-    return faults
-
-
-def failure_cause(log: Path) -> str:
-    """What a run of ``tools.run`` that left no run folder said about why: its ``error:`` and
-    ``ERROR`` lines, and the ``ERROR`` lines of the SuperLink log it names (the last few of each),
-    else its last lines."""
-    text = log.read_text(errors="replace") if log.is_file() else ""
-    lines = [line.strip() for line in text.splitlines() if line.startswith("error:") or "ERROR" in line]
-    superlink = re.search(r"the SuperLink's log: (.+)$", text, re.M)
-    if superlink and Path(superlink.group(1).strip()).is_file():
-        said = Path(superlink.group(1).strip()).read_text(errors="replace").splitlines()
-        lines += [f"SuperLink: {line.strip()}" for line in said if "ERROR" in line][-3:]
-    lines = list(dict.fromkeys(lines))[-6:] or [line for line in text.splitlines() if line.strip()][-5:]
-    return " | ".join(lines) or f"{log} is empty"
-
-
-def run_ours(
-    config_items: list[str],
-    preset: str | None,
-    seed: int,
-    out: Path,
-    metric: str = "accuracy_weighted",
-    threads: int = CLIENT_THREADS,
-) -> dict:
-    """Run ours (``tools.run``, ``threads`` CPUs per client and ``OMP_NUM_THREADS`` = ``threads``) for
-    one training seed into ``out``, or reuse its completed run when that ran the same whole run config
-    (the preset's content and every override; any other is run again) with the same threads and has
-    no fault (:func:`run_faults`).
-
-    Returns:
-        ``{"curve": [row key metric by round], "metric", "command", "config", "threads",
-        "wall_seconds", "cpu_seconds", "folder"}``.
-
-    Raises:
-        RuntimeError: the run did not complete (its status and why: the summary's error, or when it
-            left no run folder what its log says, :func:`failure_cause`), or completed with faults
-            (:func:`run_faults`); nothing is kept for reuse.
-    """
-    done = out / "ours.json"
-    items = [*config_items, f"seed={seed} output-dir={json.dumps(str(out.resolve()))}"]
-    config, _ = read_config(preset, items)
-    if done.exists():
-        saved = json.loads(done.read_text())
-        folder = out / Path(saved["folder"]).name
-        if saved.get("config") == config and saved.get("threads") == threads and (folder / "metrics.jsonl").is_file():
-            rows = read_rows(folder)
-            if not run_faults(rows, read_summary(folder), config, metric):
-                return {**saved, "metric": metric, "curve": [r[metric] for r in rows]}
-    cmd = [
-        sys.executable,
-        "-m",
-        "tools.run",
-        "--cpus-per-client",
-        str(threads),
-        *(["--preset", preset] if preset else []),
-    ]
-    for item in items:
-        cmd += ["-c", item]
-    out.mkdir(parents=True, exist_ok=True)
-    earlier = set(out.glob("*/summary.json"))  # a run cut off before: this one starts again from round 1
-    log = out / "ours.log"
-    code, wall, cpu = run_measured(cmd, ROOT, log, {**os.environ, "OMP_NUM_THREADS": str(threads)})
-    folders = sorted(p.parent for p in set(out.glob("*/summary.json")) - earlier)
-    if not folders:
-        raise RuntimeError(f"our run (seed {seed}) left no run folder: {failure_cause(log)}; log {log}")
-    summary = read_summary(folders[-1])
-    if code != 0 or summary["status"] != "completed":
-        errors = "; ".join(summary.get("client_errors") or [])
-        raise RuntimeError(
-            f"our run (seed {seed}) ended {summary['status']}: {summary.get('error')}"
-            + (f" (the clients' errors: {errors})" if errors else "")
-            + f"; log {log}"
-        )
-    rows = read_rows(folders[-1])
-    if faults := run_faults(rows, summary, config, metric):
-        raise RuntimeError(
-            f"our run (seed {seed}) ended completed but is refused: {'; '.join(faults)}; run folder {folders[-1]}"
-        )
-    result = {
-        "curve": [r[metric] for r in rows],
-        "metric": metric,
-        "command": " ".join(cmd[1:]),
-        "config": config,
-        "threads": threads,
-        "wall_seconds": wall,
-        "cpu_seconds": cpu,
-        "folder": str(folders[-1]),
     }
     done.write_text(json.dumps(result, indent=1))
     return result

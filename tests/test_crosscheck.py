@@ -19,7 +19,7 @@ import torch
 import torchvision
 from torch import nn
 
-from bench import crosscheck
+from bench import crosscheck, our_side, pfllib
 from bench import crosscheck_pairing as pairing
 from common.config import RunConfig
 from common.data import DataSpec, load_client_data, normalize
@@ -138,7 +138,7 @@ def test_every_option_is_mapped_tied_or_listed_once(method):
 
 def test_partitions_are_our_clients_data_in_pflib_layout(tmp_path):
     config = small_config()
-    written = crosscheck.write_partitions(config, tmp_path)
+    written = pfllib.write_partitions(config, tmp_path)
     cfg = RunConfig.from_dict(config)
     spec = DataSpec.from_config(cfg, 3)
     info = with_recipe(DATASETS["cifar10"], cfg.augment, cfg.normalize)
@@ -154,7 +154,7 @@ def test_partitions_are_our_clients_data_in_pflib_layout(tmp_path):
         assert sum(counts.values()) == len(ours.train_y) + len(ours.test_y)
     assert written["num_clients"] == 3 and written["num_classes"] == 10
     before = (tmp_path / "train" / "0.npz").stat().st_mtime_ns
-    crosscheck.write_partitions(config, tmp_path)  # same partitions: kept
+    pfllib.write_partitions(config, tmp_path)  # same partitions: kept
     assert (tmp_path / "train" / "0.npz").stat().st_mtime_ns == before
 
 
@@ -196,7 +196,7 @@ def test_the_reference_gets_our_option_values_as_the_run_config_has_them():
     config, _ = read_config(PRESET, ["fedtgp.lambda=1.0 fedtgp.server-epochs=7"])  # flat keys, as tools.run reads
     cmd = " ".join(crosscheck.reference_command({**config, "num-server-rounds": 2}, "fedtgp", "d"))
     assert "-lam 1.0" in cmd and "-se 7" in cmd and "-mart 100.0" in cmd  # overrides, then the preset's value
-    assert crosscheck.method_options(config, "fedgh")["server-epochs"] == 1  # another method's: its default
+    assert our_side.method_options(config, "fedgh")["server-epochs"] == 1  # another method's: its default
 
 
 def test_compare_gives_spread_and_largest_gap():
@@ -231,7 +231,7 @@ def stand_in_config(**overrides) -> dict:
 def stand_in_partitions(tmp_path_factory) -> Path:
     """:func:`stand_in_config`'s partitions, written once for this module's stand-in runs (read only)."""
     partitions = tmp_path_factory.mktemp("stand-in") / "cc" / "partitions"
-    crosscheck.write_partitions(stand_in_config(), partitions)
+    pfllib.write_partitions(stand_in_config(), partitions)
     return partitions
 
 
@@ -351,14 +351,14 @@ def test_a_stand_in_reference_runs_through_the_bootstrap_with_its_seed(
     key = json.loads((elsewhere / "config.json").read_text())["partition_key"]
     copied = {**config, "data-dir": str(tmp_path / "data")}  # the data folder copied: the same partitions written again
     shutil.copytree(DATA_DIR / "fashion-mnist", tmp_path / "data" / "fashion-mnist")
-    crosscheck.write_partitions(copied, elsewhere)
+    pfllib.write_partitions(copied, elsewhere)
     assert json.loads((elsewhere / "config.json").read_text())["partition_key"] != key
     assert crosscheck.run_reference(ref, copied, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh") == saved
     assert not calls
     with pytest.raises(RuntimeError, match="exit code 3"):  # another lr is another command: run again
         crosscheck.run_reference(ref, {**config, "lr": 0.02}, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh")
     other = stand_in_config(**{"max-examples-per-client": 30})
-    crosscheck.write_partitions(other, elsewhere)  # other content: run again
+    pfllib.write_partitions(other, elsewhere)  # other content: run again
     with pytest.raises(RuntimeError, match="exit code 3"):
         crosscheck.run_reference(ref, other, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh")
     assert len(calls) == 2
@@ -529,19 +529,19 @@ def test_a_finished_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch
         (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
         return 0, 1.0, 1.0
 
-    monkeypatch.setattr(crosscheck, "run_measured", fake_run)
-    monkeypatch.setattr(crosscheck, "read_summary", lambda folder: json.loads((folder / "summary.json").read_text()))
+    monkeypatch.setattr(our_side, "run_measured", fake_run)
+    monkeypatch.setattr(our_side, "read_summary", lambda folder: json.loads((folder / "summary.json").read_text()))
     preset = tmp_path / "preset.toml"
     preset.write_text('method = "fedproto"\nbatch-order = "fixed"\n')
     out = tmp_path / "seed-0"
-    first = crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, out)
-    assert crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, out) == first and len(calls) == 1
+    first = our_side.run_ours(["num-server-rounds=1"], str(preset), 0, out)
+    assert our_side.run_ours(["num-server-rounds=1"], str(preset), 0, out) == first and len(calls) == 1
     assert first["curve"] == [0.5] and first["metric"] == "accuracy_weighted"
-    other = crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, out, "accuracy_weighted_global_head")
+    other = our_side.run_ours(["num-server-rounds=1"], str(preset), 0, out, "accuracy_weighted_global_head")
     assert other["curve"] == [0.25] and len(calls) == 1  # another row key of the same run: read, not run
     preset.write_text('method = "fedproto"\nbatch-order = "shuffle"\n')  # the preset changed
-    assert crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, out)["config"]["batch-order"] == "shuffle"
-    crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)  # an override changed
+    assert our_side.run_ours(["num-server-rounds=1"], str(preset), 0, out)["config"]["batch-order"] == "shuffle"
+    our_side.run_ours(["num-server-rounds=2"], str(preset), 0, out)  # an override changed
     assert len(calls) == 3
 
 
@@ -645,34 +645,34 @@ def test_a_crashed_run_of_ours_is_refused_and_not_kept(tmp_path, monkeypatch):
     our clients' thread count."""
     preset = tmp_path / "preset.toml"
     preset.write_text('method = "local"\nnum-clients = 2\n')
-    monkeypatch.setattr(crosscheck, "read_summary", lambda folder: json.loads((folder / "summary.json").read_text()))
+    monkeypatch.setattr(our_side, "read_summary", lambda folder: json.loads((folder / "summary.json").read_text()))
     crashed = lambda n: [  # noqa: E731
         *(good_row(r) for r in range(1, 5)),
         *({"round": r, "num_clients": 0, "untrained": True, "dropped_clients": [0, 1], "accuracy_weighted": None,
            "client_errors": ["RayActorError: the actor died unexpectedly"]} for r in range(5, n + 1)),
     ]  # fmt: skip
     run, calls = fake_ours(crashed)
-    monkeypatch.setattr(crosscheck, "run_measured", run)
+    monkeypatch.setattr(our_side, "run_measured", run)
     out = tmp_path / "seed-0"
     with pytest.raises(RuntimeError, match=r"refused: round 5: no client trained \(RayActorError: the actor died"):
-        crosscheck.run_ours(["num-server-rounds=6"], str(preset), 0, out)
+        our_side.run_ours(["num-server-rounds=6"], str(preset), 0, out)
     assert not (out / "ours.json").exists() and calls[0]["OMP_NUM_THREADS"] == str(pairing.CLIENT_THREADS)
     dropped = lambda n: [good_row(1), {**good_row(2), "dropped_clients": [1]}]  # noqa: E731
-    monkeypatch.setattr(crosscheck, "run_measured", fake_ours(dropped)[0])
+    monkeypatch.setattr(our_side, "run_measured", fake_ours(dropped)[0])
     with pytest.raises(RuntimeError, match=r"round 2: no valid reply from clients \[1\]"):
-        crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)
+        our_side.run_ours(["num-server-rounds=2"], str(preset), 0, out)
     short = lambda n: [good_row(1), {**good_row(2), "accuracy_per_client": {"0": 0.5}}]  # noqa: E731
-    monkeypatch.setattr(crosscheck, "run_measured", fake_ours(short)[0])
+    monkeypatch.setattr(our_side, "run_measured", fake_ours(short)[0])
     with pytest.raises(RuntimeError, match="round 2: 1 of 2 clients evaluated"):
-        crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)
+        our_side.run_ours(["num-server-rounds=2"], str(preset), 0, out)
     run, calls = fake_ours(lambda n: [good_row(r) for r in range(1, n + 1)])
-    monkeypatch.setattr(crosscheck, "run_measured", run)
-    assert crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)["curve"] == [0.5, 0.5]
+    monkeypatch.setattr(our_side, "run_measured", run)
+    assert our_side.run_ours(["num-server-rounds=2"], str(preset), 0, out)["curve"] == [0.5, 0.5]
     assert (out / "ours.json").exists() and len(calls) == 1
     kept = json.loads((out / "ours.json").read_text())
     rows = Path(kept["folder"]) / "metrics.jsonl"
     rows.write_text(rows.read_text().replace('"untrained": false', '"untrained": true'))  # a kept run gone bad
-    crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)
+    our_side.run_ours(["num-server-rounds=2"], str(preset), 0, out)
     assert len(calls) == 2  # run again, not reused
 
 
@@ -680,11 +680,11 @@ def test_a_run_of_ours_without_a_run_folder_says_why_from_its_logs(tmp_path, mon
     superlink = tmp_path / "superlink.log"
     superlink.write_text("INFO : starting\nERROR :     [Errno 98] Address already in use\n")
     log = f"error: flower-superlink exited with 1; see {superlink}\nthe SuperLink's log: {superlink}\n"
-    monkeypatch.setattr(crosscheck, "run_measured", fake_ours(lambda n: None, log)[0])
+    monkeypatch.setattr(our_side, "run_measured", fake_ours(lambda n: None, log)[0])
     preset = tmp_path / "preset.toml"
     preset.write_text('method = "local"\n')
     with pytest.raises(RuntimeError) as caught:
-        crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, tmp_path / "seed-0")
+        our_side.run_ours(["num-server-rounds=1"], str(preset), 0, tmp_path / "seed-0")
     message = str(caught.value)
     assert (
         "flower-superlink exited with 1" in message and "SuperLink: ERROR :     [Errno 98] Address already" in message
