@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.crosscheck_pairing import CLIENT_THREADS
@@ -100,7 +101,24 @@ SETTINGS = (
 )
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass(frozen=True)
+class Plan:
+    """One call's cross-check as checked (:func:`checked_plan`): the reference checkout, our preset and
+    ``-c`` items as given (``run_config``), the training seeds, the run config values pinned for every
+    method (``fixed``), each method's whole run config (``configs``, in ``--methods`` order; seed: the
+    first) and the output folder."""
+
+    reference: Path
+    preset: str | None
+    run_config: list[str]
+    seeds: list[int]
+    fixed: dict
+    configs: dict[str, dict]
+    out: Path
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    """The command line: the run config's ``--preset`` and ``-c``, and the cross-check's own flags."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_config_arguments(parser)
     parser.add_argument(
@@ -110,103 +128,158 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2", help="training seeds (default 0,1,2)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default: the config's num-server-rounds)")
     parser.add_argument("--out", type=Path, default=None, help="default outputs/crosscheck/<preset or 'config'>")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def checked_plan(args: argparse.Namespace) -> Plan:
+    """The cross-check ``args`` ask for, every method's run config checked before anything runs.
+
+    Raises:
+        ConfigError: ``--reference`` is no HtFLlib checkout or is this repository, ``--methods``,
+            ``--seeds`` or ``--rounds`` is empty or out of range, a method has no HtFLlib counterpart, or
+            a run config is one the reference cannot follow (:func:`bench.htfllib.check_expressible`) or
+            one of ours refuses (:func:`tools.runconfig.validate_configs`).
+        ValueError: a seed is no integer.
+    """
     reference = args.reference.resolve()
+    if not (reference / "system" / "main.py").is_file():
+        raise ConfigError(f"--reference {reference}: no system/main.py (expected a checkout of TsingZ0/HtFLlib)")
+    if reference == ROOT:
+        raise ConfigError("--reference points at this repository")
+    methods = [m for m in args.methods.split(",") if m]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    if not methods or not seeds or (args.rounds is not None and args.rounds < 1):
+        raise ConfigError("--methods and --seeds need at least one value, --rounds at least 1")
+    base, _ = read_config(args.preset, args.run_config)
+    # every round on both sides, compared round by round: HtFLlib runs without its auto-break (-ab);
+    # its servers average plainly, so ours does too (run config aggregation = mean)
+    fixed = {
+        "partition-seed": base["partition-seed"] if base["partition-seed"] >= 0 else seeds[0],
+        "stop-patience": 0,
+        "aggregation": "mean",
+    }
+    if args.rounds is not None:
+        fixed["num-server-rounds"] = args.rounds
+    if unknown := [m for m in methods if m not in REFERENCE_METHODS]:
+        allowed = ", ".join(REFERENCE_METHODS)
+        raise ConfigError(f"--methods: {', '.join(unknown)} have no HtFLlib counterpart; allowed: {allowed}")
+    configs = {m: {**base, **fixed, **REFERENCE_METHODS[m].recipe, "method": m, "seed": seeds[0]} for m in methods}
+    for m, config in configs.items():
+        check_expressible(config, m)
+    validate_configs(list(configs.values()))
+    out = args.out or ROOT / "outputs" / "crosscheck" / (Path(args.preset).stem if args.preset else "config")
+    return Plan(reference, args.preset, args.run_config, seeds, fixed, configs, out.resolve())
+
+
+def call_info(plan: Plan, command: str, written: dict) -> dict:
+    """This call's ``info`` for the report and every result (``crosscheck.json``; the keys
+    :func:`bench.crosscheck_report.write_report` reads): ``command`` as given, the settings as run (the
+    first method's run config), both commits, the threads, the model family and the pooled test set's
+    size (``written``: the partitions' ``config.json``, :func:`bench.pfllib.write_partitions`)."""
+    first = next(iter(plan.configs.values()))
+    group = first["model-group"]
+    return {
+        "preset": plan.preset,
+        "command": command,
+        "commit": git_commit(),
+        "reference": str(plan.reference),
+        "reference_commit": git_head(plan.reference),
+        "seeds": plan.seeds,
+        "settings": {k: first[k] for k in SETTINGS},
+        # the -c items as given (read_config's overrides hold the preset's keys too, e.g. its 1000 rounds)
+        "overrides": " ".join(plan.run_config),
+        "threads": CLIENT_THREADS,
+        "family": f"ours `{group}` as HtFLlib's `{FAMILIES[group]}`"
+        + (f"; {FAMILY_DEVIATIONS[group]}" if group in FAMILY_DEVIATIONS else ""),
+        "test_examples": sum(written["test_examples"]),
+    }
+
+
+def run_both_sides(plan: Plan, method: str) -> tuple[list[dict], list[dict]]:
+    """HtFLlib's run and ours of ``method`` for every seed, in seed order, each side's seed ``s`` under
+    ``<out>/<method>`` (:func:`bench.htfllib.run_reference`, :func:`bench.our_side.run_ours`, which
+    reuse what an earlier call finished); ours is run with the plan's pinned values and the method's
+    recipe as ``-c`` items after the given ones.
+
+    Raises:
+        RuntimeError: a run of either side failed (this method's comparison is incomplete).
+    """
+    config = plan.configs[method]
+    partitions = plan.out / "partitions"
+    pinned = {**plan.fixed, **REFERENCE_METHODS[method].recipe, "method": method}
+    items = [*plan.run_config, " ".join(f"{k}={json.dumps(v)}" for k, v in pinned.items())]
+    refs, ours = [], []
+    for seed in plan.seeds:
+        print(f"{method}, seed {seed}: HtFLlib", flush=True)
+        refs.append(run_reference(plan.reference, config, method, seed, partitions, plan.out / method))
+        print(f"{method}, seed {seed}: ours", flush=True)
+        metric = compared_metric(config, method)
+        ours.append(run_ours(items, plan.preset, seed, plan.out / method / f"seed-{seed}", metric))
+    return refs, ours
+
+
+def method_result(config: dict, method: str, refs: list[dict], ours: list[dict], info: dict) -> dict:
+    """One method's result as kept and reported (:func:`bench.crosscheck_report.write_report`): the
+    comparison and verdict of both sides' curves, their runs, what ours evaluates, what is paired and
+    not, HtFLlib's recipe and our options it cannot express, and this call's ``info``."""
+    curves, ref_curves = [o["curve"] for o in ours], [r["curve"] for r in refs]
+    ref = REFERENCE_METHODS[method]
+    return {
+        "comparison": compare(curves, ref_curves),
+        "verdict": verdict(curves, ref_curves),
+        "reference": refs,
+        "ours": ours,
+        "same_model": evaluates_as_reference(config, method),
+        "reported_option": list(ref.reported[:2]) if ref.reported else None,
+        "unexpressed": {k: method_options(config, method)[k] for k in ref.unexpressed},
+        "recipe": ref.recipe,
+        "paired": PAIRED,
+        "unpaired": ref.unpaired,
+        "info": info,
+    }
+
+
+def cross_check(plan: Plan, method: str, info: dict) -> bool:
+    """Compare ``method``: both sides run (:func:`run_both_sides`), its result kept
+    (``<out>/<method>/result.json``), its figure and the report of every kept result written; False,
+    with the error printed, when a run failed (nothing is kept for the method, the others go on)."""
+    write_partitions(plan.configs[method], plan.out / "partitions")  # the same partitions for every method: kept
+    try:
+        refs, ours = run_both_sides(plan, method)
+    except RuntimeError as exc:  # this method's comparison is incomplete; the others go on
+        print(f"error: {method}: {exc}", flush=True)
+        return False
+    result = method_result(plan.configs[method], method, refs, ours, info)
+    save_result(plan.out, method, result)
+    plot(method, [o["curve"] for o in ours], [r["curve"] for r in refs], plan.out / f"{method}.png")
+    write_report(plan.out, info, saved_results(plan.out, list(REFERENCE_METHODS)))
+    print(f"{method}: {result['verdict']['verdict']}; {json.dumps(result['comparison'])}", flush=True)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module docstring). Exit code 0 when every method was compared, 1 when
+    one has no comparison (a run failed; the others are compared), 2 for a command refused before
+    anything runs, 130 when interrupted (finished parts are kept)."""
+    args = parse_arguments(argv)
     with stop_on_signals():
         try:
-            if not (reference / "system" / "main.py").is_file():
-                raise ConfigError(
-                    f"--reference {reference}: no system/main.py (expected a checkout of TsingZ0/HtFLlib)"
-                )
-            if reference == ROOT:
-                raise ConfigError("--reference points at this repository")
-            methods = [m for m in args.methods.split(",") if m]
-            seeds = [int(s) for s in args.seeds.split(",") if s]
-            if not methods or not seeds or (args.rounds is not None and args.rounds < 1):
-                raise ConfigError("--methods and --seeds need at least one value, --rounds at least 1")
-            base, _ = read_config(args.preset, args.run_config)
-            # every round on both sides, compared round by round: HtFLlib runs without its auto-break (-ab);
-            # its servers average plainly, so ours does too (run config aggregation = mean)
-            fixed = {
-                "partition-seed": base["partition-seed"] if base["partition-seed"] >= 0 else seeds[0],
-                "stop-patience": 0,
-                "aggregation": "mean",
-            }
-            if args.rounds is not None:
-                fixed["num-server-rounds"] = args.rounds
-            if unknown := [m for m in methods if m not in REFERENCE_METHODS]:
-                allowed = ", ".join(REFERENCE_METHODS)
-                raise ConfigError(f"--methods: {', '.join(unknown)} have no HtFLlib counterpart; allowed: {allowed}")
-            configs = {
-                m: {**base, **fixed, **REFERENCE_METHODS[m].recipe, "method": m, "seed": seeds[0]} for m in methods
-            }
-            for m, config in configs.items():
-                check_expressible(config, m)
-            validate_configs(list(configs.values()))
+            plan = checked_plan(args)
         except (ConfigError, ValueError) as exc:
             print(f"error: {exc}")
             return 2
-        out = (
-            args.out or ROOT / "outputs" / "crosscheck" / (Path(args.preset).stem if args.preset else "config")
-        ).resolve()
+        out = plan.out
         out.mkdir(parents=True, exist_ok=True)
-        partitions = out / "partitions"
-        first = next(iter(configs.values()))
-        print(f"writing partitions to {partitions}", flush=True)
-        written = write_partitions(first, partitions)
-        info = {
-            "preset": args.preset,
-            "command": "python -m bench.crosscheck " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "commit": git_commit(),
-            "reference": str(reference),
-            "reference_commit": git_head(reference),
-            "seeds": seeds,
-            "settings": {k: first[k] for k in SETTINGS},
-            # the -c items as given (read_config's overrides hold the preset's keys too, e.g. its 1000 rounds)
-            "overrides": " ".join(args.run_config),
-            "threads": CLIENT_THREADS,
-            "family": f"ours `{first['model-group']}` as HtFLlib's `{FAMILIES[first['model-group']]}`"
-            + (f"; {FAMILY_DEVIATIONS[first['model-group']]}" if first["model-group"] in FAMILY_DEVIATIONS else ""),
-            "test_examples": sum(written["test_examples"]),
-        }
+        print(f"writing partitions to {out / 'partitions'}", flush=True)
+        written = write_partitions(next(iter(plan.configs.values())), out / "partitions")
+        command = "python -m bench.crosscheck " + " ".join(argv if argv is not None else sys.argv[1:])
+        info = call_info(plan, command, written)
         (out / "crosscheck.json").write_text(json.dumps(info, indent=1))
         failed: list[str] = []
         try:
-            for method, config in configs.items():
-                write_partitions(config, partitions)  # the same partitions for every method: kept
-                pinned = {**fixed, **REFERENCE_METHODS[method].recipe, "method": method}
-                items = [*args.run_config, " ".join(f"{k}={json.dumps(v)}" for k, v in pinned.items())]
-                refs, ours = [], []
-                try:
-                    for seed in seeds:
-                        print(f"{method}, seed {seed}: HtFLlib", flush=True)
-                        refs.append(run_reference(reference, config, method, seed, partitions, out / method))
-                        print(f"{method}, seed {seed}: ours", flush=True)
-                        metric = compared_metric(config, method)
-                        ours.append(run_ours(items, args.preset, seed, out / method / f"seed-{seed}", metric))
-                except RuntimeError as exc:  # this method's comparison is incomplete; the others go on
-                    print(f"error: {method}: {exc}", flush=True)
+            for method in plan.configs:
+                if not cross_check(plan, method, info):
                     failed.append(method)
-                    continue
-                curves, ref_curves = [o["curve"] for o in ours], [r["curve"] for r in refs]
-                ref = REFERENCE_METHODS[method]
-                result = {
-                    "comparison": compare(curves, ref_curves),
-                    "verdict": verdict(curves, ref_curves),
-                    "reference": refs,
-                    "ours": ours,
-                    "same_model": evaluates_as_reference(config, method),
-                    "reported_option": list(ref.reported[:2]) if ref.reported else None,
-                    "unexpressed": {k: method_options(config, method)[k] for k in ref.unexpressed},
-                    "recipe": ref.recipe,
-                    "paired": PAIRED,
-                    "unpaired": ref.unpaired,
-                    "info": info,
-                }
-                save_result(out, method, result)
-                plot(method, curves, ref_curves, out / f"{method}.png")
-                write_report(out, info, saved_results(out, list(REFERENCE_METHODS)))
-                print(f"{method}: {result['verdict']['verdict']}; {json.dumps(result['comparison'])}", flush=True)
         except KeyboardInterrupt:
             print(f"interrupted; finished parts are kept in {out} and reused when the command is given again")
             return 130
