@@ -381,6 +381,93 @@ def stopped_by_divergence(text: str) -> bool:
     return DIVERGED_LINE.search(tail) is not None
 
 
+def reference_launch(
+    config: dict, method: str, seed: int, dataset_name: str, initial: Path, threads: int
+) -> tuple[list[str], dict, str]:
+    """How :func:`run_reference` starts HtFLlib: ``main.py`` and its flags (:func:`reference_command`),
+    the environment :data:`BOOTSTRAP` reads (the training seed, ``threads``, ``initial``: the file of our
+    clients' initial models, this repository, and a family HtFLlib removed, :func:`restored_family`),
+    and the command as recorded (those variables, then ``python main.py ...``)."""
+    args = reference_command(config, method, dataset_name)
+    env = {
+        **os.environ,
+        # HtFLlib pickles whole models into its own store and loads them back, written for torch < 2.6
+        "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1",
+        SEED_VARIABLE: str(seed),
+        THREADS_VARIABLE: str(threads),
+        INITIAL_VARIABLE: str(initial),
+        ROOT_VARIABLE: str(ROOT),
+    }
+    command = f"{THREADS_VARIABLE}={threads} {INITIAL_VARIABLE}={initial} {SEED_VARIABLE}={seed} python " + " ".join(
+        args
+    )
+    family = FAMILIES[config["model-group"]]
+    if (models := restored_family(family, config["dataset"])) is not None:
+        env[FAMILY_VARIABLE] = json.dumps([family, models])
+        command = f"{FAMILY_VARIABLE}='{env[FAMILY_VARIABLE]}' {command}"
+    return args, env, command
+
+
+def unplaced(command: str) -> str:
+    """A reference command as recorded, without what comes from where it ran: the dataset's name (the
+    output folder's) and the initial models' file (in the output folder)."""
+    return INITIAL_FLAG.sub(f"{INITIAL_VARIABLE}=<initial>", DATA_FLAG.sub("-data <partitions>", command))
+
+
+def kept_reference_run(done: Path, command: str, content_digest: str, initial_digest: str, rounds: int) -> dict | None:
+    """The finished run kept in ``done`` when it ran ``command`` (up to :func:`unplaced`) for ``rounds``
+    rounds, on partitions of ``content_digest`` and from initial models of ``initial_digest``; else None."""
+    if not done.exists():
+        return None
+    saved = json.loads(done.read_text())
+    same = (
+        unplaced(saved.get("command", "")) == unplaced(command)
+        and saved.get("content_digest") == content_digest
+        and saved.get("initial_digest") == initial_digest
+        and len(saved["curve"]) == rounds
+    )
+    return saved if same else None
+
+
+def link_dataset(reference: Path, name: str, partitions: Path) -> None:
+    """``<reference>/dataset/<name>``, where HtFLlib's ``-data <name>`` reads: a symlink to ``partitions``
+    (what was there under that name is replaced)."""
+    link = reference / "dataset" / name
+    link.parent.mkdir(exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(partitions.resolve(), target_is_directory=True)
+
+
+def read_reference_run(text: str, code: int, seed: int, rounds: int, clients: int, log: Path) -> dict:
+    """The accuracy a reference run of ``rounds`` rounds and ``clients`` clients printed (its log
+    ``text``, exit code ``code``): ``{"curve", "initial", "diverged_round"}`` as :func:`run_reference`
+    returns them; a run whose models diverged is a result (see there).
+
+    Raises:
+        RuntimeError: the run printed fewer rounds than asked for another reason, or did not pair every
+            client (its log's tail, or ``log``, in the message).
+    """
+    runs = parse_reference_log(text)
+    curve = [runs[-1].get(r) for r in range(1, rounds + 1)] if runs else [None]
+    if code != 0:
+        diverged = bool(runs) and None in curve and stopped_by_divergence(text)
+    else:
+        diverged = bool(runs) and None in curve and NONFINITE_LOSS_LINE.search(text) is not None
+    if (code != 0 or None in curve) and not diverged:
+        raise RuntimeError(
+            f"the reference run (seed {seed}) ended with exit code {code} before {rounds} rounds:\n{text[-2000:]}"
+        )
+    paired = {int(i) for i in PAIRED_LINE.findall(text)}
+    if paired != set(range(clients)):
+        raise RuntimeError(
+            f"the reference run (seed {seed}) paired the models of clients {sorted(paired)}, not of all "
+            f"{clients}: its clients are not built by flcore.clients.clientbase.Client "
+            f"(log {log})"
+        )
+    return {"curve": curve, "initial": runs[-1].get(0), "diverged_round": curve.index(None) + 1 if diverged else None}
+
+
 def run_reference(
     reference: Path, config: dict, method: str, seed: int, partitions: Path, out: Path, threads: int = CLIENT_THREADS
 ) -> dict:
@@ -414,73 +501,21 @@ def run_reference(
     done = out / f"reference-seed-{seed}.json"
     rounds = config["num-server-rounds"]
     name = f"mheterofl-crosscheck-{partitions.resolve().parent.name}"
-    args = reference_command(config, method, name)
     initial = (out / f"initial-seed-{seed}.pt").resolve()
+    args, env, command = reference_launch(config, method, seed, name, initial, threads)
     initial_digest = save_initial_states({**config, "seed": seed}, initial)
-    env = {
-        **os.environ,
-        "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1",
-        SEED_VARIABLE: str(seed),
-        THREADS_VARIABLE: str(threads),
-        INITIAL_VARIABLE: str(initial),
-        ROOT_VARIABLE: str(ROOT),
-    }
-    command = f"{THREADS_VARIABLE}={threads} {INITIAL_VARIABLE}={initial} {SEED_VARIABLE}={seed} python " + " ".join(
-        args
-    )
-    family = FAMILIES[config["model-group"]]
-    if (models := restored_family(family, config["dataset"])) is not None:
-        env[FAMILY_VARIABLE] = json.dumps([family, models])
-        command = f"{FAMILY_VARIABLE}='{env[FAMILY_VARIABLE]}' {command}"
     key = json.loads((partitions / "config.json").read_text())["content_digest"]
-
-    def unplaced(cmd: str) -> str:  # the dataset's name comes from the output folder, the file from out
-        return INITIAL_FLAG.sub(f"{INITIAL_VARIABLE}=<initial>", DATA_FLAG.sub("-data <partitions>", cmd))
-
     try:
-        if done.exists():
-            saved = json.loads(done.read_text())
-            if (
-                unplaced(saved.get("command", "")) == unplaced(command)
-                and saved.get("content_digest") == key
-                and saved.get("initial_digest") == initial_digest
-                and len(saved["curve"]) == rounds
-            ):
-                return saved
+        if (saved := kept_reference_run(done, command, key, initial_digest, rounds)) is not None:
+            return saved
         out.mkdir(parents=True, exist_ok=True)
-        link = reference / "dataset" / name
-        link.parent.mkdir(exist_ok=True)
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(partitions.resolve(), target_is_directory=True)
-        cmd = [sys.executable, "-c", BOOTSTRAP, *args]
-        # HtFLlib pickles whole models into its own store and loads them back, written for torch < 2.6
+        link_dataset(reference, name, partitions)
         log = out / f"reference-seed-{seed}.log"
-        code, wall, cpu = run_measured(cmd, reference / "system", log, env)
+        code, wall, cpu = run_measured([sys.executable, "-c", BOOTSTRAP, *args], reference / "system", log, env)
     finally:
         initial.unlink(missing_ok=True)
-    text = log.read_text(errors="replace")
-    runs = parse_reference_log(text)
-    curve = [runs[-1].get(r) for r in range(1, rounds + 1)] if runs else [None]
-    if code != 0:
-        diverged = bool(runs) and None in curve and stopped_by_divergence(text)
-    else:
-        diverged = bool(runs) and None in curve and NONFINITE_LOSS_LINE.search(text) is not None
-    if (code != 0 or None in curve) and not diverged:
-        raise RuntimeError(
-            f"the reference run (seed {seed}) ended with exit code {code} before {rounds} rounds:\n{text[-2000:]}"
-        )
-    paired = {int(i) for i in PAIRED_LINE.findall(text)}
-    if paired != set(range(config["num-clients"])):
-        raise RuntimeError(
-            f"the reference run (seed {seed}) paired the models of clients {sorted(paired)}, not of all "
-            f"{config['num-clients']}: its clients are not built by flcore.clients.clientbase.Client "
-            f"(log {log})"
-        )
     result = {
-        "curve": curve,
-        "initial": runs[-1].get(0),
-        "diverged_round": curve.index(None) + 1 if diverged else None,
+        **read_reference_run(log.read_text(errors="replace"), code, seed, rounds, config["num-clients"], log),
         "command": command,
         "commit": git_head(reference),
         "content_digest": key,
