@@ -69,6 +69,46 @@ def failure_cause(log: Path) -> str:
     return " | ".join(lines) or f"{log} is empty"
 
 
+def kept_run(done: Path, config: dict, threads: int, metric: str) -> dict | None:
+    """The run of ours kept in ``done`` (``ours.json``), its curve the row key ``metric``, when it ran
+    ``config`` with ``threads`` threads and its rows, in its folder beside ``done``, show no fault
+    (:func:`run_faults`); else None."""
+    if not done.exists():
+        return None
+    saved = json.loads(done.read_text())
+    folder = done.parent / Path(saved["folder"]).name
+    if saved.get("config") != config or saved.get("threads") != threads or not (folder / "metrics.jsonl").is_file():
+        return None
+    rows = read_rows(folder)
+    if run_faults(rows, read_summary(folder), config, metric):
+        return None
+    return {**saved, "metric": metric, "curve": [r[metric] for r in rows]}
+
+
+def completed_rows(folder: Path, code: int, seed: int, log: Path, config: dict, metric: str) -> list[dict]:
+    """The rows of the run of ours in ``folder`` that has just ended with exit code ``code`` (its log
+    ``log``).
+
+    Raises:
+        RuntimeError: it did not complete (its status, the summary's error and the clients' errors), or
+            completed with faults (:func:`run_faults`).
+    """
+    summary = read_summary(folder)
+    if code != 0 or summary["status"] != "completed":
+        errors = "; ".join(summary.get("client_errors") or [])
+        raise RuntimeError(
+            f"our run (seed {seed}) ended {summary['status']}: {summary.get('error')}"
+            + (f" (the clients' errors: {errors})" if errors else "")
+            + f"; log {log}"
+        )
+    rows = read_rows(folder)
+    if faults := run_faults(rows, summary, config, metric):
+        raise RuntimeError(
+            f"our run (seed {seed}) ended completed but is refused: {'; '.join(faults)}; run folder {folder}"
+        )
+    return rows
+
+
 def run_ours(
     config_items: list[str],
     preset: str | None,
@@ -94,13 +134,8 @@ def run_ours(
     done = out / "ours.json"
     items = [*config_items, f"seed={seed} output-dir={json.dumps(str(out.resolve()))}"]
     config, _ = read_config(preset, items)
-    if done.exists():
-        saved = json.loads(done.read_text())
-        folder = out / Path(saved["folder"]).name
-        if saved.get("config") == config and saved.get("threads") == threads and (folder / "metrics.jsonl").is_file():
-            rows = read_rows(folder)
-            if not run_faults(rows, read_summary(folder), config, metric):
-                return {**saved, "metric": metric, "curve": [r[metric] for r in rows]}
+    if (saved := kept_run(done, config, threads, metric)) is not None:
+        return saved
     cmd = [
         sys.executable,
         "-m",
@@ -118,19 +153,7 @@ def run_ours(
     folders = sorted(p.parent for p in set(out.glob("*/summary.json")) - earlier)
     if not folders:
         raise RuntimeError(f"our run (seed {seed}) left no run folder: {failure_cause(log)}; log {log}")
-    summary = read_summary(folders[-1])
-    if code != 0 or summary["status"] != "completed":
-        errors = "; ".join(summary.get("client_errors") or [])
-        raise RuntimeError(
-            f"our run (seed {seed}) ended {summary['status']}: {summary.get('error')}"
-            + (f" (the clients' errors: {errors})" if errors else "")
-            + f"; log {log}"
-        )
-    rows = read_rows(folders[-1])
-    if faults := run_faults(rows, summary, config, metric):
-        raise RuntimeError(
-            f"our run (seed {seed}) ended completed but is refused: {'; '.join(faults)}; run folder {folders[-1]}"
-        )
+    rows = completed_rows(folders[-1], code, seed, log, config, metric)
     result = {
         "curve": [r[metric] for r in rows],
         "metric": metric,
