@@ -1,6 +1,7 @@
 """Our side of a cross-check against another implementation: our method's options as a run will have
-them (:func:`method_options`), and ``tools.run`` run for one training seed, measured, reused when it
-ran the same run config and refused when a round ran without every client (:func:`run_ours`)."""
+them (:func:`method_options`), and one run of ours (``tools.run``) for a training seed, measured,
+reused when it ran the same run config, refused when a round ran without every client
+(:func:`run_ours`)."""
 
 from __future__ import annotations
 
