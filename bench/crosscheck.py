@@ -11,17 +11,19 @@ For each method it
 
 1. writes our partitions once (the exact per-client train and test images after our partitioner,
    normalised as the run config says) in PFLlib's ``save_file`` layout: ``train/<i>.npz``,
-   ``test/<i>.npz`` (``data = {"x": float32 [n, C, H, W], "y": int64 [n]}``) and ``config.json``;
-   HtFLlib reads them from ``<reference>/dataset/<name>``, a symlink to that folder;
+   ``test/<i>.npz`` (``data = {"x": float32 [n, C, H, W], "y": int64 [n]}``) and ``config.json``
+   (:func:`bench.pfllib.write_partitions`); HtFLlib reads them from ``<reference>/dataset/<name>``,
+   a symlink to that folder;
 2. runs the reference (``system/main.py``) with the flags that map our run config
-   (:data:`FAMILIES`, :data:`REFERENCE_METHODS`, :func:`reference_command`), paired with ours: every
-   client's model starts from our client's initial model for the run config and seed, and PyTorch
+   (:mod:`bench.htfllib`: :data:`~bench.htfllib.FAMILIES`, :data:`~bench.htfllib.REFERENCE_METHODS`,
+   :func:`~bench.htfllib.reference_command`), paired with ours: every client's model starts from
+   our client's initial model for the run config and seed, and PyTorch
    runs the threads each of our clients runs (:mod:`bench.crosscheck_pairing`; what a method cannot
    pair, e.g. a shared model or server state, is ``unpaired`` and in the report); it parses its
-   per-round pooled test accuracy (:func:`parse_reference_log`);
+   per-round pooled test accuracy (:func:`~bench.htfllib.parse_reference_log`);
 3. runs ours (``tools.run``) on the same partitions (``partition-seed`` fixed) and recipe, one run per
    training seed; a run with a round that trained or evaluated without every client (a crashed Ray
-   node ends ``completed`` so) is refused, not compared (:func:`run_faults`);
+   node ends ``completed`` so) is refused, not compared (:func:`bench.our_side.run_faults`);
 4. keeps the method's result (``<method>/result.json``) and writes ``report.md`` from every method's
    kept result in the output folder, earlier calls' included (:mod:`bench.crosscheck_report`: a
    verdict per method, final and best accuracy with the spread over seeds, the largest per-round
@@ -37,8 +39,8 @@ pooled over all clients' test examples (our ``accuracy_weighted``), which is wha
 Seeds: HtFLlib has no seed flag (``torch.manual_seed(0)`` once); its ``-t S`` repetitions run in one
 process and differ by the continuing random state. Ours vary run config ``seed``; paired, every client
 on both sides starts from our initial model of that seed, and the bootstrap seeds HtFLlib's other
-draws with it (:data:`BOOTSTRAP`). The partition is the same for all (``partition-seed``, default the
-first seed).
+draws with it (:data:`bench.htfllib.BOOTSTRAP`). The partition is the same for all
+(``partition-seed``, default the first seed).
 
 Every run is resumable: the partitions, a reference run whose every repetition finished, and our
 completed seeds are kept and skipped when the command is given again; a failed run (any early end
@@ -48,202 +50,30 @@ but the reference's NaN divergence, or a run of ours with faults) is never kept.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import hashlib
 import json
-import os
-import re
-import signal
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
-from bench.crosscheck_pairing import CLIENT_THREADS, save_initial_states
+from bench.crosscheck_pairing import CLIENT_THREADS
 from bench.crosscheck_report import compare, plot, save_result, saved_results, verdict, write_report
+from bench.htfllib import (
+    FAMILIES,
+    FAMILY_DEVIATIONS,
+    PAIRED,
+    REFERENCE_METHODS,
+    check_expressible,
+    compared_metric,
+    evaluates_as_reference,
+    run_reference,
+)
+from bench.measure import git_head
+from bench.our_side import method_options, run_ours
+from bench.pfllib import write_partitions
 from common.errors import ConfigError
-from common.files import atomic_write, read_rows, read_summary
 from tools.grid import git_commit
 from tools.processes import stop_on_signals
 from tools.runconfig import ROOT, add_config_arguments, read_config, validate_configs
-
-#: our run config ``model-group`` -> HtFLlib's ``-m`` model family (same architectures in the same
-#: order: client i gets architecture ``i % len(group)`` in both)
-FAMILIES = {
-    "htfe2": "HtFE-img-2",
-    "htfe3": "HtFE-img-3",
-    "htfe4": "HtFE-img-4",
-    "htfe8": "HtFE-img-8",
-    "htfe9": "HtFE-img-9",
-    "htfe8-htc4": "HtFE-img-8-HtC-img-4",
-    "res34-htc4": "Res34-HtC-img-4",
-    "htcnn8": "HCNNs8",
-}
-
-
-#: families whose HtFLlib models compute otherwise than ours from the same weights. Ours loaded into
-#: HtFLlib's models of every family (CIFAR-10, HCNNs8 on Fashion-MNIST) give the same logits bit for
-#: bit but for these: HtFLlib's HtC4 ``Head`` puts a ReLU after its last Linear, on the logits
-#: (``flcore/trainmodel/models.py``), ours (``linear``, ``mlp*``) does not
-FAMILY_DEVIATIONS = {
-    group: "HtFLlib's HtC4 heads (`Head`) end with a ReLU on the logits, ours do not: from the same "
-    "weights the logits differ"
-    for group in ("htfe8-htc4", "res34-htc4")
-}
-
-
-def restored_family(family: str, dataset: str) -> list[str] | None:
-    """The model constructors (HtFLlib ``args.models`` strings) of a family HtFLlib has removed from
-    ``system/main.py``, which :data:`BOOTSTRAP` puts back for the run; None for a family it still has.
-
-    ``HCNNs8`` is FedTGP's HtCNN8 as FedTGP's own code defined it (HtFLlib commit 70cda56, "add our
-    FedTGP algorithm"; removed in 3fb1596): eight of its ``CNN(num_cov, hidden_dims)`` in our
-    ``htcnn1..8`` order, each of our HtCNN8 widths but the last (the 512-wide representation,
-    ``feature_dim``) a hidden width. The input channels and side come from ``dataset``.
-    """
-    from common.datasets import DATASETS
-    from models.zoo import HTCNN8
-
-    if family != "HCNNs8":
-        return None
-    info = DATASETS[dataset]
-    return [
-        f"CNN(num_cov={convs}, hidden_dims={list(widths[:-1])}, in_features={info.channels}, "
-        f"height={info.image_size}, num_classes=args.num_classes)"
-        for convs, widths in HTCNN8.values()
-    ]
-
-
-@dataclass(frozen=True)
-class ReferenceMethod:
-    """How one of our methods maps onto HtFLlib.
-
-    Every option our method declares is in exactly one of:
-
-    - ``flags``: HtFLlib flag -> our option key (the value is passed);
-    - ``tied``: our option key -> the run config key whose value HtFLlib uses for it (it has no
-      flag of its own); a cross-check refuses values that differ;
-    - ``unexpressed``: our options HtFLlib has no counterpart for; listed with their values in
-      the report (the method page's deviations say what they change).
-
-    ``reported``: where HtFLlib's printed accuracy is of another model than our default primary
-    metric's, ``(our option, its value, our row key)``: with the option at that value, ours reports
-    HtFLlib's model under that row key, and the cross-check compares it (:func:`compared_metric`).
-
-    ``recipe``: run config values HtFLlib's client for this method hard-codes beyond
-    :data:`REFERENCE_RECIPE` (FML and FedKD clip every model's gradient norm at 10); ours is run
-    with them, and the report lists them.
-
-    ``unpaired``: what starts from other random draws on the two sides although every client's
-    personal model is paired (:mod:`bench.crosscheck_pairing`): models and state HtFLlib builds
-    beside the clients' models; "" when nothing.
-    """
-
-    algorithm: str
-    recipe: dict[str, Any] = field(default_factory=dict)
-    flags: dict[str, str] = field(default_factory=dict)
-    tied: dict[str, str] = field(default_factory=dict)
-    unexpressed: tuple[str, ...] = ()
-    reported: tuple[str, Any, str] | None = None
-    unpaired: str = ""
-
-
-#: what a paired cross-check pairs for every method
-PAIRED = (
-    "every client's initial personal model (ours, built by our client for the run config and seed, "
-    "loaded into HtFLlib's client model right after HtFLlib builds it, tensor by tensor in order and shape)"
-)
-#: a model both sides build beside the clients' models, each from its own draws
-SHARED_MODEL = (
-    "the shared model (HtFLlib: `BaseHeadSplit(args, 0)` drawn in its server's constructor, before the "
-    "clients' models; ours: the group's first architecture drawn from `seed`)"
-)
-#: FedGH's and LG-FedAvg's server head before round 1
-SERVER_HEAD = (
-    "the server's initial head, every client's head in round 1 (HtFLlib: client 0's initial head, "
-    "which pairing makes ours; ours: a `Linear(d, C)` drawn from `seed`)"
-)
-#: the order of a server's training over the round's uploads
-SERVER_ORDER = (
-    "the server's mini-batch order over the uploads (HtFLlib: torch's global generator over uploads in "
-    "numpy's client order; ours: a generator of `seed`)"
-)
-
-
-#: our method -> its HtFLlib algorithm (``-algo``) and option mapping (HtFLlib ``system/main.py`` and
-#: the ``flcore`` server and client of each algorithm)
-REFERENCE_METHODS = {
-    "local": ReferenceMethod("Local"),
-    "fedproto": ReferenceMethod("FedProto", flags={"-lam": "lambda"}, unexpressed=("reg-form",)),
-    "fedtgp": ReferenceMethod(
-        "FedTGP",
-        flags={"-lam": "lambda", "-mart": "tau", "-se": "server-epochs"},
-        tied={"server-lr": "lr", "server-batch-size": "batch-size", "hidden-dim": "feature-dim"},
-        unexpressed=("reg-form", "margin", "prototype-pass", "margin-freeze"),
-        unpaired="the server's trainable global prototypes (each side draws them from its seed); " + SERVER_ORDER,
-    ),
-    "fedgh": ReferenceMethod(
-        "FedGH",
-        flags={"-slr": "server-lr", "-se": "server-epochs"},
-        tied={"server-batch-size": "batch-size"},
-        unexpressed=("server-mode", "server-clip-norm", "eval-global-head"),
-        # HtFLlib evaluates every client's extractor with the global head it has just been sent
-        reported=("eval-global-head", True, "accuracy_weighted_global_head"),
-        unpaired=f"{SERVER_HEAD}; {SERVER_ORDER}",
-    ),
-    "lg-fedavg": ReferenceMethod(
-        "LG-FedAvg",
-        unexpressed=("eval-global-head",),
-        reported=("eval-global-head", True, "accuracy_weighted_global_head"),
-        unpaired=SERVER_HEAD,
-    ),
-    "fd": ReferenceMethod("FD", flags={"-lam": "lambda"}, unexpressed=("target",)),
-    # clientfml.py and clientkd.py: clip_grad_norm_(..., 10) on each model ("prevent divergency"); their
-    # shared model (serverfml.py, serverkd.py, servermrl.py) is client 0's: ours with shared-model (FedMRL:
-    # small-model) = "group-first"
-    # clientfml.py: nn.KLDivLoss() (KL / C) on targets it does not detach: ours with fml.kl-reduction = "mean"
-    # and fml.detach-targets = false
-    "fml": ReferenceMethod(
-        "FML",
-        {"clip-norm": 10.0},
-        {"-al": "alpha", "-bt": "beta"},
-        unexpressed=("shared-model", "kl-reduction", "detach-targets"),
-        unpaired=SHARED_MODEL,
-    ),
-    "fedkd": ReferenceMethod(
-        "FedKD",
-        {"clip-norm": 10.0},
-        {"-Ts": "energy-start", "-Te": "energy-end"},
-        unexpressed=("shared-model",),
-        unpaired=f"{SHARED_MODEL} (the mentee); each client's alignment map `W_h` (each side draws it from its seed)",
-    ),
-    "fedmrl": ReferenceMethod(
-        "FedMRL",
-        flags={"-sfd": "d1"},
-        unexpressed=("small-model", "weight-global", "weight-private", "eval-protocol", "inference", "keep-projector"),
-        # HtFLlib evaluates every client with the server's aggregated small model (our protocol B)
-        reported=("eval-protocol", "deployment", "accuracy_weighted"),
-        unpaired=f"{SHARED_MODEL} (the small model); each client's projector (each side draws it from its seed)",
-    ),
-}
-
-#: run config values HtFLlib's recipe has built in (plain SGD, no augmentation, its training loader's
-#: fixed batch order without the last partial batch, every client evaluated every round): a
-#: cross-check refuses other values, since the reference cannot follow them
-REFERENCE_RECIPE = {
-    "batch-order": "fixed",
-    "momentum": 0.0,
-    "weight-decay": 0.0,
-    "clip-norm": 0.0,
-    "augment": "none",
-    "eval-every": 1,
-    "eval-clients": "all",
-}
 
 #: the run config keys of a cross-check's settings line (as run: the rounds and stop-patience it
 #: pins, not the preset's)
@@ -270,550 +100,25 @@ SETTINGS = (
     "eval-every",
 )
 
-#: HtFLlib's ``-lr`` for FedKD's mentee is a flag of its own; ours trains both with ``lr``
-FEDKD_MENTEE_LR = "-mlr"
 
-ROUND_LINE = re.compile(r"Round number: (\d+)")
-ACCURACY_LINE = re.compile(r"Averaged Test Accuracy: ([0-9.]+)")
-REPETITION_LINE = re.compile(r"Running time: (\d+)th")
-#: the dataset flag of a reference command (its name is the output folder's)
-DATA_FLAG = re.compile(r"-data \S+")
-#: the initial models' file of a reference command (in the output folder)
-INITIAL_FLAG = re.compile(r"CROSSCHECK_INITIAL=\S+")
-#: HtFLlib's evaluation (scikit-learn's AUC) on NaN or infinite model outputs
-DIVERGED_LINE = re.compile(r"ValueError: Input contains (NaN|infinity)")
-#: a printed non-finite loss (FedTGP's ``Server loss: nan``): HtFLlib goes on, evaluating NaN state
-NONFINITE_LOSS_LINE = re.compile(r"loss: [-+]?(nan|inf)\b", re.IGNORECASE)
+@dataclass(frozen=True)
+class Plan:
+    """One call's cross-check as checked (:func:`checked_plan`): the reference checkout, our preset and
+    ``-c`` items as given (``run_config``), the training seeds, the run config values pinned for every
+    method (``fixed``), each method's whole run config (``configs``, in ``--methods`` order; seed: the
+    first) and the output folder."""
 
-#: the environment variable that gives :data:`BOOTSTRAP` the training seed
-SEED_VARIABLE = "CROSSCHECK_SEED"
-#: the environment variable that gives :data:`BOOTSTRAP` a removed family (:func:`restored_family`)
-#: as JSON ``[name, [constructor, ...]]``
-FAMILY_VARIABLE = "CROSSCHECK_FAMILY"
-#: the environment variable that gives :data:`BOOTSTRAP` PyTorch's thread count
-THREADS_VARIABLE = "CROSSCHECK_THREADS"
-#: the environment variable that gives :data:`BOOTSTRAP` our clients' initial models (a file of
-#: :func:`bench.crosscheck_pairing.save_initial_states`)
-INITIAL_VARIABLE = "CROSSCHECK_INITIAL"
-#: the environment variable that gives :data:`BOOTSTRAP` this repository (for :mod:`bench.crosscheck_pairing`)
-ROOT_VARIABLE = "CROSSCHECK_ROOT"
-#: what :data:`BOOTSTRAP` prints for each client model it loaded ours into
-PAIRED_LINE = re.compile(r"^crosscheck: client (\d+) paired", re.M)
-
-#: bootstrap code shared by the reference runners (run in a PFLlib-layout ``system/`` folder, with
-#: ``re``, ``sys`` and ``types`` imported): every server module ``main.py`` imports whose own imports
-#: fail here (HtFLlib's FedKTL needs StyleGAN, FedL2G ``higher``; PFLlib's FedPAC ``cvxpy``) is replaced
-#: by a placeholder that raises that import error if used; a module already in ``sys.modules`` is kept
-PLACEHOLDER_SERVERS = r"""
-for module, name in re.findall(r"^from (flcore\.servers\.\w+) import (\w+)", open("main.py").read(), re.M):
-    try:
-        __import__(module)
-    except ImportError as exc:
-        def unavailable(*args, _exc=exc, **kwargs):
-            raise _exc
-        stub = types.ModuleType(module)
-        setattr(stub, name, unavailable)
-        sys.modules[module] = stub
-        print(f"{module} not importable here ({exc}); a placeholder stands in", flush=True)
-"""
-
-#: runs HtFLlib's ``main.py`` (argv[1:]) in its ``system/`` folder. HtFLlib seeds torch with
-#: ``torch.manual_seed(0)`` at start and again in every client's constructor, but leaves numpy's and
-#: Python's global generators unseeded, and draws from them each round's client order
-#: (``serverbase.select_clients``, a permutation even when every client joins; ``receive_ids``). That
-#: order is the order of the server's uploads, which FedTGP's and FedGH's server training shuffles
-#: with torch's generator, so an unseeded rerun of those differs from round 1 on (FedTGP,
-#: Fashion-MNIST HtCNN8, 120 examples per client: 21.82 against 17.63 % pooled after round 1).
-#: Here torch's seed 0 becomes the training seed (``$CROSSCHECK_SEED``; seed 0 is HtFLlib's own),
-#: which varies the initial weights as our ``seed`` does (HtFLlib's clients read their data in a
-#: fixed order), and numpy and ``random`` are seeded with it, so a rerun repeats its curve.
-#: A server module of an algorithm other than the one run whose imports fail here (FedKTL needs
-#: StyleGAN, FedL2G ``higher``) is replaced by a placeholder that raises that import error if used.
-#: A removed family (``$CROSSCHECK_FAMILY``) becomes one more branch of ``main.py``'s family chain,
-#: just before its final ``raise NotImplementedError``.
-#: Paired (:mod:`bench.crosscheck_pairing`): PyTorch runs ``$CROSSCHECK_THREADS`` threads, and every
-#: client's model, right after HtFLlib's ``Client.__init__`` has built and stored it, is loaded with
-#: our initial model of that client (``$CROSSCHECK_INITIAL``) and stored again; a client model whose
-#: tensors do not match ours in order and shape stops the run with the first mismatch.
-BOOTSTRAP = (
-    r"""
-import json, os, random, re, sys, types
-import numpy, torch
-seed = int(os.environ["CROSSCHECK_SEED"])
-manual_seed = torch.manual_seed
-torch.manual_seed = lambda s: manual_seed(seed if s == 0 else s)
-numpy.random.seed(seed)
-random.seed(seed)
-torch.set_num_threads(int(os.environ["CROSSCHECK_THREADS"]))
-sys.argv = sys.argv[1:]
-sys.path.insert(0, ".")
-sys.path.append(os.environ["CROSSCHECK_ROOT"])
-from bench.crosscheck_pairing import paired_state
-from flcore.clients import clientbase
-states = torch.load(os.environ["CROSSCHECK_INITIAL"], weights_only=True)
-built = clientbase.Client.__init__
-def paired_init(self, *args, **kwargs):
-    built(self, *args, **kwargs)
-    if self.id >= len(states):
-        sys.exit(f"crosscheck: client {self.id} has no initial model of ours ({len(states)} exported)")
-    model = clientbase.load_item(self.role, "model", self.save_folder_name)
-    model.load_state_dict(paired_state(states[self.id], model.state_dict(), f"client {self.id}"))
-    clientbase.save_item(model, self.role, "model", self.save_folder_name)
-    print(f"crosscheck: client {self.id} paired ({len(states[self.id])} tensors of ours)", flush=True)
-clientbase.Client.__init__ = paired_init
-"""
-    + PLACEHOLDER_SERVERS
-    + r"""source = open("main.py").read()
-if os.environ.get("CROSSCHECK_FAMILY"):
-    name, models = json.loads(os.environ["CROSSCHECK_FAMILY"])
-    anchor = "\n        else:\n            raise NotImplementedError"
-    if anchor not in source:
-        sys.exit("crosscheck: main.py has no model family chain ending in NotImplementedError")
-    branch = f"\n        elif args.model_family == {name!r}:\n            args.models = {models!r}"
-    source = source.replace(anchor, branch + anchor, 1)
-exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py"})
-"""
-)
+    reference: Path
+    preset: str | None
+    run_config: list[str]
+    seeds: list[int]
+    fixed: dict
+    configs: dict[str, dict]
+    out: Path
 
 
-def method_options(config: dict, method: str) -> dict:
-    """Our options of ``method`` as the run will have them: declared defaults, then ``config``'s
-    ``<method>.<key>`` values (the flat run config :func:`tools.runconfig.read_config` gives)."""
-    from common.options import option_key
-    from strategies.registry import METHODS
-
-    declared = {option_key(f): f.default for f in dataclasses.fields(METHODS[method].options)}
-    prefix = f"{method}."
-    return {**declared, **{k[len(prefix) :]: v for k, v in config.items() if k.startswith(prefix)}}
-
-
-def compared_metric(config: dict, method: str) -> str:
-    """Our row key compared with HtFLlib's printed accuracy: the method's ``reported`` row key when
-    its option has that value in ``config``, else ``accuracy_weighted`` (every client's personal
-    model, pooled over their test examples)."""
-    reported = REFERENCE_METHODS[method].reported
-    if reported is not None and method_options(config, method)[reported[0]] == reported[1]:
-        return reported[2]
-    return "accuracy_weighted"
-
-
-def evaluates_as_reference(config: dict, method: str) -> bool:
-    """Whether ours evaluates the model HtFLlib's printed accuracy is of (``reported`` option set)."""
-    reported = REFERENCE_METHODS[method].reported
-    return reported is None or method_options(config, method)[reported[0]] == reported[1]
-
-
-def check_expressible(config: dict, method: str) -> None:
-    """Refuse a run config the reference cannot follow for ``method``.
-
-    Raises:
-        ConfigError: the method has no HtFLlib counterpart, the model group no HtFLlib family, a
-            recipe key differs from :data:`REFERENCE_RECIPE`, or a tied option differs from the
-            run config key HtFLlib uses for it; the message lists every such key.
-    """
-    if method not in REFERENCE_METHODS:
-        raise ConfigError(f"method {method!r} has no HtFLlib counterpart; allowed: {', '.join(REFERENCE_METHODS)}")
-    if config["model-group"] not in FAMILIES:
-        raise ConfigError(
-            f"run config key 'model-group' = {config['model-group']!r} has no HtFLlib model family; "
-            f"allowed: {', '.join(FAMILIES)}"
-        )
-    recipe = {**REFERENCE_RECIPE, **REFERENCE_METHODS[method].recipe}
-    problems = [f"{k} = {config[k]!r} (HtFLlib: {v!r})" for k, v in recipe.items() if config.get(k, v) != v]
-    options = method_options(config, method)
-    problems += [
-        f"{method}.{ours} = {options[ours]!r} (HtFLlib uses {key} = {config[key]!r})"
-        for ours, key in REFERENCE_METHODS[method].tied.items()
-        if options[ours] != config[key]
-    ]
-    if problems:
-        raise ConfigError("the reference cannot follow: " + "; ".join(problems))
-
-
-def write_partitions(config: dict, folder: Path) -> dict:
-    """Write every client's train and test split of ``config`` (our partitioner, our 75/25 split,
-    normalised as run config ``normalize`` says) in PFLlib's layout under ``folder``, once:
-    ``train/<i>.npz`` and ``test/<i>.npz`` hold ``data = {"x": float32 [n, C, H, W], "y": int64 [n]}``,
-    ``config.json`` PFLlib's keys plus ``partition_key`` (ours: it names the data files' sizes and
-    modification times, so a copied data folder rewrites the partitions), ``content_digest`` (a
-    SHA-256 of every array written, in client order: what a reference run is reused by, so that
-    rewriting identical partitions keeps its runs) and ``test_examples`` (each client's test split
-    size, in client order). A folder whose ``config.json`` has the same ``partition_key`` and
-    ``test_examples`` is kept.
-
-    Returns:
-        ``config.json``'s content.
-    """
-    import torch
-
-    from common.config import RunConfig
-    from common.data import DataSpec, load_client_data, normalize, partition_key
-    from common.datasets import DATASETS, with_recipe
-
-    cfg = RunConfig.from_dict(config)
-    spec = DataSpec.from_config(cfg, cfg.num_clients)
-    key = "-".join(partition_key(spec, i) for i in range(cfg.num_clients))
-    done = folder / "config.json"
-    if done.exists() and json.loads(done.read_text()).get("partition_key") == key:
-        kept = json.loads(done.read_text())
-        if "test_examples" in kept:
-            return kept
-    info = with_recipe(DATASETS[cfg.dataset], cfg.augment, cfg.normalize)
-    sizes, tests = [], []
-    digest = hashlib.sha256()
-    for split in ("train", "test"):
-        (folder / split).mkdir(parents=True, exist_ok=True)
-    for i in range(cfg.num_clients):
-        data = load_client_data(spec, i)
-        for split, x, y in (("train", data.train_x, data.train_y), ("test", data.test_x, data.test_y)):
-            arrays = {"x": normalize(x, info).numpy(), "y": y.to(torch.int64).numpy()}
-            digest.update(arrays["x"].tobytes() + arrays["y"].tobytes())
-            atomic_write(folder / split / f"{i}.npz", lambda f, a=arrays: np.savez_compressed(f, data=a))
-        tests.append(len(data.test_y))
-        labels = torch.cat([data.train_y, data.test_y])
-        sizes.append([[int(c), int((labels == c).sum())] for c in labels.unique()])
-    written = {
-        "num_clients": cfg.num_clients,
-        "num_classes": info.num_classes,
-        "non_iid": cfg.partitioner != "iid",
-        "balance": False,
-        "partition": cfg.partitioner,
-        "Size of samples for labels in clients": sizes,
-        "alpha": cfg.dirichlet_alpha,
-        "batch_size": cfg.batch_size,
-        "partition_key": key,
-        "content_digest": digest.hexdigest(),
-        "test_examples": tests,
-    }
-    done.write_text(json.dumps(written, indent=1))
-    return written
-
-
-def reference_command(config: dict, method: str, dataset_name: str) -> list[str]:
-    """HtFLlib's ``main.py`` flags for ``config`` and ``method``: one repetition, its models kept in
-    HtFLlib's default store (``system/temp/<dataset>/<algorithm>/<time>/``, removed at the end)."""
-    from common.datasets import DATASETS
-
-    ref = REFERENCE_METHODS[method]
-    options = method_options(config, method)
-    cmd = [
-        "main.py",
-        *("-data", dataset_name, "-ncl", str(DATASETS[config["dataset"]].num_classes)),
-        *("-m", FAMILIES[config["model-group"]], "-fd", str(config["feature-dim"])),
-        *("-algo", ref.algorithm, "-gr", str(config["num-server-rounds"]), "-nc", str(config["num-clients"])),
-        *("-jr", str(config["fraction-train"]), "-lbs", str(config["batch-size"]), "-lr", str(config["lr"])),
-        *("-ls", str(config["local-epochs"]), "-eg", "1", "-t", "1"),
-    ]
-    for flag, key in ref.flags.items():
-        cmd += [flag, str(options[key])]
-    if method == "fedkd":
-        cmd += [FEDKD_MENTEE_LR, str(config["lr"])]
-    return cmd
-
-
-def parse_reference_log(text: str) -> list[dict[int, float]]:
-    """Per repetition (``Running time: <i>th``), HtFLlib's pooled test accuracy (a fraction) by
-    round number (0 = the initial models), from its stdout; a repetition cut off keeps the rounds it
-    printed. A repetition that printed a non-finite loss in round r keeps the rounds up to r: HtFLlib
-    does not stop there, and what it evaluates from round r + 1 on holds NaN (FedTGP's server
-    prints ``Server loss: nan``, its global prototypes turn NaN, and its clients, which classify by
-    distance to them, print chance accuracy, 9.99 % on Fashion-MNIST, not a failure)."""
-    runs: list[dict[int, float]] = []
-    current_round = None
-    poisoned = False
-    for line in text.splitlines():
-        if REPETITION_LINE.search(line):
-            runs.append({})
-            poisoned = False
-        elif m := ROUND_LINE.search(line):
-            current_round = int(m.group(1))
-        elif NONFINITE_LOSS_LINE.search(line):
-            poisoned = True
-        elif (m := ACCURACY_LINE.search(line)) and runs and current_round is not None and not poisoned:
-            runs[-1][current_round] = float(m.group(1))
-    return runs
-
-
-def run_measured(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) -> tuple[int, float, float]:
-    """Run ``cmd`` with its output in ``log``; ``(exit code, wall seconds, CPU seconds)``, the CPU
-    time summed over its whole process tree (user + system, each process as last sampled, every
-    second), so Ray's workers count too."""
-    import psutil
-
-    cpu: dict[int, float] = {}
-    start = time.perf_counter()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        root = psutil.Process(proc.pid)
-        try:
-            while proc.poll() is None:
-                for p in [root, *root.children(recursive=True)]:
-                    try:
-                        t = p.cpu_times()
-                        cpu[p.pid] = t.user + t.system + t.children_user + t.children_system
-                    except psutil.Error:
-                        continue
-                with contextlib.suppress(subprocess.TimeoutExpired):  # not sleep: a run that ends is done at once
-                    proc.wait(timeout=1.0)
-        except BaseException:  # Ctrl-C or a signal: the run goes with us (tools.run stops its own tree on SIGINT)
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            raise
-    return proc.returncode, time.perf_counter() - start, sum(cpu.values())
-
-
-def git_head(path: Path) -> str:
-    """The checked-out commit of the git checkout at ``path`` (``-dirty`` when tracked files differ)."""
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True, check=False)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=path, capture_output=True, text=True, check=False
-    ).stdout.strip()
-    return (head.stdout.strip() or "unknown") + ("-dirty" if dirty else "")
-
-
-def stopped_by_divergence(text: str) -> bool:
-    """Whether the error a reference run ended with is its evaluation's on NaN or infinite outputs
-    (:data:`DIVERGED_LINE` in the last traceback, or in the last lines when it printed none): an
-    earlier such line, or a non-finite loss followed by another error, is not."""
-    last = text.rsplit("Traceback (most recent call last)", 1)
-    tail = last[1] if len(last) == 2 else "\n".join(text.splitlines()[-5:])
-    return DIVERGED_LINE.search(tail) is not None
-
-
-def run_reference(
-    reference: Path, config: dict, method: str, seed: int, partitions: Path, out: Path, threads: int = CLIENT_THREADS
-) -> dict:
-    """Run HtFLlib for ``method`` with training seed ``seed`` (:data:`BOOTSTRAP`), paired with ours, or
-    reuse its finished run: one with the same command (up to the dataset's name, which is the output
-    folder's, and the initial models' file), on partitions of the same content (their
-    ``content_digest``) and from the same initial models (``initial_digest``); any other is run
-    again, so a changed preset, override or model never passes off an old curve as this config's.
-
-    Paired: every client's model starts from ours for ``config`` and ``seed``
-    (:func:`bench.crosscheck_pairing.save_initial_states`, written to
-    ``out/initial-seed-<seed>.pt`` for the run and removed after it: ours rebuilds it from the
-    config), and PyTorch runs ``threads`` threads, as each of our clients does. A run whose log does
-    not show every client model paired is refused.
-
-    A run whose models diverged (HtFLlib's evaluation stops on NaN or infinite outputs:
-    scikit-learn's "Input contains NaN" or "Input contains infinity" as the error it ended with; or it
-    printed a non-finite loss and went on to its end, :func:`parse_reference_log`) is a result, not a
-    failure: its curve holds None from the first round whose models had diverged, and
-    ``diverged_round`` names it. Any other early end is a failure, and nothing is kept of it.
-
-    Returns:
-        ``{"curve": [accuracy by round 1..R], "initial": round 0's accuracy, "diverged_round": None
-        or the first round without accuracy, "command", "commit", "content_digest", "initial_digest",
-        "threads", "wall_seconds", "cpu_seconds"}`` (also in ``reference-seed-<seed>.json``).
-
-    Raises:
-        RuntimeError: the reference printed fewer rounds than asked for another reason, or did not
-            pair every client (its log's tail in the message).
-    """
-    done = out / f"reference-seed-{seed}.json"
-    rounds = config["num-server-rounds"]
-    name = f"mheterofl-crosscheck-{partitions.resolve().parent.name}"
-    args = reference_command(config, method, name)
-    initial = (out / f"initial-seed-{seed}.pt").resolve()
-    initial_digest = save_initial_states({**config, "seed": seed}, initial)
-    env = {
-        **os.environ,
-        "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1",
-        SEED_VARIABLE: str(seed),
-        THREADS_VARIABLE: str(threads),
-        INITIAL_VARIABLE: str(initial),
-        ROOT_VARIABLE: str(ROOT),
-    }
-    command = f"{THREADS_VARIABLE}={threads} {INITIAL_VARIABLE}={initial} {SEED_VARIABLE}={seed} python " + " ".join(
-        args
-    )
-    family = FAMILIES[config["model-group"]]
-    if (models := restored_family(family, config["dataset"])) is not None:
-        env[FAMILY_VARIABLE] = json.dumps([family, models])
-        command = f"{FAMILY_VARIABLE}='{env[FAMILY_VARIABLE]}' {command}"
-    key = json.loads((partitions / "config.json").read_text())["content_digest"]
-
-    def unplaced(cmd: str) -> str:  # the dataset's name comes from the output folder, the file from out
-        return INITIAL_FLAG.sub(f"{INITIAL_VARIABLE}=<initial>", DATA_FLAG.sub("-data <partitions>", cmd))
-
-    try:
-        if done.exists():
-            saved = json.loads(done.read_text())
-            if (
-                unplaced(saved.get("command", "")) == unplaced(command)
-                and saved.get("content_digest") == key
-                and saved.get("initial_digest") == initial_digest
-                and len(saved["curve"]) == rounds
-            ):
-                return saved
-        out.mkdir(parents=True, exist_ok=True)
-        link = reference / "dataset" / name
-        link.parent.mkdir(exist_ok=True)
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(partitions.resolve(), target_is_directory=True)
-        cmd = [sys.executable, "-c", BOOTSTRAP, *args]
-        # HtFLlib pickles whole models into its own store and loads them back, written for torch < 2.6
-        log = out / f"reference-seed-{seed}.log"
-        code, wall, cpu = run_measured(cmd, reference / "system", log, env)
-    finally:
-        initial.unlink(missing_ok=True)
-    text = log.read_text(errors="replace")
-    runs = parse_reference_log(text)
-    curve = [runs[-1].get(r) for r in range(1, rounds + 1)] if runs else [None]
-    if code != 0:
-        diverged = bool(runs) and None in curve and stopped_by_divergence(text)
-    else:
-        diverged = bool(runs) and None in curve and NONFINITE_LOSS_LINE.search(text) is not None
-    if (code != 0 or None in curve) and not diverged:
-        raise RuntimeError(
-            f"the reference run (seed {seed}) ended with exit code {code} before {rounds} rounds:\n{text[-2000:]}"
-        )
-    paired = {int(i) for i in PAIRED_LINE.findall(text)}
-    if paired != set(range(config["num-clients"])):
-        raise RuntimeError(
-            f"the reference run (seed {seed}) paired the models of clients {sorted(paired)}, not of all "
-            f"{config['num-clients']}: its clients are not built by flcore.clients.clientbase.Client "
-            f"(log {log})"
-        )
-    result = {
-        "curve": curve,
-        "initial": runs[-1].get(0),
-        "diverged_round": curve.index(None) + 1 if diverged else None,
-        "command": command,
-        "commit": git_head(reference),
-        "content_digest": key,
-        "initial_digest": initial_digest,
-        "threads": threads,
-        "wall_seconds": wall,
-        "cpu_seconds": cpu,
-    }
-    done.write_text(json.dumps(result, indent=1))
-    return result
-
-
-def run_faults(rows: list[dict], summary: dict, config: dict, metric: str) -> list[str]:
-    """Why a run of ours that ended ``completed`` is no result to compare: every round from 1 to
-    ``num-server-rounds`` recorded once, in order; in each a client trained (row key ``untrained``, rows
-    before it: ``num_clients`` > 0), no sampled client dropped (``dropped_clients``), ``metric``
-    evaluated and every client evaluated (``accuracy_per_client``, where the row has it); and no
-    clients' errors in the summary (``client_errors``). A simulation whose Ray node crashed ends
-    ``completed`` with its last rounds untrained or with dropped clients. [] when none."""
-    faults = []
-    if summary.get("client_errors"):
-        faults.append("the clients' errors: " + "; ".join(summary["client_errors"][:3]))
-    recorded = [row.get("round") for row in rows]
-    if recorded != list(range(1, config["num-server-rounds"] + 1)):
-        faults.append(f"rounds recorded {recorded}, not 1..{config['num-server-rounds']}")
-    for row in rows:
-        r = row.get("round")
-        if row.get("untrained", row.get("num_clients") == 0):
-            errors = "; ".join(row.get("client_errors", [])[:3]) or "no error recorded"
-            faults.append(f"round {r}: no client trained ({errors})")
-        elif row.get("dropped_clients"):
-            faults.append(f"round {r}: no valid reply from clients {row['dropped_clients']}")
-        if row.get(metric) is None:
-            faults.append(f"round {r}: no {metric}")
-        elif "accuracy_per_client" in row and len(row["accuracy_per_client"]) != config["num-clients"]:
-            faults.append(f"round {r}: {len(row['accuracy_per_client'])} of {config['num-clients']} clients evaluated")
-    return faults
-
-
-def failure_cause(log: Path) -> str:
-    """What a run of ``tools.run`` that left no run folder said about why: its ``error:`` and
-    ``ERROR`` lines, and the ``ERROR`` lines of the SuperLink log it names (the last few of each),
-    else its last lines."""
-    text = log.read_text(errors="replace") if log.is_file() else ""
-    lines = [line.strip() for line in text.splitlines() if line.startswith("error:") or "ERROR" in line]
-    superlink = re.search(r"the SuperLink's log: (.+)$", text, re.M)
-    if superlink and Path(superlink.group(1).strip()).is_file():
-        said = Path(superlink.group(1).strip()).read_text(errors="replace").splitlines()
-        lines += [f"SuperLink: {line.strip()}" for line in said if "ERROR" in line][-3:]
-    lines = list(dict.fromkeys(lines))[-6:] or [line for line in text.splitlines() if line.strip()][-5:]
-    return " | ".join(lines) or f"{log} is empty"
-
-
-def run_ours(
-    config_items: list[str],
-    preset: str | None,
-    seed: int,
-    out: Path,
-    metric: str = "accuracy_weighted",
-    threads: int = CLIENT_THREADS,
-) -> dict:
-    """Run ours (``tools.run``, ``threads`` CPUs per client and ``OMP_NUM_THREADS`` = ``threads``) for
-    one training seed into ``out``, or reuse its completed run when that ran the same whole run config
-    (the preset's content and every override; any other is run again) with the same threads and has
-    no fault (:func:`run_faults`).
-
-    Returns:
-        ``{"curve": [row key metric by round], "metric", "command", "config", "threads",
-        "wall_seconds", "cpu_seconds", "folder"}``.
-
-    Raises:
-        RuntimeError: the run did not complete (its status and why: the summary's error, or when it
-            left no run folder what its log says, :func:`failure_cause`), or completed with faults
-            (:func:`run_faults`); nothing is kept for reuse.
-    """
-    done = out / "ours.json"
-    items = [*config_items, f"seed={seed} output-dir={json.dumps(str(out.resolve()))}"]
-    config, _ = read_config(preset, items)
-    if done.exists():
-        saved = json.loads(done.read_text())
-        folder = out / Path(saved["folder"]).name
-        if saved.get("config") == config and saved.get("threads") == threads and (folder / "metrics.jsonl").is_file():
-            rows = read_rows(folder)
-            if not run_faults(rows, read_summary(folder), config, metric):
-                return {**saved, "metric": metric, "curve": [r[metric] for r in rows]}
-    cmd = [
-        sys.executable,
-        "-m",
-        "tools.run",
-        "--cpus-per-client",
-        str(threads),
-        *(["--preset", preset] if preset else []),
-    ]
-    for item in items:
-        cmd += ["-c", item]
-    out.mkdir(parents=True, exist_ok=True)
-    earlier = set(out.glob("*/summary.json"))  # a run cut off before: this one starts again from round 1
-    log = out / "ours.log"
-    code, wall, cpu = run_measured(cmd, ROOT, log, {**os.environ, "OMP_NUM_THREADS": str(threads)})
-    folders = sorted(p.parent for p in set(out.glob("*/summary.json")) - earlier)
-    if not folders:
-        raise RuntimeError(f"our run (seed {seed}) left no run folder: {failure_cause(log)}; log {log}")
-    summary = read_summary(folders[-1])
-    if code != 0 or summary["status"] != "completed":
-        errors = "; ".join(summary.get("client_errors") or [])
-        raise RuntimeError(
-            f"our run (seed {seed}) ended {summary['status']}: {summary.get('error')}"
-            + (f" (the clients' errors: {errors})" if errors else "")
-            + f"; log {log}"
-        )
-    rows = read_rows(folders[-1])
-    if faults := run_faults(rows, summary, config, metric):
-        raise RuntimeError(
-            f"our run (seed {seed}) ended completed but is refused: {'; '.join(faults)}; run folder {folders[-1]}"
-        )
-    result = {
-        "curve": [r[metric] for r in rows],
-        "metric": metric,
-        "command": " ".join(cmd[1:]),
-        "config": config,
-        "threads": threads,
-        "wall_seconds": wall,
-        "cpu_seconds": cpu,
-        "folder": str(folders[-1]),
-    }
-    done.write_text(json.dumps(result, indent=1))
-    return result
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    """The command line: the run config's ``--preset`` and ``-c``, and the cross-check's own flags."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_config_arguments(parser)
     parser.add_argument(
@@ -823,103 +128,158 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2", help="training seeds (default 0,1,2)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default: the config's num-server-rounds)")
     parser.add_argument("--out", type=Path, default=None, help="default outputs/crosscheck/<preset or 'config'>")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def checked_plan(args: argparse.Namespace) -> Plan:
+    """The cross-check ``args`` ask for, every method's run config checked before anything runs.
+
+    Raises:
+        ConfigError: ``--reference`` is no HtFLlib checkout or is this repository, ``--methods``,
+            ``--seeds`` or ``--rounds`` is empty or out of range, a method has no HtFLlib counterpart, or
+            a run config is one the reference cannot follow (:func:`bench.htfllib.check_expressible`) or
+            one of ours refuses (:func:`tools.runconfig.validate_configs`).
+        ValueError: a seed is no integer.
+    """
     reference = args.reference.resolve()
+    if not (reference / "system" / "main.py").is_file():
+        raise ConfigError(f"--reference {reference}: no system/main.py (expected a checkout of TsingZ0/HtFLlib)")
+    if reference == ROOT:
+        raise ConfigError("--reference points at this repository")
+    methods = [m for m in args.methods.split(",") if m]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    if not methods or not seeds or (args.rounds is not None and args.rounds < 1):
+        raise ConfigError("--methods and --seeds need at least one value, --rounds at least 1")
+    base, _ = read_config(args.preset, args.run_config)
+    # every round on both sides, compared round by round: HtFLlib runs without its auto-break (-ab);
+    # its servers average plainly, so ours does too (run config aggregation = mean)
+    fixed = {
+        "partition-seed": base["partition-seed"] if base["partition-seed"] >= 0 else seeds[0],
+        "stop-patience": 0,
+        "aggregation": "mean",
+    }
+    if args.rounds is not None:
+        fixed["num-server-rounds"] = args.rounds
+    if unknown := [m for m in methods if m not in REFERENCE_METHODS]:
+        allowed = ", ".join(REFERENCE_METHODS)
+        raise ConfigError(f"--methods: {', '.join(unknown)} have no HtFLlib counterpart; allowed: {allowed}")
+    configs = {m: {**base, **fixed, **REFERENCE_METHODS[m].recipe, "method": m, "seed": seeds[0]} for m in methods}
+    for m, config in configs.items():
+        check_expressible(config, m)
+    validate_configs(list(configs.values()))
+    out = args.out or ROOT / "outputs" / "crosscheck" / (Path(args.preset).stem if args.preset else "config")
+    return Plan(reference, args.preset, args.run_config, seeds, fixed, configs, out.resolve())
+
+
+def call_info(plan: Plan, command: str, written: dict) -> dict:
+    """This call's ``info`` for the report and every result (``crosscheck.json``; the keys
+    :func:`bench.crosscheck_report.write_report` reads): ``command`` as given, the settings as run (the
+    first method's run config), both commits, the threads, the model family and the pooled test set's
+    size (``written``: the partitions' ``config.json``, :func:`bench.pfllib.write_partitions`)."""
+    first = next(iter(plan.configs.values()))
+    group = first["model-group"]
+    return {
+        "preset": plan.preset,
+        "command": command,
+        "commit": git_commit(),
+        "reference": str(plan.reference),
+        "reference_commit": git_head(plan.reference),
+        "seeds": plan.seeds,
+        "settings": {k: first[k] for k in SETTINGS},
+        # the -c items as given (read_config's overrides hold the preset's keys too, e.g. its 1000 rounds)
+        "overrides": " ".join(plan.run_config),
+        "threads": CLIENT_THREADS,
+        "family": f"ours `{group}` as HtFLlib's `{FAMILIES[group]}`"
+        + (f"; {FAMILY_DEVIATIONS[group]}" if group in FAMILY_DEVIATIONS else ""),
+        "test_examples": sum(written["test_examples"]),
+    }
+
+
+def run_both_sides(plan: Plan, method: str) -> tuple[list[dict], list[dict]]:
+    """HtFLlib's run and ours of ``method`` for every seed, in seed order, each side's seed ``s`` under
+    ``<out>/<method>`` (:func:`bench.htfllib.run_reference`, :func:`bench.our_side.run_ours`, which
+    reuse what an earlier call finished); ours is run with the plan's pinned values and the method's
+    recipe as ``-c`` items after the given ones.
+
+    Raises:
+        RuntimeError: a run of either side failed (this method's comparison is incomplete).
+    """
+    config = plan.configs[method]
+    partitions = plan.out / "partitions"
+    pinned = {**plan.fixed, **REFERENCE_METHODS[method].recipe, "method": method}
+    items = [*plan.run_config, " ".join(f"{k}={json.dumps(v)}" for k, v in pinned.items())]
+    refs, ours = [], []
+    for seed in plan.seeds:
+        print(f"{method}, seed {seed}: HtFLlib", flush=True)
+        refs.append(run_reference(plan.reference, config, method, seed, partitions, plan.out / method))
+        print(f"{method}, seed {seed}: ours", flush=True)
+        metric = compared_metric(config, method)
+        ours.append(run_ours(items, plan.preset, seed, plan.out / method / f"seed-{seed}", metric))
+    return refs, ours
+
+
+def method_result(config: dict, method: str, refs: list[dict], ours: list[dict], info: dict) -> dict:
+    """One method's result as kept and reported (:func:`bench.crosscheck_report.write_report`): the
+    comparison and verdict of both sides' curves, their runs, what ours evaluates, what is paired and
+    not, HtFLlib's recipe and our options it cannot express, and this call's ``info``."""
+    curves, ref_curves = [o["curve"] for o in ours], [r["curve"] for r in refs]
+    ref = REFERENCE_METHODS[method]
+    return {
+        "comparison": compare(curves, ref_curves),
+        "verdict": verdict(curves, ref_curves),
+        "reference": refs,
+        "ours": ours,
+        "same_model": evaluates_as_reference(config, method),
+        "reported_option": list(ref.reported[:2]) if ref.reported else None,
+        "unexpressed": {k: method_options(config, method)[k] for k in ref.unexpressed},
+        "recipe": ref.recipe,
+        "paired": PAIRED,
+        "unpaired": ref.unpaired,
+        "info": info,
+    }
+
+
+def cross_check(plan: Plan, method: str, info: dict) -> bool:
+    """Compare ``method``: both sides run (:func:`run_both_sides`), its result kept
+    (``<out>/<method>/result.json``), its figure and the report of every kept result written; False,
+    with the error printed, when a run failed (nothing is kept for the method, the others go on)."""
+    write_partitions(plan.configs[method], plan.out / "partitions")  # the same partitions for every method: kept
+    try:
+        refs, ours = run_both_sides(plan, method)
+    except RuntimeError as exc:  # this method's comparison is incomplete; the others go on
+        print(f"error: {method}: {exc}", flush=True)
+        return False
+    result = method_result(plan.configs[method], method, refs, ours, info)
+    save_result(plan.out, method, result)
+    plot(method, [o["curve"] for o in ours], [r["curve"] for r in refs], plan.out / f"{method}.png")
+    write_report(plan.out, info, saved_results(plan.out, list(REFERENCE_METHODS)))
+    print(f"{method}: {result['verdict']['verdict']}; {json.dumps(result['comparison'])}", flush=True)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module docstring). Exit code 0 when every method was compared, 1 when
+    one has no comparison (a run failed; the others are compared), 2 for a command refused before
+    anything runs, 130 when interrupted (finished parts are kept)."""
+    args = parse_arguments(argv)
     with stop_on_signals():
         try:
-            if not (reference / "system" / "main.py").is_file():
-                raise ConfigError(
-                    f"--reference {reference}: no system/main.py (expected a checkout of TsingZ0/HtFLlib)"
-                )
-            if reference == ROOT:
-                raise ConfigError("--reference points at this repository")
-            methods = [m for m in args.methods.split(",") if m]
-            seeds = [int(s) for s in args.seeds.split(",") if s]
-            if not methods or not seeds or (args.rounds is not None and args.rounds < 1):
-                raise ConfigError("--methods and --seeds need at least one value, --rounds at least 1")
-            base, _ = read_config(args.preset, args.run_config)
-            # every round on both sides, compared round by round: HtFLlib runs without its auto-break (-ab);
-            # its servers average plainly, so ours does too (run config aggregation = mean)
-            fixed = {
-                "partition-seed": base["partition-seed"] if base["partition-seed"] >= 0 else seeds[0],
-                "stop-patience": 0,
-                "aggregation": "mean",
-            }
-            if args.rounds is not None:
-                fixed["num-server-rounds"] = args.rounds
-            if unknown := [m for m in methods if m not in REFERENCE_METHODS]:
-                allowed = ", ".join(REFERENCE_METHODS)
-                raise ConfigError(f"--methods: {', '.join(unknown)} have no HtFLlib counterpart; allowed: {allowed}")
-            configs = {
-                m: {**base, **fixed, **REFERENCE_METHODS[m].recipe, "method": m, "seed": seeds[0]} for m in methods
-            }
-            for m, config in configs.items():
-                check_expressible(config, m)
-            validate_configs(list(configs.values()))
+            plan = checked_plan(args)
         except (ConfigError, ValueError) as exc:
             print(f"error: {exc}")
             return 2
-        out = (
-            args.out or ROOT / "outputs" / "crosscheck" / (Path(args.preset).stem if args.preset else "config")
-        ).resolve()
+        out = plan.out
         out.mkdir(parents=True, exist_ok=True)
-        partitions = out / "partitions"
-        first = next(iter(configs.values()))
-        print(f"writing partitions to {partitions}", flush=True)
-        written = write_partitions(first, partitions)
-        info = {
-            "preset": args.preset,
-            "command": "python -m bench.crosscheck " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "commit": git_commit(),
-            "reference": str(reference),
-            "reference_commit": git_head(reference),
-            "seeds": seeds,
-            "settings": {k: first[k] for k in SETTINGS},
-            # the -c items as given (read_config's overrides hold the preset's keys too, e.g. its 1000 rounds)
-            "overrides": " ".join(args.run_config),
-            "threads": CLIENT_THREADS,
-            "family": f"ours `{first['model-group']}` as HtFLlib's `{FAMILIES[first['model-group']]}`"
-            + (f"; {FAMILY_DEVIATIONS[first['model-group']]}" if first["model-group"] in FAMILY_DEVIATIONS else ""),
-            "test_examples": sum(written["test_examples"]),
-        }
+        print(f"writing partitions to {out / 'partitions'}", flush=True)
+        written = write_partitions(next(iter(plan.configs.values())), out / "partitions")
+        command = "python -m bench.crosscheck " + " ".join(argv if argv is not None else sys.argv[1:])
+        info = call_info(plan, command, written)
         (out / "crosscheck.json").write_text(json.dumps(info, indent=1))
         failed: list[str] = []
         try:
-            for method, config in configs.items():
-                write_partitions(config, partitions)  # the same partitions for every method: kept
-                pinned = {**fixed, **REFERENCE_METHODS[method].recipe, "method": method}
-                items = [*args.run_config, " ".join(f"{k}={json.dumps(v)}" for k, v in pinned.items())]
-                refs, ours = [], []
-                try:
-                    for seed in seeds:
-                        print(f"{method}, seed {seed}: HtFLlib", flush=True)
-                        refs.append(run_reference(reference, config, method, seed, partitions, out / method))
-                        print(f"{method}, seed {seed}: ours", flush=True)
-                        metric = compared_metric(config, method)
-                        ours.append(run_ours(items, args.preset, seed, out / method / f"seed-{seed}", metric))
-                except RuntimeError as exc:  # this method's comparison is incomplete; the others go on
-                    print(f"error: {method}: {exc}", flush=True)
+            for method in plan.configs:
+                if not cross_check(plan, method, info):
                     failed.append(method)
-                    continue
-                curves, ref_curves = [o["curve"] for o in ours], [r["curve"] for r in refs]
-                ref = REFERENCE_METHODS[method]
-                result = {
-                    "comparison": compare(curves, ref_curves),
-                    "verdict": verdict(curves, ref_curves),
-                    "reference": refs,
-                    "ours": ours,
-                    "same_model": evaluates_as_reference(config, method),
-                    "reported_option": list(ref.reported[:2]) if ref.reported else None,
-                    "unexpressed": {k: method_options(config, method)[k] for k in ref.unexpressed},
-                    "recipe": ref.recipe,
-                    "paired": PAIRED,
-                    "unpaired": ref.unpaired,
-                    "info": info,
-                }
-                save_result(out, method, result)
-                plot(method, curves, ref_curves, out / f"{method}.png")
-                write_report(out, info, saved_results(out, list(REFERENCE_METHODS)))
-                print(f"{method}: {result['verdict']['verdict']}; {json.dumps(result['comparison'])}", flush=True)
         except KeyboardInterrupt:
             print(f"interrupted; finished parts are kept in {out} and reused when the command is given again")
             return 130

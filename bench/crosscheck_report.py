@@ -151,20 +151,16 @@ def _verdict_cell(v: dict, seeds: list[int]) -> str:
     return f"{v['verdict']}: {100 * v['largest_paired_gap']:+.2f} (seed {seeds[v['seed_index']]}, round {v['round']})"
 
 
-def write_report(out: Path, info: dict, results: dict[str, dict]) -> None:
-    """``out/report.md`` from this call's settings ``info`` and every method's ``results``
-    (:func:`saved_results`: this call's and earlier calls' in the same folder).
+def _total(runs: list[dict], key: str) -> float:
+    """``key`` (wall or CPU seconds) summed over ``runs``."""
+    return sum(run[key] for run in runs)
 
-    ``info``: ``preset``, ``command``, ``commit``, ``reference``, ``reference_commit``, ``seeds``,
-    ``settings`` (run config keys as run, :func:`settings_line`), ``overrides``, ``family``, ``threads``,
-    ``test_examples`` (pooled over clients). A result: ``comparison`` (:func:`compare`), ``verdict``
-    (:func:`verdict`), ``reference`` and ``ours`` (one run each per seed), ``same_model``,
-    ``unexpressed``, ``recipe``, ``reported_option``, ``paired``, ``unpaired``, and the ``info`` of the
-    call that ran it (a method run with other settings says which).
-    """
-    total = lambda runs, key: sum(run[key] for run in runs)  # noqa: E731
+
+def _header(info: dict) -> list[str]:
+    """The report's lines up to its table's header: the call's command, commits, settings, models,
+    threads, test set and how to read the verdicts."""
     n = info["test_examples"]
-    lines = [
+    return [
         f"# Cross-check against HtFLlib: {info['preset'] or 'run config'}",
         "",
         f"Command: `{info['command']}`",
@@ -191,64 +187,89 @@ def write_report(out: Path, info: dict, results: dict[str, dict]) -> None:
         " (round) | wall s ours / HtFLlib | CPU s ours / HtFLlib |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for method, r in results.items():
-        c = r["comparison"]
-        o, h = c["ours"], c["reference"]
-        other = " (other settings: see its section)" if r["info"]["settings"] != info["settings"] else ""
-        lines.append(
-            f"| {method} | {_verdict_cell(r['verdict'], r['info']['seeds'])}{other} | {_pct(o, 'final')} | "
-            f"{_pct(h, 'final')} | {_pct(o, 'best')} | {_pct(h, 'best')} | "
-            f"{100 * c['largest_gap']:+.2f} ({c['largest_gap_round']}) | "
-            f"{total(r['ours'], 'wall_seconds'):.0f} / {total(r['reference'], 'wall_seconds'):.0f} | "
-            f"{total(r['ours'], 'cpu_seconds'):.0f} / {total(r['reference'], 'cpu_seconds'):.0f} |"
-        )
+
+
+def _summary_row(method: str, r: dict, info: dict) -> str:
+    """``method``'s row of the report's table from its result ``r`` (``info``: this call's)."""
+    c = r["comparison"]
+    o, h = c["ours"], c["reference"]
+    other = " (other settings: see its section)" if r["info"]["settings"] != info["settings"] else ""
+    return (
+        f"| {method} | {_verdict_cell(r['verdict'], r['info']['seeds'])}{other} | {_pct(o, 'final')} | "
+        f"{_pct(h, 'final')} | {_pct(o, 'best')} | {_pct(h, 'best')} | "
+        f"{100 * c['largest_gap']:+.2f} ({c['largest_gap_round']}) | "
+        f"{_total(r['ours'], 'wall_seconds'):.0f} / {_total(r['reference'], 'wall_seconds'):.0f} | "
+        f"{_total(r['ours'], 'cpu_seconds'):.0f} / {_total(r['reference'], 'cpu_seconds'):.0f} |"
+    )
+
+
+def _method_section(method: str, r: dict, info: dict) -> list[str]:
+    """``method``'s section of the report from its result ``r``: the call that ran it when not this one
+    (``info``) and its settings that differ, both sides' commands, what is compared, paired and not,
+    where HtFLlib diverged, its recipe and our options it cannot express."""
+    seeds = r["info"]["seeds"]
+    initial = ", ".join(f"{100 * x['initial']:.2f}" for x in r["reference"])
+    diverged = [
+        f"seed {s}: round {x['diverged_round']}" for s, x in zip(seeds, r["reference"]) if x.get("diverged_round")
+    ]
+    earlier = r["info"]
+    differs = {k: v for k, v in earlier["settings"].items() if info["settings"].get(k) != v}
+    if earlier["seeds"] != info["seeds"]:
+        differs["seeds"] = earlier["seeds"]
+    return [
+        f"## {method}",
+        "",
+        *(
+            [f"- run by an earlier call at commit {earlier['commit']}: `{earlier['command']}`"]
+            if earlier["command"] != info["command"]
+            else []
+        ),
+        *([f"- its settings that differ from the above: {settings_line(differs)}"] if differs else []),
+        f"- HtFLlib, seed {seeds[0]} (cwd `system/`): `{r['reference'][0]['command']}`; round 0 (the "
+        f"initial models) by seed: {initial} %",
+        f"- ours, seed {seeds[0]}: `{r['ours'][0]['command']}`; compared: our row key "
+        f"`{r['ours'][0]['metric']}` with HtFLlib's printed accuracy",
+        *(
+            []
+            if r["same_model"]
+            else [
+                "- HtFLlib evaluates another model than this metric's: ours evaluates it with "
+                f"`{method}.{r['reported_option'][0]} = {r['reported_option'][1]!r}`"
+            ]
+        ),
+        f"- paired: {r['paired']}",
+        f"- not paired: {r['unpaired'] or 'nothing'}",
+        "- the other seeds differ only in the seed (and the output folder)",
+        *(
+            [
+                "- HtFLlib diverged (NaN or infinite outputs or losses; curve left out from there) at "
+                + ", ".join(diverged)
+            ]
+            if diverged
+            else []
+        ),
+        "- HtFLlib's built-in recipe for this method, ours run with it: "
+        + (", ".join(f"`{k}` = {v!r}" for k, v in r["recipe"].items()) or "none"),
+        "- not expressible in HtFLlib (ours as run; see docs/methods): "
+        + (", ".join(f"`{k}` = {v!r}" for k, v in r["unexpressed"].items()) or "none"),
+        "",
+    ]
+
+
+def write_report(out: Path, info: dict, results: dict[str, dict]) -> None:
+    """``out/report.md`` from this call's settings ``info`` and every method's ``results``
+    (:func:`saved_results`: this call's and earlier calls' in the same folder).
+
+    ``info``: ``preset``, ``command``, ``commit``, ``reference``, ``reference_commit``, ``seeds``,
+    ``settings`` (run config keys as run, :func:`settings_line`), ``overrides``, ``family``, ``threads``,
+    ``test_examples`` (pooled over clients). A result: ``comparison`` (:func:`compare`), ``verdict``
+    (:func:`verdict`), ``reference`` and ``ours`` (one run each per seed), ``same_model``,
+    ``unexpressed``, ``recipe``, ``reported_option``, ``paired``, ``unpaired``, and the ``info`` of the
+    call that ran it (a method run with other settings says which).
+    """
+    lines = _header(info)
+    lines += [_summary_row(method, r, info) for method, r in results.items()]
     lines += ["", "Figures: `<method>.png` (mean line, min-max band over seeds).", ""]
     for method, r in results.items():
-        seeds = r["info"]["seeds"]
-        initial = ", ".join(f"{100 * x['initial']:.2f}" for x in r["reference"])
-        diverged = [
-            f"seed {s}: round {x['diverged_round']}" for s, x in zip(seeds, r["reference"]) if x.get("diverged_round")
-        ]
-        earlier = r["info"]
-        differs = {k: v for k, v in earlier["settings"].items() if info["settings"].get(k) != v}
-        if earlier["seeds"] != info["seeds"]:
-            differs["seeds"] = earlier["seeds"]
-        lines += [
-            f"## {method}",
-            "",
-            *(
-                [f"- run by an earlier call at commit {earlier['commit']}: `{earlier['command']}`"]
-                if earlier["command"] != info["command"]
-                else []
-            ),
-            *([f"- its settings that differ from the above: {settings_line(differs)}"] if differs else []),
-            f"- HtFLlib, seed {seeds[0]} (cwd `system/`): `{r['reference'][0]['command']}`; round 0 (the "
-            f"initial models) by seed: {initial} %",
-            f"- ours, seed {seeds[0]}: `{r['ours'][0]['command']}`; compared: our row key "
-            f"`{r['ours'][0]['metric']}` with HtFLlib's printed accuracy",
-            *(
-                []
-                if r["same_model"]
-                else [
-                    "- HtFLlib evaluates another model than this metric's: ours evaluates it with "
-                    f"`{method}.{r['reported_option'][0]} = {r['reported_option'][1]!r}`"
-                ]
-            ),
-            f"- paired: {r['paired']}",
-            f"- not paired: {r['unpaired'] or 'nothing'}",
-            "- the other seeds differ only in the seed (and the output folder)",
-            *(
-                [
-                    "- HtFLlib diverged (NaN or infinite outputs or losses; curve left out from there) at "
-                    + ", ".join(diverged)
-                ]
-                if diverged
-                else []
-            ),
-            "- HtFLlib's built-in recipe for this method, ours run with it: "
-            + (", ".join(f"`{k}` = {v!r}" for k, v in r["recipe"].items()) or "none"),
-            "- not expressible in HtFLlib (ours as run; see docs/methods): "
-            + (", ".join(f"`{k}` = {v!r}" for k, v in r["unexpressed"].items()) or "none"),
-            "",
-        ]
+        lines += _method_section(method, r, info)
     atomic_write(out / "report.md", lambda f: f.write("\n".join(lines).encode()))

@@ -16,7 +16,7 @@ that file (AIResearch-Group/FedRE 0ccb6fb) has ``self.evaluate()`` on the next l
 their ``main.py`` unmodified except for restoring that one call (:data:`BOOTSTRAP`, which compiles
 ``serverre.py`` with the call put back, and refuses a tree where the print is not found exactly once),
 and runs PFLlib's ``Local`` (``-algo Local -m CNN``: the same FedAvgCNN) as the control. Both read
-our partitions, written once in PFLlib's layout by :func:`bench.crosscheck.write_partitions` (the
+our partitions, written once in PFLlib's layout by :func:`bench.pfllib.write_partitions` (the
 preset's data protocol: pool, partitioner, ``partition-seed``, 75/25 split, normalisation).
 
 What is set from outside, and why:
@@ -50,7 +50,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.crosscheck import PLACEHOLDER_SERVERS, git_head, method_options, run_measured, write_partitions
+from bench.measure import git_head, run_measured
+from bench.our_side import method_options
+from bench.pfllib import PLACEHOLDER_SERVERS, write_partitions
 from common.errors import ConfigError
 from common.files import atomic_write, read_rows
 from tools.grid import git_commit

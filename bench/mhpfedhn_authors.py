@@ -11,7 +11,7 @@ For every training seed it
 
 1. writes our partitions once (our partitioner, our 75/25 split, ``partition-seed`` of the run
    config, else the first seed; images normalised as run config ``normalize`` says) in PFLlib's
-   layout (:func:`bench.crosscheck.write_partitions`), and checks that their transform (torchvision
+   layout (:func:`bench.pfllib.write_partitions`), and checks that their transform (torchvision
    ``ToTensor`` + ``Normalize`` with the constants of their ``dataset.get_classes`` for the dataset,
    read from their source) of every one of our uint8 images equals, bitwise, the float32 image
    written (:func:`check_normalisation`; a difference stops the run);
@@ -37,7 +37,7 @@ For every training seed it
    our clients does. Their loop has no checkpoint: an interrupted run starts again from step 1 (its
    rows file is restarted); a finished run (``seed-<s>/authors.json``) is reused when the command
    line and the partitions are the same;
-3. runs ours (``tools.run``, :func:`bench.crosscheck.run_ours`) for the same seed, rounds and
+3. runs ours (``tools.run``, :func:`bench.our_side.run_ours`) for the same seed, rounds and
    partition; a completed run with the same run config is reused;
 4. writes ``report.md`` (final and best pooled accuracy and mean over clients of both sides, mean
    and population std over seeds, the largest gap of the mean curves with its round, the per-round
@@ -69,9 +69,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.crosscheck import git_head, method_options, run_measured, run_ours, write_partitions
 from bench.crosscheck_pairing import CLIENT_THREADS
 from bench.crosscheck_report import PRINTED_HALF_STEP, compare, plot
+from bench.measure import git_head, run_measured
+from bench.our_side import method_options, run_ours
+from bench.pfllib import write_partitions
 from common.errors import ConfigError
 from common.files import atomic_write, read_rows
 from tools.grid import git_commit
@@ -409,7 +411,7 @@ def run_authors(reference: Path, config: dict, script: str, seed: int, partition
 
 
 def our_mean_curve(ours: dict) -> list[float]:
-    """``accuracy_mean`` by round of the run :func:`bench.crosscheck.run_ours` returned (its folder's rows)."""
+    """``accuracy_mean`` by round of the run :func:`bench.our_side.run_ours` returned (its folder's rows)."""
     return [r["accuracy_mean"] for r in read_rows(Path(ours["folder"]))]
 
 

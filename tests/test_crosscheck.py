@@ -1,4 +1,4 @@
-"""bench.crosscheck without HtFLlib: the option mapping covers every option, the partitions are
+"""bench.crosscheck and its modules without HtFLlib: the option mapping covers every option, the partitions are
 written in PFLlib's layout with exactly our clients' data, the reference's log is parsed, a recipe
 the reference cannot follow is refused, and a stand-in ``system/main.py`` runs through the
 bootstrap with its seed mapped."""
@@ -19,7 +19,7 @@ import torch
 import torchvision
 from torch import nn
 
-from bench import crosscheck
+from bench import crosscheck, crosscheck_report, htfllib, our_side, pfllib
 from bench import crosscheck_pairing as pairing
 from common.config import RunConfig
 from common.data import DataSpec, load_client_data, normalize
@@ -128,9 +128,9 @@ def write_stand_in(system: Path, main: str, wider_head: bool = False, build: boo
     (system / "main.py").write_text(clients + main)
 
 
-@pytest.mark.parametrize("method", list(crosscheck.REFERENCE_METHODS))
+@pytest.mark.parametrize("method", list(htfllib.REFERENCE_METHODS))
 def test_every_option_is_mapped_tied_or_listed_once(method):
-    ref = crosscheck.REFERENCE_METHODS[method]
+    ref = htfllib.REFERENCE_METHODS[method]
     declared = sorted(option_key(f) for f in dataclasses.fields(METHODS[method].options))
     placed = [*ref.flags.values(), *ref.tied, *ref.unexpressed]
     assert sorted(placed) == declared  # none forgotten, none twice, none invented
@@ -138,7 +138,7 @@ def test_every_option_is_mapped_tied_or_listed_once(method):
 
 def test_partitions_are_our_clients_data_in_pflib_layout(tmp_path):
     config = small_config()
-    written = crosscheck.write_partitions(config, tmp_path)
+    written = pfllib.write_partitions(config, tmp_path)
     cfg = RunConfig.from_dict(config)
     spec = DataSpec.from_config(cfg, 3)
     info = with_recipe(DATASETS["cifar10"], cfg.augment, cfg.normalize)
@@ -154,7 +154,7 @@ def test_partitions_are_our_clients_data_in_pflib_layout(tmp_path):
         assert sum(counts.values()) == len(ours.train_y) + len(ours.test_y)
     assert written["num_clients"] == 3 and written["num_classes"] == 10
     before = (tmp_path / "train" / "0.npz").stat().st_mtime_ns
-    crosscheck.write_partitions(config, tmp_path)  # same partitions: kept
+    pfllib.write_partitions(config, tmp_path)  # same partitions: kept
     assert (tmp_path / "train" / "0.npz").stat().st_mtime_ns == before
 
 
@@ -173,34 +173,34 @@ def test_reference_log_is_parsed_per_repetition_and_round():
         -------------Round number: 1-------------
         """
     )
-    assert crosscheck.parse_reference_log(log) == [{0: 0.1, 1: 0.25}, {0: 0.09}]
+    assert htfllib.parse_reference_log(log) == [{0: 0.1, 1: 0.25}, {0: 0.09}]
 
 
 def test_a_recipe_the_reference_cannot_follow_is_refused():
-    crosscheck.check_expressible(small_config(), "fedtgp")
+    htfllib.check_expressible(small_config(), "fedtgp")
     with pytest.raises(ConfigError, match=r"momentum = 0\.9.*fedtgp\.server-lr = 0\.1 \(HtFLlib uses lr = 0\.01\)"):
-        crosscheck.check_expressible(small_config(**{"momentum": 0.9, "fedtgp.server-lr": 0.1}), "fedtgp")
+        htfllib.check_expressible(small_config(**{"momentum": 0.9, "fedtgp.server-lr": 0.1}), "fedtgp")
     with pytest.raises(ConfigError, match="model-group"):
-        crosscheck.check_expressible(small_config(**{"model-group": "cnn1"}), "fedgh")
+        htfllib.check_expressible(small_config(**{"model-group": "cnn1"}), "fedgh")
     with pytest.raises(ConfigError, match="no HtFLlib counterpart"):
-        crosscheck.check_expressible(small_config(), "fedre")
+        htfllib.check_expressible(small_config(), "fedre")
     # FML's client in HtFLlib clips each model's gradient norm at 10: that is its recipe, not ours
     with pytest.raises(ConfigError, match=r"clip-norm = 0\.0 \(HtFLlib: 10\.0\)"):
-        crosscheck.check_expressible(small_config(), "fml")
-    crosscheck.check_expressible(small_config(**{"clip-norm": 10.0}), "fml")
+        htfllib.check_expressible(small_config(), "fml")
+    htfllib.check_expressible(small_config(**{"clip-norm": 10.0}), "fml")
     with pytest.raises(ConfigError, match=r"clip-norm = 10\.0 \(HtFLlib: 0\.0\)"):
-        crosscheck.check_expressible(small_config(**{"clip-norm": 10.0}), "fedgh")
+        htfllib.check_expressible(small_config(**{"clip-norm": 10.0}), "fedgh")
 
 
 def test_the_reference_gets_our_option_values_as_the_run_config_has_them():
     config, _ = read_config(PRESET, ["fedtgp.lambda=1.0 fedtgp.server-epochs=7"])  # flat keys, as tools.run reads
-    cmd = " ".join(crosscheck.reference_command({**config, "num-server-rounds": 2}, "fedtgp", "d"))
+    cmd = " ".join(htfllib.reference_command({**config, "num-server-rounds": 2}, "fedtgp", "d"))
     assert "-lam 1.0" in cmd and "-se 7" in cmd and "-mart 100.0" in cmd  # overrides, then the preset's value
-    assert crosscheck.method_options(config, "fedgh")["server-epochs"] == 1  # another method's: its default
+    assert our_side.method_options(config, "fedgh")["server-epochs"] == 1  # another method's: its default
 
 
 def test_compare_gives_spread_and_largest_gap():
-    c = crosscheck.compare([[0.1, 0.5], [0.3, 0.3]], [[0.2, 0.2], [0.2, 0.2]])
+    c = crosscheck_report.compare([[0.1, 0.5], [0.3, 0.3]], [[0.2, 0.2], [0.2, 0.2]])
     assert c["ours"]["final_mean"] == pytest.approx(0.4) and c["ours"]["final_std"] == pytest.approx(0.1)
     assert c["ours"]["best_mean"] == pytest.approx(0.4) and c["reference"]["best_std"] == 0
     assert c["largest_gap"] == pytest.approx(0.2) and c["largest_gap_round"] == 2
@@ -208,13 +208,13 @@ def test_compare_gives_spread_and_largest_gap():
 
 
 def test_compare_leaves_a_diverged_seed_out_of_final_and_best_and_counts_it():
-    c = crosscheck.compare([[0.5, 0.6], [0.5, 0.8]], [[0.2, None], [0.3, 0.4]])
+    c = crosscheck_report.compare([[0.5, 0.6], [0.5, 0.8]], [[0.2, None], [0.3, 0.4]])
     assert c["reference"]["diverged"] == 1
     assert c["reference"]["final_mean"] == pytest.approx(0.4) and c["reference"]["final_std"] == 0
     assert c["reference"]["best_mean"] == pytest.approx(0.4)
     # round 1: 0.5 - 0.25; round 2: 0.7 - 0.4 (the seed that reached it)
     assert c["largest_gap"] == pytest.approx(0.3) and c["largest_gap_round"] == 2
-    every = crosscheck.compare([[0.5, 0.6]], [[None, None]])
+    every = crosscheck_report.compare([[0.5, 0.6]], [[None, None]])
     assert every["reference"]["final_mean"] is None and every["reference"]["diverged"] == 1
 
 
@@ -231,7 +231,7 @@ def stand_in_config(**overrides) -> dict:
 def stand_in_partitions(tmp_path_factory) -> Path:
     """:func:`stand_in_config`'s partitions, written once for this module's stand-in runs (read only)."""
     partitions = tmp_path_factory.mktemp("stand-in") / "cc" / "partitions"
-    crosscheck.write_partitions(stand_in_config(), partitions)
+    pfllib.write_partitions(stand_in_config(), partitions)
     return partitions
 
 
@@ -239,7 +239,7 @@ def run_stand_in_reference(tmp_path, partitions: Path, main: str, seed: int, met
     """``run_reference`` for :func:`stand_in_config` on ``partitions`` with a stand-in HtFLlib whose
     ``system/main.py`` is ``main`` (``stand_in``: :func:`write_stand_in`'s options)."""
     write_stand_in(tmp_path / "ref" / "system", main, **stand_in)
-    return crosscheck.run_reference(
+    return htfllib.run_reference(
         tmp_path / "ref", stand_in_config(), method, seed, partitions, tmp_path / "cc" / method
     )
 
@@ -287,7 +287,7 @@ class Bootstrapped:
 
 @pytest.fixture(scope="module")
 def bootstrapped(tmp_path_factory, stand_in_partitions) -> Bootstrapped:
-    """The real bootstrap (:data:`bench.crosscheck.BOOTSTRAP`) run twice, seeds 0 and 1, for FedGH on a
+    """The real bootstrap (:data:`bench.htfllib.BOOTSTRAP`) run twice, seeds 0 and 1, for FedGH on a
     stand-in HtFLlib that builds its clients (:data:`STAND_IN_CLIENTBASE`) then runs
     :data:`BOOTSTRAPPED_MAIN`: one pair of runs whose outputs the seeding, family and pairing tests
     assert on (each run starts PyTorch: seconds)."""
@@ -339,28 +339,28 @@ def test_a_stand_in_reference_runs_through_the_bootstrap_with_its_seed(
     saved = bootstrapped.saved[1]
     assert saved == runs[1]
     calls = []
-    monkeypatch.setattr(crosscheck, "run_measured", fails_with_code_3(calls))
+    monkeypatch.setattr(htfllib, "run_measured", fails_with_code_3(calls))
     ref = tmp_path / "ref"
     ref.mkdir()
-    assert crosscheck.run_reference(ref, config, "fedgh", 1, stand_in_partitions, out) == saved
+    assert htfllib.run_reference(ref, config, "fedgh", 1, stand_in_partitions, out) == saved
     elsewhere = tmp_path / "cc2" / "partitions"  # another output folder: another dataset name, same data
     shutil.copytree(stand_in_partitions, elsewhere)
     (tmp_path / "cc2" / "fedgh").mkdir()
     shutil.copy(out / "reference-seed-1.json", tmp_path / "cc2" / "fedgh")
-    assert crosscheck.run_reference(ref, config, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh") == saved
+    assert htfllib.run_reference(ref, config, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh") == saved
     key = json.loads((elsewhere / "config.json").read_text())["partition_key"]
     copied = {**config, "data-dir": str(tmp_path / "data")}  # the data folder copied: the same partitions written again
     shutil.copytree(DATA_DIR / "fashion-mnist", tmp_path / "data" / "fashion-mnist")
-    crosscheck.write_partitions(copied, elsewhere)
+    pfllib.write_partitions(copied, elsewhere)
     assert json.loads((elsewhere / "config.json").read_text())["partition_key"] != key
-    assert crosscheck.run_reference(ref, copied, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh") == saved
+    assert htfllib.run_reference(ref, copied, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh") == saved
     assert not calls
     with pytest.raises(RuntimeError, match="exit code 3"):  # another lr is another command: run again
-        crosscheck.run_reference(ref, {**config, "lr": 0.02}, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh")
+        htfllib.run_reference(ref, {**config, "lr": 0.02}, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh")
     other = stand_in_config(**{"max-examples-per-client": 30})
-    crosscheck.write_partitions(other, elsewhere)  # other content: run again
+    pfllib.write_partitions(other, elsewhere)  # other content: run again
     with pytest.raises(RuntimeError, match="exit code 3"):
-        crosscheck.run_reference(ref, other, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh")
+        htfllib.run_reference(ref, other, "fedgh", 1, elsewhere, tmp_path / "cc2" / "fedgh")
     assert len(calls) == 2
 
 
@@ -374,7 +374,7 @@ def test_a_family_htflib_removed_is_put_back_for_the_run(bootstrapped, stand_in_
     assert len(models) == 8 and "-m HCNNs8" in run["command"] and "CROSSCHECK_FAMILY=" in run["command"]
     for constructor, (convs, widths) in zip(models, HTCNN8.values(), strict=True):
         assert f"num_cov={convs}, hidden_dims={list(widths[:-1])}, in_features=1, height=28," in constructor
-    assert crosscheck.restored_family("HtFE-img-2", "cifar10") is None
+    assert htfllib.restored_family("HtFE-img-2", "cifar10") is None
     envs = []
 
     def one_round(cmd, cwd, log, env=None):  # HtFLlib's log of one round, every client paired
@@ -387,12 +387,12 @@ def test_a_family_htflib_removed_is_put_back_for_the_run(bootstrapped, stand_in_
         )
         return 0, 0.0, 0.0
 
-    monkeypatch.setattr(crosscheck, "run_measured", one_round)
+    monkeypatch.setattr(htfllib, "run_measured", one_round)
     (tmp_path / "ref").mkdir()
-    cifar = crosscheck.run_reference(
+    cifar = htfllib.run_reference(
         tmp_path / "ref", small_config(**{"num-server-rounds": 1}), "local", 0, stand_in_partitions, tmp_path / "cc"
     )
-    assert "CROSSCHECK_FAMILY" not in cifar["command"] and crosscheck.FAMILY_VARIABLE not in envs[0]
+    assert "CROSSCHECK_FAMILY" not in cifar["command"] and htfllib.FAMILY_VARIABLE not in envs[0]
 
 
 def test_the_bootstrap_pairs_every_client_with_our_initial_models_and_threads(
@@ -424,7 +424,7 @@ def test_the_bootstrap_pairs_every_client_with_our_initial_models_and_threads(
 
 
 #: a bootstrap without PyTorch for the tests of how a run's end is read: it prints the line
-#: :data:`bench.crosscheck.BOOTSTRAP` prints for each of the ``-nc`` clients it pairs, then runs
+#: :data:`bench.htfllib.BOOTSTRAP` prints for each of the ``-nc`` clients it pairs, then runs
 #: ``main.py`` as that one does (its pairing and seeding: the tests on :func:`bootstrapped`)
 LIGHT_BOOTSTRAP = """
 import sys
@@ -439,7 +439,7 @@ exec(compile(open("main.py").read(), "main.py", "exec"), {"__name__": "__main__"
 def run_light(tmp_path, stand_in_partitions, monkeypatch):
     """:func:`run_stand_in_reference` through :data:`LIGHT_BOOTSTRAP` (a main.py that builds no client):
     ``run_light(main, seed, method)``, a fraction of a second each."""
-    monkeypatch.setattr(crosscheck, "BOOTSTRAP", LIGHT_BOOTSTRAP)
+    monkeypatch.setattr(htfllib, "BOOTSTRAP", LIGHT_BOOTSTRAP)
     return lambda main, seed, method: run_stand_in_reference(
         tmp_path, stand_in_partitions, main, seed, method, build=False
     )
@@ -501,14 +501,14 @@ def test_a_reference_that_ends_with_another_error_after_a_nonfinite_loss_is_refu
 
 def test_fedgh_is_compared_on_the_model_htflib_evaluates_when_ours_reports_it():
     config = small_config(method="fedgh")
-    assert crosscheck.compared_metric(config, "fedgh") == "accuracy_weighted"  # our primary metric
+    assert htfllib.compared_metric(config, "fedgh") == "accuracy_weighted"  # our primary metric
     on = {**config, "fedgh.eval-global-head": True}
-    assert crosscheck.compared_metric(on, "fedgh") == "accuracy_weighted_global_head"
-    assert crosscheck.compared_metric(on, "fedproto") == "accuracy_weighted"
-    assert not crosscheck.evaluates_as_reference(config, "fedgh") and crosscheck.evaluates_as_reference(on, "fedgh")
+    assert htfllib.compared_metric(on, "fedgh") == "accuracy_weighted_global_head"
+    assert htfllib.compared_metric(on, "fedproto") == "accuracy_weighted"
+    assert not htfllib.evaluates_as_reference(config, "fedgh") and htfllib.evaluates_as_reference(on, "fedgh")
     mrl = {**config, "fedmrl.eval-protocol": "deployment"}  # a non-boolean option: compared by value
-    assert not crosscheck.evaluates_as_reference(config, "fedmrl") and crosscheck.evaluates_as_reference(mrl, "fedmrl")
-    assert crosscheck.compared_metric(mrl, "fedmrl") == "accuracy_weighted"
+    assert not htfllib.evaluates_as_reference(config, "fedmrl") and htfllib.evaluates_as_reference(mrl, "fedmrl")
+    assert htfllib.compared_metric(mrl, "fedmrl") == "accuracy_weighted"
 
 
 def test_a_finished_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch):
@@ -529,19 +529,19 @@ def test_a_finished_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch
         (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
         return 0, 1.0, 1.0
 
-    monkeypatch.setattr(crosscheck, "run_measured", fake_run)
-    monkeypatch.setattr(crosscheck, "read_summary", lambda folder: json.loads((folder / "summary.json").read_text()))
+    monkeypatch.setattr(our_side, "run_measured", fake_run)
+    monkeypatch.setattr(our_side, "read_summary", lambda folder: json.loads((folder / "summary.json").read_text()))
     preset = tmp_path / "preset.toml"
     preset.write_text('method = "fedproto"\nbatch-order = "fixed"\n')
     out = tmp_path / "seed-0"
-    first = crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, out)
-    assert crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, out) == first and len(calls) == 1
+    first = our_side.run_ours(["num-server-rounds=1"], str(preset), 0, out)
+    assert our_side.run_ours(["num-server-rounds=1"], str(preset), 0, out) == first and len(calls) == 1
     assert first["curve"] == [0.5] and first["metric"] == "accuracy_weighted"
-    other = crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, out, "accuracy_weighted_global_head")
+    other = our_side.run_ours(["num-server-rounds=1"], str(preset), 0, out, "accuracy_weighted_global_head")
     assert other["curve"] == [0.25] and len(calls) == 1  # another row key of the same run: read, not run
     preset.write_text('method = "fedproto"\nbatch-order = "shuffle"\n')  # the preset changed
-    assert crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, out)["config"]["batch-order"] == "shuffle"
-    crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)  # an override changed
+    assert our_side.run_ours(["num-server-rounds=1"], str(preset), 0, out)["config"]["batch-order"] == "shuffle"
+    our_side.run_ours(["num-server-rounds=2"], str(preset), 0, out)  # an override changed
     assert len(calls) == 3
 
 
@@ -645,34 +645,34 @@ def test_a_crashed_run_of_ours_is_refused_and_not_kept(tmp_path, monkeypatch):
     our clients' thread count."""
     preset = tmp_path / "preset.toml"
     preset.write_text('method = "local"\nnum-clients = 2\n')
-    monkeypatch.setattr(crosscheck, "read_summary", lambda folder: json.loads((folder / "summary.json").read_text()))
+    monkeypatch.setattr(our_side, "read_summary", lambda folder: json.loads((folder / "summary.json").read_text()))
     crashed = lambda n: [  # noqa: E731
         *(good_row(r) for r in range(1, 5)),
         *({"round": r, "num_clients": 0, "untrained": True, "dropped_clients": [0, 1], "accuracy_weighted": None,
            "client_errors": ["RayActorError: the actor died unexpectedly"]} for r in range(5, n + 1)),
     ]  # fmt: skip
     run, calls = fake_ours(crashed)
-    monkeypatch.setattr(crosscheck, "run_measured", run)
+    monkeypatch.setattr(our_side, "run_measured", run)
     out = tmp_path / "seed-0"
     with pytest.raises(RuntimeError, match=r"refused: round 5: no client trained \(RayActorError: the actor died"):
-        crosscheck.run_ours(["num-server-rounds=6"], str(preset), 0, out)
+        our_side.run_ours(["num-server-rounds=6"], str(preset), 0, out)
     assert not (out / "ours.json").exists() and calls[0]["OMP_NUM_THREADS"] == str(pairing.CLIENT_THREADS)
     dropped = lambda n: [good_row(1), {**good_row(2), "dropped_clients": [1]}]  # noqa: E731
-    monkeypatch.setattr(crosscheck, "run_measured", fake_ours(dropped)[0])
+    monkeypatch.setattr(our_side, "run_measured", fake_ours(dropped)[0])
     with pytest.raises(RuntimeError, match=r"round 2: no valid reply from clients \[1\]"):
-        crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)
+        our_side.run_ours(["num-server-rounds=2"], str(preset), 0, out)
     short = lambda n: [good_row(1), {**good_row(2), "accuracy_per_client": {"0": 0.5}}]  # noqa: E731
-    monkeypatch.setattr(crosscheck, "run_measured", fake_ours(short)[0])
+    monkeypatch.setattr(our_side, "run_measured", fake_ours(short)[0])
     with pytest.raises(RuntimeError, match="round 2: 1 of 2 clients evaluated"):
-        crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)
+        our_side.run_ours(["num-server-rounds=2"], str(preset), 0, out)
     run, calls = fake_ours(lambda n: [good_row(r) for r in range(1, n + 1)])
-    monkeypatch.setattr(crosscheck, "run_measured", run)
-    assert crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)["curve"] == [0.5, 0.5]
+    monkeypatch.setattr(our_side, "run_measured", run)
+    assert our_side.run_ours(["num-server-rounds=2"], str(preset), 0, out)["curve"] == [0.5, 0.5]
     assert (out / "ours.json").exists() and len(calls) == 1
     kept = json.loads((out / "ours.json").read_text())
     rows = Path(kept["folder"]) / "metrics.jsonl"
     rows.write_text(rows.read_text().replace('"untrained": false', '"untrained": true'))  # a kept run gone bad
-    crosscheck.run_ours(["num-server-rounds=2"], str(preset), 0, out)
+    our_side.run_ours(["num-server-rounds=2"], str(preset), 0, out)
     assert len(calls) == 2  # run again, not reused
 
 
@@ -680,11 +680,11 @@ def test_a_run_of_ours_without_a_run_folder_says_why_from_its_logs(tmp_path, mon
     superlink = tmp_path / "superlink.log"
     superlink.write_text("INFO : starting\nERROR :     [Errno 98] Address already in use\n")
     log = f"error: flower-superlink exited with 1; see {superlink}\nthe SuperLink's log: {superlink}\n"
-    monkeypatch.setattr(crosscheck, "run_measured", fake_ours(lambda n: None, log)[0])
+    monkeypatch.setattr(our_side, "run_measured", fake_ours(lambda n: None, log)[0])
     preset = tmp_path / "preset.toml"
     preset.write_text('method = "local"\n')
     with pytest.raises(RuntimeError) as caught:
-        crosscheck.run_ours(["num-server-rounds=1"], str(preset), 0, tmp_path / "seed-0")
+        our_side.run_ours(["num-server-rounds=1"], str(preset), 0, tmp_path / "seed-0")
     message = str(caught.value)
     assert (
         "flower-superlink exited with 1" in message and "SuperLink: ERROR :     [Errno 98] Address already" in message
@@ -693,16 +693,16 @@ def test_a_run_of_ours_without_a_run_folder_says_why_from_its_logs(tmp_path, mon
 
 
 def test_verdict_identical_within_spread_or_apart():
-    v = crosscheck.verdict([[0.12345678, 0.5]], [[0.1235, 0.5]])  # HtFLlib's 4 decimals
+    v = crosscheck_report.verdict([[0.12345678, 0.5]], [[0.1235, 0.5]])  # HtFLlib's 4 decimals
     assert v["verdict"] == "identical"
-    one = crosscheck.verdict([[0.1234, 0.5]], [[0.1236, 0.5]])  # one seed: any difference is apart
+    one = crosscheck_report.verdict([[0.1234, 0.5]], [[0.1236, 0.5]])  # one seed: any difference is apart
     assert one["verdict"] == "apart" and one["largest_paired_gap"] == pytest.approx(-0.0002) and one["round"] == 1
-    spread = crosscheck.verdict([[0.4, 0.6], [0.6, 0.4]], [[0.45, 0.5], [0.55, 0.5]])
+    spread = crosscheck_report.verdict([[0.4, 0.6], [0.6, 0.4]], [[0.45, 0.5], [0.55, 0.5]])
     assert spread["verdict"] == "within seed spread" and spread["seed_index"] == 0 and spread["round"] == 2
-    apart = crosscheck.verdict([[0.4, 0.6], [0.6, 0.62]], [[0.45, 0.5], [0.55, 0.5]])
+    apart = crosscheck_report.verdict([[0.4, 0.6], [0.6, 0.62]], [[0.45, 0.5], [0.55, 0.5]])
     assert apart["verdict"] == "apart" and apart["largest_paired_gap"] == pytest.approx(0.12)
-    assert crosscheck.verdict([[0.3, None]], [[0.3, None]])["verdict"] == "identical"  # both diverged there
-    assert crosscheck.verdict([[0.3, 0.3]], [[0.3, None]])["verdict"] == "apart"
+    assert crosscheck_report.verdict([[0.3, None]], [[0.3, None]])["verdict"] == "identical"  # both diverged there
+    assert crosscheck_report.verdict([[0.3, 0.3]], [[0.3, None]])["verdict"] == "apart"
 
 
 def test_the_report_keeps_earlier_methods_and_says_the_settings_as_run(tmp_path, monkeypatch):

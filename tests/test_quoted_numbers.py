@@ -2,7 +2,7 @@
 
 Numbers typed by hand from a report drift from the rows (a rounded per-seed table re-averaged, a
 digit mistyped). This test regenerates from the committed rows alone, with ``tools.report``'s and
-``bench.crosscheck``'s own functions, the numbers of every kind the README quotes, and checks each
+``bench.crosscheck_report``'s own functions, the numbers of every kind the README quotes, and checks each
 quote against them at the quote's own decimals (``%.Nf`` of the unrounded number, as the reports
 round), section by section: a ``## <grid>`` section against ``results/<grid>/`` and every
 ``crosscheck/<folder>/`` it names, ``## crosscheck/`` against all of ``results/crosscheck/``. The
@@ -14,7 +14,7 @@ committed ``report.md`` table, and for results/byzantine/README.md's table again
   its seeds (:func:`tools.report.method_stats`, sample std), a paired-by-seed difference of two
   methods (best round, final round or mean of the last 10 rounds, pooled; sample std), the paper's
   number with its ± (``presets/<preset>.paper.toml``), or a cross-check's final or best
-  (:func:`bench.crosscheck.compare`, population std);
+  (:func:`bench.crosscheck_report.compare`, population std);
 - a per-seed table row ``| <seed> | best / final / last 10 | ...``: each cell a run of that seed;
 - ``X % at round R`` (``in round R``, ``(round R``, and ``X % at R`` in a list), ``final X %``:
   some run's pooled accuracy at that round, at its end;
@@ -40,7 +40,7 @@ import numpy as np
 import pytest
 
 from bench.byzantine import ATTACKS, table
-from bench.crosscheck import compare
+from bench.crosscheck_report import compare
 from common.files import read_rows
 from tools.report import (
     Cell,
@@ -172,7 +172,7 @@ def curves(paths: list[Path], key: str) -> list[list[float]]:
 @cache
 def crosscheck_numbers(folder: str) -> Numbers:
     """What ``results/crosscheck/<folder>/``'s per-seed files give: final and best of each side by
-    :func:`bench.crosscheck.compare` (population std), against HtFLlib (``<method>/seed-<s>/ours.json``
+    :func:`bench.crosscheck_report.compare` (population std), against HtFLlib (``<method>/seed-<s>/ours.json``
     beside ``<method>/reference-seed-<s>.json``) or the authors' code (``seed-<s>/metrics.jsonl``
     beside ``seed-<s>/authors.json``, pooled and mean over clients), and every round's accuracy of
     every run kept there (``metrics.jsonl``, ``ours.json``, a reference's curve or ``rows.jsonl``)."""

@@ -1,0 +1,528 @@
+"""TsingZ0/HtFLlib as the cross-check's reference: how our run config and methods map onto its
+``main.py`` (:data:`FAMILIES`, :data:`REFERENCE_METHODS`, :data:`REFERENCE_RECIPE`,
+:func:`reference_command`; :func:`check_expressible` refuses what it cannot follow), the bootstrap that
+seeds it and loads our initial models into its clients' (:data:`BOOTSTRAP`), and one run of it for a
+training seed, read from its log (:func:`parse_reference_log`, :func:`run_reference`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.crosscheck_pairing import CLIENT_THREADS, save_initial_states
+from bench.measure import git_head, run_measured
+from bench.our_side import method_options
+from bench.pfllib import PLACEHOLDER_SERVERS
+from common.errors import ConfigError
+from tools.runconfig import ROOT
+
+#: our run config ``model-group`` -> HtFLlib's ``-m`` model family (same architectures in the same
+#: order: client i gets architecture ``i % len(group)`` in both)
+FAMILIES = {
+    "htfe2": "HtFE-img-2",
+    "htfe3": "HtFE-img-3",
+    "htfe4": "HtFE-img-4",
+    "htfe8": "HtFE-img-8",
+    "htfe9": "HtFE-img-9",
+    "htfe8-htc4": "HtFE-img-8-HtC-img-4",
+    "res34-htc4": "Res34-HtC-img-4",
+    "htcnn8": "HCNNs8",
+}
+
+
+#: families whose HtFLlib models compute otherwise than ours from the same weights. Ours loaded into
+#: HtFLlib's models of every family (CIFAR-10, HCNNs8 on Fashion-MNIST) give the same logits bit for
+#: bit but for these: HtFLlib's HtC4 ``Head`` puts a ReLU after its last Linear, on the logits
+#: (``flcore/trainmodel/models.py``), ours (``linear``, ``mlp*``) does not
+FAMILY_DEVIATIONS = {
+    group: "HtFLlib's HtC4 heads (`Head`) end with a ReLU on the logits, ours do not: from the same "
+    "weights the logits differ"
+    for group in ("htfe8-htc4", "res34-htc4")
+}
+
+
+def restored_family(family: str, dataset: str) -> list[str] | None:
+    """The model constructors (HtFLlib ``args.models`` strings) of a family HtFLlib has removed from
+    ``system/main.py``, which :data:`BOOTSTRAP` puts back for the run; None for a family it still has.
+
+    ``HCNNs8`` is FedTGP's HtCNN8 as FedTGP's own code defined it (HtFLlib commit 70cda56, "add our
+    FedTGP algorithm"; removed in 3fb1596): eight of its ``CNN(num_cov, hidden_dims)`` in our
+    ``htcnn1..8`` order, each of our HtCNN8 widths but the last (the 512-wide representation,
+    ``feature_dim``) a hidden width. The input channels and side come from ``dataset``.
+    """
+    from common.datasets import DATASETS
+    from models.zoo import HTCNN8
+
+    if family != "HCNNs8":
+        return None
+    info = DATASETS[dataset]
+    return [
+        f"CNN(num_cov={convs}, hidden_dims={list(widths[:-1])}, in_features={info.channels}, "
+        f"height={info.image_size}, num_classes=args.num_classes)"
+        for convs, widths in HTCNN8.values()
+    ]
+
+
+@dataclass(frozen=True)
+class ReferenceMethod:
+    """How one of our methods maps onto HtFLlib.
+
+    Every option our method declares is in exactly one of:
+
+    - ``flags``: HtFLlib flag -> our option key (the value is passed);
+    - ``tied``: our option key -> the run config key whose value HtFLlib uses for it (it has no
+      flag of its own); a cross-check refuses values that differ;
+    - ``unexpressed``: our options HtFLlib has no counterpart for; listed with their values in
+      the report (the method page's deviations say what they change).
+
+    ``reported``: where HtFLlib's printed accuracy is of another model than our default primary
+    metric's, ``(our option, its value, our row key)``: with the option at that value, ours reports
+    HtFLlib's model under that row key, and the cross-check compares it (:func:`compared_metric`).
+
+    ``recipe``: run config values HtFLlib's client for this method hard-codes beyond
+    :data:`REFERENCE_RECIPE` (FML and FedKD clip every model's gradient norm at 10); ours is run
+    with them, and the report lists them.
+
+    ``unpaired``: what starts from other random draws on the two sides although every client's
+    personal model is paired (:mod:`bench.crosscheck_pairing`): models and state HtFLlib builds
+    beside the clients' models; "" when nothing.
+    """
+
+    algorithm: str
+    recipe: dict[str, Any] = field(default_factory=dict)
+    flags: dict[str, str] = field(default_factory=dict)
+    tied: dict[str, str] = field(default_factory=dict)
+    unexpressed: tuple[str, ...] = ()
+    reported: tuple[str, Any, str] | None = None
+    unpaired: str = ""
+
+
+#: what a paired cross-check pairs for every method
+PAIRED = (
+    "every client's initial personal model (ours, built by our client for the run config and seed, "
+    "loaded into HtFLlib's client model right after HtFLlib builds it, tensor by tensor in order and shape)"
+)
+#: a model both sides build beside the clients' models, each from its own draws
+SHARED_MODEL = (
+    "the shared model (HtFLlib: `BaseHeadSplit(args, 0)` drawn in its server's constructor, before the "
+    "clients' models; ours: the group's first architecture drawn from `seed`)"
+)
+#: FedGH's and LG-FedAvg's server head before round 1
+SERVER_HEAD = (
+    "the server's initial head, every client's head in round 1 (HtFLlib: client 0's initial head, "
+    "which pairing makes ours; ours: a `Linear(d, C)` drawn from `seed`)"
+)
+#: the order of a server's training over the round's uploads
+SERVER_ORDER = (
+    "the server's mini-batch order over the uploads (HtFLlib: torch's global generator over uploads in "
+    "numpy's client order; ours: a generator of `seed`)"
+)
+
+
+#: our method -> its HtFLlib algorithm (``-algo``) and option mapping (HtFLlib ``system/main.py`` and
+#: the ``flcore`` server and client of each algorithm)
+REFERENCE_METHODS = {
+    "local": ReferenceMethod("Local"),
+    "fedproto": ReferenceMethod("FedProto", flags={"-lam": "lambda"}, unexpressed=("reg-form",)),
+    "fedtgp": ReferenceMethod(
+        "FedTGP",
+        flags={"-lam": "lambda", "-mart": "tau", "-se": "server-epochs"},
+        tied={"server-lr": "lr", "server-batch-size": "batch-size", "hidden-dim": "feature-dim"},
+        unexpressed=("reg-form", "margin", "prototype-pass", "margin-freeze"),
+        unpaired="the server's trainable global prototypes (each side draws them from its seed); " + SERVER_ORDER,
+    ),
+    "fedgh": ReferenceMethod(
+        "FedGH",
+        flags={"-slr": "server-lr", "-se": "server-epochs"},
+        tied={"server-batch-size": "batch-size"},
+        unexpressed=("server-mode", "server-clip-norm", "eval-global-head"),
+        # HtFLlib evaluates every client's extractor with the global head it has just been sent
+        reported=("eval-global-head", True, "accuracy_weighted_global_head"),
+        unpaired=f"{SERVER_HEAD}; {SERVER_ORDER}",
+    ),
+    "lg-fedavg": ReferenceMethod(
+        "LG-FedAvg",
+        unexpressed=("eval-global-head",),
+        reported=("eval-global-head", True, "accuracy_weighted_global_head"),
+        unpaired=SERVER_HEAD,
+    ),
+    "fd": ReferenceMethod("FD", flags={"-lam": "lambda"}, unexpressed=("target",)),
+    # clientfml.py and clientkd.py: clip_grad_norm_(..., 10) on each model ("prevent divergency"); their
+    # shared model (serverfml.py, serverkd.py, servermrl.py) is client 0's: ours with shared-model (FedMRL:
+    # small-model) = "group-first"
+    # clientfml.py: nn.KLDivLoss() (KL / C) on targets it does not detach: ours with fml.kl-reduction = "mean"
+    # and fml.detach-targets = false
+    "fml": ReferenceMethod(
+        "FML",
+        {"clip-norm": 10.0},
+        {"-al": "alpha", "-bt": "beta"},
+        unexpressed=("shared-model", "kl-reduction", "detach-targets"),
+        unpaired=SHARED_MODEL,
+    ),
+    "fedkd": ReferenceMethod(
+        "FedKD",
+        {"clip-norm": 10.0},
+        {"-Ts": "energy-start", "-Te": "energy-end"},
+        unexpressed=("shared-model",),
+        unpaired=f"{SHARED_MODEL} (the mentee); each client's alignment map `W_h` (each side draws it from its seed)",
+    ),
+    "fedmrl": ReferenceMethod(
+        "FedMRL",
+        flags={"-sfd": "d1"},
+        unexpressed=("small-model", "weight-global", "weight-private", "eval-protocol", "inference", "keep-projector"),
+        # HtFLlib evaluates every client with the server's aggregated small model (our protocol B)
+        reported=("eval-protocol", "deployment", "accuracy_weighted"),
+        unpaired=f"{SHARED_MODEL} (the small model); each client's projector (each side draws it from its seed)",
+    ),
+}
+
+#: run config values HtFLlib's recipe has built in (plain SGD, no augmentation, its training loader's
+#: fixed batch order without the last partial batch, every client evaluated every round): a
+#: cross-check refuses other values, since the reference cannot follow them
+REFERENCE_RECIPE = {
+    "batch-order": "fixed",
+    "momentum": 0.0,
+    "weight-decay": 0.0,
+    "clip-norm": 0.0,
+    "augment": "none",
+    "eval-every": 1,
+    "eval-clients": "all",
+}
+
+
+#: HtFLlib's ``-lr`` for FedKD's mentee is a flag of its own; ours trains both with ``lr``
+FEDKD_MENTEE_LR = "-mlr"
+
+ROUND_LINE = re.compile(r"Round number: (\d+)")
+ACCURACY_LINE = re.compile(r"Averaged Test Accuracy: ([0-9.]+)")
+REPETITION_LINE = re.compile(r"Running time: (\d+)th")
+#: the dataset flag of a reference command (its name is the output folder's)
+DATA_FLAG = re.compile(r"-data \S+")
+#: the initial models' file of a reference command (in the output folder)
+INITIAL_FLAG = re.compile(r"CROSSCHECK_INITIAL=\S+")
+#: HtFLlib's evaluation (scikit-learn's AUC) on NaN or infinite model outputs
+DIVERGED_LINE = re.compile(r"ValueError: Input contains (NaN|infinity)")
+#: a printed non-finite loss (FedTGP's ``Server loss: nan``): HtFLlib goes on, evaluating NaN state
+NONFINITE_LOSS_LINE = re.compile(r"loss: [-+]?(nan|inf)\b", re.IGNORECASE)
+
+#: the environment variable that gives :data:`BOOTSTRAP` the training seed
+SEED_VARIABLE = "CROSSCHECK_SEED"
+#: the environment variable that gives :data:`BOOTSTRAP` a removed family (:func:`restored_family`)
+#: as JSON ``[name, [constructor, ...]]``
+FAMILY_VARIABLE = "CROSSCHECK_FAMILY"
+#: the environment variable that gives :data:`BOOTSTRAP` PyTorch's thread count
+THREADS_VARIABLE = "CROSSCHECK_THREADS"
+#: the environment variable that gives :data:`BOOTSTRAP` our clients' initial models (a file of
+#: :func:`bench.crosscheck_pairing.save_initial_states`)
+INITIAL_VARIABLE = "CROSSCHECK_INITIAL"
+#: the environment variable that gives :data:`BOOTSTRAP` this repository (for :mod:`bench.crosscheck_pairing`)
+ROOT_VARIABLE = "CROSSCHECK_ROOT"
+#: what :data:`BOOTSTRAP` prints for each client model it loaded ours into
+PAIRED_LINE = re.compile(r"^crosscheck: client (\d+) paired", re.M)
+
+#: runs HtFLlib's ``main.py`` (argv[1:]) in its ``system/`` folder. HtFLlib seeds torch with
+#: ``torch.manual_seed(0)`` at start and again in every client's constructor, but leaves numpy's and
+#: Python's global generators unseeded, and draws from them each round's client order
+#: (``serverbase.select_clients``, a permutation even when every client joins; ``receive_ids``). That
+#: order is the order of the server's uploads, which FedTGP's and FedGH's server training shuffles
+#: with torch's generator, so an unseeded rerun of those differs from round 1 on (FedTGP,
+#: Fashion-MNIST HtCNN8, 120 examples per client: 21.82 against 17.63 % pooled after round 1).
+#: Here torch's seed 0 becomes the training seed (``$CROSSCHECK_SEED``; seed 0 is HtFLlib's own),
+#: which varies the initial weights as our ``seed`` does (HtFLlib's clients read their data in a
+#: fixed order), and numpy and ``random`` are seeded with it, so a rerun repeats its curve.
+#: A server module of an algorithm other than the one run whose imports fail here (FedKTL needs
+#: StyleGAN, FedL2G ``higher``) is replaced by a placeholder that raises that import error if used.
+#: A removed family (``$CROSSCHECK_FAMILY``) becomes one more branch of ``main.py``'s family chain,
+#: just before its final ``raise NotImplementedError``.
+#: Paired (:mod:`bench.crosscheck_pairing`): PyTorch runs ``$CROSSCHECK_THREADS`` threads, and every
+#: client's model, right after HtFLlib's ``Client.__init__`` has built and stored it, is loaded with
+#: our initial model of that client (``$CROSSCHECK_INITIAL``) and stored again; a client model whose
+#: tensors do not match ours in order and shape stops the run with the first mismatch.
+BOOTSTRAP = (
+    r"""
+import json, os, random, re, sys, types
+import numpy, torch
+seed = int(os.environ["CROSSCHECK_SEED"])
+manual_seed = torch.manual_seed
+torch.manual_seed = lambda s: manual_seed(seed if s == 0 else s)
+numpy.random.seed(seed)
+random.seed(seed)
+torch.set_num_threads(int(os.environ["CROSSCHECK_THREADS"]))
+sys.argv = sys.argv[1:]
+sys.path.insert(0, ".")
+sys.path.append(os.environ["CROSSCHECK_ROOT"])
+from bench.crosscheck_pairing import paired_state
+from flcore.clients import clientbase
+states = torch.load(os.environ["CROSSCHECK_INITIAL"], weights_only=True)
+built = clientbase.Client.__init__
+def paired_init(self, *args, **kwargs):
+    built(self, *args, **kwargs)
+    if self.id >= len(states):
+        sys.exit(f"crosscheck: client {self.id} has no initial model of ours ({len(states)} exported)")
+    model = clientbase.load_item(self.role, "model", self.save_folder_name)
+    model.load_state_dict(paired_state(states[self.id], model.state_dict(), f"client {self.id}"))
+    clientbase.save_item(model, self.role, "model", self.save_folder_name)
+    print(f"crosscheck: client {self.id} paired ({len(states[self.id])} tensors of ours)", flush=True)
+clientbase.Client.__init__ = paired_init
+"""
+    + PLACEHOLDER_SERVERS
+    + r"""source = open("main.py").read()
+if os.environ.get("CROSSCHECK_FAMILY"):
+    name, models = json.loads(os.environ["CROSSCHECK_FAMILY"])
+    anchor = "\n        else:\n            raise NotImplementedError"
+    if anchor not in source:
+        sys.exit("crosscheck: main.py has no model family chain ending in NotImplementedError")
+    branch = f"\n        elif args.model_family == {name!r}:\n            args.models = {models!r}"
+    source = source.replace(anchor, branch + anchor, 1)
+exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py"})
+"""
+)
+
+
+def compared_metric(config: dict, method: str) -> str:
+    """Our row key compared with HtFLlib's printed accuracy: the method's ``reported`` row key when
+    its option has that value in ``config``, else ``accuracy_weighted`` (every client's personal
+    model, pooled over their test examples)."""
+    reported = REFERENCE_METHODS[method].reported
+    if reported is not None and method_options(config, method)[reported[0]] == reported[1]:
+        return reported[2]
+    return "accuracy_weighted"
+
+
+def evaluates_as_reference(config: dict, method: str) -> bool:
+    """Whether ours evaluates the model HtFLlib's printed accuracy is of (``reported`` option set)."""
+    reported = REFERENCE_METHODS[method].reported
+    return reported is None or method_options(config, method)[reported[0]] == reported[1]
+
+
+def check_expressible(config: dict, method: str) -> None:
+    """Refuse a run config the reference cannot follow for ``method``.
+
+    Raises:
+        ConfigError: the method has no HtFLlib counterpart, the model group no HtFLlib family, a
+            recipe key differs from :data:`REFERENCE_RECIPE`, or a tied option differs from the
+            run config key HtFLlib uses for it; the message lists every such key.
+    """
+    if method not in REFERENCE_METHODS:
+        raise ConfigError(f"method {method!r} has no HtFLlib counterpart; allowed: {', '.join(REFERENCE_METHODS)}")
+    if config["model-group"] not in FAMILIES:
+        raise ConfigError(
+            f"run config key 'model-group' = {config['model-group']!r} has no HtFLlib model family; "
+            f"allowed: {', '.join(FAMILIES)}"
+        )
+    recipe = {**REFERENCE_RECIPE, **REFERENCE_METHODS[method].recipe}
+    problems = [f"{k} = {config[k]!r} (HtFLlib: {v!r})" for k, v in recipe.items() if config.get(k, v) != v]
+    options = method_options(config, method)
+    problems += [
+        f"{method}.{ours} = {options[ours]!r} (HtFLlib uses {key} = {config[key]!r})"
+        for ours, key in REFERENCE_METHODS[method].tied.items()
+        if options[ours] != config[key]
+    ]
+    if problems:
+        raise ConfigError("the reference cannot follow: " + "; ".join(problems))
+
+
+def reference_command(config: dict, method: str, dataset_name: str) -> list[str]:
+    """HtFLlib's ``main.py`` flags for ``config`` and ``method``: one repetition, its models kept in
+    HtFLlib's default store (``system/temp/<dataset>/<algorithm>/<time>/``, removed at the end)."""
+    from common.datasets import DATASETS
+
+    ref = REFERENCE_METHODS[method]
+    options = method_options(config, method)
+    cmd = [
+        "main.py",
+        *("-data", dataset_name, "-ncl", str(DATASETS[config["dataset"]].num_classes)),
+        *("-m", FAMILIES[config["model-group"]], "-fd", str(config["feature-dim"])),
+        *("-algo", ref.algorithm, "-gr", str(config["num-server-rounds"]), "-nc", str(config["num-clients"])),
+        *("-jr", str(config["fraction-train"]), "-lbs", str(config["batch-size"]), "-lr", str(config["lr"])),
+        *("-ls", str(config["local-epochs"]), "-eg", "1", "-t", "1"),
+    ]
+    for flag, key in ref.flags.items():
+        cmd += [flag, str(options[key])]
+    if method == "fedkd":
+        cmd += [FEDKD_MENTEE_LR, str(config["lr"])]
+    return cmd
+
+
+def parse_reference_log(text: str) -> list[dict[int, float]]:
+    """Per repetition (``Running time: <i>th``), HtFLlib's pooled test accuracy (a fraction) by
+    round number (0 = the initial models), from its stdout; a repetition cut off keeps the rounds it
+    printed. A repetition that printed a non-finite loss in round r keeps the rounds up to r: HtFLlib
+    does not stop there, and what it evaluates from round r + 1 on holds NaN (FedTGP's server
+    prints ``Server loss: nan``, its global prototypes turn NaN, and its clients, which classify by
+    distance to them, print chance accuracy, 9.99 % on Fashion-MNIST, not a failure)."""
+    runs: list[dict[int, float]] = []
+    current_round = None
+    poisoned = False
+    for line in text.splitlines():
+        if REPETITION_LINE.search(line):
+            runs.append({})
+            poisoned = False
+        elif m := ROUND_LINE.search(line):
+            current_round = int(m.group(1))
+        elif NONFINITE_LOSS_LINE.search(line):
+            poisoned = True
+        elif (m := ACCURACY_LINE.search(line)) and runs and current_round is not None and not poisoned:
+            runs[-1][current_round] = float(m.group(1))
+    return runs
+
+
+def stopped_by_divergence(text: str) -> bool:
+    """Whether the error a reference run ended with is its evaluation's on NaN or infinite outputs
+    (:data:`DIVERGED_LINE` in the last traceback, or in the last lines when it printed none): an
+    earlier such line, or a non-finite loss followed by another error, is not."""
+    last = text.rsplit("Traceback (most recent call last)", 1)
+    tail = last[1] if len(last) == 2 else "\n".join(text.splitlines()[-5:])
+    return DIVERGED_LINE.search(tail) is not None
+
+
+def reference_launch(
+    config: dict, method: str, seed: int, dataset_name: str, initial: Path, threads: int
+) -> tuple[list[str], dict, str]:
+    """How :func:`run_reference` starts HtFLlib: ``main.py`` and its flags (:func:`reference_command`),
+    the environment :data:`BOOTSTRAP` reads (the training seed, ``threads``, ``initial``: the file of our
+    clients' initial models, this repository, and a family HtFLlib removed, :func:`restored_family`),
+    and the command as recorded (those variables, then ``python main.py ...``)."""
+    args = reference_command(config, method, dataset_name)
+    env = {
+        **os.environ,
+        # HtFLlib pickles whole models into its own store and loads them back, written for torch < 2.6
+        "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1",
+        SEED_VARIABLE: str(seed),
+        THREADS_VARIABLE: str(threads),
+        INITIAL_VARIABLE: str(initial),
+        ROOT_VARIABLE: str(ROOT),
+    }
+    command = f"{THREADS_VARIABLE}={threads} {INITIAL_VARIABLE}={initial} {SEED_VARIABLE}={seed} python " + " ".join(
+        args
+    )
+    family = FAMILIES[config["model-group"]]
+    if (models := restored_family(family, config["dataset"])) is not None:
+        env[FAMILY_VARIABLE] = json.dumps([family, models])
+        command = f"{FAMILY_VARIABLE}='{env[FAMILY_VARIABLE]}' {command}"
+    return args, env, command
+
+
+def unplaced(command: str) -> str:
+    """A reference command as recorded, without what comes from where it ran: the dataset's name (the
+    output folder's) and the initial models' file (in the output folder)."""
+    return INITIAL_FLAG.sub(f"{INITIAL_VARIABLE}=<initial>", DATA_FLAG.sub("-data <partitions>", command))
+
+
+def kept_reference_run(done: Path, command: str, content_digest: str, initial_digest: str, rounds: int) -> dict | None:
+    """The finished run kept in ``done`` when it ran ``command`` (up to :func:`unplaced`) for ``rounds``
+    rounds, on partitions of ``content_digest`` and from initial models of ``initial_digest``; else None."""
+    if not done.exists():
+        return None
+    saved = json.loads(done.read_text())
+    same = (
+        unplaced(saved.get("command", "")) == unplaced(command)
+        and saved.get("content_digest") == content_digest
+        and saved.get("initial_digest") == initial_digest
+        and len(saved["curve"]) == rounds
+    )
+    return saved if same else None
+
+
+def link_dataset(reference: Path, name: str, partitions: Path) -> None:
+    """``<reference>/dataset/<name>``, where HtFLlib's ``-data <name>`` reads: a symlink to ``partitions``
+    (what was there under that name is replaced)."""
+    link = reference / "dataset" / name
+    link.parent.mkdir(exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(partitions.resolve(), target_is_directory=True)
+
+
+def read_reference_run(text: str, code: int, seed: int, rounds: int, clients: int, log: Path) -> dict:
+    """The accuracy a reference run of ``rounds`` rounds and ``clients`` clients printed (its log
+    ``text``, exit code ``code``): ``{"curve", "initial", "diverged_round"}`` as :func:`run_reference`
+    returns them; a run whose models diverged is a result (see there).
+
+    Raises:
+        RuntimeError: the run printed fewer rounds than asked for another reason, or did not pair every
+            client (its log's tail, or ``log``, in the message).
+    """
+    runs = parse_reference_log(text)
+    curve = [runs[-1].get(r) for r in range(1, rounds + 1)] if runs else [None]
+    if code != 0:
+        diverged = bool(runs) and None in curve and stopped_by_divergence(text)
+    else:
+        diverged = bool(runs) and None in curve and NONFINITE_LOSS_LINE.search(text) is not None
+    if (code != 0 or None in curve) and not diverged:
+        raise RuntimeError(
+            f"the reference run (seed {seed}) ended with exit code {code} before {rounds} rounds:\n{text[-2000:]}"
+        )
+    paired = {int(i) for i in PAIRED_LINE.findall(text)}
+    if paired != set(range(clients)):
+        raise RuntimeError(
+            f"the reference run (seed {seed}) paired the models of clients {sorted(paired)}, not of all "
+            f"{clients}: its clients are not built by flcore.clients.clientbase.Client "
+            f"(log {log})"
+        )
+    return {"curve": curve, "initial": runs[-1].get(0), "diverged_round": curve.index(None) + 1 if diverged else None}
+
+
+def run_reference(
+    reference: Path, config: dict, method: str, seed: int, partitions: Path, out: Path, threads: int = CLIENT_THREADS
+) -> dict:
+    """Run HtFLlib for ``method`` with training seed ``seed`` (:data:`BOOTSTRAP`), paired with ours, or
+    reuse its finished run: one with the same command (up to the dataset's name, which is the output
+    folder's, and the initial models' file), on partitions of the same content (their
+    ``content_digest``) and from the same initial models (``initial_digest``); any other is run
+    again, so a changed preset, override or model never passes off an old curve as this config's.
+
+    Paired: every client's model starts from ours for ``config`` and ``seed``
+    (:func:`bench.crosscheck_pairing.save_initial_states`, written to
+    ``out/initial-seed-<seed>.pt`` for the run and removed after it: ours rebuilds it from the
+    config), and PyTorch runs ``threads`` threads, as each of our clients does. A run whose log does
+    not show every client model paired is refused.
+
+    A run whose models diverged (HtFLlib's evaluation stops on NaN or infinite outputs:
+    scikit-learn's "Input contains NaN" or "Input contains infinity" as the error it ended with; or it
+    printed a non-finite loss and went on to its end, :func:`parse_reference_log`) is a result, not a
+    failure: its curve holds None from the first round whose models had diverged, and
+    ``diverged_round`` names it. Any other early end is a failure, and nothing is kept of it.
+
+    Returns:
+        ``{"curve": [accuracy by round 1..R], "initial": round 0's accuracy, "diverged_round": None
+        or the first round without accuracy, "command", "commit", "content_digest", "initial_digest",
+        "threads", "wall_seconds", "cpu_seconds"}`` (also in ``reference-seed-<seed>.json``).
+
+    Raises:
+        RuntimeError: the reference printed fewer rounds than asked for another reason, or did not
+            pair every client (its log's tail in the message).
+    """
+    done = out / f"reference-seed-{seed}.json"
+    rounds = config["num-server-rounds"]
+    name = f"mheterofl-crosscheck-{partitions.resolve().parent.name}"
+    initial = (out / f"initial-seed-{seed}.pt").resolve()
+    args, env, command = reference_launch(config, method, seed, name, initial, threads)
+    initial_digest = save_initial_states({**config, "seed": seed}, initial)
+    key = json.loads((partitions / "config.json").read_text())["content_digest"]
+    try:
+        if (saved := kept_reference_run(done, command, key, initial_digest, rounds)) is not None:
+            return saved
+        out.mkdir(parents=True, exist_ok=True)
+        link_dataset(reference, name, partitions)
+        log = out / f"reference-seed-{seed}.log"
+        code, wall, cpu = run_measured([sys.executable, "-c", BOOTSTRAP, *args], reference / "system", log, env)
+    finally:
+        initial.unlink(missing_ok=True)
+    result = {
+        **read_reference_run(log.read_text(errors="replace"), code, seed, rounds, config["num-clients"], log),
+        "command": command,
+        "commit": git_head(reference),
+        "content_digest": key,
+        "initial_digest": initial_digest,
+        "threads": threads,
+        "wall_seconds": wall,
+        "cpu_seconds": cpu,
+    }
+    done.write_text(json.dumps(result, indent=1))
+    return result
