@@ -192,6 +192,9 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
     accs = [r["accuracy_mean"] for r in rows if r["accuracy_mean"] is not None]
     clients = sum(r["num_clients"] for r in rows)
     totals = {
+        "run_dir": str(run_dirs[0]),
+        "wall_seconds": wall,
+        "peak_pss_gib": peak[1] / 2**30,
         "rounds": len(rows),
         "final": accs[-1] if accs else float("nan"),
         "best": max(accs, default=float("nan")),
