@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -108,34 +109,28 @@ def startup_split(lines: list[tuple[float, str]]) -> str:
     return f"start-up, launch to round 1: {last:.1f} s = " + " + ".join(parts) + f" ({detail})"
 
 
-def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, preset: str | None = None) -> dict | None:
-    """One ``tools.run`` job with ``config`` overrides; prints its per-round table, returns its totals.
+@dataclass
+class Launch:
+    """A finished ``tools.run`` job as :func:`launch` measured it."""
 
-    With ``minutes`` > 0 the job is interrupted (SIGINT, so the launcher stops its SuperLink)
-    after that wall time and the rounds completed so far are reported. A run that failed (or wrote
-    no rows) prints the tail of its log, its status and the reason from its summary, and returns None.
-    """
-    out = ROOT / "outputs" / f"bench-{time.time_ns()}"  # one per run, also for runs that fail within a second
-    cmd = [
-        sys.executable,
-        "-m",
-        "tools.run",
-        "-c",
-        f"output-dir={json.dumps(str(out))}",
-        "--cpus-per-client",
-        str(cpus),
-    ]
-    cmd += ["--preset", preset] if preset else []
-    if gpus is not None:
-        cmd += ["--gpus-per-client", str(gpus)]
-    for item in config:
-        cmd += ["-c", item]
+    lines: list[tuple[float, str]]  # (seconds since launch, line) of its output
+    returncode: int
+    wall: float  # seconds
+    peak_rss: int  # bytes, summed over the process tree
+    peak_pss: int  # bytes, shared pages split among their processes
+    at_peak: dict[str, tuple[int, int]]  # process kind -> (count, PSS bytes) when the PSS sum peaked
+    budget_hit: bool  # stopped by the wall-time budget, not by a failure
+
+
+def launch(cmd: list[str], minutes: float) -> Launch:
+    """Run ``cmd`` (a ``tools.run`` command) sampling its process tree's memory every 0.5 s; with
+    ``minutes`` > 0 interrupt it (SIGINT, so the launcher stops its SuperLink) after that wall time."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     root = psutil.Process(proc.pid)
     peak = [0, 0]  # RSS sum, PSS sum
-    budget_hit = threading.Event()  # the run was stopped by --minutes, not by a failure
-    at_peak: dict[str, tuple[int, int]] = {}  # the PSS split by process kind when the PSS sum peaked
+    budget_hit = threading.Event()
+    at_peak: dict[str, tuple[int, int]] = {}
 
     def sample() -> None:
         while proc.poll() is None:
@@ -153,26 +148,18 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        lines = [(time.perf_counter() - start, line) for line in proc.stdout]  # (seconds since launch, line)
+        lines = [(time.perf_counter() - start, line) for line in proc.stdout]
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP: stop the launcher as Ctrl-C would, and what it started
         interrupt(proc)
         raise
-    log = "".join(line for _, line in lines)
     proc.wait()
     sampler.join()
     wall = time.perf_counter() - start
-    run_dirs = list(out.iterdir()) if out.exists() else []
-    rows = read_rows(run_dirs[0]) if run_dirs else []
-    if not rows or (proc.returncode != 0 and not budget_hit.is_set()):
-        print(log[-4000:])
-        print_outcome(run_dirs[0] if run_dirs else None, f"tools.run exit {proc.returncode}")
-        return None
-    slots = max(1, (os.cpu_count() or 1) // cpus)
-    if gpus:
-        slots = min(slots, int(1 / gpus))
-    slots = min(slots, max(r["num_clients"] for r in rows))
+    return Launch(lines, proc.returncode, wall, peak[0], peak[1], at_peak, budget_hit.is_set())
 
-    print(f"results: {run_dirs[0]}")
+
+def print_rounds(rows: list[dict], slots: int) -> list[float]:
+    """The per-round table; returns each round's non-training share (fraction of its seconds)."""
     print(
         f"{'round':>5} {'acc_mean':>8} {'acc_wtd':>8} {'bytes_up':>9} {'bytes_down':>10} {'round_s':>7} "
         f"{'train_s':>7} {'other_s':>7} {'other%':>6}"
@@ -188,24 +175,16 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
             f"{r['accuracy_weighted'] if acc is not None else float('nan'):>8.4f} {r['bytes_up']:>9} "
             f"{r['bytes_down']:>10} {r['round_seconds']:>7.2f} {train:>7.2f} {other:>7.2f} {100 * shares[-1]:>5.1f}%"
         )
+    return shares
+
+
+def print_totals(run: Launch, rows: list[dict], slots: int, shares: list[float], totals: dict) -> None:
+    """The run's totals: rounds, accuracy, seconds and non-training share, bytes, images per second
+    per architecture, the start-up split and the peak memory by process kind."""
     steady = shares[1:] or shares
-    accs = [r["accuracy_mean"] for r in rows if r["accuracy_mean"] is not None]
-    clients = sum(r["num_clients"] for r in rows)
-    totals = {
-        "run_dir": str(run_dirs[0]),
-        "wall_seconds": wall,
-        "peak_pss_gib": peak[1] / 2**30,
-        "rounds": len(rows),
-        "final": accs[-1] if accs else float("nan"),
-        "best": max(accs, default=float("nan")),
-        "last10": sum(accs[-10:]) / max(len(accs[-10:]), 1),
-        "round_s": sum(r["round_seconds"] for r in rows) / len(rows),
-        "up_per_client": sum(r["bytes_up"] for r in rows) / max(clients, 1),
-        "down_per_client": sum(r["bytes_down"] for r in rows) / max(clients, 1),
-    }
     print(
         f"parallel ClientApps: {slots}; rounds completed: {len(rows)}"
-        + (" (stopped by the time budget)" if budget_hit.is_set() else "")
+        + (" (stopped by the time budget)" if run.budget_hit else "")
     )
     print(
         f"final accuracy_mean {totals['final']:.4f}, best {totals['best']:.4f}, "
@@ -228,20 +207,67 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
             "client training, images/s per ClientApp (mean over rounds): "
             + ", ".join(f"{arch} {sum(v) / len(v):.1f}" for arch, v in sorted(work.items()))
         )
-    print(f"wall time {wall:.1f} s (start-up, handshake, shut-down: {wall - rows[-1]['elapsed_seconds']:.1f} s)")
-    print(startup_split(lines))
     print(
-        f"peak memory of the process tree: {peak[1] / 2**30:.2f} GiB PSS (shared pages split among their "
-        f"processes), {peak[0] / 2**30:.2f} GiB summed RSS (shared pages counted once per process)"
+        f"wall time {run.wall:.1f} s (start-up, handshake, shut-down: {run.wall - rows[-1]['elapsed_seconds']:.1f} s)"
+    )
+    print(startup_split(run.lines))
+    print(
+        f"peak memory of the process tree: {run.peak_pss / 2**30:.2f} GiB PSS (shared pages split among their "
+        f"processes), {run.peak_rss / 2**30:.2f} GiB summed RSS (shared pages counted once per process)"
     )
     print(
         "PSS at its peak by process: "
         + ", ".join(
             f"{kind} x{count} {total / 2**20:.0f} MiB"
-            for kind, (count, total) in sorted(at_peak.items(), key=lambda item: -item[1][1])
+            for kind, (count, total) in sorted(run.at_peak.items(), key=lambda item: -item[1][1])
         ),
         flush=True,
     )
+
+
+def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, preset: str | None = None) -> dict | None:
+    """One ``tools.run`` job with ``config`` overrides; prints its per-round table, returns its totals.
+
+    With ``minutes`` > 0 the job is interrupted (SIGINT, so the launcher stops its SuperLink)
+    after that wall time and the rounds completed so far are reported. A run that failed (or wrote
+    no rows) prints the tail of its log, its status and the reason from its summary, and returns None.
+    """
+    out = ROOT / "outputs" / f"bench-{time.time_ns()}"  # one per run, also for runs that fail within a second
+    cmd = [sys.executable, "-m", "tools.run", "-c", f"output-dir={json.dumps(str(out))}"]
+    cmd += ["--cpus-per-client", str(cpus)]
+    cmd += ["--preset", preset] if preset else []
+    if gpus is not None:
+        cmd += ["--gpus-per-client", str(gpus)]
+    for item in config:
+        cmd += ["-c", item]
+    run = launch(cmd, minutes)
+    run_dirs = list(out.iterdir()) if out.exists() else []
+    rows = read_rows(run_dirs[0]) if run_dirs else []
+    if not rows or (run.returncode != 0 and not run.budget_hit):
+        print("".join(line for _, line in run.lines)[-4000:])
+        print_outcome(run_dirs[0] if run_dirs else None, f"tools.run exit {run.returncode}")
+        return None
+    slots = max(1, (os.cpu_count() or 1) // cpus)
+    if gpus:
+        slots = min(slots, int(1 / gpus))
+    slots = min(slots, max(r["num_clients"] for r in rows))
+    print(f"results: {run_dirs[0]}")
+    shares = print_rounds(rows, slots)
+    accs = [r["accuracy_mean"] for r in rows if r["accuracy_mean"] is not None]
+    clients = sum(r["num_clients"] for r in rows)
+    totals = {
+        "run_dir": str(run_dirs[0]),
+        "wall_seconds": run.wall,
+        "peak_pss_gib": run.peak_pss / 2**30,
+        "rounds": len(rows),
+        "final": accs[-1] if accs else float("nan"),
+        "best": max(accs, default=float("nan")),
+        "last10": sum(accs[-10:]) / max(len(accs[-10:]), 1),
+        "round_s": sum(r["round_seconds"] for r in rows) / len(rows),
+        "up_per_client": sum(r["bytes_up"] for r in rows) / max(clients, 1),
+        "down_per_client": sum(r["bytes_down"] for r in rows) / max(clients, 1),
+    }
+    print_totals(run, rows, slots, shares, totals)
     return totals
 
 

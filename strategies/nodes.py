@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,20 @@ def sample_size(fraction: float, num_nodes: int) -> int:
     The product is rounded to 9 decimals first so that 0.29 * 100 gives 29, not 28.
     """
     return max(1, math.floor(round(fraction * num_nodes, 9)))
+
+
+@dataclass
+class _Answers:
+    """What a handshake has heard so far (:meth:`Roster.handshake`)."""
+
+    #: partition id -> the node holding it (the first valid claim)
+    by_partition: dict[int, int] = field(default_factory=dict)
+    #: node id -> (partition id, num-partitions) of its valid reply
+    claims: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: node id -> (partition id, error) it reported
+    errors: dict[int, tuple[int | None, str]] = field(default_factory=dict)
+    #: the nodes queried (each once)
+    asked: set[int] = field(default_factory=set)
 
 
 class Roster:
@@ -118,11 +133,8 @@ class Roster:
         deadline = began + timeout
         shared = transport.window is not None  # a simulation: one run config and data folder for all nodes
         wanted: int | None = self.cfg.num_clients or None  # None until the nodes agree on num-partitions
-        by_partition: dict[int, int] = {}
-        claims: dict[int, tuple[int, int]] = {}  # node id -> (partition id, num-partitions) of a valid reply
-        errors: dict[int, tuple[int | None, str]] = {}  # node id -> (partition id, error) it reported
-        asked: set[int] = set()
-        while wanted is None or self._trainers(by_partition, wanted) < self._needed(wanted):
+        heard = _Answers()
+        while wanted is None or self._trainers(heard.by_partition, wanted) < self._needed(wanted):
             if time.monotonic() > deadline:
                 size = (
                     f"num-clients={wanted}"
@@ -130,62 +142,69 @@ class Roster:
                     else (f"num-partitions={wanted}" if wanted else "? (no node answered)")
                 )
                 raise RuntimeError(
-                    f"only {len(by_partition)} of {size} clients answered the handshake within "
-                    f"{timeout:.0f} s (run config key 'connect-timeout')" + _errors_text(errors, "; ")
+                    f"only {len(heard.by_partition)} of {size} clients answered the handshake within "
+                    f"{timeout:.0f} s (run config key 'connect-timeout')" + _errors_text(heard.errors, "; ")
                 )
-            new = sorted(set(transport.grid.get_node_ids()) - asked)
+            new = sorted(set(transport.grid.get_node_ids()) - heard.asked)
             if not new:  # settled: every node the grid lists has answered (or missed its time)
-                wanted = self._federation_size(claims, settled=True)
-                if errors and not claims and len(errors) >= max(self.cfg.num_clients, 1):
-                    raise ConfigError(f"no node that answered the handshake can serve the run{_errors_text(errors)}")
+                wanted = self._federation_size(heard.claims, settled=True)
+                if heard.errors and not heard.claims and len(heard.errors) >= max(self.cfg.num_clients, 1):
+                    raise ConfigError(
+                        f"no node that answered the handshake can serve the run{_errors_text(heard.errors)}"
+                    )
             else:
-                asked.update(new)
-                replies = transport.exchange(
-                    [transport.message("query", n, {}, ConfigRecord(), 0) for n in new],
-                    max(deadline - time.monotonic(), 1.0),
-                )
-                for r in replies:
-                    error = config_error(r)
-                    if error is not None:
-                        errors[r.metadata.src_node_id] = error
-                        log.warning(
-                            "Node %s (partition-id %s) cannot serve the run: %s", r.metadata.src_node_id, *error
-                        )
-                if errors and shared:
-                    raise ConfigError(f"the run's configuration or data fail on a simulated node{_errors_text(errors)}")
-                for r in transport.validate("query", [r for r in replies if r.metadata.src_node_id not in errors]):
-                    claims[r.node_id] = _claim(r)
-                    if r.partition_id in by_partition:  # the first claim stands; the run goes on
-                        log.warning(
-                            "Node %s also claims partition %d, held by node %s: ignored (check each "
-                            "SuperNode's --node-config)",
-                            r.node_id,
-                            r.partition_id,
-                            by_partition[r.partition_id],
-                        )
-                        self.counters.dropped["query"] += 1
-                        self.claims[r.node_id] = r.metrics
-                        continue
-                    by_partition[r.partition_id] = r.node_id
-                    self.clients[r.node_id] = r.metrics
-                wanted = self._federation_size(claims, settled=False)
+                self._ask(transport, new, max(deadline - time.monotonic(), 1.0), shared, heard)
+                wanted = self._federation_size(heard.claims, settled=False)
                 log.info(
                     "Handshake: %d of %s clients answered, %.1f s after the handshake began (slowest "
                     "client: %.1f s from its process start to the handler, %.1f s loading its partition)",
-                    len(by_partition),
+                    len(heard.by_partition),
                     wanted or "?",
                     time.monotonic() - began,
                     max((m.get("app-start-seconds", 0.0) for m in self.clients.values()), default=0.0),
                     max((m.get("data-seconds", 0.0) for m in self.clients.values()), default=0.0),
                 )
-            if wanted is None or self._trainers(by_partition, wanted) < self._needed(wanted):
+            if wanted is None or self._trainers(heard.by_partition, wanted) < self._needed(wanted):
                 time.sleep(NODE_POLL_SECONDS)
         self.num_partitions = wanted
-        self.nodes = [by_partition[p] for p in sorted(by_partition)]
+        self.nodes = [heard.by_partition[p] for p in sorted(heard.by_partition)]
         self.connected = set(self.nodes)
-        log.info("Handshake: %d clients, partitions %s", len(self.nodes), sorted(by_partition))
+        log.info("Handshake: %d clients, partitions %s", len(self.nodes), sorted(heard.by_partition))
         if self.held_out_partitions:
             log.info("Held out (run config generalization.held-out-clients): partitions %s", self.held_out_partitions)
+
+    def _ask(self, transport: Transport, new: list[int], timeout: float, shared: bool, heard: _Answers) -> None:
+        """Query the ``new`` nodes once (within ``timeout`` seconds) and record their answers in
+        ``heard``: a node's configuration or data error (which ends a simulation at once, ``shared``),
+        else its claim, its partition unless another node holds it (the first claim stands) and its
+        metrics in ``self.clients``.
+
+        Raises:
+            ConfigError: a node of a simulation reported a configuration or data error.
+        """
+        heard.asked.update(new)
+        replies = transport.exchange([transport.message("query", n, {}, ConfigRecord(), 0) for n in new], timeout)
+        for r in replies:
+            error = config_error(r)
+            if error is not None:
+                heard.errors[r.metadata.src_node_id] = error
+                log.warning("Node %s (partition-id %s) cannot serve the run: %s", r.metadata.src_node_id, *error)
+        if heard.errors and shared:
+            raise ConfigError(f"the run's configuration or data fail on a simulated node{_errors_text(heard.errors)}")
+        for r in transport.validate("query", [r for r in replies if r.metadata.src_node_id not in heard.errors]):
+            heard.claims[r.node_id] = _claim(r)
+            if r.partition_id in heard.by_partition:  # the first claim stands; the run goes on
+                log.warning(
+                    "Node %s also claims partition %d, held by node %s: ignored (check each SuperNode's --node-config)",
+                    r.node_id,
+                    r.partition_id,
+                    heard.by_partition[r.partition_id],
+                )
+                self.counters.dropped["query"] += 1
+                self.claims[r.node_id] = r.metrics
+                continue
+            heard.by_partition[r.partition_id] = r.node_id
+            self.clients[r.node_id] = r.metrics
 
     def _trainers(self, by_partition: dict[int, int], num_partitions: int) -> int:
         """How many of ``by_partition``'s partitions train (are not held out)."""
