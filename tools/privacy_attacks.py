@@ -46,6 +46,9 @@ from tools.privacy_view import RunView, class_rows, expanded, global_rows
 ATTACKS = ("inversion", "decoder", "labels", "update")
 #: the message types whose replies may carry a weight change (MH-pFedHNGD's global model: ``train.global``)
 WEIGHT_MESSAGES = ("train", "train.global")
+#: MH-pFedHN's flat weight changes (``delta_theta``; GD's global model: ``delta_w_g``) and the flat weights
+#: the server sent that they change
+FLAT_WEIGHTS = {"delta_theta": "theta", "delta_w_g": "w_g"}
 
 
 @dataclass
@@ -152,53 +155,58 @@ class Attacker:
         out = []
         found = class_rows(view.payload(r, p, "up"))
         if found is not None:
-            name, vectors, row_classes, space = found
-            net = network(model, space)
-            out.append(
-                Inverted(
-                    name,
-                    "server",
-                    "white-box",
-                    self.invert(net, vectors, r, p, 2),
-                    class_images(data, row_classes, self.settings.images, g),
-                )
-            )
-            # FedRE's Q2 ladder from the same model: one image's representation, then its class prototype
-            picks = sample(torch.arange(len(data.train_x)), self.settings.samples, g)
-            refs = [
-                torch.cat(
-                    [data.train_x[i : i + 1], class_images(data, [int(data.train_y[i])], self.settings.images, g)[0]]
-                )
-                for i in picks
-            ]
-            single = vectors_of(net, data.train_x[picks], view.info)
-            out.append(
-                Inverted(
-                    "per-sample " + space,
-                    "server",
-                    "white-box",
-                    self.invert(net, single, r, p, 3),
-                    refs,
-                    [0] * len(picks),
-                )
-            )
-            classes = sorted(int(c) for c in data.train_y.unique())
-            means = torch.stack([vectors_of(net, data.train_x[data.train_y == c], view.info).mean(0) for c in classes])
-            out.append(
-                Inverted(
-                    "class mean " + space,
-                    "server",
-                    "white-box",
-                    self.invert(net, means, r, p, 4),
-                    class_images(data, classes, self.settings.images, g),
-                )
-            )
+            out += self.invert_upload(r, p, found, model, data, g)
         found = global_rows(view.payload(r, p, "down"))
         if found is not None:
             name, vectors, row_classes, space = found
             images = self.invert(network(model, space), vectors, r, p, 5)
             out.append(Inverted(name, "client", "own model", images, self.others(p, row_classes, g)))
         return out
+
+    def invert_upload(
+        self,
+        r: int,
+        p: int,
+        found: tuple[str, torch.Tensor, list[int | None], str],
+        model: torch.nn.Module,
+        data,
+        g: torch.Generator,
+    ) -> list[Inverted]:
+        """The server's white-box inversions of ``p``'s upload (``found``: :func:`class_rows`) through ``p``'s
+        model, then FedRE's Q2 ladder from the same model: one image's representation
+        (:meth:`invert_samples`), then the per-class mean representation (:meth:`invert_prototypes`)."""
+        name, vectors, row_classes, space = found
+        net = network(model, space)
+        images = self.invert(net, vectors, r, p, 2)
+        upload = Inverted(name, "server", "white-box", images, class_images(data, row_classes, self.settings.images, g))
+        return [
+            upload,
+            self.invert_samples(r, p, net, space, data, g),
+            self.invert_prototypes(r, p, net, space, data, g),
+        ]
+
+    def invert_samples(self, r: int, p: int, net: torch.nn.Module, space: str, data, g: torch.Generator) -> Inverted:
+        """The ``samples`` drawn training images' own vectors of ``space`` (per-sample representations)
+        inverted through ``net``, each scored against its image (``exact``) and the images of its class."""
+        s = self.settings
+        picks = sample(torch.arange(len(data.train_x)), s.samples, g)
+        refs = [
+            torch.cat([data.train_x[i : i + 1], class_images(data, [int(data.train_y[i])], s.images, g)[0]])
+            for i in picks
+        ]
+        single = vectors_of(net, data.train_x[picks], self.view.info)
+        images = self.invert(net, single, r, p, 3)
+        return Inverted("per-sample " + space, "server", "white-box", images, refs, [0] * len(picks))
+
+    def invert_prototypes(self, r: int, p: int, net: torch.nn.Module, space: str, data, g: torch.Generator) -> Inverted:
+        """The mean vector of ``space`` of each class ``p`` holds (its prototype), computed by ``net`` and
+        inverted through it, scored against that class's images."""
+        classes = sorted(int(c) for c in data.train_y.unique())
+        means = torch.stack([vectors_of(net, data.train_x[data.train_y == c], self.view.info).mean(0) for c in classes])
+        images = self.invert(net, means, r, p, 4)
+        return Inverted(
+            "class mean " + space, "server", "white-box", images, class_images(data, classes, self.settings.images, g)
+        )
 
     def others(self, p: int, row_classes: list[int], g: torch.Generator) -> list[torch.Tensor]:
         """Per class the other clients' training images of it (what a curious client's reconstruction of
@@ -246,32 +254,13 @@ class Attacker:
     def surrogate_decoder(self, r: int, p: int, space: str) -> tuple[torch.nn.Module, str]:
         """(decoder, how the surrogate was aligned) of round ``r``: a public architecture (the model group's
         first member, freshly initialised) fitted on the auxiliary images against the knowledge ``p`` was
-        sent (a global head, global prototypes; none for logits: plain cross-entropy), then a decoder."""
+        sent (:meth:`alignment`), then a decoder."""
         if r in self._decoders:
             return self._decoders[r][1], self._decoders[r][2]
         view, s = self.view, self.settings
         aux_x, aux_y = view.auxiliary
         g = self.generator(r, 7)
-        surrogate = view.model(0)
-        down = view.payload(r, p, "down")
-        head = prototypes = None
-        if space == "logits":
-            how, extractor, head = "cross-entropy on auxiliary data", surrogate, torch.nn.Identity()
-        elif "head.weight" in down:
-            how, extractor = "global head", surrogate.extractor
-            head = torch.nn.Linear(*down["head.weight"].shape[::-1])
-            head.load_state_dict(
-                {"weight": torch.from_numpy(down["head.weight"]), "bias": torch.from_numpy(down["head.bias"])}
-            )
-        elif global_rows(down) is not None:
-            how, extractor = "global prototypes", surrogate.extractor
-            _, vectors, classes, _ = global_rows(down)
-            full = torch.zeros(view.info.num_classes, vectors.shape[1])
-            valid = torch.zeros(view.info.num_classes, dtype=torch.bool)
-            full[classes], valid[classes] = vectors, True
-            prototypes = (full, valid)
-        else:
-            how, extractor, head = "cross-entropy on auxiliary data", surrogate.extractor, surrogate.head
+        how, extractor, head, prototypes = self.alignment(view.model(0), view.payload(r, p, "down"), space)
         fitted = inversion.fit_surrogate(
             extractor,
             head,
@@ -291,6 +280,30 @@ class Attacker:
         self._decoders = {r: (fitted, decoder, how)}
         return decoder, how
 
+    def alignment(
+        self, surrogate: torch.nn.Module, down: dict, space: str
+    ) -> tuple[str, torch.nn.Module, torch.nn.Module | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(how, the part of ``surrogate`` that maps images to ``space``, the head it is fitted through or
+        None, the prototypes it is fitted to or None) for a round whose download is ``down``: a global head
+        (held fixed), global prototypes (``[num_classes, w]`` and the mask of the classes they stand for),
+        else plain cross-entropy on the auxiliary data (for logits through the whole model)."""
+        if space == "logits":
+            return "cross-entropy on auxiliary data", surrogate, torch.nn.Identity(), None
+        if "head.weight" in down:
+            head = torch.nn.Linear(*down["head.weight"].shape[::-1])
+            head.load_state_dict(
+                {"weight": torch.from_numpy(down["head.weight"]), "bias": torch.from_numpy(down["head.bias"])}
+            )
+            return "global head", surrogate.extractor, head, None
+        found = global_rows(down)
+        if found is not None:
+            _, vectors, classes, _ = found
+            full = torch.zeros(self.view.info.num_classes, vectors.shape[1])
+            valid = torch.zeros(self.view.info.num_classes, dtype=torch.bool)
+            full[classes], valid[classes] = vectors, True
+            return "global prototypes", surrogate.extractor, None, (full, valid)
+        return "cross-entropy on auxiliary data", surrogate.extractor, surrogate.head, None
+
     # ------------------------------------------------------------------ weight updates
     def weight_update(
         self, r: int, p: int, message_type: str = "train"
@@ -308,29 +321,41 @@ class Attacker:
         up, down = view.payload(r, p, "up", message_type), view.payload(r, p, "down", message_type)
         if not up or class_rows(up) is not None or "z" in up:
             return None
-        flat = {"delta_theta": "theta", "delta_w_g": "w_g"}
-        name = next((k for k in flat if k in up), None)
+        name = next((k for k in FLAT_WEIGHTS if k in up), None)
         if name is not None:
-            if name == "delta_theta":
-                model = view.model(p)
-            else:
-                info = view.info
-                model = build_mh_model(
-                    view.method.read_options(view.cfg).global_model, info.num_classes, info.channels, info.image_size
-                )
-            vector_to_parameters(torch.from_numpy(down[flat[name]]).clone(), model.parameters())
-            change = gradients.parameter_update(model, up[name])
+            model, change = self.flat_update(p, name, up, down)
         else:
-            if set(up) == {"head.weight", "head.bias"}:
-                model = FixedExtractor(view.model(p, r))
-            else:
-                model = self.shared_module()
-            shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-            up, down = expanded(up, shapes), expanded(down, shapes)
-            model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in down.items()}, strict=False)
-            change = gradients.parameter_update(model, {k: np.asarray(up[k]) - np.asarray(down[k]) for k in up})
+            model, change = self.module_update(r, p, up, down)
         start = {k: v.detach().clone() for k, v in model.named_parameters()}
         return model.eval(), start, change
+
+    def flat_update(self, p: int, name: str, up: dict, down: dict) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+        """(model holding the flat weights the server sent, the change per parameter) of MH-pFedHN's flat
+        weight upload ``name`` (:data:`FLAT_WEIGHTS`): ``delta_theta`` in ``p``'s architecture, ``delta_w_g``
+        in the public global architecture."""
+        view = self.view
+        if name == "delta_theta":
+            model = view.model(p)
+        else:
+            info = view.info
+            model = build_mh_model(
+                view.method.read_options(view.cfg).global_model, info.num_classes, info.channels, info.image_size
+            )
+        vector_to_parameters(torch.from_numpy(down[FLAT_WEIGHTS[name]]).clone(), model.parameters())
+        return model, gradients.parameter_update(model, up[name])
+
+    def module_update(self, r: int, p: int, up: dict, down: dict) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+        """(model holding the downloaded weights, the change per parameter: up minus down) of a shared
+        module's upload: LG-FedAvg's head on ``p``'s round-``r`` extractor held fixed, else the module every
+        client trains a copy of (:meth:`shared_module`; FedKD's SVD factors multiplied out)."""
+        if set(up) == {"head.weight", "head.bias"}:
+            model = FixedExtractor(self.view.model(p, r))
+        else:
+            model = self.shared_module()
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        up, down = expanded(up, shapes), expanded(down, shapes)
+        model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in down.items()}, strict=False)
+        return model, gradients.parameter_update(model, {k: np.asarray(up[k]) - np.asarray(down[k]) for k in up})
 
     def shared_module(self) -> torch.nn.Module:
         """The module a shared-model method's clients train a copy of (its strategy's ``build_shared``)."""
@@ -353,13 +378,21 @@ class Attacker:
     def invert_weights(
         self, r: int, p: int, model: torch.nn.Module, start: dict, change: dict[str, torch.Tensor]
     ) -> list[Inverted]:
-        """iDLG and inverting gradients on one weight change of ``p`` in round ``r`` (see :meth:`update`)."""
-        view, s, cfg = self.view, self.settings, self.view.cfg
-        data = view.data(p)
-        g = self.generator(r, p, 8)
+        """iDLG (:meth:`idlg`) and inverting gradients (:meth:`inverting_gradients`) on one weight change
+        of ``p`` in round ``r`` (see :meth:`update`)."""
+        data, g = self.view.data(p), self.generator(r, p, 8)
+        label, one_step = self.idlg(model, change, data, g)
+        return [one_step, self.inverting_gradients(model, start, change, data, label, g)]
+
+    def idlg(
+        self, model: torch.nn.Module, change: dict[str, torch.Tensor], data, g: torch.Generator
+    ) -> tuple[int, Inverted]:
+        """(the label iDLG recovers, its one image scored against a sample of the client's images) of
+        ``change`` read as one gradient (-change / lr)."""
+        view, s = self.view, self.settings
         label, image = gradients.idlg(
             model,
-            {k: -v / cfg.lr for k, v in change.items()},
+            {k: -v / view.cfg.lr for k, v in change.items()},
             self.shape,
             view.info.mean,
             view.info.std,
@@ -367,11 +400,16 @@ class Attacker:
             lr=1.0,
             generator=g,
         )
-        out = [
-            Inverted(
-                "update as one gradient (iDLG)", "server", "white-box", image[None], [sample(data.train_x, s.images, g)]
-            )
-        ]
+        refs = [sample(data.train_x, s.images, g)]
+        return label, Inverted("update as one gradient (iDLG)", "server", "white-box", image[None], refs)
+
+    def inverting_gradients(
+        self, model: torch.nn.Module, start: dict, change: dict[str, torch.Tensor], data, label: int, g: torch.Generator
+    ) -> Inverted:
+        """``update_images`` images inverted from ``change`` over the client's real number of local SGD
+        steps (its lr, momentum, weight decay), labelled by the change's label leakage (iDLG's ``label``
+        without any), each scored against the images of its label."""
+        view, s, cfg = self.view, self.settings, self.view.cfg
         steps = cfg.local_epochs * -(-len(data.train_x) // cfg.batch_size)
         leaked = self.update_labels(change)
         chosen = [int(c) for c in leaked.classes] if leaked is not None and len(leaked.classes) else [label]
@@ -396,8 +434,7 @@ class Attacker:
             weight_decay=cfg.weight_decay,
         )
         refs = class_images(data, [int(c) for c in batch_labels], s.images, g)
-        out.append(Inverted(f"update over {steps} steps (inverting gradients)", "server", "white-box", images, refs))
-        return out
+        return Inverted(f"update over {steps} steps (inverting gradients)", "server", "white-box", images, refs)
 
     # ------------------------------------------------------------------ labels
     def update_labels(self, change: dict[str, torch.Tensor]) -> labels.LabelInference | None:
@@ -410,11 +447,17 @@ class Attacker:
         return labels.from_head_update(delta_bias=change.get(key.rsplit(".", 1)[0] + ".bias"), delta_weight=change[key])
 
     def labels(self, r: int, p: int) -> list[dict[str, Any]]:
-        """Label-set precision/recall and the class distribution's L1 error of what ``p``'s upload reveals."""
-        view = self.view
-        up = view.payload(r, p, "up")
-        C = view.info.num_classes
-        truth = class_counts(view.data(p).train_y, C)
+        """Label-set precision/recall and the class distribution's L1 error of what ``p``'s upload reveals
+        (:meth:`inferred_labels`)."""
+        truth = class_counts(self.view.data(p).train_y, self.view.info.num_classes)
+        return [label_row(payload, result, truth) for payload, result in self.inferred_labels(r, p)]
+
+    def inferred_labels(self, r: int, p: int) -> list[tuple[str, labels.LabelInference]]:
+        """(payload, the labels it reveals) of each part of ``p``'s round-``r`` upload that reveals some:
+        per-class vectors' class ids, FedRE's entangled label ``y``, a weight change's last layer (also of
+        MH-pFedHNGD's global model)."""
+        up = self.view.payload(r, p, "up")
+        C = self.view.info.num_classes
         inferred = []
         found = class_rows(up)
         if found is not None and found[0] != "z":
@@ -427,20 +470,23 @@ class Attacker:
             if leaked is not None:
                 prefix = "" if message_type == "train" else "global model: "
                 inferred.append((prefix + "weight change (last layer)", leaked))
-        rows = []
-        for payload, result in inferred:
-            precision, recall = labels.label_set_scores(result.classes, truth)
-            row = {
-                "payload": payload,
-                "threat": "server",
-                "knowledge": "payload only",
-                "label_precision": precision,
-                "label_recall": recall,
-            }
-            if result.distribution is not None:
-                row["distribution_l1"] = labels.distribution_l1(result.distribution, truth)
-            rows.append(row)
-        return rows
+        return inferred
+
+
+def label_row(payload: str, result: labels.LabelInference, truth: np.ndarray) -> dict[str, Any]:
+    """One table row of a payload's label leakage against the victim's class counts ``truth`` ``[C]``:
+    label-set precision and recall, and the class distribution's L1 error where the payload reveals one."""
+    precision, recall = labels.label_set_scores(result.classes, truth)
+    row = {
+        "payload": payload,
+        "threat": "server",
+        "knowledge": "payload only",
+        "label_precision": precision,
+        "label_recall": recall,
+    }
+    if result.distribution is not None:
+        row["distribution_l1"] = labels.distribution_l1(result.distribution, truth)
+    return row
 
 
 class FixedExtractor(torch.nn.Module):
