@@ -11,6 +11,7 @@ from common.data import DataSpec, load_client_data
 from common.results import ResultsWriter
 from strategies.registry import build_strategy
 from tools import privacy
+from tools.privacy_view import RunView
 
 BUDGET = ["--steps", "5", "--images", "4", "--samples", "2", "--epochs", "1"]
 
@@ -92,5 +93,5 @@ def test_a_run_recorded_before_a_key_existed_is_read_with_that_keys_default(fedg
     summary = json.loads((old / "summary.json").read_text())
     del summary["config"]["min-clients"]
     (old / "summary.json").write_text(json.dumps(summary))
-    view = privacy.RunView(old)
+    view = RunView(old)
     assert view.cfg.min_clients == cfg.min_clients and view.rounds() == [1, 2]

@@ -1,0 +1,594 @@
+"""The attacks of the privacy evaluation (``tools.privacy``) on one run's recorded payloads, cell by cell.
+
+One cell is one (round, client, attack); :func:`run_cell` runs it with an :class:`Attacker` and writes
+its rows to ``<out>/cells/`` (:func:`cell_path`), so a stopped evaluation resumes. The attacks
+(``ATTACKS``; :func:`applicable`: those that have something to attack in a run):
+
+- ``inversion``: white-box inversion of every shared vector (:func:`privacy.inversion.invert_representation`)
+  through the network that made it. Server: each upload through the victim's own recorded model, beside
+  two reference inputs from the same model (not payloads of any method): one image's representation and
+  the per-class mean representation (a prototype), FedRE's Q2 ladder. Client: the downloaded per-class
+  vectors (global prototypes, global logits) through the curious client's own model, scored against the
+  other clients' images of each class.
+- ``decoder``: black-box inversion (:func:`privacy.inversion.train_decoder`). Server: a surrogate of a public
+  architecture (the model group's first member) fitted on auxiliary images against the method's shared
+  knowledge (:func:`privacy.inversion.fit_surrogate`), then a decoder trained through it. Auxiliary images
+  are the official test split, which no client owns with ``data-pool = "train"``. Client: a decoder trained
+  through the curious client's own model on its own images, applied to the downloaded per-class vectors.
+- ``labels``: the victim's class set and class distribution from its upload (:mod:`privacy.labels`).
+- ``update``: weight uploads (LG-FedAvg's head, FML/FedKD/FedMRL's shared model, MH-pFedHN's
+  ``delta_theta``, GD's ``delta_w_g``) inverted with iDLG as if one step (:func:`privacy.gradients.idlg`)
+  and with inverting gradients over the real number of local steps (:func:`privacy.gradients.invert_update`).
+
+Scores (:mod:`privacy.scores`, :func:`scored`): PSNR, SSIM and MSE (0-255 scale) of each reconstruction
+against the images it stands for (one class's images, all of a client's, or the one image), best match
+and mean; label-set precision/recall and the class distribution's L1 error.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.utils import vector_to_parameters
+
+from common.data import class_counts, normalize
+from common.files import atomic_write
+from models.mh import build_mh_model
+from privacy import gradients, inversion, labels, scores
+from tools.privacy_view import RunView, class_rows, expanded, global_rows
+
+ATTACKS = ("inversion", "decoder", "labels", "update")
+#: the message types whose replies may carry a weight change (MH-pFedHNGD's global model: ``train.global``)
+WEIGHT_MESSAGES = ("train", "train.global")
+#: MH-pFedHN's flat weight changes (``delta_theta``; GD's global model: ``delta_w_g``) and the flat weights
+#: the server sent that they change
+FLAT_WEIGHTS = {"delta_theta": "theta", "delta_w_g": "w_g"}
+
+
+@dataclass
+class Settings:
+    """The attacks' budget (command-line flags).
+
+    White-box inversion: ``prior`` ``tv`` (total variation) or ``dip`` (deep image prior, FedRE's Q2
+    attack, about 5x the CPU time for +0.5 dB), ``steps``, ``lr``, ``tv_weight``: the TV setting measured
+    best on CIFAR-10 CNN representations (``privacy.inversion.invert_representation``). ``images``:
+    reference images per class for the scores; ``samples``: per-sample inputs of the Q2 ladder;
+    ``epochs``: of the surrogate and each decoder; ``update_images``, ``update_steps``,
+    ``update_tv_weight``: the update inversion's images, iterations and TV weight."""
+
+    prior: str = "tv"
+    images: int = 32
+    samples: int = 4
+    steps: int = 1500
+    lr: float = 0.1
+    tv_weight: float = 0.1
+    epochs: int = 5
+    update_images: int = 4
+    update_steps: int = 200
+    update_tv_weight: float = 0.01
+    seed: int = 0
+
+
+@dataclass
+class Inverted:
+    """One payload's reconstructions and what they are scored against.
+
+    ``images``: float32 ``[n, C, H, W]`` in [0, 1]; ``references``: one uint8 tensor ``[m_i, C, H, W]``
+    per row (the images the row stands for); ``exact``: per row the index in its references of the one
+    image it was made from (per-sample inputs), else None."""
+
+    payload: str
+    threat: str
+    knowledge: str
+    images: torch.Tensor
+    references: list[torch.Tensor]
+    exact: list[int | None] = field(default_factory=list)
+
+
+def sample(images: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+    """At most ``count`` of ``images`` drawn without replacement (all of them, in order, when fewer)."""
+    if len(images) <= count:
+        return images
+    return images[torch.randperm(len(images), generator=generator)[:count]]
+
+
+def class_images(data, labels_: list[int | None], count: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """Per row the client's training images of that row's class (all its images for None), at most ``count``."""
+    return [sample(data.train_x if c is None else data.train_x[data.train_y == c], count, generator) for c in labels_]
+
+
+def network(model: torch.nn.Module, space: str) -> torch.nn.Module:
+    """The part of a client model that maps images to vectors of ``space``: its extractor or the whole model."""
+    return model.extractor if space == "representation" else model
+
+
+def vectors_of(net: torch.nn.Module, images: torch.Tensor, info, batch_size: int = 256) -> torch.Tensor:
+    """``net``'s vectors float32 ``[n, w]`` of uint8 images ``[n, C, H, W]`` (normalised as in training)."""
+    with torch.no_grad():
+        return torch.cat([net(normalize(images[i : i + batch_size], info)) for i in range(0, len(images), batch_size)])
+
+
+class Attacker:
+    """Runs the attacks of one run's cells with one budget (:class:`Settings`); caches the black-box
+    surrogate and decoder per round (the shared knowledge is the same for every victim of a round)."""
+
+    def __init__(self, view: RunView, settings: Settings) -> None:
+        self.view, self.settings = view, settings
+        self.shape = (view.info.channels, view.info.image_size, view.info.image_size)
+        self._decoders: dict[int, tuple[torch.nn.Module, torch.nn.Module, str]] = {}
+
+    def generator(self, *salt: int) -> torch.Generator:
+        """A CPU RNG for one cell and purpose: the same draws whatever ran before (resumable cells)."""
+        seed = self.settings.seed
+        for s in salt:
+            seed = seed * 1_000_003 + s
+        return torch.Generator().manual_seed(seed % 2**63)
+
+    def invert(self, net: torch.nn.Module, vectors: torch.Tensor, *salt: int) -> torch.Tensor:
+        """White-box inversion of ``vectors`` through ``net`` with the settings' budget."""
+        s = self.settings
+        return inversion.invert_representation(
+            net,
+            vectors,
+            self.shape,
+            self.view.info.mean,
+            self.view.info.std,
+            steps=s.steps,
+            lr=s.lr,
+            tv_weight=s.tv_weight,
+            generator=self.generator(*salt),
+            prior=s.prior,
+        )
+
+    # ------------------------------------------------------------------ vector inversion
+    def inversion(self, r: int, p: int) -> list[Inverted]:
+        """White-box: the server inverts ``p``'s upload through ``p``'s model (with the two reference
+        inputs); ``p``, a curious client, inverts the per-class vectors it downloaded through its own model."""
+        view, g = self.view, self.generator(r, p, 1)
+        model, data = view.model(p, r), view.data(p)
+        out = []
+        found = class_rows(view.payload(r, p, "up"))
+        if found is not None:
+            out += self.invert_upload(r, p, found, model, data, g)
+        found = global_rows(view.payload(r, p, "down"))
+        if found is not None:
+            name, vectors, row_classes, space = found
+            images = self.invert(network(model, space), vectors, r, p, 5)
+            out.append(Inverted(name, "client", "own model", images, self.others(p, row_classes, g)))
+        return out
+
+    def invert_upload(
+        self,
+        r: int,
+        p: int,
+        found: tuple[str, torch.Tensor, list[int | None], str],
+        model: torch.nn.Module,
+        data,
+        g: torch.Generator,
+    ) -> list[Inverted]:
+        """The server's white-box inversions of ``p``'s upload (``found``: :func:`class_rows`) through ``p``'s
+        model, then FedRE's Q2 ladder from the same model: one image's representation
+        (:meth:`invert_samples`), then the per-class mean representation (:meth:`invert_prototypes`)."""
+        name, vectors, row_classes, space = found
+        net = network(model, space)
+        images = self.invert(net, vectors, r, p, 2)
+        upload = Inverted(name, "server", "white-box", images, class_images(data, row_classes, self.settings.images, g))
+        return [
+            upload,
+            self.invert_samples(r, p, net, space, data, g),
+            self.invert_prototypes(r, p, net, space, data, g),
+        ]
+
+    def invert_samples(self, r: int, p: int, net: torch.nn.Module, space: str, data, g: torch.Generator) -> Inverted:
+        """The ``samples`` drawn training images' own vectors of ``space`` (per-sample representations)
+        inverted through ``net``, each scored against its image (``exact``) and the images of its class."""
+        s = self.settings
+        picks = sample(torch.arange(len(data.train_x)), s.samples, g)
+        refs = [
+            torch.cat([data.train_x[i : i + 1], class_images(data, [int(data.train_y[i])], s.images, g)[0]])
+            for i in picks
+        ]
+        single = vectors_of(net, data.train_x[picks], self.view.info)
+        images = self.invert(net, single, r, p, 3)
+        return Inverted("per-sample " + space, "server", "white-box", images, refs, [0] * len(picks))
+
+    def invert_prototypes(self, r: int, p: int, net: torch.nn.Module, space: str, data, g: torch.Generator) -> Inverted:
+        """The mean vector of ``space`` of each class ``p`` holds (its prototype), computed by ``net`` and
+        inverted through it, scored against that class's images."""
+        classes = sorted(int(c) for c in data.train_y.unique())
+        means = torch.stack([vectors_of(net, data.train_x[data.train_y == c], self.view.info).mean(0) for c in classes])
+        images = self.invert(net, means, r, p, 4)
+        return Inverted(
+            "class mean " + space, "server", "white-box", images, class_images(data, classes, self.settings.images, g)
+        )
+
+    def others(self, p: int, row_classes: list[int], g: torch.Generator) -> list[torch.Tensor]:
+        """Per class the other clients' training images of it (what a curious client's reconstruction of
+        a global per-class vector could reveal); an empty tensor for a class no other client holds."""
+        pools = [self.view.data(q) for q in range(self.view.num_clients) if q != p]
+        out = []
+        for c in row_classes:
+            held = [d.train_x[d.train_y == c] for d in pools]
+            out.append(sample(torch.cat(held), self.settings.images, g))
+        return out
+
+    # ------------------------------------------------------------------ black-box decoder
+    def decoder(self, r: int, p: int) -> list[Inverted]:
+        """Black-box: the server decodes ``p``'s upload with a decoder trained on auxiliary images through a
+        surrogate fitted to the round's shared knowledge; ``p``, a curious client, decodes the per-class
+        vectors it downloaded with a decoder trained on its own images through its own model."""
+        view, s, out = self.view, self.settings, []
+        g = self.generator(r, p, 6)
+        found = class_rows(view.payload(r, p, "up"))
+        if found is not None:
+            name, vectors, row_classes, space = found
+            decoder, surrogate_space = self.surrogate_decoder(r, p, space)
+            images = inversion.decode(decoder, vectors)
+            data = view.data(p)
+            out.append(
+                Inverted(
+                    name,
+                    "server",
+                    f"black-box ({surrogate_space})",
+                    images,
+                    class_images(data, row_classes, s.images, g),
+                )
+            )
+        found = global_rows(view.payload(r, p, "down"))
+        if found is not None:
+            name, vectors, row_classes, space = found
+            net, data = network(view.model(p, r), space), view.data(p)
+            decoder = inversion.train_decoder(
+                net, data.train_x, view.info.mean, view.info.std, epochs=s.epochs, batch_size=64, lr=1e-3, generator=g
+            )
+            images = inversion.decode(decoder, vectors)
+            out.append(Inverted(name, "client", "own model + decoder", images, self.others(p, row_classes, g)))
+        return out
+
+    def surrogate_decoder(self, r: int, p: int, space: str) -> tuple[torch.nn.Module, str]:
+        """(decoder, how the surrogate was aligned) of round ``r``: a public architecture (the model group's
+        first member, freshly initialised) fitted on the auxiliary images against the knowledge ``p`` was
+        sent (:meth:`alignment`), then a decoder."""
+        if r in self._decoders:
+            return self._decoders[r][1], self._decoders[r][2]
+        view, s = self.view, self.settings
+        aux_x, aux_y = view.auxiliary
+        g = self.generator(r, 7)
+        how, extractor, head, prototypes = self.alignment(view.model(0), view.payload(r, p, "down"), space)
+        fitted = inversion.fit_surrogate(
+            extractor,
+            head,
+            prototypes,
+            aux_x,
+            aux_y,
+            view.info.mean,
+            view.info.std,
+            epochs=s.epochs,
+            batch_size=64,
+            lr=1e-3,
+            generator=g,
+        )
+        decoder = inversion.train_decoder(
+            fitted, aux_x, view.info.mean, view.info.std, epochs=s.epochs, batch_size=64, lr=1e-3, generator=g
+        )
+        self._decoders = {r: (fitted, decoder, how)}
+        return decoder, how
+
+    def alignment(
+        self, surrogate: torch.nn.Module, down: dict, space: str
+    ) -> tuple[str, torch.nn.Module, torch.nn.Module | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(how, the part of ``surrogate`` that maps images to ``space``, the head it is fitted through or
+        None, the prototypes it is fitted to or None) for a round whose download is ``down``: a global head
+        (held fixed), global prototypes (``[num_classes, w]`` and the mask of the classes they stand for),
+        else plain cross-entropy on the auxiliary data (for logits through the whole model)."""
+        if space == "logits":
+            return "cross-entropy on auxiliary data", surrogate, torch.nn.Identity(), None
+        if "head.weight" in down:
+            head = torch.nn.Linear(*down["head.weight"].shape[::-1])
+            head.load_state_dict(
+                {"weight": torch.from_numpy(down["head.weight"]), "bias": torch.from_numpy(down["head.bias"])}
+            )
+            return "global head", surrogate.extractor, head, None
+        found = global_rows(down)
+        if found is not None:
+            _, vectors, classes, _ = found
+            full = torch.zeros(self.view.info.num_classes, vectors.shape[1])
+            valid = torch.zeros(self.view.info.num_classes, dtype=torch.bool)
+            full[classes], valid[classes] = vectors, True
+            return "global prototypes", surrogate.extractor, None, (full, valid)
+        return "cross-entropy on auxiliary data", surrogate.extractor, surrogate.head, None
+
+    # ------------------------------------------------------------------ weight updates
+    def weight_update(
+        self, r: int, p: int, message_type: str = "train"
+    ) -> tuple[torch.nn.Module, dict, dict[str, torch.Tensor]] | None:
+        """(model, its parameters as the client received them, the change the client uploaded per
+        parameter) of ``p``'s round-``r`` weight upload in a ``message_type`` reply, or None for an
+        upload of vectors (or none).
+
+        MH-pFedHN: the generated flat weights ``theta`` in the client's architecture (the server generates
+        them, so it knows it), ``delta_theta`` their change; MH-pFedHNGD's ``train.global`` reply: ``w_g``
+        in the public global architecture, ``delta_w_g``. Shared-model methods: the module every client
+        trains a copy of (FedKD's SVD factors multiplied out), up minus down. LG-FedAvg: the head's change,
+        on the victim's recorded extractor held fixed (white-box: the extractor never leaves the client)."""
+        view = self.view
+        up, down = view.payload(r, p, "up", message_type), view.payload(r, p, "down", message_type)
+        if not up or class_rows(up) is not None or "z" in up:
+            return None
+        name = next((k for k in FLAT_WEIGHTS if k in up), None)
+        if name is not None:
+            model, change = self.flat_update(p, name, up, down)
+        else:
+            model, change = self.module_update(r, p, up, down)
+        start = {k: v.detach().clone() for k, v in model.named_parameters()}
+        return model.eval(), start, change
+
+    def flat_update(self, p: int, name: str, up: dict, down: dict) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+        """(model holding the flat weights the server sent, the change per parameter) of MH-pFedHN's flat
+        weight upload ``name`` (:data:`FLAT_WEIGHTS`): ``delta_theta`` in ``p``'s architecture, ``delta_w_g``
+        in the public global architecture."""
+        view = self.view
+        if name == "delta_theta":
+            model = view.model(p)
+        else:
+            info = view.info
+            model = build_mh_model(
+                view.method.read_options(view.cfg).global_model, info.num_classes, info.channels, info.image_size
+            )
+        vector_to_parameters(torch.from_numpy(down[FLAT_WEIGHTS[name]]).clone(), model.parameters())
+        return model, gradients.parameter_update(model, up[name])
+
+    def module_update(self, r: int, p: int, up: dict, down: dict) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+        """(model holding the downloaded weights, the change per parameter: up minus down) of a shared
+        module's upload: LG-FedAvg's head on ``p``'s round-``r`` extractor held fixed, else the module every
+        client trains a copy of (:meth:`shared_module`; FedKD's SVD factors multiplied out)."""
+        if set(up) == {"head.weight", "head.bias"}:
+            model = FixedExtractor(self.view.model(p, r))
+        else:
+            model = self.shared_module()
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        up, down = expanded(up, shapes), expanded(down, shapes)
+        model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in down.items()}, strict=False)
+        return model, gradients.parameter_update(model, {k: np.asarray(up[k]) - np.asarray(down[k]) for k in up})
+
+    def shared_module(self) -> torch.nn.Module:
+        """The module a shared-model method's clients train a copy of (its strategy's ``build_shared``)."""
+        strategy = self.view.method.strategy
+        return strategy.build_shared(self.view.cfg, self.view.method.read_options(self.view.cfg))
+
+    def update(self, r: int, p: int) -> list[Inverted]:
+        """iDLG on ``p``'s round-``r`` weight change read as one gradient (-change / lr), and inverting
+        gradients over the client's real number of local SGD steps (its lr, momentum, weight decay), the
+        labels from the change's label leakage. MH-pFedHNGD's global model's change is attacked the same way
+        (its appendix C.8 runs iDLG on it)."""
+        out = []
+        for message_type in WEIGHT_MESSAGES:
+            found = self.weight_update(r, p, message_type)
+            if found is not None:
+                prefix = "" if message_type == "train" else "global model: "
+                out += [replace(inv, payload=prefix + inv.payload) for inv in self.invert_weights(r, p, *found)]
+        return out
+
+    def invert_weights(
+        self, r: int, p: int, model: torch.nn.Module, start: dict, change: dict[str, torch.Tensor]
+    ) -> list[Inverted]:
+        """iDLG (:meth:`idlg`) and inverting gradients (:meth:`inverting_gradients`) on one weight change
+        of ``p`` in round ``r`` (see :meth:`update`)."""
+        data, g = self.view.data(p), self.generator(r, p, 8)
+        label, one_step = self.idlg(model, change, data, g)
+        return [one_step, self.inverting_gradients(model, start, change, data, label, g)]
+
+    def idlg(
+        self, model: torch.nn.Module, change: dict[str, torch.Tensor], data, g: torch.Generator
+    ) -> tuple[int, Inverted]:
+        """(the label iDLG recovers, its one image scored against a sample of the client's images) of
+        ``change`` read as one gradient (-change / lr)."""
+        view, s = self.view, self.settings
+        label, image = gradients.idlg(
+            model,
+            {k: -v / view.cfg.lr for k, v in change.items()},
+            self.shape,
+            view.info.mean,
+            view.info.std,
+            steps=max(1, s.update_steps // 20),
+            lr=1.0,
+            generator=g,
+        )
+        refs = [sample(data.train_x, s.images, g)]
+        return label, Inverted("update as one gradient (iDLG)", "server", "white-box", image[None], refs)
+
+    def inverting_gradients(
+        self, model: torch.nn.Module, start: dict, change: dict[str, torch.Tensor], data, label: int, g: torch.Generator
+    ) -> Inverted:
+        """``update_images`` images inverted from ``change`` over the client's real number of local SGD
+        steps (its lr, momentum, weight decay), labelled by the change's label leakage (iDLG's ``label``
+        without any), each scored against the images of its label."""
+        view, s, cfg = self.view, self.settings, self.view.cfg
+        steps = cfg.local_epochs * -(-len(data.train_x) // cfg.batch_size)
+        leaked = self.update_labels(change)
+        chosen = [int(c) for c in leaked.classes] if leaked is not None and len(leaked.classes) else [label]
+        batch_labels = torch.tensor([chosen[i % len(chosen)] for i in range(s.update_images)])
+        images = gradients.invert_update(
+            model,
+            start,
+            change,
+            num_images=s.update_images,
+            labels=batch_labels,
+            local_steps=steps,
+            lr=cfg.lr,
+            batch_size=s.update_images,
+            image_shape=self.shape,
+            mean=view.info.mean,
+            std=view.info.std,
+            steps=s.update_steps,
+            attack_lr=0.1,
+            tv_weight=s.update_tv_weight,
+            generator=g,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+        )
+        refs = class_images(data, [int(c) for c in batch_labels], s.images, g)
+        return Inverted(f"update over {steps} steps (inverting gradients)", "server", "white-box", images, refs)
+
+    # ------------------------------------------------------------------ labels
+    def update_labels(self, change: dict[str, torch.Tensor]) -> labels.LabelInference | None:
+        """The label leakage of a weight change (its last layer with C outputs), or None without one."""
+        C = self.view.info.num_classes
+        weights = [k for k, v in change.items() if v.dim() == 2 and v.shape[0] == C]
+        if not weights:
+            return None
+        key = weights[-1]
+        return labels.from_head_update(delta_bias=change.get(key.rsplit(".", 1)[0] + ".bias"), delta_weight=change[key])
+
+    def labels(self, r: int, p: int) -> list[dict[str, Any]]:
+        """Label-set precision/recall and the class distribution's L1 error of what ``p``'s upload reveals
+        (:meth:`inferred_labels`)."""
+        truth = class_counts(self.view.data(p).train_y, self.view.info.num_classes)
+        return [label_row(payload, result, truth) for payload, result in self.inferred_labels(r, p)]
+
+    def inferred_labels(self, r: int, p: int) -> list[tuple[str, labels.LabelInference]]:
+        """(payload, the labels it reveals) of each part of ``p``'s round-``r`` upload that reveals some:
+        per-class vectors' class ids, FedRE's entangled label ``y``, a weight change's last layer (also of
+        MH-pFedHNGD's global model)."""
+        up = self.view.payload(r, p, "up")
+        C = self.view.info.num_classes
+        inferred = []
+        found = class_rows(up)
+        if found is not None and found[0] != "z":
+            inferred.append((found[0] + " class ids", labels.from_class_ids(np.asarray(found[2]), C)))
+        if "y" in up:
+            inferred.append(("entangled label y", labels.from_soft_label(up["y"][0])))
+        for message_type in WEIGHT_MESSAGES:
+            weight = self.weight_update(r, p, message_type)
+            leaked = None if weight is None else self.update_labels(weight[2])
+            if leaked is not None:
+                prefix = "" if message_type == "train" else "global model: "
+                inferred.append((prefix + "weight change (last layer)", leaked))
+        return inferred
+
+
+def label_row(payload: str, result: labels.LabelInference, truth: np.ndarray) -> dict[str, Any]:
+    """One table row of a payload's label leakage against the victim's class counts ``truth`` ``[C]``:
+    label-set precision and recall, and the class distribution's L1 error where the payload reveals one."""
+    precision, recall = labels.label_set_scores(result.classes, truth)
+    row = {
+        "payload": payload,
+        "threat": "server",
+        "knowledge": "payload only",
+        "label_precision": precision,
+        "label_recall": recall,
+    }
+    if result.distribution is not None:
+        row["distribution_l1"] = labels.distribution_l1(result.distribution, truth)
+    return row
+
+
+class FixedExtractor(torch.nn.Module):
+    """A client model whose only parameters are its head's (``head.weight``, ``head.bias``): the extractor
+    is applied but held fixed, as LG-FedAvg's payload covers the head alone."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.frozen = [model.extractor.eval()]  # a list: not registered, so its weights are no parameters
+        self.head = model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, C]`` of images ``[B, C_in, H, W]``."""
+        return self.head(self.frozen[0](x))
+
+
+def scored(inverted: Inverted) -> tuple[dict[str, Any], list[tuple]]:
+    """One table row of a payload's reconstructions and its figure pairs (shown original, reconstruction,
+    caption).
+
+    Per reconstruction: PSNR / SSIM / MSE against the best-matching image among those it stands for and
+    the mean over them (:func:`privacy.scores.image_scores`); ``exact_psnr`` against the one image a
+    per-sample input was made from; ``gray_psnr`` (``gray_exact_psnr``): what a uniform mid-gray image,
+    which knows nothing, scores as best match against the same images (against that one image): the
+    floor every attack is read against. The row
+    holds mean, std and count over reconstructions."""
+    per: dict[str, list] = {}
+    pairs = []
+    for i, (image, refs) in enumerate(zip(inverted.images, inverted.references, strict=True)):
+        if len(refs) == 0:  # a class no victim holds
+            continue
+        result = scores.image_scores(image[None], refs)
+        for k, v in result.items():
+            if k != "best_index":
+                per.setdefault(k, []).extend(v)
+        per.setdefault("gray_psnr", []).extend(
+            scores.image_scores(torch.full_like(image[None], 0.5), refs)["best_psnr"]
+        )
+        exact = inverted.exact[i] if inverted.exact else None
+        if exact is not None:
+            gray = scores.image_scores(torch.full_like(image[None], 0.5), refs[exact : exact + 1])["best_psnr"]
+            per.setdefault("gray_exact_psnr", []).extend(gray)
+            per.setdefault("exact_psnr", []).extend(
+                scores.image_scores(image[None], refs[exact : exact + 1])["best_psnr"]
+            )
+        shown = result["best_index"][0] if exact is None else exact
+        psnr = scores.image_scores(image[None], refs[shown : shown + 1])["best_psnr"][0]
+        pairs.append((refs[shown], image, f"{psnr:.1f} dB"))
+    row: dict[str, Any] = {"payload": inverted.payload, "threat": inverted.threat, "knowledge": inverted.knowledge}
+    for k, values in per.items():
+        summary = scores.summarize(values)
+        row[k], row[k + "_std"], row["n"] = summary["mean"], summary["std"], int(summary["n"])
+    return row, pairs
+
+
+def cell_path(out: Path, r: int, p: int, attack: str) -> Path:
+    """The result file of one (round, client, attack) cell."""
+    return out / "cells" / f"round-{r}-partition-{p}-{attack}.json"
+
+
+def run_cell(attacker: Attacker, r: int, p: int, attack: str, out: Path) -> dict[str, Any]:
+    """Run one cell, write its rows (and its reconstructions' first figure pair per payload, as uint8)
+    atomically, and return them."""
+    start = time.process_time()
+    if attack == "labels":
+        rows, pairs = attacker.labels(r, p), []
+    else:
+        rows, pairs = [], []
+        for inverted in getattr(attacker, attack)(r, p):
+            row, payload_pairs = scored(inverted)
+            rows.append(row)
+            if payload_pairs:
+                original, image, caption = payload_pairs[0]
+                pairs.append(
+                    {
+                        "payload": f"{inverted.payload}\n{inverted.threat}, {inverted.knowledge}",
+                        "caption": caption,
+                        "original": to_uint8(original).tolist(),
+                        "reconstruction": to_uint8(image).tolist(),
+                    }
+                )
+    seconds = time.process_time() - start
+    for row in rows:
+        row.update({"round": r, "partition": p, "attack": attack, "cpu_seconds": seconds})
+    cell = {"rows": rows, "figure": pairs, "settings": asdict(attacker.settings)}
+    path = cell_path(out, r, p, attack)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(cell, allow_nan=True).encode("utf-8")
+    atomic_write(path, lambda f: f.write(text))
+    return cell
+
+
+def to_uint8(image: torch.Tensor) -> np.ndarray:
+    """An image ``[C, H, W]`` (uint8, or float in [0, 1]) as uint8."""
+    return image.numpy() if image.dtype == torch.uint8 else (image.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+
+
+def applicable(view: RunView) -> list[str]:
+    """The attacks that have something to attack in this run's recorded uploads."""
+    r = view.rounds()[0]
+    up = view.payload(r, view.partitions(r)[0], "up")
+    if not up:
+        return []
+    vectors = class_rows(up) is not None
+    return ["inversion", "decoder", "labels"] if vectors else ["labels", "update"]

@@ -1,0 +1,168 @@
+"""What a finished run recorded, read for the privacy evaluation (``tools.privacy``).
+
+:class:`RunView` opens a run folder that recorded its payloads (run config ``record-payloads``,
+``strategies.recording``): the recorded rounds and partitions, each message's arrays, each client's
+personal model as kept after a recorded round, the clients' data and the public auxiliary images. The
+payload readers name what an attack inverts in a message's arrays: an upload's per-class (or
+per-sample) vectors (:func:`class_rows`), a download's per-class vectors (:func:`global_rows`), and a
+shared module's weights with FedKD's SVD factors multiplied out (:func:`expanded`).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.config import RunConfig
+from common.data import DataSpec, decode_images, load_client_data, load_split
+from common.datasets import DATASETS, with_recipe
+from common.errors import ConfigError
+from common.files import read_summary
+from common.protocol import snapshot_name
+from models.groups import MODEL_GROUPS
+from strategies.fedkd import svd_decompress
+from strategies.recording import PAYLOADS, read_arrays
+from strategies.registry import METHODS
+from tools.runconfig import app_defaults
+
+#: upload array pairs (vectors, their class ids) of the per-class payloads, and the space they live in
+CLASS_VECTORS = {"lar": ("lar_labels", "representation"), "protos": ("proto_labels", "representation")}
+CLASS_LOGITS = {"logits": ("logit_labels", "logits")}
+#: downloads of per-class vectors: (vectors, mask of the classes they stand for)
+GLOBAL_VECTORS = {"protos": "representation", "logits": "logits", "global_protos": "representation"}
+
+
+class RunView:
+    """What one run recorded, and the run's data and models for scoring.
+
+    Raises:
+        ConfigError: ``run_dir`` is no run folder, or it recorded no payloads (naming ``record-payloads``).
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        summary = read_summary(self.run_dir)
+        # a run recorded before a key existed ran as that key's default does (e.g. min-clients)
+        self.cfg = RunConfig.from_dict({**app_defaults(), **summary["config"]})
+        self.method = METHODS[self.cfg.method]
+        #: this run and the runs it resumed (``resume-from``, newest first): a resumed run's earlier rounds
+        #: were recorded by the launch that ran them
+        self.chain = [self.run_dir]
+        while (previous := read_summary(self.chain[-1])["config"].get("resume-from")) and Path(previous).is_dir():
+            self.chain.append(Path(previous))
+        if not self.rounds():
+            raise ConfigError(
+                f"{self.run_dir} holds no recorded payloads: run it with run config key 'record-payloads' "
+                '(e.g. record-payloads="1,10") to attack what its clients shared'
+            )
+        self.info = with_recipe(DATASETS[self.cfg.dataset], self.cfg.augment, self.cfg.normalize)
+        self.num_clients = int(summary.get("num_clients") or self.cfg.num_clients)
+        self.spec = DataSpec.from_config(self.cfg, self.num_clients)
+
+    def round_dir(self, server_round: int) -> Path | None:
+        """The folder of a recorded round (in the newest run of :attr:`chain` that recorded it), or None."""
+        return next((d for run in self.chain if (d := run / PAYLOADS / f"round-{server_round}").is_dir()), None)
+
+    def rounds(self) -> list[int]:
+        """The recorded rounds."""
+        found = {p.name.removeprefix("round-") for run in self.chain for p in (run / PAYLOADS).glob("round-*")}
+        return sorted(int(r) for r in found if r.isdigit())
+
+    def partitions(self, server_round: int) -> list[int]:
+        """The partitions with a recorded payload in ``server_round``."""
+        folder = self.round_dir(server_round)
+        found = [p.name.removeprefix("partition-") for p in folder.glob("partition-*")] if folder else []
+        return sorted(int(p) for p in found if p.isdigit())
+
+    def payload(self, server_round: int, partition_id: int, direction: str, message_type: str = "train") -> dict:
+        """The recorded arrays of one message (``direction``: ``up`` or ``down``); {} when none was recorded."""
+        folder = self.round_dir(server_round)
+        path = None if folder is None else folder / f"partition-{partition_id}" / f"{message_type}.{direction}.npz"
+        return read_arrays(path) if path is not None and path.is_file() else {}
+
+    @cached_property
+    def state_dir(self) -> Path:
+        """The clients' state folder of the run (named after the first run of a resumed chain)."""
+        key = self.chain[-1].name
+        if self.cfg.state_dir:
+            return Path(self.cfg.state_dir) / key
+        return self.run_dir.parent / key / "client-state"
+
+    def model(self, partition_id: int, server_round: int | None = None) -> torch.nn.Module:
+        """Client ``partition_id``'s personal model as built at the start, or, with ``server_round``, as kept
+        after that round (state record ``model-round-<r>``). Raises ConfigError naming the file when absent."""
+        cfg, info = self.cfg, self.info
+        model = MODEL_GROUPS[cfg.model_group].build(
+            partition_id,
+            info.num_classes,
+            info.channels,
+            info.image_size,
+            cfg.seed,
+            cfg.feature_dim,
+            identical=cfg.init == "identical",
+        )
+        if server_round is not None:
+            path = self.state_dir / f"partition-{partition_id}" / f"{snapshot_name(server_round)}.pt"
+            if not path.is_file():
+                raise ConfigError(
+                    f"{path} is missing: the clients keep their model of a recorded round (run config key "
+                    "'record-payloads') only with a state folder (a simulation's run folder or 'state-dir')"
+                )
+            model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["state"])
+        return model.eval()
+
+    def data(self, partition_id: int):
+        """Client ``partition_id``'s decoded partition (``common.data.ClientData``)."""
+        return load_client_data(self.spec, partition_id)
+
+    @cached_property
+    def auxiliary(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The black-box attacker's public labelled images: the official test split (uint8, int64).
+
+        Raises:
+            ConfigError: with ``data-pool = "train+test"`` the clients own those images too.
+        """
+        if self.cfg.data_pool != "train":
+            raise ConfigError(
+                f"run config key 'data-pool' = {self.cfg.data_pool!r}: the clients own the official test split, so "
+                "no public auxiliary images are left for the black-box attacks (use a run with data-pool='train')"
+            )
+        split = load_split(self.cfg.dataset, self.cfg.data_dir, "test")
+        ys = torch.tensor(split[self.info.label_column], dtype=torch.int64)
+        return decode_images(split, self.spec), ys
+
+
+def class_rows(arrays: dict) -> tuple[str, torch.Tensor, list[int | None], str] | None:
+    """(payload name, vectors [k, w], the class of each row (None: all classes), space) of an upload's
+    vectors, or None for an upload without any."""
+    for name, (ids, space) in {**CLASS_VECTORS, **CLASS_LOGITS}.items():
+        if name in arrays:
+            return name, torch.from_numpy(arrays[name]), [int(c) for c in arrays[ids]], space
+    if "z" in arrays:
+        return "z", torch.from_numpy(arrays["z"]), [None], "representation"
+    return None
+
+
+def global_rows(arrays: dict) -> tuple[str, torch.Tensor, list[int], str] | None:
+    """(payload name, vectors, classes, space) of a download of per-class vectors (a mask of classes), or None."""
+    for name, space in GLOBAL_VECTORS.items():
+        if name in arrays and "mask" in arrays:
+            classes = [int(c) for c in np.flatnonzero(arrays["mask"])]
+            return global_name(name), torch.from_numpy(arrays[name]), classes, space
+        if name in arrays and arrays[name].ndim == 2:  # FedTGP's global prototypes: one row per class
+            vectors = torch.from_numpy(arrays[name])
+            return global_name(name), vectors, list(range(len(vectors))), space
+    return None
+
+
+def expanded(arrays: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """A shared module's arrays with FedKD's SVD factors (``<key>.u/.s/.v``) multiplied out; others as they are."""
+    return svd_decompress(arrays, shapes) if any(k.endswith(".u") for k in arrays) else arrays
+
+
+def global_name(name: str) -> str:
+    """A downloaded per-class payload's table name: ``global_protos`` as it is, ``protos`` -> ``global protos``."""
+    return name if name.startswith("global") else f"global {name}"
