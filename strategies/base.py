@@ -46,14 +46,13 @@ from common.protocol import SERVER_ROUND, metric_values, train_config
 from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics
 from strategies.checkpoint import Checkpoints, broken_state, load_server_state, server_state
+from strategies.evaluation import evaluate_clients, evaluated_in_train
 from strategies.generalization import phase_due, run_phase
 from strategies.method import SHARED_OPTION_TABLES, MethodBinding, Schemas
 from strategies.nodes import Roster
 from strategies.recording import PayloadRecorder
 from strategies.records import (
     RoundCounters,
-    aggregate_evaluation,
-    evaluated_in_train,
     patience_exhausted,
     progress_line,
     round_metrics,
@@ -350,21 +349,16 @@ class HeteroStrategy:
         """The round's evaluation (None when it is no evaluation round): one evaluate message to
         every client to evaluate (``eval-clients``: all known clients, or this round's sampled
         ones) that is connected and not among ``evaluated`` (evaluations carried by train replies),
-        then :func:`strategies.records.aggregate_evaluation` over both, naming the connected clients
-        asked that gave no valid evaluation (row key ``eval_missing``)."""
+        aggregated over both by :func:`strategies.evaluation.evaluate_clients`, which names the
+        connected clients asked that gave no valid evaluation (row key ``eval_missing``)."""
         if not self.is_eval_round(server_round):
             return None
-        done = {r.node_id for r in evaluated}
         targets = self.roster.training_nodes if self.cfg.eval_clients == "all" else self.roster.sampled
         asked = [node for node in targets if node in self.roster.connected]
         config = ConfigRecord({SERVER_ROUND: server_round})
-        messages = [
-            self.transport.message("evaluate", node, self.eval_payload(node, server_round), config, server_round)
-            for node in asked
-            if node not in done
-        ]
-        replies = self.transport.validate("evaluate", self.transport.exchange(messages)) + evaluated
-        return aggregate_evaluation(replies, [self.roster.clients[node]["partition-id"] for node in asked])
+        return evaluate_clients(
+            self.transport, asked, evaluated, lambda node: self.eval_payload(node, server_round), config, server_round
+        )
 
     def resume(self) -> int:
         """Restore the ``resume-from`` checkpoint (RNG, counters, rows, server state; the rows are

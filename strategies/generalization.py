@@ -25,8 +25,9 @@ from flwr.app import ConfigRecord
 
 from common.payload import ClientReply
 from common.protocol import SERVER_ROUND
+from strategies.evaluation import evaluate_clients, evaluated_in_train
 from strategies.nodes import Roster
-from strategies.records import RoundCounters, aggregate_evaluation, evaluated_in_train
+from strategies.records import RoundCounters
 from strategies.transport import Transport
 
 
@@ -80,15 +81,16 @@ def run_phase(strategy: HeldOutHost, server_round: int) -> dict[str, Any]:
     try:
         for step in range(roster.generalization.rounds + 1):  # step 0: what a new client gets, untouched
             replies = strategy.personalize(nodes, step, scope, server_round) if nodes and step else []
-            evaluated = evaluated_in_train(replies)
-            done = {r.node_id for r in evaluated}
             config = ConfigRecord({SERVER_ROUND: step})
-            messages = [
-                transport.message("evaluate", n, strategy.eval_payload(n, server_round), config, step, scope)
-                for n in nodes
-                if n not in done
-            ]
-            record = aggregate_evaluation(transport.validate("evaluate", transport.exchange(messages)) + evaluated)
+            record = evaluate_clients(
+                transport,
+                nodes,
+                evaluated_in_train(replies),
+                lambda n: strategy.eval_payload(n, server_round),
+                config,
+                step,
+                scope,
+            )
             evaluation = dict(record) if record is not None else {}
             curve_mean.append(evaluation.get("accuracy-mean"))
             curve_weighted.append(evaluation.get("accuracy-weighted"))

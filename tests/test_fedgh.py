@@ -15,9 +15,9 @@ from common.runtime import ClientRuntime
 from common.training import class_means
 from conftest import client_runtime, federation, make_run_config, train_config
 from strategies.base import ClientReply
+from strategies.evaluation import aggregate_evaluation
 from strategies.fedgh import METHOD as FEDGH_METHOD
 from strategies.fedgh import FedGHOptions, load_header, train_header
-from strategies.records import aggregate_evaluation
 
 C, D = 10, 500
 
