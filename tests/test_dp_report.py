@@ -41,7 +41,7 @@ def test_accuracy_and_attacks_against_epsilon_regenerate_from_the_copies(tmp_pat
     assert "| 8 | 11.0 ± 0.0 | 17.0 ± 0.0 | 0.50 ± 0.00 |" in text
     assert "Class prior alone (every client predicts" in text and " pooled, " in text
     # above prior: each seed's final pooled accuracy minus the class prior of that seed's partitions
-    from tools.report import prior_accuracy
+    from tools.grid_stats import prior_accuracy
 
     gains = [ACC["fedre"][s][-1] - prior_accuracy({**small_config, "seed": s}, list(range(CLIENTS)))[1] for s in (0, 1)]
     gain = f"{100 * statistics.mean(gains):.2f} ± {100 * statistics.stdev(gains):.2f}"

@@ -57,7 +57,7 @@ def small_config():
 
 
 def test_the_class_prior_scores_one_client_class_fully_and_iid_clients_near_chance(small_config):
-    from tools.report import prior_accuracy
+    from tools.grid_stats import prior_accuracy
 
     one_class = {**small_config, "partitioner": "pathological", "classes-per-client": 1}
     assert prior_accuracy(one_class, [0, 1, 2]) == (1.0, 1.0)  # every test example is the client's class

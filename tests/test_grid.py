@@ -15,7 +15,7 @@ from common.results import ResultsWriter
 from conftest import DATA_DIR, ROOT
 from strategies.registry import build_strategy
 from tools.grid import newest_run, plan, run_grid
-from tools.report import paper_info
+from tools.grid_rows import paper_info
 from tools.runconfig import app_defaults
 
 PRESETS = sorted((ROOT / "presets").glob("*.toml"))

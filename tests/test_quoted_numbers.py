@@ -1,17 +1,17 @@
 """Every accuracy results/README.md quotes for committed rows is the one those rows give.
 
-Numbers typed by hand from a report drift from the rows (a rounded per-seed table re-averaged, a
-digit mistyped). This test regenerates from the committed rows alone, with ``tools.report``'s and
-``bench.crosscheck_report``'s own functions, the numbers of every kind the README quotes, and checks each
-quote against them at the quote's own decimals (``%.Nf`` of the unrounded number, as the reports
-round), section by section: a ``## <grid>`` section against ``results/<grid>/`` and every
-``crosscheck/<folder>/`` it names, ``## crosscheck/`` against all of ``results/crosscheck/``. The
-same holds for a paragraph of ``docs/`` that names a committed grid, for the ``A ± B`` of each
-committed ``report.md`` table, and for results/byzantine/README.md's table against
+Numbers typed by hand from a report drift from the rows (a rounded per-seed table re-averaged, a digit
+mistyped). This test regenerates from the committed rows alone, with the report's own functions
+(``tools.grid_rows``, ``tools.grid_stats``, ``tools.report``) and ``bench.crosscheck_report``'s, the
+numbers of every kind the README quotes, and checks each quote against them at the quote's own decimals (``%.Nf``
+of the unrounded number, as the reports round), section by section: a ``## <grid>`` section against
+``results/<grid>/`` and every ``crosscheck/<folder>/`` it names, ``## crosscheck/`` against all of
+``results/crosscheck/``. The same holds for a paragraph of ``docs/`` that names a committed grid, for
+the ``A ± B`` of each committed ``report.md`` table, and for results/byzantine/README.md's table against
 :func:`bench.byzantine.table` of its rows. The kinds of quote:
 
 - ``A ± B``: a method's final or best accuracy (mean over clients or pooled) over any two or more of
-  its seeds (:func:`tools.report.method_stats`, sample std), a paired-by-seed difference of two
+  its seeds (:func:`tools.grid_stats.method_stats`, sample std), a paired-by-seed difference of two
   methods (best round, final round or mean of the last 10 rounds, pooled; sample std), the paper's
   number with its ± (``presets/<preset>.paper.toml``), or a cross-check's final or best
   (:func:`bench.crosscheck_report.compare`, population std);
@@ -20,7 +20,7 @@ committed ``report.md`` table, and for results/byzantine/README.md's table again
   some run's pooled accuracy at that round, at its end;
 - the report's verdict ``(X below, tolerance Y)`` (:func:`tools.report.paper_comparison`) and its
   differences in standard errors ``(+0.8 and +1.3 SE)``, ``0.6 standard errors``
-  (:func:`tools.report.difference`), over any two or more seeds.
+  (:func:`tools.grid_stats.difference`), over any two or more seeds.
 
 Not checked: numbers of other phrasings (a seed-mean curve's level or gain, gaps in points, seconds,
 bytes, rounds, margins, losses) and sections about no committed rows.
@@ -42,16 +42,9 @@ import pytest
 from bench.byzantine import ATTACKS, table
 from bench.crosscheck_report import compare
 from common.files import read_rows
-from tools.report import (
-    Cell,
-    difference,
-    load_ablations,
-    load_grid,
-    mean_std,
-    method_stats,
-    paper_comparison,
-    paper_info,
-)
+from tools.grid_rows import Cell, load_ablations, load_grid, paper_info
+from tools.grid_stats import difference, mean_std, method_stats
+from tools.report import paper_comparison
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
@@ -110,9 +103,9 @@ def pooled(cell: Cell) -> tuple[float, float, float]:
 @cache
 def grid_numbers(grid: str) -> Numbers:
     """What ``results/<grid>/``'s rows (its ablations' too) and its paper file give, over any two or
-    more seeds of each method: final and best accuracy (:func:`tools.report.method_stats`), the
+    more seeds of each method: final and best accuracy (:func:`tools.grid_stats.method_stats`), the
     verdict against the paper (:func:`tools.report.paper_comparison`), the difference to another
-    method in standard errors (:func:`tools.report.difference`); over all seeds the two methods
+    method in standard errors (:func:`tools.grid_stats.difference`); over all seeds the two methods
     share, the paired-by-seed differences (best, final, last 10; mean ± sample std); the paper's
     numbers with their ±; each run's best / final / last 10 and its accuracy at every round."""
     info, cells = load_grid(RESULTS / grid)

@@ -10,7 +10,8 @@ import pytest
 
 from common.errors import ConfigError
 from conftest import DATA_DIR
-from tools.report import FIGURES, report
+from tools.figures import FIGURES
+from tools.report import report
 
 ACC = {  # method -> seed -> accuracy_weighted per round (accuracy_mean = that minus 0.1)
     "fedre": {0: [0.5, 0.7, 0.85, 0.9], 1: [0.6, 0.82, 0.8, 0.86]},
@@ -249,18 +250,20 @@ def test_paper_verdicts_reversed_rankings_and_single_seeds():
 )
 def test_a_paper_file_with_unknown_keys_is_refused_naming_it(tmp_path, monkeypatch, text, match):
     from common.errors import ConfigError
-    from tools import report as report_tool
+    from tools import grid_rows
 
     (tmp_path / "presets").mkdir()
     (tmp_path / "presets" / "x.paper.toml").write_text(text)
-    monkeypatch.setattr(report_tool, "ROOT", tmp_path)
+    monkeypatch.setattr(grid_rows, "ROOT", tmp_path)
     with pytest.raises(ConfigError, match="x.paper.toml.*" + match):
-        report_tool.paper_info("x.toml")
+        grid_rows.paper_info("x.toml")
 
 
 def test_where_a_method_is_above_local():
     """Mean over seeds against Local's mean: first round above, the final stretch above, the count."""
-    from tools.report import Cell, above_baseline, describe_above
+    from tools.grid_rows import Cell
+    from tools.grid_stats import above_baseline
+    from tools.report import describe_above
 
     def cells(*curves):
         return [Cell("m", s, [{"round": r + 1, "acc": a} for r, a in enumerate(c)], {}) for s, c in enumerate(curves)]
@@ -284,7 +287,9 @@ def test_where_a_method_is_above_local():
 def test_report_of_a_plain_flwr_run_folder_takes_the_federation_size_from_the_run(small_config, tmp_path):
     """A run made with plain ``flwr run`` keeps ``num-clients = 0`` (every node) in its config: the partition
     figure asked flwr-datasets for 0 partitions and failed; the federation's size is in the summary or the rows."""
-    from tools.report import Cell, main, with_federation_size
+    from tools.grid_rows import Cell
+    from tools.grid_stats import with_federation_size
+    from tools.report import main
 
     config = {**small_config, "num-clients": 0, "method": "fedgh"}
     run = tmp_path / "20260101-000000-fedgh-mnist-7"

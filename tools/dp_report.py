@@ -9,7 +9,7 @@ Usage (from the repository root)::
 Each ``--grid <ε>=<folder>`` is a ``tools.grid`` folder of the same preset run with run config
 ``dp.epsilon`` = ε (``inf``: without DP). Its ``grid.json``, each cell's newest ``metrics.jsonl`` and
 ``summary.json`` and, where ``tools.privacy`` attacked that run, its ``privacy/privacy.json`` are
-copied to ``<folder>/eps-<ε>/`` (``tools.report.copy_runs``'s layout), so the report is regenerated
+copied to ``<folder>/eps-<ε>/`` (``tools.grid_rows.copy_runs``'s layout), so the report is regenerated
 from the copies alone. Writes ``<folder>/report.md`` and ``<folder>/accuracy_vs_epsilon.png``.
 
 Per method and ε, over its seeds (mean ± sample std): final pooled and mean-over-clients accuracy
@@ -36,10 +36,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from common.errors import ConfigError  # noqa: E402
+from tools.figures import method_colors  # noqa: E402
 from tools.grid import newest_run  # noqa: E402
+from tools.grid_rows import copy_runs, load_grid  # noqa: E402
+from tools.grid_stats import mean_std, prior_by_seed, prior_stats  # noqa: E402
 from tools.privacy_report import cell as score_cell  # noqa: E402
 from tools.privacy_report import stat  # noqa: E402
-from tools.report import copy_runs, load_grid, mean_std, method_colors, pct, prior_by_seed, prior_stats  # noqa: E402
+from tools.report import pct  # noqa: E402
 
 #: subfolder of a report folder holding the grid run at one ε
 PREFIX = "eps-"
@@ -69,7 +72,7 @@ def epsilon_value(label: str) -> float:
 
 
 def copy_grid(grid: Path, target: Path) -> None:
-    """:func:`tools.report.copy_runs` plus each cell's ``privacy/privacy.json`` (when attacked)."""
+    """:func:`tools.grid_rows.copy_runs` plus each cell's ``privacy/privacy.json`` (when attacked)."""
     if target.exists():
         shutil.rmtree(target)
     copy_runs(grid, target)
@@ -105,8 +108,8 @@ def upload_attack(rows: list[dict[str, Any]]) -> tuple[tuple[float, float] | Non
 def collect(folder: Path, data_dir: str | None = None) -> tuple[dict, dict[str, dict[str, dict[str, Any]]]]:
     """(the first grid's ``grid.json``, method -> ε label -> its numbers) over ``<folder>/eps-*``, for the
     methods run at two ε or more; a cell counts once its newest run completed. The grid info also gets
-    ``prior``, the class prior's accuracy over every cell's seed (``tools.report.prior_by_seed``,
-    :func:`tools.report.prior_stats`), and each method and ε ``above_prior``: its
+    ``prior``, the class prior's accuracy over every cell's seed (``tools.grid_stats.prior_by_seed``,
+    :func:`tools.grid_stats.prior_stats`), and each method and ε ``above_prior``: its
     final pooled accuracy minus its seed's prior, mean ± std over seeds; without readable data the info
     gets ``prior_error`` instead and ``above_prior`` is None.
 
@@ -161,7 +164,8 @@ def prior_line(info: dict) -> str:
         return f"Class prior alone: not computed ({info['prior_error']}; pass --data-dir)."
     prior = info["prior"]
     return (
-        "Class prior alone (every client predicts its most frequent training class; `tools.report.prior_accuracy`): "
+        "Class prior alone (every client predicts its most frequent training class; "
+        "`tools.grid_stats.prior_accuracy`): "
         f"{pct(prior['weighted'])} pooled, {pct(prior['mean'])} mean over clients. A model at this accuracy has "
         "learnt its client's label skew and nothing of the images."
     )

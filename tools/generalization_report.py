@@ -9,7 +9,7 @@ Usage (from the repository root)::
 
 Each ``--grid <setting>=<folder>`` is a ``tools.grid`` folder of a preset with held-out clients (run
 config ``generalization.*``, docs/generalization.md). Its ``grid.json`` and each cell's newest
-``metrics.jsonl`` and ``summary.json`` are copied to ``<folder>/<setting>/`` (``tools.report.copy_runs``),
+``metrics.jsonl`` and ``summary.json`` are copied to ``<folder>/<setting>/`` (``tools.grid_rows.copy_runs``),
 so the report is regenerated from the copies alone. Writes ``<folder>/report.md`` and per setting
 ``generalization_<setting>.png`` (accuracy against round: training clients dashed, held-out clients
 solid, as MH-pFedHN's Figures 3-5) and ``personalization_<setting>.png`` (the last phase's held-out
@@ -37,7 +37,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from common.errors import ConfigError  # noqa: E402
-from tools.report import Cell, copy_runs, load_grid, mean_std, method_colors, pct, prior_over_seeds  # noqa: E402
+from tools.figures import method_colors  # noqa: E402
+from tools.grid_rows import Cell, copy_runs, load_grid  # noqa: E402
+from tools.grid_stats import mean_std, prior_over_seeds  # noqa: E402
+from tools.report import pct  # noqa: E402
 
 #: MH-pFedHN's methods and the claims of its §4.4 the verdicts test
 HYPERNETWORKS = ("mh-pfedhn", "mh-pfedhngd")
@@ -82,7 +85,7 @@ def method_numbers(cells: list[Cell]) -> dict[str, Any]:
 def collect(folder: Path, data_dir: str | None = None) -> dict[str, tuple[dict, dict[str, dict[str, Any]], list[Cell]]]:
     """setting -> (its ``grid.json``, method -> :func:`method_numbers`, its cells) over ``<folder>/*/grid.json``.
     The grid info also gets ``prior``: the class prior's accuracy of its training and held-out clients
-    (``tools.report.prior_over_seeds``), or ``prior_error`` when the data are not readable.
+    (``tools.grid_stats.prior_over_seeds``), or ``prior_error`` when the data are not readable.
 
     Raises:
         ConfigError: no grid copy in ``folder``.
@@ -146,7 +149,8 @@ def render(settings: dict[str, tuple[dict, dict[str, dict[str, Any]], list[Cell]
         "personalisation (what a new client gets); *held-out*: after the last phase's personalisation rounds;",
         "*rounds to level*: per seed, the personalisation rounds until the held-out mean reached the training",
         "mean (`-`: not within the phase); *phase bytes*: payload bytes of the last phase, both ways.",
-        "*class prior alone*: every client predicts its most frequent training class (`tools.report.prior_accuracy`):",
+        "*class prior alone*: every client predicts its most frequent training class "
+        "(`tools.grid_stats.prior_accuracy`):",
         "what a model that learnt only its client's label skew scores.",
     ]
     for setting, (info, stats, cells) in settings.items():
