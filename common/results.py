@@ -36,8 +36,9 @@ log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
 
 def counted_rows(rows: list[dict[str, Any]], metric: str = "accuracy_mean") -> list[dict[str, Any]]:
-    """The rows with a value of ``metric`` whose evaluation every client asked gave (row key
-    ``eval_missing`` empty or absent); all rows with a value when no round's evaluation was complete
+    """The rows with a value of ``metric`` in which every client asked to evaluate gave a valid
+    evaluation (row key ``eval_missing`` empty or absent); all rows with a value when no round's
+    evaluation was complete
     (e.g. a client whose every reply is dropped). A round in which some clients' evaluations failed
     (a crashed worker, a dropped reply) averages over the others only, so its accuracy is not
     comparable with the other rounds': the summary's final and best, and run config
