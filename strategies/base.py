@@ -20,6 +20,23 @@ Server (:class:`HeteroStrategy`, the method's hooks and one round loop over Flow
 Client (:class:`ClientProcedure`): one method per message type (``train``, ``evaluate``,
 ``query``, or ``train_<action>`` for ``train.<action>``), each taking the client runtime,
 the validated payload and the config, and returning reply arrays and metrics.
+
+Life of a round (docs/architecture.md walks it step by step; a test keeps every hop real):
+
+1. `strategies/base.py::HeteroStrategy.run_round`: the loop's round; refreshes the roster
+   (`strategies/nodes.py::Roster.refresh`) and calls the method's hook;
+2. `strategies/base.py::HeteroStrategy.train_round` (the hook): samples
+   (`strategies/nodes.py::Roster.sample`), builds one train message per client
+   (`strategies/transport.py::Transport.message`, settings from `common/protocol.py::train_config`),
+   exchanges them (`strategies/transport.py::Transport.exchange`), keeps the valid replies
+   (`strategies/transport.py::Transport.validate`) and calls the method's
+   `strategies/base.py::HeteroStrategy.server_update`;
+3. on each client `client_app/app.py::handle_message` restores its state
+   (`common/runtime.py::ClientRuntime`) and runs the method's `strategies/base.py::ClientProcedure.train`;
+4. `strategies/base.py::HeteroStrategy.evaluate_round` with `strategies/evaluation.py::evaluate_clients`:
+   the round's accuracy;
+5. the row (`strategies/records.py::round_row`, `common/results.py::ResultsWriter.write_round`) and the
+   checkpoint (`common/results.py::ResultsWriter.write_checkpoint`).
 """
 
 from __future__ import annotations

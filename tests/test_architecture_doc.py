@@ -1,4 +1,5 @@
-"""docs/architecture.md walks one round through the code: every ``file::name`` it cites must exist."""
+"""docs/architecture.md walks one round through the code, and strategies/base.py opens with its short
+version: every ``file::name`` either cites must exist."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import re
 from conftest import ROOT
 
 DOC = ROOT / "docs" / "architecture.md"
+#: the strategy's module docstring: the life of a round, hop by hop
+BASE = ROOT / "strategies" / "base.py"
 REFERENCE = re.compile(r"`([\w/]+\.py)::([\w.]+)`")
 
 
@@ -39,3 +42,9 @@ def test_every_cited_function_exists():
     assert len(cited) > 30  # the walk-through cites the path step by step
     missing = [f"{path}::{name}" for path, name in cited if name not in defined_names(ROOT / path)]
     assert missing == []
+
+
+def test_every_hop_of_the_strategys_life_of_a_round_exists():
+    cited = REFERENCE.findall(ast.get_docstring(ast.parse(BASE.read_text())))
+    assert len(cited) >= 10
+    assert [f"{p}::{n}" for p, n in cited if n not in defined_names(ROOT / p)] == []
