@@ -6,7 +6,7 @@ copied into it: https://github.com/AIResearch-Group/FedRE and https://github.com
     uv run --frozen --extra crosscheck python -m bench.fedre_authors \\
         --fedre ../FedRE --pfllib ../PFLlib --preset presets/fedre-table12-cifar10.toml \\
         --seeds 0,1,2 [--rounds 100] [--out outputs/authors/fedre-table12-cifar10] \\
-        [--ours "ours (server)=results/fedre-table12-cifar10-100/fedre-seed{seed}"]
+        [--sides fedre,local] [--ours "ours (server)=results/fedre-table12-cifar10-100/fedre-seed{seed}"]
 
 The paper's Table 12 (model-homogeneous FedAvgCNN) comes from the authors' PFLlib tree
 (``PFLlib/system/flcore/servers/serverre.py``), whose server head *is* client 0's head object and is
@@ -154,15 +154,10 @@ def run_authors(tree: Path, config: dict, side: str, seed: int, partitions: Path
         RuntimeError: the run ended before evaluating round R (exit code and log tail in the message).
     """
     rounds = config["num-server-rounds"]
-    digest = json.loads((partitions / "config.json").read_text())["content_digest"]
-    # PFLlib picks FedAvgCNN's flattened width by "Cifar10" in the dataset name
-    name = f"Cifar10-mheterofl-{digest[:12]}"
-    args = authors_command(config, side, name)
-    done = out / f"{side}-seed-{seed}.json"
-    if done.exists():
-        saved = json.loads(done.read_text())
-        if saved["command"] == args and saved["content_digest"] == digest:
-            return saved
+    digest, name, args = _identity(config, side, partitions)
+    saved = finished_run(config, side, seed, partitions, out)
+    if saved is not None:
+        return saved
     link = tree / "dataset" / name
     link.parent.mkdir(exist_ok=True)
     if link.is_symlink() or link.exists():
@@ -191,8 +186,27 @@ def run_authors(tree: Path, config: dict, side: str, seed: int, partitions: Path
         "wall_seconds": wall,
         "cpu_seconds": cpu,
     }
-    atomic_write(done, lambda f: f.write(json.dumps(result, indent=1).encode()))
+    atomic_write(out / f"{side}-seed-{seed}.json", lambda f: f.write(json.dumps(result, indent=1).encode()))
     return result
+
+
+def _identity(config: dict, side: str, partitions: Path) -> tuple[str, str, list[str]]:
+    """The partitions' content digest, the dataset name PFLlib reads them by, and ``side``'s flags."""
+    digest = json.loads((partitions / "config.json").read_text())["content_digest"]
+    # PFLlib picks FedAvgCNN's flattened width by "Cifar10" in the dataset name
+    name = f"Cifar10-mheterofl-{digest[:12]}"
+    return digest, name, authors_command(config, side, name)
+
+
+def finished_run(config: dict, side: str, seed: int, partitions: Path, out: Path) -> dict | None:
+    """``side``'s finished run for ``seed`` in ``out`` (as :func:`run_authors` returns it) when it ran
+    the same flags on the same partitions (by content digest), else None."""
+    digest, _, args = _identity(config, side, partitions)
+    done = out / f"{side}-seed-{seed}.json"
+    if not done.exists():
+        return None
+    saved = json.loads(done.read_text())
+    return saved if saved["command"] == args and saved["content_digest"] == digest else None
 
 
 def our_curve(folder: Path, rounds: int) -> list[float] | None:
@@ -284,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pfllib", type=Path, required=True, help="a checkout of TsingZ0/PFLlib (outside this repo)")
     parser.add_argument("--seeds", default="0,1,2", help="training seeds (default 0,1,2)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default: the config's num-server-rounds)")
+    parser.add_argument(
+        "--sides",
+        default="fedre,local",
+        help="which sides to run: fedre, local or both (default); the report shows every finished run in --out, so"
+        " two calls with one side each can run side by side on two cores",
+    )
     parser.add_argument("--out", type=Path, default=None, help="default outputs/authors/<preset stem>")
     parser.add_argument(
         "--ours",
@@ -302,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                 if ROOT in (tree, *tree.parents):
                     raise ConfigError(f"{flag}: {tree} is inside this repository; use a checkout outside it")
             seeds = [int(s) for s in args.seeds.split(",") if s]
+            run_sides = [s for s in args.sides.split(",") if s]
+            if not run_sides or set(run_sides) - {"fedre", "local"}:
+                raise ConfigError(f"--sides: {args.sides!r}; allowed: fedre, local or fedre,local")
             ours = dict(item.split("=", 1) for item in args.ours)
             config, _ = read_config(args.preset, args.run_config)
             if config["method"] != "fedre" or config["model-group"] != "fedavgcnn" or config["dataset"] != "cifar10":
@@ -338,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for seed in seeds:
                 for side, label in (("fedre", FEDRE_LABEL), ("local", LOCAL_LABEL)):
+                    if side not in run_sides:
+                        if (kept := finished_run(config, side, seed, partitions, out)) is not None:
+                            sides[label][seed], test_examples = kept["curve"], kept["test_examples"]
+                        continue
                     print(f"{label}, seed {seed}", flush=True)
                     try:
                         result = run_authors(trees[side], config, side, seed, partitions, out)

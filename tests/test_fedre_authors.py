@@ -19,6 +19,8 @@ from bench.fedre_authors import (
     ROUNDS_VARIABLE,
     SEED_VARIABLE,
     authors_command,
+    finished_run,
+    main,
 )
 
 SERVERBASE = """
@@ -155,3 +157,37 @@ def test_flags_follow_the_run_config():
             "cpu",
         )
     assert flags(fedre)["-sbs"] == "10"
+
+
+def test_a_finished_run_is_found_only_for_the_same_flags_and_partitions(tmp_path):
+    config = {
+        "num-server-rounds": 3,
+        "num-clients": 2,
+        "fraction-train": 1.0,
+        "batch-size": 10,
+        "lr": 0.01,
+        "local-epochs": 1,
+        "fedre.server-batch-size": 10,
+    }
+    partitions = tmp_path / "partitions"
+    partitions.mkdir()
+    (partitions / "config.json").write_text(json.dumps({"content_digest": "ab" * 32}))
+    name = "Cifar10-mheterofl-" + "ab" * 6
+    saved = {"curve": [0.1, 0.2, 0.3], "command": authors_command(config, "local", name), "content_digest": "ab" * 32}
+    (tmp_path / "local-seed-1.json").write_text(json.dumps(saved))
+    assert finished_run(config, "local", 1, partitions, tmp_path) == saved
+    # another seed, another side, other flags, other partitions: none
+    assert finished_run(config, "local", 2, partitions, tmp_path) is None
+    assert finished_run(config, "fedre", 1, partitions, tmp_path) is None
+    assert finished_run({**config, "lr": 0.02}, "local", 1, partitions, tmp_path) is None
+    (partitions / "config.json").write_text(json.dumps({"content_digest": "cd" * 32}))
+    assert finished_run(config, "local", 1, partitions, tmp_path) is None
+
+
+def test_sides_other_than_fedre_and_local_are_refused(tmp_path, capsys):
+    for system in (tmp_path / "fedre" / "PFLlib" / "system", tmp_path / "pfllib" / "system"):
+        system.mkdir(parents=True)
+        (system / "main.py").write_text("")
+    code = main(["--fedre", str(tmp_path / "fedre"), "--pfllib", str(tmp_path / "pfllib"), "--sides", "fedre,fedavg"])
+    assert code == 2
+    assert "--sides: 'fedre,fedavg'; allowed: fedre, local" in capsys.readouterr().out
