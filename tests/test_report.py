@@ -323,3 +323,33 @@ def test_report_of_a_plain_flwr_run_folder_takes_the_federation_size_from_the_ru
     assert with_federation_size(small_config, [])["num-clients"] == CLIENTS  # a config that sets it is kept
     with pytest.raises(ConfigError, match="num-clients = 0 and no summary or round row"):
         with_federation_size(config, [])
+
+
+def test_a_round_with_missing_evaluations_is_left_out_of_curves_and_numbers():
+    """A row whose evaluation some clients failed (eval_missing) counts in no curve, mean or best,
+    as in the run's summary; the seeds' curves stay aligned by round."""
+    from tools.grid_rows import Cell
+    from tools.grid_stats import above_baseline, method_stats, seed_curves
+
+    def rows(curve, missing=()):
+        return [
+            {
+                "round": r + 1,
+                "accuracy_weighted": a,
+                "accuracy_mean": a,
+                "eval_missing": [7] if r + 1 in missing else [],
+                **{"num_clients": 2, "bytes_up": 0, "bytes_down": 0, "round_seconds": 1.0},
+            }
+            for r, a in enumerate(curve)
+        ]
+
+    # seed 1's round 2 was evaluated on one client only (its 0.99 is not the federation's)
+    cells = [Cell("m", 0, rows([0.2, 0.4, 0.5]), {}), Cell("m", 1, rows([0.3, 0.99, 0.6], missing={2}), {})]
+    rounds, values = seed_curves(cells, "accuracy_weighted")
+    assert rounds.tolist() == [1, 3]
+    assert values.tolist() == [[0.2, 0.5], [0.3, 0.6]]
+    stats = method_stats(cells, "accuracy_weighted", None)
+    assert stats["best_accuracy_weighted"][0] == pytest.approx((0.5 + 0.6) / 2)  # not seed 1's 0.99
+    local = [Cell("local", s, rows([0.25, 0.1, 0.5]), {}) for s in (0, 1)]
+    # round 2 (seed 1 left it out) is not compared; round 1 is level (0.25), round 3 above (0.55 vs 0.5)
+    assert above_baseline(cells, local, "accuracy_weighted") == {"first": 3, "stays_from": 3, "above": 1, "of": 2}

@@ -39,7 +39,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
 from tools.figures import method_colors  # noqa: E402
 from tools.grid_rows import Cell, copy_runs, load_grid  # noqa: E402
-from tools.grid_stats import mean_std, prior_over_seeds  # noqa: E402
+from tools.grid_stats import mean_std, prior_over_seeds, seed_curves  # noqa: E402
 from tools.report import pct  # noqa: E402
 
 #: MH-pFedHN's methods and the claims of its §4.4 the verdicts test
@@ -192,10 +192,8 @@ def plot(setting: str, stats: dict[str, dict[str, Any]], cells: list[Cell], out:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for method in stats:
         mine = [c for c in cells if c.method == method]
-        rounds = mine[0].curve("accuracy_mean")[0]
-        n = min(len(c.curve("accuracy_mean")[0]) for c in mine)
-        mean = sum(c.curve("accuracy_mean")[1][:n] for c in mine) / len(mine)
-        ax.plot(rounds[:n], 100 * mean, linestyle="--", color=colors[method], alpha=0.7)
+        rounds, values = seed_curves(mine, "accuracy_mean")
+        ax.plot(rounds, 100 * values.sum(0) / len(mine), linestyle="--", color=colors[method], alpha=0.7)
         phases = [
             [(r["round"], r["heldout_accuracy_mean"]) for r in c.rows if r.get("heldout_curve_mean")] for c in mine
         ]

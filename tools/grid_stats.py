@@ -4,6 +4,8 @@ client-round, and the class-prior baseline's accuracy (:func:`prior_accuracy`)."
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from common.errors import ConfigError
@@ -18,11 +20,12 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def seed_curves(cells: list[Cell], key: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(rounds [n], values [seeds, n])`` of ``key`` over the first n evaluated rounds, n that
-    of the shortest cell (fractions, float64)."""
+    """``(rounds [n], values [seeds, n])`` of ``key`` (fractions, float64) over the n rounds that
+    every cell evaluated (:meth:`Cell.curve`): a round one seed left out (an incomplete
+    evaluation) or has not reached is left out for all, so each column is one round."""
     curves = [c.curve(key) for c in cells]
-    n = min(len(rounds) for rounds, _ in curves)
-    return curves[0][0][:n], np.stack([values[:n] for _, values in curves])
+    rounds = functools.reduce(np.intersect1d, [r for r, _ in curves])
+    return rounds, np.stack([values[np.isin(r, rounds)] for r, values in curves])
 
 
 def above_baseline(cells: list[Cell], baseline: list[Cell], key: str) -> dict:
@@ -30,10 +33,11 @@ def above_baseline(cells: list[Cell], baseline: list[Cell], key: str) -> dict:
     over the rounds both have: ``first`` (the first round above, None if never), ``stays_from``
     (the first round of the final stretch above, None when it ends at or below), ``above`` (how
     many rounds are above) and ``of`` (how many rounds were compared)."""
-    rounds, ours = seed_curves(cells, key)
-    theirs = seed_curves(baseline, key)[1]
-    n = min(len(rounds), theirs.shape[1])
-    is_above = ours.mean(0)[:n] > theirs.mean(0)[:n]
+    ours_rounds, ours = seed_curves(cells, key)
+    theirs_rounds, theirs = seed_curves(baseline, key)
+    rounds = np.intersect1d(ours_rounds, theirs_rounds)
+    n = len(rounds)
+    is_above = ours[:, np.isin(ours_rounds, rounds)].mean(0) > theirs[:, np.isin(theirs_rounds, rounds)].mean(0)
     behind = np.nonzero(~is_above)[0]
     stays_from = None
     if n and is_above[-1]:  # the final stretch starts right after the last round not above
