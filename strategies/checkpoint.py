@@ -19,6 +19,7 @@ import torch
 
 from common.config import ConfigError, RunConfig
 from common.results import load_checkpoint
+from common.state_store import all_finite
 from strategies.records import RoundCounters
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
@@ -204,7 +205,7 @@ def _float_values(value: Any) -> np.ndarray | None:
 def finite(state: Any) -> bool:
     """Whether every float tensor and array in a (nested) server state is finite."""
     if isinstance(state, torch.Tensor):
-        return not state.is_floating_point() or bool(torch.isfinite(state).all())
+        return all_finite(state)
     if isinstance(state, np.ndarray):
         return state.dtype.kind != "f" or bool(np.isfinite(state).all())
     if isinstance(state, dict):

@@ -50,3 +50,21 @@ def test_state_dir_still_wins(run_config, tmp_path):
     strategy, _ = run(rc, "run")
     assert not (strategy.results.path / "client-state").exists()
     assert (tmp_path / "state" / strategy.transport.state_key / "partition-0" / f"{MODEL_STATE}.pt").is_file()
+
+
+def test_all_finite_is_exact_also_where_the_sum_overflows():
+    import torch
+
+    from common.state_store import all_finite
+
+    assert all_finite(torch.randn(1000))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.randn(1000)
+        t[417] = bad
+        assert not all_finite(t)
+    # finite entries whose float32 sum overflows to inf: still finite (the exact check decides)
+    assert all_finite(torch.tensor([3e38, 3e38], dtype=torch.float32))
+    assert not all_finite(torch.tensor([3e38, float("inf")], dtype=torch.float32))
+    assert not all_finite(torch.tensor([float("inf"), -float("inf")]))  # the sum is NaN
+    assert all_finite(torch.tensor([], dtype=torch.float32))
+    assert all_finite(torch.tensor([1, 2, 3]))  # integer tensors hold no NaN
