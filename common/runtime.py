@@ -175,19 +175,36 @@ class ClientRuntime:
 
     @cached_property
     def model(self) -> SplitModel:
-        """The personal model: built from the model group and seed (run config ``init``), restored
-        from state, on device."""
+        """The personal model: restored from state, else built from the model group and seed (run
+        config ``init``); on device.
+
+        A model with a stored state needs no initialisation, which costs more than loading the
+        state (HtCNN7 28 ms, ResNet-18 90 ms, ResNet-152 0.6 s on one CPU thread): its modules are
+        built on the meta device, given memory and filled by :meth:`restore`, which sets every
+        parameter and buffer (a model with a buffer outside its state dict is built in full).
+        Without a usable state it is built and initialised as the seed says.
+        """
         info = self.info
-        model = MODEL_GROUPS[self.cfg.model_group].build(
-            self.partition_id,
-            info.num_classes,
-            info.channels,
-            info.image_size,
-            self.cfg.seed,
-            self.cfg.feature_dim,
-            identical=self.cfg.init == "identical",
-            architecture=architecture_for(self.cfg, self.partition_id, self.spec.num_partitions),
-        )
+
+        def build() -> SplitModel:
+            return MODEL_GROUPS[self.cfg.model_group].build(
+                self.partition_id,
+                info.num_classes,
+                info.channels,
+                info.image_size,
+                self.cfg.seed,
+                self.cfg.feature_dim,
+                identical=self.cfg.init == "identical",
+                architecture=architecture_for(self.cfg, self.partition_id, self.spec.num_partitions),
+            )
+
+        with torch.device("meta"):
+            skeleton = build()
+        if set(dict(skeleton.named_buffers())) <= set(skeleton.state_dict()):
+            if self.restore(MODEL_STATE, skeleton.to_empty(device="cpu")):
+                return skeleton.to(self.device)
+            return build().to(self.device)
+        model = build()
         self.restore(MODEL_STATE, model)
         return model.to(self.device)
 

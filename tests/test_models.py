@@ -97,3 +97,30 @@ def test_htcnn8_and_small_resnets_match_spec_shapes():
 
     assert small_resnet(1)(torch.randn(2, 3, 32, 32)).shape == (2, 64)
     assert small_resnet(3)(torch.randn(2, 3, 32, 32)).shape == (2, 256)
+
+
+def _first_of_each_architecture() -> dict[str, tuple[str, int]]:
+    """architecture -> (a model group that has it, a partition id it is built for)."""
+    found = {}
+    for name, group in MODEL_GROUPS.items():
+        members = max(len(getattr(group, "architectures", ())), len(getattr(group, "heads", ())), 1)
+        for pid in range(members):
+            found.setdefault(group.architecture_for(pid), (name, pid))
+    return found
+
+
+def test_a_model_built_on_the_meta_device_and_loaded_equals_the_built_one():
+    """ClientRuntime.model builds a model with a stored state on the meta device and loads the state
+    into it: for every architecture the state dict covers every buffer, and the loaded model has the
+    built one's every parameter and buffer."""
+    for arch, (group_name, pid) in _first_of_each_architecture().items():
+        group = MODEL_GROUPS[group_name]
+        channels, size = (1, 28) if arch.startswith("htcnn") or arch == "lenet" else (3, 32)
+        built = group.build(pid, 10, channels, size, seed=3, k=512)
+        with torch.device("meta"):
+            skeleton = group.build(pid, 10, channels, size, seed=3, k=512)
+        assert set(dict(skeleton.named_buffers())) <= set(skeleton.state_dict()), arch
+        skeleton.to_empty(device="cpu").load_state_dict(built.state_dict())
+        loaded, want = skeleton.state_dict(), built.state_dict()
+        assert loaded.keys() == want.keys(), arch
+        assert all(torch.equal(loaded[k], want[k]) for k in want), arch
