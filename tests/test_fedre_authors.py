@@ -191,3 +191,28 @@ def test_sides_other_than_fedre_and_local_are_refused(tmp_path, capsys):
     code = main(["--fedre", str(tmp_path / "fedre"), "--pfllib", str(tmp_path / "pfllib"), "--sides", "fedre,fedavg"])
     assert code == 2
     assert "--sides: 'fedre,fedavg'; allowed: fedre, local" in capsys.readouterr().out
+
+
+def test_report_gives_each_side_final_best_and_paired_gaps(tmp_path):
+    from bench.fedre_authors import FEDRE_LABEL, LOCAL_LABEL, write_report
+
+    sides = {
+        FEDRE_LABEL: {0: [0.5, 0.8, 0.7], 1: [0.6, 0.7, 0.75]},
+        LOCAL_LABEL: {0: [0.6, 0.9, 0.85], 1: [0.6, 0.8, 0.8]},
+        "ours": {0: [0.5, 0.6, 0.72]},
+    }
+    info = {"command": "c", "commit": "x", "fedre_commit": "y", "pfllib_commit": "z", "preset": "p.toml"}
+    write_report(
+        tmp_path, {**info, "partition_seed": 0, "rounds": 3, "seeds": [0, 1], "test_examples": 200, "times": []}, sides
+    )
+    rows: dict[str, str] = {}  # label -> its line of the first table
+    for line in (tmp_path / "report.md").read_text().splitlines():
+        rows.setdefault(line.split(" | ")[0].lstrip("| "), line)
+    # FedRE: final 72.50 ± 3.54 (70, 75), best 77.50 ± 3.54 (80, 75); against Local: final -15, -5; best -10, -5
+    assert "| 72.50 ± 3.54 | 77.50 ± 3.54 | +0.00 ± 0.00 (n=2) | -10.00 ± 7.07 (n=2) |" in rows[FEDRE_LABEL]
+    assert rows[FEDRE_LABEL].endswith("| +0.00 ± 0.00 (n=2) | -7.50 ± 3.54 (n=2) |")
+    # one seed: no spread; ours seed 0 against FedRE: final +2, best -8; against Local: -13, -18
+    assert rows["ours"].endswith(
+        "| 72.00 ± 0.00 | 72.00 ± 0.00 | +2.00 (n=1) | -13.00 (n=1) | -8.00 (n=1) | -18.00 (n=1) |"
+    )
+    assert "| ours | 72.00 / 72.00 | - |" in (tmp_path / "report.md").read_text()

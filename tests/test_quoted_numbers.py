@@ -41,6 +41,7 @@ import pytest
 
 from bench.byzantine import ATTACKS, table
 from bench.crosscheck_report import compare
+from bench.fedre_authors import stats as authors_stats
 from common.files import read_rows
 from tools.grid_rows import Cell, load_ablations, load_grid, paper_info
 from tools.grid_stats import difference, mean_std, method_stats
@@ -167,8 +168,10 @@ def crosscheck_numbers(folder: str) -> Numbers:
     """What ``results/crosscheck/<folder>/``'s per-seed files give: final and best of each side by
     :func:`bench.crosscheck_report.compare` (population std), against HtFLlib (``<method>/seed-<s>/ours.json``
     beside ``<method>/reference-seed-<s>.json``) or the authors' code (``seed-<s>/metrics.jsonl``
-    beside ``seed-<s>/authors.json``, pooled and mean over clients), and every round's accuracy of
-    every run kept there (``metrics.jsonl``, ``ours.json``, a reference's curve or ``rows.jsonl``)."""
+    beside ``seed-<s>/authors.json``, pooled and mean over clients), each side's final and best over
+    its seeds of ``bench.fedre_authors``' ``<side>-seed-<s>.json`` (sample std, as its report), and
+    every round's accuracy of every run kept there (``metrics.jsonl``, ``ours.json``, a reference's
+    curve, a ``<side>-seed-<s>.json`` or ``rows.jsonl``)."""
     base = CROSSCHECK / folder
     comparisons = []
     for method in sorted(p for p in base.iterdir() if p.is_dir()):
@@ -187,6 +190,14 @@ def crosscheck_numbers(folder: str) -> Numbers:
                 found.pairs.add((100 * result[side][f"{key}_mean"], 100 * result[side][f"{key}_std"]))
     kept = [*curves(sorted(base.glob("**/metrics.jsonl")), "accuracy_weighted")]
     kept += curves(sorted(base.glob("**/reference-seed-*.json")), "curve")
+    sides: dict[str, list[list[float]]] = {}  # bench.fedre_authors: <side>-seed-<s>.json in the folder itself
+    for path in sorted(base.glob("*-seed-*.json")):
+        sides.setdefault(path.stem.rsplit("-seed-", 1)[0], []).append(curves([path], "curve")[0])
+    for side_curves in sides.values():
+        kept += side_curves
+        if len(side_curves) > 1:  # bench.fedre_authors.stats: mean ± sample std over seeds
+            s = authors_stats(side_curves)
+            found.pairs |= {(s["final"], s["final_std"]), (s["best"], s["best_std"])}
     if (base / "rows.jsonl").is_file():
         kept.append(
             [json.loads(line)["accuracy"] for line in (base / "rows.jsonl").read_text(encoding="utf-8").splitlines()]
