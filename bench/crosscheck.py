@@ -29,7 +29,8 @@ For each method it
    verdict per method, final and best accuracy with the spread over seeds, the largest per-round
    gap, the settings as run, the test set's size, what is not paired and what the reference cannot
    express, commands, commits, wall and CPU time) and one figure per method (mean curve and min-max
-   band over seeds for each implementation).
+   band over seeds for each implementation). ``--reference-only`` runs step 2 alone (kept for a
+   later call with both sides), e.g. HtFLlib's long runs beside our committed grid's.
 
 Where each evaluates: HtFLlib evaluates every client's model at the start of iteration ``i``, after
 ``i`` rounds of training and after the server's broadcast of round ``i``'s result (iteration 0 is
@@ -128,6 +129,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seeds", default="0,1,2", help="training seeds (default 0,1,2)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default: the config's num-server-rounds)")
     parser.add_argument("--out", type=Path, default=None, help="default outputs/crosscheck/<preset or 'config'>")
+    parser.add_argument(
+        "--reference-only",
+        action="store_true",
+        help="run HtFLlib's side alone (kept for a later call with both sides; no comparison), e.g. its long"
+        " runs beside our committed ones",
+    )
     return parser.parse_args(argv)
 
 
@@ -257,6 +264,32 @@ def cross_check(plan: Plan, method: str, info: dict) -> bool:
     return True
 
 
+def reference_side(plan: Plan, method: str) -> bool:
+    """HtFLlib's runs of ``method`` alone (``--reference-only``), kept under ``<out>/<method>`` as a
+    call with both sides keeps them (:func:`bench.htfllib.run_reference`), each summarised in one line:
+    best pooled accuracy and its round, the final round's, the round it diverged. False, with the
+    error printed, when a run failed."""
+    config = plan.configs[method]
+    write_partitions(config, plan.out / "partitions")
+    for seed in plan.seeds:
+        print(f"{method}, seed {seed}: HtFLlib", flush=True)
+        try:
+            ref = run_reference(plan.reference, config, method, seed, plan.out / "partitions", plan.out / method)
+        except RuntimeError as exc:
+            print(f"error: {method}: {exc}", flush=True)
+            return False
+        valued = [(a, r) for r, a in enumerate(ref["curve"], 1) if a is not None]
+        best = max(valued, default=None)
+        print(
+            f"{method}, seed {seed}: HtFLlib best {100 * best[0]:.2f} % (round {best[1]}), "
+            f"round {valued[-1][1]} {100 * valued[-1][0]:.2f} %, diverged from round {ref['diverged_round']}"
+            if best
+            else f"{method}, seed {seed}: HtFLlib diverged from round {ref['diverged_round']}",
+            flush=True,
+        )
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line (see the module docstring). Exit code 0 when every method was compared, 1 when
     one has no comparison (a run failed; the others are compared), 2 for a command refused before
@@ -278,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         failed: list[str] = []
         try:
             for method in plan.configs:
-                if not cross_check(plan, method, info):
+                if not (reference_side(plan, method) if args.reference_only else cross_check(plan, method, info)):
                     failed.append(method)
         except KeyboardInterrupt:
             print(f"interrupted; finished parts are kept in {out} and reused when the command is given again")

@@ -7,6 +7,7 @@ training seed, read from its log (:func:`parse_reference_log`, :func:`run_refere
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -209,6 +210,9 @@ INITIAL_FLAG = re.compile(r"CROSSCHECK_INITIAL=\S+")
 DIVERGED_LINE = re.compile(r"ValueError: Input contains (NaN|infinity)")
 #: a printed non-finite loss (FedTGP's ``Server loss: nan``): HtFLlib goes on, evaluating NaN state
 NONFINITE_LOSS_LINE = re.compile(r"loss: [-+]?(nan|inf)\b", re.IGNORECASE)
+#: FedTGP's server (``servertgp.py``, ``update_Gen``) prints the largest class-wise minimum distance of
+#: the round's uploads; its margin is min(max_gap, tau)
+MAX_GAP_LINE = re.compile(r"^max_gap tensor\(([-+0-9.eEinfa]+)", re.M)
 
 #: the environment variable that gives :data:`BOOTSTRAP` the training seed
 SEED_VARIABLE = "CROSSCHECK_SEED"
@@ -372,6 +376,27 @@ def parse_reference_log(text: str) -> list[dict[int, float]]:
     return runs
 
 
+def parse_max_gap(text: str, rounds: int) -> list[float | None]:
+    """FedTGP's printed ``max_gap`` for our rounds 1..``rounds`` (its margin is min(max_gap, tau)), None
+    where none was printed or it is not finite, from the last repetition of a log.
+
+    Iteration ``i`` of ``servertgp.py``'s loop prints ``Round number: i`` and evaluates, then trains
+    and updates the generator, printing ``max_gap``: the margin of the training that round ``i + 1``
+    evaluates, which is our round ``i + 1`` (our row r is after r rounds of training).
+    """
+    text = text.rsplit("Running time:", 1)[-1]
+    by_round: dict[int, float] = {}
+    current = None
+    for line in text.splitlines():
+        if m := ROUND_LINE.search(line):
+            current = int(m.group(1))
+        elif (m := MAX_GAP_LINE.match(line)) and current is not None:
+            value = float(m.group(1))
+            if math.isfinite(value):
+                by_round[current + 1] = value
+    return [by_round.get(r) for r in range(1, rounds + 1)]
+
+
 def stopped_by_divergence(text: str) -> bool:
     """Whether the error a reference run ended with is its evaluation's on NaN or infinite outputs
     (:data:`DIVERGED_LINE` in the last traceback, or in the last lines when it printed none): an
@@ -492,7 +517,8 @@ def run_reference(
     Returns:
         ``{"curve": [accuracy by round 1..R], "initial": round 0's accuracy, "diverged_round": None
         or the first round without accuracy, "command", "commit", "content_digest", "initial_digest",
-        "threads", "wall_seconds", "cpu_seconds"}`` (also in ``reference-seed-<seed>.json``).
+        "threads", "wall_seconds", "cpu_seconds"}`` and for FedTGP ``"max_gap"`` by round
+        (:func:`parse_max_gap`) (also in ``reference-seed-<seed>.json``).
 
     Raises:
         RuntimeError: the reference printed fewer rounds than asked for another reason, or did not
@@ -514,8 +540,10 @@ def run_reference(
         code, wall, cpu = run_measured([sys.executable, "-c", BOOTSTRAP, *args], reference / "system", log, env)
     finally:
         initial.unlink(missing_ok=True)
+    text = log.read_text(errors="replace")
     result = {
-        **read_reference_run(log.read_text(errors="replace"), code, seed, rounds, config["num-clients"], log),
+        **read_reference_run(text, code, seed, rounds, config["num-clients"], log),
+        **({"max_gap": parse_max_gap(text, rounds)} if method == "fedtgp" else {}),
         "command": command,
         "commit": git_head(reference),
         "content_digest": key,

@@ -751,3 +751,50 @@ def test_the_report_keeps_earlier_methods_and_says_the_settings_as_run(tmp_path,
     assert "run by an earlier call" in report.split("## local")[1] and "## fedgh" in report
     assert "not paired: nothing" in report.split("## local")[1].split("##")[0]
     assert "server's initial head" in report.split("## fedgh")[1]
+
+
+def test_fedtgp_max_gap_is_read_per_round_of_ours():
+    """servertgp.py prints max_gap after iteration i's training: the margin of our round i + 1."""
+    log = textwrap.dedent(
+        """
+        ============= Running time: 0th =============
+        -------------Round number: 0-------------
+        Averaged Test Accuracy: 0.1000
+        max_gap tensor(0.3668)
+        Server loss: 2.1
+        -------------Round number: 1-------------
+        Averaged Test Accuracy: 0.5000
+        max_gap tensor(4.1700, device='cuda:0')
+        -------------Round number: 2-------------
+        max_gap tensor(nan)
+        Server loss: nan
+        """
+    )
+    assert htfllib.parse_max_gap(log, 4) == [0.3668, 4.17, None, None]
+
+
+def test_reference_only_runs_htflib_alone_and_compares_nothing(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def reference(ref, config, method, seed, partitions, out, threads=1):
+        calls.append((method, seed, config["num-server-rounds"]))
+        return {"curve": [0.3, 0.5, None], "diverged_round": 3}
+
+    def ours(*args, **kwargs):
+        raise AssertionError("ours must not run")
+
+    monkeypatch.setattr(crosscheck, "run_reference", reference)
+    monkeypatch.setattr(crosscheck, "run_ours", ours)
+    ref = tmp_path / "ref"
+    (ref / "system").mkdir(parents=True)
+    (ref / "system" / "main.py").write_text("")
+    argv = ["--reference", str(ref), "--preset", str(PRESET), "--seeds", "1,2", "--rounds", "3", "--methods"]
+    argv += ["fedtgp", "--out", str(tmp_path / "cc"), "--reference-only"]
+    argv += ["-c", f"num-clients=3 max-examples-per-client=40 data-dir={json.dumps(str(DATA_DIR))}"]
+    assert crosscheck.main(argv) == 0
+    assert calls == [("fedtgp", 1, 3), ("fedtgp", 2, 3)]
+    assert (
+        "fedtgp, seed 2: HtFLlib best 50.00 % (round 2), round 2 50.00 %, diverged from round 3"
+        in capsys.readouterr().out
+    )
+    assert not (tmp_path / "cc" / "report.md").exists()
