@@ -29,9 +29,11 @@ DEVICES = ("auto", "cpu", "cuda")
 #: run config ``precision``: ``fp32`` (default, the papers' recipe) or ``bf16`` autocast of local training
 PRECISIONS = ("fp32", "bf16")
 #: run config ``batch-order`` of local training: ``shuffle`` (default: reshuffled every epoch, the last
-#: partial batch kept) or ``fixed`` (the partition's own order every epoch, the last partial batch
-#: dropped: HtFLlib's training loader, ``DataLoader(drop_last=True, shuffle=False)``, FedTGP's code)
-BATCH_ORDERS = ("shuffle", "fixed")
+#: partial batch kept), ``fixed`` (the partition's own order every epoch, the last partial batch
+#: dropped: HtFLlib's training loader, ``DataLoader(drop_last=True, shuffle=False)``, FedTGP's code) or
+#: ``shuffle-drop`` (reshuffled every epoch, the last partial batch dropped: PFLlib's training loader,
+#: ``DataLoader(drop_last=True, shuffle=True)``, FedRE's Table-12 code)
+BATCH_ORDERS = ("shuffle", "fixed", "shuffle-drop")
 EVAL_CLIENTS = ("all", "trained")
 #: what ``stop-patience`` watches: the unweighted mean over clients, or the pooled accuracy (HtFLlib's
 #: auto-break, ``check_done`` on ``rs_test_acc``)
@@ -210,7 +212,8 @@ class RunConfig:
     batch_order: str = option(
         "shuffle",
         "`shuffle`: reshuffled every epoch, the last partial batch kept; `fixed`: the partition's own order every "
-        "epoch, the last partial batch dropped (HtFLlib's loader, FedTGP's code)",
+        "epoch, the last partial batch dropped (HtFLlib's loader, FedTGP's code); `shuffle-drop`: reshuffled every "
+        "epoch, the last partial batch dropped (PFLlib's loader, FedRE's Table-12 code)",
         choices=BATCH_ORDERS,
     )
     round_timeout: float = option(

@@ -56,7 +56,8 @@ def train_supervised(
     Mini-batches of ``batch-size`` in ``batch-order``: ``shuffle`` reshuffles every epoch and keeps
     the last partial batch (except a 1-sample one in a model with BatchNorm, which cannot train on
     it); ``fixed`` takes the partition's own order every epoch and drops the last partial batch
-    (HtFLlib's training loader: a client with fewer than ``batch-size`` samples trains on nothing).
+    (HtFLlib's training loader: a client with fewer than ``batch-size`` samples trains on nothing);
+    ``shuffle-drop`` reshuffles every epoch and drops the last partial batch (PFLlib's loader).
     Then training augmentation, SGD from
     :func:`make_sgd` over all of ``model.parameters()`` (modules registered on ``model``
     besides extractor and head, e.g. a companion model, train too), gradient-norm clipping
@@ -87,8 +88,9 @@ def train_supervised(
     x_all, y_all = data.train_x.to(device), data.train_y.to(device)
     bf16 = config["precision"] == "bf16"
     min_batch = 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1
-    batch_size, fixed = int(config["batch-size"]), config["batch-order"] == "fixed"
-    if fixed:
+    batch_size, order = int(config["batch-size"]), config["batch-order"]
+    fixed = order == "fixed"
+    if order != "shuffle":  # fixed and shuffle-drop drop the last partial batch
         min_batch = max(min_batch, batch_size)
     loss_sum, correct, seen = 0.0, 0, 0
     for _ in range(int(config["local-epochs"])):

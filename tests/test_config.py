@@ -26,7 +26,7 @@ def test_defaults_are_valid():
         ("num-server-rounds", 2.5, "an integer"),
         ("lr", "fast", "a number"),
         ("device", "tpu", "'auto', 'cpu', 'cuda'"),
-        ("batch-order", "sorted", "'shuffle', 'fixed'"),
+        ("batch-order", "sorted", "'shuffle', 'fixed', 'shuffle-drop'"),
         ("classes-per-client", 11, "from 1 to 10"),
     ],
 )

@@ -168,7 +168,8 @@ def test_bf16_precision_trains_in_bfloat16_and_learns(run_config):
 
 def test_fixed_batch_order_is_the_partitions_order_without_the_last_partial_batch(run_config):
     """``batch-order = "fixed"`` (HtFLlib's loader): every epoch takes the train split in its own order
-    and drops the last partial batch; ``shuffle`` reorders every epoch and keeps it."""
+    and drops the last partial batch; ``shuffle`` reorders every epoch and keeps it; ``shuffle-drop``
+    (PFLlib's loader) reorders every epoch and drops it."""
     from common.training import train_supervised
     from conftest import client_runtime, train_config
 
@@ -178,7 +179,7 @@ def test_fixed_batch_order_is_the_partitions_order_without_the_last_partial_batc
     n, size = len(labels), 8
     assert n % size  # a last partial batch exists
     seen = {}
-    for order in ("fixed", "shuffle"):
+    for order in ("fixed", "shuffle", "shuffle-drop"):
         batches = seen[order] = []
 
         def loss(x, features, logits, y, batches=batches):
@@ -193,3 +194,10 @@ def test_fixed_batch_order_is_the_partitions_order_without_the_last_partial_batc
     shuffled = torch.cat(seen["shuffle"])
     assert len(shuffled) == 2 * n and not torch.equal(shuffled[:n], labels)
     assert torch.equal(shuffled[:n].sort().values, labels.sort().values)
+    dropped = seen["shuffle-drop"]
+    assert [len(b) for b in dropped] == [size] * (2 * (n // size))
+    # each epoch a new order: the epochs' batches differ, and each epoch's are the same permutation's
+    # first full batches as shuffle's (one generator, the same draws)
+    first = torch.cat(dropped[: n // size])
+    assert torch.equal(first, shuffled[:full])
+    assert not torch.equal(first, torch.cat(dropped[n // size :]))
