@@ -68,3 +68,19 @@ def test_all_finite_is_exact_also_where_the_sum_overflows():
     assert not all_finite(torch.tensor([float("inf"), -float("inf")]))  # the sum is NaN
     assert all_finite(torch.tensor([], dtype=torch.float32))
     assert all_finite(torch.tensor([1, 2, 3]))  # integer tensors hold no NaN
+
+
+def test_a_record_is_saved_without_crc_and_reads_back_exactly(tmp_path):
+    import torch
+    from flwr.app import Context, RecordDict
+
+    from common.state_store import StateStore
+
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    store = StateStore(context, tmp_path, "", server_round=2, trains=True, partition_id=0)
+    saved = torch.nn.Linear(4, 3)
+    store.store("model", saved)
+    assert torch.serialization.get_crc32_options()  # the process-wide option is back at its default
+    loaded = torch.nn.Linear(4, 3)
+    assert StateStore(context, tmp_path, "", server_round=3, trains=True, partition_id=0).restore("model", loaded)
+    assert torch.equal(loaded.weight, saved.weight) and torch.equal(loaded.bias, saved.bias)
