@@ -287,6 +287,8 @@ def write_report(out: Path, info: dict, sides: dict[str, dict[int, list[float]]]
     atomic_write(out / "report.md", lambda f: f.write("\n".join(lines).encode()))
 
 
+#: label -> folder pattern (``{seed}``) of each ``--ours`` run set of the last call, beside the report
+OURS_FILE = "ours.json"
 FEDRE_LABEL = "authors' FedRE (PFLlib tree)"
 LOCAL_LABEL = "PFLlib Local"
 
@@ -342,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         out = (args.out or ROOT / "outputs" / "authors" / Path(args.preset or "config").stem).resolve()
         out.mkdir(parents=True, exist_ok=True)
+        # the folders of our runs the report shows, so that its numbers can be regenerated from the rows
+        atomic_write(out / OURS_FILE, lambda f: f.write(json.dumps(ours, indent=1).encode()))
         partitions = out / "partitions"
         print(f"writing partitions to {partitions}", flush=True)
         write_partitions(config, partitions)

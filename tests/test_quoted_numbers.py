@@ -41,6 +41,7 @@ import pytest
 
 from bench.byzantine import ATTACKS, table
 from bench.crosscheck_report import compare
+from bench.fedre_authors import OURS_FILE, our_curve
 from bench.fedre_authors import stats as authors_stats
 from common.files import read_rows
 from tools.grid_rows import Cell, load_ablations, load_grid, paper_info
@@ -193,9 +194,15 @@ def crosscheck_numbers(folder: str) -> Numbers:
     sides: dict[str, list[list[float]]] = {}  # bench.fedre_authors: <side>-seed-<s>.json in the folder itself
     for path in sorted(base.glob("*-seed-*.json")):
         sides.setdefault(path.stem.rsplit("-seed-", 1)[0], []).append(curves([path], "curve")[0])
+    if (base / OURS_FILE).is_file():  # our runs the report shows beside theirs, from their own folders
+        seeds = [int(p.stem.rsplit("-seed-", 1)[1]) for p in sorted(base.glob("fedre-seed-*.json"))]
+        rounds = len(curves(sorted(base.glob("fedre-seed-*.json"))[:1], "curve")[0])
+        for pattern in json.loads((base / OURS_FILE).read_text(encoding="utf-8")).values():
+            found_curves = [our_curve(ROOT / pattern.format(seed=s), rounds) for s in seeds]
+            sides[pattern] = [c for c in found_curves if c is not None]
     for side_curves in sides.values():
         kept += side_curves
-        if len(side_curves) > 1:  # bench.fedre_authors.stats: mean ± sample std over seeds
+        if side_curves:  # bench.fedre_authors.stats: mean ± sample std over seeds (0.00 for one seed, as printed)
             s = authors_stats(side_curves)
             found.pairs |= {(s["final"], s["final_std"]), (s["best"], s["best_std"])}
     if (base / "rows.jsonl").is_file():
