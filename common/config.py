@@ -35,6 +35,11 @@ PRECISIONS = ("fp32", "bf16")
 #: ``DataLoader(drop_last=True, shuffle=True)``, FedRE's Table-12 code)
 BATCH_ORDERS = ("shuffle", "fixed", "shuffle-drop")
 EVAL_CLIENTS = ("all", "trained")
+#: run config ``handshake``: ``all`` asks every node for its partition before round 1 (rounds sample by
+#: partition id, so a seed samples the same partitions in every run); ``sampled`` asks no node up front
+#: and each round only the nodes it samples that were not asked before (cross-device scale: Flower's
+#: simulation engine looks at every waiting message for every node, so asking all N nodes costs O(N^2))
+HANDSHAKES = ("all", "sampled")
 #: what ``stop-patience`` watches: the unweighted mean over clients, or the pooled accuracy (HtFLlib's
 #: auto-break, ``check_done`` on ``rs_test_acc``)
 STOP_METRICS = ("accuracy_mean", "accuracy_weighted")
@@ -131,6 +136,15 @@ class RunConfig:
         "0: the run starts once every training partition has answered the handshake; m > 0: once m have, the "
         "others joining at a round boundary when their SuperNode connects (a federation that grows while it runs)",
         low=0,
+    )
+    handshake: str = option(
+        "all",
+        "`all`: every node answers a partition query before round 1 and rounds sample by partition id (a seed "
+        "samples the same partitions in every run); `sampled`: no node is asked up front, each round samples K of "
+        "the connected nodes (seeded, in node-id order) and asks only those not asked before, so start-up and "
+        "rounds do not grow with N (which partitions a seed samples then follows the nodes' ids; needs "
+        "`num-clients` > 0, `eval-clients` = `trained`, `min-clients` = 0 and no held-out clients)",
+        choices=HANDSHAKES,
     )
     num_server_rounds: int = option(20, "rounds", low=1)
     stop_patience: int = option(
@@ -277,6 +291,15 @@ class RunConfig:
                 cfg.classes_per_client,
                 f"integers from 1 to {info.num_classes} for dataset '{cfg.dataset}'",
             )
+        if cfg.handshake == "sampled":
+            # N must be known before any node is asked, and nothing may need every client
+            for key, ok, allowed in (
+                ("num-clients", cfg.num_clients > 0, "N > 0 with handshake = 'sampled' (K is drawn from N)"),
+                ("eval-clients", cfg.eval_clients == "trained", "'trained' with handshake = 'sampled'"),
+                ("min-clients", cfg.min_clients == 0, "0 with handshake = 'sampled'"),
+            ):
+                if not ok:
+                    raise invalid(key, getattr(cfg, key.replace("-", "_")), allowed)
         cfg.recorded_rounds  # noqa: B018 (parses record-payloads: a bad value fails here)
         # each client needs one local train and one local test example (test-fraction > 0): a larger N
         # would fail on every client at the handshake, so it fails here, before anything starts

@@ -271,7 +271,7 @@ class HeteroStrategy:
         self.transport.open(grid, state_key, client_state_dir, window=window)
         self.roster.handshake(self.transport)
         if self.results is not None:
-            self.results.num_clients = len(self.roster.nodes)
+            self.results.num_clients = self.roster.size
             self.results.held_out_partitions = self.roster.held_out_partitions
         self.joined()
         self.log_settings()
@@ -311,7 +311,7 @@ class HeteroStrategy:
         broken = None if before_state is None else broken_state(before_state, self.server_state())
         if broken:
             # the server would send a broken state to every client from now on: undo this round's update
-            load_server_state(self, before_state)
+            self.load_state(before_state)
             train_metrics["server-rolled-back"] = 1
             log.warning("Round %d: the server update made the server state %s; rolled back", server_round, broken)
         t1 = time.perf_counter()
@@ -329,7 +329,7 @@ class HeteroStrategy:
         )
         stop = patience_exhausted([*self.rows, row], self.cfg.stop_patience, self.cfg.stop_metric)
         last = server_round == self.cfg.num_server_rounds
-        if self.dp.enabled and not last and len(row["dp_exhausted"]) == len(self.roster.training_nodes):
+        if self.dp.enabled and not last and len(row["dp_exhausted"]) == self.roster.trainers:
             stop = "every client's privacy budget (dp.epsilon) is spent"
         if stop:
             row["stop_reason"] = stop
@@ -404,13 +404,17 @@ class HeteroStrategy:
         if self.results is not None:
             for row in self.rows:
                 self.results.write_round(row)
-        load_server_state(self, state["server"])
+        self.load_state(state["server"])
         log.info("Resumed from %s after round %d", self.cfg.resume_from, state["round"])
         return int(state["round"])
 
     def server_state(self) -> dict[str, Any] | None:
         """The state of the attributes in ``checkpointed`` (:func:`strategies.checkpoint.server_state`)."""
         return server_state(self, self.checkpointed)
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`server_state` (a checkpoint's, or a round's that is rolled back)."""
+        load_server_state(self, state)
 
     def log_settings(self) -> None:
         """Log the method and the main settings."""
@@ -420,7 +424,7 @@ class HeteroStrategy:
             type(self).__name__,
             c.dataset,
             c.partitioner,
-            len(self.roster.nodes),
+            self.roster.size,
             c.model_group,
             c.num_server_rounds,
             c.fraction_train,

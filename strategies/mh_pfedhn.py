@@ -130,7 +130,7 @@ class MHpFedHNStrategy(HeteroStrategy):
     """
 
     evaluate_in_train = False  # the evaluated model is h(v_i) after the round (section 6)
-    checkpointed = ("hn", "optimizer")  # with the registry: sizes are rebuilt by the handshake
+    checkpointed = ("hn", "optimizer")  # and the registry (server_state): key -> K in registration order
 
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
         super().__init__(cfg, binding, results)
@@ -255,6 +255,22 @@ class MHpFedHNStrategy(HeteroStrategy):
                     f"model of model group '{self.cfg.model_group}')"
                 )
 
+    def server_state(self) -> dict[str, Any]:
+        """``hn`` and ``optimizer``, and ``registered``: key -> K of every client (and K_g) in the order
+        they were registered."""
+        return {**super().server_state(), "registered": dict(self.hn.sizes)}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Register the clients of ``state`` not registered yet, in their order, then restore it: with
+        handshake ``sampled`` a resumed run knows no client yet, and the hypernetwork's parameters and
+        Adam's parameter groups must line up with the checkpoint's (the new embeddings' random draws are
+        overwritten by the restore and leave the global RNG untouched)."""
+        state = dict(state)
+        with torch.random.fork_rng(devices=[]):
+            for key, num_params in state.pop("registered", {}).items():
+                self.register(key, num_params)
+        super().load_state(state)
+
     def register(self, key: str, num_params: int) -> None:
         """Register a client (or the global model) and give its new parameters to Adam."""
         new = self.hn.register(key, num_params)
@@ -369,13 +385,16 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
         ]
 
     def register_clients(self) -> None:
-        """MH-pFedHN's registration plus K_g, which every client must report alike (section 5).
+        """MH-pFedHN's registration plus K_g, which every client must report alike (section 5); with
+        handshake ``sampled`` no client is known yet and K_g is the server's count of the public model.
 
         Raises:
             RuntimeError: clients disagree on ``global-num-params``.
         """
         super().register_clients()
         sizes = {self._reported(node, "global-num-params") for node in self.roster.nodes}
+        if not self.roster.nodes:
+            sizes = {num_params(self.client_models()[-1])}
         if len(sizes) != 1:
             raise RuntimeError(
                 f"clients report different global-num-params {sorted(sizes)}: they must share the "

@@ -2,7 +2,11 @@
 as nodes connect, kept current as nodes leave and rejoin between rounds, and sampled each round.
 
 Node ids are random, so everything is ordered by partition id: sampling and reply order, hence
-results, do not depend on which node got which id. A :class:`Roster` is built by
+results, do not depend on which node got which id. With run config ``handshake = "sampled"`` no node is
+asked before round 1: each round samples K of the connected nodes in node-id order and asks only the
+sampled ones it does not know yet, so neither start-up nor a round grows with N (Flower's simulation
+engine looks at every waiting message for every node, so asking all N nodes costs O(N^2) there), at
+the price that which partitions a seed samples follows the nodes' ids. A :class:`Roster` is built by
 ``strategies.base.HeteroStrategy`` from explicit inputs (the run config, the round counters it
 records dropped clients in, the strategy's seeded ``rng``); the handshake and the refresh send
 their queries through the transport they are given.
@@ -10,6 +14,7 @@ their queries through the transport they are given.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -83,6 +88,15 @@ class Roster:
         self.generalization = generalization_options(cfg)
         #: N, the run's partitions, once the handshake has learnt it
         self.num_partitions = 0
+        #: handshake "sampled": this round's clients, drawn and asked by refresh(), handed out by sample()
+        self.drawn: list[int] = []
+        #: partitions whose privacy budget is spent (their nodes may be unknown yet with handshake "sampled")
+        self.exhausted_partitions: set[int] = set()
+        if cfg.handshake == "sampled" and self.generalization.enabled:
+            raise ConfigError(
+                "run config key 'generalization.held-out-clients' must be 0 with handshake = 'sampled' (held-out "
+                "clients are served by partition id, which needs every node asked up front)"
+            )
 
     def handshake(self, transport: Transport) -> None:
         """Learn the clients of the run: their node, partition id and data sizes, and the run's size N,
@@ -128,6 +142,9 @@ class Roster:
         A second node claiming a partition already answered for is ignored (logged, counted as a
         dropped query): the first claim stands and the run goes on.
         """
+        if self.cfg.handshake == "sampled":
+            self._await_nodes(transport)
+            return
         timeout = self.cfg.connect_timeout
         began = time.monotonic()
         deadline = began + timeout
@@ -172,6 +189,25 @@ class Roster:
         log.info("Handshake: %d clients, partitions %s", len(self.nodes), sorted(heard.by_partition))
         if self.held_out_partitions:
             log.info("Held out (run config generalization.held-out-clients): partitions %s", self.held_out_partitions)
+
+    def _await_nodes(self, transport: Transport) -> None:
+        """Handshake ``sampled``: N is ``num-clients``; wait until the grid lists the K nodes a round
+        samples, asking none of them.
+
+        Raises:
+            RuntimeError: fewer than K nodes are listed after ``connect-timeout`` seconds.
+        """
+        self.num_partitions = self.cfg.num_clients
+        k = sample_size(self.cfg.fraction_train, self.num_partitions)
+        deadline = time.monotonic() + self.cfg.connect_timeout
+        while (listed := len(set(transport.grid.get_node_ids()))) < k:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"only {listed} nodes connected within {self.cfg.connect_timeout:.0f} s (run config key "
+                    f"'connect-timeout'); a round samples {k} of num-clients={self.num_partitions}"
+                )
+            time.sleep(NODE_POLL_SECONDS)
+        log.info("Handshake sampled: %d nodes listed; each round asks only the nodes it samples", listed)
 
     def _ask(self, transport: Transport, new: list[int], timeout: float, shared: bool, heard: _Answers) -> None:
         """Query the ``new`` nodes once (within ``timeout`` seconds) and record their answers in
@@ -295,6 +331,8 @@ class Roster:
         """
         self.connected = set(transport.grid.get_node_ids())
         self.refreshes += 1
+        if self.cfg.handshake == "sampled":
+            return self._draw(transport)
         self.claims = {n: c for n, c in self.claims.items() if n in self.connected}
         new = sorted(
             n
@@ -349,14 +387,74 @@ class Roster:
             self.nodes[index] = node
         return admitted
 
-    def admit(self, reply: ClientReply) -> None:
-        """Add a new client (a valid query reply) in partition order; it may be held out."""
-        self.clients[reply.node_id] = reply.metrics
-        self.nodes = sorted([*self.nodes, reply.node_id], key=lambda n: self.clients[n][PARTITION_ID])
-        held_out = self.generalization.is_held_out(reply.partition_id, self.num_partitions)
-        log.info(
-            "Partition %d joined as node %s%s", reply.partition_id, reply.node_id, " (held out)" if held_out else ""
+    def _draw(self, transport: Transport) -> list[int]:
+        """Handshake ``sampled``: draw this round's K clients from the connected nodes (seeded, in node-id
+        order), ask those not asked before for their partition (one query exchange of at most K
+        messages) and admit the valid ones; returns the admitted nodes. :meth:`sample` then hands out
+        the drawn nodes that are known, in partition order.
+
+        A sampled node that does not answer validly is dropped for the round (its query counted as
+        dropped) and, as in :meth:`refresh`, left out of the draws for 1, 2, 4, ... rounds; one holding
+        a partition outside the run, or claiming one whose node is still connected, is not asked again
+        and not used. A node whose partition's budget is spent (``exhausted_partitions``) is known to be
+        spent once asked, and not drawn again.
+        """
+        backing_off = {n for n, (_, after) in self.silent_nodes.items() if after > self.refreshes}
+        candidates = sorted(self.connected - self.exhausted - self.outsiders - backing_off)
+        k = min(sample_size(self.cfg.fraction_train, self.num_partitions), len(candidates))
+        chosen = [candidates[i] for i in sorted(self.rng.choice(len(candidates), size=k, replace=False))]
+        new = [n for n in chosen if n not in self.clients]
+        replies = transport.exchange(
+            [transport.message("query", n, {}, ConfigRecord(), 0) for n in new],
+            min(QUERY_SECONDS, self.cfg.round_timeout),
         )
+        for reply in replies:
+            if (error := config_error(reply)) is not None:
+                log.warning("Node %s (partition-id %s) cannot serve the run: %s", reply.metadata.src_node_id, *error)
+        valid = transport.validate("query", [r for r in replies if config_error(r) is None])
+        holders = {self.clients[n][PARTITION_ID]: n for n in self.nodes}
+        admitted = []
+        for reply in valid:
+            pid, holder = reply.partition_id, holders.get(reply.partition_id)
+            if not 0 <= pid < self.num_partitions or reply.metrics.get("num-partitions") != self.num_partitions:
+                self.outsiders.add(reply.node_id)
+                log.warning("Node %s holds partition %d, which is not part of this run; ignored", reply.node_id, pid)
+                continue
+            if holder is not None and holder in self.connected:
+                self.outsiders.add(reply.node_id)
+                self.counters.dropped["query"] += 1
+                log.warning(
+                    "Node %s claims partition %d, held by connected node %s: refused", reply.node_id, pid, holder
+                )
+                continue
+            if holder is not None:  # its node is gone (a SuperNode restarted without a fixed node id)
+                self.nodes.remove(holder)
+            self.admit(reply, quiet=True)
+            holders[pid] = reply.node_id
+            admitted.append(reply.node_id)
+            if pid in self.exhausted_partitions:
+                self.exhausted.add(reply.node_id)
+        for node in set(new) - set(admitted) - self.outsiders:
+            misses = self.silent_nodes.get(node, (0, 0))[0] + 1
+            self.silent_nodes[node] = (misses, self.refreshes + 2 ** (misses - 1))
+        self.drawn = sorted(
+            (n for n in chosen if n in self.clients and n not in self.exhausted and n not in self.outsiders),
+            key=lambda n: self.clients[n][PARTITION_ID],
+        )
+        if new:
+            log.info("Round sample: %d nodes, %d asked for their partition, %d admitted", k, len(new), len(admitted))
+        return admitted
+
+    def admit(self, reply: ClientReply, quiet: bool = False) -> None:
+        """Add a new client (a valid query reply) in partition order; it may be held out. ``quiet``: no
+        log line (handshake ``sampled`` admits up to K nodes a round)."""
+        self.clients[reply.node_id] = reply.metrics
+        bisect.insort(self.nodes, reply.node_id, key=lambda n: self.clients[n][PARTITION_ID])
+        held_out = self.generalization.is_held_out(reply.partition_id, self.num_partitions)
+        if not quiet:
+            log.info(
+                "Partition %d joined as node %s%s", reply.partition_id, reply.node_id, " (held out)" if held_out else ""
+            )
 
     def sample(self) -> list[int]:
         """This round's clients: K of the known nodes, seeded, returned in partition-id order.
@@ -364,6 +462,9 @@ class Roster:
         K counts the run's training partitions (N minus the held-out ones). Held-out clients are never
         candidates, nor are clients whose privacy budget is spent (:meth:`exhaust`): the others take
         their places (fewer than K once fewer remain, e.g. before late partitions have joined)."""
+        if self.cfg.handshake == "sampled":  # drawn and asked at the round's refresh()
+            self.sampled = list(self.drawn)
+            return list(self.sampled)
         candidates = [n for n in self.training_nodes if n not in self.exhausted]
         trainers = self.num_partitions - len(self.held_out_partitions) if self.num_partitions else len(self.nodes)
         k = min(sample_size(self.cfg.fraction_train, trainers), len(candidates))
@@ -382,12 +483,24 @@ class Roster:
         """Note the clients whose train reply says their privacy budget allows no further round
         (metric ``dp-rounds-left`` = 0); returns the partition ids of every such client so far."""
         self.exhausted.update(r.node_id for r in replies if r.metrics.get("dp-rounds-left") == 0)
-        return sorted(self.clients[n][PARTITION_ID] for n in self.exhausted)
+        self.exhausted_partitions.update(self.clients[n][PARTITION_ID] for n in self.exhausted)
+        return sorted(self.exhausted_partitions)
 
     def exhaust_partitions(self, partitions: list[int]) -> None:
         """Restore :meth:`exhaust`'s clients from their partition ids (a resumed run's last row)."""
-        held = set(partitions)
-        self.exhausted = {n for n in self.nodes if self.clients[n][PARTITION_ID] in held}
+        self.exhausted_partitions = set(partitions)
+        self.exhausted = {n for n in self.nodes if self.clients[n][PARTITION_ID] in self.exhausted_partitions}
+
+    @property
+    def trainers(self) -> int:
+        """The run's training clients: N with handshake ``sampled`` (most nodes are not asked yet), else
+        the known training nodes."""
+        return self.num_partitions if self.cfg.handshake == "sampled" else len(self.training_nodes)
+
+    @property
+    def size(self) -> int:
+        """The run's clients: N with handshake ``sampled``, else the nodes known so far."""
+        return self.num_partitions if self.cfg.handshake == "sampled" else len(self.nodes)
 
 
 def _claim(reply: ClientReply) -> tuple[int, int]:

@@ -253,3 +253,92 @@ def test_a_window_keeps_at_most_that_many_messages_waiting_and_changes_no_result
     assert [{k: v for k, v in r.items() if not any(s in k for s in strip)} for r in windowed.rows] == [
         {k: v for k, v in r.items() if not any(s in k for s in strip)} for r in plain.rows
     ]
+
+
+def _sampled_run(run_config, handshake: str, method: str = "fedgh", **overrides):
+    """A FedGH run of 10 clients, 3 per round, evaluated right after training, with ``handshake``;
+    returns (rows, the query messages sent, the train messages sent)."""
+    rc = run_config(
+        **{
+            "method": method,
+            "handshake": handshake,
+            "num-clients": 10,
+            "fraction-train": 0.3,
+            "eval-clients": "trained",
+            "num-server-rounds": 3,
+            "max-examples-per-client": 40,
+            "model-group": "cnn1",
+            **overrides,
+        }
+    )
+    grid = grid_of(rc, 10)
+    results = run(grid, RunConfig.from_dict(rc), "t")
+    sent = {kind: [m for m in grid.sent if m.metadata.message_type == kind] for kind in ("query", "train")}
+    return read_rows(results.path), sent["query"], sent["train"]
+
+
+def test_sampled_handshake_asks_only_the_sampled_nodes_and_trains_what_the_full_handshake_does(run_config):
+    # FakeGrid's node ids follow the partition ids, so a draw in node-id order is a draw in partition order:
+    # the same seed samples the same clients either way, and everything but the queries must agree
+    full_rows, full_queries, full_train = _sampled_run(run_config, "all")
+    rows, queries, train = _sampled_run(run_config, "sampled")
+    assert len(full_queries) == 10
+    trained = [sorted(r["accuracy_per_client"]) for r in rows]
+    assert trained == [sorted(r["accuracy_per_client"]) for r in full_rows] and all(len(t) == 3 for t in trained)
+    # each node asked once, the first time it was sampled, and no other node
+    asked = [m.metadata.dst_node_id for m in queries]
+    assert len(asked) == len(set(asked)) == len({m.metadata.dst_node_id for m in train}) < 10
+    # (the push order within a round follows measured work, so compare the nodes, not the order)
+    assert sorted(m.metadata.dst_node_id for m in train) == sorted(m.metadata.dst_node_id for m in full_train)
+    for key in ("accuracy_mean", "accuracy_weighted", "accuracy_per_client", "bytes_up", "bytes_down", "num_clients"):
+        assert [r[key] for r in rows] == [r[key] for r in full_rows], key
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ({"num-clients": 0}, "num-clients"),
+        ({"eval-clients": "all"}, "eval-clients"),
+        ({"min-clients": 2}, "min-clients"),
+    ],
+)
+def test_sampled_handshake_refuses_settings_that_need_every_node(run_config, overrides, key):
+    rc = run_config(**{"handshake": "sampled", "eval-clients": "trained", **overrides})
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        RunConfig.from_dict(rc)
+
+
+def test_sampled_handshake_refuses_held_out_clients(run_config):
+    rc = run_config(**{"handshake": "sampled", "eval-clients": "trained", "generalization.held-out-clients": 1})
+    with pytest.raises(ConfigError, match="generalization.held-out-clients"):
+        federation(rc)
+
+
+def test_sampled_handshake_serves_each_partition_by_one_node_and_skips_silent_ones(run_config):
+    # node 999 claims partition 0 as well (the first claim stands, the other node is refused for the run);
+    # node 1003 is listed but never answers: it is dropped when drawn, and asked again only after a pause
+    rc = run_config(
+        **{
+            "handshake": "sampled",
+            "num-clients": 6,
+            "fraction-train": 0.5,
+            "eval-clients": "trained",
+            "num-server-rounds": 6,
+            "max-examples-per-client": 40,
+            "model-group": "cnn1",
+        }
+    )
+    grid = grid_of(rc, 6)
+    grid.add_node(999, 0)
+    grid.silent.add(1003)
+    rows = read_rows(run(grid, RunConfig.from_dict(rc), "t").path)
+    partition = {node: ctx.node_config["partition-id"] for node, ctx in grid.contexts.items()}
+    trained = [m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == "train"]
+    queries = [m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == "query"]
+    servers = {}
+    for node in trained:
+        servers.setdefault(partition[node], set()).add(node)
+    assert all(len(nodes) == 1 for nodes in servers.values()) and 1003 not in trained
+    assert len(rows) == 6 and all(r["num_clients"] >= 1 for r in rows)
+    # each node asked at most once, but the silent one, whose misses space its queries out
+    assert all(queries.count(n) == 1 for n in set(queries) - {1003}) and queries.count(1003) <= 3

@@ -156,3 +156,23 @@ def test_resume_after_a_crash_mid_round_repeats_it_exactly(run_config, tmp_path,
     assert second.rows[1]["client_state_rollbacks"] == rollbacks
     for a, b in zip(whole.rows, second.rows):
         assert a["accuracy_per_client"] == b["accuracy_per_client"] and a["train_loss"] == b["train_loss"]
+
+
+@pytest.mark.parametrize("method", ["mh-pfedhn", "mh-pfedhngd"])
+def test_resume_with_the_sampled_handshake_continues_exactly(run_config, method):
+    # a resumed ServerApp knows no client yet: the hypernetwork's clients are registered from the
+    # checkpoint, in their order, before its state and Adam's are restored
+    base = run_config(
+        method=method,
+        handshake="sampled",
+        **{"num-clients": 6, "fraction-train": 0.34, "eval-clients": "trained", "model-group": "mh-lenet", **FAST},
+    )
+    whole, _ = run_with_results({**base, "num-server-rounds": 3}, name="whole")
+    first, grid = run_with_results({**base, "num-server-rounds": 1}, name="first")
+    second, _ = run_with_results(
+        {**base, "num-server-rounds": 3, "resume-from": str(first.results.path)}, grid, name="second"
+    )
+    assert len({tuple(sorted(r["accuracy_per_client"])) for r in whole.rows}) > 1  # the draws differ by round
+    assert [r["accuracy_per_client"] for r in whole.rows] == [r["accuracy_per_client"] for r in second.rows]
+    assert list(whole.server_state()["registered"]) == list(second.server_state()["registered"])
+    assert all(torch.equal(v, second.server_state()["hn"][k]) for k, v in whole.server_state()["hn"].items())
