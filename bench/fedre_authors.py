@@ -209,6 +209,11 @@ def finished_run(config: dict, side: str, seed: int, partitions: Path, out: Path
     return saved if saved["command"] == args and saved["content_digest"] == digest else None
 
 
+def _time_line(side: str, seed: int, run: dict) -> str:
+    """``<side> seed <s> <wall> min wall, <cpu> min CPU`` of a run (:func:`run_authors`'s dict)."""
+    return f"{side} seed {seed} {run['wall_seconds'] / 60:.0f} min wall, {run['cpu_seconds'] / 60:.0f} min CPU"
+
+
 def our_curve(folder: Path, rounds: int) -> list[float] | None:
     """``accuracy_weighted`` by round 1..R of the newest completed run under ``folder`` (a grid
     cell or a run folder); None when none reached R rounds."""
@@ -370,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                     if side not in run_sides:
                         if (kept := finished_run(config, side, seed, partitions, out)) is not None:
                             sides[label][seed], test_examples = kept["curve"], kept["test_examples"]
+                            times.append(_time_line(side, seed, kept))
                         continue
                     print(f"{label}, seed {seed}", flush=True)
                     try:
@@ -380,8 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     sides[label][seed] = result["curve"]
                     test_examples = result["test_examples"]
-                    wall, cpu = result["wall_seconds"] / 60, result["cpu_seconds"] / 60
-                    times.append(f"{side} seed {seed} {wall:.0f} min wall, {cpu:.0f} min CPU")
+                    times.append(_time_line(side, seed, result))
                     for ours_label, pattern in ours.items():
                         sides[ours_label] = {
                             s: c for s in seeds if (c := our_curve(Path(pattern.format(seed=s)), rounds))
