@@ -272,7 +272,7 @@ def _sampled_run(run_config, handshake: str, method: str = "fedgh", **overrides)
         }
     )
     grid = grid_of(rc, 10)
-    results = run(grid, RunConfig.from_dict(rc), "t")
+    results = run(grid, RunConfig.from_dict(rc), handshake)  # one results folder per run
     sent = {kind: [m for m in grid.sent if m.metadata.message_type == kind] for kind in ("query", "train")}
     return read_rows(results.path), sent["query"], sent["train"]
 
