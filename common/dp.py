@@ -37,7 +37,6 @@ import secrets
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-import dp_accounting
 import torch
 from flwr.serverapp import (
     GaussianPrivacyEvent,
@@ -265,6 +264,9 @@ def make_plan(cfg: RunConfig, num_train: int, num_partitions: int, trainings: in
         options,
     )
     q = plan.sample_rate
+    # imported here: it pulls in scipy.stats and scipy.signal (~1-2 s), which every ClientApp and ServerApp
+    # process would otherwise pay at start-up, DP or not
+    import dp_accounting
 
     def composed(sigma: float) -> dp_accounting.DpEvent:
         gaussian = dp_accounting.GaussianDpEvent(sigma)
