@@ -2,6 +2,8 @@
 a spent budget, and every method training privately with its payload unchanged in shape."""
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ from flwr.serverapp import GaussianPrivacyEvent, NeighboringRelation, PrivacyCon
 
 from common.config import ConfigError, RunConfig
 from common.dp import BudgetSpent, clipped_class_sums, make_plan, noisy_class_means, planned_rounds
-from conftest import captured_federation, client_runtime, federation, make_run_config, shapes_of
+from conftest import ROOT, captured_federation, client_runtime, federation, make_run_config, shapes_of
 from strategies.registry import METHODS
 
 
@@ -231,3 +233,21 @@ def test_a_run_whose_target_cannot_be_met_fails_at_the_handshake_before_any_trai
     with pytest.raises(ConfigError, match="'dp.epsilon' = 0.0001 cannot be met"):
         strategy.start(grid)
     assert replies and all(r.metadata.message_type == "query" for r in replies)
+
+
+def test_the_apps_start_without_the_accountant_library():
+    # dp_accounting pulls in scipy (1-2 s of every ClientApp's and the ServerApp's start-up): it is imported
+    # only when a DP plan is made, and the control line shows that making one does import it
+    code = """
+import sys
+sys.path.insert(0, "tests")
+import client_app.app, server_app.app
+print("apps", "dp_accounting" in sys.modules, "scipy" in sys.modules)
+from common.config import RunConfig
+from common.dp import make_plan
+from conftest import make_run_config
+make_plan(RunConfig.from_dict(make_run_config(**{"dp.epsilon": 4.0})), 200, 4, 1, 1)
+print("plan", "dp_accounting" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["apps", "False", "False", "plan", "True"]
