@@ -46,6 +46,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -238,6 +239,23 @@ def stats(curves: list[list[float]]) -> dict:
     }
 
 
+def final(curve: list[float]) -> float:
+    """A curve's last round."""
+    return curve[-1]
+
+
+def paired_gap(
+    side: dict[int, list[float]], other: dict[int, list[float]], at: Callable[[list[float]], float] = final
+) -> tuple[float, float | None, int] | None:
+    """The paired (same seed) gap ``at(side) - at(other)`` in points over the seeds both have: (mean,
+    sample std or None for one seed, seeds), or None when they share no seed. ``at``: :func:`final` or
+    ``max`` (best round); curves are fractions by round."""
+    gaps = [100 * (at(side[s]) - at(other[s])) for s in sorted(side) if s in other]
+    if not gaps:
+        return None
+    return float(np.mean(gaps)), (float(np.std(gaps, ddof=1)) if len(gaps) > 1 else None), len(gaps)
+
+
 def write_report(out: Path, info: dict, sides: dict[str, dict[int, list[float]]]) -> None:
     """``out/report.md``: per side final and best pooled accuracy over seeds, and every side's
     paired (same seed, same partition) gap in final and in best accuracy to the authors' FedRE and
@@ -259,13 +277,12 @@ def write_report(out: Path, info: dict, sides: dict[str, dict[int, list[float]]]
         "|---|---|---|---|---|---|---|---|",
     ]
 
-    def paired(side: dict[int, list[float]], other: dict[int, list[float]], at=lambda c: c[-1]) -> str:
-        common = [s for s in seeds if s in side and s in other]
-        if not common:
+    def paired(side: dict[int, list[float]], other: dict[int, list[float]], at=final) -> str:
+        gap = paired_gap(side, other, at)
+        if gap is None:
             return "-"
-        d = [100 * (at(side[s]) - at(other[s])) for s in common]
-        spread = f" ± {np.std(d, ddof=1):.2f}" if len(d) > 1 else ""
-        return f"{np.mean(d):+.2f}{spread} (n={len(d)})"
+        mean, std, n = gap
+        return f"{mean:+.2f}{'' if std is None else f' ± {std:.2f}'} (n={n})"
 
     for label, curves in sides.items():
         if not curves:

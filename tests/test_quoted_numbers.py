@@ -41,7 +41,7 @@ import pytest
 
 from bench.byzantine import ATTACKS, table
 from bench.crosscheck_report import compare
-from bench.fedre_authors import OURS_FILE, our_curve
+from bench.fedre_authors import OURS_FILE, final, our_curve, paired_gap
 from bench.fedre_authors import stats as authors_stats
 from common.files import read_rows
 from tools.grid_rows import Cell, load_ablations, load_grid, paper_info
@@ -191,20 +191,27 @@ def crosscheck_numbers(folder: str) -> Numbers:
                 found.pairs.add((100 * result[side][f"{key}_mean"], 100 * result[side][f"{key}_std"]))
     kept = [*curves(sorted(base.glob("**/metrics.jsonl")), "accuracy_weighted")]
     kept += curves(sorted(base.glob("**/reference-seed-*.json")), "curve")
-    sides: dict[str, list[list[float]]] = {}  # bench.fedre_authors: <side>-seed-<s>.json in the folder itself
+    # bench.fedre_authors: <side>-seed-<s>.json in the folder itself, side -> seed -> curve
+    sides: dict[str, dict[int, list[float]]] = {}
     for path in sorted(base.glob("*-seed-*.json")):
-        sides.setdefault(path.stem.rsplit("-seed-", 1)[0], []).append(curves([path], "curve")[0])
+        side, seed = path.stem.rsplit("-seed-", 1)
+        sides.setdefault(side, {})[int(seed)] = curves([path], "curve")[0]
     if (base / OURS_FILE).is_file():  # our runs the report shows beside theirs, from their own folders
-        seeds = [int(p.stem.rsplit("-seed-", 1)[1]) for p in sorted(base.glob("fedre-seed-*.json"))]
-        rounds = len(curves(sorted(base.glob("fedre-seed-*.json"))[:1], "curve")[0])
+        seeds = sorted(sides["fedre"])
+        rounds = len(sides["fedre"][seeds[0]])
         for pattern in json.loads((base / OURS_FILE).read_text(encoding="utf-8")).values():
-            found_curves = [our_curve(ROOT / pattern.format(seed=s), rounds) for s in seeds]
-            sides[pattern] = [c for c in found_curves if c is not None]
-    for side_curves in sides.values():
-        kept += side_curves
-        if side_curves:  # bench.fedre_authors.stats: mean ± sample std over seeds (0.00 for one seed, as printed)
-            s = authors_stats(side_curves)
+            found_curves = {s: our_curve(ROOT / pattern.format(seed=s), rounds) for s in seeds}
+            sides[pattern] = {s: c for s, c in found_curves.items() if c is not None}
+    for by_seed in sides.values():
+        kept += list(by_seed.values())
+        if by_seed:  # bench.fedre_authors.stats: mean ± sample std over seeds (0.00 for one seed, as printed)
+            s = authors_stats([by_seed[k] for k in sorted(by_seed)])
             found.pairs |= {(s["final"], s["final_std"]), (s["best"], s["best_std"])}
+        # the report's paired gaps to the authors' FedRE and to PFLlib's Local, in final and in best
+        for other, at in itertools.product((sides.get("fedre", {}), sides.get("local", {})), (final, max)):
+            gap = paired_gap(by_seed, other, at)
+            if gap is not None and gap[1] is not None:
+                found.pairs.add((gap[0], gap[1]))
     if (base / "rows.jsonl").is_file():
         kept.append(
             [json.loads(line)["accuracy"] for line in (base / "rows.jsonl").read_text(encoding="utf-8").splitlines()]
