@@ -378,11 +378,12 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
 
     def client_models(self) -> list[nn.Module]:
         """The model group's models and the public global model."""
+        return [*super().client_models(), self.global_model()]
+
+    def global_model(self) -> nn.Module:
+        """The public global model (``global-model``), freshly built."""
         info = self.info
-        return [
-            *super().client_models(),
-            build_mh_model(self.options.global_model, info.num_classes, info.channels, info.image_size),
-        ]
+        return build_mh_model(self.options.global_model, info.num_classes, info.channels, info.image_size)
 
     def register_clients(self) -> None:
         """MH-pFedHN's registration plus K_g, which every client must report alike (section 5); with
@@ -394,7 +395,7 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
         super().register_clients()
         sizes = {self._reported(node, "global-num-params") for node in self.roster.nodes}
         if not self.roster.nodes:
-            sizes = {num_params(self.client_models()[-1])}
+            sizes = {num_params(self.global_model())}
         if len(sizes) != 1:
             raise RuntimeError(
                 f"clients report different global-num-params {sorted(sizes)}: they must share the "

@@ -343,11 +343,8 @@ class Roster:
             [transport.message("query", n, {}, ConfigRecord(), 0) for n in new],
             min(QUERY_SECONDS, self.cfg.round_timeout),
         )
-        errors = {r.metadata.src_node_id: config_error(r) for r in replies}
-        for node, error in errors.items():
-            if error is not None:  # that node's problem: it is asked again later, as a silent node
-                log.warning("Node %s (partition-id %s) cannot serve the run: %s", node, *error)
-        valid = transport.validate("query", [r for r in replies if errors[r.metadata.src_node_id] is None])
+        # a node's configuration or data error is its own problem: it is asked again later, as a silent node
+        valid = self._valid_answers(transport, replies)
         answered = {r.node_id for r in valid}
         for node in set(new) - answered:  # no reply, or none we can use
             misses = self.silent_nodes.get(node, (0, 0))[0] + 1
@@ -387,6 +384,16 @@ class Roster:
             self.nodes[index] = node
         return admitted
 
+    @staticmethod
+    def _valid_answers(transport: Transport, replies: list[Message]) -> list[ClientReply]:
+        """The valid query ``replies`` (:meth:`Transport.validate`); a node's configuration or data error
+        (:func:`config_error`) is logged and its reply left out."""
+        errors = {r.metadata.src_node_id: config_error(r) for r in replies}
+        for node, error in errors.items():
+            if error is not None:
+                log.warning("Node %s (partition-id %s) cannot serve the run: %s", node, *error)
+        return transport.validate("query", [r for r in replies if errors[r.metadata.src_node_id] is None])
+
     def _draw(self, transport: Transport) -> list[int]:
         """Handshake ``sampled``: draw this round's K clients from the connected nodes (seeded, in node-id
         order), ask those not asked before for their partition (one query exchange of at most K
@@ -408,10 +415,7 @@ class Roster:
             [transport.message("query", n, {}, ConfigRecord(), 0) for n in new],
             min(QUERY_SECONDS, self.cfg.round_timeout),
         )
-        for reply in replies:
-            if (error := config_error(reply)) is not None:
-                log.warning("Node %s (partition-id %s) cannot serve the run: %s", reply.metadata.src_node_id, *error)
-        valid = transport.validate("query", [r for r in replies if config_error(r) is None])
+        valid = self._valid_answers(transport, replies)
         holders = {self.clients[n][PARTITION_ID]: n for n in self.nodes}
         admitted = []
         for reply in valid:
