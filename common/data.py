@@ -438,9 +438,12 @@ def partition_split(spec: DataSpec, partition_id: int):
     train_idx, test_idx = stratified_split(labels[keep], spec.test_fraction, g)
     train_idx, test_idx = keep[train_idx], keep[test_idx]
     if len(train_idx) == 0 or len(test_idx) == 0:
+        capped = len(keep) < len(labels)
         raise ConfigError(
-            f"partition {partition_id} has {len(labels)} examples: too few for "
-            f"test-fraction {spec.test_fraction}; use fewer clients or another partitioner"
+            f"partition {partition_id} has {len(labels)} examples"
+            + (f", {len(keep)} kept by run config key 'max-examples-per-client'" if capped else "")
+            + f": too few for a train and a test set at test-fraction {spec.test_fraction} (split per class); "
+            + ("raise max-examples-per-client" if capped else "use fewer clients or another partitioner")
         )
     return part, labels, train_idx, test_idx
 

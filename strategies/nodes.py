@@ -384,15 +384,23 @@ class Roster:
             self.nodes[index] = node
         return admitted
 
-    @staticmethod
-    def _valid_answers(transport: Transport, replies: list[Message]) -> list[ClientReply]:
+    def _valid_answers(self, transport: Transport, replies: list[Message]) -> list[ClientReply]:
         """The valid query ``replies`` (:meth:`Transport.validate`); a node's configuration or data error
-        (:func:`config_error`) is logged and its reply left out."""
+        (:func:`config_error`) is logged, noted as the round's client error (the error of a run that
+        trains nothing quotes it) and its reply left out.
+
+        Raises:
+            ConfigError: a node of a simulation reported one: every simulated node shares the run config
+                and the data folder, so it is the run's error, as in the full handshake.
+        """
         errors = {r.metadata.src_node_id: config_error(r) for r in replies}
-        for node, error in errors.items():
-            if error is not None:
-                log.warning("Node %s (partition-id %s) cannot serve the run: %s", node, *error)
-        return transport.validate("query", [r for r in replies if errors[r.metadata.src_node_id] is None])
+        errors = {node: error for node, error in errors.items() if error is not None}
+        if errors and transport.window is not None:
+            raise ConfigError(f"the run's configuration or data fail on a simulated node{_errors_text(errors)}")
+        for node, (pid, text) in errors.items():
+            log.warning("Node %s (partition-id %s) cannot serve the run: %s", node, pid, text)
+            self.counters.train_error(f"node {node} (partition-id {pid}) cannot serve the run: {text}")
+        return transport.validate("query", [r for r in replies if r.metadata.src_node_id not in errors])
 
     def _draw(self, transport: Transport) -> list[int]:
         """Handshake ``sampled``: draw this round's K clients from the connected nodes (seeded, in node-id

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common.config import ConfigError, RunConfig
+from common.errors import RunFailed
 from common.files import read_rows
 from common.results import load_checkpoint, scalars
 from conftest import federation
@@ -342,3 +343,36 @@ def test_sampled_handshake_serves_each_partition_by_one_node_and_skips_silent_on
     assert len(rows) == 6 and all(r["num_clients"] >= 1 for r in rows)
     # each node asked at most once, but the silent one, whose misses space its queries out
     assert all(queries.count(n) == 1 for n in set(queries) - {1003}) and queries.count(1003) <= 3
+
+
+def _refusing_sampled_config(run_config) -> dict:
+    """Handshake ``sampled`` with 1 example per client: too few to split into a train and a
+    test set, so every client answers its query with a data error."""
+    return run_config(
+        **{
+            "handshake": "sampled",
+            "num-clients": 4,
+            "fraction-train": 0.5,
+            "eval-clients": "trained",
+            "num-server-rounds": 2,
+            "max-examples-per-client": 1,
+            "model-group": "cnn1",
+        }
+    )
+
+
+def test_a_sampled_round_whose_nodes_refuse_fails_the_run_with_their_error(run_config):
+    # deployment: a node's data error is its own, the round goes on without it, and a run that trains
+    # nothing names the error, not "no reply"
+    rc = _refusing_sampled_config(run_config)
+    with pytest.raises(RunFailed) as failed:
+        run(grid_of(rc, 4), RunConfig.from_dict(rc), "t")
+    assert any("'max-examples-per-client'" in e and "cannot serve the run" in e for e in failed.value.client_errors)
+
+
+def test_a_sampled_simulation_stops_at_the_first_nodes_data_error(run_config):
+    # a simulation's nodes share the run config and the data folder: one node's error is the run's
+    strategy, grid = federation(_refusing_sampled_config(run_config))
+    with pytest.raises(ConfigError, match="max-examples-per-client"):
+        strategy.start(grid, window=lambda: 2)
+    assert [m.metadata.message_type for m in grid.sent].count("train") == 0
