@@ -3,7 +3,7 @@
 Usage (from the repository root):
 
     uv run --frozen python -m bench.simulation [--preset presets/<name>.toml] [-c "method='local'"]
-        [--cpus-per-client 1] [--methods local,fedmrl,...] [--minutes 20]
+        [--cpus-per-client 1] [--methods local,fedmrl,...] [--minutes 20] [--out runs.json]
 
 Runs the job through ``tools.run`` while sampling the resident memory of the whole process
 tree (launcher, SuperLink, ServerApp, Ray and its ClientApp actors) every 0.5 s, then prints
@@ -15,7 +15,9 @@ ServerApp's start, and Ray's start with the handshake (every client's first mess
 
 ``--methods`` runs each listed method in turn on the same config (same partitions, seed and
 models), ``--minutes`` stops each run after that wall time (the rounds completed so far are
-reported: results are written every round), and a comparison table ends the output.
+reported: results are written every round), and a comparison table ends the output. ``--out``
+adds each finished run's totals (start-up phases and seconds per round in seconds, peak memory in
+GiB and, per process kind at the peak, [count, PSS MiB]) to a JSON list, with command and commit.
 
 The split: with ``slots`` ClientApps running in parallel (cores / cpus-per-client), a
 round's training share is ``sum(client train-seconds) / (slots * round seconds)``, where
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -38,7 +41,8 @@ from pathlib import Path
 import psutil
 
 from common.errors import ConfigError
-from common.files import read_rows
+from common.files import atomic_write, read_rows
+from tools.grid import git_commit
 from tools.outcome import print_outcome
 from tools.processes import interrupt, stop_on_signals
 from tools.runconfig import add_config_arguments, read_config, validate_configs
@@ -85,28 +89,40 @@ def tree_memory(proc: psutil.Process) -> tuple[int, int, dict[str, tuple[int, in
 
 
 #: log lines that end each start-up phase: the launcher has submitted the run, Flower's simulation
-#: process is up, the ServerApp has started (its handshake begins), every client has answered
+#: process is up, the ServerApp has started (its handshake begins), every client has answered (run
+#: config ``handshake = "all"``) or the nodes a round samples are listed (``"sampled"``: the
+#: ClientApps then start in round 1)
 STARTUP_MARKS = (
-    ("launcher", "Submitted run"),
-    ("simulation start", "Starting Flower Simulation"),
-    ("ServerApp start", "Writing results to"),
-    ("Ray start + handshake", "Handshake: "),
+    ("launcher", ("Submitted run",)),
+    ("simulation start", ("Starting Flower Simulation",)),
+    ("ServerApp start", ("Writing results to",)),
+    ("Ray start + handshake", ("Handshake: ", "Handshake sampled: ")),
 )
 
 
-def startup_split(lines: list[tuple[float, str]]) -> str:
-    """Seconds from launch to round 1, split at :data:`STARTUP_MARKS` (the first line holding each
-    mark) of ``lines`` = ``[(seconds since launch, log line)]``; the handshake line's own summary
-    (its seconds and the slowest client's process start-up) follows."""
-    parts, last, handshake = [], 0.0, ""
-    for phase, mark in STARTUP_MARKS:
-        hit = next(((t, line) for t, line in lines if mark in line), None)
+def startup_phases(lines: list[tuple[float, str]]) -> tuple[dict[str, float], str] | None:
+    """Seconds of each start-up phase from launch to round 1, split at :data:`STARTUP_MARKS` (the first
+    line holding one of each phase's marks) of ``lines`` = ``[(seconds since launch, log line)]``, and
+    the handshake line's own summary; None when a phase's line is missing."""
+    phases, last, detail = {}, 0.0, ""
+    for phase, marks in STARTUP_MARKS:
+        hit = next(((t, line, m) for t, line in lines for m in marks if m in line), None)
         if hit is None:
-            return "start-up split: not found (" + phase + ")"
-        parts.append(f"{phase} {hit[0] - last:.1f} s")
-        last, handshake = hit[0], hit[1]
-    detail = handshake.split("Handshake: ", 1)[1].strip()
-    return f"start-up, launch to round 1: {last:.1f} s = " + " + ".join(parts) + f" ({detail})"
+            return None
+        phases[phase] = hit[0] - last
+        last, detail = hit[0], hit[1].split(hit[2], 1)[1].strip()
+    return phases, detail
+
+
+def startup_split(lines: list[tuple[float, str]]) -> str:
+    """:func:`startup_phases` as one line: the total, each phase and the handshake's own summary (its
+    seconds and the slowest client's process start-up, or the nodes listed)."""
+    found = startup_phases(lines)
+    if found is None:
+        return "start-up split: not found"
+    phases, detail = found
+    parts = " + ".join(f"{phase} {seconds:.1f} s" for phase, seconds in phases.items())
+    return f"start-up, launch to round 1: {sum(phases.values()):.1f} s = {parts} ({detail})"
 
 
 @dataclass
@@ -255,10 +271,15 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
     shares = print_rounds(rows, slots)
     accs = [r["accuracy_mean"] for r in rows if r["accuracy_mean"] is not None]
     clients = sum(r["num_clients"] for r in rows)
+    phases = startup_phases(run.lines)
     totals = {
         "run_dir": str(run_dirs[0]),
         "wall_seconds": run.wall,
+        "startup_seconds": phases[0] if phases else None,
+        "round_seconds": [r["round_seconds"] for r in rows],
         "peak_pss_gib": run.peak_pss / 2**30,
+        "peak_rss_gib": run.peak_rss / 2**30,
+        "pss_mib_at_peak": {kind: [count, total / 2**20] for kind, (count, total) in run.at_peak.items()},
         "rounds": len(rows),
         "final": accs[-1] if accs else float("nan"),
         "best": max(accs, default=float("nan")),
@@ -271,6 +292,23 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
     return totals
 
 
+def add_row(out: Path, argv: list[str] | None, totals: dict) -> None:
+    """Add one finished run's ``totals`` (:func:`run_one`) to the JSON list in ``out`` (created when
+    missing), with the command line, the commit and the machine's CPU count; written atomically."""
+    rows = json.loads(out.read_text()) if out.exists() else []
+    args = sys.argv[1:] if argv is None else argv
+    rows.append(
+        {
+            "command": "python -m bench.simulation " + " ".join(shlex.quote(a) for a in args),
+            "commit": git_commit(),
+            "cpus": os.cpu_count(),
+            **totals,
+        }
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, lambda f: f.write(json.dumps(rows, indent=1).encode()))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_config_arguments(parser)
@@ -278,6 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus-per-client", type=float, default=None)
     parser.add_argument("--methods", default="", help="comma-separated methods to run in turn on the same config")
     parser.add_argument("--minutes", type=float, default=0.0, help="wall-time budget per run (0: none)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON file that each finished run is added to as it ends (its command, commit and totals)",
+    )
     args = parser.parse_args(argv)
 
     methods = [m for m in args.methods.split(",") if m] or [None]
@@ -295,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                 if method:
                     print(f"=== {method}", flush=True)
                 table[method] = run_one(items, args.cpus_per_client, args.gpus_per_client, args.minutes, args.preset)
+                if args.out is not None and table[method] is not None:
+                    add_row(args.out, argv, table[method])
         except KeyboardInterrupt:
             print("interrupted: stopped the run and everything it started", flush=True)
             return 130

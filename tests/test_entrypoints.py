@@ -358,3 +358,43 @@ def test_sigterm_stops_a_simulation_and_everything_it_started(tmp_path):
     (summary,) = tmp_path.glob("*/summary.json")
     summary = json.loads(summary.read_text())
     assert summary["status"] == "interrupted" and summary["error"].startswith("stopped by a signal"), summary
+
+
+def test_bench_simulation_adds_each_finished_run_to_its_json_with_the_startup_phases(tmp_path, monkeypatch, capsys):
+    """``--out``: each run's totals are added to one JSON list as it ends; the start-up split reads the
+    sampled handshake's line as the end of start-up, as it reads the full handshake's."""
+    from bench import simulation
+
+    popen = subprocess.Popen
+    row = {
+        "round": 1, "accuracy_mean": 0.5, "accuracy_weighted": 0.5, "bytes_up": 0, "bytes_down": 0,
+        "round_seconds": 2.0, "client_train_seconds": 1.0, "num_clients": 3, "elapsed_seconds": 2.0,
+    }  # fmt: skip
+    fake_run = (
+        "import json, pathlib, sys, time; out = pathlib.Path(json.loads(sys.argv[1].split('=', 1)[1])); "
+        "run = out / '20260101-000000-local-mnist-7'; run.mkdir(parents=True); "
+        f"(run / 'metrics.jsonl').write_text(json.dumps({row!r}) + '\\n'); "
+        "[print(line, flush=True) or time.sleep(0.05) for line in ('Submitted run 7', "
+        "'Starting Flower Simulation', 'Writing results to x', "
+        "'Handshake sampled: 300 nodes listed; each round asks only the nodes it samples')]"
+    )
+
+    def fake_tools_run(cmd, **kwargs):
+        if "tools.run" not in cmd:  # git, for the commit
+            return popen(cmd, **kwargs)
+        return popen([sys.executable, "-c", fake_run, cmd[cmd.index("-c") + 1]], **kwargs)
+
+    monkeypatch.setattr(simulation, "ROOT", tmp_path)
+    monkeypatch.setattr(simulation, "validate_configs", lambda configs: [(0, False)] * len(configs))
+    monkeypatch.setattr(simulation.subprocess, "Popen", fake_tools_run)
+    out = tmp_path / "scale.json"
+    for n in (100, 1000):
+        assert simulation.main(["-c", f"num-clients={n}", "--out", str(out)]) == 0
+    assert "300 nodes listed" in capsys.readouterr().out
+    runs = json.loads(out.read_text())
+    assert [r["command"].split()[-3] for r in runs] == ["num-clients=100", "num-clients=1000"]
+    for r in runs:
+        phases = ["launcher", "simulation start", "ServerApp start", "Ray start + handshake"]
+        assert list(r["startup_seconds"]) == phases
+        assert all(s >= 0 for s in r["startup_seconds"].values()) and sum(r["startup_seconds"].values()) >= 0.1
+        assert r["round_seconds"] == [2.0] and r["rounds"] == 1 and r["cpus"] == os.cpu_count()
