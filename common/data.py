@@ -318,7 +318,7 @@ def stratified_split(
     fraction < 0.5). Hugging Face's ``train_test_split(stratify_by_column=...)`` rejects
     such classes, which Dirichlet partitions often have, hence this function.
     """
-    first, second = [], []
+    first, second = [torch.zeros(0, dtype=torch.int64)], [torch.zeros(0, dtype=torch.int64)]  # for no labels
     for c in torch.unique(labels):
         idx = torch.nonzero(labels == c).flatten()
         idx = idx[torch.randperm(len(idx), generator=generator)]

@@ -173,7 +173,7 @@ class Transport:
             )
             self.counters.dropped[_category(messages[0].metadata.message_type)] += len(missing)
             self.counters.round_dropped.update(partitions)
-            if _category(messages[0].metadata.message_type) == "train":
+            if self._keeps_errors(_category(messages[0].metadata.message_type)):
                 self.counters.train_error(f"no reply within {timeout:.0f} s (run config key 'round-timeout')")
         return replies
 
@@ -302,7 +302,8 @@ class Transport:
 
     def drop(self, message_type: str, node: int, reason: str, duplicate: bool) -> None:
         """Count and log a dropped reply of ``node``; a train reply's error (not a ``duplicate``'s) also
-        goes to the round's client errors (``RoundCounters.train_error``)."""
+        goes to the round's client errors (``RoundCounters.train_error``), as does a query reply's when
+        rounds ask their sampled nodes (run config ``handshake = "sampled"``)."""
         category = _category(message_type)
         self.counters.dropped[category] += 1
         if node in self.clients and not duplicate:
@@ -310,8 +311,13 @@ class Transport:
         if len(reason) > REASON_CHARS:
             reason = f"{reason[:REASON_CHARS]}... ({len(reason)} characters)"
         log.warning("Dropped %s reply from node %s: %s", message_type, node, reason)
-        if category == "train" and not duplicate:
+        if self._keeps_errors(category) and not duplicate:
             self.counters.train_error(reason)
+
+    def _keeps_errors(self, category: str) -> bool:
+        """Whether a dropped or missing reply of ``category`` is why a client of this round did not
+        train: train replies, and query replies when each round asks its sampled nodes."""
+        return category == "train" or (category == "query" and self.cfg.handshake == "sampled")
 
     def count_valid(self, category: str, valid: list[ClientReply]) -> None:
         """The round's work (train replies), the Ray nodes that served ``valid`` and the peak GPU memory of

@@ -160,3 +160,8 @@ def test_partition_seed_holds_the_partition_while_seed_varies_training(run_confi
     first = [p for p in a.model.parameters()][0]
     assert not torch.equal(first, [p for p in b.model.parameters()][0])
     assert not torch.equal(torch.randperm(100, generator=a.generator(1)), torch.randperm(100, generator=b.generator(1)))
+
+
+def test_stratified_split_of_no_labels_is_two_empty_parts():
+    first, second = stratified_split(torch.zeros(0, dtype=torch.int64), 0.2, torch.Generator().manual_seed(0))
+    assert first.dtype == second.dtype == torch.int64 and len(first) == len(second) == 0

@@ -351,7 +351,7 @@ def _refusing_sampled_config(run_config) -> dict:
     return run_config(
         **{
             "handshake": "sampled",
-            "num-clients": 4,
+            "num-clients": 2,
             "fraction-train": 0.5,
             "eval-clients": "trained",
             "num-server-rounds": 2,
@@ -366,7 +366,7 @@ def test_a_sampled_round_whose_nodes_refuse_fails_the_run_with_their_error(run_c
     # nothing names the error, not "no reply"
     rc = _refusing_sampled_config(run_config)
     with pytest.raises(RunFailed) as failed:
-        run(grid_of(rc, 4), RunConfig.from_dict(rc), "t")
+        run(grid_of(rc, 2), RunConfig.from_dict(rc), "t")
     assert any("'max-examples-per-client'" in e and "cannot serve the run" in e for e in failed.value.client_errors)
 
 
@@ -376,3 +376,12 @@ def test_a_sampled_simulation_stops_at_the_first_nodes_data_error(run_config):
     with pytest.raises(ConfigError, match="max-examples-per-client"):
         strategy.start(grid, window=lambda: 2)
     assert [m.metadata.message_type for m in grid.sent].count("train") == 0
+
+
+def test_a_sampled_run_whose_drawn_nodes_never_answer_fails_naming_the_timeout(run_config):
+    rc = {**_refusing_sampled_config(run_config), "max-examples-per-client": 40, "round-timeout": 1.0}
+    grid = grid_of(rc, 2)
+    grid.silent.update(grid.get_node_ids())
+    with pytest.raises(RunFailed) as failed:
+        run(grid, RunConfig.from_dict(rc), "t")
+    assert any("no reply within 1 s" in e for e in failed.value.client_errors)
