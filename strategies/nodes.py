@@ -408,20 +408,28 @@ class Roster:
         messages) and admit the valid ones; returns the admitted nodes. :meth:`sample` then hands out
         the drawn nodes that are known, in partition order.
 
-        A sampled node that does not answer validly is dropped for the round (its query counted as
-        dropped) and, as in :meth:`refresh`, left out of the draws for 1, 2, 4, ... rounds; one holding
-        a partition outside the run, or claiming one whose node is still connected, is not asked again
-        and not used. A node whose partition's budget is spent (``exhausted_partitions``) is known to be
-        spent once asked, and not drawn again.
+        The first draw of the ServerApp's process (a new or a resumed run) waits up to
+        ``connect-timeout`` seconds for its answers (the full handshake's wait: ClientApps may still
+        be starting), later ones ``round-timeout`` (at most :data:`QUERY_SECONDS`). A sampled node
+        that does not answer validly is dropped for the round (its query counted as dropped) and, as
+        in :meth:`refresh`, left out of the draws for 1, 2, 4, ... rounds; one holding a partition
+        outside the run, or claiming one whose node is still connected, is not asked again and not
+        used. A node whose partition's budget is spent (``exhausted_partitions``) is known to be spent
+        once asked, and not drawn again.
         """
         backing_off = {n for n, (_, after) in self.silent_nodes.items() if after > self.refreshes}
         candidates = sorted(self.connected - self.exhausted - self.outsiders - backing_off)
         k = min(sample_size(self.cfg.fraction_train, self.num_partitions), len(candidates))
         chosen = [candidates[i] for i in sorted(self.rng.choice(len(candidates), size=k, replace=False))]
         new = [n for n in chosen if n not in self.clients]
+        # the process's first draw is the run's handshake: the ClientApps may still be starting (a
+        # simulation's Ray actors, each building the partitioner), so it waits connect-timeout
+        first = self.refreshes == 1
+        timeout = self.cfg.connect_timeout if first else min(QUERY_SECONDS, self.cfg.round_timeout)
         replies = transport.exchange(
             [transport.message("query", n, {}, ConfigRecord(), 0) for n in new],
-            min(QUERY_SECONDS, self.cfg.round_timeout),
+            timeout,
+            "connect-timeout" if first else "round-timeout",
         )
         valid = self._valid_answers(transport, replies)
         holders = {self.clients[n][PARTITION_ID]: n for n in self.nodes}

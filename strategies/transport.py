@@ -143,9 +143,12 @@ class Transport:
         group = f"{scope}-{server_round}" if scope else str(server_round)
         return Message(content, dst_node_id=node_id, message_type=message_type, group_id=group)
 
-    def exchange(self, messages: Iterable[Message], timeout: float | None = None) -> list[Message]:
+    def exchange(
+        self, messages: Iterable[Message], timeout: float | None = None, key: str = "round-timeout"
+    ) -> list[Message]:
         """Send ``messages``, wait for the replies (at most ``timeout`` s, default ``round-timeout``),
-        count payload bytes both ways.
+        count payload bytes both ways. ``key``: the run config key that set ``timeout``, named in the
+        round's client error when replies are missing.
 
         Bytes are added to ``counters.traffic["<category>_bytes_down"]`` (per message sent) and
         ``["<category>_bytes_up"]`` (per reply received, valid or not).
@@ -157,6 +160,11 @@ class Transport:
             self.counters.traffic[_category(m.metadata.message_type) + "_bytes_down"] += tensor_bytes(m.content)
         timeout = timeout or self.timeout
         replies = self.push_and_pull(messages, timeout)
+        self._count_replies(messages, replies, timeout, key)
+        return replies
+
+    def _count_replies(self, messages: list[Message], replies: list[Message], timeout: float, key: str) -> None:
+        """Count the bytes up of ``replies`` and the messages of ``messages`` that got none."""
         for r in replies:
             if not r.has_error():
                 self.counters.traffic[_category(r.metadata.message_type) + "_bytes_up"] += tensor_bytes(r.content)
@@ -174,8 +182,7 @@ class Transport:
             self.counters.dropped[_category(messages[0].metadata.message_type)] += len(missing)
             self.counters.round_dropped.update(partitions)
             if self._keeps_errors(_category(messages[0].metadata.message_type)):
-                self.counters.train_error(f"no reply within {timeout:.0f} s (run config key 'round-timeout')")
-        return replies
+                self.counters.train_error(f"no reply within {timeout:.0f} s (run config key '{key}')")
 
     def push_and_pull(self, messages: list[Message], timeout: float) -> list[Message]:
         """Push ``messages`` and pull their replies every :data:`PULL_SECONDS` until all are in or

@@ -318,9 +318,11 @@ def test_sampled_handshake_refuses_held_out_clients(run_config):
 def test_sampled_handshake_serves_each_partition_by_one_node_and_skips_silent_ones(run_config):
     # node 999 claims partition 0 as well (the first claim stands, the other node is refused for the run);
     # node 1003 is listed but never answers: it is dropped when drawn, and asked again only after a pause
+    # (the first draw waits connect-timeout for its answers: short here, the fake nodes answer at once)
     rc = run_config(
         **{
             "handshake": "sampled",
+            "connect-timeout": 4.0,
             "num-clients": 6,
             "fraction-train": 0.5,
             "eval-clients": "trained",
@@ -379,9 +381,14 @@ def test_a_sampled_simulation_stops_at_the_first_nodes_data_error(run_config):
 
 
 def test_a_sampled_run_whose_drawn_nodes_never_answer_fails_naming_the_timeout(run_config):
+    # the first draw is the handshake (connect-timeout, the ClientApps may be starting), later ones are rounds
     rc = {**_refusing_sampled_config(run_config), "max-examples-per-client": 40, "round-timeout": 1.0}
+    rc["connect-timeout"] = 2.0
     grid = grid_of(rc, 2)
     grid.silent.update(grid.get_node_ids())
     with pytest.raises(RunFailed) as failed:
         run(grid, RunConfig.from_dict(rc), "t")
-    assert any("no reply within 1 s" in e for e in failed.value.client_errors)
+    assert failed.value.client_errors == [
+        "no reply within 2 s (run config key 'connect-timeout')",
+        "no reply within 1 s (run config key 'round-timeout')",
+    ]
