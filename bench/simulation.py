@@ -277,6 +277,9 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
         "wall_seconds": run.wall,
         "startup_seconds": phases[0] if phases else None,
         "round_seconds": [r["round_seconds"] for r in rows],
+        # the ClientApps' time per round, summed over its train messages: all of the handler, and training
+        "client_handler_seconds": [r.get("client_handler_seconds") for r in rows],
+        "client_train_seconds": [r["client_train_seconds"] for r in rows],
         "peak_pss_gib": run.peak_pss / 2**30,
         "peak_rss_gib": run.peak_rss / 2**30,
         "pss_mib_at_peak": {kind: [count, total / 2**20] for kind, (count, total) in run.at_peak.items()},
@@ -309,6 +312,35 @@ def add_row(out: Path, argv: list[str] | None, totals: dict) -> None:
     atomic_write(out, lambda f: f.write(json.dumps(rows, indent=1).encode()))
 
 
+def scale_table(runs: list[dict]) -> str:
+    """The markdown table of ``runs`` (the JSON list ``--out`` writes, one run per N), as
+    ``results/scale/README.md`` quotes it: N, clients trained per round, start-up (launch to round 1)
+    with the launcher's part, round 1, the mean and range of the later rounds and their ratio to the
+    first run's, the peak PSS of the process tree and of the ServerApp's (``flwr-simulation``) and the
+    ClientApps' processes. Seconds, GiB and MiB."""
+    lines = [
+        "| N | clients per round | launch to round 1 (launcher) | round 1 | rounds 2+ (range) | vs first row "
+        "| peak PSS | `flwr-simulation` | ClientApps |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    first = None
+    for run in runs:
+        config = dict(item.split("=", 1) for item in shlex.split(run["command"]) if "=" in item and " " not in item)
+        n, fraction = int(config["num-clients"]), float(config["fraction-train"])
+        later = run["round_seconds"][1:]
+        mean = sum(later) / len(later)
+        first = first or mean
+        actors = run["pss_mib_at_peak"].get("ray::ClientAppActor.run", [0, 0.0])
+        lines.append(
+            f"| {n:,} | {round(n * fraction)} | {sum(run['startup_seconds'].values()):.1f} s "
+            f"({run['startup_seconds']['launcher']:.1f} s) | {run['round_seconds'][0]:.1f} s | {mean:.2f} s "
+            f"({min(later):.2f}-{max(later):.2f}) | {mean / first:.2f}x | {run['peak_pss_gib']:.2f} GiB "
+            f"| {run['pss_mib_at_peak']['flwr-simulation'][1]:.0f} MiB "
+            f"| {actors[0]} x {actors[1] / actors[0]:.0f} MiB |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_config_arguments(parser)
@@ -322,7 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="JSON file that each finished run is added to as it ends (its command, commit and totals)",
     )
+    parser.add_argument("--table", type=Path, default=None, help="print the markdown table of an --out file and exit")
     args = parser.parse_args(argv)
+    if args.table is not None:
+        print(scale_table(json.loads(args.table.read_text())))
+        return 0
 
     methods = [m for m in args.methods.split(",") if m] or [None]
     with stop_on_signals():

@@ -398,3 +398,20 @@ def test_bench_simulation_adds_each_finished_run_to_its_json_with_the_startup_ph
         assert list(r["startup_seconds"]) == phases
         assert all(s >= 0 for s in r["startup_seconds"].values()) and sum(r["startup_seconds"].values()) >= 0.1
         assert r["round_seconds"] == [2.0] and r["rounds"] == 1 and r["cpus"] == os.cpu_count()
+
+
+def test_the_committed_scale_table_and_its_quoted_seconds_are_what_the_rows_give():
+    from bench.simulation import scale_table
+
+    readme = (ROOT / "results" / "scale" / "README.md").read_text()
+    runs = json.loads((ROOT / "results" / "scale" / "simulation-sampled.json").read_text())
+    assert scale_table(runs) in readme
+    trial = json.loads((ROOT / "results" / "scale" / "simulation-sampled-window4.json").read_text())[0]
+    assert f"{min(trial['round_seconds'][1:]):.2f}-{max(trial['round_seconds'][1:]):.2f} s per later round" in readme
+    for run, handler, beyond in zip(runs[::2], ("4.9-6.0 s at 100", "10.5-11.4 s at 10,000"), ("30-40", "72-77")):
+        sums = run["client_handler_seconds"][1:]
+        extra = [1000 * (h - t) / 100 for h, t in zip(sums, run["client_train_seconds"][1:])]  # ms per message
+        low, high = handler.split(" s ")[0].split("-")
+        assert float(low) <= min(sums) and max(sums) <= float(high) + 0.05 and handler in readme
+        assert int(beyond.split("-")[0]) <= min(extra) and max(extra) <= int(beyond.split("-")[1]) + 0.5
+        assert f"{beyond} ms" in readme or f"against {beyond} at 100" in readme
