@@ -386,8 +386,9 @@ class Roster:
 
     def _valid_answers(self, transport: Transport, replies: list[Message]) -> list[ClientReply]:
         """The valid query ``replies`` (:meth:`Transport.validate`); a node's configuration or data error
-        (:func:`config_error`) is logged, noted as the round's client error (the error of a run that
-        trains nothing quotes it) and its reply left out.
+        (:func:`config_error`) is logged and its reply left out; with handshake ``sampled`` (the node was
+        drawn to train) it is also the round's client error, which the error of a run that trains
+        nothing quotes.
 
         Raises:
             ConfigError: a node of a simulation reported one: every simulated node shares the run config
@@ -399,7 +400,8 @@ class Roster:
             raise ConfigError(f"the run's configuration or data fail on a simulated node{_errors_text(errors)}")
         for node, (pid, text) in errors.items():
             log.warning("Node %s (partition-id %s) cannot serve the run: %s", node, pid, text)
-            self.counters.train_error(f"node {node} (partition-id {pid}) cannot serve the run: {text}")
+            if self.cfg.handshake == "sampled":
+                self.counters.train_error(f"node {node} (partition-id {pid}) cannot serve the run: {text}")
         return transport.validate("query", [r for r in replies if r.metadata.src_node_id not in errors])
 
     def _draw(self, transport: Transport) -> list[int]:
