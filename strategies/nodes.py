@@ -148,7 +148,6 @@ class Roster:
         timeout = self.cfg.connect_timeout
         began = time.monotonic()
         deadline = began + timeout
-        shared = transport.window is not None  # a simulation: one run config and data folder for all nodes
         wanted: int | None = self.cfg.num_clients or None  # None until the nodes agree on num-partitions
         heard = _Answers()
         while wanted is None or self._trainers(heard.by_partition, wanted) < self._needed(wanted):
@@ -170,7 +169,7 @@ class Roster:
                         f"no node that answered the handshake can serve the run{_errors_text(heard.errors)}"
                     )
             else:
-                self._ask(transport, new, max(deadline - time.monotonic(), 1.0), shared, heard)
+                self._ask(transport, new, max(deadline - time.monotonic(), 1.0), heard)
                 wanted = self._federation_size(heard.claims, settled=False)
                 log.info(
                     "Handshake: %d of %s clients answered, %.1f s after the handshake began (slowest "
@@ -209,25 +208,20 @@ class Roster:
             time.sleep(NODE_POLL_SECONDS)
         log.info("Handshake sampled: %d nodes listed; each round asks only the nodes it samples", listed)
 
-    def _ask(self, transport: Transport, new: list[int], timeout: float, shared: bool, heard: _Answers) -> None:
+    def _ask(self, transport: Transport, new: list[int], timeout: float, heard: _Answers) -> None:
         """Query the ``new`` nodes once (within ``timeout`` seconds) and record their answers in
-        ``heard``: a node's configuration or data error (which ends a simulation at once, ``shared``),
-        else its claim, its partition unless another node holds it (the first claim stands) and its
-        metrics in ``self.clients``.
+        ``heard``: a node's configuration or data error (:meth:`_valid_answers`), else its claim, its
+        partition unless another node holds it (the first claim stands) and its metrics in
+        ``self.clients``.
 
         Raises:
             ConfigError: a node of a simulation reported a configuration or data error.
         """
         heard.asked.update(new)
         replies = transport.exchange([transport.message("query", n, {}, ConfigRecord(), 0) for n in new], timeout)
-        for r in replies:
-            error = config_error(r)
-            if error is not None:
-                heard.errors[r.metadata.src_node_id] = error
-                log.warning("Node %s (partition-id %s) cannot serve the run: %s", r.metadata.src_node_id, *error)
-        if heard.errors and shared:
-            raise ConfigError(f"the run's configuration or data fail on a simulated node{_errors_text(heard.errors)}")
-        for r in transport.validate("query", [r for r in replies if r.metadata.src_node_id not in heard.errors]):
+        valid, errors = self._valid_answers(transport, replies)
+        heard.errors.update(errors)
+        for r in valid:
             heard.claims[r.node_id] = _claim(r)
             if r.partition_id in heard.by_partition:  # the first claim stands; the run goes on
                 log.warning(
@@ -344,7 +338,7 @@ class Roster:
             min(QUERY_SECONDS, self.cfg.round_timeout),
         )
         # a node's configuration or data error is its own problem: it is asked again later, as a silent node
-        valid = self._valid_answers(transport, replies)
+        valid, _ = self._valid_answers(transport, replies)
         answered = {r.node_id for r in valid}
         for node in set(new) - answered:  # no reply, or none we can use
             misses = self.silent_nodes.get(node, (0, 0))[0] + 1
@@ -384,11 +378,13 @@ class Roster:
             self.nodes[index] = node
         return admitted
 
-    def _valid_answers(self, transport: Transport, replies: list[Message]) -> list[ClientReply]:
-        """The valid query ``replies`` (:meth:`Transport.validate`); a node's configuration or data error
-        (:func:`config_error`) is logged and its reply left out; with handshake ``sampled`` (the node was
-        drawn to train) it is also the round's client error, which the error of a run that trains
-        nothing quotes.
+    def _valid_answers(
+        self, transport: Transport, replies: list[Message]
+    ) -> tuple[list[ClientReply], dict[int, tuple[int | None, str]]]:
+        """The valid query ``replies`` (:meth:`Transport.validate`) and the configuration or data errors
+        (:func:`config_error`, node id -> (partition id or None, text)) the others report. Each error
+        is logged and its reply left out; with handshake ``sampled`` (the node was drawn to train) it
+        is also the round's client error, which the error of a run that trains nothing quotes.
 
         Raises:
             ConfigError: a node of a simulation reported one: every simulated node shares the run config
@@ -402,7 +398,7 @@ class Roster:
             log.warning("Node %s (partition-id %s) cannot serve the run: %s", node, pid, text)
             if self.cfg.handshake == "sampled":
                 self.counters.train_error(f"node {node} (partition-id {pid}) cannot serve the run: {text}")
-        return transport.validate("query", [r for r in replies if r.metadata.src_node_id not in errors])
+        return transport.validate("query", [r for r in replies if r.metadata.src_node_id not in errors]), errors
 
     def _draw(self, transport: Transport) -> list[int]:
         """Handshake ``sampled``: draw this round's K clients from the connected nodes (seeded, in node-id
@@ -433,7 +429,7 @@ class Roster:
             timeout,
             "connect-timeout" if first else "round-timeout",
         )
-        valid = self._valid_answers(transport, replies)
+        valid, _ = self._valid_answers(transport, replies)
         holders = {self.clients[n][PARTITION_ID]: n for n in self.nodes}
         admitted = []
         for reply in valid:
