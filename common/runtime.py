@@ -182,7 +182,8 @@ class ClientRuntime:
         state (HtCNN7 28 ms, ResNet-18 90 ms, ResNet-152 0.6 s on one CPU thread): its modules are
         built on the meta device, given memory and filled by :meth:`restore`, which sets every
         parameter and buffer (a model with a buffer outside its state dict is built in full).
-        Without a usable state it is built and initialised as the seed says.
+        Without a usable state it is built and initialised as the seed says; a client that has none
+        (:meth:`common.state_store.StateStore.holds`: its first message) skips the skeleton.
         """
         info = self.info
 
@@ -198,6 +199,8 @@ class ClientRuntime:
                 architecture=architecture_for(self.cfg, self.partition_id, self.spec.num_partitions),
             )
 
+        if not self.state.holds(MODEL_STATE):  # a new client: nothing to restore, so no skeleton to build
+            return build().to(self.device)
         with torch.device("meta"):
             skeleton = build()
         if set(dict(skeleton.named_buffers())) <= set(skeleton.state_dict()):

@@ -135,6 +135,16 @@ class StateStore:
         module.load_state_dict(saved[1])
         return True
 
+    def holds(self, name: str) -> bool:
+        """Whether record ``name`` exists (in ``context.state``, stamped there, or as a file in
+        ``state-dir``); reads nothing. False means :meth:`restore` would find nothing, so a new
+        client's first message can skip what only a restore needs."""
+        key = self._record(name)
+        if key in self.context.state.array_records or key in self._stamps():
+            return True
+        path = self._state_file(name)
+        return path is not None and path.is_file()
+
     def store(self, name: str, module: nn.Module) -> None:
         """Save ``module``'s state dict as record ``name``: into ``context.state`` without a
         ``state-dir``; with one, atomically and durably to ``<name>.pt`` there (survives a

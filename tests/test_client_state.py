@@ -84,3 +84,46 @@ def test_a_record_is_saved_without_crc_and_reads_back_exactly(tmp_path):
     loaded = torch.nn.Linear(4, 3)
     assert StateStore(context, tmp_path, "", server_round=3, trains=True, partition_id=0).restore("model", loaded)
     assert torch.equal(loaded.weight, saved.weight) and torch.equal(loaded.bias, saved.bias)
+
+
+def test_holds_tells_a_new_client_from_one_with_a_record_in_memory_or_on_disk(tmp_path):
+    import torch
+    from flwr.app import Context, RecordDict
+
+    from common.state_store import StateStore
+
+    def context():
+        return Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+
+    for folder in (None, tmp_path):
+        ctx = context()
+        store = StateStore(ctx, folder, "", server_round=1, trains=True, partition_id=0)
+        assert not store.holds("model")
+        store.store("model", torch.nn.Linear(2, 2))
+        assert store.holds("model") and not store.holds("other")
+    # a restarted node: an empty context, the file on disk
+    assert StateStore(context(), tmp_path, "", server_round=2, trains=True, partition_id=0).holds("model")
+
+
+def test_a_new_client_builds_its_model_once_and_a_returning_one_restores_it(run_config, monkeypatch):
+    import torch
+
+    from conftest import client_runtime
+    from models.groups import ModelGroup
+
+    builds = []
+    real = ModelGroup.build
+    monkeypatch.setattr(ModelGroup, "build", lambda self, *a, **kw: builds.append(1) or real(self, *a, **kw))
+    rc = run_config(**{"num-clients": 2})
+    client = client_runtime(rc, 1)
+    model = client.model
+    assert len(builds) == 1  # no meta-device skeleton: there is nothing to restore into it
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    client.save_model()
+    again = type(client)(client.context)
+    builds.clear()
+    restored = again.model
+    assert len(builds) == 1  # the skeleton only, filled from the record
+    assert all(torch.equal(a, b) for a, b in zip(restored.state_dict().values(), model.state_dict().values()))
