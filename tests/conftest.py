@@ -7,6 +7,10 @@ import os
 # Never reach for the Hub from tests: an offline lookup must fail at once, not hang.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Under pytest-xdist (README: `pytest -n 2`) each worker is one process per core: torch's default
+# of a thread per core in every worker (and the processes a test starts) would oversubscribe the cores
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 from pathlib import Path  # noqa: E402
 
