@@ -415,3 +415,6 @@ def test_the_committed_scale_table_and_its_quoted_seconds_are_what_the_rows_give
         assert float(low) <= min(sums) and max(sums) <= float(high) + 0.05 and handler in readme
         assert int(beyond.split("-")[0]) <= min(extra) and max(extra) <= int(beyond.split("-")[1]) + 0.5
         assert f"{beyond} ms" in readme or f"against {beyond} at 100" in readme
+    train = [sum(r["client_train_seconds"][1:]) / len(r["client_train_seconds"][1:]) for r in runs]
+    quoted = f"{train[0]:.2f} s of the\n  ClientApps' time a round at 100, {train[1]:.2f} s at 1,000 and {train[2]:.2f}"
+    assert quoted in readme
