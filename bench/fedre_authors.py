@@ -149,7 +149,7 @@ def run_authors(tree: Path, config: dict, side: str, seed: int, partitions: Path
     Returns:
         ``{"curve": [pooled accuracy, fraction, rounds 1..R], "initial": round 0's, "mean_curve":
         [unweighted mean over clients by round], "test_examples", "command", "commit",
-        "content_digest", "wall_seconds", "cpu_seconds"}`` (also in ``<side>-seed-<seed>.json``).
+        "content_digest", "wall_seconds", "cpu_seconds", "peak_pss_gib"}`` (also in ``<side>-seed-<seed>.json``).
 
     Raises:
         RuntimeError: the run ended before evaluating round R (exit code and log tail in the message).
@@ -170,7 +170,7 @@ def run_authors(tree: Path, config: dict, side: str, seed: int, partitions: Path
     if side == "fedre":
         env[RESTORE_VARIABLE] = EVALUATE_ANCHOR
     log = out / f"{side}-seed-{seed}.log"
-    code, wall, cpu = run_measured([sys.executable, "-c", BOOTSTRAP, *args], tree / "system", log, env)
+    code, wall, cpu, peak_pss, _ = run_measured([sys.executable, "-c", BOOTSTRAP, *args], tree / "system", log, env)
     rows = [json.loads(line) for line in recorded.read_text().splitlines()] if recorded.exists() else []
     by_round = {r["round"]: r for r in rows}
     if code != 0 or any(r not in by_round for r in range(rounds + 1)):
@@ -186,6 +186,7 @@ def run_authors(tree: Path, config: dict, side: str, seed: int, partitions: Path
         "content_digest": digest,
         "wall_seconds": wall,
         "cpu_seconds": cpu,
+        "peak_pss_gib": peak_pss / 2**30,
     }
     atomic_write(out / f"{side}-seed-{seed}.json", lambda f: f.write(json.dumps(result, indent=1).encode()))
     return result

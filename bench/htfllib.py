@@ -517,7 +517,7 @@ def run_reference(
     Returns:
         ``{"curve": [accuracy by round 1..R], "initial": round 0's accuracy, "diverged_round": None
         or the first round without accuracy, "command", "commit", "content_digest", "initial_digest",
-        "threads", "wall_seconds", "cpu_seconds"}`` and for FedTGP ``"max_gap"`` by round
+        "threads", "wall_seconds", "cpu_seconds", "peak_pss_gib"}`` and for FedTGP ``"max_gap"`` by round
         (:func:`parse_max_gap`) (also in ``reference-seed-<seed>.json``).
 
     Raises:
@@ -537,7 +537,9 @@ def run_reference(
         out.mkdir(parents=True, exist_ok=True)
         link_dataset(reference, name, partitions)
         log = out / f"reference-seed-{seed}.log"
-        code, wall, cpu = run_measured([sys.executable, "-c", BOOTSTRAP, *args], reference / "system", log, env)
+        code, wall, cpu, peak_pss, _ = run_measured(
+            [sys.executable, "-c", BOOTSTRAP, *args], reference / "system", log, env
+        )
     finally:
         initial.unlink(missing_ok=True)
     text = log.read_text(errors="replace")
@@ -551,6 +553,7 @@ def run_reference(
         "threads": threads,
         "wall_seconds": wall,
         "cpu_seconds": cpu,
+        "peak_pss_gib": peak_pss / 2**30,
     }
     done.write_text(json.dumps(result, indent=1))
     return result

@@ -1,22 +1,74 @@
-"""What a benchmark records of a run it starts: its wall time and the CPU time of its whole process
-tree (:func:`run_measured`), and the commit of the checkout it ran from (:func:`git_head`)."""
+"""What a benchmark records of a run it starts: its wall time, the CPU time and the peak memory of
+its whole process tree (:func:`run_measured`, :func:`tree_memory`), and the commit of the checkout it
+ran from (:func:`git_head`)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import NamedTuple
+
+import psutil
 
 
-def run_measured(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) -> tuple[int, float, float]:
-    """Run ``cmd`` with its output in ``log``; ``(exit code, wall seconds, CPU seconds)``, the CPU
-    time summed over its whole process tree (user + system, each process as last sampled, every
-    second), so Ray's workers count too."""
-    import psutil
+def process_kind(p: psutil.Process) -> str:
+    """A short label for a process of a tree: Ray workers by their title, Python by its module
+    or script, anything else by its executable."""
+    name = p.name()
+    cmd = p.cmdline()
+    if name.startswith("ray::") or not cmd:
+        return name
+    if "-m" in cmd[:-1]:
+        return cmd[cmd.index("-m") + 1]
+    scripts = [os.path.basename(t) for t in cmd[:3] if not os.path.basename(t).startswith(("python", "-"))]
+    return scripts[0] if scripts else name
 
+
+def tree_memory(proc: psutil.Process) -> tuple[int, int, dict[str, tuple[int, int]]]:
+    """(RSS, PSS, {process kind: (count, PSS)}) bytes summed over ``proc`` and its descendants.
+
+    The RSS sum counts every shared page (torch's libraries, Ray's shared memory) once per
+    process that maps it; PSS splits each shared page among its processes, so its sum is what
+    the tree really occupies.
+    """
+    rss = pss = 0
+    kinds: dict[str, tuple[int, int]] = {}
+    try:
+        tree = [proc, *proc.children(recursive=True)]
+    except psutil.Error:  # a process of the tree exited during the walk: skip this sample
+        return 0, 0, {}
+    for p in tree:
+        try:
+            info = p.memory_full_info()
+            kind = process_kind(p)
+        except psutil.Error:
+            continue
+        rss, pss = rss + info.rss, pss + info.pss
+        count, total = kinds.get(kind, (0, 0))
+        kinds[kind] = (count + 1, total + info.pss)
+    return rss, pss, kinds
+
+
+class Measured(NamedTuple):
+    """A finished run as :func:`run_measured` saw it."""
+
+    code: int  # exit status
+    wall: float  # seconds
+    cpu: float  # CPU seconds (user + system) summed over the process tree
+    peak_pss: int  # bytes: the largest PSS sum of the tree over the samples (shared pages split)
+    at_peak: dict[str, tuple[int, int]]  # process kind -> (count, PSS bytes) at that sample
+
+
+def run_measured(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) -> Measured:
+    """Run ``cmd`` with its output in ``log``, sampling its whole process tree every second (so Ray's
+    workers count too): the CPU time (user + system, each process as last sampled) and the peak of
+    the tree's PSS (:func:`tree_memory`), the same measure for our runs and a reference's."""
     cpu: dict[int, float] = {}
+    peak, at_peak = 0, {}
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -29,6 +81,9 @@ def run_measured(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) 
                         cpu[p.pid] = t.user + t.system + t.children_user + t.children_system
                     except psutil.Error:
                         continue
+                _, pss, kinds = tree_memory(root)
+                if pss > peak:
+                    peak, at_peak = pss, kinds
                 with contextlib.suppress(subprocess.TimeoutExpired):  # not sleep: a run that ends is done at once
                     proc.wait(timeout=1.0)
         except BaseException:  # Ctrl-C or a signal: the run goes with us (tools.run stops its own tree on SIGINT)
@@ -39,7 +94,7 @@ def run_measured(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) 
                 proc.kill()
                 proc.wait()
             raise
-    return proc.returncode, time.perf_counter() - start, sum(cpu.values())
+    return Measured(proc.returncode, time.perf_counter() - start, sum(cpu.values()), peak, at_peak)
 
 
 def git_head(path: Path) -> str:

@@ -336,7 +336,7 @@ def run_authors(reference: Path, config: dict, script: str, seed: int, partition
         ``accuracy_mean``, ``loss`` (theirs), ``accuracy_per_client``, ``round_wall_seconds``,
         ``round_cpu_seconds``; ``printed_steps`` (:func:`parse_steps`), ``their_argv``,
         ``command``, ``commit``, ``script_sha256``, ``content_digest``, ``test_examples``,
-        ``wall_seconds``, ``cpu_seconds`` (the whole process, setup included), ``torch_threads``,
+        ``wall_seconds``, ``cpu_seconds`` (the whole process, setup included), ``peak_pss_gib``, ``torch_threads``,
         ``torch_version`` (this interpreter's, which runs theirs).
 
     Raises:
@@ -371,7 +371,7 @@ def run_authors(reference: Path, config: dict, script: str, seed: int, partition
     }
     command = [sys.executable, "-c", BOOTSTRAP, script_file.name, *argv]
     log = out / "authors.log"
-    code, wall, cpu = run_measured(command, reference, log, env)
+    code, wall, cpu, peak_pss, _ = run_measured(command, reference, log, env)
     rows = [json.loads(line) for line in recorded.read_text().splitlines()] if recorded.exists() else []
     text = log.read_text(errors="replace")
     if code != 0 or [r["round"] for r in rows] != list(range(1, rounds + 1)):
@@ -402,6 +402,7 @@ def run_authors(reference: Path, config: dict, script: str, seed: int, partition
         "test_examples": rows[0]["test_examples"],
         "wall_seconds": wall,
         "cpu_seconds": cpu,
+        "peak_pss_gib": peak_pss / 2**30,
         "torch_threads": CLIENT_THREADS,
         # the same curve differs by a few test images between PyTorch builds (their kernels' rounding)
         "torch_version": torch.__version__,

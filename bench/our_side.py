@@ -125,7 +125,7 @@ def run_ours(
 
     Returns:
         ``{"curve": [row key metric by round], "metric", "command", "config", "threads",
-        "wall_seconds", "cpu_seconds", "folder"}``.
+        "wall_seconds", "cpu_seconds", "peak_pss_gib", "folder"}``.
 
     Raises:
         RuntimeError: the run did not complete (its status and why: the summary's error, or when it
@@ -150,7 +150,7 @@ def run_ours(
     out.mkdir(parents=True, exist_ok=True)
     earlier = set(out.glob("*/summary.json"))  # a run cut off before: this one starts again from round 1
     log = out / "ours.log"
-    code, wall, cpu = run_measured(cmd, ROOT, log, {**os.environ, "OMP_NUM_THREADS": str(threads)})
+    code, wall, cpu, peak_pss, _ = run_measured(cmd, ROOT, log, {**os.environ, "OMP_NUM_THREADS": str(threads)})
     folders = sorted(p.parent for p in set(out.glob("*/summary.json")) - earlier)
     if not folders:
         raise RuntimeError(f"our run (seed {seed}) left no run folder: {failure_cause(log)}; log {log}")
@@ -163,6 +163,7 @@ def run_ours(
         "threads": threads,
         "wall_seconds": wall,
         "cpu_seconds": cpu,
+        "peak_pss_gib": peak_pss / 2**30,
         "folder": str(folders[-1]),
     }
     done.write_text(json.dumps(result, indent=1))

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import psutil
 
+from bench.measure import tree_memory
 from common.errors import ConfigError
 from common.files import atomic_write, read_rows
 from tools.grid import git_commit
@@ -48,44 +49,6 @@ from tools.processes import interrupt, stop_on_signals
 from tools.runconfig import add_config_arguments, read_config, validate_configs
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _kind(p: psutil.Process) -> str:
-    """A short label for a process of the tree: Ray workers by their title, Python by its module
-    or script, anything else by its executable."""
-    name = p.name()
-    cmd = p.cmdline()
-    if name.startswith("ray::") or not cmd:
-        return name
-    if "-m" in cmd[:-1]:
-        return cmd[cmd.index("-m") + 1]
-    scripts = [os.path.basename(t) for t in cmd[:3] if not os.path.basename(t).startswith(("python", "-"))]
-    return scripts[0] if scripts else name
-
-
-def tree_memory(proc: psutil.Process) -> tuple[int, int, dict[str, tuple[int, int]]]:
-    """(RSS, PSS, {process kind: (count, PSS)}) bytes summed over ``proc`` and its descendants.
-
-    The RSS sum counts every shared page (torch's libraries, Ray's shared memory) once per
-    process that maps it; PSS splits each shared page among its processes, so its sum is what
-    the tree really occupies.
-    """
-    rss = pss = 0
-    kinds: dict[str, tuple[int, int]] = {}
-    try:
-        tree = [proc, *proc.children(recursive=True)]
-    except psutil.Error:  # a process of the tree exited during the walk: skip this sample
-        return 0, 0, {}
-    for p in tree:
-        try:
-            info = p.memory_full_info()
-            kind = _kind(p)
-        except psutil.Error:
-            continue
-        rss, pss = rss + info.rss, pss + info.pss
-        count, total = kinds.get(kind, (0, 0))
-        kinds[kind] = (count + 1, total + info.pss)
-    return rss, pss, kinds
 
 
 #: log lines that end each start-up phase: the launcher has submitted the run, Flower's simulation

@@ -21,6 +21,7 @@ from torch import nn
 
 from bench import crosscheck, crosscheck_report, htfllib, our_side, pfllib
 from bench import crosscheck_pairing as pairing
+from bench.measure import Measured
 from common.config import RunConfig
 from common.data import DataSpec, load_client_data, normalize
 from common.datasets import DATASETS, with_recipe
@@ -315,7 +316,7 @@ def fails_with_code_3(calls: list):
     def run(cmd, cwd, log, env=None):
         calls.append(cmd)
         log.write_text("")
-        return 3, 0.0, 0.0
+        return Measured(3, 0.0, 0.0, 0, {})
 
     return run
 
@@ -385,7 +386,7 @@ def test_a_family_htflib_removed_is_put_back_for_the_run(bootstrapped, stand_in_
             + "Running time: 0th\n"
             + "".join(f"Round number: {r}\nAveraged Test Accuracy: 0.5\n" for r in (0, 1))
         )
-        return 0, 0.0, 0.0
+        return Measured(0, 0.0, 0.0, 0, {})
 
     monkeypatch.setattr(htfllib, "run_measured", one_round)
     (tmp_path / "ref").mkdir()
@@ -527,7 +528,7 @@ def test_a_finished_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch
             {"round": r, "accuracy_weighted": 0.5, "accuracy_weighted_global_head": 0.25} for r in range(1, rounds + 1)
         ]
         (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-        return 0, 1.0, 1.0
+        return Measured(0, 1.0, 1.0, 2**30, {})
 
     monkeypatch.setattr(our_side, "run_measured", fake_run)
     monkeypatch.setattr(our_side, "read_summary", lambda folder: json.loads((folder / "summary.json").read_text()))
@@ -624,12 +625,12 @@ def fake_ours(rows_of, log_text: str = ""):
         log.write_text(log_text)
         rows = rows_of(rounds)
         if rows is None:
-            return 1, 1.0, 1.0
+            return Measured(1, 1.0, 1.0, 2**30, {})
         folder = out / f"run-{len(list(out.glob('run-*'))) + 1}"
         folder.mkdir(parents=True)
         (folder / "summary.json").write_text(json.dumps({"status": "completed", "error": None}))
         (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return 0, 1.0, 1.0
+        return Measured(0, 1.0, 1.0, 2**30, {})
 
     return run, calls
 

@@ -1,0 +1,25 @@
+"""bench.measure: what a benchmark records of a process tree it starts (exit status, seconds, CPU, peak PSS)."""
+
+import sys
+
+from bench.measure import run_measured
+
+
+def test_run_measured_sees_a_child_processes_memory_and_cpu(tmp_path):
+    """A parent that starts a child holding 300 MiB for 3 s or more: the tree's peak PSS counts the child's
+    pages (at least 300 MiB, the parent alone holds about 10), the CPU time is the loop's, the exit
+    status and the log are the command's."""
+    # 1.5 CPU-seconds of busy loop, then 1.5 s asleep, so a sample sees all of it (samples are 1 s apart)
+    child = "b = bytearray(300 * 2**20); import time\nwhile time.process_time() < 1.5: pass\ntime.sleep(1.5)"
+    parent = (
+        "import subprocess, sys; print('started'); "
+        f"sys.exit(subprocess.run([sys.executable, '-c', {child!r}]).returncode + 4)"
+    )
+    log = tmp_path / "log"
+    measured = run_measured([sys.executable, "-c", parent], tmp_path, log)
+    assert measured.code == 4
+    assert log.read_text().strip() == "started"
+    assert 300 * 2**20 <= measured.peak_pss < 600 * 2**20
+    assert 1.5 <= measured.cpu <= measured.wall  # the child's busy loop, one core
+    assert sum(total for _, total in measured.at_peak.values()) == measured.peak_pss
+    assert sum(count for count, _ in measured.at_peak.values()) == 2  # the parent and its child
