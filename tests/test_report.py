@@ -353,3 +353,13 @@ def test_a_round_with_missing_evaluations_is_left_out_of_curves_and_numbers():
     local = [Cell("local", s, rows([0.25, 0.1, 0.5]), {}) for s in (0, 1)]
     # round 2 (seed 1 left it out) is not compared; round 1 is level (0.25), round 3 above (0.55 vs 0.5)
     assert above_baseline(cells, local, "accuracy_weighted") == {"first": 3, "stays_from": 3, "above": 1, "of": 2}
+
+
+def test_a_single_seed_shows_its_value_without_a_spread():
+    """Over two or more seeds a cell is ``mean ± sample std``; over one seed only its value (the
+    sample std of one seed does not exist, and ``± 0.00`` would read as no spread)."""
+    from tools.report import pct
+
+    assert pct((0.9212, 0.0123)) == "92.12 ± 1.23"
+    assert pct((0.9212, 0.0), seeds=1) == "92.12"
+    assert pct(None, seeds=1) == "-"

@@ -51,8 +51,12 @@ from tools.grid_rows import ABLATIONS, Cell, base_method, copy_runs, load_ablati
 from tools.grid_stats import above_baseline, difference, method_stats, training_flops, with_federation_size
 
 
-def pct(value: tuple[float, float] | None) -> str:
-    return "-" if value is None else f"{100 * value[0]:.2f} ± {100 * value[1]:.2f}"
+def pct(value: tuple[float, float] | None, seeds: int = 2) -> str:
+    """``value`` = (mean, sample std) of fractions as ``"M ± S"`` in percent, 2 decimals; ``"-"`` for
+    None; over ``seeds`` = 1 the mean alone (a sample std of one seed does not exist)."""
+    if value is None:
+        return "-"
+    return f"{100 * value[0]:.2f}" + (f" ± {100 * value[1]:.2f}" if seeds > 1 else "")
 
 
 def describe_above(method: str, above: dict) -> str:
@@ -290,10 +294,10 @@ def results_table(stats: dict[str, dict], reported: dict, target: float | None, 
             method,
             ",".join(map(str, s["seeds"])),
             "/".join(str(r) for r in s["rounds"]),
-            pct(s["final_accuracy_mean"]),
-            pct(s["best_accuracy_mean"]),
-            pct(s["final_accuracy_weighted"]),
-            pct(s["best_accuracy_weighted"]),
+            pct(s["final_accuracy_mean"], len(s["seeds"])),
+            pct(s["best_accuracy_mean"], len(s["seeds"])),
+            pct(s["final_accuracy_weighted"], len(s["seeds"])),
+            pct(s["best_accuracy_weighted"], len(s["seeds"])),
             to_target,
             to_bytes,
             f"{s['up_per_client_round']:,.0f}",
