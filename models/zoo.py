@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torchvision import models as tvm
-from torchvision.models.resnet import BasicBlock, ResNet
 
 from models.base import SplitModel
+
+# torchvision is imported where a torchvision architecture is built, not here: its import brings
+# torch._dynamo, sympy and triton (torchvision/ops/roi_align.py imports torch._dynamo.utils), about
+# 90 MiB of memory in every process that builds any model, also a ClientApp of FedAvgCNN or HtCNN8 only.
 
 
 class FixedPool(nn.Module):
@@ -116,6 +118,8 @@ def htcnn(name: str, in_channels: int, image_size: int) -> nn.Module:
 
 def small_resnet(stages: int) -> nn.Module:
     """ResNet with one BasicBlock per stage and ``stages`` stages (4 -> ResNet10, 1 -> ResNet4)."""
+    from torchvision.models.resnet import BasicBlock, ResNet
+
     net = ResNet(BasicBlock, [1, 1, 1, 1])
     for name in ("layer4", "layer3", "layer2")[: 4 - stages]:
         setattr(net, name, nn.Identity())
@@ -125,6 +129,8 @@ def small_resnet(stages: int) -> nn.Module:
 
 def torchvision_trunk(name: str) -> nn.Module:
     """A randomly initialised torchvision classifier with its final Linear removed."""
+    from torchvision import models as tvm
+
     if name == "googlenet":
         net = tvm.googlenet(weights=None, aux_logits=False, init_weights=True)
         net.fc = nn.Identity()  # keeps avgpool + flatten + Dropout(0.2)
@@ -149,6 +155,8 @@ def vit_trunk(name: str, image_size: int) -> nn.Module:
             f"{name} needs an image size divisible by {patch}, got {image_size}; "
             "choose a model group without ViT for this dataset"
         )
+    from torchvision import models as tvm
+
     net = getattr(tvm, name)(weights=None, image_size=image_size)
     net.heads = nn.Identity()
     return net
