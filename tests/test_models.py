@@ -1,11 +1,15 @@
 """CNN-1..5 match the parameter counts of FedGH's Table 2 (docs/methods/fedgh.md §7); every model is
 extractor (500-d) + linear head."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from models.cnn import build_cnn
 from models.groups import MODEL_GROUPS
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # docs/methods/fedgh.md §7: #params for C=10 and C=100
 SPEC_PARAMS = {
@@ -124,3 +128,21 @@ def test_a_model_built_on_the_meta_device_and_loaded_equals_the_built_one():
         loaded, want = skeleton.state_dict(), built.state_dict()
         assert loaded.keys() == want.keys(), arch
         assert all(torch.equal(loaded[k], want[k]) for k in want), arch
+
+
+def test_models_without_torchvision_architectures_do_not_import_it():
+    """torchvision's import brings torch._dynamo, sympy and triton (about 90 MiB a process): a process
+    that builds only FedAvgCNN and HtCNN8 models never imports it; one that builds a ResNet does."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from models.zoo import build_extractor\n"
+        "build_extractor('fedavgcnn', 512, 3, 32); build_extractor('htcnn8', 512, 1, 28)\n"
+        "print('torchvision' in sys.modules, 'torch._dynamo' in sys.modules)\n"
+        "build_extractor('resnet4', 512, 3, 32)\n"
+        "print('torchvision' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split() == ["False", "False", "True"]
