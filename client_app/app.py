@@ -9,6 +9,7 @@ query it cannot answer for a configuration or data error is answered with that e
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
@@ -47,6 +48,8 @@ from strategies.registry import all_message_types, client_procedure
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 app = ClientApp()
+#: the C library when it is glibc (the one with ``malloc_trim``), else None
+_libc = ctypes.CDLL(None) if hasattr(ctypes.CDLL(None), "malloc_trim") else None
 _first_message = [True]
 
 
@@ -92,6 +95,19 @@ def handle(msg: Message, context: Context) -> Message:
         if msg.metadata.message_type != "query":
             raise
         return config_error_reply(msg, context, exc)
+    finally:
+        return_freed_memory()
+
+
+def return_freed_memory() -> None:
+    """Hand the memory this message freed back to the operating system (glibc's ``malloc_trim``; a
+    no-op without glibc). A simulated ClientApp serves many clients in turn: glibc keeps what one
+    client's model, gradients and batches freed in its heap, fragmented, so without this each actor
+    grows by hundreds of MiB over a few messages (FedTGP ``htfe2``, CIFAR-10: 527 -> 677 MiB USS
+    after the first 7 train messages of one process, 433 -> 498 MiB with it). It costs about 0.1 ms
+    when nothing was freed and some tens of ms per GiB it returns."""
+    if _libc is not None:
+        _libc.malloc_trim(0)
 
 
 def config_error_reply(msg: Message, context: Context, error: ConfigError) -> Message:
