@@ -556,6 +556,47 @@ def partition_sizes(spec: DataSpec, partition_id: int, cache_dir: str | None = N
     return len(data.train_y), len(data.test_y)
 
 
+def _cache_partition(spec: DataSpec, partition_id: int, cache_dir: str) -> str | None:
+    """Decode partition ``partition_id`` into ``cache_dir`` (:func:`partition_sizes`); None when done,
+    else the data error's message (a worker of :func:`cache_partitions`)."""
+    try:
+        partition_sizes(spec, partition_id, cache_dir)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def cache_partitions(spec: DataSpec, cache_dir: str, workers: int) -> tuple[int, int, list[str]]:
+    """Decode every partition of ``spec`` that ``cache_dir`` lacks into it, in ``workers`` processes
+    of their own that exit when done, so that no long-lived process (a simulation's ClientApp actors,
+    which serve many clients for the whole run) pays for what decoding imports and keeps: Hugging Face
+    ``datasets`` with pandas, pyarrow and flwr-datasets with matplotlib, seaborn and scipy, and
+    torchvision with torch._dynamo (about 260 MiB of a process's memory, besides the decoded
+    images). The clients then memory-map the files (:func:`load_client_data`), as they would after a
+    first run.
+
+    Returns:
+        ``(decoded, already cached, errors)``: partition counts and the data errors met (each a
+        ``ConfigError`` message naming the file and row). A partition that fails is left uncached,
+        so its client meets the same error at the handshake, where a run reports data errors.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    missing = [i for i in range(spec.num_partitions) if not _cache_file(spec, i, cache_dir)[0].is_file()]
+    if not missing:
+        return 0, spec.num_partitions, []
+    # spawn, not fork: a forked child would share this process's state (threads, open files) for nothing
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(missing))), mp_context=context) as pool:
+        chunk = max(1, len(missing) // (4 * workers))  # a worker keeps its partitioner between partitions
+        results = list(
+            pool.map(_cache_partition, [spec] * len(missing), missing, [cache_dir] * len(missing), chunksize=chunk)
+        )
+    errors = [r for r in results if r is not None]
+    return len(missing) - len(errors), spec.num_partitions - len(missing), errors
+
+
 def normalize(x: torch.Tensor, info: DatasetInfo) -> torch.Tensor:
     """uint8 ``[B, C, H, W]`` -> float32 normalised with the dataset's mean/std (ToTensor + Normalize)."""
     mean = torch.tensor(info.mean, device=x.device).view(1, -1, 1, 1)

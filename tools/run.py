@@ -20,6 +20,9 @@ What plain ``flwr run . --stream`` (Flower 1.41, ``flwr.cli.run``) does not do a
 - sizes the simulation (``--num-supernodes``, default ``num-clients`` when that is set, else
   10; with ``num-clients`` = 0 the server takes every node) and grants each ClientApp a GPU
   share when one is present;
+- with the full handshake, decodes the partitions the simulated clients' cache lacks before Ray
+  starts, in processes that exit when done (:func:`cache_partitions`), so the ClientApp actors
+  memory-map them instead of keeping what decoding imports;
 - runs the simulation on a Ray instance of its own, or with ``--ray-address`` (or ``RAY_ADDRESS``)
   on an existing Ray cluster, checked before anything starts (:func:`tools.ray_cluster.check_ray_cluster`);
 - exits 0 only if the run's status is ``finished:completed`` and its ``summary.json`` says
@@ -210,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             supernodes = federation_size(args.num_supernodes, num_clients)
             if args.ray_address != LOCAL_RAY:
                 gpu = check_ray_cluster(args.ray_address, args.cpus_per_client, args.gpus_per_client)
+            else:
+                cache_partitions(config, num_clients or supernodes)
         except ConfigError as exc:
             print(f"error: {exc}")
             return 2
@@ -217,6 +222,25 @@ def main(argv: list[str] | None = None) -> int:
             print("interrupted before the run started")
             return 130
         return _run(args, config, supernodes, gpu)
+
+
+def cache_partitions(config: dict, partitions: int) -> None:
+    """With the full handshake (run config ``handshake = "all"``, which loads every partition before
+    round 1 anyway), decode the partitions the simulated clients' cache lacks before Ray starts, in
+    processes that exit when done (:mod:`tools.partition_cache`, one per core), so the ClientApp
+    actors, which serve every client for the whole run, memory-map them instead of importing and
+    keeping what decoding needs. The sampled handshake meets only the drawn clients' partitions:
+    they are decoded as they are drawn, as before."""
+    if config.get("handshake", "all") != "all":
+        return
+    subprocess.run(
+        [sys.executable, "-m", "tools.partition_cache", "--workers", str(os.cpu_count() or 1)]
+        + ["--num-partitions", str(partitions)],
+        input=json.dumps(config),
+        text=True,
+        cwd=ROOT,
+        check=False,  # a failure here costs only the cache: the clients decode as before
+    )
 
 
 #: the folder of each launch's Flower home (:func:`launch_home`)
