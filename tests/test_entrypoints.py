@@ -418,3 +418,30 @@ def test_the_committed_scale_table_and_its_quoted_seconds_are_what_the_rows_give
     train = [sum(r["client_train_seconds"][1:]) / len(r["client_train_seconds"][1:]) for r in runs]
     quoted = f"{train[0]:.2f} s of the\n  ClientApps' time a round at 100, {train[1]:.2f} s at 1,000 and {train[2]:.2f}"
     assert quoted in readme
+
+
+def test_the_committed_memory_table_is_what_its_files_give():
+    """results/scale/README.md's memory table: each run's peak PSS (GiB) and, where its file has them,
+    the actors' and the ServerApp's PSS at the peak (MiB), and the 3.2x, from the committed files."""
+    memory = ROOT / "results" / "scale" / "memory"
+    readme = (ROOT / "results" / "scale" / "README.md").read_text()
+    rows = {
+        line.split("| `")[1].split("`")[0]: line
+        for line in readme.splitlines()
+        if line.startswith("|") and "| `" in line
+    }
+    load = lambda name: json.loads((memory / name).read_text())  # noqa: E731
+    for name in ("htfllib-crosscheck.json", "ours-before-cold-cache-crosscheck.json"):
+        assert f"| {load(name)['peak_pss_gib']:.2f} GiB |" in rows[name]
+    kinds = load("ours-before-cold-cache-kinds.json")["kinds"]
+    row = rows["ours-before-cold-cache-crosscheck.json"]
+    assert f"| {kinds['ray::ClientAppActor.run'][1]:,.0f} MiB | {kinds['flwr-simulation'][1]:.0f} MiB |" in row
+    for name in ("ours-before-warm-cache.json", "ours-after-cold-cache.json"):
+        (run,) = load(name)
+        at_peak = run["pss_mib_at_peak"]
+        assert (
+            f"| {run['peak_pss_gib']:.2f} GiB | {at_peak['ray::ClientAppActor.run'][1]:,.0f} MiB "
+            f"| {at_peak['flwr-simulation'][1]:.0f} MiB |" in rows[name]
+        )
+    ratio = load("ours-after-cold-cache.json")[0]["peak_pss_gib"] / load("htfllib-crosscheck.json")["peak_pss_gib"]
+    assert f"Still {ratio:.1f}x HtFLlib's peak" in readme
