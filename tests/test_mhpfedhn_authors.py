@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import bench.mhpfedhn_authors as authors
+from bench.measure import Measured
 from common.errors import ConfigError
 from tools.runconfig import ROOT, read_config
 
@@ -242,7 +243,7 @@ def test_run_authors_refuses_a_run_whose_printed_accuracy_is_not_the_recorded_on
     def replay(cmd, cwd, log, env=None):
         Path(env[authors.ROWS_VARIABLE]).write_text(authors_run.rows)
         log.write_text(printed)
-        return 0, 1.0, 1.0
+        return Measured(0, 1.0, 1.0, 0, {})
 
     monkeypatch.setattr(authors, "run_measured", replay)
     with pytest.raises(RuntimeError, match="printed vs recorded"):
