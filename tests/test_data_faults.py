@@ -319,42 +319,33 @@ def test_nodes_that_disagree_on_num_partitions_blame_the_minority(run_config, si
         federation(rc)[0].start(grid_with_sizes(rc, sizes))
 
 
+@pytest.mark.slow  # spawned processes that import torch and the data stack: about a minute on 2 cores
 def test_partitions_are_cached_by_processes_that_exit_and_a_bad_one_is_left_to_the_handshake(tmp_path):
     """``cache_partitions`` (tools.run's step before Ray starts) decodes every partition the cache
-    lacks in processes of its own: this process loads none of them, a second call
-    finds them all, and a partition whose data are bad gets no file (its client meets the error at
-    the handshake) while the error names the file and row."""
+    lacks in processes of its own (this process loads none of them); a partition whose data are bad
+    gets no file (its client meets the error at the handshake) and its error names the file and row;
+    a client process then reads its partition from the cache without importing what decoding needs."""
     import pickle
     import subprocess
     import sys
 
     from common.data import _cache_file, cache_partitions
 
-    write_mnist(tmp_path)
-    cache = tmp_path / "cache"
+    bad_image(tmp_path)  # the pool's last row: 4 iid partitions of 15, one of them holds it
+    cache = str(tmp_path / "cache")
     loads = load_client_data.cache_info().misses  # partitions loaded in this process
-    assert cache_partitions(spec(tmp_path, 3), str(cache), workers=2) == (3, 0, [])
+    decoded, cached, errors = cache_partitions(spec(tmp_path, 4), cache, workers=2)
     assert load_client_data.cache_info().misses == loads
-    assert all(_cache_file(spec(tmp_path, 3), i, str(cache))[0].is_file() for i in range(3))
-    assert cache_partitions(spec(tmp_path, 3), str(cache), workers=2) == (0, 3, [])
-    # a client process then reads its partition without decoding, so without those imports
+    assert (decoded, cached, len(errors)) == (3, 0, 1)
+    assert "mnist/train.parquet" in errors[0] and "row 59 is 32x32 pixels" in errors[0]
+    files = [_cache_file(spec(tmp_path, 4), i, cache)[0].is_file() for i in range(4)]
+    assert files.count(False) == 1
     code = (
         "import pickle, sys\nsys.path.insert(0, sys.argv[1])\nfrom common.data import load_client_data\n"
-        "data = load_client_data(pickle.loads(bytes.fromhex(sys.argv[2])), 1, sys.argv[3])\n"
+        "data = load_client_data(pickle.loads(bytes.fromhex(sys.argv[2])), int(sys.argv[3]), sys.argv[4])\n"
         "print(len(data.train_y) + len(data.test_y), [m for m in ('datasets', 'torchvision') if m in sys.modules])"
     )
     root = str(Path(__file__).resolve().parents[1])
-    out = subprocess.run(
-        [sys.executable, "-c", code, root, pickle.dumps(spec(tmp_path, 3)).hex(), str(cache)],
-        capture_output=True,
-        text=True,
-    )
-    assert out.stdout.strip() == "20 []", out.stderr
-
-    bad = tmp_path / "bad"
-    bad_image(bad)
-    decoded, cached, errors = cache_partitions(spec(bad, 4), str(bad / "cache"), workers=1)
-    assert (decoded, cached, len(errors)) == (3, 0, 1)
-    assert "mnist/train.parquet" in errors[0] and "row 59 is 32x32 pixels" in errors[0]
-    files = [_cache_file(spec(bad, 4), i, str(bad / "cache"))[0].is_file() for i in range(4)]
-    assert files.count(False) == 1
+    args = [root, pickle.dumps(spec(tmp_path, 4)).hex(), str(files.index(True)), cache]
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    assert out.stdout.strip() == "15 []", out.stderr
