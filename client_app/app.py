@@ -49,7 +49,9 @@ from strategies.registry import all_message_types, client_procedure
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 app = ClientApp()
 #: the C library when it is glibc (the one with ``malloc_trim``), else None
-_libc = ctypes.CDLL(None) if hasattr(ctypes.CDLL(None), "malloc_trim") else None
+_libc: ctypes.CDLL | None = ctypes.CDLL(None)
+if not hasattr(_libc, "malloc_trim"):
+    _libc = None
 _first_message = [True]
 
 
