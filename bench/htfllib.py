@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,10 @@ class ReferenceMethod:
     ``unpaired``: what starts from other random draws on the two sides although every client's
     personal model is paired (:mod:`bench.crosscheck_pairing`): models and state HtFLlib builds
     beside the clients' models; "" when nothing.
+
+    ``resumable``: whether its server's round loop reads the iteration index only to print and
+    evaluate it, so that a stopped run can go on from a checkpoint (:data:`BOOTSTRAP`); FedKD's
+    (``serverkd.py``) also sets its energy schedule from it.
     """
 
     algorithm: str
@@ -101,6 +106,7 @@ class ReferenceMethod:
     unexpressed: tuple[str, ...] = ()
     reported: tuple[str, Any, str] | None = None
     unpaired: str = ""
+    resumable: bool = True
 
 
 #: what a paired cross-check pairs for every method
@@ -171,6 +177,7 @@ REFERENCE_METHODS = {
         {"-Ts": "energy-start", "-Te": "energy-end"},
         unexpressed=("shared-model",),
         unpaired=f"{SHARED_MODEL} (the mentee); each client's alignment map `W_h` (each side draws it from its seed)",
+        resumable=False,
     ),
     "fedmrl": ReferenceMethod(
         "FedMRL",
@@ -226,6 +233,10 @@ THREADS_VARIABLE = "CROSSCHECK_THREADS"
 INITIAL_VARIABLE = "CROSSCHECK_INITIAL"
 #: the environment variable that gives :data:`BOOTSTRAP` this repository (for :mod:`bench.crosscheck_pairing`)
 ROOT_VARIABLE = "CROSSCHECK_ROOT"
+#: the environment variable that gives :data:`BOOTSTRAP` the folder of a resumable run's checkpoint
+CHECKPOINT_VARIABLE = "CROSSCHECK_CHECKPOINT"
+#: what :func:`run_reference` writes into the log where a run goes on from its checkpoint
+RESUMED_LINE = re.compile(r"^crosscheck: resumed at iteration (\d+)")
 #: what :data:`BOOTSTRAP` prints for each client model it loaded ours into
 PAIRED_LINE = re.compile(r"^crosscheck: client (\d+) paired", re.M)
 
@@ -247,8 +258,20 @@ PAIRED_LINE = re.compile(r"^crosscheck: client (\d+) paired", re.M)
 #: client's model, right after HtFLlib's ``Client.__init__`` has built and stored it, is loaded with
 #: our initial model of that client (``$CROSSCHECK_INITIAL``) and stored again; a client model whose
 #: tensors do not match ours in order and shape stops the run with the first mismatch.
+#: Resumable (``$CROSSCHECK_CHECKPOINT``, a folder; :func:`run_reference`): at the start of every
+#: iteration of the server's round loop (its ``select_clients`` call, the first thing each iteration
+#: does, before it draws) the server's state is written to that folder, replacing the last one
+#: (written beside it, then renamed): HtFLlib's on-disk store of models and prototypes
+#: (``save_folder_name``), the server object's attributes (its clients, accuracy lists, generator),
+#: torch's, numpy's and Python's generator states, and ``progress.json`` (iterations done, the log's
+#: size then, launches, wall and CPU seconds so far). A process started with that folder present
+#: restores it into the server it has just built and runs the iterations left (``global_rounds``
+#: lowered by those done; its loop prints its iterations from 0 again, :func:`continued_log`), so a
+#: stopped run loses at most the iteration under way and goes on as if never stopped.
 BOOTSTRAP = (
     r"""
+import time
+launched = time.time()
 import json, os, random, re, sys, types
 import numpy, torch
 seed = int(os.environ["CROSSCHECK_SEED"])
@@ -273,6 +296,59 @@ def paired_init(self, *args, **kwargs):
     clientbase.save_item(model, self.role, "model", self.save_folder_name)
     print(f"crosscheck: client {self.id} paired ({len(states[self.id])} tensors of ours)", flush=True)
 clientbase.Client.__init__ = paired_init
+checkpoint = os.environ.get("CROSSCHECK_CHECKPOINT")
+if checkpoint:
+    import shutil
+    from flcore.servers import serverbase
+    progress_file = os.path.join(checkpoint, "progress.json")
+    prior = json.load(open(progress_file)) if os.path.exists(progress_file) else {}
+    def save_checkpoint(server):
+        sys.stdout.flush(); sys.stderr.flush()
+        tmp, old = checkpoint + ".tmp", checkpoint + ".old"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(server.save_folder_name, os.path.join(tmp, "store"))
+        state = {k: v for k, v in server.__dict__.items() if k != "train"}
+        rng = (torch.get_rng_state(), numpy.random.get_state(), random.getstate())
+        torch.save({"server": state, "rng": rng}, os.path.join(tmp, "state.pt"))
+        progress = {
+            "iterations": server.crosscheck_iterations,
+            "log_offset": os.fstat(1).st_size,
+            "launches": prior.get("launches", 0) + 1,
+            "wall_seconds": prior.get("wall_seconds", 0.0) + time.time() - launched,
+            "cpu_seconds": prior.get("cpu_seconds", 0.0) + time.process_time(),
+        }
+        with open(os.path.join(tmp, "progress.json"), "w") as f:
+            json.dump(progress, f)
+        if os.path.exists(checkpoint):
+            os.rename(checkpoint, old)
+        os.rename(tmp, checkpoint)
+        shutil.rmtree(old, ignore_errors=True)
+    select = serverbase.Server.select_clients
+    def checkpointed_select(self):
+        save_checkpoint(self)
+        self.crosscheck_iterations += 1
+        return select(self)
+    server_init = serverbase.Server.__init__
+    def resumable_init(self, *args, **kwargs):
+        server_init(self, *args, **kwargs)
+        self.crosscheck_iterations = 0
+        train = self.train
+        def resumed_train():
+            if prior:
+                fresh = self.save_folder_name
+                saved = torch.load(os.path.join(checkpoint, "state.pt"), weights_only=False)
+                self.__dict__.update(saved["server"])
+                for folder in {fresh, self.save_folder_name}:
+                    shutil.rmtree(folder, ignore_errors=True)
+                shutil.copytree(os.path.join(checkpoint, "store"), self.save_folder_name)
+                torch.set_rng_state(saved["rng"][0])
+                numpy.random.set_state(saved["rng"][1])
+                random.setstate(saved["rng"][2])
+                self.global_rounds = self.args.global_rounds - self.crosscheck_iterations
+            return train()
+        self.train = resumed_train
+    serverbase.Server.select_clients = checkpointed_select
+    serverbase.Server.__init__ = resumable_init
 """
     + PLACEHOLDER_SERVERS
     + r"""source = open("main.py").read()
@@ -374,6 +450,53 @@ def parse_reference_log(text: str) -> list[dict[int, float]]:
         elif (m := ACCURACY_LINE.search(line)) and runs and current_round is not None and not poisoned:
             runs[-1][current_round] = float(m.group(1))
     return runs
+
+
+def continued_log(text: str) -> str:
+    """A reference run's log as one launch would have printed it, from the log of a run stopped and
+    resumed from its checkpoint (:data:`BOOTSTRAP`): after each :data:`RESUMED_LINE` (written where
+    the log was cut back to the checkpoint's size), the repetition line that the new launch's
+    ``main.py`` prints again is left out and its round numbers, counted from 0 again, are shifted by
+    the iterations done. A log without that line is returned as it is."""
+    lines, offset, restarted = [], 0, False
+    for line in text.splitlines():
+        if m := RESUMED_LINE.match(line):
+            offset, restarted = int(m.group(1)), True
+        elif restarted and REPETITION_LINE.search(line):
+            restarted = False
+            continue
+        elif offset and (m := ROUND_LINE.search(line)):
+            line = line.replace(m.group(0), f"Round number: {int(m.group(1)) + offset}", 1)
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def resume_point(checkpoint: Path, identity: dict, log: Path) -> dict | None:
+    """Where a stopped reference run goes on: the ``progress.json`` of its checkpoint folder
+    (:data:`BOOTSTRAP`) when the checkpoint was written by a run of ``identity`` (command, reference
+    commit, partition and initial models' digests, as ``<checkpoint>.json`` records) and ``log``
+    still holds what that run printed up to it; then the log is cut back to that point and
+    :data:`RESUMED_LINE` appended. Otherwise None, after removing any checkpoint and recording
+    ``identity`` for the run about to start. A run stopped between the two renames of a checkpoint's
+    replacement keeps the previous one (``<checkpoint>.old``)."""
+    meta, old = Path(f"{checkpoint}.json"), Path(f"{checkpoint}.old")
+    shutil.rmtree(f"{checkpoint}.tmp", ignore_errors=True)
+    if old.exists() and not checkpoint.exists():
+        old.rename(checkpoint)
+    progress_file = checkpoint / "progress.json"
+    if meta.exists() and json.loads(meta.read_text()) == identity and progress_file.exists() and log.exists():
+        progress = json.loads(progress_file.read_text())
+        if log.stat().st_size >= progress["log_offset"]:
+            with open(log, "r+b") as f:
+                f.truncate(progress["log_offset"])
+            resumed = f"crosscheck: resumed at iteration {progress['iterations']} (launch {progress['launches'] + 1})"
+            with open(log, "a") as f:
+                f.write(resumed + "\n")
+            return progress
+    for folder in (checkpoint, old):
+        shutil.rmtree(folder, ignore_errors=True)
+    meta.write_text(json.dumps(identity))
+    return None
 
 
 def parse_max_gap(text: str, rounds: int) -> list[float | None]:
@@ -514,10 +637,18 @@ def run_reference(
     failure: its curve holds None from the first round whose models had diverged, and
     ``diverged_round`` names it. Any other early end is a failure, and nothing is kept of it.
 
+    Resumable (a method whose ``resumable`` is set, :class:`ReferenceMethod`): the run writes a
+    checkpoint at the start of every iteration (``out/reference-seed-<seed>.checkpoint``,
+    :data:`BOOTSTRAP`), and a call that finds one of the same command, reference commit, partitions
+    and initial models goes on from it (:func:`resume_point`), so a stop (Ctrl-C, a session's end)
+    loses at most one round; the checkpoint is removed once the run is kept. Its wall and CPU
+    seconds are those of the launches up to the checkpoint each one resumed, plus the last launch's;
+    the work a stop lost is not counted, and the peak memory is the last launch's.
+
     Returns:
         ``{"curve": [accuracy by round 1..R], "initial": round 0's accuracy, "diverged_round": None
         or the first round without accuracy, "command", "commit", "content_digest", "initial_digest",
-        "threads", "wall_seconds", "cpu_seconds", "peak_pss_gib"}`` and for FedTGP ``"max_gap"`` by round
+        "threads", "wall_seconds", "cpu_seconds", "peak_pss_gib", "launches"}`` and for FedTGP ``"max_gap"`` by round
         (:func:`parse_max_gap`) (also in ``reference-seed-<seed>.json``).
 
     Raises:
@@ -531,18 +662,30 @@ def run_reference(
     args, env, command = reference_launch(config, method, seed, name, initial, threads)
     initial_digest = save_initial_states({**config, "seed": seed}, initial)
     key = json.loads((partitions / "config.json").read_text())["content_digest"]
+    checkpoint = out / f"reference-seed-{seed}.checkpoint"
+    progress = None
     try:
         if (saved := kept_reference_run(done, command, key, initial_digest, rounds)) is not None:
             return saved
         out.mkdir(parents=True, exist_ok=True)
         link_dataset(reference, name, partitions)
         log = out / f"reference-seed-{seed}.log"
+        if REFERENCE_METHODS[method].resumable:
+            identity = {
+                "command": unplaced(command),
+                "commit": git_head(reference),
+                "content_digest": key,
+                "initial_digest": initial_digest,
+            }
+            progress = resume_point(checkpoint, identity, log)
+            env[CHECKPOINT_VARIABLE] = str(checkpoint.resolve())
         code, wall, cpu, peak_pss, _ = run_measured(
-            [sys.executable, "-c", BOOTSTRAP, *args], reference / "system", log, env
+            [sys.executable, "-c", BOOTSTRAP, *args], reference / "system", log, env, append=progress is not None
         )
     finally:
         initial.unlink(missing_ok=True)
-    text = log.read_text(errors="replace")
+    text = continued_log(log.read_text(errors="replace"))
+    prior = progress or {}
     result = {
         **read_reference_run(text, code, seed, rounds, config["num-clients"], log),
         **({"max_gap": parse_max_gap(text, rounds)} if method == "fedtgp" else {}),
@@ -551,9 +694,13 @@ def run_reference(
         "content_digest": key,
         "initial_digest": initial_digest,
         "threads": threads,
-        "wall_seconds": wall,
-        "cpu_seconds": cpu,
+        "wall_seconds": prior.get("wall_seconds", 0.0) + wall,
+        "cpu_seconds": prior.get("cpu_seconds", 0.0) + cpu,
         "peak_pss_gib": peak_pss / 2**30,
+        "launches": prior.get("launches", 0) + 1,
     }
     done.write_text(json.dumps(result, indent=1))
+    for stale in (checkpoint, Path(f"{checkpoint}.old")):
+        shutil.rmtree(stale, ignore_errors=True)
+    Path(f"{checkpoint}.json").unlink(missing_ok=True)
     return result

@@ -63,14 +63,15 @@ class Measured(NamedTuple):
     at_peak: dict[str, tuple[int, int]]  # process kind -> (count, PSS bytes) at that sample
 
 
-def run_measured(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) -> Measured:
-    """Run ``cmd`` with its output in ``log``, sampling its whole process tree every second (so Ray's
-    workers count too): the CPU time (user + system, each process as last sampled) and the peak of
-    the tree's PSS (:func:`tree_memory`), the same measure for our runs and a reference's."""
+def run_measured(cmd: list[str], cwd: Path, log: Path, env: dict | None = None, append: bool = False) -> Measured:
+    """Run ``cmd`` with its output in ``log`` (after what it holds with ``append``), sampling its whole
+    process tree every second (so Ray's workers count too): the CPU time (user + system, each process
+    as last sampled) and the peak of the tree's PSS (:func:`tree_memory`), the same measure for our
+    runs and a reference's."""
     cpu: dict[int, float] = {}
     peak, at_peak = 0, {}
     start = time.perf_counter()
-    with open(log, "w") as out:
+    with open(log, "a" if append else "w") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env)
         root = psutil.Process(proc.pid)
         try:

@@ -6,6 +6,7 @@ bootstrap with its seed mapped."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import random
 import re
@@ -104,6 +105,24 @@ def build_clients():
 """
 
 
+#: a stand-in for HtFLlib's ``flcore/servers/serverbase.py``: ``Server`` keeps its store in a folder of
+#: its own (``temp/<time>/``, which the clients' models go to) and ``select_clients`` draws their
+#: order from numpy's generator, as HtFLlib's do
+STAND_IN_SERVERBASE = """
+import time
+import numpy as np
+
+class Server:
+    def __init__(self, args, times):
+        self.args, self.global_rounds = args, args.global_rounds
+        args.folder = self.save_folder_name = f"temp/{time.time()}/"
+        self.clients, self.selected_clients = [], []
+
+    def select_clients(self):
+        return [self.clients[i] for i in np.random.permutation(len(self.clients))]
+"""
+
+
 #: the end of HtFLlib's model family chain in ``main.py`` (never called here)
 FAMILY_CHAIN = """
 def families(args):
@@ -118,9 +137,11 @@ def families(args):
 def write_stand_in(system: Path, main: str, wider_head: bool = False, build: bool = True) -> None:
     """A stand-in HtFLlib in ``system``: ``main.py`` builds its clients first (:data:`STAND_IN_CLIENTBASE`;
     none without ``build``), then runs ``main``."""
-    (system / "flcore" / "clients").mkdir(parents=True, exist_ok=True)
+    for package in ("clients", "servers"):
+        (system / "flcore" / package).mkdir(parents=True, exist_ok=True)
+        (system / "flcore" / package / "__init__.py").write_text("")
     (system / "flcore" / "__init__.py").write_text("")
-    (system / "flcore" / "clients" / "__init__.py").write_text("")
+    (system / "flcore" / "servers" / "serverbase.py").write_text(STAND_IN_SERVERBASE)
     (system / "flcore" / "clients" / "clientbase.py").write_text(STAND_IN_CLIENTBASE.format(wider_head=wider_head))
     clients = "from flcore.clients.clientbase import build_clients\nbuild_clients()\n" if build else ""
     main = textwrap.dedent(main)
@@ -295,7 +316,6 @@ def bootstrapped(tmp_path_factory, stand_in_partitions) -> Bootstrapped:
     tmp = tmp_path_factory.mktemp("bootstrapped")
     system = tmp / "ref" / "system"
     (system / "flcore" / "servers").mkdir(parents=True)
-    (system / "flcore" / "servers" / "__init__.py").write_text("")
     (system / "flcore" / "servers" / "serverbroken.py").write_text("import not_installed_anywhere\n")
     runs = [run_stand_in_reference(tmp, stand_in_partitions, BOOTSTRAPPED_MAIN, s, "fedgh") for s in (0, 1)]
     out = tmp / "cc" / "fedgh"
@@ -313,7 +333,7 @@ def fails_with_code_3(calls: list):
     """A ``run_measured`` standing in for a reference run that ends with exit code 3 (an empty log);
     each call's command is appended to ``calls``."""
 
-    def run(cmd, cwd, log, env=None):
+    def run(cmd, cwd, log, env=None, append=False):
         calls.append(cmd)
         log.write_text("")
         return Measured(3, 0.0, 0.0, 0, {})
@@ -378,7 +398,7 @@ def test_a_family_htflib_removed_is_put_back_for_the_run(bootstrapped, stand_in_
     assert htfllib.restored_family("HtFE-img-2", "cifar10") is None
     envs = []
 
-    def one_round(cmd, cwd, log, env=None):  # HtFLlib's log of one round, every client paired
+    def one_round(cmd, cwd, log, env=None, append=False):  # HtFLlib's log of one round, every client paired
         envs.append(env)
         paired = "".join(f"crosscheck: client {i} paired\n" for i in range(3))
         log.write_text(
@@ -422,6 +442,106 @@ def test_the_bootstrap_pairs_every_client_with_our_initial_models_and_threads(
     with pytest.raises(RuntimeError, match=r"paired the models of clients \[\], not of all 3"):
         run_stand_in_reference(tmp_path, stand_in_partitions, main, 6, "local", build=False)
     assert not (tmp_path / "cc" / "local" / "reference-seed-6.json").exists()
+
+
+#: a stand-in ``main.py`` whose server runs HtFLlib's round loop: each iteration selects the clients
+#: (numpy's order), prints its round number and an "accuracy" of every stored model and of its own
+#: state, moves each selected client's stored model by torch's draws in that order, and prints a
+#: draw of Python's generator as FedTGP's ``max_gap``; ``$STAND_IN_KILL_AT`` kills the process
+#: (SIGKILL, nothing flushed or cleaned) in that iteration's training
+RESUMABLE_MAIN = """
+import argparse, os, random, signal, torch
+from flcore.clients.clientbase import Client, load_item, save_item
+from flcore.servers.serverbase import Server
+
+class StandIn(Server):
+    def __init__(self, args, times):
+        super().__init__(args, times)
+        self.clients = [Client(args, id=i) for i in range(args.nc)]
+        self.orders = []
+
+    def train(self):
+        for i in range(self.global_rounds + 1):
+            self.selected_clients = self.select_clients()
+            print(f"\\n-------------Round number: {i}-------------")
+            models = [load_item(c.role, "model", c.save_folder_name) for c in self.clients]
+            total = sum(float(p.abs().sum()) for m in models for p in m.parameters())
+            print(f"Averaged Test Accuracy: {total % 1 / 2 + len(self.orders) / 100:.6f}")
+            for c in self.selected_clients:
+                if os.environ.get("STAND_IN_KILL_AT") == str(i) and c is self.selected_clients[-1]:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                model = load_item(c.role, "model", c.save_folder_name)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn_like(p))
+                save_item(model, c.role, "model", c.save_folder_name)
+            self.orders.append([c.id for c in self.selected_clients])
+            print(f"max_gap tensor({random.random():.6f})")
+
+p = argparse.ArgumentParser()
+p.add_argument("-nc", type=int); p.add_argument("-gr", type=int)
+args, _ = p.parse_known_args()
+args.global_rounds = args.gr
+print("\\n============= Running time: 0th =============")
+StandIn(args, 0).train()
+"""
+
+
+def test_a_stopped_reference_run_goes_on_from_its_checkpoint_as_if_never_stopped(
+    tmp_path, stand_in_partitions, monkeypatch
+):
+    """Through the real bootstrap: a FedTGP run killed in iteration 2's training (SIGKILL: nothing
+    flushed or cleaned up) fails, and the next call goes on from the checkpoint of iteration 2's start
+    (the store, the server's state, every generator) to the same curve and ``max_gap`` as a run never
+    stopped, over two launches; the checkpoint is gone once the run is kept."""
+    run = functools.partial(
+        run_stand_in_reference, partitions=stand_in_partitions, main=RESUMABLE_MAIN, seed=1, method="fedtgp"
+    )
+    whole = run(tmp_path / "whole", build=False)
+    monkeypatch.setenv("STAND_IN_KILL_AT", "2")
+    with pytest.raises(RuntimeError, match="exit code -9"):
+        run(tmp_path / "stopped", build=False)
+    out = tmp_path / "stopped" / "cc" / "fedtgp"
+    progress = json.loads((out / "reference-seed-1.checkpoint" / "progress.json").read_text())
+    assert progress["iterations"] == 2 and progress["launches"] == 1
+    monkeypatch.delenv("STAND_IN_KILL_AT")
+    resumed = run(tmp_path / "stopped", build=False)
+    assert len(set(whole["curve"])) == 3 and None not in whole["max_gap"]
+    assert resumed["curve"] == whole["curve"] and resumed["max_gap"] == whole["max_gap"]
+    assert resumed["initial"] == whole["initial"] and resumed["launches"] == 2 and whole["launches"] == 1
+    assert "crosscheck: resumed at iteration 2 (launch 2)" in (out / "reference-seed-1.log").read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["reference-seed-1.json", "reference-seed-1.log"]
+
+
+def test_a_checkpoint_of_another_run_is_not_resumed(tmp_path):
+    """A checkpoint is resumed only for the identity its run recorded, and only while its log holds
+    what that run printed; a stop between the renames of its replacement keeps the one before."""
+    checkpoint, log = tmp_path / "reference-seed-0.checkpoint", tmp_path / "reference-seed-0.log"
+    identity = {"command": "python main.py -lr 0.01", "commit": "c", "content_digest": "d", "initial_digest": "i"}
+    assert htfllib.resume_point(checkpoint, identity, log) is None  # nothing yet: records the identity
+    old = Path(f"{checkpoint}.old")
+    old.mkdir()
+    progress = {"iterations": 4, "log_offset": 6, "launches": 1, "wall_seconds": 9.0, "cpu_seconds": 8.0}
+    (old / "progress.json").write_text(json.dumps(progress))
+    log.write_text("round\nlost\n")
+    assert htfllib.resume_point(checkpoint, identity, log) == progress
+    assert log.read_text() == "round\ncrosscheck: resumed at iteration 4 (launch 2)\n"
+    assert htfllib.resume_point(checkpoint, {**identity, "command": "python main.py -lr 0.02"}, log) is None
+    assert not checkpoint.exists() and not old.exists()
+    assert json.loads(Path(f"{checkpoint}.json").read_text())["command"].endswith("0.02")
+
+
+def test_a_resumed_log_reads_as_one_launch():
+    """The repetition line the new launch prints again is left out and its rounds are shifted."""
+    text = "Running time: 0th\nRound number: 0\nRound number: 1\ncrosscheck: resumed at iteration 2 (launch 2)\n"
+    text += "Running time: 0th\nRound number: 0\nAveraged Test Accuracy: 0.5\n"
+    assert htfllib.continued_log(text).splitlines()[3:] == [
+        "crosscheck: resumed at iteration 2 (launch 2)",
+        "Round number: 2",
+        "Averaged Test Accuracy: 0.5",
+    ]
+    assert htfllib.parse_reference_log(htfllib.continued_log(text)) == [{2: 0.5}]
+    assert htfllib.continued_log("Round number: 3") == "Round number: 3\n"
 
 
 #: a bootstrap without PyTorch for the tests of how a run's end is read: it prints the line
