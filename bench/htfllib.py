@@ -235,6 +235,12 @@ INITIAL_VARIABLE = "CROSSCHECK_INITIAL"
 ROOT_VARIABLE = "CROSSCHECK_ROOT"
 #: the environment variable that gives :data:`BOOTSTRAP` the folder of a resumable run's checkpoint
 CHECKPOINT_VARIABLE = "CROSSCHECK_CHECKPOINT"
+#: the environment variable that gives :data:`BOOTSTRAP` the least seconds between two checkpoints
+CHECKPOINT_SECONDS_VARIABLE = "CROSSCHECK_CHECKPOINT_SECONDS"
+#: seconds between a resumable reference run's checkpoints: a full-data round (Fashion-MNIST HtCNN8,
+#: FedTGP: 65-93 s) checkpoints every round, and a capped cross-check (a few seconds a round) does not
+#: pay a copy of its model store each round in the wall time it is compared by
+CHECKPOINT_SECONDS = 60.0
 #: what :func:`run_reference` writes into the log where a run goes on from its checkpoint
 RESUMED_LINE = re.compile(r"^crosscheck: resumed at iteration (\d+)")
 #: what :data:`BOOTSTRAP` prints for each client model it loaded ours into
@@ -258,16 +264,17 @@ PAIRED_LINE = re.compile(r"^crosscheck: client (\d+) paired", re.M)
 #: client's model, right after HtFLlib's ``Client.__init__`` has built and stored it, is loaded with
 #: our initial model of that client (``$CROSSCHECK_INITIAL``) and stored again; a client model whose
 #: tensors do not match ours in order and shape stops the run with the first mismatch.
-#: Resumable (``$CROSSCHECK_CHECKPOINT``, a folder; :func:`run_reference`): at the start of every
+#: Resumable (``$CROSSCHECK_CHECKPOINT``, a folder; :func:`run_reference`): at the start of an
 #: iteration of the server's round loop (its ``select_clients`` call, the first thing each iteration
-#: does, before it draws) the server's state is written to that folder, replacing the last one
+#: does, before it draws) that begins ``$CROSSCHECK_CHECKPOINT_SECONDS`` or more after the last
+#: checkpoint (or the process's start), the server's state is written to that folder, replacing the last one
 #: (written beside it, then renamed): HtFLlib's on-disk store of models and prototypes
 #: (``save_folder_name``), the server object's attributes (its clients, accuracy lists, generator),
 #: torch's, numpy's and Python's generator states, and ``progress.json`` (iterations done, the log's
 #: size then, launches, wall and CPU seconds so far). A process started with that folder present
 #: restores it into the server it has just built and runs the iterations left (``global_rounds``
 #: lowered by those done; its loop prints its iterations from 0 again, :func:`continued_log`), so a
-#: stopped run loses at most the iteration under way and goes on as if never stopped.
+#: stopped run loses at most the iterations since the last checkpoint and goes on as if never stopped.
 BOOTSTRAP = (
     r"""
 import time
@@ -324,8 +331,11 @@ if checkpoint:
         os.rename(tmp, checkpoint)
         shutil.rmtree(old, ignore_errors=True)
     select = serverbase.Server.select_clients
+    every, last_checkpoint = float(os.environ["CROSSCHECK_CHECKPOINT_SECONDS"]), [launched]
     def checkpointed_select(self):
-        save_checkpoint(self)
+        if time.time() - last_checkpoint[0] >= every:
+            save_checkpoint(self)
+            last_checkpoint[0] = time.time()
         self.crosscheck_iterations += 1
         return select(self)
     server_init = serverbase.Server.__init__
@@ -638,10 +648,11 @@ def run_reference(
     ``diverged_round`` names it. Any other early end is a failure, and nothing is kept of it.
 
     Resumable (a method whose ``resumable`` is set, :class:`ReferenceMethod`): the run writes a
-    checkpoint at the start of every iteration (``out/reference-seed-<seed>.checkpoint``,
-    :data:`BOOTSTRAP`), and a call that finds one of the same command, reference commit, partitions
-    and initial models goes on from it (:func:`resume_point`), so a stop (Ctrl-C, a session's end)
-    loses at most one round; the checkpoint is removed once the run is kept. Its wall and CPU
+    checkpoint at the start of an iteration at least :data:`CHECKPOINT_SECONDS` after the last
+    (``out/reference-seed-<seed>.checkpoint``, :data:`BOOTSTRAP`), and a call that finds one of the
+    same command, reference commit, partitions and initial models goes on from it
+    (:func:`resume_point`), so a stop (Ctrl-C, a session's end) loses at most a minute or the round
+    under way; the checkpoint is removed once the run is kept. Its wall and CPU
     seconds are those of the launches up to the checkpoint each one resumed, plus the last launch's;
     the work a stop lost is not counted, and the peak memory is the last launch's.
 
@@ -679,6 +690,7 @@ def run_reference(
             }
             progress = resume_point(checkpoint, identity, log)
             env[CHECKPOINT_VARIABLE] = str(checkpoint.resolve())
+            env[CHECKPOINT_SECONDS_VARIABLE] = str(CHECKPOINT_SECONDS)
         code, wall, cpu, peak_pss, _ = run_measured(
             [sys.executable, "-c", BOOTSTRAP, *args], reference / "system", log, env, append=progress is not None
         )

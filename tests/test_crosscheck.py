@@ -494,6 +494,7 @@ def test_a_stopped_reference_run_goes_on_from_its_checkpoint_as_if_never_stopped
     flushed or cleaned up) fails, and the next call goes on from the checkpoint of iteration 2's start
     (the store, the server's state, every generator) to the same curve and ``max_gap`` as a run never
     stopped, over two launches; the checkpoint is gone once the run is kept."""
+    monkeypatch.setattr(htfllib, "CHECKPOINT_SECONDS", 0.0)  # every iteration
     run = functools.partial(
         run_stand_in_reference, partitions=stand_in_partitions, main=RESUMABLE_MAIN, seed=1, method="fedtgp"
     )
