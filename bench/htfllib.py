@@ -220,6 +220,9 @@ NONFINITE_LOSS_LINE = re.compile(r"loss: [-+]?(nan|inf)\b", re.IGNORECASE)
 #: FedTGP's server (``servertgp.py``, ``update_Gen``) prints the largest class-wise minimum distance of
 #: the round's uploads; its margin is min(max_gap, tau)
 MAX_GAP_LINE = re.compile(r"^max_gap tensor\(([-+0-9.eEinfa]+)", re.M)
+#: the time of one iteration of a server's round loop, as HtFLlib's servers print it at its end
+#: (``print('-'*50, self.Budget[-1])``: seconds, its evaluation and training included)
+ITERATION_SECONDS_LINE = re.compile(r"^-{50} ([0-9.]+)$", re.M)
 
 #: the environment variable that gives :data:`BOOTSTRAP` the training seed
 SEED_VARIABLE = "CROSSCHECK_SEED"
@@ -509,6 +512,13 @@ def resume_point(checkpoint: Path, identity: dict, log: Path) -> dict | None:
     return None
 
 
+def parse_iteration_seconds(text: str) -> list[float]:
+    """The seconds HtFLlib printed for each iteration of its round loop (:data:`ITERATION_SECONDS_LINE`)
+    in the last repetition of a log (:func:`continued_log` for a resumed one): R + 1 for R rounds, the
+    last iteration trains after the last evaluation; none for a server that prints none (Local)."""
+    return [float(x) for x in ITERATION_SECONDS_LINE.findall(text.rsplit("Running time:", 1)[-1])]
+
+
 def parse_max_gap(text: str, rounds: int) -> list[float | None]:
     """FedTGP's printed ``max_gap`` for our rounds 1..``rounds`` (its margin is min(max_gap, tau)), None
     where none was printed or it is not finite, from the last repetition of a log.
@@ -659,7 +669,8 @@ def run_reference(
     Returns:
         ``{"curve": [accuracy by round 1..R], "initial": round 0's accuracy, "diverged_round": None
         or the first round without accuracy, "command", "commit", "content_digest", "initial_digest",
-        "threads", "wall_seconds", "cpu_seconds", "peak_pss_gib", "launches"}`` and for FedTGP ``"max_gap"`` by round
+        "threads", "wall_seconds", "cpu_seconds", "peak_pss_gib", "launches", "iteration_seconds"}``
+        (:func:`parse_iteration_seconds`) and for FedTGP ``"max_gap"`` by round
         (:func:`parse_max_gap`) (also in ``reference-seed-<seed>.json``).
 
     Raises:
@@ -710,6 +721,7 @@ def run_reference(
         "cpu_seconds": prior.get("cpu_seconds", 0.0) + cpu,
         "peak_pss_gib": peak_pss / 2**30,
         "launches": prior.get("launches", 0) + 1,
+        "iteration_seconds": parse_iteration_seconds(text),
     }
     done.write_text(json.dumps(result, indent=1))
     for stale in (checkpoint, Path(f"{checkpoint}.old")):

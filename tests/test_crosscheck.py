@@ -447,7 +447,8 @@ def test_the_bootstrap_pairs_every_client_with_our_initial_models_and_threads(
 #: a stand-in ``main.py`` whose server runs HtFLlib's round loop: each iteration selects the clients
 #: (numpy's order), prints its round number and an "accuracy" of every stored model and of its own
 #: state, moves each selected client's stored model by torch's draws in that order, and prints a
-#: draw of Python's generator as FedTGP's ``max_gap``; ``$STAND_IN_KILL_AT`` kills the process
+#: draw of Python's generator as FedTGP's ``max_gap`` and the iteration's "seconds" as HtFLlib's servers
+#: print them; ``$STAND_IN_KILL_AT`` kills the process
 #: (SIGKILL, nothing flushed or cleaned) in that iteration's training
 RESUMABLE_MAIN = """
 import argparse, os, random, signal, torch
@@ -477,6 +478,7 @@ class StandIn(Server):
                 save_item(model, c.role, "model", c.save_folder_name)
             self.orders.append([c.id for c in self.selected_clients])
             print(f"max_gap tensor({random.random():.6f})")
+            print("-" * 50, 0.25 * len(self.orders))
 
 p = argparse.ArgumentParser()
 p.add_argument("-nc", type=int); p.add_argument("-gr", type=int)
@@ -510,6 +512,7 @@ def test_a_stopped_reference_run_goes_on_from_its_checkpoint_as_if_never_stopped
     assert len(set(whole["curve"])) == 3 and None not in whole["max_gap"]
     assert resumed["curve"] == whole["curve"] and resumed["max_gap"] == whole["max_gap"]
     assert resumed["initial"] == whole["initial"] and resumed["launches"] == 2 and whole["launches"] == 1
+    assert resumed["iteration_seconds"] == whole["iteration_seconds"] == [0.25, 0.5, 0.75, 1.0]
     assert "crosscheck: resumed at iteration 2 (launch 2)" in (out / "reference-seed-1.log").read_text()
     assert sorted(p.name for p in out.iterdir()) == ["reference-seed-1.json", "reference-seed-1.log"]
 

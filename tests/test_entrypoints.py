@@ -445,3 +445,39 @@ def test_the_committed_memory_table_is_what_its_files_give():
         )
     ratio = load("ours-after-cold-cache.json")[0]["peak_pss_gib"] / load("htfllib-crosscheck.json")["peak_pss_gib"]
     assert f"Still {ratio:.1f}x HtFLlib's peak" in readme
+
+
+def test_the_speed_against_htfllib_is_what_the_paired_rows_give():
+    """results/scale/README.md's speed section: each method's wall and CPU seconds over the seeds of the
+    paired Fashion-MNIST cross-check (``ours.json``, ``reference-seed-<s>.json``), ours in and outside
+    rounds (``elapsed_seconds`` of round 20), and the ranges and ratios its text quotes."""
+    base = ROOT / "results" / "crosscheck" / "fedtgp-fmnist-htcnn8-paired"
+    text = " ".join((ROOT / "results" / "scale" / "README.md").read_text().split())
+    per_round, outside, iteration, fixed, ratios = {}, {}, {}, [], {}
+    for method in ("local", "fedproto", "fedtgp"):
+        ours = [json.loads((base / method / f"seed-{s}" / "ours.json").read_text()) for s in range(3)]
+        ref = [json.loads((base / method / f"reference-seed-{s}.json").read_text()) for s in range(3)]
+        rows = [(base / method / f"seed-{s}" / "metrics.jsonl").read_text().splitlines() for s in range(3)]
+        inside = [json.loads(r[-1])["elapsed_seconds"] for r in rows]
+        wall, ref_wall = sum(o["wall_seconds"] for o in ours), sum(r["wall_seconds"] for r in ref)
+        cpu, ref_cpu = sum(o["cpu_seconds"] for o in ours), sum(r["cpu_seconds"] for r in ref)
+        row = f"| {method} | {wall:.0f} / {ref_wall:.0f} | {wall / ref_wall:.2f}x | {cpu:.0f} / {ref_cpu:.0f} |"
+        assert f"{row} {sum(inside):.0f} s | {wall - sum(inside):.0f} s |" in text
+        per_round[method] = [x / 20 for x in inside]
+        outside[method] = [o["wall_seconds"] - x for o, x in zip(ours, inside)]
+        ratios[method] = (wall / ref_wall, cpu / ref_cpu)
+        if ref[0]["iteration_seconds"]:
+            iteration[method] = [sum(r["iteration_seconds"]) / len(r["iteration_seconds"]) for r in ref]
+            fixed += [r["wall_seconds"] - sum(r["iteration_seconds"]) for r in ref]
+
+    def span(xs, decimals):
+        return f"{min(xs):.{decimals}f}-{max(xs):.{decimals}f}"
+
+    assert f"{span(per_round['local'], 2)} s a round for Local" in text
+    assert f"{span(per_round['fedproto'], 2)} s for FedProto and {span(per_round['fedtgp'], 2)} s for FedTGP" in text
+    assert f"{span(iteration['fedproto'], 1)} s an iteration for FedProto and {span(iteration['fedtgp'], 1)} s" in text
+    cold, *warm = outside["local"]
+    assert f"ours pays {span(warm + outside['fedproto'] + outside['fedtgp'], 0)} s a run ({cold:.0f} s" in text
+    assert f"process {span(fixed, 0)} s" in text
+    assert f"{ratios['local'][0]:.2f}x and {ratios['fedproto'][0]:.2f}x HtFLlib's wall time" in text
+    assert f"The CPU is {span([c for _, c in ratios.values()], 1)}x HtFLlib's" in text

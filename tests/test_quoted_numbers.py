@@ -339,18 +339,23 @@ def test_a_page_that_names_a_committed_grid_quotes_its_rows(page):
 
 
 def test_a_mistyped_digit_fails_the_check():
-    """The last digit of every quote's first number, changed by one: each quote is then caught, but
-    for the :data:`DENSE` kinds, where another subset of seeds may give the changed number."""
+    """The last digit of every quote's first number, changed by one up and then by one down: each quote
+    is caught by one of the two, but for the :data:`DENSE` kinds, where another subset of seeds may
+    give the changed number (a quote's number one digit away from another of its section's rows,
+    e.g. one cross-check's 88.71 ± 0.08 beside another's 88.72 ± 0.08, is caught by the other typo)."""
     text = README.read_text(encoding="utf-8")
     checked = quotes(text, readme_units(text))
-    typed = list(text)
-    for quote in checked:
-        typed[quote.digit] = str((int(text[quote.digit]) + 1) % 10)
-    mistyped = "".join(typed)
-    after = quotes(mistyped, readme_units(mistyped))
-    assert [(q.line, q.kind) for q in after] == [(q.line, q.kind) for q in checked]
-    assert [str(q) for q in after if q.given and q.kind not in DENSE] == []
-    assert sum(not q.given for q in after if q.kind in DENSE) > 0
+    caught = [False] * len(checked)
+    for step in (1, 9):
+        typed = list(text)
+        for quote in checked:
+            typed[quote.digit] = str((int(text[quote.digit]) + step) % 10)
+        mistyped = "".join(typed)
+        after = quotes(mistyped, readme_units(mistyped))
+        assert [(q.line, q.kind) for q in after] == [(q.line, q.kind) for q in checked]
+        caught = [c or not q.given for c, q in zip(caught, after)]
+    assert [str(q) for q, c in zip(checked, caught) if not c and q.kind not in DENSE] == []
+    assert sum(c for q, c in zip(checked, caught) if q.kind in DENSE) > 0
 
 
 @pytest.mark.parametrize(
