@@ -506,10 +506,17 @@ def resume_point(checkpoint: Path, identity: dict, log: Path) -> dict | None:
             with open(log, "a") as f:
                 f.write(resumed + "\n")
             return progress
-    for folder in (checkpoint, old):
-        shutil.rmtree(folder, ignore_errors=True)
+    discard_checkpoint(checkpoint)
     meta.write_text(json.dumps(identity))
     return None
+
+
+def discard_checkpoint(checkpoint: Path) -> None:
+    """Remove a reference run's checkpoint folder, the one a replacement may have left
+    (``<checkpoint>.old``) and the identity it was recorded for (``<checkpoint>.json``)."""
+    for folder in (checkpoint, Path(f"{checkpoint}.old")):
+        shutil.rmtree(folder, ignore_errors=True)
+    Path(f"{checkpoint}.json").unlink(missing_ok=True)
 
 
 def parse_iteration_seconds(text: str) -> list[float]:
@@ -689,13 +696,14 @@ def run_reference(
     try:
         if (saved := kept_reference_run(done, command, key, initial_digest, rounds)) is not None:
             return saved
+        commit = git_head(reference)
         out.mkdir(parents=True, exist_ok=True)
         link_dataset(reference, name, partitions)
         log = out / f"reference-seed-{seed}.log"
         if REFERENCE_METHODS[method].resumable:
             identity = {
                 "command": unplaced(command),
-                "commit": git_head(reference),
+                "commit": commit,
                 "content_digest": key,
                 "initial_digest": initial_digest,
             }
@@ -713,7 +721,7 @@ def run_reference(
         **read_reference_run(text, code, seed, rounds, config["num-clients"], log),
         **({"max_gap": parse_max_gap(text, rounds)} if method == "fedtgp" else {}),
         "command": command,
-        "commit": git_head(reference),
+        "commit": commit,
         "content_digest": key,
         "initial_digest": initial_digest,
         "threads": threads,
@@ -724,7 +732,5 @@ def run_reference(
         "iteration_seconds": parse_iteration_seconds(text),
     }
     done.write_text(json.dumps(result, indent=1))
-    for stale in (checkpoint, Path(f"{checkpoint}.old")):
-        shutil.rmtree(stale, ignore_errors=True)
-    Path(f"{checkpoint}.json").unlink(missing_ok=True)
+    discard_checkpoint(checkpoint)
     return result
