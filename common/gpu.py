@@ -62,7 +62,9 @@ def gpu_share(node_config: Mapping[str, Any]) -> float | None:
 def limit_memory(device: torch.device, share: float) -> None:
     """Cap this process's CUDA allocator on ``device`` at ``share`` of its memory (once per process:
     the cap is process-wide, and a simulation's actor serves many clients)."""
-    torch.cuda.set_per_process_memory_fraction(share, device)
+    # PyTorch takes an indexed device here only: plain "cuda" (what pick_device gives) raises ValueError
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(share, index)
 
 
 def begin_message(device: torch.device) -> None:

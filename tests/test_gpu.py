@@ -50,13 +50,21 @@ def test_a_bad_node_share_names_the_key(value):
         gpu.gpu_share({"gpu-memory-fraction": value})
 
 
-def test_the_allocator_is_capped_once_per_process(monkeypatch):
+@pytest.mark.parametrize("device, index", [(torch.device("cuda"), 0), (torch.device("cuda", 1), 1)])
+def test_the_allocator_is_capped_once_per_process(monkeypatch, device, index):
+    """On the device pick_device gives (plain "cuda") too: PyTorch's own check of the device argument
+    (which raises ValueError for a device without an index) runs in the stand-in."""
+    from torch.cuda._utils import _get_device_index
+
     calls = []
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, _get_device_index(d)))
+    )
     gpu.limit_memory.cache_clear()
     for _ in range(3):
-        gpu.limit_memory(CUDA, 0.25)
-    assert calls == [(0.25, CUDA)]
+        gpu.limit_memory(device, 0.25)
+    assert calls == [(0.25, index)]
     gpu.limit_memory.cache_clear()
 
 
