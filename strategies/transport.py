@@ -46,6 +46,15 @@ PULL_SECONDS = 0.05
 REASON_CHARS = 300
 
 
+def quoted_reason(reason: str) -> str:
+    """``reason`` cut to at most :data:`REASON_CHARS` characters (plus the marker of the cut): its
+    start and its end, since a ClientApp's error is a traceback whose cause comes last."""
+    if len(reason) <= REASON_CHARS:
+        return reason
+    head = REASON_CHARS // 3
+    return f"{reason[:head]} ... {reason[head - REASON_CHARS :]} ({len(reason)} characters)"
+
+
 class DuplicateReply(PayloadError):
     """A reply of a partition that already gave a valid reply in this exchange (replayed or spoofed)."""
 
@@ -236,7 +245,8 @@ class Transport:
         In a train or evaluate exchange, a reply from a partition that already gave a valid reply in
         this exchange (a replayed or spoofed reply) is counted as dropped, while the partition's first
         reply stands. Query replies are claims: the roster decides between two claims of one
-        partition. The log line of a dropped reply quotes at most :data:`REASON_CHARS` of its reason.
+        partition. The log line of a dropped reply quotes at most :data:`REASON_CHARS` of its reason:
+        its start and its end, where a traceback names its cause.
         """
         category = _category(message_type)
         up = self.rules.schemas[message_type][1]
@@ -315,8 +325,7 @@ class Transport:
         self.counters.dropped[category] += 1
         if node in self.clients and not duplicate:
             self.counters.round_dropped.add(self.clients[node][PARTITION_ID])
-        if len(reason) > REASON_CHARS:
-            reason = f"{reason[:REASON_CHARS]}... ({len(reason)} characters)"
+        reason = quoted_reason(reason)
         log.warning("Dropped %s reply from node %s: %s", message_type, node, reason)
         if self._keeps_errors(category) and not duplicate:
             self.counters.train_error(reason)

@@ -73,3 +73,16 @@ def test_checkpoint_store_alone_builds_and_loads_what_a_resume_needs(run_config,
     other = Checkpoints(RunConfig.from_dict({**rc, "resume-from": str(writer.path), "lr": 0.5}), None)
     with pytest.raises(ConfigError, match=r"'lr' \(0\.01, now 0\.5\)"):
         other.load()
+
+
+def test_a_long_client_error_is_quoted_with_its_cause():
+    """A Ray actor's traceback (2,391 characters on the GPU machine) names its cause last: the log line
+    keeps the start and the end, within REASON_CHARS plus the marker."""
+    from strategies.transport import REASON_CHARS, quoted_reason
+
+    header = "<class 'ray.exceptions.RayTaskError(ClientAppException)'>: ray::ClientAppActor.run() "
+    traceback = header + "  File x.py, line 1\n" * 120 + "ValueError: Expected a torch.device with a specified index"
+    quoted = quoted_reason(traceback)
+    assert quoted.startswith(header[:60]) and "ValueError: Expected a torch.device" in quoted
+    assert f"({len(traceback)} characters)" in quoted and len(quoted) <= REASON_CHARS + 30
+    assert quoted_reason("short") == "short"
