@@ -63,6 +63,10 @@ DEVICE_PROVIDES = (
 DEVICE_PREFIXES = ("nvidia-", "cuda-")
 #: bytes kept free in the last part for plan.json
 PLAN_ROOM = 2**20
+#: the unit a file's size counts in against :data:`CALL_LIMIT`: the device tool refused a call of
+#: 63.0 MiB in file sizes that took 65.4 MiB in 4-KiB blocks (its measure is not documented; whole
+#: blocks are the larger of it and a tar archive's headers and padding)
+BLOCK = 4096
 #: the platform tags a wheel for the lent machine may carry (pip matches each exactly)
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
@@ -102,20 +106,25 @@ def carried_distributions(needed: tuple[str, ...] = NEEDED) -> dict[str, str]:
     return {n: v for n, v in sorted(found.items()) if n not in DEVICE_PROVIDES and not n.startswith(DEVICE_PREFIXES)}
 
 
+def moved_bytes(size: int) -> int:
+    """What a file of ``size`` bytes counts against :data:`CALL_LIMIT`: whole blocks (:data:`BLOCK`)."""
+    return -(-size // BLOCK) * BLOCK
+
+
 def working_tree_bytes(root: Path = ROOT) -> int:
-    """Bytes of what every call moves besides its carry: tracked files and untracked ones git does
-    not ignore."""
+    """Bytes of what every call moves besides its carry (:func:`moved_bytes` of each): tracked files
+    and untracked ones git does not ignore."""
     cmd = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
     files = [
         root / os.fsdecode(p)
         for p in subprocess.run(cmd, cwd=root, capture_output=True, check=True).stdout.split(b"\0")
     ]
-    return sum(f.stat().st_size for f in files if f.is_file() and f != root)
+    return sum(moved_bytes(f.stat().st_size) for f in files if f.is_file() and f != root)
 
 
 def folder_bytes(folder: Path) -> int:
-    """Bytes of the files under ``folder``."""
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    """Bytes of the files under ``folder`` (:func:`moved_bytes` of each)."""
+    return sum(moved_bytes(f.stat().st_size) for f in folder.rglob("*") if f.is_file())
 
 
 def pieces_of(size: int, room: int) -> list[tuple[int, int]]:
@@ -124,12 +133,14 @@ def pieces_of(size: int, room: int) -> list[tuple[int, int]]:
 
 
 def pack(files: dict[str, Path], room: int) -> list[list[tuple[str, int, int, int]]]:
-    """Parts of at most ``room`` bytes each: lists of ``(name, piece index, offset, length)``, the
-    pieces of every file of ``files`` (name -> path) packed first-fit, largest first.
+    """Parts of at most ``room`` bytes each (:func:`moved_bytes` of every piece): lists of ``(name,
+    piece index, offset, length)``, the pieces of every file of ``files`` (name -> path) packed
+    first-fit, largest first; a piece is at most ``room`` rounded down to whole blocks (:data:`BLOCK`).
 
     Raises:
         RuntimeError: ``room`` is not positive (the working tree alone fills a call).
     """
+    room -= room % BLOCK
     if room <= 0:
         raise RuntimeError(f"the working tree alone fills a call of {CALL_LIMIT / 2**20:.0f} MiB")
     pieces = [
@@ -139,14 +150,15 @@ def pack(files: dict[str, Path], room: int) -> list[list[tuple[str, int, int, in
     ]
     parts: list[list[tuple[str, int, int, int]]] = []
     free: list[int] = []
-    for piece in sorted(pieces, key=lambda p: -p[3]):
-        slot = next((i for i, f in enumerate(free) if f >= piece[3]), None)
+    for piece in sorted(pieces, key=lambda p: -moved_bytes(p[3])):
+        cost = moved_bytes(piece[3])
+        slot = next((i for i, f in enumerate(free) if f >= cost), None)
         if slot is None:
             parts.append([])
             free.append(room)
             slot = len(parts) - 1
         parts[slot].append(piece)
-        free[slot] -= piece[3]
+        free[slot] -= cost
     return parts
 
 
@@ -247,7 +259,8 @@ def prepare(out: Path, data_dir: Path, htfllib: Path | None, python_version: str
     download(distributions, work, python_version)
     files = payload(work, data_dir, htfllib)
     tree = working_tree_bytes()
-    parts = pack(files, CALL_LIMIT - tree - PLAN_ROOM)
+    room = CALL_LIMIT - tree - PLAN_ROOM
+    parts = pack(files, room)
     plan = {"files": {}, "distributions": distributions, "htfllib": htfllib is not None, "parts": len(parts)}
     for number, part in enumerate(parts, 1):
         folder = out / str(number)
@@ -257,7 +270,7 @@ def prepare(out: Path, data_dir: Path, htfllib: Path | None, python_version: str
                 f.seek(offset)
                 (folder / piece_name(name, index)).write_bytes(f.read(length))
     for name, path in files.items():
-        count = len(pieces_of(path.stat().st_size, CALL_LIMIT - tree - PLAN_ROOM))
+        count = len(pieces_of(path.stat().st_size, room - room % BLOCK))
         plan["files"][name] = {"pieces": count, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     (out / str(len(parts)) / "plan.json").write_text(json.dumps(plan, indent=1))
     shutil.rmtree(work)

@@ -4,7 +4,7 @@ installed (Flower and Ray beside the image's PyTorch).
 Usage (there; here it runs on CPU with ``--device cpu`` for a dry run)::
 
     python -m bench.gpu_measure --data-dir .gpu/c/data --out $OUT [--htfllib .gpu/c/htfllib]
-        [--rounds 3] [--examples 0] [--minutes 2.5] [--device cuda]
+        [--rounds 3] [--examples 0] [--minutes 2.5] [--device cuda] [--gpus-per-client 0.25,0.5]
 
 Steps, each recorded in ``<out>/gpu_check.json`` as it ends (a failed step records its error and
 the next one runs):
@@ -14,7 +14,7 @@ the next one runs):
   and ``hetero-cnn5`` model groups (images per second, ours and the plain loop);
 - ``simulation-gpus-<g>``: the 20-client FedTGP ``htfe2`` preset (``presets/fedtgp-cifar10-htfe2.toml``)
   for ``--rounds`` rounds through :func:`bench.simulation.run_one` with ``--gpus-per-client`` g
-  (0.25 and 0.5): seconds per round, wall seconds, peak memory, each client's GPU peak (row key
+  (``--gpus-per-client``: 0.25 and 0.5): seconds per round, wall seconds, peak memory, each client's GPU peak (row key
   ``gpu_per_client``) and the GPU's peak memory in use (``nvidia-smi``, sampled every 0.5 s);
 - ``htfllib``: with ``--htfllib``, HtFLlib's FedTGP on the same partitions and rounds, seed 0
   (:func:`bench.htfllib.run_reference`, which runs on the GPU when PyTorch sees one): wall seconds
@@ -160,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=2.5, help="wall-time budget of each simulation")
     parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a dry run here)")
     parser.add_argument("--steps", default="environment,throughput,simulation,htfllib")
+    parser.add_argument(
+        "--gpus-per-client",
+        default=",".join(map(str, GPUS_PER_CLIENT)),
+        help="the simulation step's GPU shares, comma-separated",
+    )
     args = parser.parse_args(argv)
     if not (args.data_dir / "cifar10").is_dir():
         parser.error(f"--data-dir {args.data_dir}: no cifar10/ folder in it")
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if "throughput" in steps:
         record(report, path, "throughput", lambda: throughput(args.data_dir, args.out, args.device))
     if "simulation" in steps:
-        for gpus in GPUS_PER_CLIENT if args.device == "cuda" else (None,):
+        for gpus in [float(g) for g in args.gpus_per_client.split(",")] if args.device == "cuda" else (None,):
             name = f"simulation-gpus-{gpus}"
             sized = (args.data_dir, args.rounds, args.examples)
             record(report, path, name, lambda g=gpus, sized=sized: simulation(*sized, g, args.minutes))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_check
-from bench.gpu_check import carried_distributions, join_pieces, pack, piece_name, pieces_of
+from bench.gpu_check import BLOCK, carried_distributions, join_pieces, moved_bytes, pack, piece_name, pieces_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,18 +37,25 @@ def test_the_carried_distributions_are_closed_and_leave_the_image_its_own():
 
 
 def test_files_cut_into_pieces_pack_into_calls_and_join_back(tmp_path):
-    sizes = {"wheels/ray.whl": 2500, "data/train.parquet": 900, "wheels/flwr.whl": 300, "empty": 0}
+    # in blocks: 7.5 (cut 3 + 3 + 1.5), 2.2 and 0.1 count as 3 + 3 + 2, 3 and 1 whole blocks
+    sizes = {
+        "wheels/ray.whl": 15 * BLOCK // 2,
+        "data/train.parquet": 11 * BLOCK // 5,
+        "wheels/flwr.whl": 400,
+        "empty": 0,
+    }
     files = {}
     for name, size in sizes.items():
         path = tmp_path / "src" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(bytes((i * 7 + size) % 251 for i in range(size)))
         files[name] = path
-    room = 1000
-    assert pieces_of(2500, room) == [(0, 1000), (1000, 1000), (2000, 500)] and pieces_of(0, room) == [(0, 0)]
-    parts = pack(files, room)
-    assert all(sum(p[3] for p in part) <= room for part in parts)
-    assert len(parts) == 4  # 3700 bytes in 1000-byte calls
+    room = 3 * BLOCK
+    assert pieces_of(2500, 1000) == [(0, 1000), (1000, 1000), (2000, 500)] and pieces_of(0, room) == [(0, 0)]
+    assert moved_bytes(0) == 0 and moved_bytes(1) == moved_bytes(BLOCK) == BLOCK and moved_bytes(BLOCK + 1) == 2 * BLOCK
+    parts = pack(files, room + BLOCK - 1)  # a room of 3.99 blocks holds 3
+    assert all(sum(moved_bytes(p[3]) for p in part) <= room for part in parts)
+    assert len(parts) == 4  # 12 whole blocks in calls of 3 (9.8 blocks of bytes)
     staged = tmp_path / "staged"
     staged.mkdir()
     for part in parts:
