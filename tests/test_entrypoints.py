@@ -8,6 +8,7 @@ import io
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -481,3 +482,53 @@ def test_the_speed_against_htfllib_is_what_the_paired_rows_give():
     assert f"process {span(fixed, 0)} s" in text
     assert f"{ratios['local'][0]:.2f}x and {ratios['fedproto'][0]:.2f}x HtFLlib's wall time" in text
     assert f"The CPU is {span([c for _, c in ratios.values()], 1)}x HtFLlib's" in text
+
+
+def test_the_gpu_check_numbers_are_what_its_files_give():
+    """results/scale/gpu-h200/README.md: the throughput table and the FedTGP table regenerate from the
+    committed files of the H200 check."""
+    base = ROOT / "results" / "scale" / "gpu-h200"
+    text = " ".join((base / "README.md").read_text().split())
+    speed, ratios = {}, []
+    for entry in json.loads((base / "throughput.json").read_text()):
+        ours, plain = entry["images_per_second"]["ours"], entry["images_per_second"]["plain"]
+        speed.setdefault(entry["arch"], []).append(f"{ours:.0f} / {plain:.0f} ({ours / plain:.2f})")
+        ratios.append(ours / plain)
+    for arch, cells in speed.items():
+        assert f"| {arch} | {' | '.join(cells)} |" in text
+    assert f"{min(ratios):.2f}-{max(ratios):.2f}x of the plain loop" in text
+
+    ours = json.loads((base / "gpu_check-call2.json").read_text())["simulation-gpus-0.25"]["result"]
+    ref = json.loads((base / "htfllib-fedtgp-seed-0.json").read_text())
+    ref_gpu = json.loads((base / "gpu_check-call1.json").read_text())["htfllib"]["result"]["gpu_peak_mib"]
+    rows = [json.loads(line) for line in (base / "ours-fedtgp-gpus-0.25-metrics.jsonl").read_text().splitlines()]
+
+    def listed(xs, scale=1):
+        return ", ".join(f"{scale * x:.2f}" for x in xs)
+
+    assert f"| {listed(ours['round_seconds'])} | {listed(ref['iteration_seconds'])} (its 4 iterations) |" in text
+    start = ours["startup_seconds"]
+    to_round_1 = f"to round 1: {sum(start.values()):.1f}, of which the launcher {start['launcher']:.1f}"
+    assert f"| {ours['wall_seconds']:.1f} ({to_round_1}) | {ref['wall_seconds']:.1f} |" in text
+    assert f"| {listed([r['accuracy_weighted'] for r in rows], 100)} % | {listed(ref['curve'], 100)} % |" in text
+    assert f"| {ours['gpu_peak_mib']} MiB | {ref_gpu} MiB |" in text
+    peaks = [c["peak_mib"] for r in rows for c in r["gpu_per_client"].values()]
+    assert f"| {min(peaks):.0f}-{max(peaks):.0f} MiB |" in text
+    processes = ours["pss_mib_at_peak"]["python"][0]
+    assert f"| {ours['peak_pss_gib']:.2f} GiB ({processes} Python processes) | {ref['peak_pss_gib']:.2f} GiB |" in text
+    mine, theirs = statistics.mean(ours["round_seconds"][1:]), statistics.mean(ref["iteration_seconds"][1:3])
+    assert f"costs {mine / theirs:.2f}x an iteration of HtFLlib's ({mine:.2f} s against {theirs:.2f} s" in text
+    assert f"memory, {ours['peak_pss_gib'] / ref['peak_pss_gib']:.1f}x HtFLlib's, is that of {processes}" in text
+    running = " ".join((ROOT / "docs" / "running.md").read_text().split())
+    seconds, iterations = ours["round_seconds"], ref["iteration_seconds"]
+    assert (
+        f"at {min(seconds):.1f}-{max(seconds):.1f} s a round against {min(iterations):.1f}-{max(iterations):.1f} s"
+        in running
+    )
+    assert f"({100 * rows[-1]['accuracy_weighted']:.2f} against {100 * ref['curve'][-1]:.2f} %" in running
+    assert f"{min(peaks):.0f}-{max(peaks):.0f} MiB of CUDA allocator per client ({ours['gpu_peak_mib']} MiB" in running
+    assert (
+        f"was {ours['wall_seconds']:.1f} s against {ref['wall_seconds']:.1f} s, of which {sum(start.values()):.1f} s"
+        in running
+    )
+    assert f"at {min(ratios):.2f}-{max(ratios):.2f}x of a plain PyTorch loop" in running
