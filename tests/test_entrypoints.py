@@ -448,12 +448,14 @@ def test_the_committed_memory_table_is_what_its_files_give():
     assert f"Still {ratio:.1f}x HtFLlib's peak" in readme
 
 
-def test_the_speed_against_htfllib_is_what_the_paired_rows_give():
-    """results/scale/README.md's speed section: each method's wall and CPU seconds over the seeds of the
-    paired Fashion-MNIST cross-check (``ours.json``, ``reference-seed-<s>.json``), ours in and outside
-    rounds (``elapsed_seconds`` of round 20), and the ranges and ratios its text quotes."""
-    base = ROOT / "results" / "crosscheck" / "fedtgp-fmnist-htcnn8-paired"
-    text = " ".join((ROOT / "results" / "scale" / "README.md").read_text().split())
+def paired_speed(folder: str, text: str) -> tuple[dict, dict, dict, list, dict]:
+    """Check a speed table of results/scale/README.md (``text``, whitespace joined) against the paired
+    cross-check ``results/crosscheck/<folder>/``: each method's wall and CPU seconds over its seeds
+    (``ours.json``, ``reference-seed-<s>.json``) and ours in and outside rounds (``elapsed_seconds``
+    of round 20). Returns per method ours' seconds a round, ours' seconds outside rounds, HtFLlib's
+    mean seconds an iteration (methods that print them), HtFLlib's seconds outside its iterations
+    and (wall, CPU) ratios."""
+    base = ROOT / "results" / "crosscheck" / folder
     per_round, outside, iteration, fixed, ratios = {}, {}, {}, [], {}
     for method in ("local", "fedproto", "fedtgp"):
         ours = [json.loads((base / method / f"seed-{s}" / "ours.json").read_text()) for s in range(3)]
@@ -470,10 +472,20 @@ def test_the_speed_against_htfllib_is_what_the_paired_rows_give():
         if ref[0]["iteration_seconds"]:
             iteration[method] = [sum(r["iteration_seconds"]) / len(r["iteration_seconds"]) for r in ref]
             fixed += [r["wall_seconds"] - sum(r["iteration_seconds"]) for r in ref]
+    return per_round, outside, iteration, fixed, ratios
 
-    def span(xs, decimals):
-        return f"{min(xs):.{decimals}f}-{max(xs):.{decimals}f}"
 
+def span(xs, decimals):
+    return f"{min(xs):.{decimals}f}-{max(xs):.{decimals}f}"
+
+
+def test_the_speed_against_htfllib_is_what_the_paired_rows_give():
+    """results/scale/README.md's speed section: the tables and the ranges and ratios its text quotes,
+    for Fashion-MNIST and for CIFAR-10 (each checked in its own part of the section)."""
+    readme = (ROOT / "results" / "scale" / "README.md").read_text()
+    fmnist, cifar = readme.split("## Speed against HtFLlib at small work")[1].split("### CIFAR-10 `htfe2`")
+    text = " ".join(fmnist.split())
+    per_round, outside, iteration, fixed, ratios = paired_speed("fedtgp-fmnist-htcnn8-paired", text)
     assert f"{span(per_round['local'], 2)} s a round for Local" in text
     assert f"{span(per_round['fedproto'], 2)} s for FedProto and {span(per_round['fedtgp'], 2)} s for FedTGP" in text
     assert f"{span(iteration['fedproto'], 1)} s an iteration for FedProto and {span(iteration['fedtgp'], 1)} s" in text
@@ -481,6 +493,18 @@ def test_the_speed_against_htfllib_is_what_the_paired_rows_give():
     assert f"ours pays {span(warm + outside['fedproto'] + outside['fedtgp'], 0)} s a run ({cold:.0f} s" in text
     assert f"process {span(fixed, 0)} s" in text
     assert f"{ratios['local'][0]:.2f}x and {ratios['fedproto'][0]:.2f}x HtFLlib's wall time" in text
+    assert f"The CPU is {span([c for _, c in ratios.values()], 1)}x HtFLlib's" in text
+
+    text = " ".join(cifar.split())
+    per_round, outside, iteration, fixed, ratios = paired_speed("fedtgp-cifar10-htfe2-paired", text)
+    assert all(wall < 1 for wall, _ in ratios.values()) and "below HtFLlib's wall time on all three" in text
+    assert f"{span(per_round['local'], 2)} s a round for Local" in text
+    assert f"{span(per_round['fedproto'], 2)} s for FedProto and {span(per_round['fedtgp'], 2)} s for FedTGP" in text
+    assert f"{span(iteration['fedproto'], 1)} s an iteration for FedProto and {span(iteration['fedtgp'], 1)} s" in text
+    assert (
+        f"ours pays {span([x for xs in outside.values() for x in xs], 0)} s a run and HtFLlib {span(fixed, 0)} s"
+        in text
+    )
     assert f"The CPU is {span([c for _, c in ratios.values()], 1)}x HtFLlib's" in text
 
 
