@@ -556,3 +556,30 @@ def test_the_gpu_check_numbers_are_what_its_files_give():
         in running
     )
     assert f"at {min(ratios):.2f}-{max(ratios):.2f}x of a plain PyTorch loop" in running
+
+
+def test_htfllib_one_float_step_off_parts_as_far_as_its_readme_says():
+    """results/crosscheck/fedtgp-cifar10-htfe2-paired/fedproto/htfllib-one-ulp/README.md: the largest gap
+    of HtFLlib one step off against HtFLlib, and of ours against HtFLlib, per seed, from the rows."""
+    base = ROOT / "results" / "crosscheck" / "fedtgp-cifar10-htfe2-paired" / "fedproto"
+    text = (base / "htfllib-one-ulp" / "README.md").read_text()
+    summary = " ".join((ROOT / "results" / "README.md").read_text().split())
+
+    def largest(curve, against):
+        gaps = [100 * (a - b) for a, b in zip(curve, against)]
+        at = max(range(len(gaps)), key=lambda k: abs(gaps[k]))
+        return f"{gaps[at]:+.2f}".replace("-", "−") + f" points (round {at + 1})"
+
+    for seed in (0, 1):
+        reference = json.loads((base / f"reference-seed-{seed}.json").read_text())
+        off = json.loads((base / "htfllib-one-ulp" / f"reference-seed-{seed}.json").read_text())
+        assert off["content_digest"] == reference["content_digest"]
+        assert off["initial_digest"] == reference["initial_digest"]
+        rows = (base / f"seed-{seed}" / "metrics.jsonl").read_text().splitlines()
+        ours = [json.loads(row)["accuracy_weighted"] for row in rows]
+        assert (
+            f"| {seed} |" in text
+            and f"| {largest(off['curve'], reference['curve'])} | {largest(ours, reference['curve'])} |" in text
+        )
+    quoted = largest(off["curve"], reference["curve"]).replace(" points (round", " points, seed 1, round")
+    assert f"({quoted.rstrip(')')};" in summary
