@@ -260,6 +260,7 @@ def prepare(out: Path, data_dir: Path, htfllib: Path | None, python_version: str
     files = payload(work, data_dir, htfllib)
     tree = working_tree_bytes()
     room = CALL_LIMIT - tree - PLAN_ROOM
+    room -= room % BLOCK  # as pack cuts
     parts = pack(files, room)
     plan = {"files": {}, "distributions": distributions, "htfllib": htfllib is not None, "parts": len(parts)}
     for number, part in enumerate(parts, 1):
@@ -270,7 +271,7 @@ def prepare(out: Path, data_dir: Path, htfllib: Path | None, python_version: str
                 f.seek(offset)
                 (folder / piece_name(name, index)).write_bytes(f.read(length))
     for name, path in files.items():
-        count = len(pieces_of(path.stat().st_size, room - room % BLOCK))
+        count = len(pieces_of(path.stat().st_size, room))
         plan["files"][name] = {"pieces": count, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     (out / str(len(parts)) / "plan.json").write_text(json.dumps(plan, indent=1))
     shutil.rmtree(work)
