@@ -18,8 +18,10 @@ For each method it
    (:mod:`bench.htfllib`: :data:`~bench.htfllib.FAMILIES`, :data:`~bench.htfllib.REFERENCE_METHODS`,
    :func:`~bench.htfllib.reference_command`), paired with ours: every client's model starts from
    our client's initial model for the run config and seed, and PyTorch
-   runs the threads each of our clients runs (:mod:`bench.crosscheck_pairing`; what a method cannot
-   pair, e.g. a shared model or server state, is ``unpaired`` and in the report); it parses its
+   runs the threads each of our clients runs, and a server that starts from a module (a head, a
+   shared model) starts from our server's where the architectures agree (:mod:`bench.crosscheck_pairing`;
+   what a method cannot pair, e.g. a shared model of another architecture or a server's batch order,
+   is ``unpaired`` and in the report); it parses its
    per-round pooled test accuracy (:func:`~bench.htfllib.parse_reference_log`);
 3. runs ours (``tools.run``) on the same partitions (``partition-seed`` fixed) and recipe, one run per
    training seed; a run with a round that trained or evaluated without every client (a crashed Ray
@@ -61,11 +63,11 @@ from bench.crosscheck_report import compare, plot, save_result, saved_results, v
 from bench.htfllib import (
     FAMILIES,
     FAMILY_DEVIATIONS,
-    PAIRED,
     REFERENCE_METHODS,
     check_expressible,
     compared_metric,
     evaluates_as_reference,
+    pairing,
     run_reference,
 )
 from bench.measure import git_head
@@ -231,6 +233,7 @@ def method_result(config: dict, method: str, refs: list[dict], ours: list[dict],
     not, HtFLlib's recipe and our options it cannot express, and this call's ``info``."""
     curves, ref_curves = [o["curve"] for o in ours], [r["curve"] for r in refs]
     ref = REFERENCE_METHODS[method]
+    paired, unpaired = pairing(method, refs)
     return {
         "comparison": compare(curves, ref_curves),
         "verdict": verdict(curves, ref_curves),
@@ -240,8 +243,8 @@ def method_result(config: dict, method: str, refs: list[dict], ours: list[dict],
         "reported_option": list(ref.reported[:2]) if ref.reported else None,
         "unexpressed": {k: method_options(config, method)[k] for k in ref.unexpressed},
         "recipe": ref.recipe,
-        "paired": PAIRED,
-        "unpaired": ref.unpaired,
+        "paired": paired,
+        "unpaired": unpaired,
         "info": info,
     }
 

@@ -9,7 +9,10 @@ one thread, HtFLlib on PyTorch's default). Both move the curve by more than the 
 So :func:`save_initial_states` writes every client's initial model exactly as our client builds it
 (:attr:`common.runtime.ClientRuntime.model` for the run config and seed), the cross-check's bootstrap
 loads them into HtFLlib's client models right after HtFLlib builds them (:func:`paired_state`), and
-both sides run :data:`CLIENT_THREADS` threads.
+both sides run :data:`CLIENT_THREADS` threads. A method whose server starts from a module of its own
+(LG-FedAvg's and FedGH's head, the shared model of FML, FedKD and FedMRL) has it paired the same way
+where the architectures agree: :func:`server_initial_state` is what our server starts from, loaded
+into HtFLlib's server's module the first time HtFLlib stores it.
 
 This module imports only torch at its top: the bootstrap imports it inside HtFLlib's process.
 """
@@ -96,9 +99,27 @@ def states_digest(states: list[Mapping[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
-def save_initial_states(config: dict, path: Path) -> str:
+def server_initial_state(config: dict) -> dict[str, torch.Tensor]:
+    """What our server of the flat run config ``config`` (its ``method`` and ``seed``) starts from: its
+    shared arrays before round 1 (``global_arrays`` of the method's strategy, e.g. FedGH's header
+    ``head.weight`` [C, d] and ``head.bias`` [C], or a shared model's state dict), as float32 CPU
+    tensors in that order; empty when the server holds none (Local, FedProto).
+
+    Raises:
+        ConfigError: as :func:`strategies.registry.build_strategy`.
+    """
+    from common.config import RunConfig
+    from strategies.registry import build_strategy
+
+    arrays = build_strategy(RunConfig.from_dict(config)).global_arrays()
+    return {name: torch.from_numpy(array.copy()) for name, array in arrays.items()}
+
+
+def save_initial_states(config: dict, path: Path, server: Path | None = None) -> str:
     """Write :func:`initial_states` of ``config`` to ``path`` (``torch.save`` of a list of state
-    dicts, one per client, loadable with ``weights_only=True``); returns their :func:`states_digest`.
+    dicts, one per client, loadable with ``weights_only=True``) and, with ``server``, our server's
+    :func:`server_initial_state` to that file; returns the :func:`states_digest` of the clients' states
+    (then the server's).
 
     Clients with equal initial models (run config ``init = "identical"``: every client of one
     architecture) share one state dict object, which ``torch.save`` stores once: the file holds one
@@ -108,4 +129,8 @@ def save_initial_states(config: dict, path: Path) -> str:
     shared = [unique.setdefault(states_digest([state]), state) for state in states]
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(shared, path)
-    return states_digest(shared)
+    if server is None:
+        return states_digest(shared)
+    state = server_initial_state(config)
+    torch.save(state, server)
+    return states_digest([*shared, state])

@@ -175,8 +175,9 @@ def _header(info: dict) -> list[str]:
         " the accuracy. Accuracy: pooled, % (mean ± population std over seeds, ddof 0 as HtFLlib's `get_mean_std`).",
         "",
         "Paired: both sides start from the same weights (every client's initial model as ours builds it,"
-        " loaded into HtFLlib's client models right after it builds them; what a method cannot pair is in"
-        " its section) and train with the same thread count. Verdict: `identical` when every round of every"
+        " loaded into HtFLlib's client models right after it builds them, and the module a server starts"
+        " from where the architectures agree; what a method cannot pair is in its section) and train with"
+        " the same thread count. Verdict: `identical` when every round of every"
         f" seed agrees within HtFLlib's printed precision (4 decimals: {100 * PRINTED_HALF_STEP:.3f} points"
         ", the same number of correct test images while one image is more than that); `within seed spread`"
         " when not identical but in every round the two mean curves are no further apart than the larger"

@@ -90,9 +90,15 @@ class ReferenceMethod:
     :data:`REFERENCE_RECIPE` (FML and FedKD clip every model's gradient norm at 10); ours is run
     with them, and the report lists them.
 
+    ``server_item``: the name under which HtFLlib's server stores the module our server starts from
+    (``save_item(module, "Server", name, ...)``: ``head``, ``global_model``); the first time it stores
+    it, :data:`BOOTSTRAP` loads ours into it (:func:`bench.crosscheck_pairing.server_initial_state`),
+    or, where the architectures differ, leaves HtFLlib's own draw and says so; "" when our server
+    starts from nothing.
+
     ``unpaired``: what starts from other random draws on the two sides although every client's
-    personal model is paired (:mod:`bench.crosscheck_pairing`): models and state HtFLlib builds
-    beside the clients' models; "" when nothing.
+    personal model (and the server's module of ``server_item``) is paired
+    (:mod:`bench.crosscheck_pairing`): models and state HtFLlib builds beside them; "" when nothing.
 
     ``resumable``: whether its server's round loop reads the iteration index only to print and
     evaluate it, so that a stopped run can go on from a checkpoint (:data:`BOOTSTRAP`); FedKD's
@@ -105,6 +111,7 @@ class ReferenceMethod:
     tied: dict[str, str] = field(default_factory=dict)
     unexpressed: tuple[str, ...] = ()
     reported: tuple[str, Any, str] | None = None
+    server_item: str = ""
     unpaired: str = ""
     resumable: bool = True
 
@@ -114,15 +121,10 @@ PAIRED = (
     "every client's initial personal model (ours, built by our client for the run config and seed, "
     "loaded into HtFLlib's client model right after HtFLlib builds it, tensor by tensor in order and shape)"
 )
-#: a model both sides build beside the clients' models, each from its own draws
-SHARED_MODEL = (
-    "the shared model (HtFLlib: `BaseHeadSplit(args, 0)` drawn in its server's constructor, before the "
-    "clients' models; ours: the group's first architecture drawn from `seed`)"
-)
-#: FedGH's and LG-FedAvg's server head before round 1
-SERVER_HEAD = (
-    "the server's initial head, every client's head in round 1 (HtFLlib: client 0's initial head, "
-    "which pairing makes ours; ours: a `Linear(d, C)` drawn from `seed`)"
+#: what a paired cross-check pairs for a method with a ``server_item`` (:class:`ReferenceMethod`)
+PAIRED_SERVER = (
+    "the server's initial `{item}` (ours, built by our server for the run config and seed, loaded into "
+    "the module HtFLlib's server stores as `Server_{item}` the first time it stores it)"
 )
 #: the order of a server's training over the round's uploads
 SERVER_ORDER = (
@@ -143,6 +145,8 @@ REFERENCE_METHODS = {
         unexpressed=("reg-form", "margin", "prototype-pass", "margin-freeze"),
         unpaired="the server's trainable global prototypes (each side draws them from its seed); " + SERVER_ORDER,
     ),
+    # HtFLlib's FedGH and LG-FedAvg servers start from client 0's initial head (servergh.py, serverlg.py);
+    # ours from a Linear(d, C) drawn from seed: paired, both start from ours
     "fedgh": ReferenceMethod(
         "FedGH",
         flags={"-slr": "server-lr", "-se": "server-epochs"},
@@ -150,13 +154,14 @@ REFERENCE_METHODS = {
         unexpressed=("server-mode", "server-clip-norm", "eval-global-head"),
         # HtFLlib evaluates every client's extractor with the global head it has just been sent
         reported=("eval-global-head", True, "accuracy_weighted_global_head"),
-        unpaired=f"{SERVER_HEAD}; {SERVER_ORDER}",
+        server_item="head",
+        unpaired=SERVER_ORDER,
     ),
     "lg-fedavg": ReferenceMethod(
         "LG-FedAvg",
         unexpressed=("eval-global-head",),
         reported=("eval-global-head", True, "accuracy_weighted_global_head"),
-        unpaired=SERVER_HEAD,
+        server_item="head",
     ),
     "fd": ReferenceMethod("FD", flags={"-lam": "lambda"}, unexpressed=("target",)),
     # clientfml.py and clientkd.py: clip_grad_norm_(..., 10) on each model ("prevent divergency"); their
@@ -169,14 +174,15 @@ REFERENCE_METHODS = {
         {"clip-norm": 10.0},
         {"-al": "alpha", "-bt": "beta"},
         unexpressed=("shared-model", "kl-reduction", "detach-targets"),
-        unpaired=SHARED_MODEL,
+        server_item="global_model",
     ),
     "fedkd": ReferenceMethod(
         "FedKD",
         {"clip-norm": 10.0},
         {"-Ts": "energy-start", "-Te": "energy-end"},
         unexpressed=("shared-model",),
-        unpaired=f"{SHARED_MODEL} (the mentee); each client's alignment map `W_h` (each side draws it from its seed)",
+        server_item="global_model",
+        unpaired="each client's alignment map `W_h` (each side draws it from its seed)",
         resumable=False,
     ),
     "fedmrl": ReferenceMethod(
@@ -185,7 +191,8 @@ REFERENCE_METHODS = {
         unexpressed=("small-model", "weight-global", "weight-private", "eval-protocol", "inference", "keep-projector"),
         # HtFLlib evaluates every client with the server's aggregated small model (our protocol B)
         reported=("eval-protocol", "deployment", "accuracy_weighted"),
-        unpaired=f"{SHARED_MODEL} (the small model); each client's projector (each side draws it from its seed)",
+        server_item="global_model",
+        unpaired="each client's projector (each side draws it from its seed)",
     ),
 }
 
@@ -211,8 +218,8 @@ ACCURACY_LINE = re.compile(r"Averaged Test Accuracy: ([0-9.]+)")
 REPETITION_LINE = re.compile(r"Running time: (\d+)th")
 #: the dataset flag of a reference command (its name is the output folder's)
 DATA_FLAG = re.compile(r"-data \S+")
-#: the initial models' file of a reference command (in the output folder)
-INITIAL_FLAG = re.compile(r"CROSSCHECK_INITIAL=\S+")
+#: the initial models' files of a reference command (in the output folder)
+INITIAL_FLAG = re.compile(r"CROSSCHECK_(SERVER_)?INITIAL=\S+")
 #: HtFLlib's evaluation (scikit-learn's AUC) on NaN or infinite model outputs
 DIVERGED_LINE = re.compile(r"ValueError: Input contains (NaN|infinity)")
 #: a printed non-finite loss (FedTGP's ``Server loss: nan``): HtFLlib goes on, evaluating NaN state
@@ -248,6 +255,11 @@ CHECKPOINT_SECONDS = 60.0
 RESUMED_LINE = re.compile(r"^crosscheck: resumed at iteration (\d+)")
 #: what :data:`BOOTSTRAP` prints for each client model it loaded ours into
 PAIRED_LINE = re.compile(r"^crosscheck: client (\d+) paired", re.M)
+#: what :data:`BOOTSTRAP` prints for the server's module of ``server_item``: paired, or why not
+SERVER_PAIRED_LINE = re.compile(r"^crosscheck: server (\S+) (paired|not paired: (.*))$", re.M)
+#: the environment variables that give :data:`BOOTSTRAP` the server's item and our server's initial state
+SERVER_ITEM_VARIABLE = "CROSSCHECK_SERVER_ITEM"
+SERVER_INITIAL_VARIABLE = "CROSSCHECK_SERVER_INITIAL"
 
 #: runs HtFLlib's ``main.py`` (argv[1:]) in its ``system/`` folder. HtFLlib seeds torch with
 #: ``torch.manual_seed(0)`` at start and again in every client's constructor, but leaves numpy's and
@@ -266,7 +278,11 @@ PAIRED_LINE = re.compile(r"^crosscheck: client (\d+) paired", re.M)
 #: Paired (:mod:`bench.crosscheck_pairing`): PyTorch runs ``$CROSSCHECK_THREADS`` threads, and every
 #: client's model, right after HtFLlib's ``Client.__init__`` has built and stored it, is loaded with
 #: our initial model of that client (``$CROSSCHECK_INITIAL``) and stored again; a client model whose
-#: tensors do not match ours in order and shape stops the run with the first mismatch.
+#: tensors do not match ours in order and shape stops the run with the first mismatch. With
+#: ``$CROSSCHECK_SERVER_ITEM`` (a method's ``server_item``), the first module the server stores under
+#: that name (``clientbase.save_item``, which HtFLlib's servers import after this patch) is loaded
+#: with our server's (``$CROSSCHECK_SERVER_INITIAL``) before it is stored; where the two differ in
+#: order or shape it stays HtFLlib's draw, and the log says why (:data:`SERVER_PAIRED_LINE`).
 #: Resumable (``$CROSSCHECK_CHECKPOINT``, a folder; :func:`run_reference`): at the start of an
 #: iteration of the server's round loop (its ``select_clients`` call, the first thing each iteration
 #: does, before it draws) that begins ``$CROSSCHECK_CHECKPOINT_SECONDS`` or more after the last
@@ -306,6 +322,19 @@ def paired_init(self, *args, **kwargs):
     clientbase.save_item(model, self.role, "model", self.save_folder_name)
     print(f"crosscheck: client {self.id} paired ({len(states[self.id])} tensors of ours)", flush=True)
 clientbase.Client.__init__ = paired_init
+server_item = os.environ.get("CROSSCHECK_SERVER_ITEM")
+if server_item:
+    server_state = [torch.load(os.environ["CROSSCHECK_SERVER_INITIAL"], weights_only=True)]
+    stored = clientbase.save_item
+    def paired_save(item, role, item_name, *args, **kwargs):
+        if server_state and role == "Server" and item_name == server_item:
+            try:
+                item.load_state_dict(paired_state(server_state.pop(), item.state_dict(), f"the server's {item_name}"))
+                print(f"crosscheck: server {item_name} paired", flush=True)
+            except ValueError as exc:
+                print(f"crosscheck: server {item_name} not paired: {exc}", flush=True)
+        stored(item, role, item_name, *args, **kwargs)
+    clientbase.save_item = paired_save
 checkpoint = os.environ.get("CROSSCHECK_CHECKPOINT")
 if checkpoint:
     import shutil
@@ -375,6 +404,22 @@ if os.environ.get("CROSSCHECK_FAMILY"):
 exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py"})
 """
 )
+
+
+def pairing(method: str, refs: list[dict]) -> tuple[str, str]:
+    """What the paired cross-check of ``method`` paired and what it did not, as the report says them,
+    from its reference runs ``refs`` (:func:`run_reference`): :data:`PAIRED`, and the server's module
+    of ``server_item`` (:data:`PAIRED_SERVER`) when every run took ours, else, among the unpaired, why
+    the first run that did not (e.g. a shared model of another architecture than HtFLlib's)."""
+    ref = REFERENCE_METHODS[method]
+    paired, unpaired = [PAIRED], [ref.unpaired] if ref.unpaired else []
+    if ref.server_item:
+        refused = next((r["server_pairing"] for r in refs if r["server_pairing"] != "paired"), None)
+        if refused is None:
+            paired.append(PAIRED_SERVER.format(item=ref.server_item))
+        else:
+            unpaired.insert(0, f"the server's initial `{ref.server_item}`, each side's own draw ({refused})")
+    return "; ".join(paired), "; ".join(unpaired)
 
 
 def compared_metric(config: dict, method: str) -> str:
@@ -557,12 +602,13 @@ def stopped_by_divergence(text: str) -> bool:
 
 
 def reference_launch(
-    config: dict, method: str, seed: int, dataset_name: str, initial: Path, threads: int
+    config: dict, method: str, seed: int, dataset_name: str, initial: Path, threads: int, server: Path | None = None
 ) -> tuple[list[str], dict, str]:
     """How :func:`run_reference` starts HtFLlib: ``main.py`` and its flags (:func:`reference_command`),
     the environment :data:`BOOTSTRAP` reads (the training seed, ``threads``, ``initial``: the file of our
-    clients' initial models, this repository, and a family HtFLlib removed, :func:`restored_family`),
-    and the command as recorded (those variables, then ``python main.py ...``)."""
+    clients' initial models, ``server``: our server's initial state for the method's ``server_item``,
+    this repository, and a family HtFLlib removed, :func:`restored_family`), and the command as
+    recorded (those variables, then ``python main.py ...``)."""
     args = reference_command(config, method, dataset_name)
     env = {
         **os.environ,
@@ -576,6 +622,10 @@ def reference_launch(
     command = f"{THREADS_VARIABLE}={threads} {INITIAL_VARIABLE}={initial} {SEED_VARIABLE}={seed} python " + " ".join(
         args
     )
+    if server is not None:
+        item = REFERENCE_METHODS[method].server_item
+        env |= {SERVER_ITEM_VARIABLE: item, SERVER_INITIAL_VARIABLE: str(server)}
+        command = f"{SERVER_ITEM_VARIABLE}={item} {SERVER_INITIAL_VARIABLE}={server} {command}"
     family = FAMILIES[config["model-group"]]
     if (models := restored_family(family, config["dataset"])) is not None:
         env[FAMILY_VARIABLE] = json.dumps([family, models])
@@ -586,7 +636,7 @@ def reference_launch(
 def unplaced(command: str) -> str:
     """A reference command as recorded, without what comes from where it ran: the dataset's name (the
     output folder's) and the initial models' file (in the output folder)."""
-    return INITIAL_FLAG.sub(f"{INITIAL_VARIABLE}=<initial>", DATA_FLAG.sub("-data <partitions>", command))
+    return INITIAL_FLAG.sub(r"CROSSCHECK_\1INITIAL=<initial>", DATA_FLAG.sub("-data <partitions>", command))
 
 
 def kept_reference_run(done: Path, command: str, content_digest: str, initial_digest: str, rounds: int) -> dict | None:
@@ -614,14 +664,18 @@ def link_dataset(reference: Path, name: str, partitions: Path) -> None:
     link.symlink_to(partitions.resolve(), target_is_directory=True)
 
 
-def read_reference_run(text: str, code: int, seed: int, rounds: int, clients: int, log: Path) -> dict:
+def read_reference_run(
+    text: str, code: int, seed: int, rounds: int, clients: int, log: Path, server_item: str = ""
+) -> dict:
     """The accuracy a reference run of ``rounds`` rounds and ``clients`` clients printed (its log
-    ``text``, exit code ``code``): ``{"curve", "initial", "diverged_round"}`` as :func:`run_reference`
-    returns them; a run whose models diverged is a result (see there).
+    ``text``, exit code ``code``): ``{"curve", "initial", "diverged_round", "server_pairing"}`` as
+    :func:`run_reference` returns them; a run whose models diverged is a result (see there).
+    ``server_pairing``: with a ``server_item``, ``"paired"`` or why the server's module was not
+    (the bootstrap's :data:`SERVER_PAIRED_LINE`), else None.
 
     Raises:
-        RuntimeError: the run printed fewer rounds than asked for another reason, or did not pair every
-            client (its log's tail, or ``log``, in the message).
+        RuntimeError: the run printed fewer rounds than asked for another reason, did not pair every
+            client, or never stored its ``server_item`` (its log's tail, or ``log``, in the message).
     """
     runs = parse_reference_log(text)
     curve = [runs[-1].get(r) for r in range(1, rounds + 1)] if runs else [None]
@@ -640,7 +694,21 @@ def read_reference_run(text: str, code: int, seed: int, rounds: int, clients: in
             f"{clients}: its clients are not built by flcore.clients.clientbase.Client "
             f"(log {log})"
         )
-    return {"curve": curve, "initial": runs[-1].get(0), "diverged_round": curve.index(None) + 1 if diverged else None}
+    server_pairing = None
+    if server_item:
+        lines = [m for m in SERVER_PAIRED_LINE.finditer(text) if m.group(1) == server_item]
+        if not lines:
+            raise RuntimeError(
+                f"the reference run (seed {seed}) never stored its server's `{server_item}` through "
+                f"flcore.clients.clientbase.save_item, so it was not paired with ours (log {log})"
+            )
+        server_pairing = lines[-1].group(3) or "paired"
+    return {
+        "curve": curve,
+        "initial": runs[-1].get(0),
+        "diverged_round": curve.index(None) + 1 if diverged else None,
+        "server_pairing": server_pairing,
+    }
 
 
 def run_reference(
@@ -656,7 +724,9 @@ def run_reference(
     (:func:`bench.crosscheck_pairing.save_initial_states`, written to
     ``out/initial-seed-<seed>.pt`` for the run and removed after it: ours rebuilds it from the
     config), and PyTorch runs ``threads`` threads, as each of our clients does. A run whose log does
-    not show every client model paired is refused.
+    not show every client model paired is refused. With the method's ``server_item`` our server's
+    initial module goes to ``out/initial-server-seed-<seed>.pt`` the same way, and is part of the
+    ``initial_digest``; the result's ``server_pairing`` says whether HtFLlib's server took it.
 
     A run whose models diverged (HtFLlib's evaluation stops on NaN or infinite outputs:
     scikit-learn's "Input contains NaN" or "Input contains infinity" as the error it ended with; or it
@@ -675,21 +745,24 @@ def run_reference(
 
     Returns:
         ``{"curve": [accuracy by round 1..R], "initial": round 0's accuracy, "diverged_round": None
-        or the first round without accuracy, "command", "commit", "content_digest", "initial_digest",
+        or the first round without accuracy, "server_pairing" (:func:`read_reference_run`), "command",
+        "commit", "content_digest", "initial_digest",
         "threads", "wall_seconds", "cpu_seconds", "peak_pss_gib", "launches", "iteration_seconds"}``
         (:func:`parse_iteration_seconds`) and for FedTGP ``"max_gap"`` by round
         (:func:`parse_max_gap`) (also in ``reference-seed-<seed>.json``).
 
     Raises:
-        RuntimeError: the reference printed fewer rounds than asked for another reason, or did not
-            pair every client (its log's tail in the message).
+        RuntimeError: the reference printed fewer rounds than asked for another reason, did not
+            pair every client, or never stored its ``server_item`` (its log's tail in the message).
     """
     done = out / f"reference-seed-{seed}.json"
     rounds = config["num-server-rounds"]
     name = f"mheterofl-crosscheck-{partitions.resolve().parent.name}"
     initial = (out / f"initial-seed-{seed}.pt").resolve()
-    args, env, command = reference_launch(config, method, seed, name, initial, threads)
-    initial_digest = save_initial_states({**config, "seed": seed}, initial)
+    server_item = REFERENCE_METHODS[method].server_item
+    server = (out / f"initial-server-seed-{seed}.pt").resolve() if server_item else None
+    args, env, command = reference_launch(config, method, seed, name, initial, threads, server)
+    initial_digest = save_initial_states({**config, "method": method, "seed": seed}, initial, server)
     key = json.loads((partitions / "config.json").read_text())["content_digest"]
     checkpoint = out / f"reference-seed-{seed}.checkpoint"
     progress = None
@@ -715,10 +788,12 @@ def run_reference(
         )
     finally:
         initial.unlink(missing_ok=True)
+        if server is not None:
+            server.unlink(missing_ok=True)
     text = continued_log(log.read_text(errors="replace"))
     prior = progress or {}
     result = {
-        **read_reference_run(text, code, seed, rounds, config["num-clients"], log),
+        **read_reference_run(text, code, seed, rounds, config["num-clients"], log, server_item),
         **({"max_gap": parse_max_gap(text, rounds)} if method == "fedtgp" else {}),
         "command": command,
         "commit": commit,

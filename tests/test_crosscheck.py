@@ -53,7 +53,8 @@ def small_config(**overrides) -> dict:
 #: builds a model with ``BaseHeadSplit``'s names (``base``, ``head``) and the shapes of our initial
 #: models in ``$CROSSCHECK_INITIAL``, random values of its own (with ``WIDER_HEAD`` one more head row),
 #: and stores it as HtFLlib does; ``build_clients`` builds ``-nc`` clients and prints each stored
-#: model's digest and PyTorch's thread count
+#: model's digest and PyTorch's thread count, then stores client 0's head as the server's, as
+#: HtFLlib's FedGH and LG-FedAvg servers do, and prints its digest
 STAND_IN_CLIENTBASE = """
 import argparse, os, torch
 from torch import nn
@@ -102,6 +103,9 @@ def build_clients():
     for c in [Client(args, id=i) for i in range(args.nc)]:
         state = load_item(c.role, "model", args.folder).state_dict()
         print("stand-in: client", c.id, states_digest([state]), "threads", torch.get_num_threads(), flush=True)
+    save_item(load_item("Client_0", "model", args.folder).head, "Server", "head", args.folder)
+    state = load_item("Server", "head", args.folder).state_dict()
+    print("stand-in: server head", states_digest([state]), flush=True)
 """
 
 
@@ -420,16 +424,25 @@ def test_the_bootstrap_pairs_every_client_with_our_initial_models_and_threads(
     bootstrapped, stand_in_partitions, tmp_path
 ):
     """Through the bootstrap, every client model HtFLlib's ``Client`` stored is ours for the run config and
-    seed (a stand-in ``Client`` draws its own), PyTorch runs our clients' thread count, the file of our
-    models is gone after the run, and a client model of another shape or a run that builds no client
-    through ``Client`` is refused and not kept."""
+    seed (a stand-in ``Client`` draws its own), FedGH's server head is our server's (the stand-in stores
+    client 0's, as HtFLlib's does), PyTorch runs our clients' thread count, the files of our models are
+    gone after the run, and a client model of another shape or a run that builds no client through
+    ``Client`` is refused and not kept."""
     for seed, run, log in zip((0, 1), bootstrapped.runs, bootstrapped.logs, strict=True):
         ours = pairing.initial_states({**bootstrapped.config, "seed": seed})
         lines = re.findall(r"stand-in: client (\d+) (\w+) threads (\d+)", log)
         assert [(int(i), d) for i, d, _ in lines] == [(i, pairing.states_digest([s])) for i, s in enumerate(ours)]
         assert {t for _, _, t in lines} == {str(pairing.CLIENT_THREADS)}
-        assert run["initial_digest"] == pairing.states_digest(ours) and run["threads"] == pairing.CLIENT_THREADS
-        assert "CROSSCHECK_THREADS=1 " in run["command"]
+        server = pairing.server_initial_state({**bootstrapped.config, "method": "fedgh", "seed": seed})
+        assert list(server) == ["head.weight", "head.bias"]
+        assert re.findall(r"stand-in: server head (\w+)", log) == [pairing.states_digest([server])]
+        client_head = {k: v for k, v in ours[0].items() if k.startswith("head.")}
+        assert pairing.states_digest([server]) != pairing.states_digest([client_head])  # not what it stored
+        assert run["server_pairing"] == "paired"
+        assert run["initial_digest"] == pairing.states_digest([*ours, server])
+        assert run["threads"] == pairing.CLIENT_THREADS
+        assert "CROSSCHECK_THREADS=1 " in run["command"] and "CROSSCHECK_SERVER_ITEM=head " in run["command"]
+    assert htfllib.pairing("fedgh", bootstrapped.runs)[0].endswith(htfllib.PAIRED_SERVER.format(item="head"))
     assert not bootstrapped.left
     main = """
     print("Running time: 0th")
@@ -442,6 +455,28 @@ def test_the_bootstrap_pairs_every_client_with_our_initial_models_and_threads(
     with pytest.raises(RuntimeError, match=r"paired the models of clients \[\], not of all 3"):
         run_stand_in_reference(tmp_path, stand_in_partitions, main, 6, "local", build=False)
     assert not (tmp_path / "cc" / "local" / "reference-seed-6.json").exists()
+
+
+def test_a_server_module_not_paired_is_reported_and_one_never_stored_is_refused(tmp_path):
+    """The bootstrap's line for the server's module is read: paired, or not with its reason, which the
+    report's unpaired list carries (the paired list then leaves the server out); a run that never
+    stored its ``server_item`` is refused."""
+    text = "crosscheck: client 0 paired (8 tensors of ours)\nRunning time: 0th\nRound number: 0\n"
+    text += "Averaged Test Accuracy: 0.1\nRound number: 1\nAveraged Test Accuracy: 0.2\n"
+    reason = "the server's global_model: tensor 0 differs: ours conv1.weight (16, 1, 5, 5) torch.float32, ..."
+    refused = text + f"crosscheck: server global_model not paired: {reason}\n"
+    took = text.replace("Running", "crosscheck: server global_model paired\nRunning")
+    runs = [htfllib.read_reference_run(t, 0, 0, 1, 1, tmp_path, "global_model") for t in (refused, took)]
+    assert [r["server_pairing"] for r in runs] == [reason, "paired"] and runs[0]["curve"] == [0.2]
+    paired, unpaired = htfllib.pairing("fml", runs)
+    assert paired == htfllib.PAIRED
+    assert unpaired == f"the server's initial `global_model`, each side's own draw ({reason})"
+    paired, unpaired = htfllib.pairing("fedkd", runs[1:])
+    assert paired.endswith("`Server_global_model` the first time it stores it)")
+    assert unpaired.startswith("each client's alignment map")
+    assert htfllib.read_reference_run(text, 0, 0, 1, 1, tmp_path)["server_pairing"] is None
+    with pytest.raises(RuntimeError, match=r"never stored its server's `head`"):
+        htfllib.read_reference_run(refused, 0, 0, 1, 1, tmp_path, "head")
 
 
 #: a stand-in ``main.py`` whose server runs HtFLlib's round loop: each iteration selects the clients
@@ -837,8 +872,9 @@ def test_the_report_keeps_earlier_methods_and_says_the_settings_as_run(tmp_path,
 
     def reference(ref, config, method, seed, partitions, out, threads=1):
         curve = [0.1 * r for r in range(1, config["num-server-rounds"] + 1)]
-        return {"curve": curve, "initial": 0.1, "diverged_round": None, "command": "main.py", "wall_seconds": 1,
-                "cpu_seconds": 1}  # fmt: skip
+        took = "paired" if htfllib.REFERENCE_METHODS[method].server_item else None
+        return {"curve": curve, "initial": 0.1, "diverged_round": None, "server_pairing": took, "command": "main.py",
+                "wall_seconds": 1, "cpu_seconds": 1}  # fmt: skip
 
     def ours(items, preset, seed, out, metric):
         config, _ = read_config(preset, items)
@@ -875,7 +911,9 @@ def test_the_report_keeps_earlier_methods_and_says_the_settings_as_run(tmp_path,
     assert "Models: ours `htfe2` as HtFLlib's `HtFE-img-2`." in report
     assert "run by an earlier call" in report.split("## local")[1] and "## fedgh" in report
     assert "not paired: nothing" in report.split("## local")[1].split("##")[0]
-    assert "server's initial head" in report.split("## fedgh")[1]
+    fedgh = report.split("## fedgh")[1]
+    assert htfllib.PAIRED_SERVER.format(item="head") in fedgh.split("- paired:")[1].split("\n")[0]
+    assert "- not paired: the server's mini-batch order over the uploads" in fedgh
 
 
 def test_fedtgp_max_gap_is_read_per_round_of_ours():
