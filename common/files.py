@@ -48,6 +48,8 @@ ROWS_FILE = "metrics.jsonl"
 #: a run's summary (``common.results``) and the keys (with their types) every summary has
 SUMMARY_FILE = "summary.json"
 SUMMARY_KEYS: dict[str, type] = {"status": str, "rounds_completed": int}
+#: a run folder's checkpoint of its last completed round (:class:`common.results.ResultsWriter`)
+CHECKPOINT = "checkpoint.pt"
 
 
 def _strict(token: str) -> Any:

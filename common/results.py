@@ -5,7 +5,8 @@ flushed after every round and the summary rewritten atomically, so a crash loses
 round in progress. ``summary.json`` has ``status`` ``running`` until the run ends
 (``completed``) or fails (``failed``). ``checkpoint.pt`` holds the strategy's state after the
 last completed round (server arrays, optimiser, RNG, byte counters, rows): run config key
-``resume-from`` = that folder continues the run in a new folder that starts with the old rows.
+``resume-from`` = that folder continues the run in a new folder that starts with the old rows and
+the old checkpoint.
 
 With run config ``logger = "tensorboard"`` every row is also written as TensorBoard scalars
 into the same folder (``tensorboard --logdir <output-dir>`` shows all runs side by side).
@@ -26,9 +27,8 @@ import numpy as np
 import torch
 
 from common.config import ConfigError
-from common.files import ROWS_FILE, SUMMARY_FILE, atomic_write
+from common.files import CHECKPOINT, ROWS_FILE, SUMMARY_FILE, atomic_write
 
-CHECKPOINT = "checkpoint.pt"
 #: the run's final global arrays (the strategy's ``Result.arrays``), a torch state dict
 GLOBAL_ARRAYS = "global_arrays.pt"
 
@@ -120,6 +120,16 @@ class ResultsWriter:
         """Save the strategy's state atomically and durably as ``checkpoint.pt`` (replaces the
         previous one), numpy arrays stored as tensors so that it loads with ``weights_only=True``."""
         atomic_write(self.path / CHECKPOINT, lambda f: torch.save(_to_tensors(state), f))
+
+    def keep_checkpoint(self, run_dir: str | os.PathLike) -> None:
+        """Start this run's ``checkpoint.pt`` as a byte copy of ``run_dir``'s (the ``resume-from`` run's),
+        so that a resumed run stopped before its first round can itself be resumed from where it began.
+
+        Raises:
+            FileNotFoundError: ``run_dir`` holds no checkpoint.
+        """
+        source = (Path(run_dir) / CHECKPOINT).read_bytes()
+        atomic_write(self.path / CHECKPOINT, lambda f: f.write(source))
 
     def write_global_arrays(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Save the run's final global arrays (name -> tensor, e.g. FedGH's header ``head.weight``

@@ -378,8 +378,8 @@ class HeteroStrategy:
         )
 
     def resume(self) -> int:
-        """Restore the ``resume-from`` checkpoint (RNG, counters, rows, server state; the rows are
-        written again); returns its last round (0 without one).
+        """Restore the ``resume-from`` checkpoint (RNG, counters, rows, server state; the rows and the
+        checkpoint are written again into this run's folder); returns its last round (0 without one).
 
         Raises:
             ConfigError: as ``Checkpoints.load``, or the checkpoint has more rounds than
@@ -404,6 +404,7 @@ class HeteroStrategy:
         if self.results is not None:
             for row in self.rows:
                 self.results.write_round(row)
+            self.results.keep_checkpoint(self.cfg.resume_from)
         self.load_state(state["server"])
         log.info("Resumed from %s after round %d", self.cfg.resume_from, state["round"])
         return int(state["round"])

@@ -10,9 +10,10 @@ import pytest
 from flwr.common.config import parse_config_args
 
 from common.config import RunConfig
-from common.files import read_rows
+from common.files import CHECKPOINT, read_rows
 from common.results import ResultsWriter
 from conftest import DATA_DIR, ROOT
+from strategies.base import HeteroStrategy
 from strategies.registry import build_strategy
 from tools.grid import newest_run, plan, run_grid
 from tools.grid_rows import paper_info
@@ -125,6 +126,29 @@ def test_grid_interrupted_after_round_one_resumes_to_the_same_rows(tmp_path, mon
     assert set(first.values()) == {"stopped (exit 130)"}
     assert plan(split / "fedtgp-seed0", 3)[0] == "resume"
     monkeypatch.setattr(ResultsWriter, "write_checkpoint", write_checkpoint)
+    stopped, _ = newest_run(split / "fedtgp-seed0")
+
+    # stopped again as the resumed run begins, before its first round: its folder holds round 1's rows and
+    # checkpoint, and the next launch resumes from it
+    resume = HeteroStrategy.resume
+
+    def stop_after_resume(self):
+        resume(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(HeteroStrategy, "resume", stop_after_resume)
+    assert set(run_grid(preset, ["fedtgp", "local"], [0], split, launcher=in_process).values()) == {
+        "stopped (exit 130)"
+    }
+    monkeypatch.setattr(HeteroStrategy, "resume", resume)
+    begun, summary = newest_run(split / "fedtgp-seed0")
+    assert begun != stopped and summary["rounds_completed"] == 1
+    assert (begun / CHECKPOINT).read_bytes() == (stopped / CHECKPOINT).read_bytes()
+    assert plan(split / "fedtgp-seed0", 3) == ("resume", begun)
+    # a folder of as many rounds without a checkpoint (an older version's) is passed over for one with it
+    (begun / CHECKPOINT).rename(begun / "moved.pt")
+    assert plan(split / "fedtgp-seed0", 3) == ("resume", stopped)
+    (begun / "moved.pt").rename(begun / CHECKPOINT)
     second = run_grid(preset, ["fedtgp", "local"], [0], split, launcher=in_process)
     assert second == {"fedtgp-seed0": "resumed", "local-seed0": "resumed"}
     for cell in ("fedtgp-seed0", "local-seed0"):
@@ -140,9 +164,9 @@ def test_grid_interrupted_after_round_one_resumes_to_the_same_rows(tmp_path, mon
         "local-seed0": "done",
     }
     info = json.loads((split / "grid.json").read_text())
-    assert len(info["invocations"]) == 3 and info["rounds"] == 3 and info["preset_config"]["num-clients"] == 3
+    assert len(info["invocations"]) == 4 and info["rounds"] == 3 and info["preset_config"]["num-clients"] == 3
     # a preset edited since the grid started would mix two configs in one grid: refused, naming the key
     preset.write_text(preset.read_text() + "prototype-pass = 'before-training'\n")  # into its [fedtgp] table
     with pytest.raises(ValueError, match=r"'fedtgp.prototype-pass': None, now 'before-training'.*another --out"):
         run_grid(preset, ["fedtgp", "local"], [0], split, launcher=in_process)
-    assert len(json.loads((split / "grid.json").read_text())["invocations"]) == 3
+    assert len(json.loads((split / "grid.json").read_text())["invocations"]) == 4

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.errors import ConfigError
-from common.files import SUMMARY_FILE, atomic_write, read_json_object, read_rows, read_summary
+from common.files import CHECKPOINT, SUMMARY_FILE, atomic_write, read_json_object, read_rows, read_summary
 from common.options import number
 from tools.processes import interrupt, stop_on_signals
 from tools.runconfig import ROOT, add_config_arguments, read_config, read_preset, validate_configs
@@ -77,12 +77,13 @@ def run_summary(run: Path) -> dict:
 
 
 def newest_run(cell: Path) -> tuple[Path, dict] | None:
-    """The cell's run folder with the most completed rounds (the newest on a tie) and its summary
-    (:func:`run_summary`)."""
+    """The cell's run folder with the most completed rounds and its summary (:func:`run_summary`); on a
+    tie one with a checkpoint, then the newest (a resumed run stopped before its first round holds the
+    rows it resumed, and without a checkpoint, if an older version of this system wrote it)."""
     runs = [(summary.parent, run_summary(summary.parent)) for summary in cell.glob(f"*/{SUMMARY_FILE}")]
     if not runs:
         return None
-    return max(runs, key=lambda r: (r[1]["rounds_completed"], r[0].name))
+    return max(runs, key=lambda r: (r[1]["rounds_completed"], (r[0] / CHECKPOINT).is_file(), r[0].name))
 
 
 def plan(cell: Path, rounds: int) -> tuple[str, Path | None]:
@@ -98,7 +99,7 @@ def plan(cell: Path, rounds: int) -> tuple[str, Path | None]:
     run, summary = found
     if summary["status"] == "completed" and (summary["rounds_completed"] >= rounds or summary.get("stop_reason")):
         return "done", run
-    if summary["rounds_completed"] > 0 and (run / "checkpoint.pt").is_file():
+    if summary["rounds_completed"] > 0 and (run / CHECKPOINT).is_file():
         return "resume", run
     return "new", None
 
