@@ -583,3 +583,33 @@ def test_htfllib_one_float_step_off_parts_as_far_as_its_readme_says():
         )
     quoted = largest(off["curve"], reference["curve"]).replace(" points (round", " points, seed 1, round")
     assert f"({quoted.rstrip(')')};" in summary
+
+
+def test_lg_fedavg_paired_with_and_without_the_server_head_is_what_its_pages_say():
+    """results/crosscheck/fedtgp-fmnist-htcnn8-paired/lg-fedavg: with the server's head paired, every round
+    but one within HtFLlib's printed decimals and that one one test image apart; with the head each
+    side's own draw (``server-head-unpaired/``), the largest paired gap and HtFLlib's final as
+    docs/methods/lg-fedavg.md and that folder's README quote them, from the rows."""
+    from bench.crosscheck_report import PRINTED_HALF_STEP, compare, verdict
+
+    base = ROOT / "results" / "crosscheck" / "fedtgp-fmnist-htcnn8-paired" / "lg-fedavg"
+    page = " ".join((ROOT / "docs" / "methods" / "lg-fedavg.md").read_text().split())
+    readme = " ".join((base / "server-head-unpaired" / "README.md").read_text().split())
+    tests = sum(json.loads((base.parent / "partitions-config.json").read_text())["test_examples"])
+    ours = [json.loads((base / f"seed-{s}" / "ours.json").read_text())["curve"] for s in range(3)]
+    paired, unpaired = (
+        [json.loads((folder / f"reference-seed-{s}.json").read_text())["curve"] for s in range(3)]
+        for folder in (base, base / "server-head-unpaired")
+    )
+    gaps = [a - b for o, r in zip(ours, paired) for a, b in zip(o, r)]
+    apart = [g for g in gaps if abs(g) > PRINTED_HALF_STEP]
+    assert len(apart) == 1 and abs(abs(apart[0]) - 1 / tests) <= PRINTED_HALF_STEP  # one test image
+    assert (
+        f"{len(gaps) - 1} of the {len(gaps)} rounds" in page and f"{len(gaps) - 1} of the {len(gaps)} rounds" in readme
+    )
+    gap = verdict(ours, unpaired)
+    assert (gap["seed_index"], gap["round"]) == (1, 1)
+    assert f"{100 * gap['largest_paired_gap']:.2f}".replace("-", "−") + " points" in page
+    final = compare(ours, unpaired)["reference"]
+    quoted = f"{100 * final['final_mean']:.2f} ± {100 * final['final_std']:.2f} %"
+    assert quoted in page and quoted in readme
