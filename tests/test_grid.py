@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -170,3 +172,17 @@ def test_grid_interrupted_after_round_one_resumes_to_the_same_rows(tmp_path, mon
     with pytest.raises(ValueError, match=r"'fedtgp.prototype-pass': None, now 'before-training'.*another --out"):
         run_grid(preset, ["fedtgp", "local"], [0], split, launcher=in_process)
     assert len(json.loads((split / "grid.json").read_text())["invocations"]) == 4
+
+
+def test_the_grid_refuses_an_unknown_method_without_importing_the_methods(tmp_path):
+    """The grid process waits beside its runs for hours: it checks the methods in a child process, so
+    neither torch nor the methods load into it; an unknown method is refused, naming the allowed ones."""
+    argv = ["presets/fedtgp-fmnist-htcnn8.toml", "--methods", "fedtgp,bogus", "--out", str(tmp_path / "g")]
+    code = (
+        "import sys, tools.grid\n"
+        f"code = tools.grid.main({argv!r})\n"
+        "print(code, 'torch' in sys.modules, 'strategies.registry' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "'method' = 'bogus' is invalid: allowed values are 'fedgh'" in done.stdout
+    assert done.stdout.splitlines()[-1] == "2 False False" and not (tmp_path / "g").exists()
