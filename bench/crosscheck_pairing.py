@@ -27,7 +27,8 @@ import torch
 
 #: PyTorch intra-op threads of one client on both sides: ours runs each ClientApp in a Ray actor with
 #: ``--cpus-per-client`` CPUs (tools.run, default 1), and Ray sets ``OMP_NUM_THREADS`` to an actor's
-#: CPUs, which PyTorch takes as its thread count; HtFLlib's process gets ``torch.set_num_threads``
+#: CPUs, which PyTorch and numpy's BLAS take as their thread count; HtFLlib's process gets
+#: ``torch.set_num_threads`` and ``OMP_NUM_THREADS`` (numpy's BLAS: FedKD's SVD)
 CLIENT_THREADS = 1
 
 

@@ -170,7 +170,8 @@ def _header(info: dict) -> list[str]:
         f"Models: {info['family']}.",
         f"Torch threads per client: {info['threads']} on both sides (ours: each ClientApp's Ray actor has"
         f" {info['threads']} CPU, `OMP_NUM_THREADS={info['threads']}`; HtFLlib: `torch.set_num_threads` in the"
-        " bootstrap, which runs its clients and server in one process).",
+        " bootstrap, which runs its clients and server in one process; numpy's BLAS as"
+        " well where a run's command sets `OMP_NUM_THREADS`).",
         f"Test set: {n} examples pooled over every client's test split; one test image is {100 / n:.4g} % of"
         " the accuracy. Accuracy: pooled, % (mean ± population std over seeds, ddof 0 as HtFLlib's `get_mean_std`).",
         "",

@@ -616,11 +616,16 @@ def reference_launch(
         "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1",
         SEED_VARIABLE: str(seed),
         THREADS_VARIABLE: str(threads),
+        # numpy's BLAS (OpenBLAS, read at import) ignores torch.set_num_threads: unpinned, FedKD's
+        # np.linalg.svd (clientkd.py) ran one thread per core, 5.5x slower than one thread beside
+        # another busy process on 2 cores; ours runs with OMP_NUM_THREADS = the actor's CPUs (Ray)
+        "OMP_NUM_THREADS": str(threads),
         INITIAL_VARIABLE: str(initial),
         ROOT_VARIABLE: str(ROOT),
     }
-    command = f"{THREADS_VARIABLE}={threads} {INITIAL_VARIABLE}={initial} {SEED_VARIABLE}={seed} python " + " ".join(
-        args
+    command = (
+        f"OMP_NUM_THREADS={threads} {THREADS_VARIABLE}={threads} {INITIAL_VARIABLE}={initial} "
+        f"{SEED_VARIABLE}={seed} python " + " ".join(args)
     )
     if server is not None:
         item = REFERENCE_METHODS[method].server_item

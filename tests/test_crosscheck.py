@@ -53,7 +53,7 @@ def small_config(**overrides) -> dict:
 #: builds a model with ``BaseHeadSplit``'s names (``base``, ``head``) and the shapes of our initial
 #: models in ``$CROSSCHECK_INITIAL``, random values of its own (with ``WIDER_HEAD`` one more head row),
 #: and stores it as HtFLlib does; ``build_clients`` builds ``-nc`` clients and prints each stored
-#: model's digest and PyTorch's thread count, then stores client 0's head as the server's, as
+#: model's digest, PyTorch's thread count and ``OMP_NUM_THREADS``, then stores client 0's head as the server's, as
 #: HtFLlib's FedGH and LG-FedAvg servers do, and prints its digest
 STAND_IN_CLIENTBASE = """
 import argparse, os, torch
@@ -102,7 +102,8 @@ def build_clients():
     args.folder = "temp"
     for c in [Client(args, id=i) for i in range(args.nc)]:
         state = load_item(c.role, "model", args.folder).state_dict()
-        print("stand-in: client", c.id, states_digest([state]), "threads", torch.get_num_threads(), flush=True)
+        print("stand-in: client", c.id, states_digest([state]), "threads", torch.get_num_threads(),
+              os.environ["OMP_NUM_THREADS"], flush=True)
     save_item(load_item("Client_0", "model", args.folder).head, "Server", "head", args.folder)
     state = load_item("Server", "head", args.folder).state_dict()
     print("stand-in: server head", states_digest([state]), flush=True)
@@ -321,7 +322,9 @@ def bootstrapped(tmp_path_factory, stand_in_partitions) -> Bootstrapped:
     system = tmp / "ref" / "system"
     (system / "flcore" / "servers").mkdir(parents=True)
     (system / "flcore" / "servers" / "serverbroken.py").write_text("import not_installed_anywhere\n")
-    runs = [run_stand_in_reference(tmp, stand_in_partitions, BOOTSTRAPPED_MAIN, s, "fedgh") for s in (0, 1)]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "3")  # what the reference must not inherit: it runs our clients' threads
+        runs = [run_stand_in_reference(tmp, stand_in_partitions, BOOTSTRAPPED_MAIN, s, "fedgh") for s in (0, 1)]
     out = tmp / "cc" / "fedgh"
     return Bootstrapped(
         config=stand_in_config(),
@@ -430,9 +433,10 @@ def test_the_bootstrap_pairs_every_client_with_our_initial_models_and_threads(
     ``Client`` is refused and not kept."""
     for seed, run, log in zip((0, 1), bootstrapped.runs, bootstrapped.logs, strict=True):
         ours = pairing.initial_states({**bootstrapped.config, "seed": seed})
-        lines = re.findall(r"stand-in: client (\d+) (\w+) threads (\d+)", log)
-        assert [(int(i), d) for i, d, _ in lines] == [(i, pairing.states_digest([s])) for i, s in enumerate(ours)]
-        assert {t for _, _, t in lines} == {str(pairing.CLIENT_THREADS)}
+        lines = re.findall(r"stand-in: client (\d+) (\w+) threads (\d+) (\d+)", log)
+        assert [(int(i), d) for i, d, _, _ in lines] == [(i, pairing.states_digest([s])) for i, s in enumerate(ours)]
+        # torch's threads and those of numpy's BLAS (OMP_NUM_THREADS, read as numpy loads it)
+        assert {(t, b) for _, _, t, b in lines} == {(str(pairing.CLIENT_THREADS),) * 2}
         server = pairing.server_initial_state({**bootstrapped.config, "method": "fedgh", "seed": seed})
         assert list(server) == ["head.weight", "head.bias"]
         assert re.findall(r"stand-in: server head (\w+)", log) == [pairing.states_digest([server])]
@@ -441,7 +445,10 @@ def test_the_bootstrap_pairs_every_client_with_our_initial_models_and_threads(
         assert run["server_pairing"] == "paired"
         assert run["initial_digest"] == pairing.states_digest([*ours, server])
         assert run["threads"] == pairing.CLIENT_THREADS
-        assert "CROSSCHECK_THREADS=1 " in run["command"] and "CROSSCHECK_SERVER_ITEM=head " in run["command"]
+        assert (
+            "OMP_NUM_THREADS=1 CROSSCHECK_THREADS=1 " in run["command"]
+            and "CROSSCHECK_SERVER_ITEM=head " in run["command"]
+        )
     assert htfllib.pairing("fedgh", bootstrapped.runs)[0].endswith(htfllib.PAIRED_SERVER.format(item="head"))
     assert not bootstrapped.left
     main = """
