@@ -617,8 +617,8 @@ def reference_launch(
         SEED_VARIABLE: str(seed),
         THREADS_VARIABLE: str(threads),
         # numpy's BLAS (OpenBLAS, read at import) ignores torch.set_num_threads: unpinned, FedKD's
-        # np.linalg.svd (clientkd.py) ran one thread per core, 5.5x slower than one thread beside
-        # another busy process on 2 cores; ours runs with OMP_NUM_THREADS = the actor's CPUs (Ray)
+        # np.linalg.svd (HtFLlib e959261, system/flcore/clients/clientkd.py) runs one thread per core,
+        # which competes with any other busy process; ours runs with OMP_NUM_THREADS = the actor's CPUs (Ray)
         "OMP_NUM_THREADS": str(threads),
         INITIAL_VARIABLE: str(initial),
         ROOT_VARIABLE: str(ROOT),
