@@ -172,7 +172,7 @@ def crosscheck_numbers(folder: str) -> Numbers:
     beside ``seed-<s>/authors.json``, pooled and mean over clients), each side's final and best over
     its seeds of ``bench.fedre_authors``' ``<side>-seed-<s>.json`` (sample std, as its report), and
     every round's accuracy of every run kept there (``metrics.jsonl``, ``ours.json``, a reference's
-    curve, a ``<side>-seed-<s>.json`` or ``rows.jsonl``)."""
+    curve, the authors' ``authors.json``, a ``<side>-seed-<s>.json`` or ``rows.jsonl``)."""
     base = CROSSCHECK / folder
     comparisons = []
     for method in sorted(p for p in base.iterdir() if p.is_dir()):
@@ -189,7 +189,7 @@ def crosscheck_numbers(folder: str) -> Numbers:
         for side, key in itertools.product(("ours", "reference"), ("final", "best")):
             if result[side][f"{key}_mean"] is not None:
                 found.pairs.add((100 * result[side][f"{key}_mean"], 100 * result[side][f"{key}_std"]))
-    kept = [*curves(sorted(base.glob("**/metrics.jsonl")), "accuracy_weighted")]
+    kept = [*curves(sorted(base.glob("**/metrics.jsonl")), "accuracy_weighted"), *curves(authors, "curve")]
     kept += curves(sorted(base.glob("**/reference-seed-*.json")), "curve")
     # bench.fedre_authors: <side>-seed-<s>.json in the folder itself, side -> seed -> curve
     sides: dict[str, dict[int, list[float]]] = {}
