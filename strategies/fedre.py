@@ -33,9 +33,10 @@ honest sample lands on the attacker's classes (0.0 accuracy for the clients with
 ‖z‖ at most the median, a pair's gradient on W is at most √2 times the median z's length, and its
 soft label, a point of the simplex (section 4's check), weighs as one pair of the batch.
 Evaluation (section 6): own extractor + the newest global head, sent to every client after
-the server step; the client keeps that head (P11). The authors' released loop never sends
-the head back (P1), which makes FedRE "Local"; here it is sent in every train and evaluate
-instruction.
+the server step; the client keeps that head (P11). It is sent in every train and evaluate
+instruction. Of the authors' two released trees (P1), the HtFLlib tree never sends the head back,
+which makes FedRE Local there; the PFLlib tree, behind Table 12, sends every client client 0's
+locally trained head after the server step (``head-source = "client-0"`` below).
 
 Option ``head-source`` (P13): ``server`` (default) is the paper's method above. ``client-0`` is the
 authors' released PFLlib tree behind the paper's Table 12, whose server head *is* client 0's head
