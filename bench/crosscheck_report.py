@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.htfllib import REFERENCE_METHODS
 from common.files import atomic_write
 
 #: HtFLlib prints the pooled accuracy with 4 decimals (``Averaged Test Accuracy: {:.4f}``): a curve of
@@ -208,12 +209,16 @@ def _summary_row(method: str, r: dict, info: dict) -> str:
 def _method_section(method: str, r: dict, info: dict) -> list[str]:
     """``method``'s section of the report from its result ``r``: the call that ran it when not this one
     (``info``) and its settings that differ, both sides' commands, what is compared, paired and not,
-    where HtFLlib diverged, its recipe and our options it cannot express."""
+    where HtFLlib diverged, its recipe, our options it has no flag for that were run as its code does
+    (:attr:`bench.htfllib.ReferenceMethod.as_code`) and those it cannot express."""
     seeds = r["info"]["seeds"]
     initial = ", ".join(f"{100 * x['initial']:.2f}" for x in r["reference"])
     diverged = [
         f"seed {s}: round {x['diverged_round']}" for s, x in zip(seeds, r["reference"]) if x.get("diverged_round")
     ]
+    code = REFERENCE_METHODS[method].as_code
+    as_code = {k: v for k, v in r["unexpressed"].items() if k in code and code[k] == v}
+    unexpressed = {k: v for k, v in r["unexpressed"].items() if k not in as_code}
     earlier = r["info"]
     differs = {k: v for k, v in earlier["settings"].items() if info["settings"].get(k) != v}
     if earlier["seeds"] != info["seeds"]:
@@ -252,10 +257,15 @@ def _method_section(method: str, r: dict, info: dict) -> list[str]:
         ),
         "- HtFLlib's built-in recipe for this method, ours run with it: "
         + (", ".join(f"`{k}` = {v!r}" for k, v in r["recipe"].items()) or "none"),
-        "- not expressible in HtFLlib (ours as run; see docs/methods): "
-        + (", ".join(f"`{k}` = {v!r}" for k, v in r["unexpressed"].items()) or "none"),
+        "- set as HtFLlib's code does, which has no flag for them: " + _options(as_code),
+        "- not expressible in HtFLlib (ours as run; see docs/methods): " + _options(unexpressed),
         "",
     ]
+
+
+def _options(options: dict) -> str:
+    """``options`` as the report lists them: `` `key` = value`` joined, or "none"."""
+    return ", ".join(f"`{k}` = {v!r}" for k, v in options.items()) or "none"
 
 
 def write_report(out: Path, info: dict, results: dict[str, dict]) -> None:

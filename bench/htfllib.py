@@ -79,8 +79,12 @@ class ReferenceMethod:
     - ``flags``: HtFLlib flag -> our option key (the value is passed);
     - ``tied``: our option key -> the run config key whose value HtFLlib uses for it (it has no
       flag of its own); a cross-check refuses values that differ;
-    - ``unexpressed``: our options HtFLlib has no counterpart for; listed with their values in
-      the report (the method page's deviations say what they change).
+    - ``unexpressed``: our options HtFLlib has no flag for; listed with their values in the report
+      (the method page's deviations say what they change).
+
+    ``as_code``: of the ``unexpressed`` options, the value of ours that does what HtFLlib's code
+    hard-codes (read in its ``flcore`` client and server of the algorithm); the report lists an
+    option run at that value as HtFLlib's, the others as not expressible there.
 
     ``reported``: where HtFLlib's printed accuracy is of another model than our default primary
     metric's, ``(our option, its value, our row key)``: with the option at that value, ours reports
@@ -110,6 +114,7 @@ class ReferenceMethod:
     flags: dict[str, str] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
     unexpressed: tuple[str, ...] = ()
+    as_code: dict[str, Any] = field(default_factory=dict)
     reported: tuple[str, Any, str] | None = None
     server_item: str = ""
     unpaired: str = ""
@@ -137,12 +142,23 @@ SERVER_ORDER = (
 #: the ``flcore`` server and client of each algorithm)
 REFERENCE_METHODS = {
     "local": ReferenceMethod("Local"),
-    "fedproto": ReferenceMethod("FedProto", flags={"-lam": "lambda"}, unexpressed=("reg-form",)),
+    # clientproto.py, clienttgp.py: nn.MSELoss() (the mean over elements) to the global prototypes
+    "fedproto": ReferenceMethod(
+        "FedProto", flags={"-lam": "lambda"}, unexpressed=("reg-form",), as_code={"reg-form": "mse-mean"}
+    ),
     "fedtgp": ReferenceMethod(
         "FedTGP",
         flags={"-lam": "lambda", "-mart": "tau", "-se": "server-epochs"},
         tied={"server-lr": "lr", "server-batch-size": "batch-size", "hidden-dim": "feature-dim"},
         unexpressed=("reg-form", "margin", "prototype-pass", "margin-freeze"),
+        # servertgp.py: min(max_gap, tau) of the nearest-centre gaps, every round; clienttgp.py collects
+        # the prototypes before it saves the model it has just trained (docs/methods/fedtgp.md item 15)
+        as_code={
+            "reg-form": "mse-mean",
+            "margin": "nearest",
+            "prototype-pass": "before-training",
+            "margin-freeze": 0.0,
+        },
         unpaired="the server's trainable global prototypes (each side draws them from its seed); " + SERVER_ORDER,
     ),
     # HtFLlib's FedGH and LG-FedAvg servers start from client 0's initial head (servergh.py, serverlg.py);
@@ -152,6 +168,8 @@ REFERENCE_METHODS = {
         flags={"-slr": "server-lr", "-se": "server-epochs"},
         tied={"server-batch-size": "batch-size"},
         unexpressed=("server-mode", "server-clip-norm", "eval-global-head"),
+        # servergh.py: shuffled mini-batches of the uploads, no gradient clipping
+        as_code={"server-mode": "minibatch", "server-clip-norm": 0.0, "eval-global-head": True},
         # HtFLlib evaluates every client's extractor with the global head it has just been sent
         reported=("eval-global-head", True, "accuracy_weighted_global_head"),
         server_item="head",
@@ -160,10 +178,12 @@ REFERENCE_METHODS = {
     "lg-fedavg": ReferenceMethod(
         "LG-FedAvg",
         unexpressed=("eval-global-head",),
+        as_code={"eval-global-head": True},
         reported=("eval-global-head", True, "accuracy_weighted_global_head"),
         server_item="head",
     ),
-    "fd": ReferenceMethod("FD", flags={"-lam": "lambda"}, unexpressed=("target",)),
+    # clientfd.py: the raw per-class mean logits as the target
+    "fd": ReferenceMethod("FD", flags={"-lam": "lambda"}, unexpressed=("target",), as_code={"target": "logits"}),
     # clientfml.py and clientkd.py: clip_grad_norm_(..., 10) on each model ("prevent divergency"); their
     # shared model (serverfml.py, serverkd.py, servermrl.py) is client 0's: ours with shared-model (FedMRL:
     # small-model) = "group-first"
@@ -174,6 +194,7 @@ REFERENCE_METHODS = {
         {"clip-norm": 10.0},
         {"-al": "alpha", "-bt": "beta"},
         unexpressed=("shared-model", "kl-reduction", "detach-targets"),
+        as_code={"shared-model": "group-first", "kl-reduction": "mean", "detach-targets": False},
         server_item="global_model",
     ),
     "fedkd": ReferenceMethod(
@@ -181,6 +202,7 @@ REFERENCE_METHODS = {
         {"clip-norm": 10.0},
         {"-Ts": "energy-start", "-Te": "energy-end"},
         unexpressed=("shared-model",),
+        as_code={"shared-model": "group-first"},
         server_item="global_model",
         unpaired="each client's alignment map `W_h` (each side draws it from its seed)",
         resumable=False,
@@ -189,6 +211,8 @@ REFERENCE_METHODS = {
         "FedMRL",
         flags={"-sfd": "d1"},
         unexpressed=("small-model", "weight-global", "weight-private", "eval-protocol", "inference", "keep-projector"),
+        # clientmrl.py never saves its trained projector (docs/methods/fedmrl.md P3)
+        as_code={"small-model": "group-first", "eval-protocol": "deployment", "keep-projector": False},
         # HtFLlib evaluates every client with the server's aggregated small model (our protocol B)
         reported=("eval-protocol", "deployment", "accuracy_weighted"),
         server_item="global_model",

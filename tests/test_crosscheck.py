@@ -27,7 +27,7 @@ from common.config import RunConfig
 from common.data import DataSpec, load_client_data, normalize
 from common.datasets import DATASETS, with_recipe
 from common.errors import ConfigError
-from common.options import option_key
+from common.options import check_value, declared_fields, option_key
 from models.groups import MODEL_GROUPS
 from models.zoo import HTCNN8
 from strategies.registry import METHODS
@@ -161,6 +161,15 @@ def test_every_option_is_mapped_tied_or_listed_once(method):
     declared = sorted(option_key(f) for f in dataclasses.fields(METHODS[method].options))
     placed = [*ref.flags.values(), *ref.tied, *ref.unexpressed]
     assert sorted(placed) == declared  # none forgotten, none twice, none invented
+
+
+@pytest.mark.parametrize("method", list(htfllib.REFERENCE_METHODS))
+def test_what_htflib_hard_codes_is_a_value_our_option_allows(method):
+    ref = htfllib.REFERENCE_METHODS[method]
+    assert set(ref.as_code) <= set(ref.unexpressed)
+    fields = {option_key(f): (f, kind) for f, kind in declared_fields(METHODS[method].options)}
+    for key, value in ref.as_code.items():
+        assert check_value(key, value, *fields[key]) == value
 
 
 def test_partitions_are_our_clients_data_in_pflib_layout(tmp_path):
@@ -907,6 +916,7 @@ def test_the_report_keeps_earlier_methods_and_says_the_settings_as_run(tmp_path,
         str(tmp_path / "cc"),
     ]
     common += ["-c", f"num-clients=3 max-examples-per-client=40 data-dir={json.dumps(str(DATA_DIR))}"]
+    common += ["-c", "fedgh.eval-global-head=true"]
     assert crosscheck.main([*common, "--methods", "local"]) == 0
     assert crosscheck.main([*common, "--methods", "fedgh"]) == 0
     report = (tmp_path / "cc" / "report.md").read_text()
@@ -921,6 +931,11 @@ def test_the_report_keeps_earlier_methods_and_says_the_settings_as_run(tmp_path,
     fedgh = report.split("## fedgh")[1]
     assert htfllib.PAIRED_SERVER.format(item="head") in fedgh.split("- paired:")[1].split("\n")[0]
     assert "- not paired: the server's mini-batch order over the uploads" in fedgh
+    # options HtFLlib has no flag for: at its code's value listed as such, otherwise as not expressible
+    as_code = fedgh.split("- set as HtFLlib's code does, which has no flag for them: ")[1].split("\n")[0]
+    unexpressed = fedgh.split("- not expressible in HtFLlib (ours as run; see docs/methods): ")[1].split("\n")[0]
+    assert as_code == "`eval-global-head` = True"
+    assert unexpressed == "`server-mode` = 'per-lar', `server-clip-norm` = 50.0"
 
 
 def test_fedtgp_max_gap_is_read_per_round_of_ours():
