@@ -172,7 +172,7 @@ def crosscheck_numbers(folder: str) -> Numbers:
     beside ``seed-<s>/authors.json``, pooled and mean over clients), each side's final and best over
     its seeds of ``bench.fedre_authors``' ``<side>-seed-<s>.json`` (sample std, as its report), and
     every round's accuracy of every run kept there (``metrics.jsonl``, ``ours.json``, a reference's
-    curve, the authors' ``authors.json``, a ``<side>-seed-<s>.json`` or ``rows.jsonl``)."""
+    curve, the authors' ``authors.json``, a ``<side>-seed-<s>.json`` or a ``rows*.jsonl``)."""
     base = CROSSCHECK / folder
     comparisons = []
     for method in sorted(p for p in base.iterdir() if p.is_dir()):
@@ -212,10 +212,8 @@ def crosscheck_numbers(folder: str) -> Numbers:
             gap = paired_gap(by_seed, other, at)
             if gap is not None and gap[1] is not None:
                 found.pairs.add((gap[0], gap[1]))
-    if (base / "rows.jsonl").is_file():
-        kept.append(
-            [json.loads(line)["accuracy"] for line in (base / "rows.jsonl").read_text(encoding="utf-8").splitlines()]
-        )
+    for rows in sorted(base.glob("rows*.jsonl")):  # a reference's long runs, one file per seed
+        kept.append([json.loads(line)["accuracy"] for line in rows.read_text(encoding="utf-8").splitlines()])
     for curve in kept:  # a reference's rows hold None where it diverged
         found.finals |= {100 * float(curve[-1])} if curve[-1] is not None else set()
         found.at_round |= {(r, 100 * float(x)) for r, x in enumerate(curve, 1) if x is not None}
