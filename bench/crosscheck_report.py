@@ -255,8 +255,7 @@ def _method_section(method: str, r: dict, info: dict) -> list[str]:
             if diverged
             else []
         ),
-        "- HtFLlib's built-in recipe for this method, ours run with it: "
-        + (", ".join(f"`{k}` = {v!r}" for k, v in r["recipe"].items()) or "none"),
+        "- HtFLlib's built-in recipe for this method, ours run with it: " + _options(r["recipe"]),
         "- set as HtFLlib's code does, which has no flag for them: " + _options(as_code),
         "- not expressible in HtFLlib (ours as run; see docs/methods): " + _options(unexpressed),
         "",

@@ -139,7 +139,7 @@ SERVER_ORDER = (
 
 
 #: our method -> its HtFLlib algorithm (``-algo``) and option mapping (HtFLlib ``system/main.py`` and
-#: the ``flcore`` server and client of each algorithm)
+#: the ``flcore`` server and client of each algorithm; the files the comments name are of HtFLlib e959261)
 REFERENCE_METHODS = {
     "local": ReferenceMethod("Local"),
     # clientproto.py, clienttgp.py: nn.MSELoss() (the mean over elements) to the global prototypes
