@@ -74,19 +74,28 @@ def test_failed_run_exits_non_zero(tmp_path):
 
 
 def test_waiting_for_a_run_streams_its_log_and_asks_the_status_after(monkeypatch):
-    from tools import run as launcher
+    from tools import control as controls
 
     calls, statuses = [], iter(["running", "finished:completed"])
-    monkeypatch.setattr(launcher, "flwr_cli", lambda *args, **kw: calls.append(args[0]))
-    monkeypatch.setattr(launcher, "run_status", lambda *args: calls.append("list") or next(statuses))
-    monkeypatch.setattr(launcher.time, "sleep", lambda s: None)
+
+    class Control:
+        def stream(self, run_id, timeout=None):
+            calls.append(("log", run_id))
+
+        def status(self, run_id):
+            calls.append(("list", run_id))
+            return next(statuses)
+
+    monkeypatch.setattr(controls.time, "sleep", lambda s: None)
     # the stream ended while the run was still running: it is opened again
-    assert launcher.wait_finished({}, 7, "sim", 60) == "finished:completed"
-    assert calls == ["log", "list", "log", "list"]
+    assert controls.wait_finished(Control(), 7, 60) == "finished:completed"
+    assert calls == [("log", 7), ("list", 7), ("log", 7), ("list", 7)]
 
-    def stream_past_the_limit(*args, timeout=None, **kw):
-        raise subprocess.TimeoutExpired(args, timeout)
+    class Endless(Control):
+        def stream(self, run_id, timeout=None):
+            raise TimeoutError(f"the log stream of run {run_id} was still open after {timeout:.0f} s")
 
-    monkeypatch.setattr(launcher, "flwr_cli", stream_past_the_limit)
-    with pytest.raises(TimeoutError, match="run 7"):
-        launcher.wait_finished({}, 7, "sim", 1)
+    with pytest.raises(TimeoutError, match="waiting for run 7"):
+        controls.wait_finished(Endless(), 7, 1)
+
+

@@ -60,7 +60,7 @@ def test_a_run_that_did_not_use_the_requested_config_is_named(tmp_path, capsys):
     assert "fedgh.server-lr: 0.5 -> 0.01" in capsys.readouterr().out
 
 
-def refuse(configs):
+def refuse(configs, then=None):
     """A validate_configs that records the configs it was given and refuses them."""
     refuse.seen = configs
     raise ConfigError("run config key 'lr' refused by the test")

@@ -97,7 +97,8 @@ class FakeLaunch:
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         descendants = launcher.descendants
         monkeypatch.setattr(launcher, "descendants", lambda: [p for p in descendants() if p.pid not in before])
-        monkeypatch.setattr(launcher, "flwr_cli", self.flwr_cli)
+        monkeypatch.setattr(launcher, "build_fab", lambda: b"fab")
+        monkeypatch.setattr(launcher, "LocalControl", self.control)
         if status is not None:
             monkeypatch.setattr(launcher, "wait_finished", self.wait_finished)
 
@@ -120,15 +121,34 @@ class FakeLaunch:
         run.mkdir(parents=True, exist_ok=True)
         (run / "summary.json").write_text(json.dumps(self.summary))
 
-    def flwr_cli(self, *args, env, **kwargs):
-        assert (Path(env["FLWR_HOME"]) / "config.toml").is_file()  # the CLI's connection is in this home
-        stdout = {"run": json.dumps({"run-id": 7}), "list": json.dumps({"runs": []})}.get(args[0], "")
-        if args[0] == "log":  # the ServerApp has started; then the SuperLink dies
-            self.write_summary()
-            self.superlink.kill()
-        return subprocess.CompletedProcess(args, 0, stdout=stdout, stderr="")
+    def control(self, address: str):
+        """The Control API client of the launch, faked: run 7 is submitted (after the CLI's connection
+        was written into this launch's home); its log stream writes the summary (the ServerApp has
+        started) and kills the SuperLink; the SuperLink then lists no such run."""
+        assert address == "127.0.0.1:1" and (self.homes[-1] / "config.toml").is_file()
+        fake = self
 
-    def wait_finished(self, env, run_id, connection, timeout, echo=False, superlink=None):
+        class Control:
+            def submit(self, fab, run_config, num_supernodes, cpus, gpus):
+                assert fab == b"fab" and run_config.is_file() and (num_supernodes, cpus, gpus) == (2, 1, 0.0)
+                return 7
+
+            def stream(self, run_id, timeout=None):
+                fake.write_summary()
+                fake.superlink.kill()
+
+            def status(self, run_id):
+                return "unknown"
+
+            def stop(self, run_id):
+                pass
+
+            def close(self):
+                pass
+
+        return Control()
+
+    def wait_finished(self, control, run_id, timeout, superlink=None):
         self.write_summary()
         return self.status
 
@@ -219,7 +239,7 @@ def test_a_ray_address_that_is_not_ray_fails_within_the_join_limit_naming_the_op
     """A TCP service that is not Ray passes the TCP check; Ray then retried its GCS without end."""
     server, port = http_server()
     monkeypatch.setattr(ray_cluster, "RAY_JOIN_TIMEOUT", 20.0)
-    monkeypatch.setattr(launcher, "validate_configs", lambda configs: [(2, False)])
+    monkeypatch.setattr(launcher, "validate_configs", lambda configs, then=None: [(2, False)])
     monkeypatch.setattr(launcher, "_run", never)
     start = time.monotonic()
     try:

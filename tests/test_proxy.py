@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tools.control import flwr_cli
 from tools.deploy import (
     environment,
     node_config,
@@ -31,7 +32,6 @@ from tools.deploy import (
 )
 from tools.loopback import spawn
 from tools.processes import free_port, stop, wait_for
-from tools.run import flwr_cli
 
 pytestmark = pytest.mark.skipif(
     shutil.which("nginx") is None, reason="nginx is not installed (apt-get install nginx; .ci/run installs it)"

@@ -42,9 +42,9 @@ from pathlib import Path
 
 from common.errors import ConfigError
 from common.files import read_rows, read_summary
+from tools.control import CliControl, flwr_cli, wait_finished
 from tools.deploy import environment, write_connection
 from tools.processes import STOP_SIGNALS, stop_on_signals, wait_for
-from tools.run import flwr_cli, wait_finished
 from tools.runconfig import add_config_arguments, app_defaults, read_config, run_config_file, validate_configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,7 +224,7 @@ def run_on_stack(
         raise RuntimeError(f"flwr run was refused: {submitted}")
     run_id = int(submitted["run-id"])
 
-    status = wait_finished(env, run_id, "docker", 300 + 300 * rounds)
+    status = wait_finished(CliControl(env, "docker"), run_id, 300 + 300 * rounds)
     run_s = time.monotonic() - t0
     print(f"run {run_id}: {status} in {run_s:.1f} s", flush=True)
 

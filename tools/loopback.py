@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from common.files import ROWS_FILE, read_rows
+from tools.control import CliControl, flwr_cli, wait_finished
 from tools.deploy import (
     environment,
     register_nodes,
@@ -25,7 +26,6 @@ from tools.deploy import (
     write_node_keys,
 )
 from tools.processes import free_port, stop, wait_for
-from tools.run import flwr_cli, wait_finished
 from tools.runconfig import run_config_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,8 +125,8 @@ class LoopbackDeployment:
 
     def finished(self, run_id: int, timeout: float) -> str:
         """Wait up to ``timeout`` seconds for run ``run_id`` to finish; returns its status
-        (:func:`tools.run.wait_finished`)."""
-        return wait_finished(self.env, run_id, CONNECTION, timeout)
+        (:func:`tools.control.wait_finished`)."""
+        return wait_finished(CliControl(self.env, CONNECTION), run_id, timeout)
 
     def stop(self) -> None:
         """Stop every process started here, by process group."""

@@ -21,8 +21,12 @@ What plain ``flwr run . --stream`` (Flower 1.41, ``flwr.cli.run``) does not do a
   10; with ``num-clients`` = 0 the server takes every node) and grants each ClientApp a GPU
   share when one is present;
 - with the full handshake, decodes the partitions the simulated clients' cache lacks before Ray
-  starts, in processes that exit when done (:func:`cache_partitions`), so the ClientApp actors
-  memory-map them instead of keeping what decoding imports;
+  starts, in the process that checked the config and its workers, which exit when done
+  (:func:`tools.partition_cache.cache_before_ray`), so the ClientApp actors memory-map them instead
+  of keeping what decoding imports;
+- submits the run, streams its log and asks its status from this process (:class:`tools.control.LocalControl`),
+  with the FAB built while the SuperLink starts (:func:`tools.control.build_fab`, byte for byte the one
+  ``flwr run`` builds, without its walk through ``.venv``): no CLI process per step;
 - runs the simulation on a Ray instance of its own, or with ``--ray-address`` (or ``RAY_ADDRESS``)
   on an existing Ray cluster, checked before anything starts (:func:`tools.ray_cluster.check_ray_cluster`);
 - exits 0 only if the run's status is ``finished:completed`` and its ``summary.json`` says
@@ -37,8 +41,7 @@ What plain ``flwr run . --stream`` (Flower 1.41, ``flwr.cli.run``) does not do a
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
+import functools
 import os
 import shutil
 import subprocess
@@ -48,7 +51,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+import click
+
+from tools.control import LocalControl, build_fab, wait_finished
 from tools.outcome import mark_failed, mark_stopped, print_outcome, run_folder, summary_status, used_requested_config
+from tools.partition_cache import cache_before_ray
 from tools.processes import adopting_orphans, descendants, free_port, kill_all, stop, stop_on_signals
 from tools.ray_cluster import LOCAL_RAY, check_ray_cluster
 from tools.runconfig import (
@@ -61,15 +68,6 @@ from tools.runconfig import (
     run_config_file,
     validate_configs,
 )
-
-
-def flwr_cli(*args: str, env: dict, capture: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess:
-    """The ``flwr`` CLI of this environment with ``args``, run from the repository root; output
-    captured unless ``capture`` is False (e.g. ``flwr log --stream``)."""
-    exe = str(Path(sys.executable).with_name("flwr"))
-    return subprocess.run(
-        [exe, *args], env=env, cwd=ROOT, text=True, capture_output=capture, check=False, timeout=timeout
-    )
 
 
 def start_superlink(env: dict, home: Path) -> tuple[subprocess.Popen, str]:
@@ -120,58 +118,6 @@ def wait_healthy(proc: subprocess.Popen, address: str, home: Path, timeout: floa
     raise RuntimeError(f"flower-superlink did not become healthy within {timeout:.0f} s")
 
 
-def run_status(env: dict, run_id: int, connection: str = "sim") -> str:
-    """The status of run ``run_id`` on CLI ``connection`` (``finished:completed``, ...; ``unknown``
-    when the SuperLink does not answer or lists no such run)."""
-    out = flwr_cli("list", connection, "--run-id", str(run_id), "--format", "json", env=env).stdout
-    try:
-        runs = json.loads(out).get("runs", [])
-    except json.JSONDecodeError:
-        return "unknown"
-    return runs[0].get("status", "unknown") if runs else "unknown"
-
-
-def wait_finished(
-    env: dict,
-    run_id: int,
-    connection: str,
-    timeout: float | None,
-    echo: bool = False,
-    superlink: subprocess.Popen | None = None,
-) -> str:
-    """Wait up to ``timeout`` seconds (None: no limit) for run ``run_id`` on CLI ``connection`` to
-    finish; returns its status (``finished:completed``, ...). ``superlink``: the SuperLink process
-    serving ``connection``, when this process started it (a run whose SuperLink has exited never
-    finishes).
-
-    A ``flwr log --stream`` process waits for the end of the run (the SuperLink closes the
-    stream then), printing the run's log when ``echo``; the status is asked only afterwards,
-    and the stream opened again should it have ended early. Asking ``flwr list`` every second
-    instead costs about 2 s of CPU per call (the CLI's imports), which a 2-core machine takes
-    from the run itself.
-
-    Raises:
-        TimeoutError: the run did not finish within ``timeout`` seconds.
-        RuntimeError: ``superlink`` exited before the run finished.
-    """
-    deadline = time.monotonic() + timeout if timeout is not None else None
-    while True:
-        left = deadline - time.monotonic() if deadline is not None else None
-        try:
-            flwr_cli("log", str(run_id), connection, "--stream", env=env, capture=not echo, timeout=left)
-        except subprocess.TimeoutExpired:
-            break
-        status = run_status(env, run_id, connection)
-        if status.startswith("finished"):
-            return status
-        if superlink is not None and superlink.poll() is not None:
-            raise RuntimeError(f"flower-superlink exited with {superlink.returncode} before run {run_id} finished")
-        if deadline is not None and time.monotonic() >= deadline:
-            break
-        time.sleep(2.0)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for run {run_id} to finish")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_config_arguments(parser)
@@ -209,12 +155,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             config, _ = read_config(args.preset, args.run_config)
             check_output_folders(config)
-            ((num_clients, gpu),) = validate_configs([config])  # before anything starts
+            local = args.ray_address == LOCAL_RAY
+            # the partition cache is filled by the process that checks the config, after the check
+            # passed: one process, one torch import, before Ray starts
+            then = functools.partial(cache_before_ray, num_supernodes=args.num_supernodes) if local else None
+            ((num_clients, gpu),) = validate_configs([config], then=then)  # before anything starts
             supernodes = federation_size(args.num_supernodes, num_clients)
-            if args.ray_address != LOCAL_RAY:
+            if not local:
                 gpu = check_ray_cluster(args.ray_address, args.cpus_per_client, args.gpus_per_client)
-            else:
-                cache_partitions(config, num_clients or supernodes)
         except ConfigError as exc:
             print(f"error: {exc}")
             return 2
@@ -222,25 +170,6 @@ def main(argv: list[str] | None = None) -> int:
             print("interrupted before the run started")
             return 130
         return _run(args, config, supernodes, gpu)
-
-
-def cache_partitions(config: dict, partitions: int) -> None:
-    """With the full handshake (run config ``handshake = "all"``, which loads every partition before
-    round 1 anyway), decode the partitions the simulated clients' cache lacks before Ray starts, in
-    processes that exit when done (:mod:`tools.partition_cache`, one per core), so the ClientApp
-    actors, which serve every client for the whole run, memory-map them instead of importing and
-    keeping what decoding needs. The sampled handshake meets only the drawn clients' partitions:
-    they are decoded as they are drawn, as before."""
-    if config.get("handshake", "all") != "all":
-        return
-    subprocess.run(
-        [sys.executable, "-m", "tools.partition_cache", "--workers", str(os.cpu_count() or 1)]
-        + ["--num-partitions", str(partitions)],
-        input=json.dumps(config),
-        text=True,
-        cwd=ROOT,
-        check=False,  # a failure here costs only the cache: the clients decode as before
-    )
 
 
 #: the folder of each launch's Flower home (:func:`launch_home`)
@@ -284,10 +213,10 @@ def _run(args, config: dict, supernodes: int, gpu: bool) -> int:
 
 def _launch(home: Path, args, config: dict, supernodes: int, gpu: bool) -> int:
     """Start a SuperLink with Flower home ``home``, submit the validated ``config`` to it, stream the run
-    and report it; exit status 0 only when the Flower run finished ``completed`` and its summary says
-    ``completed`` with the requested config. Whichever way it ends (Ctrl-C, SIGTERM or SIGHUP included),
-    the run, the SuperLink and every process they started are stopped and a run folder left ``running``
-    gets a final status."""
+    and report it; exit status 0 only when the Flower run finished
+    ``completed`` and its summary says ``completed`` with the requested config. Whichever way it ends
+    (Ctrl-C, SIGTERM or SIGHUP included), the run, the SuperLink and every process they started are
+    stopped and a run folder left ``running`` gets a final status."""
     bin_dir = str(Path(sys.executable).parent)  # flower-superexec etc. must be on PATH for the SuperLink
     env = {
         **os.environ,
@@ -300,27 +229,26 @@ def _launch(home: Path, args, config: dict, supernodes: int, gpu: bool) -> int:
         "RAY_ADDRESS": args.ray_address,
     }
     gpus = args.gpus_per_client if args.gpus_per_client is not None else (0.25 if gpu else 0.0)
-    federation = (
-        f"num-supernodes={supernodes} client-resources-num-cpus={args.cpus_per_client} client-resources-num-gpus={gpus}"
-    )
-    cmd = ["run", str(ROOT), "sim", "--format", "json", "--federation-config", federation]
     run_id = None
+    control = None
     superlink, address = start_superlink(env, home)
     try:
+        fab = build_fab()  # while the SuperLink starts: its imports take seconds
         wait_healthy(superlink, address, home)
+        # the CLI's connection to this launch's SuperLink, for whoever asks it by hand meanwhile
+        # (FLWR_HOME=<home> flwr list sim)
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "{address}"\ninsecure = true\n'
         )
-        with run_config_file(config) as path:
-            submitted = flwr_cli(*cmd, "--run-config", str(path), env=env)
+        control = LocalControl(address)
         try:
-            run_id = int(json.loads(submitted.stdout)["run-id"])
-        except (ValueError, KeyError, TypeError):
-            print(submitted.stdout, submitted.stderr, sep="\n")
-            print("error: the run was not submitted")
+            with run_config_file(config) as path:
+                run_id = control.submit(fab, path, supernodes, args.cpus_per_client, gpus)
+        except click.ClickException as exc:
+            print(f"error: the run was not submitted: {exc.format_message()}")
             return 1
         print(f"Submitted run {run_id}; streaming its log (Ray needs tens of seconds before round 1)")
-        status = wait_finished(env, run_id, "sim", None, echo=True, superlink=superlink)
+        status = wait_finished(control, run_id, None, superlink=superlink)
         print(f"Run {run_id}: {status}")
         stop_everything(superlink)  # the run has ended: its simulation and Ray must not outlive it
         folder = run_folder(config["output-dir"], run_id)
@@ -333,15 +261,14 @@ def _launch(home: Path, args, config: dict, supernodes: int, gpu: bool) -> int:
         print_outcome(folder, status)
         used = used_requested_config(folder, config)
         return 0 if status == "finished:completed" and summary_status(folder) == "completed" and used else 1
-    except RuntimeError as exc:  # the SuperLink did not come up or died: its log says why
+    except (RuntimeError, ValueError) as exc:  # the SuperLink did not come up or died (its log says why), or no FAB
         print(f"error: {exc}")
         return 1
     except KeyboardInterrupt:
         started = descendants()  # before anything stops: Ray's processes leave the tree once orphaned
         before = summary_status(run_folder(config["output-dir"], run_id)) if run_id is not None else None
-        if run_id is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):  # a SuperLink that does not answer is killed next
-                flwr_cli("stop", str(run_id), "sim", env=env, timeout=60)
+        if run_id is not None and control is not None:
+            control.stop(run_id)  # a SuperLink that does not answer is killed next
         stop(superlink)
         kill_all(started)
         folder = run_folder(config["output-dir"], run_id) if run_id is not None else None
@@ -350,6 +277,8 @@ def _launch(home: Path, args, config: dict, supernodes: int, gpu: bool) -> int:
         print(f"interrupted: stopped the run, its SuperLink and {len(started)} processes; {folder or 'no run folder'}")
         return 130
     finally:
+        if control is not None:
+            control.close()
         stop_everything(superlink)
         if run_id is not None and (folder := run_folder(config["output-dir"], run_id)) is not None:
             mark_failed(folder, "tools.run ended before the run did (see the SuperLink's log)")

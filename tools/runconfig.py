@@ -11,6 +11,7 @@ import json
 import os
 import tempfile
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -203,9 +204,14 @@ def check_output_folders(config: dict[str, Any]) -> None:
             raise ConfigError(f"{where}: {excerpt(str(existing))} is not writable by this user")
 
 
-def validate_configs(configs: list[dict]) -> list[tuple[int, bool]]:
+def validate_configs(
+    configs: list[dict], then: Callable[[dict, int, bool], None] | None = None
+) -> list[tuple[int, bool]]:
     """Check every run config of ``configs`` as the ServerApp would (:func:`check_config`), in one
     spawned child (torch and the methods stay out of the caller's memory), before anything starts.
+    When all pass and ``then`` is given (a picklable function), the same child then calls
+    ``then(config, num_clients, gpu)`` for each, so a step that needs the same imports pays for them
+    once (``tools.run``: :func:`tools.partition_cache.cache_before_ray`).
 
     Returns:
         ``(num-clients, whether a GPU is visible)`` per config.
@@ -220,9 +226,12 @@ def validate_configs(configs: list[dict]) -> list[tuple[int, bool]]:
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         checked = list(pool.map(check_config, configs))
-    for error, _, _ in checked:
-        if error:
-            raise ConfigError(error)
+        for error, _, _ in checked:
+            if error:
+                raise ConfigError(error)
+        if then is not None:  # one worker: the process that checked
+            for config, (_, num_clients, gpu) in zip(configs, checked, strict=True):
+                pool.submit(then, config, num_clients, gpu).result()
     return [(num_clients, gpu) for _, num_clients, gpu in checked]
 
 
