@@ -97,5 +97,3 @@ def test_waiting_for_a_run_streams_its_log_and_asks_the_status_after(monkeypatch
 
     with pytest.raises(TimeoutError, match="waiting for run 7"):
         controls.wait_finished(Endless(), 7, 1)
-
-

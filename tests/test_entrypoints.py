@@ -508,6 +508,20 @@ def test_the_speed_against_htfllib_is_what_the_paired_rows_give():
     assert f"The CPU is {span([c for _, c in ratios.values()], 1)}x HtFLlib's" in text
 
 
+def test_the_speed_after_the_launcher_cut_is_what_its_paired_rows_give():
+    """results/scale/README.md's section on the launcher's fixed cost: its table, the range of ours
+    outside the rounds, HtFLlib's outside its iterations and the ratios it quotes, from the committed
+    paired cross-check it names."""
+    readme = (ROOT / "results" / "scale" / "README.md").read_text()
+    text = " ".join(readme.split("## The launcher's fixed cost, cut")[1].split("\n## ")[0].split())
+    _, outside, _, fixed, ratios = paired_speed("fedtgp-fmnist-htcnn8-paired-launcher", text)
+    first, *rest = outside["local"]
+    assert f"ours now pays {span(rest + outside['fedproto'] + outside['fedtgp'], 0)} s a run ({first:.0f} s" in text
+    assert f"HtFLlib {span(fixed, 0)} s outside its printed iterations" in text
+    assert f"from 1.27x to {ratios['local'][0]:.2f}x and FedProto from 1.30x to {ratios['fedproto'][0]:.2f}x" in text
+    assert f"{ratios['fedtgp'][0]:.2f}x" in text and ratios["fedtgp"][0] <= 1.005  # "level"
+
+
 def test_the_gpu_check_numbers_are_what_its_files_give():
     """results/scale/gpu-h200/README.md: the throughput table and the FedTGP table regenerate from the
     committed files of the H200 check."""
