@@ -437,7 +437,7 @@ def test_the_committed_memory_table_is_what_its_files_give():
     kinds = load("ours-before-cold-cache-kinds.json")["kinds"]
     row = rows["ours-before-cold-cache-crosscheck.json"]
     assert f"| {kinds['ray::ClientAppActor.run'][1]:,.0f} MiB | {kinds['flwr-simulation'][1]:.0f} MiB |" in row
-    for name in ("ours-before-warm-cache.json", "ours-after-cold-cache.json"):
+    for name in ("ours-before-warm-cache.json", "ours-after-cold-cache.json", "ours-launcher-in-process.json"):
         (run,) = load(name)
         at_peak = run["pss_mib_at_peak"]
         assert (
