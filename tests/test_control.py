@@ -62,10 +62,6 @@ def test_the_fab_is_byte_for_byte_the_one_flwr_run_builds_without_entering_exclu
         assert "outputs/keep.py" in walked  # a re-included file is found: its folder is entered
 
 
-def test_the_repositorys_fab_is_the_one_flwr_run_builds():
-    assert build_fab(ROOT) == build_fab_from_disk(ROOT)
-
-
 def record_process(config: dict, num_clients: int, gpu: bool) -> None:
     """A ``then`` step: writes its process id and whether torch was imported before it ran."""
     Path(config["output-dir"], "then.txt").write_text(f"{os.getpid()} {'torch' in sys.modules} {num_clients}")
