@@ -78,6 +78,21 @@ def test_two_concurrent_launches_from_one_checkout_both_finish(tmp_path):
         assert json.loads(summary.read_text())["status"] == "completed"
 
 
+def test_the_superexec_starts_beside_the_superlink_and_goes_with_it(tmp_path):
+    """Started together (the SuperExec no longer waits for the SuperLink to spawn it), the SuperExec
+    connects to the SuperLink's runtime API when it answers, and exits when the SuperLink is stopped."""
+    env = {**os.environ, "FLWR_HOME": str(tmp_path)}
+    superlink, address = launcher.start_superlink(env, tmp_path)
+    try:
+        (superexec,) = [p for p in psutil.Process().children() if "flower-superexec" in " ".join(p.cmdline())]
+        assert superexec.cmdline()[-4:] == ["--runtime-api-address", address, "--parent-pid", str(superlink.pid)]
+        launcher.wait_healthy(superlink, address, tmp_path)
+        assert superexec.is_running()
+    finally:
+        processes.stop(superlink)
+    superexec.wait(timeout=30)  # psutil.TimeoutExpired: it outlived its SuperLink
+
+
 class FakeLaunch:
     """What ``_launch`` starts, faked: a "SuperLink" process whose child detaches into a session of
     its own (as flwr-simulation and Ray do, out of the SuperLink's process group), a submission that
