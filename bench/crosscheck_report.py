@@ -175,6 +175,7 @@ def _header(info: dict) -> list[str]:
         " well where a run's command sets `OMP_NUM_THREADS`).",
         f"Test set: {n} examples pooled over every client's test split; one test image is {100 / n:.4g} % of"
         " the accuracy. Accuracy: pooled, % (mean ± population std over seeds, ddof 0 as HtFLlib's `get_mean_std`).",
+        *([f"Wall and CPU seconds: the runs alone, {info['untimed']}."] if info.get("untimed") else []),
         "",
         "Paired: both sides start from the same weights (every client's initial model as ours builds it,"
         " loaded into HtFLlib's client models right after it builds them, and the module a server starts"

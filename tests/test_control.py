@@ -62,7 +62,7 @@ def test_the_fab_is_byte_for_byte_the_one_flwr_run_builds_without_entering_exclu
         assert "outputs/keep.py" in walked  # a re-included file is found: its folder is entered
 
 
-def record_process(config: dict, num_clients: int, gpu: bool) -> None:
+def record_process(config: dict, num_clients: int) -> None:
     """A ``then`` step: writes its process id and whether torch was imported before it ran."""
     Path(config["output-dir"], "then.txt").write_text(f"{os.getpid()} {'torch' in sys.modules} {num_clients}")
 

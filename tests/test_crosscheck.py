@@ -884,7 +884,8 @@ def test_verdict_identical_within_spread_or_apart():
 def test_the_report_keeps_earlier_methods_and_says_the_settings_as_run(tmp_path, monkeypatch):
     """``--methods local`` then ``--methods fedgh`` into one folder: one report with both, the rounds and
     stop-patience run (not the preset's 1000 and 100), the pooled test set and one image in %, the
-    threads, a verdict per method and what is not paired."""
+    threads, what the timing leaves out (our partition cache, filled first), a verdict per method and what
+    is not paired."""
 
     def reference(ref, config, method, seed, partitions, out, threads=1):
         curve = [0.1 * r for r in range(1, config["num-server-rounds"] + 1)]
@@ -894,10 +895,14 @@ def test_the_report_keeps_earlier_methods_and_says_the_settings_as_run(tmp_path,
 
     def ours(items, preset, seed, out, metric):
         config, _ = read_config(preset, items)
+        # our clients' partitions were decoded before ours is timed, as HtFLlib's files were written
+        assert len([f for f in cache.rglob("*") if f.is_file()]) >= config["num-clients"]
         shift = 0.01 if config["method"] == "fedgh" else 0.0  # 1 and 2 points in rounds 2 and 3
         curve = [0.1 * r + shift * (r - 1) for r in range(1, config["num-server-rounds"] + 1)]
         return {"curve": curve, "metric": metric, "command": "tools.run", "wall_seconds": 1, "cpu_seconds": 1}
 
+    cache = tmp_path / "xdg" / "mheterofl" / "partitions"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setattr(crosscheck, "run_reference", reference)
     monkeypatch.setattr(crosscheck, "run_ours", ours)
     ref = tmp_path / "ref"
@@ -925,6 +930,7 @@ def test_the_report_keeps_earlier_methods_and_says_the_settings_as_run(tmp_path,
     tests = sum(json.loads((tmp_path / "cc" / "partitions" / "config.json").read_text())["test_examples"])
     assert f"Test set: {tests} examples pooled" in report and f"one test image is {100 / tests:.4g} %" in report
     assert "Torch threads per client: 1 on both sides" in report
+    assert f"Wall and CPU seconds: the runs alone, {crosscheck.CACHED_BEFORE_TIMING}." in report
     assert "Models: ours `htfe2` as HtFLlib's `HtFE-img-2`." in report
     assert "run by an earlier call" in report.split("## local")[1] and "## fedgh" in report
     assert "not paired: nothing" in report.split("## local")[1].split("##")[0]

@@ -17,12 +17,12 @@ import os
 import time
 
 
-def cache_before_ray(config: dict, num_clients: int, gpu: bool, *, num_supernodes: int | None) -> None:
+def cache_before_ray(config: dict, num_clients: int, *, num_supernodes: int | None = None) -> None:
     """With the full handshake (run config ``handshake = "all"``, which loads every partition before
     round 1 anyway), decode the partitions of the federation that ``config`` (checked, flat keys) and
     ``--num-supernodes`` ``num_supernodes`` make (:func:`tools.runconfig.federation_size`) that the
     cache lacks. The sampled handshake meets only the drawn clients' partitions: they are decoded as
-    they are drawn. ``gpu`` (whether one is visible) is not used: the signature is ``then``'s."""
+    they are drawn."""
     from common.config import RunConfig
     from common.data import DataSpec, cache_partitions
     from common.errors import ConfigError

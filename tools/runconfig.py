@@ -204,13 +204,11 @@ def check_output_folders(config: dict[str, Any]) -> None:
             raise ConfigError(f"{where}: {excerpt(str(existing))} is not writable by this user")
 
 
-def validate_configs(
-    configs: list[dict], then: Callable[[dict, int, bool], None] | None = None
-) -> list[tuple[int, bool]]:
+def validate_configs(configs: list[dict], then: Callable[[dict, int], None] | None = None) -> list[tuple[int, bool]]:
     """Check every run config of ``configs`` as the ServerApp would (:func:`check_config`), in one
     spawned child (torch and the methods stay out of the caller's memory), before anything starts.
     When all pass and ``then`` is given (a picklable function), the same child then calls
-    ``then(config, num_clients, gpu)`` for each, so a step that needs the same imports pays for them
+    ``then(config, num_clients)`` for each, so a step that needs the same imports pays for them
     once (``tools.run``: :func:`tools.partition_cache.cache_before_ray`).
 
     Returns:
@@ -230,8 +228,8 @@ def validate_configs(
             if error:
                 raise ConfigError(error)
         if then is not None:  # one worker: the process that checked
-            for config, (_, num_clients, gpu) in zip(configs, checked, strict=True):
-                pool.submit(then, config, num_clients, gpu).result()
+            for config, (_, num_clients, _) in zip(configs, checked, strict=True):
+                pool.submit(then, config, num_clients).result()
     return [(num_clients, gpu) for _, num_clients, gpu in checked]
 
 
