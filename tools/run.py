@@ -249,9 +249,6 @@ def _launch(home: Path, args, config: dict, supernodes: int, gpu: bool) -> int:
         "FLWR_HOME": str(home),
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "PYTHONUNBUFFERED": "1",
-        # the SuperExec asks for a submitted run every second by default: a tenth of that is nothing
-        # on its loopback connection and takes the run up to 0.9 s sooner
-        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",
         # flwr-simulation (started with the SuperLink's environment) joins the cluster named here;
         # "local" keeps a plain run off any cluster a 'ray start' left on this host
         "RAY_ADDRESS": args.ray_address,
