@@ -16,6 +16,10 @@ import numpy as np
 
 from common.config import RunConfig
 
+#: every message type a method may send, ``<category>[.<action>]``: the ClientApp registers a handler for
+#: each (``client_app.app``, which must not import the methods to know them); the registry refuses a
+#: method that sends another (``strategies.registry``)
+MESSAGE_TYPES = ("evaluate", "query", "train", "train.global", "train.head")
 #: the ConfigRecord of a message to a client
 CONFIG_RECORD = "config"
 #: config key: the round a message belongs to (a generalisation phase's step for its messages)

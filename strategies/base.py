@@ -31,7 +31,7 @@ Life of a round (docs/architecture.md walks it step by step; a test keeps every 
    exchanges them (`strategies/transport.py::Transport.exchange`), keeps the valid replies
    (`strategies/transport.py::Transport.validate`) and calls the method's
    `strategies/base.py::HeteroStrategy.server_update`;
-3. on each client `client_app/app.py::handle_message` restores its state
+3. on each client `client_app/handlers.py::handle_message` restores its state
    (`common/runtime.py::ClientRuntime`) and runs the method's `strategies/base.py::ClientProcedure.train`;
 4. `strategies/base.py::HeteroStrategy.evaluate_round` with `strategies/evaluation.py::evaluate_clients`:
    the round's accuracy;

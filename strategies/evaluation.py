@@ -4,7 +4,7 @@ A round's evaluation reaches a client one of two ways. A method whose evaluated 
 client's post-training personal model (``HeteroStrategy.evaluate_in_train``) asks its sampled clients
 to evaluate right after training: the train message's config carries ``evaluate``
 (``common.protocol.train_config``), the client runs its evaluation in the same message
-(``client_app.app``) and replies with its evaluate metrics under ``eval-`` names, which the transport
+(``client_app.handlers``) and replies with its evaluate metrics under ``eval-`` names, which the transport
 then expects in train replies (``common.metrics.declared_metrics``). Every other client to evaluate
 gets an evaluate message. :func:`evaluate_clients` takes the evaluations carried by train replies
 (:func:`evaluated_in_train`), asks the rest, and aggregates both (:func:`aggregate_evaluation`),

@@ -571,7 +571,7 @@ def config_error(reply: Message) -> tuple[int | None, str] | None:
     fault, which :meth:`Transport.validate` drops).
 
     A client reports it with one ConfigRecord ``config-error``: key ``error``, a string, and
-    optionally ``partition-id``, an integer (see ``client_app.app.config_error_reply``); an error
+    optionally ``partition-id``, an integer (see ``client_app.handlers.config_error_reply``); an error
     reply of a ClientApp that raised a ConfigError counts too. The text is cut to
     ``MAX_ERROR_CHARS`` and unprintable characters are replaced, so a hostile node's claim cannot
     flood the log or the run's summary.

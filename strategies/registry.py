@@ -11,6 +11,7 @@ from functools import lru_cache
 
 from common.config import ConfigError, RunConfig
 from common.options import declared_defaults, option_rows, option_table
+from common.protocol import MESSAGE_TYPES
 from common.results import ResultsWriter
 from strategies import fd, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml, lg_fedavg, local, mh_pfedhn
 from strategies.base import ClientProcedure, HeteroStrategy
@@ -89,9 +90,18 @@ def client_procedure(cfg: RunConfig) -> ClientProcedure:
     return method_of(cfg).build_client(cfg)
 
 
-def all_message_types() -> list[str]:
-    """Every message type some method sends: the ClientApp registers a handler for each."""
-    return sorted({t for m in METHODS.values() for t in m.message_types})
+def unserved_message_types(methods: dict[str, Method]) -> list[str]:
+    """``"<method>: <message type>"`` for each message type a method of ``methods`` sends that
+    :data:`common.protocol.MESSAGE_TYPES` lacks: the ClientApp registers a handler for those only, so
+    such a message would fail on every client."""
+    return sorted(f"{name}: {t}" for name, m in methods.items() for t in m.message_types if t not in MESSAGE_TYPES)
+
+
+if unserved_message_types(METHODS):  # fails at import, not in round 1 of a run
+    raise RuntimeError(
+        "message types no ClientApp handler serves (declare them in common.protocol.MESSAGE_TYPES): "
+        + ", ".join(unserved_message_types(METHODS))
+    )
 
 
 def option_tables() -> str:

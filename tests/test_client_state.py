@@ -142,7 +142,7 @@ def test_the_client_app_returns_freed_memory_after_each_message():
     message, in a fresh process: its USS falls by most of the 290 MiB freed."""
     code = (
         "import psutil, torch\n"
-        "from client_app.app import return_freed_memory\n"
+        "from client_app.handlers import return_freed_memory\n"
         "xs = [torch.ones(25_600) for _ in range(3000)]\n"
         "kept = xs[::50]; del xs\n"
         "before = psutil.Process().memory_full_info().uss\n"

@@ -241,7 +241,7 @@ def test_the_apps_start_without_the_accountant_library():
     code = """
 import sys
 sys.path.insert(0, "tests")
-import client_app.app, server_app.app
+import client_app.handlers, server_app.app
 print("apps", "dp_accounting" in sys.modules, "scipy" in sys.modules)
 from common.config import RunConfig
 from common.dp import make_plan

@@ -5,6 +5,9 @@ importing another method's module."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+from types import SimpleNamespace
 
 from conftest import ROOT
 
@@ -126,7 +129,24 @@ def test_every_method_has_its_page_and_code_cites_no_outside_document():
 
 def test_the_client_app_takes_only_the_method_table_from_the_server_side_package():
     """The wire protocol (config keys, train settings, metric values, state names) lives in
-    ``common.protocol``; of ``strategies`` the ClientApp needs only the method table (which procedure
-    answers which message)."""
+    ``common.protocol``; of ``strategies`` the ClientApp's handlers need only the method table (which
+    procedure answers which message), and the module Flower loads needs nothing of it."""
     graph = import_graph()
-    assert {b for b in graph["client_app.app"] if b.startswith("strategies")} == {"strategies.registry"}
+    assert {b for b in graph["client_app.handlers"] if b.startswith("strategies")} == {"strategies.registry"}
+    assert not {b for b in graph["client_app.app"] if b.startswith("strategies")}
+
+
+def test_the_module_flower_loads_before_ray_imports_neither_torch_nor_the_methods():
+    """flwr-simulation loads the ClientApp before it starts Ray: what ``client_app.app`` imports delays
+    Ray's start. Its handlers serve every message type some method sends, and no other."""
+    code = "import sys, client_app.app; print(sorted(m for m in ('torch', 'strategies.registry') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    from client_app.app import app
+    from common.protocol import MESSAGE_TYPES
+    from strategies.registry import METHODS, unserved_message_types
+
+    assert set(MESSAGE_TYPES) == {t for m in METHODS.values() for t in m.message_types}
+    assert set(app._registered_funcs) == {t if "." in t else f"{t}.default" for t in MESSAGE_TYPES}
+    other = SimpleNamespace(message_types=("train", "train.secret"))
+    assert unserved_message_types({**METHODS, "other": other}) == ["other: train.secret"]
