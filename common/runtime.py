@@ -180,8 +180,8 @@ class ClientRuntime:
 
         A model with a stored state needs no initialisation, which costs more than loading the
         state (HtCNN7 28 ms, ResNet-18 90 ms, ResNet-152 0.6 s on one CPU thread): its modules are
-        built on the meta device, given memory and filled by :meth:`restore`, which sets every
-        parameter and buffer (a model with a buffer outside its state dict is built in full).
+        built on the meta device and take the loaded tensors as their own in :meth:`restore`, which
+        sets every parameter and buffer (a model with a buffer outside its state dict is built in full).
         Without a usable state it is built and initialised as the seed says; a client that has none
         (:meth:`common.state_store.StateStore.holds`: its first message) skips the skeleton.
         """
@@ -204,7 +204,7 @@ class ClientRuntime:
         with torch.device("meta"):
             skeleton = build()
         if set(dict(skeleton.named_buffers())) <= set(skeleton.state_dict()):
-            if self.restore(MODEL_STATE, skeleton.to_empty(device="cpu")):
+            if self.restore(MODEL_STATE, skeleton):
                 return skeleton.to(self.device)
             return build().to(self.device)
         model = build()

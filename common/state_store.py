@@ -70,7 +70,9 @@ class StateStore:
         self.rollbacks = 0  # records rolled back because they were ahead of the server
 
     def restore(self, name: str, module: nn.Module) -> bool:
-        """Load ``module`` from this client's state record ``name``; True when found.
+        """Load ``module`` from this client's state record ``name``; True when found. A ``module``
+        built on the meta device takes the record's tensors as its own (:func:`_load_into`); when none
+        is found it stays there.
 
         Without a ``state-dir`` the state lives in ``context.state``. With one it lives only in
         ``state-dir``, and ``context.state`` keeps the round of each record's file (its stamp),
@@ -92,7 +94,7 @@ class StateStore:
         """
         key = self._record(name)
         if key in self.context.state.array_records:
-            module.load_state_dict(self.context.state.array_records[key].to_torch_state_dict())
+            _load_into(module, self.context.state.array_records[key].to_torch_state_dict(), owned=False)
             return True
         known = self._stamps().get(key)
         if known is not None:
@@ -132,7 +134,7 @@ class StateStore:
             log.info("partition %d: restored '%s' of round %d from disk", self.partition_id, name, saved[0])
             self._stamp(key, saved[0])
             self.restores += 1
-        module.load_state_dict(saved[1])
+        _load_into(module, saved[1], owned=True)  # torch.load's tensors: this message's own
         return True
 
     def holds(self, name: str) -> bool:
@@ -237,6 +239,18 @@ class StateStore:
 
     def _state_file(self, name: str) -> Path | None:
         return self.state_dir / f"{safe_name(name)}.pt" if self.state_dir is not None else None
+
+
+def _load_into(module: nn.Module, state: dict[str, torch.Tensor], owned: bool) -> None:
+    """``module.load_state_dict(state)``. A module built on the meta device (no memory yet,
+    :attr:`common.runtime.ClientRuntime.model`) takes the tensors themselves (``assign=True``, which
+    keeps each parameter's ``requires_grad``) instead of allocating its own and copying into them;
+    ``owned`` False copies them first, for tensors that belong to a record the module's training
+    must not change (``context.state``'s, which may share memory with the record)."""
+    if any(t.is_meta for t in module.state_dict().values()):
+        module.load_state_dict(state if owned else {k: v.clone() for k, v in state.items()}, assign=True)
+    else:
+        module.load_state_dict(state)
 
 
 def _save_without_crc(saved: dict, f) -> None:

@@ -92,6 +92,37 @@ def test_a_record_is_saved_without_crc_and_reads_back_exactly(tmp_path):
     assert torch.equal(loaded.weight, saved.weight) and torch.equal(loaded.bias, saved.bias)
 
 
+def test_a_module_on_the_meta_device_takes_the_record_and_training_it_leaves_the_record_alone(tmp_path):
+    """The restored model's tensors are the loaded ones (no second copy), trainable as before; restored
+    from ``context.state`` (no state folder), they are copies: changing them changes no record."""
+    import torch
+    from flwr.app import Context, RecordDict
+
+    from common.state_store import StateStore
+
+    saved = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    saved[1].running_mean.add_(0.5)
+    for folder in (None, tmp_path):
+        context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+        StateStore(context, folder, "", server_round=1, trains=True, partition_id=0).store("model", saved)
+        with torch.device("meta"):
+            skeleton = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+        store = StateStore(context, folder, "", server_round=2, trains=True, partition_id=0)
+        assert store.restore("model", skeleton)
+        assert not any(t.is_meta for t in skeleton.state_dict().values())
+        assert all(torch.equal(a, b) for a, b in zip(skeleton.state_dict().values(), saved.state_dict().values()))
+        assert all(p.requires_grad for p in skeleton.parameters())
+        with torch.no_grad():
+            skeleton[0].weight.add_(1.0)
+        again = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+        assert StateStore(context, folder, "", server_round=2, trains=True, partition_id=0).restore("model", again)
+        assert torch.equal(again[0].weight, saved[0].weight)  # the record is what was stored
+        with torch.device("meta"):
+            other = torch.nn.Linear(4, 3)
+        assert not StateStore(context, folder, "", server_round=2, trains=True, partition_id=0).restore("x", other)
+        assert other.weight.is_meta  # nothing to take: it stays a skeleton
+
+
 def test_holds_tells_a_new_client_from_one_with_a_record_in_memory_or_on_disk(tmp_path):
     import torch
     from flwr.app import Context, RecordDict
