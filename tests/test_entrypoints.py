@@ -451,23 +451,25 @@ def test_the_committed_memory_table_is_what_its_files_give():
     assert f"Still {ratio:.1f}x HtFLlib's peak" in readme
 
 
-def paired_speed(folder: str, text: str) -> tuple[dict, dict, dict, list, dict]:
+def paired_speed(
+    folder: str, text: str, methods: tuple[str, ...] = ("local", "fedproto", "fedtgp"), prefix: str = ""
+) -> tuple[dict, dict, dict, list, dict]:
     """Check a speed table of results/scale/README.md (``text``, whitespace joined) against the paired
     cross-check ``results/crosscheck/<folder>/``: each method's wall and CPU seconds over its seeds
     (``ours.json``, ``reference-seed-<s>.json``) and ours in and outside rounds (``elapsed_seconds``
     of round 20). Returns per method ours' seconds a round, ours' seconds outside rounds, HtFLlib's
     mean seconds an iteration (methods that print them), HtFLlib's seconds outside its iterations
-    and (wall, CPU) ratios."""
+    and (wall, CPU) ratios. ``methods``: the table's rows, each first cell ``prefix + method``."""
     base = ROOT / "results" / "crosscheck" / folder
     per_round, outside, iteration, fixed, ratios = {}, {}, {}, [], {}
-    for method in ("local", "fedproto", "fedtgp"):
+    for method in methods:
         ours = [json.loads((base / method / f"seed-{s}" / "ours.json").read_text()) for s in range(3)]
         ref = [json.loads((base / method / f"reference-seed-{s}.json").read_text()) for s in range(3)]
         rows = [(base / method / f"seed-{s}" / "metrics.jsonl").read_text().splitlines() for s in range(3)]
         inside = [json.loads(r[-1])["elapsed_seconds"] for r in rows]
         wall, ref_wall = sum(o["wall_seconds"] for o in ours), sum(r["wall_seconds"] for r in ref)
         cpu, ref_cpu = sum(o["cpu_seconds"] for o in ours), sum(r["cpu_seconds"] for r in ref)
-        row = f"| {method} | {wall:.0f} / {ref_wall:.0f} | {wall / ref_wall:.2f}x | {cpu:.0f} / {ref_cpu:.0f} |"
+        row = f"| {prefix}{method} | {wall:.0f} / {ref_wall:.0f} | {wall / ref_wall:.2f}x | {cpu:.0f} / {ref_cpu:.0f} |"
         assert f"{row} {sum(inside):.0f} s | {wall - sum(inside):.0f} s |" in text
         per_round[method] = [x / 20 for x in inside]
         outside[method] = [o["wall_seconds"] - x for o, x in zip(ours, inside)]
@@ -523,6 +525,31 @@ def test_the_speed_after_the_launcher_cut_is_what_its_paired_rows_give():
     assert f"HtFLlib {span(fixed, 0)} s outside its printed iterations" in text
     assert f"from 1.27x to {ratios['local'][0]:.2f}x and FedProto from 1.30x to {ratios['fedproto'][0]:.2f}x" in text
     assert f"{ratios['fedtgp'][0]:.2f}x" in text and ratios["fedtgp"][0] <= 1.005  # "level"
+
+
+def test_the_launch_start_section_is_what_its_rows_and_launches_give():
+    """results/scale/README.md's second section on the launch's start: both paired tables (before: Local
+    and FedProto), the ranges and ratios its text quotes, and the alternating launches' means."""
+    import statistics
+
+    readme = (ROOT / "results" / "scale" / "README.md").read_text()
+    text = " ".join(readme.split("## The launch's start, cut again")[1].split("\n## ")[0].split())
+    text = text.replace("| before: method |", "| method |").replace("| after: method |", "| method |")
+    _, before, _, _, _ = paired_speed("fedtgp-fmnist-htcnn8-paired-start-before", text, ("local", "fedproto"))
+    per_round, after, iteration, fixed, ratios = paired_speed("fedtgp-fmnist-htcnn8-paired-start", text)
+    before, after = [x for v in before.values() for x in v], [x for v in after.values() for x in v]
+    assert f"went from {span(before, 1)} s a run to {span(after, 1)} s" in text
+    assert f"pays {span(after, 0)} s outside them against HtFLlib's {span(fixed, 0)} s" in text
+    met = f"met for FedTGP ({ratios['fedtgp'][0]:.2f}x) but not for Local ({ratios['local'][0]:.2f}x) and FedProto"
+    assert met in text and f"({ratios['fedproto'][0]:.2f}x)" in text
+    assert f"({span(per_round['local'], 2)} s a round for Local, {span(per_round['fedproto'], 2)} s" in text
+    assert f"printed {span(iteration['fedproto'], 2)} s and {span(iteration['fedtgp'], 2)} s an" in text
+    launches = json.loads((ROOT / "results" / "scale" / "launch-start-ab.json").read_text())["launches"]
+    for side, said in (("before", "s a launch before"), ("after", "s after,")):
+        wall = [x["wall_seconds"] for x in launches if x["side"] == side]
+        out = [x["wall_seconds"] - x["in_rounds_seconds"] for x in launches if x["side"] == side]
+        assert f"{statistics.mean(wall):.1f} ± {statistics.pstdev(wall):.1f} {said}" in text
+        assert f"{statistics.mean(out):.1f} ± {statistics.pstdev(out):.1f} s {side}" in text
 
 
 def test_the_gpu_check_numbers_are_what_its_files_give():
