@@ -550,6 +550,16 @@ def test_the_launch_start_section_is_what_its_rows_and_launches_give():
         out = [x["wall_seconds"] - x["in_rounds_seconds"] for x in launches if x["side"] == side]
         assert f"{statistics.mean(wall):.1f} ± {statistics.pstdev(wall):.1f} {said}" in text
         assert f"{statistics.mean(out):.1f} ± {statistics.pstdev(out):.1f} s {side}" in text
+    launches = json.loads((ROOT / "results" / "scale" / "restore-assign-ab.json").read_text())["launches"]
+
+    def spread(side: str, key: str) -> str:
+        xs = [x[key] for x in launches if x["side"] == side]
+        return f"{statistics.mean(xs):.1f} ± {statistics.pstdev(xs):.1f} s"
+
+    said = (
+        f"{spread('before', 'in_rounds_seconds')} in the rounds before and {spread('after', 'in_rounds_seconds')} after"
+    )
+    assert f"{said}, {spread('before', 'wall_seconds')} and {spread('after', 'wall_seconds')} a launch" in text
 
 
 def test_the_gpu_check_numbers_are_what_its_files_give():
