@@ -17,6 +17,7 @@ from common import dp, generalization
 from common.config import RunConfig, read_options
 from common.metrics import MetricSpec
 from common.payload import PayloadSchema
+from common.protocol import MESSAGE_TYPES
 
 if TYPE_CHECKING:  # for the annotations only: strategies.base imports this module
     from common.results import ResultsWriter
@@ -24,8 +25,8 @@ if TYPE_CHECKING:  # for the annotations only: strategies.base imports this modu
 
 #: message type -> (server->client schema, client->server schema)
 Schemas = dict[str, tuple[PayloadSchema, PayloadSchema]]
-#: the message types of a method whose schemas are computed from its config
-DEFAULT_MESSAGE_TYPES = ("evaluate", "query", "train")
+#: the message types of a method whose schemas are computed from its config: the protocol's plain ones
+DEFAULT_MESSAGE_TYPES = tuple(t for t in MESSAGE_TYPES if "." not in t)
 #: the option tables every method shares (differential privacy, held-out clients), beside each
 #: method's own table
 SHARED_OPTION_TABLES: dict[str, type] = {

@@ -97,10 +97,11 @@ def unserved_message_types(methods: dict[str, Method]) -> list[str]:
     return sorted(f"{name}: {t}" for name, m in methods.items() for t in m.message_types if t not in MESSAGE_TYPES)
 
 
-if unserved_message_types(METHODS):  # fails at import, not in round 1 of a run
+_unserved = unserved_message_types(METHODS)
+if _unserved:  # fails at import, not in round 1 of a run
     raise RuntimeError(
         "message types no ClientApp handler serves (declare them in common.protocol.MESSAGE_TYPES): "
-        + ", ".join(unserved_message_types(METHODS))
+        + ", ".join(_unserved)
     )
 
 

@@ -452,14 +452,14 @@ def test_the_committed_memory_table_is_what_its_files_give():
 
 
 def paired_speed(
-    folder: str, text: str, methods: tuple[str, ...] = ("local", "fedproto", "fedtgp"), prefix: str = ""
+    folder: str, text: str, methods: tuple[str, ...] = ("local", "fedproto", "fedtgp")
 ) -> tuple[dict, dict, dict, list, dict]:
     """Check a speed table of results/scale/README.md (``text``, whitespace joined) against the paired
     cross-check ``results/crosscheck/<folder>/``: each method's wall and CPU seconds over its seeds
     (``ours.json``, ``reference-seed-<s>.json``) and ours in and outside rounds (``elapsed_seconds``
     of round 20). Returns per method ours' seconds a round, ours' seconds outside rounds, HtFLlib's
     mean seconds an iteration (methods that print them), HtFLlib's seconds outside its iterations
-    and (wall, CPU) ratios. ``methods``: the table's rows, each first cell ``prefix + method``."""
+    and (wall, CPU) ratios. ``methods``: the table's rows."""
     base = ROOT / "results" / "crosscheck" / folder
     per_round, outside, iteration, fixed, ratios = {}, {}, {}, [], {}
     for method in methods:
@@ -469,7 +469,7 @@ def paired_speed(
         inside = [json.loads(r[-1])["elapsed_seconds"] for r in rows]
         wall, ref_wall = sum(o["wall_seconds"] for o in ours), sum(r["wall_seconds"] for r in ref)
         cpu, ref_cpu = sum(o["cpu_seconds"] for o in ours), sum(r["cpu_seconds"] for r in ref)
-        row = f"| {prefix}{method} | {wall:.0f} / {ref_wall:.0f} | {wall / ref_wall:.2f}x | {cpu:.0f} / {ref_cpu:.0f} |"
+        row = f"| {method} | {wall:.0f} / {ref_wall:.0f} | {wall / ref_wall:.2f}x | {cpu:.0f} / {ref_cpu:.0f} |"
         assert f"{row} {sum(inside):.0f} s | {wall - sum(inside):.0f} s |" in text
         per_round[method] = [x / 20 for x in inside]
         outside[method] = [o["wall_seconds"] - x for o, x in zip(ours, inside)]

@@ -84,6 +84,8 @@ def start_superlink(env: dict, home: Path) -> tuple[subprocess.Popen, str]:
     port, control = free_port(), free_port()
     with open(home / "superlink.log", "ab") as log_file:
         bin_dir = Path(sys.executable).parent
+        # both log into the launch's file, each in a process group of its own (stopped by stop_everything)
+        where = {"env": env, "cwd": ROOT, "stdout": log_file, "stderr": subprocess.STDOUT, "start_new_session": True}
         proc = subprocess.Popen(
             [
                 str(bin_dir / "flower-superlink"),
@@ -101,11 +103,7 @@ def start_superlink(env: dict, home: Path) -> tuple[subprocess.Popen, str]:
                 str(home / "state.db"),
                 "--disable-runtime-dependency-installation",
             ],
-            env=env,
-            cwd=ROOT,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            **where,
         )
         subprocess.Popen(
             [
@@ -116,11 +114,7 @@ def start_superlink(env: dict, home: Path) -> tuple[subprocess.Popen, str]:
                 "--parent-pid",
                 str(proc.pid),
             ],
-            env=env,
-            cwd=ROOT,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            **where,
         )
     return proc, f"127.0.0.1:{port}"
 
