@@ -41,6 +41,26 @@ def test_dirichlet_and_iid_and_mnist():
     assert m.train_x.shape[1:] == (1, 28, 28)
 
 
+@pytest.mark.parametrize("dataset", ["cifar10", "mnist"])
+def test_a_partition_holds_the_rows_datasets_select_gives_in_its_order(dataset):
+    """The partition is read with one indexed query (``Dataset.__getitem__`` with a list of rows) rather
+    than ``Dataset.select`` (which builds and fingerprints a dataset first): the same images and labels,
+    in the order of the train and test indices."""
+    from common.data import decode_images, partition_split
+
+    part_spec = spec(dataset=dataset, max_examples_per_client=60)
+    for pid in (0, 3):
+        load_client_data.cache_clear()
+        data = load_client_data(part_spec, pid)
+        part, labels, train_idx, test_idx = partition_split(part_spec, pid)
+        label = DATASETS[dataset].label_column
+        assert labels.tolist() == list(part.select(range(len(part)))[label])
+        train = decode_images(part.select(train_idx.tolist())[:], part_spec)
+        test = decode_images(part.select(test_idx.tolist())[:], part_spec)
+        assert torch.equal(data.train_x, train) and torch.equal(data.test_x, test)
+        assert torch.equal(data.train_y, labels[train_idx]) and torch.equal(data.test_y, labels[test_idx])
+
+
 def test_stratified_split_keeps_singletons_in_train():
     labels = torch.tensor([0] * 10 + [1] * 5 + [2])
     first, second = stratified_split(labels, 0.2, torch.Generator().manual_seed(0))
