@@ -36,6 +36,7 @@ from common.protocol import (
     CLIENT_STATE_DIR,
     CONFIG_RECORD,
     EVALUATE,
+    HANDSHAKE,
     RECORD,
     SERVER_ROUND,
     STATE_KEY,
@@ -82,9 +83,10 @@ def ray_node() -> str | None:
 
 
 def handle(msg: Message, context: Context) -> Message:
-    """Run the method's handler for ``msg`` and build the reply; a query that meets a configuration or
-    data error (a ConfigError: the run or node config, the data files, the partitioner) is answered
-    with that error instead (:func:`config_error_reply`), so the server learns it at the handshake.
+    """Run the method's handler for ``msg`` and build the reply; a message that answers the handshake's
+    query (:func:`answers_query`) and meets a configuration or data error (a ConfigError: the run or
+    node config, the data files, the partitioner) is answered with that error instead
+    (:func:`config_error_reply`), so the server learns it at the handshake.
 
     Raises:
         ConfigError, PayloadError, GPUShareExceeded: from any other message: turned into an error
@@ -93,11 +95,22 @@ def handle(msg: Message, context: Context) -> Message:
     try:
         return handle_message(msg, context)
     except ConfigError as exc:
-        if msg.metadata.message_type != "query":
+        if not answers_query(msg):
             raise
         return config_error_reply(msg, context, exc)
     finally:
         return_freed_memory()
+
+
+def answers_query(msg: Message) -> bool:
+    """Whether ``msg`` asks for the handshake's answer: a query, or a train message to a node the server
+    does not know yet (message config :data:`common.protocol.HANDSHAKE`)."""
+    if msg.metadata.message_type == "query":
+        return True
+    records = msg.content.config_records
+    return msg.metadata.message_type.startswith("train") and bool(
+        CONFIG_RECORD in records and records[CONFIG_RECORD].get(HANDSHAKE, False)
+    )
 
 
 def return_freed_memory() -> None:
@@ -112,10 +125,10 @@ def return_freed_memory() -> None:
 
 
 def config_error_reply(msg: Message, context: Context, error: ConfigError) -> Message:
-    """The reply to query ``msg`` of a client that cannot serve the run: one ConfigRecord
-    ``config-error`` whose key ``error`` holds the error's text, cut to ``MAX_ERROR_CHARS``
-    (``common.metrics``), and key ``partition-id`` the node config's, when it has an integer one.
-    ``strategies.nodes.Roster.handshake`` decides whether it ends the run."""
+    """The reply to ``msg`` (a query, or a train message that answers it: :func:`answers_query`) of a
+    client that cannot serve the run: one ConfigRecord ``config-error`` whose key ``error`` holds the
+    error's text, cut to ``MAX_ERROR_CHARS`` (``common.metrics``), and key ``partition-id`` the node
+    config's, when it has an integer one. ``strategies.nodes.Roster`` decides whether it ends the run."""
     record = {CONFIG_ERROR_KEY: short(str(error), MAX_ERROR_CHARS)}
     pid = context.node_config.get(PARTITION_ID)
     if isinstance(pid, int) and not isinstance(pid, bool):
@@ -172,9 +185,12 @@ def handle_message(msg: Message, context: Context) -> Message:
     gpu.begin_message(client.device)
     start = time.perf_counter()
     try:
+        # a node the server does not know yet answers the handshake first: a data error fails here, before training
+        handshake = procedure.query(client, {}, config)[1] if trains and config.get(HANDSHAKE) else {}
         if trains:
             client.check_budget()  # with DP on: a spent budget ends here, before any training
         arrays, metrics = getattr(procedure, message_type.replace(".", "_"))(client, payload, config)
+        metrics = {**handshake, **metrics}
         metrics.update(started, **{"handler-seconds": time.perf_counter() - start})
         if trains and client.dp is not None:
             # the loss and accuracy of the training examples are not noised: they stay on the client

@@ -37,8 +37,9 @@ BATCH_ORDERS = ("shuffle", "fixed", "shuffle-drop")
 EVAL_CLIENTS = ("all", "trained")
 #: run config ``handshake``: ``all`` asks every node for its partition before round 1 (rounds sample by
 #: partition id, so a seed samples the same partitions in every run); ``sampled`` asks no node up front
-#: and each round only the nodes it samples that were not asked before (cross-device scale: Flower's
-#: simulation engine looks at every waiting message for every node, so asking all N nodes costs O(N^2))
+#: and each round only the nodes it samples that were not asked before, in their train message unless the
+#: method needs the answer first (cross-device scale: Flower's simulation engine looks at every waiting
+#: message for every node, so asking all N nodes costs O(N^2))
 HANDSHAKES = ("all", "sampled")
 #: what ``stop-patience`` watches: the unweighted mean over clients, or the pooled accuracy (HtFLlib's
 #: auto-break, ``check_done`` on ``rs_test_acc``)
@@ -141,7 +142,8 @@ class RunConfig:
         "all",
         "`all`: every node answers a partition query before round 1 and rounds sample by partition id (a seed "
         "samples the same partitions in every run); `sampled`: no node is asked up front, each round samples K of "
-        "the connected nodes (seeded, in node-id order) and asks only those not asked before, so start-up and "
+        "the connected nodes (seeded, in node-id order) and asks only those not asked before (in their train "
+        "message, unless the method, DP or `record-payloads` needs the answer first), so start-up and "
         "rounds do not grow with N (which partitions a seed samples then follows the nodes' ids; needs "
         "`num-clients` > 0, `eval-clients` = `trained`, `min-clients` = 0 and no held-out clients)",
         choices=HANDSHAKES,

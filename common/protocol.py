@@ -35,6 +35,9 @@ STATE_SCOPE = "state-scope"
 EVALUATE = "evaluate"
 #: config key (train): keep the just-trained personal model for the privacy evaluation (:func:`snapshot_name`)
 RECORD = "record"
+#: config key (train): the server does not know this node yet (run config ``handshake = "sampled"``): the reply
+#: also answers the handshake's query (its metrics beside the train metrics; ``strategies.nodes.Roster.answered``)
+HANDSHAKE = "handshake"
 
 
 def train_config(cfg: RunConfig, server_round: int, evaluate: bool = False) -> dict[str, Any]:

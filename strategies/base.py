@@ -59,7 +59,7 @@ from common.dp import DPPlan, dp_options, make_plan
 from common.errors import ConfigError, RunFailed
 from common.options import declared_defaults
 from common.payload import ClientReply, PayloadSchema, array_record
-from common.protocol import SERVER_ROUND, metric_values, train_config
+from common.protocol import HANDSHAKE, SERVER_ROUND, metric_values, train_config
 from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics
 from strategies.checkpoint import Checkpoints, broken_state, load_server_state, server_state
@@ -135,6 +135,16 @@ class HeteroStrategy:
     #: attributes holding the server state (modules, optimisers, torch Generators, dicts of
     #: arrays) saved in the per-round checkpoint; None: the method cannot resume yet; () stateless
     checkpointed: tuple[str, ...] | None = None
+    #: True when the method must know a client's handshake answer before its train message (its partition
+    #: or sizes: FedRE's head trainer, MH-pFedHN's generated weights; any method overriding
+    #: :meth:`train_round`, :meth:`reply_dims`, :meth:`joined` or :meth:`admitted`). With run config
+    #: ``handshake = "sampled"`` such a method asks a drawn node it does not know yet a query first; any other
+    #: sends the node its train message at once and the node answers the query in its train reply, one
+    #: message instead of two (``strategies.nodes.Roster.answered``): what a Flower simulation engine
+    #: costs grows with the messages sent (docs/running.md). Recording payloads and differential privacy
+    #: keep the query first too: a download is recorded under its partition, a spent budget is known
+    #: before the client is drawn again.
+    query_first: bool = False
 
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results: Any | None = None) -> None:
         self.cfg = cfg
@@ -148,6 +158,7 @@ class HeteroStrategy:
         self.results = results
         self.counters = RoundCounters()
         self.roster = Roster(cfg, self.counters, self.rng)
+        self.roster.query_in_train = not (self.query_first or self.dp.enabled or cfg.record_payloads.strip())
         recorder = PayloadRecorder(cfg, None if results is None else results.path)
         rules = ReplyRules(self.schemas, self.metrics, self.evaluate_in_train, self.check_reply, self.reply_dims)
         self.transport = Transport(cfg, rules, self.roster.clients, self.counters, recorder)
@@ -171,7 +182,9 @@ class HeteroStrategy:
         return {}
 
     def train_payload(self, node_id: int, server_round: int) -> Arrays:
-        """Arrays sent to ``node_id`` with its train instruction. Default: :meth:`global_arrays`."""
+        """Arrays sent to ``node_id`` with its train instruction. Default: :meth:`global_arrays`. Unless
+        :attr:`query_first`, ``node_id`` may be a node the roster does not know yet (its first round with
+        handshake ``sampled``)."""
         return self.global_arrays()
 
     def eval_payload(self, node_id: int, server_round: int) -> Arrays:
@@ -233,11 +246,18 @@ class HeteroStrategy:
             own) and its valid train replies (whose ``eval-`` metrics, if any, are evaluations).
         """
         config = self.train_config(server_round)
+        # a node not known yet (handshake "sampled") answers the handshake's query in its train reply
+        handshake = ConfigRecord({**dict(config), HANDSHAKE: True})
+        pending = set(self.roster.pending)
         messages = [
-            self.transport.message("train", node, self.train_payload(node, server_round), config, server_round)
-            for node in self.roster.sample()
+            self.transport.message(
+                "train", n, self.train_payload(n, server_round), handshake if n in pending else config, server_round
+            )
+            for n in self.roster.sample()
         ]
-        valid = self.transport.validate("train", self.transport.exchange(messages))
+        wait = self.roster.exchange_timeout() if pending else ()  # (seconds, run config key) for new nodes
+        replies = self.roster.answered(self.transport, self.transport.exchange(messages, *wait))
+        valid = self.transport.validate("train", replies)
         start = time.perf_counter()
         server = self.server_update(server_round, valid)
         return round_metrics(valid, server, time.perf_counter() - start), valid

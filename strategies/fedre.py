@@ -329,6 +329,7 @@ class FedREStrategy(HeteroStrategy):
 
     evaluate_in_train = False
     checkpointed = ("head", "head_generator")
+    query_first = True  # partition 0 trains the head (head-source = client-0): known before its train message
 
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
         super().__init__(cfg, binding, results)

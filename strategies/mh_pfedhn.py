@@ -131,6 +131,7 @@ class MHpFedHNStrategy(HeteroStrategy):
 
     evaluate_in_train = False  # the evaluated model is h(v_i) after the round (section 6)
     checkpointed = ("hn", "optimizer")  # and the registry (server_state): key -> K in registration order
+    query_first = True  # a client's weights are generated for its partition and parameter count
 
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
         super().__init__(cfg, binding, results)

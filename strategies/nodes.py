@@ -88,8 +88,13 @@ class Roster:
         self.generalization = generalization_options(cfg)
         #: N, the run's partitions, once the handshake has learnt it
         self.num_partitions = 0
-        #: handshake "sampled": this round's clients, drawn and asked by refresh(), handed out by sample()
+        #: handshake "sampled": this round's known clients, drawn (and asked) by refresh(), handed out by sample()
         self.drawn: list[int] = []
+        #: handshake "sampled": whether a drawn node not known yet answers the handshake's query in its
+        #: train reply (one message instead of a query first; set by the strategy: ``HeteroStrategy.query_first``)
+        self.query_in_train = False
+        #: handshake "sampled" with :attr:`query_in_train`: this round's drawn nodes not known yet, in node-id order
+        self.pending: list[int] = []
         #: partitions whose privacy budget is spent (their nodes may be unknown yet with handshake "sampled")
         self.exhausted_partitions: set[int] = set()
         if cfg.handshake == "sampled" and self.generalization.enabled:
@@ -379,9 +384,10 @@ class Roster:
         return admitted
 
     def _valid_answers(
-        self, transport: Transport, replies: list[Message]
+        self, transport: Transport, replies: list[Message], in_train: bool = False
     ) -> tuple[list[ClientReply], dict[int, tuple[int | None, str]]]:
-        """The valid query ``replies`` (:meth:`Transport.validate`) and the configuration or data errors
+        """The valid query ``replies`` (:meth:`Transport.validate`; with ``in_train``, the handshake's
+        answers inside train replies: :meth:`Transport.handshakes`) and the configuration or data errors
         (:func:`config_error`, node id -> (partition id or None, text)) the others report. Each error
         is logged and its reply left out; with handshake ``sampled`` (the node was drawn to train) it
         is also the round's client error, which the error of a run that trains nothing quotes.
@@ -398,13 +404,16 @@ class Roster:
             log.warning("Node %s (partition-id %s) cannot serve the run: %s", node, pid, text)
             if self.cfg.handshake == "sampled":
                 self.counters.train_error(f"node {node} (partition-id {pid}) cannot serve the run: {text}")
-        return transport.validate("query", [r for r in replies if r.metadata.src_node_id not in errors]), errors
+        rest = [r for r in replies if r.metadata.src_node_id not in errors]
+        return (transport.handshakes(rest) if in_train else transport.validate("query", rest)), errors
 
     def _draw(self, transport: Transport) -> list[int]:
         """Handshake ``sampled``: draw this round's K clients from the connected nodes (seeded, in node-id
         order), ask those not asked before for their partition (one query exchange of at most K
         messages) and admit the valid ones; returns the admitted nodes. :meth:`sample` then hands out
-        the drawn nodes that are known, in partition order.
+        the drawn nodes that are known, in partition order. With :attr:`query_in_train` nothing is
+        asked here: the new nodes are :attr:`pending`, answer the query in their train reply and are
+        admitted by :meth:`answered`.
 
         The first draw of the ServerApp's process (a new or a resumed run) waits up to
         ``connect-timeout`` seconds for its answers (the full handshake's wait: ClientApps may still
@@ -420,16 +429,64 @@ class Roster:
         k = min(sample_size(self.cfg.fraction_train, self.num_partitions), len(candidates))
         chosen = [candidates[i] for i in sorted(self.rng.choice(len(candidates), size=k, replace=False))]
         new = [n for n in chosen if n not in self.clients]
-        # the process's first draw is the run's handshake: the ClientApps may still be starting (a
-        # simulation's Ray actors, each building the partitioner), so it waits connect-timeout
-        first = self.refreshes == 1
-        timeout = self.cfg.connect_timeout if first else min(QUERY_SECONDS, self.cfg.round_timeout)
-        replies = transport.exchange(
-            [transport.message("query", n, {}, ConfigRecord(), 0) for n in new],
-            timeout,
-            "connect-timeout" if first else "round-timeout",
+        if self.query_in_train:
+            self.pending, self.drawn = new, self._known(chosen)
+            return []
+        timeout, key = self.exchange_timeout(QUERY_SECONDS)
+        replies = transport.exchange([transport.message("query", n, {}, ConfigRecord(), 0) for n in new], timeout, key)
+        admitted = self._admit_drawn(transport, new, replies, in_train=False)
+        self.drawn = self._known(chosen)
+        if new:
+            log.info("Round sample: %d nodes, %d asked for their partition, %d admitted", k, len(new), len(admitted))
+        return admitted
+
+    def exchange_timeout(self, most: float = math.inf) -> tuple[float, str]:
+        """Seconds to wait for the answers of this round's new nodes (handshake ``sampled``) and the run
+        config key that sets them: the process's first draw is the run's handshake, and the ClientApps
+        may still be starting (a simulation's Ray actors, each building the partitioner), so it waits
+        ``connect-timeout`` (plus ``round-timeout`` when the new nodes answer in their train reply:
+        :attr:`query_in_train`); later ones ``round-timeout``, at most ``most``."""
+        if self.refreshes == 1 and self.query_in_train:
+            return self.cfg.connect_timeout + self.cfg.round_timeout, "connect-timeout' + 'round-timeout"
+        if self.refreshes == 1:
+            return self.cfg.connect_timeout, "connect-timeout"
+        return min(most, self.cfg.round_timeout), "round-timeout"
+
+    def answered(self, transport: Transport, replies: list[Message]) -> list[Message]:
+        """Handshake ``sampled`` with :attr:`query_in_train`: admit the :attr:`pending` nodes whose train
+        ``replies`` answer the handshake validly (as :meth:`_draw` admits query replies; a configuration
+        or data error as in :meth:`_valid_answers`), and return the train replies of the round's known
+        nodes, the just admitted ones included (their query metrics removed:
+        :meth:`Transport.read_handshake`), in partition order, the order of a round of known nodes.
+        :attr:`sampled` becomes those nodes.
+
+        Raises:
+            ConfigError: a simulated node answered with a configuration or data error.
+        """
+        new, self.pending = self.pending, []
+        if not new:
+            return replies
+        k, asked = len(self.drawn) + len(new), set(new)
+        admitted = self._admit_drawn(transport, new, [r for r in replies if r.metadata.src_node_id in asked], True)
+        self.drawn = self._known([*self.drawn, *admitted])
+        self.sampled = list(self.drawn)
+        log.info("Round sample: %d nodes, %d asked in their train message, %d admitted", k, len(new), len(admitted))
+        kept = [r for r in replies if r.metadata.src_node_id in set(self.drawn)]
+        return sorted(kept, key=lambda r: self.clients[r.metadata.src_node_id][PARTITION_ID])
+
+    def _known(self, chosen: list[int]) -> list[int]:
+        """The nodes of ``chosen`` that are known, serve the run and have budget left, in partition order."""
+        return sorted(
+            (n for n in chosen if n in self.clients and n not in self.exhausted and n not in self.outsiders),
+            key=lambda n: self.clients[n][PARTITION_ID],
         )
-        valid, _ = self._valid_answers(transport, replies)
+
+    def _admit_drawn(self, transport: Transport, new: list[int], replies: list[Message], in_train: bool) -> list[int]:
+        """Admit the ``new`` drawn nodes whose ``replies`` answer the handshake validly
+        (:meth:`_valid_answers`), unless they hold a partition outside the run or one whose node is still
+        connected (not asked again); back off from the others (:meth:`_draw`); returns the admitted nodes.
+        """
+        valid, _ = self._valid_answers(transport, replies, in_train)
         holders = {self.clients[n][PARTITION_ID]: n for n in self.nodes}
         admitted = []
         for reply in valid:
@@ -455,12 +512,6 @@ class Roster:
         for node in set(new) - set(admitted) - self.outsiders:
             misses = self.silent_nodes.get(node, (0, 0))[0] + 1
             self.silent_nodes[node] = (misses, self.refreshes + 2 ** (misses - 1))
-        self.drawn = sorted(
-            (n for n in chosen if n in self.clients and n not in self.exhausted and n not in self.outsiders),
-            key=lambda n: self.clients[n][PARTITION_ID],
-        )
-        if new:
-            log.info("Round sample: %d nodes, %d asked for their partition, %d admitted", k, len(new), len(admitted))
         return admitted
 
     def admit(self, reply: ClientReply, quiet: bool = False) -> None:
@@ -480,8 +531,8 @@ class Roster:
         K counts the run's training partitions (N minus the held-out ones). Held-out clients are never
         candidates, nor are clients whose privacy budget is spent (:meth:`exhaust`): the others take
         their places (fewer than K once fewer remain, e.g. before late partitions have joined)."""
-        if self.cfg.handshake == "sampled":  # drawn and asked at the round's refresh()
-            self.sampled = list(self.drawn)
+        if self.cfg.handshake == "sampled":  # drawn (and asked) at the round's refresh(); new ones after the known
+            self.sampled = [*self.drawn, *self.pending]
             return list(self.sampled)
         candidates = [n for n in self.training_nodes if n not in self.exhausted]
         trainers = self.num_partitions - len(self.held_out_partitions) if self.num_partitions else len(self.nodes)

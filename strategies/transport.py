@@ -22,6 +22,7 @@ from flwr.serverapp import Grid
 from common.config import RunConfig
 from common.generalization import architecture_for
 from common.metrics import (
+    ANY_MESSAGE,
     DEVICE_KEYS,
     DEVICE_RECORD,
     GPU_PEAK,
@@ -276,6 +277,50 @@ class Transport:
                 message_type,
             )
         return valid
+
+    def handshakes(self, replies: Iterable[Message]) -> list[ClientReply]:
+        """The handshake's answers inside train ``replies`` of nodes the server did not know (message config
+        ``common.protocol.HANDSHAKE``; :meth:`read_handshake`); a reply that fails is logged and counted
+        as a dropped query (:meth:`drop`)."""
+        answers = []
+        for reply in replies:
+            try:
+                answers.append(self.read_handshake(reply))
+            except PayloadError as exc:
+                self.drop("query", reply.metadata.src_node_id, str(exc), duplicate=False)
+        return answers
+
+    def read_handshake(self, reply: Message) -> ClientReply:
+        """The handshake's answer inside the train ``reply`` of a node the server did not know: its query
+        metrics (the keys a query reply declares beyond those of every message, e.g. ``num-train``,
+        ``num-test``, ``num-partitions``) and ``partition-id``, checked as a query reply's
+        (:meth:`check`), as a :class:`ClientReply` without arrays. The query metrics are then removed
+        from ``reply``, which :meth:`validate` checks as a train reply against this answer.
+
+        Raises:
+            PayloadError: ``reply`` is an error or lacks its ``metrics`` record, or its query metrics
+                fail the query's checks.
+        """
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            raise PayloadError(f"client error {reply.error.code}: {reply.error.reason}")
+        if "metrics" not in reply.content.metric_records:
+            raise PayloadError(f"records {sorted(reply.content.keys())[:5]}, expected payload + metrics")
+        record = reply.content.metric_records["metrics"]
+        declared = declared_metrics("query", self.rules.metrics, False)
+        metrics = {k: record[k] for k in declared if k in record and k not in ANY_MESSAGE}
+        pid = record.get(PARTITION_ID)
+        if not isinstance(pid, int):
+            raise PayloadError("metrics lack an integer 'partition-id'")
+        absent = [k for k in REQUIRED_METRICS["query"] if k not in metrics]
+        if absent:
+            raise PayloadError(f"metrics lack the handshake's {absent}")
+        metrics[PARTITION_ID] = pid
+        check_metrics(metrics, declared, None, "query", self.cfg.pool_size)
+        self.rules.check_reply("query", metrics)
+        for key in metrics.keys() - {PARTITION_ID}:
+            del record[key]
+        return ClientReply(node, pid, {}, metrics)
 
     def check(
         self, message_type: str, reply: Message, declared: Mapping[str, MetricSpec], answered: set[int]

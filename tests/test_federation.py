@@ -12,6 +12,7 @@ import torch
 from common.config import ConfigError, RunConfig
 from common.errors import RunFailed
 from common.files import read_rows
+from common.protocol import HANDSHAKE
 from common.results import load_checkpoint, scalars
 from conftest import federation
 from server_app.app import run
@@ -278,21 +279,60 @@ def _sampled_run(run_config, handshake: str, method: str = "fedgh", **overrides)
     return read_rows(results.path), sent["query"], sent["train"]
 
 
-def test_sampled_handshake_asks_only_the_sampled_nodes_and_trains_what_the_full_handshake_does(run_config):
+def _asks_handshake(message) -> bool:
+    return bool(message.content.config_records["config"].get(HANDSHAKE, False))
+
+
+@pytest.mark.parametrize("method", ["fedgh", "fedre"])
+def test_sampled_handshake_asks_only_the_sampled_nodes_and_trains_what_the_full_handshake_does(run_config, method):
     # FakeGrid's node ids follow the partition ids, so a draw in node-id order is a draw in partition order:
     # the same seed samples the same clients either way, and everything but the queries must agree
-    full_rows, full_queries, full_train = _sampled_run(run_config, "all")
-    rows, queries, train = _sampled_run(run_config, "sampled")
+    full_rows, full_queries, full_train = _sampled_run(run_config, "all", method)
+    rows, queries, train = _sampled_run(run_config, "sampled", method)
     assert len(full_queries) == 10
     trained = [sorted(r["accuracy_per_client"]) for r in rows]
     assert trained == [sorted(r["accuracy_per_client"]) for r in full_rows] and all(len(t) == 3 for t in trained)
-    # each node asked once, the first time it was sampled, and no other node
-    asked = [m.metadata.dst_node_id for m in queries]
-    assert len(asked) == len(set(asked)) == len({m.metadata.dst_node_id for m in train}) < 10
+    # each node asked once, the first time it was sampled, and no other node: FedGH in that train message
+    # (no query at all), FedRE, which must know partition 0 before it trains, with a query first
+    first_train = {}
+    for m in train:
+        first_train.setdefault(m.metadata.dst_node_id, m)
+    if method == "fedre":
+        asked = [m.metadata.dst_node_id for m in queries]
+        assert not any(_asks_handshake(m) for m in train)
+    else:
+        assert not queries
+        asked = [m.metadata.dst_node_id for m in train if _asks_handshake(m)]
+        assert all(m in first_train.values() for m in train if _asks_handshake(m))
+    assert len(asked) == len(set(asked)) == len(first_train) < 10
     # (the push order within a round follows measured work, so compare the nodes, not the order)
     assert sorted(m.metadata.dst_node_id for m in train) == sorted(m.metadata.dst_node_id for m in full_train)
     for key in ("accuracy_mean", "accuracy_weighted", "accuracy_per_client", "bytes_up", "bytes_down", "num_clients"):
         assert [r[key] for r in rows] == [r[key] for r in full_rows], key
+
+
+def test_a_method_that_needs_its_clients_before_training_asks_them_first():
+    # a method whose round, reply checks or client registration read the roster must know a node before
+    # its train message (HeteroStrategy.query_first); the others let a new node answer in its train reply
+    from strategies.base import HeteroStrategy
+    from strategies.registry import METHODS
+
+    hooks = ("train_round", "reply_dims", "joined", "admitted")
+    for name, method in METHODS.items():
+        reads_roster = any(getattr(method.strategy, h) is not getattr(HeteroStrategy, h) for h in hooks)
+        assert method.strategy.query_first == reads_roster, name
+    assert {n for n, m in METHODS.items() if m.strategy.query_first} == {"fedre", "mh-pfedhn", "mh-pfedhngd"}
+
+
+@pytest.mark.parametrize(
+    "overrides, first",
+    [({}, False), ({"dp.epsilon": 8.0}, True), ({"record-payloads": "1"}, True), ({"method": "fedre"}, True)],
+)
+def test_recording_and_differential_privacy_keep_the_query_first(run_config, overrides, first):
+    # a recorded download needs its partition; a spent DP budget must be known before the node is drawn again
+    rc = run_config(**{"handshake": "sampled", "eval-clients": "trained", **overrides})
+    strategy, _ = federation(rc)
+    assert strategy.roster.query_in_train is not first
 
 
 @pytest.mark.parametrize(
@@ -336,13 +376,17 @@ def test_sampled_handshake_serves_each_partition_by_one_node_and_skips_silent_on
     grid.silent.add(1003)
     rows = read_rows(run(grid, RunConfig.from_dict(rc), "t").path)
     partition = {node: ctx.node_config["partition-id"] for node, ctx in grid.contexts.items()}
-    trained = [m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == "train"]
-    queries = [m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == "query"]
+    train = [m for m in grid.sent if m.metadata.message_type == "train"]
+    # FedGH's train message is the same for every client: a new node answers the handshake in its first one
+    assert not [m for m in grid.sent if m.metadata.message_type == "query"]
+    queries = [m.metadata.dst_node_id for m in train if _asks_handshake(m)]
+    trained = [m.metadata.dst_node_id for m in train if not _asks_handshake(m)]
     servers = {}
     for node in trained:
         servers.setdefault(partition[node], set()).add(node)
     assert all(len(nodes) == 1 for nodes in servers.values()) and 1003 not in trained
     assert len(rows) == 6 and all(r["num_clients"] >= 1 for r in rows)
+    assert all(len(r["accuracy_per_client"]) == r["num_clients"] for r in rows)
     # each node asked at most once, but the silent one, whose misses space its queries out
     assert all(queries.count(n) == 1 for n in set(queries) - {1003}) and queries.count(1003) <= 3
 
@@ -377,18 +421,24 @@ def test_a_sampled_simulation_stops_at_the_first_nodes_data_error(run_config):
     strategy, grid = federation(_refusing_sampled_config(run_config))
     with pytest.raises(ConfigError, match="max-examples-per-client"):
         strategy.start(grid, window=lambda: 2)
-    assert [m.metadata.message_type for m in grid.sent].count("train") == 0
+    # the drawn node was asked in its train message, which it answered with the error instead of training
+    assert [_asks_handshake(m) for m in grid.sent] == [True]
 
 
-def test_a_sampled_run_whose_drawn_nodes_never_answer_fails_naming_the_timeout(run_config):
+@pytest.mark.parametrize(
+    "method, first",
+    [
+        # the drawn node answers the handshake in its train message: the wait of both
+        ("fedgh", "no reply within 3 s (run config key 'connect-timeout' + 'round-timeout')"),
+        ("fedre", "no reply within 2 s (run config key 'connect-timeout')"),  # a query first (query_first)
+    ],
+)
+def test_a_sampled_run_whose_drawn_nodes_never_answer_fails_naming_the_timeout(run_config, method, first):
     # the first draw is the handshake (connect-timeout, the ClientApps may be starting), later ones are rounds
     rc = {**_refusing_sampled_config(run_config), "max-examples-per-client": 40, "round-timeout": 1.0}
-    rc["connect-timeout"] = 2.0
+    rc["connect-timeout"], rc["method"] = 2.0, method
     grid = grid_of(rc, 2)
     grid.silent.update(grid.get_node_ids())
     with pytest.raises(RunFailed) as failed:
         run(grid, RunConfig.from_dict(rc), "t")
-    assert failed.value.client_errors == [
-        "no reply within 2 s (run config key 'connect-timeout')",
-        "no reply within 1 s (run config key 'round-timeout')",
-    ]
+    assert failed.value.client_errors == [first, "no reply within 1 s (run config key 'round-timeout')"]

@@ -628,3 +628,48 @@ def test_hostile_second_reply_of_a_partition_is_dropped(run_config):
         )
     mine, theirs = state_arrays(strategy.server_state()), state_arrays(clean.server_state())
     assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
+
+
+def without(key: str):
+    """An attack removing metric ``key`` from the reply."""
+
+    def attack(reply):
+        metrics = MetricRecord({k: v for k, v in reply.content.metric_records["metrics"].items() if k != key})
+        reply.content = RecordDict({**dict(reply.content.array_records), "metrics": metrics})
+        return reply
+
+    return attack
+
+
+SAMPLED = {"handshake": "sampled", "eval-clients": "trained", "fraction-train": 1.0}
+
+
+@pytest.mark.parametrize(
+    "attack, counted",
+    [
+        (lambda reply: with_metrics(reply, **{"num-train": 10**9}), "query"),  # beyond the dataset
+        (without("num-train"), "query"),  # no handshake answer
+        (lambda reply: with_metrics(reply, **{"num-partitions": 7}), "outsider"),  # a partition outside the run
+        (lambda reply: with_metrics(reply, **{"num-examples": 10**15}), "train"),  # beyond its own num-train
+    ],
+)
+def test_hostile_handshake_answered_in_a_train_reply_is_checked_like_a_query(run_config, attack, counted):
+    """Handshake ``sampled``: a new node answers the handshake's query inside its first train reply. Its
+    answer is checked as a query reply's before the node is admitted (a node outside the run is not asked
+    again), and the train part against the answer: the run goes on exactly as if partition 1's replies
+    were lost."""
+    rc = run_config(**{"num-clients": 3, "num-server-rounds": 2, **SAMPLED})
+    strategy, grid = federation(rc, attacker("train", attack))
+    strategy.start(grid)
+    lost_rows, lost_arrays = run(run_config, lost, 2, **SAMPLED)
+    assert not [m for m in grid.sent if m.metadata.message_type == "query"]  # FedGH: no query of its own
+    assert (ATTACKER in strategy.roster.clients) == (counted == "train")
+    assert (ATTACKER in strategy.roster.outsiders) == (counted == "outsider")
+    if counted != "outsider":
+        assert strategy.counters.dropped[counted] >= 1
+    for row, lost_row in zip(strategy.rows, lost_rows, strict=True):
+        assert row["num_clients"] == lost_row["num_clients"] == 2
+        # an admitted client whose train reply was dropped is still evaluated, as after a full handshake
+        assert counted == "train" or row["accuracy_per_client"] == lost_row["accuracy_per_client"]
+    arrays = state_arrays(strategy.server_state())
+    assert arrays.keys() == lost_arrays.keys() and all(np.array_equal(arrays[k], lost_arrays[k]) for k in arrays)
