@@ -258,14 +258,15 @@ def run_one(config: list[str], cpus: int, gpus: float | None, minutes: float, pr
     return totals
 
 
-def add_row(out: Path, argv: list[str] | None, totals: dict) -> None:
-    """Add one finished run's ``totals`` (:func:`run_one`) to the JSON list in ``out`` (created when
-    missing), with the command line, the commit and the machine's CPU count; written atomically."""
+def add_row(out: Path, argv: list[str] | None, totals: dict, module: str = "bench.simulation") -> None:
+    """Add one finished run's ``totals`` (:func:`run_one`'s, or another bench ``module``'s) to the JSON
+    list in ``out`` (created when missing), with the command line, the commit and the machine's CPU
+    count; written atomically."""
     rows = json.loads(out.read_text()) if out.exists() else []
     args = sys.argv[1:] if argv is None else argv
     rows.append(
         {
-            "command": "python -m bench.simulation " + " ".join(shlex.quote(a) for a in args),
+            "command": f"python -m {module} " + " ".join(shlex.quote(a) for a in args),
             "commit": git_commit(),
             "cpus": os.cpu_count(),
             **totals,

@@ -667,3 +667,52 @@ def test_lg_fedavg_paired_with_and_without_the_server_head_is_what_its_pages_say
     final = compare(ours, unpaired)["reference"]
     quoted = f"{100 * final['final_mean']:.2f} ± {100 * final['final_std']:.2f} %"
     assert quoted in page and quoted in readme
+
+
+def test_the_in_process_bench_reports_each_federation_size_and_only_new_clients_are_asked(tmp_path, capsys):
+    """``bench.inprocess``: one run per N over the in-process grid, K clients a round, the rows' seconds
+    per round; with handshake ``sampled`` a round at N = K meets only known clients after round 1, one at
+    N = 3K mostly new ones (each answers the handshake in its train reply)."""
+    from bench import inprocess
+
+    out = tmp_path / "runs.json"
+    config = (
+        f"data-dir='{DATA_DIR}' output-dir='{tmp_path}' dataset='mnist' model-group='cnn1' handshake='sampled' "
+        "eval-clients='trained' max-examples-per-client=20 num-server-rounds=2 batch-size=16"
+    )
+    assert inprocess.main(["-c", config, "--clients", "4,12", "--per-round", "4", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())
+    assert [(r["num_clients"], r["per_round"]) for r in runs] == [(4, 4), (12, 4)]
+    for run in runs:
+        assert run["command"].startswith("python -m bench.inprocess -c") and run["cpus"] == os.cpu_count()
+        assert all(len(run[key]) == 2 for key in inprocess.KEYS)
+        assert all(h >= t > 0 for h, t in zip(run["client_handler_seconds"], run["client_train_seconds"]))
+    table = inprocess.table(runs)
+    assert table in capsys.readouterr().out and len(table.splitlines()) == 4 and "| 1.00x |" in table
+    # N = K: round 2 meets the clients of round 1, loaded and known; N = 3K: its clients decode their partitions
+    assert runs[0]["client_data_seconds"][1] == 0.0 < runs[0]["client_data_seconds"][0]
+
+
+def test_the_query_in_train_section_is_what_its_rows_give():
+    """results/scale/README.md's section on the query in the train message: its four tables from the
+    committed rows (``bench.simulation`` and ``bench.inprocess``), and the seconds it quotes."""
+    from bench.inprocess import table
+    from bench.simulation import scale_table
+
+    scale = ROOT / "results" / "scale"
+    readme = (scale / "README.md").read_text()
+    load = lambda name: json.loads((scale / name).read_text())  # noqa: E731
+    assert scale_table(load("simulation-sampled-fold.json")) in readme
+    steps = load("simulation-10k-steps.json")
+    assert scale_table(steps) in readme
+    for name in ("inprocess-sampled.json", "inprocess-sampled-warm.json"):
+        assert table(load(name)) in readme
+    for run in steps[2:]:
+        later = run["round_seconds"][1:]
+        assert f"{min(later):.2f}-{max(later):.2f} s" in readme
+    fold, cold = load("simulation-sampled-fold.json")[-1], load("inprocess-sampled.json")[-1]
+    train = fold["client_train_seconds"][1:]
+    cold_train = cold["client_train_seconds"][1:]
+    quoted = f"{sum(cold_train) / len(cold_train):.2f} s of the ClientApps' time a round at"
+    assert quoted.replace(" ", "") in readme.replace("\n", "").replace(" ", "")
+    assert f"{min(train):.2f}-{max(train):.2f} s in the simulation" in readme
