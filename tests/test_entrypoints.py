@@ -716,3 +716,19 @@ def test_the_query_in_train_section_is_what_its_rows_give():
     quoted = f"{sum(cold_train) / len(cold_train):.2f} s of the ClientApps' time a round at"
     assert quoted.replace(" ", "") in readme.replace("\n", "").replace(" ", "")
     assert f"{min(train):.2f}-{max(train):.2f} s in the simulation" in readme
+
+
+def test_the_paired_check_with_the_restore_is_what_its_rows_give():
+    """results/scale/README.md's last paired Fashion-MNIST section: its table, ratios and quoted ranges."""
+    readme = (ROOT / "results" / "scale" / "README.md").read_text()
+    text = " ".join(
+        readme.split("## The paired Fashion-MNIST check again, with the restore")[1].split("\n## ")[0].split()
+    )
+    per_round, outside, iteration, fixed, ratios = paired_speed(
+        "fedtgp-fmnist-htcnn8-paired-restore", text, ("local", "fedproto")
+    )
+    assert f"Local {ratios['local'][0]:.2f}x and FedProto {ratios['fedproto'][0]:.2f}x HtFLlib's wall time" in text
+    assert f"({span(per_round['fedproto'], 2)} s a round for FedProto against" in text
+    assert f"printed {span(iteration['fedproto'], 2)} s an iteration" in text
+    assert f"ours pays {span([x for xs in outside.values() for x in xs], 0)} s a run" in text
+    assert f"against HtFLlib's {span(fixed, 0)} s" in text
