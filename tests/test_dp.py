@@ -97,8 +97,12 @@ def test_the_release_noise_has_the_calibrated_standard_deviation():
     draws = torch.stack([noisy_class_means(rows, labels, 10, clip, sigma)[0][0] for _ in range(400)])
     # mean of zero rows = noise(σ·√2·c) / ~4000: its std over draws
     assert float(draws.std()) == pytest.approx(sigma * math.sqrt(2) * clip / 4000, rel=0.15)
-    means, classes = noisy_class_means(rows, labels, 10, clip, sigma)
-    assert classes.tolist() == [0]  # the empty classes stay below the noisy-count threshold
+    # the empty classes stay below the noisy-count threshold, 3 noise stds (the noise is drawn from a secret,
+    # unseedable generator, so count: each of the 9 empty classes passes with P(Z > 3) = 0.00135 a release,
+    # about 2 of 1,800 here; 15 or more has a chance below 1e-7, and without the threshold about half pass)
+    kept = [noisy_class_means(rows, labels, 10, clip, sigma)[1].tolist() for _ in range(200)]
+    assert all(0 in classes for classes in kept)
+    assert sum(len(classes) - 1 for classes in kept) < 15
 
 
 def test_a_spent_budget_ends_a_clients_training_and_the_run_goes_on_with_the_others(run_config):
