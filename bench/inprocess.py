@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.simulation import add_row
+from bench.simulation import add_row, later_rounds
 from common.config import RunConfig
 from tools.runconfig import add_config_arguments, read_config
 
@@ -68,15 +68,10 @@ def table(runs: list[dict]) -> str:
     ]
     first = None
     for run in runs:
-        later = {key: run[key][1:] for key in KEYS}
-        mean = {key: sum(values) / len(values) for key, values in later.items()}
-        first = first or mean["round_seconds"]
-        lines.append(
-            f"| {run['num_clients']:,} | {run['per_round']} | {mean['round_seconds']:.2f} s "
-            f"({min(later['round_seconds']):.2f}-{max(later['round_seconds']):.2f}) "
-            f"| {mean['round_seconds'] / first:.2f}x | {mean['client_handler_seconds']:.2f} "
-            f"| {mean['client_train_seconds']:.2f} | {mean['client_data_seconds']:.2f} |"
-        )
+        cells, mean = later_rounds(run["round_seconds"], first)
+        first = first or mean
+        clients = " | ".join(f"{sum(run[key][1:]) / len(run[key][1:]):.2f}" for key in KEYS[1:])
+        lines.append(f"| {run['num_clients']:,} | {run['per_round']} | {cells} | {clients} |")
     return "\n".join(lines)
 
 

@@ -276,6 +276,14 @@ def add_row(out: Path, argv: list[str] | None, totals: dict, module: str = "benc
     atomic_write(out, lambda f: f.write(json.dumps(rows, indent=1).encode()))
 
 
+def later_rounds(seconds: list[float], first: float | None) -> tuple[str, float]:
+    """The rounds after round 1 of ``seconds`` as two table cells, ``<mean> s (<min>-<max>) | <ratio>x`` (the
+    mean over ``first``, the first run's mean; None: this is the first run), and their mean."""
+    later = seconds[1:]
+    mean = sum(later) / len(later)
+    return f"{mean:.2f} s ({min(later):.2f}-{max(later):.2f}) | {mean / (first or mean):.2f}x", mean
+
+
 def scale_table(runs: list[dict]) -> str:
     """The markdown table of ``runs`` (the JSON list ``--out`` writes, one run per N), as
     ``results/scale/README.md`` quotes it: N, clients trained per round, start-up (launch to round 1)
@@ -291,14 +299,13 @@ def scale_table(runs: list[dict]) -> str:
     for run in runs:
         config = dict(item.split("=", 1) for item in shlex.split(run["command"]) if "=" in item and " " not in item)
         n, fraction = int(config["num-clients"]), float(config["fraction-train"])
-        later = run["round_seconds"][1:]
-        mean = sum(later) / len(later)
+        cells, mean = later_rounds(run["round_seconds"], first)
         first = first or mean
         actors = run["pss_mib_at_peak"].get("ray::ClientAppActor.run", [0, 0.0])
         lines.append(
             f"| {n:,} | {round(n * fraction)} | {sum(run['startup_seconds'].values()):.1f} s "
-            f"({run['startup_seconds']['launcher']:.1f} s) | {run['round_seconds'][0]:.1f} s | {mean:.2f} s "
-            f"({min(later):.2f}-{max(later):.2f}) | {mean / first:.2f}x | {run['peak_pss_gib']:.2f} GiB "
+            f"({run['startup_seconds']['launcher']:.1f} s) | {run['round_seconds'][0]:.1f} s | {cells} "
+            f"| {run['peak_pss_gib']:.2f} GiB "
             f"| {run['pss_mib_at_peak']['flwr-simulation'][1]:.0f} MiB "
             f"| {actors[0]} x {actors[1] / actors[0]:.0f} MiB |"
         )

@@ -185,8 +185,12 @@ def handle_message(msg: Message, context: Context) -> Message:
     gpu.begin_message(client.device)
     start = time.perf_counter()
     try:
-        # a node the server does not know yet answers the handshake first: a data error fails here, before training
-        handshake = procedure.query(client, {}, config)[1] if trains and config.get(HANDSHAKE) else {}
+        handshake = {}
+        if trains and config.get(HANDSHAKE):
+            # a node the server does not know yet answers the handshake first (a data error fails here, before
+            # training), from the partition training reads: loaded once, not read for its sizes and again
+            _ = client.data
+            handshake = procedure.query(client, {}, config)[1]
         if trains:
             client.check_budget()  # with DP on: a spent budget ends here, before any training
         arrays, metrics = getattr(procedure, message_type.replace(".", "_"))(client, payload, config)

@@ -157,8 +157,8 @@ class HeteroStrategy:
         self.rng = np.random.default_rng(cfg.seed)
         self.results = results
         self.counters = RoundCounters()
-        self.roster = Roster(cfg, self.counters, self.rng)
-        self.roster.query_in_train = not (self.query_first or self.dp.enabled or cfg.record_payloads.strip())
+        query_in_train = not (self.query_first or self.dp.enabled or cfg.record_payloads.strip())
+        self.roster = Roster(cfg, self.counters, self.rng, query_in_train)
         recorder = PayloadRecorder(cfg, None if results is None else results.path)
         rules = ReplyRules(self.schemas, self.metrics, self.evaluate_in_train, self.check_reply, self.reply_dims)
         self.transport = Transport(cfg, rules, self.roster.clients, self.counters, recorder)

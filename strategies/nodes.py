@@ -69,10 +69,14 @@ class Roster:
         cfg: the run config (``num-clients``, ``fraction-train``, the timeouts).
         counters: where dropped queries and this round's dropped partitions are recorded.
         rng: the seeded generator that samples each round's clients.
+        query_in_train: handshake "sampled": a drawn node not known yet answers the handshake's query in
+            its train reply (one message instead of a query first; ``HeteroStrategy.query_first``).
     """
 
-    def __init__(self, cfg: RunConfig, counters: RoundCounters, rng: np.random.Generator) -> None:
-        self.cfg, self.counters, self.rng = cfg, counters, rng
+    def __init__(
+        self, cfg: RunConfig, counters: RoundCounters, rng: np.random.Generator, query_in_train: bool = False
+    ) -> None:
+        self.cfg, self.counters, self.rng, self.query_in_train = cfg, counters, rng, query_in_train
         self.clients: dict[int, dict[str, Any]] = {}  # node id -> handshake metrics
         self.nodes: list[int] = []  # node ids ordered by partition id
         self.sampled: list[int] = []  # the nodes of the last sample() call
@@ -90,9 +94,6 @@ class Roster:
         self.num_partitions = 0
         #: handshake "sampled": this round's known clients, drawn (and asked) by refresh(), handed out by sample()
         self.drawn: list[int] = []
-        #: handshake "sampled": whether a drawn node not known yet answers the handshake's query in its
-        #: train reply (one message instead of a query first; set by the strategy: ``HeteroStrategy.query_first``)
-        self.query_in_train = False
         #: handshake "sampled" with :attr:`query_in_train`: this round's drawn nodes not known yet, in node-id order
         self.pending: list[int] = []
         #: partitions whose privacy budget is spent (their nodes may be unknown yet with handshake "sampled")
@@ -471,7 +472,8 @@ class Roster:
         self.drawn = self._known([*self.drawn, *admitted])
         self.sampled = list(self.drawn)
         log.info("Round sample: %d nodes, %d asked in their train message, %d admitted", k, len(new), len(admitted))
-        kept = [r for r in replies if r.metadata.src_node_id in set(self.drawn)]
+        drawn = set(self.drawn)
+        kept = [r for r in replies if r.metadata.src_node_id in drawn]
         return sorted(kept, key=lambda r: self.clients[r.metadata.src_node_id][PARTITION_ID])
 
     def _known(self, chosen: list[int]) -> list[int]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import ConfigRecord, Message
+from flwr.app import ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
 from common.config import RunConfig
@@ -294,33 +294,22 @@ class Transport:
         """The handshake's answer inside the train ``reply`` of a node the server did not know: its query
         metrics (the keys a query reply declares beyond those of every message, e.g. ``num-train``,
         ``num-test``, ``num-partitions``) and ``partition-id``, checked as a query reply's
-        (:meth:`check`), as a :class:`ClientReply` without arrays. The query metrics are then removed
-        from ``reply``, which :meth:`validate` checks as a train reply against this answer.
+        (:meth:`_checked_metrics`), as a :class:`ClientReply` without arrays. The query metrics are then
+        removed from ``reply``, which :meth:`validate` checks as a train reply against this answer.
 
         Raises:
-            PayloadError: ``reply`` is an error or lacks its ``metrics`` record, or its query metrics
-                fail the query's checks.
+            PayloadError: ``reply`` is not well formed (:meth:`_metric_record`) or its query metrics fail
+                the query's checks.
         """
-        node = reply.metadata.src_node_id
-        if reply.has_error():
-            raise PayloadError(f"client error {reply.error.code}: {reply.error.reason}")
-        if "metrics" not in reply.content.metric_records:
-            raise PayloadError(f"records {sorted(reply.content.keys())[:5]}, expected payload + metrics")
-        record = reply.content.metric_records["metrics"]
+        record = self._metric_record(reply)
         declared = declared_metrics("query", self.rules.metrics, False)
         metrics = {k: record[k] for k in declared if k in record and k not in ANY_MESSAGE}
-        pid = record.get(PARTITION_ID)
-        if not isinstance(pid, int):
-            raise PayloadError("metrics lack an integer 'partition-id'")
-        absent = [k for k in REQUIRED_METRICS["query"] if k not in metrics]
-        if absent:
-            raise PayloadError(f"metrics lack the handshake's {absent}")
-        metrics[PARTITION_ID] = pid
-        check_metrics(metrics, declared, None, "query", self.cfg.pool_size)
-        self.rules.check_reply("query", metrics)
+        if PARTITION_ID in record:
+            metrics[PARTITION_ID] = record[PARTITION_ID]
+        pid = self._checked_metrics("query", metrics, declared, None)
         for key in metrics.keys() - {PARTITION_ID}:
             del record[key]
-        return ClientReply(node, pid, {}, metrics)
+        return ClientReply(reply.metadata.src_node_id, pid, {}, metrics)
 
     def check(
         self, message_type: str, reply: Message, declared: Mapping[str, MetricSpec], answered: set[int]
@@ -337,22 +326,10 @@ class Transport:
             DuplicateReply: its partition answered already (checked before its payload is decoded).
         """
         category, node = _category(message_type), reply.metadata.src_node_id
-        if reply.has_error():
-            raise PayloadError(f"client error {reply.error.code}: {reply.error.reason}")
+        metrics = dict(self._metric_record(reply))
         content = reply.content
-        extra = set(content.keys()) - {"payload", "metrics", DEVICE_RECORD}
-        if extra or "metrics" not in content.metric_records:
-            raise PayloadError(f"records {sorted(content.keys())[:5]}, expected payload + metrics")
         device = device_record(content)
-        metrics = dict(content.metric_records["metrics"])
-        pid = metrics.get(PARTITION_ID)
-        if not isinstance(pid, int):
-            raise PayloadError("metrics lack an integer 'partition-id'")
-        absent = [k for k in REQUIRED_METRICS.get(category, ()) if k not in metrics]
-        if absent:
-            raise PayloadError(f"metrics lack {absent}")
-        check_metrics(metrics, declared, self.clients.get(node), category, self.cfg.pool_size)
-        self.rules.check_reply(message_type, metrics)
+        pid = self._checked_metrics(message_type, metrics, declared, self.clients.get(node))
         if node in self.clients and self.clients[node][PARTITION_ID] != pid:
             raise PayloadError(f"partition-id {pid} differs from the handshake's {self.clients[node][PARTITION_ID]}")
         if category != "query" and pid in answered:
@@ -361,6 +338,44 @@ class Transport:
         arrays = read_payload(content, up)
         up.validate(arrays, self.rules.reply_dims(node))
         return ClientReply(node, pid, arrays, metrics, device.get("name"), device.get("ray-node"))
+
+    @staticmethod
+    def _metric_record(reply: Message) -> MetricRecord:
+        """The ``metrics`` record of ``reply``.
+
+        Raises:
+            PayloadError: ``reply`` is an error, carries records other than the payload, one ``metrics``
+                MetricRecord and the ``device`` record, or lacks ``metrics``.
+        """
+        if reply.has_error():
+            raise PayloadError(f"client error {reply.error.code}: {reply.error.reason}")
+        content = reply.content
+        extra = set(content.keys()) - {"payload", "metrics", DEVICE_RECORD}
+        if extra or "metrics" not in content.metric_records:
+            raise PayloadError(f"records {sorted(content.keys())[:5]}, expected payload + metrics")
+        return content.metric_records["metrics"]
+
+    def _checked_metrics(
+        self, message_type: str, metrics: dict[str, Any], declared: Mapping[str, MetricSpec], known: Any
+    ) -> int:
+        """The partition id of a reply of ``message_type`` whose ``metrics`` hold an integer ``partition-id``
+        and the category's required keys, pass their declarations ``declared`` against what the client
+        reported at the handshake (``known``; None at the handshake: ``common.metrics.check_metrics``) and
+        the method's ``check_reply``.
+
+        Raises:
+            PayloadError: naming what fails.
+        """
+        category = _category(message_type)
+        pid = metrics.get(PARTITION_ID)
+        if not isinstance(pid, int):
+            raise PayloadError("metrics lack an integer 'partition-id'")
+        absent = [k for k in REQUIRED_METRICS.get(category, ()) if k not in metrics]
+        if absent:
+            raise PayloadError(f"metrics lack {absent}")
+        check_metrics(metrics, declared, known, category, self.cfg.pool_size)
+        self.rules.check_reply(message_type, metrics)
+        return pid
 
     def drop(self, message_type: str, node: int, reason: str, duplicate: bool) -> None:
         """Count and log a dropped reply of ``node``; a train reply's error (not a ``duplicate``'s) also

@@ -716,6 +716,11 @@ def test_the_query_in_train_section_is_what_its_rows_give():
     quoted = f"{sum(cold_train) / len(cold_train):.2f} s of the ClientApps' time a round at"
     assert quoted.replace(" ", "") in readme.replace("\n", "").replace(" ", "")
     assert f"{min(train):.2f}-{max(train):.2f} s in the simulation" in readme
+    profile = load("engine-profile-10k.json")
+    share = {k: round(100 * v / profile["samples"]) for k, v in profile["samples_in"].items()}
+    text = " ".join(readme.split())
+    assert f"`_check_stored_messages`) in {share['add_messages_to_queue']} % of the process's samples" in text
+    assert f"the ServerApp in {share['HeteroStrategy.start']} %" in text
 
 
 def test_the_paired_check_with_the_restore_is_what_its_rows_give():
@@ -732,3 +737,10 @@ def test_the_paired_check_with_the_restore_is_what_its_rows_give():
     assert f"printed {span(iteration['fedproto'], 2)} s an iteration" in text
     assert f"ours pays {span([x for xs in outside.values() for x in xs], 0)} s a run" in text
     assert f"against HtFLlib's {span(fixed, 0)} s" in text
+    finals = {}
+    for folder in ("fedtgp-fmnist-htcnn8-paired-restore", "fedtgp-fmnist-htcnn8-paired-start"):
+        report = (ROOT / "results" / "crosscheck" / folder / "report.md").read_text()
+        finals[folder] = next(line for line in report.splitlines() if line.startswith("| local |")).split(" | ")[2:4]
+    ours, theirs = finals["fedtgp-fmnist-htcnn8-paired-start"]
+    assert finals["fedtgp-fmnist-htcnn8-paired-restore"] == ["88.77 ± 0.08"] * 2 and "88.77 ± 0.08 % here" in text
+    assert f"against {ours.split()[0]} / {theirs.split()[0]} on the other machine" in text
