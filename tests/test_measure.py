@@ -24,3 +24,14 @@ def test_run_measured_sees_a_child_processes_memory_and_cpu(tmp_path):
     assert 1.49 <= measured.cpu <= measured.wall
     assert sum(total for _, total in measured.at_peak.values()) == measured.peak_pss
     assert sum(count for count, _ in measured.at_peak.values()) == 2  # the parent and its child
+
+
+def test_run_measured_counts_a_reaped_child_once(tmp_path):
+    """A parent that waits for a child's 1.5 CPU-seconds and then sleeps on: sampled after it reaped the
+    child, the parent's children times hold the child's CPU, which its own sample counted already
+    (counted twice, 3 CPU-seconds, before)."""
+    child = "import time\nwhile time.process_time() < 1.5: pass\ntime.sleep(1.5)"
+    parent = f"import subprocess, sys, time; subprocess.run([sys.executable, '-c', {child!r}]); time.sleep(2.5)"
+    measured = run_measured([sys.executable, "-c", parent], tmp_path, tmp_path / "log")
+    assert measured.code == 0
+    assert 1.49 <= measured.cpu < 2.2
