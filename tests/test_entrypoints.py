@@ -744,3 +744,30 @@ def test_the_paired_check_with_the_restore_is_what_its_rows_give():
     ours, theirs = finals["fedtgp-fmnist-htcnn8-paired-start"]
     assert finals["fedtgp-fmnist-htcnn8-paired-restore"] == ["88.77 ± 0.08"] * 2 and "88.77 ± 0.08 % here" in text
     assert f"against {ours.split()[0]} / {theirs.split()[0]} on the other machine" in text
+
+
+def test_the_bytecode_section_is_what_its_rows_give():
+    """results/scale/README.md's section on the bytecode at install: the table of ``bench.bytecode``'s
+    launches, the seconds it quotes, every launch at the same accuracy, and the profile's shares."""
+    from bench.bytecode import table
+
+    scale = ROOT / "results" / "scale"
+    text = (scale / "README.md").read_text().split("## Bytecode at install")[1].split("\n## ")[0]
+    record = json.loads((scale / "bytecode-launch.json").read_text())
+    assert table(record) in text
+    sides = {side: [r for r in record["launches"] if r["side"] == side] for side in ("source", "bytecode")}
+    outside = {k: sum(r["outside_rounds_seconds"] for r in v) / len(v) for k, v in sides.items()}
+    flat = " ".join(text.split())
+    assert f"pays {outside['bytecode']:.1f} s outside the rounds instead of {outside['source']:.1f} s, half" in flat
+    assert 0.4 < outside["bytecode"] / outside["source"] < 0.6
+    assert len({r["final_accuracy_mean"] for r in record["launches"]}) == 1 and len(record["launches"]) == 6
+    samples = json.loads((scale / "launch-profile-bytecode.json").read_text())["samples"]
+
+    def share(side: str, prefix: str = "") -> str:
+        kinds = [v for k, v in samples[side].items() if k.startswith(prefix)]
+        return f"{100 * sum(v['compiling'] for v in kinds) / sum(v['samples'] for v in kinds):.0f} %"
+
+    assert f"on the stack in {share('source')} of the samples, {share('source', 'ClientApp')} of the ClientApp" in flat
+    assert f"{share('source', 'Ray')} of Ray's five Python agents' and {share('source', 'flwr')} of" in flat
+    bytecode = samples["bytecode"].values()
+    assert f"{100 * sum(v['compiling'] for v in bytecode) / sum(v['samples'] for v in bytecode):.1f} %." in flat
