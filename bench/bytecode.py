@@ -17,8 +17,8 @@ launch. Both with ``PYTHONDONTWRITEBYTECODE=1`` and one torch thread per ClientA
 alternates from pair to pair, so a drift of the machine's speed falls on both sides.
 
 The default run is the capped Fashion-MNIST cross-check's (``presets/fedtgp-fmnist-htcnn8.toml``, 20
-clients of at most 120 examples, Local, 20 rounds, seed 0); ``--preset`` and ``-c`` replace or override
-it. Per launch (:func:`launch`): the wall time, the seconds in the rounds (the last row's
+clients of at most 120 examples, Local, 20 rounds, seed 0): ``-c`` overrides its keys, ``--preset`` replaces
+it (with ``-c`` on top). Per launch (:func:`launch`): the wall time, the seconds in the rounds (the last row's
 ``elapsed_seconds``) and outside them, the CPU time and peak PSS of the whole process tree
 (:func:`bench.measure.run_measured`) and the final accuracy (the two sides train alike). ``--out``
 holds what is done (a rerun skips it) and is rewritten after every launch, the launches' run folders
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(json.loads(args.table.read_text())))
         return 0
     preset = args.preset or DEFAULT_PRESET
-    items = args.run_config or DEFAULT_CONFIG
+    items = args.run_config if args.preset else [*DEFAULT_CONFIG, *args.run_config]
     try:
         read_config(preset, items)  # a bad key or value type fails here, before any launch
     except ConfigError as exc:
@@ -158,7 +158,6 @@ def main(argv: list[str] | None = None) -> int:
                 launch_args, work / f"{side}-{pair}", work / f"{side}-{pair}.log", prefix if side == "source" else None
             )
             record["launches"].append({"side": side, "pair": pair, "started": started, **row})
-            out.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(out, lambda f: f.write(json.dumps(record, indent=1).encode()))
             print(f"pair {pair} {side}: {row}", flush=True)
     print(table(record))

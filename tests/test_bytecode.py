@@ -28,7 +28,8 @@ def test_the_bench_alternates_the_sides_skips_what_is_done_and_tables_both(tmp_p
 
     def fake_launch(args, out, log, prefix):
         side = "source" if prefix is not None else "bytecode"
-        assert out.parent == log.parent == tmp_path / "launches-runs"  # beside --out
+        assert out.parent == log.parent and out.parent.parent == tmp_path  # beside --out,
+        assert out.parent.name.endswith("-runs")  # in <out name>-runs/
         launched.append((side, out.name))
         wall = 80.0 if side == "source" else 60.0 + len(launched)
         return {
@@ -57,13 +58,24 @@ def test_the_bench_alternates_the_sides_skips_what_is_done_and_tables_both(tmp_p
     record = json.loads(out.read_text())
     assert [(r["side"], r["pair"]) for r in record["launches"]][-2:] == [("source", 3), ("bytecode", 3)]
     assert record["command"] == f"python -m bench.bytecode --pairs 3 --out {out}"
-    assert record["run"][:2] == ["--preset", bytecode.DEFAULT_PRESET]
+    assert record["run"] == [
+        "--preset",
+        bytecode.DEFAULT_PRESET,
+        *(a for i in bytecode.DEFAULT_CONFIG for a in ("-c", i)),
+    ]
     table = bytecode.table(record)
     # bytecode walls 62, 63, 66: mean 63.7, population std 1.7; source 80 each
     assert "| source | 3 | 80.0 ± 0.0 | 40.0 ± 0.0 | 40.0 ± 0.0 | 160 ± 0 | 2.00 ± 0.00 |" in table
     assert "| bytecode | 3 | 63.7 ± 1.7 | 23.7 ± 1.7 | 40.0 ± 0.0 | 127 ± 3 | 2.00 ± 0.00 |" in table
     assert table in capsys.readouterr().out
     assert bytecode.main(["--table", str(out)]) == 0 and capsys.readouterr().out.strip() == table
+    # -c overrides the default run's keys (its items come last); --preset replaces the default run
+    other = tmp_path / "other.json"
+    assert bytecode.main(["-c", "method='fedproto'", "--pairs", "1", "--out", str(other)]) == 0
+    assert json.loads(other.read_text())["run"][-2:] == ["-c", "method='fedproto'"]
+    preset = "presets/fedtgp-cifar10-htfe2.toml"
+    assert bytecode.main(["--preset", preset, "--pairs", "1", "--out", str(tmp_path / "preset.json")]) == 0
+    assert json.loads((tmp_path / "preset.json").read_text())["run"] == ["--preset", preset]
 
 
 def test_the_bench_refuses_a_bad_key_before_any_launch(monkeypatch, capsys):
