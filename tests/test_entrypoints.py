@@ -771,3 +771,19 @@ def test_the_bytecode_section_is_what_its_rows_give():
     assert f"{share('source', 'Ray')} of Ray's five Python agents' and {share('source', 'flwr')} of" in flat
     bytecode = samples["bytecode"].values()
     assert f"{100 * sum(v['compiling'] for v in bytecode) / sum(v['samples'] for v in bytecode):.1f} %." in flat
+
+
+def test_the_paired_check_with_the_bytecode_is_what_its_rows_give():
+    """results/scale/README.md's paired Fashion-MNIST check with the bytecode: its table, the ratios, ours
+    at or below HtFLlib's wall time on all three, and the ranges it quotes."""
+    readme = (ROOT / "results" / "scale" / "README.md").read_text()
+    text = " ".join(readme.split("### The paired Fashion-MNIST check with the bytecode")[1].split("\n## ")[0].split())
+    per_round, outside, iteration, fixed, ratios = paired_speed("fedtgp-fmnist-htcnn8-paired-bytecode", text)
+    assert all(wall <= 1 for wall, _ in ratios.values())
+    quoted = ", ".join(f"{m} {ratios[m.lower()][0]:.2f}x" for m in ("Local", "FedProto", "FedTGP"))
+    assert f"({quoted})" in text
+    assert f"({span(per_round['fedproto'], 2)} s a round for FedProto and {span(per_round['fedtgp'], 2)} s" in text
+    assert f"printed {span(iteration['fedproto'], 1)} s and {span(iteration['fedtgp'], 1)} s an iteration" in text
+    assert f"ours pays {span([x for xs in outside.values() for x in xs], 0)} s a run" in text
+    assert f"against HtFLlib's {span(fixed, 0)} s" in text
+    assert f"The CPU is {span([c for _, c in ratios.values()], 2)}x HtFLlib's" in text
