@@ -22,7 +22,8 @@ it (with ``-c`` on top). Per launch (:func:`launch`): the wall time, the seconds
 ``elapsed_seconds``) and outside them, the CPU time and peak PSS of the whole process tree
 (:func:`bench.measure.run_measured`) and the final accuracy (the two sides train alike). ``--out``
 holds what is done (a rerun skips it) and is rewritten after every launch, the launches' run folders
-and logs go beside it (``<out name>-runs/``); ``--table`` prints the table of a file (:func:`table`).
+and logs go beside it (``<out name>-runs/<side>-<pair>/``); ``--table`` prints the table of a file
+(:func:`table`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.measure import git_head, run_measured
+from bench.measure import git_head
+from bench.our_side import run_ours
 from common.errors import ConfigError
 from common.files import atomic_write, read_rows, read_summary
 from tools.runconfig import ROOT, add_config_arguments, read_config
@@ -66,31 +68,26 @@ def stdlib_bytecode(prefix: Path) -> None:
         sys.pycache_prefix = old
 
 
-def launch(args: list[str], out: Path, log: Path, prefix: Path | None) -> dict:
-    """One ``tools.run`` launch with ``args`` (``output-dir`` ``out``), its output in ``log``;
-    ``prefix``: the ``PYTHONPYCACHEPREFIX`` of the ``source`` side (None: the installed bytecode).
+def launch(items: list[str], preset: str, seed: int, out: Path, prefix: Path | None) -> dict:
+    """One launch of run config ``preset`` + ``items`` (training seed ``seed``) into ``out``, as a
+    cross-check runs ours (:func:`bench.our_side.run_ours`: one thread per ClientApp, a completed launch
+    in ``out`` reused, a faulty one refused); ``prefix``: the ``PYTHONPYCACHEPREFIX`` of the ``source``
+    side (None: the installed bytecode).
 
     Raises:
-        RuntimeError: the launch exited non-zero or left no rows (the log's path is named).
+        RuntimeError: the launch did not complete, or completed with faults (see ``run_ours``).
     """
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    env.pop("PYTHONPYCACHEPREFIX", None)
-    if prefix is not None:
-        env["PYTHONPYCACHEPREFIX"] = str(prefix)
-    cmd = [sys.executable, "-m", "tools.run", "--cpus-per-client", "1", *args, "-c", f"output-dir='{out}'"]
-    measured = run_measured(cmd, ROOT, log, env)
-    folders = sorted(out.glob("*/summary.json"))
-    if measured.code != 0 or not folders:
-        raise RuntimeError(f"the launch exited {measured.code}; see {log}")
-    rows, summary = read_rows(folders[-1].parent), read_summary(folders[-1].parent)
-    in_rounds = rows[-1]["elapsed_seconds"]
+    # an empty PYTHONPYCACHEPREFIX counts as unset: the bytecode side ignores one this process inherited
+    env = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": str(prefix) if prefix is not None else ""}
+    ran = run_ours(items, preset, seed, out, threads=1, env=env)
+    in_rounds = read_rows(ran["folder"])[-1]["elapsed_seconds"]
     return {
-        "wall_seconds": round(measured.wall, 2),
+        "wall_seconds": round(ran["wall_seconds"], 2),
         "in_rounds_seconds": round(in_rounds, 2),
-        "outside_rounds_seconds": round(measured.wall - in_rounds, 2),
-        "cpu_seconds": round(measured.cpu, 1),
-        "peak_pss_gib": round(measured.peak_pss / 2**30, 3),
-        "final_accuracy_mean": summary["final_accuracy_mean"],
+        "outside_rounds_seconds": round(ran["wall_seconds"] - in_rounds, 2),
+        "cpu_seconds": round(ran["cpu_seconds"], 1),
+        "peak_pss_gib": round(ran["peak_pss_gib"], 3),
+        "final_accuracy_mean": read_summary(ran["folder"])["final_accuracy_mean"],
     }
 
 
@@ -128,18 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     preset = args.preset or DEFAULT_PRESET
     items = args.run_config if args.preset else [*DEFAULT_CONFIG, *args.run_config]
     try:
-        read_config(preset, items)  # a bad key or value type fails here, before any launch
+        config, _ = read_config(preset, items)  # a bad key or value type fails here, before any launch
     except ConfigError as exc:
         print(f"error: {exc}")
         return 2
-    launch_args = ["--preset", preset, *(a for item in items for a in ("-c", item))]
     out = args.out or Path(tempfile.mkdtemp(prefix="bytecode-")) / "launches.json"
     record = json.loads(out.read_text()) if out.exists() else {"launches": []}
     record.update(
         {
             "what": "tools.run launches without the installed packages' bytecode (source) and with it, alternately",
             "command": "python -m bench.bytecode " + " ".join(sys.argv[1:] if argv is None else argv),
-            "run": launch_args,
+            "run": ["--preset", preset, *(a for item in items for a in ("-c", item))],
             "commit": git_head(ROOT),
             "cpus": os.cpu_count(),
             "units": "seconds (wall, in / outside the rounds, CPU of the process tree); GiB; accuracy a fraction",
@@ -154,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             if any(r["pair"] == pair and r["side"] == side for r in record["launches"]):
                 continue
             started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            row = launch(
-                launch_args, work / f"{side}-{pair}", work / f"{side}-{pair}.log", prefix if side == "source" else None
-            )
+            row = launch(items, preset, config["seed"], work / f"{side}-{pair}", prefix if side == "source" else None)
             record["launches"].append({"side": side, "pair": pair, "started": started, **row})
             atomic_write(out, lambda f: f.write(json.dumps(record, indent=1).encode()))
             print(f"pair {pair} {side}: {row}", flush=True)

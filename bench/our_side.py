@@ -117,11 +117,13 @@ def run_ours(
     out: Path,
     metric: str = "accuracy_weighted",
     threads: int = CLIENT_THREADS,
+    env: dict[str, str] | None = None,
 ) -> dict:
     """Run ours (``tools.run``, ``threads`` CPUs per client and ``OMP_NUM_THREADS`` = ``threads``) for
     one training seed into ``out``, or reuse its completed run when that ran the same whole run config
     (the preset's content and every override; any other is run again) with the same threads and has
-    no fault (:func:`run_faults`).
+    no fault (:func:`run_faults`). ``env``: environment variables set for the launch besides
+    (``bench.bytecode``: where Python looks for bytecode).
 
     Returns:
         ``{"curve": [row key metric by round], "metric", "command", "config", "threads",
@@ -150,7 +152,8 @@ def run_ours(
     out.mkdir(parents=True, exist_ok=True)
     earlier = set(out.glob("*/summary.json"))  # a run cut off before: this one starts again from round 1
     log = out / "ours.log"
-    code, wall, cpu, peak_pss, _ = run_measured(cmd, ROOT, log, {**os.environ, "OMP_NUM_THREADS": str(threads)})
+    launch_env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})}
+    code, wall, cpu, peak_pss, _ = run_measured(cmd, ROOT, log, launch_env)
     folders = sorted(p.parent for p in set(out.glob("*/summary.json")) - earlier)
     if not folders:
         raise RuntimeError(f"our run (seed {seed}) left no run folder: {failure_cause(log)}; log {log}")

@@ -24,13 +24,13 @@ def test_the_bench_alternates_the_sides_skips_what_is_done_and_tables_both(tmp_p
     """Pairs alternate which side launches first; only the ``source`` side gets the prefix holding the
     standard library's bytecode; a rerun with more pairs launches only the new ones; the table gives
     each side's count, means and population stds."""
-    launched = []
+    launched, seeds = [], []
 
-    def fake_launch(args, out, log, prefix):
+    def fake_launch(items, preset, seed, out, prefix):
         side = "source" if prefix is not None else "bytecode"
-        assert out.parent == log.parent and out.parent.parent == tmp_path  # beside --out,
-        assert out.parent.name.endswith("-runs")  # in <out name>-runs/
+        assert out.parent.parent == tmp_path and out.parent.name.endswith("-runs")  # in <out name>-runs/
         launched.append((side, out.name))
+        seeds.append(seed)
         wall = 80.0 if side == "source" else 60.0 + len(launched)
         return {
             "wall_seconds": wall,
@@ -53,6 +53,7 @@ def test_the_bench_alternates_the_sides_skips_what_is_done_and_tables_both(tmp_p
         ("source", "source-2"),
     ]
     assert prefixes and prefixes[0].name == "stdlib-bytecode"
+    assert seeds == [0] * 4  # the default run's training seed, as the config gives it
     assert bytecode.main(["--pairs", "3", "--out", str(out)]) == 0
     assert launched[4:] == [("source", "source-3"), ("bytecode", "bytecode-3")]
     record = json.loads(out.read_text())
