@@ -418,3 +418,28 @@ def test_an_item_flower_cannot_parse_is_named_with_exit_2(monkeypatch, capsys):
     assert launcher.main(["-c", "lr=[1"]) == 2
     out = capsys.readouterr().out
     assert "run config overrides ['lr=[1'] cannot be parsed: The provided configuration string" in out
+
+
+@pytest.mark.parametrize("user", [None, "15"])
+def test_the_launch_starts_ray_workers_at_niceness_0_unless_the_user_sets_it(tmp_path, monkeypatch, user):
+    """Ray's own default (`worker_niceness` 15) puts the ClientApp actors below Flower's engine; the
+    launch's environment, which flwr-simulation and its Ray instance inherit, sets 0, and a user's
+    ``RAY_worker_niceness`` stands."""
+    if user is None:
+        monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    else:
+        monkeypatch.setenv("RAY_worker_niceness", user)
+    seen: dict = {}
+
+    class Started(Exception):
+        pass
+
+    def start_superlink(env: dict, home: Path):
+        seen.update(env)
+        raise Started
+
+    monkeypatch.setattr(launcher, "start_superlink", start_superlink)
+    args = argparse.Namespace(ray_address=ray_cluster.LOCAL_RAY, gpus_per_client=None, cpus_per_client=1)
+    with pytest.raises(Started):
+        launcher._launch(tmp_path, args, {"output-dir": str(tmp_path)}, 2, False)
+    assert seen["RAY_worker_niceness"] == (user or "0")

@@ -238,6 +238,11 @@ def _launch(home: Path, args, config: dict, supernodes: int, gpu: bool) -> int:
     stopped and a run folder left ``running`` gets a final status."""
     bin_dir = str(Path(sys.executable).parent)  # flower-superexec etc. must be on PATH for the SuperLink
     env = {
+        # Ray starts its workers, here the ClientApp actors that do the run's work, at niceness 15 (its
+        # system config `worker_niceness`) below Flower's engine in flwr-simulation, which at 10,000
+        # nodes spends most of a core looking for each node's next message: at equal priority the
+        # ClientApps get their share of the cores (results/scale/README.md). A value set by the user wins.
+        "RAY_worker_niceness": "0",
         **os.environ,
         "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
         "FLWR_HOME": str(home),
