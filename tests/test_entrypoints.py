@@ -793,3 +793,20 @@ def test_the_paired_check_with_the_bytecode_is_what_its_rows_give():
     assert f"ours pays {span([x for xs in outside.values() for x in xs], 0)} s a run" in text
     assert f"against HtFLlib's {span(fixed, 0)} s" in text
     assert f"The CPU is {span([c for _, c in ratios.values()], 2)}x HtFLlib's" in text
+
+
+def test_the_niceness_table_is_what_its_rows_give():
+    """results/scale/README.md's niceness table: each N's later rounds (mean and range) and their ratio
+    to N = 100 under both settings, and the quoted gain at 10,000 clients, from the two JSONs."""
+    scale = ROOT / "results" / "scale"
+    text = " ".join((scale / "README.md").read_text().split())
+    runs = [json.loads((scale / f"simulation-niceness-{n}.json").read_text()) for n in (0, 15)]
+    means = [[statistics.mean(r["round_seconds"][1:]) for r in rows] for rows in runs]
+    for i, n in enumerate((100, 1000, 10000)):
+        cells = []
+        for rows, mean in zip(runs, means):
+            later = rows[i]["round_seconds"][1:]
+            assert f"num-clients={n} " in rows[i]["command"]
+            cells.append(f"{mean[i]:.2f} s ({min(later):.2f}-{max(later):.2f}) | {mean[i] / mean[0]:.2f}x")
+        assert f"| {n:,} | {cells[0]} | {cells[1]} |" in text
+    assert f"{round(100 * (1 - means[0][2] / means[1][2]))} % faster" in text
