@@ -16,7 +16,7 @@ another (each within the 30 s the machine stays warm)::
 
     carry [".gpu/1"]:  python3 -m bench.gpu_check stage .gpu/1
     ...
-    carry [".gpu/n"]:  python3 -m bench.gpu_check run .gpu/n --out $OUT
+    carry [".gpu/n"]:  python3 -m bench.gpu_check run .gpu/n --out $OUT [-- <bench.gpu_measure options>]
 
 ``stage`` keeps a carried part in :data:`STAGE`; ``run`` stages the last part, joins every file
 from its pieces (each file's SHA-256 checked, ``plan.json``), makes a virtual environment that sees
@@ -316,10 +316,11 @@ def make_environment(venv: Path, wheels: list[Path]) -> Path:
 DRY_RUN = ("--device", "cpu", "--rounds", "1", "--examples", "40", "--minutes", "4")
 
 
-def run(part: Path, out: Path, dry_run: bool = False) -> int:
+def run(part: Path, out: Path, dry_run: bool = False, measure: tuple[str, ...] = ()) -> int:
     """Stage the last part, rebuild the tree from every staged piece under :data:`STAGE`, install the
     wheels into an environment there and run :mod:`bench.gpu_measure` in it (with ``dry_run``, on
-    the CPU with :data:`DRY_RUN`'s small settings); its exit status.
+    the CPU with :data:`DRY_RUN`'s small settings; ``measure`` after them, so a later option wins:
+    ``--steps``, ``--gpus-per-client``, ``--minutes`` to fit the device time left); its exit status.
 
     Raises:
         RuntimeError: a piece is missing or a joined file is damaged (:func:`join_pieces`).
@@ -333,7 +334,7 @@ def run(part: Path, out: Path, dry_run: bool = False) -> int:
     cmd = [str(python), "-m", "bench.gpu_measure", "--data-dir", str(tree / "data"), "--out", str(out)]
     if plan["htfllib"]:
         cmd += ["--htfllib", str(tree / "htfllib")]
-    cmd += list(DRY_RUN) if dry_run else []
+    cmd += (list(DRY_RUN) if dry_run else []) + list(measure)
     env = {**os.environ, "PATH": f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode
 
@@ -352,7 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("part", type=Path)
     r.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "outputs/gpu-check")))
     r.add_argument("--dry-run", action="store_true", help="on the CPU with small settings (a check without a GPU)")
-    args = parser.parse_args(argv)
+    # what follows "--" goes to bench.gpu_measure as it stands (its own parser checks it there)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    measure = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: len(argv) - len(measure) - 1] if "--" in argv else argv)
+    if measure and args.step != "run":
+        parser.error(f"arguments after -- ({' '.join(measure)}) are for run only")
     if args.step == "prepare":
         try:
             plan = prepare(args.out, args.data_dir, args.htfllib, args.python_version)
@@ -372,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         print("staged: " + ", ".join(str(f) for f in stage(args.part)))
         return 0
     try:
-        return run(args.part, args.out, args.dry_run)
+        return run(args.part, args.out, args.dry_run, tuple(measure))
     except (RuntimeError, subprocess.CalledProcessError) as exc:
         print(f"error: {exc}")
         return 1

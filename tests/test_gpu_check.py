@@ -128,3 +128,16 @@ def test_a_dry_run_measure_refuses_a_data_folder_without_cifar10(tmp_path, capsy
     with pytest.raises(SystemExit):
         gpu_measure.main(["--data-dir", str(tmp_path), "--out", str(tmp_path / "out")])
     assert "no cifar10/ folder in it" in capsys.readouterr().err
+
+
+def test_run_passes_what_follows_the_separator_to_the_measure(tmp_path, monkeypatch, capsys):
+    seen = {}
+    monkeypatch.setattr(gpu_check, "run", lambda part, out, dry_run, measure: seen.update(measure=measure) or 0)
+    (tmp_path / "4").mkdir()
+    argv = ["run", str(tmp_path / "4"), "--out", str(tmp_path), "--", "--steps", "simulation", "--minutes", "4"]
+    assert gpu_check.main(argv) == 0
+    assert seen["measure"] == ("--steps", "simulation", "--minutes", "4")
+    assert gpu_check.main(["run", str(tmp_path / "4")]) == 0 and seen["measure"] == ()
+    with pytest.raises(SystemExit):
+        gpu_check.main(["stage", str(tmp_path / "4"), "--", "--steps", "simulation"])
+    assert "are for run only" in capsys.readouterr().err
