@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -616,6 +617,95 @@ def test_the_gpu_check_numbers_are_what_its_files_give():
         in running
     )
     assert f"at {min(ratios):.2f}-{max(ratios):.2f}x of a plain PyTorch loop" in running
+
+
+def test_the_second_gpu_check_numbers_are_what_its_files_give():
+    """results/scale/gpu-h200/2026-12-04/README.md: the throughput table, the table of both GPU shares
+    against HtFLlib and the ratios quoted under it regenerate from that run's files."""
+    base = ROOT / "results" / "scale" / "gpu-h200" / "2026-12-04"
+    text = " ".join((base / "README.md").read_text().split())
+    speed, ratios = {}, []
+    for entry in json.loads((base / "throughput.json").read_text()):
+        ours, plain = entry["images_per_second"]["ours"], entry["images_per_second"]["plain"]
+        speed.setdefault(entry["arch"], []).append(f"{ours:.0f} / {plain:.0f} ({ours / plain:.2f})")
+        ratios.append(ours / plain)
+    for arch, cells in speed.items():
+        assert f"| {arch} | {' | '.join(cells)} |" in text
+    assert f"Ours runs at {min(ratios):.2f}-{max(ratios):.2f}x of the plain loop" in text
+
+    report = json.loads((base / "gpu_check.json").read_text())
+    ref = json.loads((base / "htfllib-fedtgp-seed-0.json").read_text())
+    ref_gpu = json.loads((base / "gpu_check-htfllib.json").read_text())["htfllib"]["result"]["gpu_peak_mib"]
+    shares = ("0.25", "0.5")
+    ours = {g: report[f"simulation-gpus-{g}"]["result"] for g in shares}
+    rows = {
+        g: [json.loads(line) for line in (base / f"ours-fedtgp-gpus-{g}-metrics.jsonl").read_text().splitlines()]
+        for g in shares
+    }
+
+    def listed(xs, scale=1):
+        return ", ".join(f"{scale * x:.2f}" for x in xs)
+
+    def cells(values):
+        return " | ".join(values)
+
+    iterations = f"{listed(ref['iteration_seconds'])} (its 4 iterations)"
+    assert f"| seconds per round | {cells(listed(ours[g]['round_seconds']) for g in shares)} | {iterations} |" in text
+    walls = [
+        f"{o['wall_seconds']:.1f} (to round 1: {sum(o['startup_seconds'].values()):.1f}, "
+        f"of which the launcher {o['startup_seconds']['launcher']:.1f})"
+        for o in ours.values()
+    ]
+    assert f"| wall seconds | {cells(walls)} | {ref['wall_seconds']:.1f} |" in text
+    accuracy = [f"{listed([r['accuracy_weighted'] for r in rows[g]], 100)} %" for g in shares]
+    assert f"| {cells(accuracy)} | {listed(ref['curve'], 100)} % |" in text
+    gpu_in_use = [f"{ours[g]['gpu_peak_mib']} MiB" for g in shares]
+    assert f"| {cells(gpu_in_use)} | {ref_gpu} MiB |" in text
+    peaks = [[c["peak_mib"] for r in rows[g] for c in r["gpu_per_client"].values()] for g in shares]
+    assert f"| {cells(f'{min(p):.0f}-{max(p):.0f} MiB' for p in peaks)} | - |" in text
+    pss = [f"{ours[g]['peak_pss_gib']:.2f} GiB" for g in shares]
+    assert f"| {cells(pss)} | {ref['peak_pss_gib']:.2f} GiB |" in text
+    theirs = statistics.mean(ref["iteration_seconds"][1:3])
+    mine = {g: statistics.mean(ours[g]["round_seconds"][1:]) for g in shares}
+    for g, said in (("0.25", "an iteration of HtFLlib's (the mean of its iterations 1-2) with"), ("0.5", "with")):
+        assert f"{mine[g] / theirs:.2f}x {said} the {g} share ({mine[g]:.2f} s against {theirs:.2f} s)" in text
+    assert f"made a round {mine['0.5'] / mine['0.25']:.2f}x longer" in text
+    log = (base / "gpu_check.log").read_text()
+    images = re.findall(r"fedavgcnn ([\d.]+), resnet18 ([\d.]+)", log)
+    (cnn_25, resnet_25), (cnn_5, resnet_5) = [(float(a), float(b)) for a, b in images]
+    assert (
+        f"(FedAvgCNN {cnn_5:.0f} against {cnn_25:.0f} images/s, ResNet-18 {resnet_5:.0f} against {resnet_25:.0f}"
+        in text
+    )
+    actors = ours["0.5"]["pss_mib_at_peak"]["ray::ClientAppActor.run"]
+    assert f"the two training actors held {actors[1]:.0f} MiB of the {ours['0.5']['peak_pss_gib']:.2f} GiB" in text
+    iteration_range = f"{min(ref['iteration_seconds']):.1f}-{max(ref['iteration_seconds']):.1f} s here"
+    assert f"HtFLlib's iterations took {iteration_range}" in text
+    first = json.loads((base.parent / "gpu_check-call2.json").read_text())["simulation-gpus-0.25"]["result"]
+    first_ref = json.loads((base.parent / "htfllib-fedtgp-seed-0.json").read_text())["iteration_seconds"]
+    there = statistics.mean(first["round_seconds"][1:]) / statistics.mean(first_ref[1:3])
+    assert f"({mine['0.25'] / theirs:.2f}x here, {there:.2f}x there)" in text
+    assert f"against {min(first_ref):.1f}-{max(first_ref):.1f} s there" in text
+    ours_then, theirs_then = statistics.mean(first["round_seconds"][1:]), statistics.mean(first_ref[1:3])
+    assert f"took {mine['0.25']:.2f} s against {ours_then:.2f} s there ({mine['0.25'] / ours_then:.2f}x)" in text
+    assert f"{theirs:.2f} s against {theirs_then:.2f} s ({theirs / theirs_then:.2f}x)" in text
+    running = " ".join((ROOT / "docs" / "running.md").read_text().split())
+    final = [f"{100 * rows[g][-1]['accuracy_weighted']:.2f}" for g in shares]
+    gpu = [ours[g]["gpu_peak_mib"] for g in shares]
+    memory = [f"{ours[g]['peak_pss_gib']:.2f}" for g in shares]
+    assert (
+        f"took {mine['0.25']:.2f} s with `--gpus-per-client 0.25` (4 ClientApps on the GPU) and {mine['0.5']:.2f} s "
+        f"with 0.5 (2 ClientApps), against {theirs:.2f} s for an iteration of HtFLlib's FedTGP on that machine "
+        f"({mine['0.25'] / theirs:.2f}x and {mine['0.5'] / theirs:.2f}x), at {final[0]} and {final[1]} % pooled "
+        f"accuracy after round 3 against {100 * ref['curve'][-1]:.2f} %; {gpu[0]} and {gpu[1]} MiB of GPU "
+        f"memory in use against HtFLlib's {ref_gpu} MiB, and {memory[0]} and {memory[1]} GiB of process memory "
+        f"against {ref['peak_pss_gib']:.2f} GiB" in running
+    )
+    assert f"round {mine['0.5'] / mine['0.25']:.2f}x longer with half of them" in running
+    assert (
+        f"{theirs / theirs_then:.2f}x as long as on the first machine and ours {mine['0.25'] / ours_then:.2f}x"
+        in running
+    )
 
 
 def test_htfllib_one_float_step_off_parts_as_far_as_its_readme_says():
