@@ -885,6 +885,53 @@ def test_the_paired_check_with_the_bytecode_is_what_its_rows_give():
     assert f"The CPU is {span([c for _, c in ratios.values()], 2)}x HtFLlib's" in text
 
 
+def test_the_three_sizes_on_another_machine_are_what_their_rows_give():
+    """results/scale/README.md, "The three sizes on another machine": both tables, the 2.20x, the
+    engine trial, the handler seconds and the profile's entries, from the committed JSONs."""
+    from bench.simulation import scale_table
+
+    scale = ROOT / "results" / "scale"
+    text = " ".join((scale / "README.md").read_text().split())
+    runs = {k: json.loads((scale / f"simulation-2026-12-04-{k}.json").read_text()) for k in "ab"}
+    for rows in runs.values():
+        for line in scale_table(rows).splitlines()[2:]:
+            assert " ".join(line.split()) in text
+    mean = {k: [statistics.mean(r["round_seconds"][1:]) for r in rows] for k, rows in runs.items()}
+    assert {f"{m[2] / m[0]:.2f}" for m in mean.values()} == {"2.20"}
+    assert "costs 2.20x the same round at 100 in both repetitions" in text
+    before = json.loads((scale / "simulation-niceness-0.json").read_text())
+    there = [statistics.mean(r["round_seconds"][1:]) for r in before]
+    assert f"({there[2] / there[0]:.2f}x there)" in text
+    shares = [m / t for ms in mean.values() for m, t in zip(ms, there)]
+    assert f"took {min(shares):.2f}-{max(shares):.2f}x of the same N's in the niceness table" in text
+    (trial,) = json.loads((scale / "simulation-2026-12-04-engine-nice10.json").read_text())
+    later = trial["round_seconds"][1:]
+    said = f"{statistics.mean(later):.2f} s ({min(later):.2f}-{max(later):.2f}) against {mean['a'][2]:.2f} s"
+    assert said in text
+    handler = [statistics.mean(r["client_handler_seconds"][1:]) for r in runs["a"]]
+    assert f"{handler[2]:.2f} s a round at 10,000 against {handler[0]:.2f} s at 100" in text
+    profile = {
+        r["entry"].strip(): r for r in json.loads((scale / "inprocess-profile-2026-12-04.json").read_text())["rows"]
+    }
+
+    def at(entry):
+        row = profile[entry]
+        return f"{row['seconds_10000']:.2f} s against {row['seconds_100']:.2f} s"
+
+    assert f"model build took {at('model build (common/runtime.py build)')}" in text
+    assert f"`uniform_` ({at('of it torch uniform_ (initialisation)')})" in text
+    save = profile["state save (common/runtime.py save_model)"]
+    assert (
+        f"state save took {at('state save (common/runtime.py save_model)')} for the same {save['calls_100']} saves"
+        in text
+    )
+    select = profile["of it datasets Dataset.select"]
+    per = 1000 * select["seconds_10000"] / select["calls_10000"]
+    assert f"took {per:.1f} ms a partition ({select['seconds_10000']:.2f} s for {select['calls_10000']})" in text
+    new_clients = f"({select['calls_100']} new clients, all in round 1) against 10,000 ({select['calls_10000']} new)"
+    assert f"at 100 clients {new_clients}" in text
+
+
 def test_the_niceness_table_is_what_its_rows_give():
     """results/scale/README.md's niceness table: each N's later rounds (mean and range) and their ratio
     to N = 100 under both settings, and the quoted gain at 10,000 clients, from the two JSONs."""
