@@ -456,6 +456,22 @@ def test_the_committed_memory_table_is_what_its_files_give():
     assert f"in {sum(run['startup_seconds'].values()):.1f} s (`ours-bytecode-cold-cache.json`" in text
     ratio = run["peak_pss_gib"] / load("htfllib-crosscheck.json")["peak_pss_gib"]
     assert f"its peak is no lower: {run['peak_pss_gib']:.2f} GiB, {ratio:.1f}x HtFLlib's" in text
+    reference = load("htfllib-crosscheck.json")["peak_pss_gib"]
+    (default,), (one,) = load("ours-2026-12-04-default.json"), load("ours-2026-12-04-cpus-per-client-2.json")
+    assert (
+        f"| {default['pss_mib_at_peak']['ray::ClientAppActor.run'][1]:,.0f} MiB |"
+        in rows["ours-2026-12-04-default.json"]
+    )
+    actors = one["pss_mib_at_peak"]["ray::ClientAppActor.run"]
+    assert actors[0] == 1 and f"| one actor: {actors[1]:,.0f} MiB |" in rows["ours-2026-12-04-cpus-per-client-2.json"]
+    for name, run in (("ours-2026-12-04-default.json", default), ("ours-2026-12-04-cpus-per-client-2.json", one)):
+        at_peak = run["pss_mib_at_peak"]["flwr-simulation"][1]
+        assert f"| {run['peak_pss_gib']:.2f} GiB |" in rows[name] and f"| {at_peak:.0f} MiB |" in rows[name]
+    assert (
+        f"by default {default['peak_pss_gib']:.2f} GiB ({default['peak_pss_gib'] / reference:.1f}x HtFLlib's), "
+        f"and with one ClientApp of 2 threads {one['peak_pss_gib']:.2f} GiB ({one['peak_pss_gib'] / reference:.1f}x)"
+    ) in text
+    assert f"({one['round_seconds'][1]:.2f} s against {default['round_seconds'][1]:.2f} s for round 2" in text
 
 
 def paired_speed(
