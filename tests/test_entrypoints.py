@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import zipfile
+from pathlib import Path
 
 import psutil
 import pytest
@@ -585,11 +586,10 @@ def test_the_launch_start_section_is_what_its_rows_and_launches_give():
     assert f"{said}, {spread('before', 'wall_seconds')} and {spread('after', 'wall_seconds')} a launch" in text
 
 
-def test_the_gpu_check_numbers_are_what_its_files_give():
-    """results/scale/gpu-h200/README.md: the throughput table and the FedTGP table regenerate from the
-    committed files of the H200 check."""
-    base = ROOT / "results" / "scale" / "gpu-h200"
-    text = " ".join((base / "README.md").read_text().split())
+def gpu_throughput_table(base: Path, text: str) -> list[float]:
+    """Check a GPU check README's throughput table (``text``, whitespace joined) against the
+    ``throughput.json`` in ``base``: one row per architecture, ours / plain images per second and
+    their ratio per batch size. Returns the ratios."""
     speed, ratios = {}, []
     for entry in json.loads((base / "throughput.json").read_text()):
         ours, plain = entry["images_per_second"]["ours"], entry["images_per_second"]["plain"]
@@ -597,15 +597,26 @@ def test_the_gpu_check_numbers_are_what_its_files_give():
         ratios.append(ours / plain)
     for arch, cells in speed.items():
         assert f"| {arch} | {' | '.join(cells)} |" in text
+    return ratios
+
+
+def listed(xs, scale=1):
+    """Seconds or fractions (times ``scale``) as a README lists them: ``1.23, 4.56``."""
+    return ", ".join(f"{scale * x:.2f}" for x in xs)
+
+
+def test_the_gpu_check_numbers_are_what_its_files_give():
+    """results/scale/gpu-h200/README.md: the throughput table and the FedTGP table regenerate from the
+    committed files of the H200 check."""
+    base = ROOT / "results" / "scale" / "gpu-h200"
+    text = " ".join((base / "README.md").read_text().split())
+    ratios = gpu_throughput_table(base, text)
     assert f"{min(ratios):.2f}-{max(ratios):.2f}x of the plain loop" in text
 
     ours = json.loads((base / "gpu_check-call2.json").read_text())["simulation-gpus-0.25"]["result"]
     ref = json.loads((base / "htfllib-fedtgp-seed-0.json").read_text())
     ref_gpu = json.loads((base / "gpu_check-call1.json").read_text())["htfllib"]["result"]["gpu_peak_mib"]
     rows = [json.loads(line) for line in (base / "ours-fedtgp-gpus-0.25-metrics.jsonl").read_text().splitlines()]
-
-    def listed(xs, scale=1):
-        return ", ".join(f"{scale * x:.2f}" for x in xs)
 
     assert f"| {listed(ours['round_seconds'])} | {listed(ref['iteration_seconds'])} (its 4 iterations) |" in text
     start = ours["startup_seconds"]
@@ -640,13 +651,7 @@ def test_the_second_gpu_check_numbers_are_what_its_files_give():
     against HtFLlib and the ratios quoted under it regenerate from that run's files."""
     base = ROOT / "results" / "scale" / "gpu-h200" / "2026-12-04"
     text = " ".join((base / "README.md").read_text().split())
-    speed, ratios = {}, []
-    for entry in json.loads((base / "throughput.json").read_text()):
-        ours, plain = entry["images_per_second"]["ours"], entry["images_per_second"]["plain"]
-        speed.setdefault(entry["arch"], []).append(f"{ours:.0f} / {plain:.0f} ({ours / plain:.2f})")
-        ratios.append(ours / plain)
-    for arch, cells in speed.items():
-        assert f"| {arch} | {' | '.join(cells)} |" in text
+    ratios = gpu_throughput_table(base, text)
     assert f"Ours runs at {min(ratios):.2f}-{max(ratios):.2f}x of the plain loop" in text
 
     report = json.loads((base / "gpu_check.json").read_text())
@@ -658,9 +663,6 @@ def test_the_second_gpu_check_numbers_are_what_its_files_give():
         g: [json.loads(line) for line in (base / f"ours-fedtgp-gpus-{g}-metrics.jsonl").read_text().splitlines()]
         for g in shares
     }
-
-    def listed(xs, scale=1):
-        return ", ".join(f"{scale * x:.2f}" for x in xs)
 
     def cells(values):
         return " | ".join(values)
