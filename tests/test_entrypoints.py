@@ -903,22 +903,24 @@ def test_the_paired_check_with_the_bytecode_is_what_its_rows_give():
     assert f"The CPU is {span([c for _, c in ratios.values()], 2)}x HtFLlib's" in text
 
 
-def test_the_paired_check_at_niceness_0_is_what_its_rows_give():
-    """results/scale/README.md's paired Fashion-MNIST check at the ClientApps' new priority: its table,
-    ours at or below HtFLlib's wall time on all three, and the ranges it quotes."""
+@pytest.mark.parametrize("dataset, folder", [("Fashion-MNIST", "fmnist-htcnn8"), ("CIFAR-10", "cifar10-htfe2")])
+def test_the_paired_check_at_niceness_0_is_what_its_rows_give(dataset, folder):
+    """results/scale/README.md's paired check at the ClientApps' new priority, on each dataset: its
+    table, ours at or below HtFLlib's wall time on all three, and the ranges it quotes."""
     readme = (ROOT / "results" / "scale" / "README.md").read_text()
-    section = "### The paired Fashion-MNIST check at the ClientApps' new priority"
-    text = " ".join(readme.split(section)[1].split("\n## ")[0].split())
-    per_round, outside, iteration, fixed, ratios = paired_speed("fedtgp-fmnist-htcnn8-paired-nice0", text)
+    section = f"### The paired {dataset} check at the ClientApps' new priority"
+    text = " ".join(readme.split(section)[1].split("\n#")[0].split())
+    folder = f"fedtgp-{folder}-paired-nice0"
+    per_round, outside, iteration, fixed, ratios = paired_speed(folder, text)
     assert all(wall <= 1 for wall, _ in ratios.values())
     quoted = ", ".join(f"{m} {ratios[m.lower()][0]:.2f}x" for m in ("Local", "FedProto", "FedTGP"))
     assert f"({quoted})" in text
-    assert f"({span(per_round['fedproto'], 2)} s a round for FedProto and {span(per_round['fedtgp'], 2)} s" in text
+    assert f"{span(per_round['fedproto'], 2)} s a round for FedProto and {span(per_round['fedtgp'], 2)} s" in text
     assert f"printed {span(iteration['fedproto'], 1)} s and {span(iteration['fedtgp'], 1)} s an iteration" in text
     assert f"ours pays {span([x for xs in outside.values() for x in xs], 0)} s a run" in text
     assert f"against HtFLlib's {span(fixed, 0)} s" in text
     assert f"The CPU is {span([c for _, c in ratios.values()], 2)}x HtFLlib's" in text
-    report = (ROOT / "results" / "crosscheck" / "fedtgp-fmnist-htcnn8-paired-nice0" / "report.md").read_text()
+    report = (ROOT / "results" / "crosscheck" / folder / "report.md").read_text()
     verdicts = {line.split(" | ")[0][2:]: line.split(" | ")[1] for line in report.splitlines() if line.startswith("| ")}
     assert verdicts["local"] == "identical" and verdicts["fedproto"].startswith("within seed spread")
 
