@@ -84,7 +84,14 @@ def test_the_superexec_starts_beside_the_superlink_and_goes_with_it(tmp_path):
     env = {**os.environ, "FLWR_HOME": str(tmp_path)}
     superlink, address = launcher.start_superlink(env, tmp_path)
     try:
-        (superexec,) = [p for p in psutil.Process().children() if "flower-superexec" in " ".join(p.cmdline())]
+        # a child shows the parent's command line until its exec: look again until both have exec'd
+        deadline = time.monotonic() + 30
+        while True:
+            found = [p for p in psutil.Process().children() if "flower-superexec" in " ".join(p.cmdline())]
+            if found or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        (superexec,) = found
         assert superexec.cmdline()[-4:] == ["--runtime-api-address", address, "--parent-pid", str(superlink.pid)]
         launcher.wait_healthy(superlink, address, tmp_path)
         assert superexec.is_running()
