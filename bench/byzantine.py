@@ -86,15 +86,21 @@ def setting(key: str, value: float) -> Callable[[int], Attack]:
     return lambda seed: lambda arrays: {**arrays, key: np.full_like(arrays[key], value)}
 
 
-def every_class(values: str, labels: str, value: float, next_class: bool = False) -> Callable[[int], Attack]:
-    """Per-class uploads (prototypes, LARs, logits): a row for each of the 10 classes, held or not,
-    every entry ``value``; with ``next_class`` row c is ``value`` · e_{c+1 mod 10} instead (FD: logits
-    that name the next class, since a constant logit vector changes no softmax)."""
+def every_class(
+    values: str, labels: str, value: float, next_class: bool = False, classes: tuple[int, ...] = tuple(range(10))
+) -> Callable[[int], Attack]:
+    """Per-class uploads (prototypes, LARs, logits): a row for each class of ``classes`` (all 10 by
+    default, held or not), every entry ``value``; with ``next_class`` row c is ``value`` · e_{c+1 mod 10}
+    instead (FD: logits that name the next class, since a constant logit vector changes no softmax)."""
+    chosen = np.array(classes, np.int64)
 
     def attack(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         width = arrays[values].shape[1]
         rows = np.roll(np.eye(10, width), 1, axis=1) if next_class else np.ones((10, width))
-        return {values: (value * rows).astype(arrays[values].dtype), labels: np.arange(10, dtype=arrays[labels].dtype)}
+        return {
+            values: (value * rows[chosen]).astype(arrays[values].dtype),
+            labels: chosen.astype(arrays[labels].dtype),
+        }
 
     return lambda seed: attack
 
@@ -111,16 +117,22 @@ ATTACKS: dict[str, tuple[str, dict, Callable[[int], Attack]]] = {
     "fedtgp-1e5": ("fedtgp", {}, every_class("protos", "proto_labels", 1e5)),
     "fedgh-1e5": ("fedgh", {}, every_class("lar", "lar_labels", 1e5)),
     "fd-next-1e5": ("fd", {}, every_class("logits", "logit_labels", 1e5, next_class=True)),
+    "fedproto-1e5-one": ("fedproto", {}, every_class("protos", "proto_labels", 1e5, classes=(0,))),
+    "fedtgp-1e5-one": ("fedtgp", {}, every_class("protos", "proto_labels", 1e5, classes=(0,))),
+    "fedgh-1e5-one": ("fedgh", {}, every_class("lar", "lar_labels", 1e5, classes=(0,))),
+    "fd-next-1e5-one": ("fd", {}, every_class("logits", "logit_labels", 1e5, next_class=True, classes=(0,))),
 }
 #: the methods whose clean runs measure the accuracy cost of norm-bound against mean
 CLEAN = {"fml": {}, "lg-fedavg": {}, "fedproto": {}, "fedre": {}}
 
 
-def tamper_of(attack: Attack) -> Callable[[int, Message], Message]:
-    """A FakeGrid ``tamper``: the attacker's valid train replies with their payload through ``attack``."""
+def tamper_of(attack: Attack, attackers: tuple[int, ...] = (ATTACKER,)) -> Callable[[int, Message], Message]:
+    """A FakeGrid ``tamper``: the valid train replies of the ``attackers`` (partition ids) with their
+    payload through ``attack`` (colluding: the same hostile payload from each)."""
+    nodes = {1000 + p for p in attackers}
 
     def tamper(node: int, reply: Message) -> Message:
-        if node != 1000 + ATTACKER or reply.metadata.message_type != "train" or reply.has_error():
+        if node not in nodes or reply.metadata.message_type != "train" or reply.has_error():
             return reply
         arrays = {k: v.numpy() for k, v in reply.content.array_records[PAYLOAD].items()}
         hostile = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in attack(arrays).items()})
@@ -130,10 +142,25 @@ def tamper_of(attack: Attack) -> Callable[[int, Message], Message]:
     return tamper
 
 
+def attackers_of(count: int) -> tuple[int, ...]:
+    """The attackers' partition ids for ``count`` = f colluders: 1, ..., f (partition 0 always honest)."""
+    return tuple(range(1, count + 1))
+
+
 def run_once(
-    method: str, options: dict, attack: Attack | None, aggregation: str, seed: int, rounds: int, examples: int
+    method: str,
+    options: dict,
+    attack: Attack | None,
+    aggregation: str,
+    seed: int,
+    rounds: int,
+    examples: int,
+    clients: int = NUM_CLIENTS,
+    attackers: int = 1,
 ) -> dict:
-    """One in-process federation; its row: honest clients' final accuracy, replies, rollbacks, seconds."""
+    """One in-process federation of ``clients`` clients, the first ``attackers`` after partition 0
+    colluding when ``attack`` is given; its row: the honest clients' (the other partitions') mean
+    final accuracy, the fewest clients of a round, bounded rows, rollbacks, seconds."""
     from client_app.app import app as client_app
     from strategies.registry import build_strategy
 
@@ -143,7 +170,7 @@ def run_once(
         "data-dir": str(DATA_DIR),
         "dataset": "mnist",
         "model-group": "cnn1",
-        "num-clients": NUM_CLIENTS,
+        "num-clients": clients,
         "num-server-rounds": rounds,
         "max-examples-per-client": examples,
         "round-timeout": 5.0,
@@ -154,7 +181,8 @@ def run_once(
     }
     cfg = RunConfig.from_dict(rc)
     strategy = build_strategy(cfg)
-    grid = FakeGrid(client_app, rc, cfg.num_clients, tamper_of(attack) if attack else None)
+    hostile = attackers_of(attackers)
+    grid = FakeGrid(client_app, rc, cfg.num_clients, tamper_of(attack, hostile) if attack else None)
     start = time.perf_counter()
     failed = ""
     try:
@@ -164,8 +192,9 @@ def run_once(
     rows = strategy.rows
     # a failed run's honest clients count as its last evaluation (rounds without one, e.g. all dropped, add none)
     final = next((r["accuracy_per_client"] for r in reversed(rows) if "accuracy_per_client" in r), {})
+    honest = [p for p in range(clients) if p not in hostile]
     return {
-        "honest_accuracy": float(np.mean([final.get(str(p), 0.0) for p in HONEST])),
+        "honest_accuracy": float(np.mean([final.get(str(p), 0.0) for p in honest])),
         "failed": failed,
         "min_num_clients": min((r["num_clients"] for r in rows), default=0),
         "bounded": int(sum(r.get("server_bounded", 0) for r in rows)),
@@ -174,16 +203,31 @@ def run_once(
     }
 
 
-def plan(attacks: list[str], aggregations: list[str], seeds: list[int]) -> list[dict]:
-    """Every run of the bench: per attack, aggregation and seed with and without the attacker,
-    then the clean runs of :data:`CLEAN` per aggregation and seed (shared keys dedupe them)."""
+#: a federation's size and its colluders: (clients N, attackers f); rows without these keys are (4, 1)
+Setting = tuple[int, int]
+DEFAULT_SETTING: Setting = (NUM_CLIENTS, 1)
+
+
+def setting_of(row: dict) -> Setting:
+    """(clients, attackers) of a bench row or case; an older row without them ran the default."""
+    return int(row.get("clients", DEFAULT_SETTING[0])), int(row.get("attackers", DEFAULT_SETTING[1]))
+
+
+def plan(attacks: list[str], aggregations: list[str], seeds: list[int], settings: list[Setting] = None) -> list[dict]:
+    """Every run of the bench: per attack, aggregation, setting (N, f) and seed with and without the
+    attackers, then the clean runs of :data:`CLEAN` per aggregation and seed in the default setting
+    (shared keys dedupe them). Cases of the default setting carry no ``clients``/``attackers`` keys,
+    so rows written before those keys existed are found again."""
     cases = []
-    for name in attacks:
-        method, options, _ = ATTACKS[name]
-        for agg in aggregations:
-            for seed in seeds:
-                cases.append({"method": method, "options": options, "attack": name, "aggregation": agg, "seed": seed})
-                cases.append({"method": method, "options": options, "attack": None, "aggregation": agg, "seed": seed})
+    for n, f in settings or [DEFAULT_SETTING]:
+        size = {} if (n, f) == DEFAULT_SETTING else {"clients": n, "attackers": f}
+        for name in attacks:
+            method, options, _ = ATTACKS[name]
+            for agg in aggregations:
+                for seed in seeds:
+                    case = {"method": method, "options": options, "aggregation": agg, "seed": seed, **size}
+                    cases.append({**case, "attack": name})
+                    cases.append({**case, "attack": None})
     for method, options in CLEAN.items():
         for agg in ("mean", "norm-bound"):
             for seed in seeds:
@@ -195,29 +239,52 @@ def plan(attacks: list[str], aggregations: list[str], seeds: list[int]) -> list[
 
 
 def case_key(case: dict) -> str:
-    return json.dumps([case["method"], case["options"], case["attack"], case["aggregation"], case["seed"]])
+    """One run's identity; a clean run of N clients is the same whatever f its attacked twin has."""
+    n, f = setting_of(case)
+    size = [] if (n, f) == DEFAULT_SETTING else [n, f if case["attack"] else 0]
+    return json.dumps([case["method"], case["options"], case["attack"], case["aggregation"], case["seed"], *size])
 
 
 def table(rows: list[dict], attacks: list[str], aggregations: list[str]) -> str:
-    """Means over seeds: per attack and aggregation, honest accuracy without / with the attacker;
-    then the clean cost of norm-bound."""
+    """Means over seeds: per attack, aggregation and setting (N clients, f attackers), the honest
+    clients' accuracy without / with the attackers and the runs that failed; then the clean cost of
+    norm-bound (default setting)."""
 
-    def mean(**where) -> tuple[float, int]:
-        found = [r["honest_accuracy"] for r in rows if all(r[k] == v for k, v in where.items())]
-        return (float(np.mean(found)) if found else float("nan")), len(found)
+    def found(**where) -> list[dict]:
+        return [
+            r
+            for r in rows
+            if all(r.get(k) == v for k, v in where.items() if k not in ("n", "f"))
+            and setting_of(r)[0] == where["n"]
+            and (not r["attack"] or setting_of(r)[1] == where["f"])
+        ]
 
-    lines = [f"{'attack':<16}{'aggregation':<13}{'clean':>8}{'attacked':>10}{'drop':>8}{'seeds':>7}"]
+    def mean(selected: list[dict]) -> float:
+        return float(np.mean([r["honest_accuracy"] for r in selected])) if selected else float("nan")
+
+    settings = sorted({setting_of(r) for r in rows if r["attack"]}) or [DEFAULT_SETTING]
+    lines = [
+        f"{'attack':<18}{'aggregation':<13}{'N':>4}{'f':>3}{'clean':>8}{'attacked':>10}{'drop':>8}{'seeds':>7}{'failed':>8}"
+    ]
     for name in attacks:
         method, options, _ = ATTACKS[name]
-        for agg in aggregations:
-            clean, _ = mean(method=method, options=options, attack=None, aggregation=agg)
-            hit, n = mean(method=method, options=options, attack=name, aggregation=agg)
-            lines.append(f"{name:<16}{agg:<13}{clean:>8.3f}{hit:>10.3f}{clean - hit:>8.3f}{n:>7}")
+        for n, f in settings:
+            for agg in aggregations:
+                clean = mean(found(method=method, options=options, attack=None, aggregation=agg, n=n, f=f))
+                hit = found(method=method, options=options, attack=name, aggregation=agg, n=n, f=f)
+                if not hit:
+                    continue
+                failed = sum(bool(r["failed"]) for r in hit)
+                lines.append(
+                    f"{name:<18}{agg:<13}{n:>4}{f:>3}{clean:>8.3f}{mean(hit):>10.3f}{clean - mean(hit):>8.3f}"
+                    f"{len(hit):>7}{failed:>8}"
+                )
     lines.append("")
     lines.append(f"{'clean method':<16}{'mean':>8}{'norm-bound':>12}{'cost':>8}")
+    n, f = DEFAULT_SETTING
     for method, options in CLEAN.items():
-        plain, _ = mean(method=method, options=options, attack=None, aggregation="mean")
-        bounded, _ = mean(method=method, options=options, attack=None, aggregation="norm-bound")
+        plain = mean(found(method=method, options=options, attack=None, aggregation="mean", n=n, f=f))
+        bounded = mean(found(method=method, options=options, attack=None, aggregation="norm-bound", n=n, f=f))
         lines.append(f"{method:<16}{plain:>8.3f}{bounded:>12.3f}{plain - bounded:>8.3f}")
     return "\n".join(lines)
 
@@ -230,7 +297,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--aggregations", default="mean,norm-bound")
     parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument(
+        "--settings",
+        default=f"{DEFAULT_SETTING[0]}:{DEFAULT_SETTING[1]}",
+        help="N:f pairs, comma-separated: N clients of which partitions 1..f collude (e.g. 5:1,5:2,10:2,10:4)",
+    )
     args = parser.parse_args(argv)
+    try:
+        sizes = [tuple(int(x) for x in pair.split(":")) for pair in args.settings.split(",")]
+    except ValueError:
+        parser.error(f"--settings {args.settings!r}: expected N:f pairs such as 5:2,10:4")
+    if any(len(s) != 2 or not 0 < s[1] < s[0] for s in sizes):
+        parser.error(f"--settings {args.settings!r}: each N:f needs 0 < f < N")
     seeds = [int(s) for s in args.seeds.split(",")]
     aggregations, attacks = args.aggregations.split(","), args.attacks.split(",")
     unknown = sorted(set(attacks) - set(ATTACKS))
@@ -242,19 +320,30 @@ def main(argv: list[str] | None = None) -> int:
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     rows = [r for r in rows if all(r.get(k) == v for k, v in settings.items())]
     done = {case_key(r) for r in rows}
-    for case in plan(attacks, aggregations, seeds):
+    for case in plan(attacks, aggregations, seeds, sizes):
         if case_key(case) in done:
             continue
         attack = ATTACKS[case["attack"]][2](case["seed"]) if case["attack"] else None
+        n, f = setting_of(case)
         result = run_once(
-            case["method"], case["options"], attack, case["aggregation"], case["seed"], args.rounds, args.max_examples
+            case["method"],
+            case["options"],
+            attack,
+            case["aggregation"],
+            case["seed"],
+            args.rounds,
+            args.max_examples,
+            n,
+            f,
         )
         row = {**case, **settings, **result}
         rows.append(row)
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(
-            f"{case['method']:<10} {case['attack'] or 'clean':<14} {case['aggregation']:<11} seed {case['seed']}: "
+            f"{case['method']:<10} {case['attack'] or 'clean':<16} {case['aggregation']:<11} "
+            f"N={n} f={f if case['attack'] else 0} "
+            f"seed {case['seed']}: "
             f"honest {result['honest_accuracy']:.3f} (min clients {result['min_num_clients']}, "
             f"{result['seconds']:.0f} s){' FAILED' if result['failed'] else ''}",
             flush=True,

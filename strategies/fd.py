@@ -39,7 +39,13 @@ from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model, trained_class_means
 from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
 from strategies.method import Method, MethodBinding
-from strategies.prototypes import CLASS_AGGREGATIONS, aggregate_class_sets, class_set_schemas, unpack_global_set
+from strategies.prototypes import (
+    CLASS_AGGREGATIONS,
+    aggregate_class_sets,
+    class_set_schemas,
+    trusted_rows,
+    unpack_global_set,
+)
 from strategies.robust import require_aggregation
 
 TARGETS = ("softmax", "logits")
@@ -83,10 +89,11 @@ def fd_loss(
     ``softmax``: CE(z, y) + λ·KL(softmax(ẑ_y) ‖ softmax(z)) over the samples whose class has a
     global logit, summed and divided by B (the others add 0). ``logits`` (HtFLlib's
     ``clientfd.py``): CE(z, y) + λ·CE(z, t), t_i = ẑ_{y_i} where set, else z_i (detached), taken as
-    a class-probability target, mean over the batch.
+    a class-probability target, mean over the batch. A global logit the client does not trust
+    (:func:`strategies.prototypes.trusted_rows`: far longer than its own logits) counts as not set.
     """
     ce = F.cross_entropy(logits, labels)
-    if targets is None or lam == 0 or not (known := mask[labels]).any():
+    if targets is None or lam == 0 or not (known := trusted_rows(targets, mask, logits)[labels]).any():
         return ce
     if target == "logits":
         soft = torch.where(known[:, None], targets[labels], logits.detach())

@@ -6,6 +6,7 @@ per-class mean logits, of FD).
   (FedTGP Eq. 11 and its official-code form, which FedProto's client uses too);
 - :class:`ClassMeanCollector`: exact class means of the representations seen in training;
 - :func:`nearest_prototype_correct`: inference by the nearest global prototype;
+- :func:`trusted_rows`: the received global rows a client trains towards (an extreme one left out);
 - :func:`unpack_global_set`: a received per-class set as full [C, w] rows and a mask;
 - :func:`bound_class_rows` and :func:`aggregate_class_sets`: run config ``aggregation`` for the
   per-class uploads (FedProto, FedTGP, FD, FedGH's LARs; FedRE's ``z`` uses :data:`MEDIAN_VOTES`).
@@ -24,9 +25,16 @@ from common.data import batches, normalize
 from common.dp import dp_options
 from common.errors import ConfigError
 from common.options import option
-from common.payload import ROW_NORM_FACTOR, ArraySpec, ClientReply, PayloadError, PayloadSchema
+from common.payload import (
+    RECEIVED_ROW_FACTOR,
+    ROW_NORM_FACTOR,
+    ArraySpec,
+    ClientReply,
+    PayloadError,
+    PayloadSchema,
+)
 from strategies.aggregation import class_average
-from strategies.robust import BOUNDED, bound_by_median, clip_to_norm
+from strategies.robust import BOUNDED, clip_to_norm
 
 #: the fewest norms whose median one upload cannot move outside the range of the others; with
 #: fewer uploads (one of two may be the attacker) ``norm-bound`` leaves the rows as they are
@@ -96,8 +104,35 @@ class RegularizerOptions:
             )
 
 
+def trusted_rows(rows: torch.Tensor, mask: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """The received global rows a client may train towards: ``mask`` less every row that is not
+    finite or is longer than :data:`common.payload.RECEIVED_ROW_FACTOR` times the longest of the
+    client's own rows ``own`` of this batch.
+
+    A global row comes from the server, which colluding clients can outvote for a class that fewer
+    honest clients hold (docs/deployment.md); trained towards, a row of 1e5 in every entry made an
+    honest client's loss 2.5e10, its reply was refused and the run ended. Leaving the row out drops
+    that class's term for this batch (as for a class without a global row), never the client.
+
+    Args:
+        rows: float [C, w] received rows (a prototype or a class's logits per class).
+        mask: bool [C], the rows that were sent.
+        own: float [B, w] the client's representations or logits of this batch (not differentiated).
+
+    Returns:
+        bool [C]: ``mask`` with the untrusted rows cleared.
+    """
+    with torch.no_grad():
+        bound = RECEIVED_ROW_FACTOR * own.detach().norm(dim=1).max()
+        norms = rows.norm(dim=1)
+        return mask & torch.isfinite(norms) & (norms <= bound)
+
+
 class PrototypeRegularizer:
     """The prototype term added to the client's CE loss; P is a constant (no gradient).
+
+    A received row the client does not trust (:func:`trusted_rows`, per batch) adds 0, as a class
+    without a global prototype does.
 
     Args:
         protos: float32 [C, K] global prototypes (rows of masked-out classes are ignored), or None.
@@ -113,9 +148,9 @@ class PrototypeRegularizer:
         """The term for representations ``[B, K]`` and labels ``[B]`` (0 without prototypes)."""
         if self.protos is None or self.lam == 0:
             return features.new_zeros(())
-        known = self.mask[labels]
+        known = trusted_rows(self.protos, self.mask, features)[labels]
         if self.form == "mse-mean":
-            diff = (features - self.protos[labels]) * known[:, None]
+            diff = torch.where(known[:, None], features - self.protos[labels], 0.0)
             return self.lam * diff.pow(2).sum() / features.numel()
         distances = []
         for c in torch.unique(labels[known]):
@@ -187,28 +222,42 @@ def unpack_global_set(
 
 
 def bound_class_rows(
-    replies: list[ClientReply], values: str, labels: str, reference: np.ndarray | None = None
+    replies: list[ClientReply],
+    values: str,
+    labels: str,
+    reference: np.ndarray | None = None,
+    per_class: bool = True,
 ) -> tuple[list[ClientReply], int]:
-    """``aggregation = "norm-bound"`` of per-class row uploads: each row's change from what the
-    server sent for its class (``reference``; zero without one) at most a median of the round.
+    """Bound each uploaded per-class row's change from what the server sent for its class
+    (``reference``; zero without one): ``aggregation = "norm-bound"`` (``per_class``), and the cap
+    alone before a per-class median or trimmed mean (not ``per_class``).
 
     FLAME's clipping (Nguyen et al. 2022, §4.3) per class, on the change from the server's row as
-    :mod:`strategies.robust` bounds a model's change from the model sent: a row of class c whose
-    change δ = row - reference[c] is longer than the median ‖δ‖ of the round's rows of class c,
-    when at least :data:`MEDIAN_VOTES` uploads hold c (:func:`strategies.robust.bound_by_median`),
-    is scaled to it; for a class fewer uploads hold (under a pathological split most classes) the
-    bound is the median over the uploads of each upload's median ‖δ‖, one vote per upload
-    (:func:`strategies.robust.clip_to_norm`). With an honest majority of the voters either bound
-    is an honest length, so one upload's row moves a class mean, or a server step trained on the
-    rows, no further than a typical honest row, however long it was. Directions are kept: a row
-    within the bound pointing anywhere is not caught. Fewer than :data:`MEDIAN_VOTES` uploads with
-    rows: nothing is bounded.
+    :mod:`strategies.robust` bounds a model's change from the model sent. Two bounds, each an
+    honest length while the attackers are fewer than the voters it is a median of:
+
+    - the *upload vote* V: each upload votes once with the median ‖δ‖ of its rows, V = the median
+      of the votes. Honest while the attackers are fewer than half of the round's uploads, whatever
+      classes they claim.
+    - the *class median* M_c: the median ‖δ‖ of the rows of class c, when at least
+      :data:`MEDIAN_VOTES` uploads hold c (:func:`strategies.robust.bound_by_median`). Honest while
+      the attackers are fewer than half of the class's holders.
+
+    Under ``per_class`` a row of class c is scaled to at most min(M_c, ROW_NORM_FACTOR · V), or to V
+    for a class fewer than :data:`MEDIAN_VOTES` uploads hold (under a pathological split most
+    classes); otherwise to ROW_NORM_FACTOR · V (:data:`common.payload.ROW_NORM_FACTOR`, the spread
+    of honest rows' lengths, so an honest row is left as it is). The cap by V is what holds when
+    colluders claim every class: two attackers of five outvote a class's one honest holder in M_c
+    (its median was theirs, and rows of 1e5 went through whole) but not the five uploads' V.
+    Directions are kept: a row within the bound pointing anywhere is not caught. Fewer than
+    :data:`MEDIAN_VOTES` uploads with rows: nothing is bounded.
 
     Args:
         replies: the round's valid replies, each with ``values`` float [k_i, w] and ``labels``
             int [k_i] (unique class ids).
         reference: float [C, w], the row the server sent this round for each class (zeros where
             it sent none), or None: every reference zero, a bound on the rows' norms.
+        per_class: bound by the class median as well (``norm-bound``); False: the cap alone.
 
     Returns:
         (the replies, those with a bounded row as copies whose ``values`` keep their dtype and whose
@@ -220,12 +269,19 @@ def bound_class_rows(
     refs = [np.zeros_like(x) if reference is None else reference[r.arrays[labels]] for x, r in zip(rows, replies)]
     deltas = [x - ref for x, ref in zip(rows, refs)]
     vote = float(np.median([np.median(np.linalg.norm(d, axis=1)) for d in deltas if len(d)]))
+    cap = ROW_NORM_FACTOR * vote
     places = [(i, j, int(c)) for i, r in enumerate(replies) for j, c in enumerate(r.arrays[labels])]
     scaled = 0
     for c in sorted({c for _, _, c in places}):
         where = [(i, j) for i, j, k in places if k == c]
         group = [deltas[i][j] for i, j in where]
-        bounded, n = bound_by_median(group) if len(group) >= MEDIAN_VOTES else clip_to_norm(group, vote)
+        if not per_class:
+            bound = cap
+        elif len(group) >= MEDIAN_VOTES:
+            bound = min(float(np.median(np.linalg.norm(group, axis=1))), cap)
+        else:
+            bound = vote
+        bounded, n = clip_to_norm(group, bound)
         for (i, j), delta, before in zip(where, bounded, group):
             if delta is not before:
                 rows[i][j] = refs[i][j] + delta
@@ -253,17 +309,21 @@ def aggregate_class_sets(
     empty in round 1) as the reference (the round metric ``server-bounded`` counts the scaled rows);
     ``median`` / ``trimmed-mean``: per class the coordinate-wise median / Flower's ``trim_mean``
     (cutting ``floor(trim-fraction * m_c)`` of the class's m_c rows from each end) instead of the
-    mean. With 2 rows of a class a median is their mean: only classes that at least 3 uploads hold
-    are protected by those two.
+    mean, over rows first capped by the uploads' vote (:func:`bound_class_rows` without
+    ``per_class``). A class's median is an honest holder's value per coordinate while the attackers
+    are fewer than its honest holders; with 2 rows of a class a median is their mean, so only
+    classes that at least 3 uploads hold are protected that way, the others by the cap.
 
     Returns:
-        as :func:`strategies.aggregation.class_average`, plus ``server-bounded`` under ``norm-bound``.
+        as :func:`strategies.aggregation.class_average`, plus ``server-bounded`` unless ``mean``.
     """
     bounded = {}
-    if cfg.aggregation == "norm-bound":
+    if cfg.aggregation != "mean":
         full, _ = unpack_global_set(sent, num_classes, values)  # zero rows where nothing was sent
         reference = None if full is None else full.numpy().astype(np.float64)
-        replies, bounded[BOUNDED] = bound_class_rows(replies, values, labels, reference)
+        replies, bounded[BOUNDED] = bound_class_rows(
+            replies, values, labels, reference, per_class=cfg.aggregation == "norm-bound"
+        )
     centers = {
         "median": lambda rows: np.median(rows, axis=0),
         "trimmed-mean": lambda rows: trim_mean(rows, cfg.trim_fraction),

@@ -24,7 +24,8 @@ from strategies.aggregation import class_average
 from strategies.fedgh import train_header
 from strategies.fedre import train_head
 from strategies.fedtgp import train_generator
-from strategies.prototypes import bound_class_rows
+from common.payload import RECEIVED_ROW_FACTOR, ROW_NORM_FACTOR
+from strategies.prototypes import bound_class_rows, trusted_rows
 from strategies.registry import build_strategy
 from strategies.robust import BOUNDED
 
@@ -210,7 +211,9 @@ def test_an_aggregation_the_method_cannot_do_is_refused_before_the_run(method, r
 @pytest.mark.parametrize("rule", ["median", "trimmed-mean"])
 def test_per_class_median_and_trimmed_mean(rule):
     """FedProto under ``median`` / ``trimmed-mean`` (trim-fraction 0.25 cuts one of four rows at each
-    end): class 0's rows of norms 1, 2, 4, 1000 give 3 (both), class 5's two rows their mean."""
+    end): class 0's rows of norms 1, 2, 4, 1000 give 3 (both), class 5's two rows their mean. The row
+    of 1000 is first capped at ROW_NORM_FACTOR times the uploads' vote (median of 1.5, 502, 2, 4: 3),
+    which leaves the median where it was."""
     replies = [
         reply(0, [(0, 1.0), (5, 2.0)], 500),
         reply(1, [(0, 1000.0), (5, 4.0)], 500),
@@ -222,4 +225,47 @@ def test_per_class_median_and_trimmed_mean(rule):
     metrics = strategy.server_update(1, replies)
     protos = strategy.global_arrays()["protos"]
     assert np.linalg.norm(protos, axis=1) == pytest.approx([3.0, 3.0], rel=1e-5)
-    assert metrics["server-num-classes"] == 2 and BOUNDED not in metrics
+    assert metrics["server-num-classes"] == 2 and metrics[BOUNDED] == 1
+
+
+def test_colluders_that_claim_every_class_are_capped_by_the_uploads_vote():
+    """Two uploads of five claim all four classes with rows of norm 1e6; each class has one honest
+    holder (norms 1, 3, 4). Each class's median is an attacker's, so the class median bounds nothing;
+    the uploads' vote (the median of 1, 3, 4, 1e6, 1e6: 4) is honest, and every attacker row ends at
+    most ROW_NORM_FACTOR times it, under ``norm-bound`` and as the cap before a per-class median."""
+    honest = [reply(p, [(p, float(p + 1))]) for p in (0, 2, 3)]
+    colluders = [reply(p, [(c, 1e6) for c in range(4)]) for p in (1, 4)]
+    replies = [honest[0], colluders[0], honest[1], honest[2], colluders[1]]
+    for per_class in (True, False):
+        bounded, scaled = bound_class_rows(replies, "protos", "proto_labels", per_class=per_class)
+        assert scaled == 8
+        assert max(max(n) for n in norms(bounded)) == pytest.approx(ROW_NORM_FACTOR * 4.0, rel=1e-5)
+        assert [bounded[i].arrays["protos"].tobytes() for i in (0, 2, 3)] == [
+            replies[i].arrays["protos"].tobytes() for i in (0, 2, 3)
+        ]
+
+
+def test_a_client_leaves_out_an_extreme_received_row():
+    """A received row longer than RECEIVED_ROW_FACTOR times the client's own longest row of the batch
+    (or not finite) is left out of the mask; one 300 times as long (the honest spread of htfe8) is kept."""
+    own = torch.ones(8, 4)  # norm 2 each
+    rows = torch.stack([torch.full((4,), 300.0), torch.full((4,), 1e5), torch.full((4,), float("inf")), torch.ones(4)])
+    mask = torch.tensor([True, True, True, False])
+    assert trusted_rows(rows, mask, own).tolist() == [True, False, False, False]
+    assert RECEIVED_ROW_FACTOR * 2 < 1e5 * 2
+
+
+@pytest.mark.parametrize("aggregation", ["norm-bound", "median"])
+def test_two_colluders_of_five_claiming_every_class_end_no_run(tmp_path, aggregation):
+    """Partitions 1 and 2 of five upload FedProto rows of 1e5 for all 10 classes every round (60
+    examples a client, two rounds). Before, under ``norm-bound`` only one client was left in round 2
+    (the honest replies refused: their loss past the metric bound) and under ``median`` the run failed
+    (no client trained in round 2). Now every honest client trains in every round with a finite loss."""
+    rc = mnist(
+        tmp_path, "fedproto", {}, 2, aggregation=aggregation, **{"num-clients": 5, "max-examples-per-client": 60}
+    )
+    strategy, grid = federation(rc, tamper_of(ATTACKS["fedproto-1e5"][2](0), attackers=(1, 2)))
+    strategy.start(grid)
+    assert [r["num_clients"] for r in strategy.rows] == [5, 5]
+    losses = [r["train_loss"] for r in strategy.rows]
+    assert all(np.isfinite(losses)) and max(losses) < 1e3, losses
