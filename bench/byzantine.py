@@ -214,24 +214,28 @@ def setting_of(row: dict) -> Setting:
 
 
 def plan(attacks: list[str], aggregations: list[str], seeds: list[int], settings: list[Setting] = None) -> list[dict]:
-    """Every run of the bench: per attack, aggregation, setting (N, f) and seed with and without the
-    attackers, then the clean runs of :data:`CLEAN` per aggregation and seed in the default setting
-    (shared keys dedupe them). Cases of the default setting carry no ``clients``/``attackers`` keys,
-    so rows written before those keys existed are found again."""
+    """Every run of the bench, seed by seed (an interrupted bench has every cell at its first seeds):
+    per attack, aggregation and setting (N, f) with and without the attackers, then, when the
+    default setting is among ``settings``, the clean runs of :data:`CLEAN` per aggregation (shared
+    keys dedupe them). Cases of the default setting carry no ``clients``/``attackers`` keys, so rows
+    written before those keys existed are found again."""
+    settings = settings or [DEFAULT_SETTING]
     cases = []
-    for n, f in settings or [DEFAULT_SETTING]:
-        size = {} if (n, f) == DEFAULT_SETTING else {"clients": n, "attackers": f}
-        for name in attacks:
-            method, options, _ = ATTACKS[name]
-            for agg in aggregations:
-                for seed in seeds:
+    for seed in seeds:
+        for n, f in settings:
+            size = {} if (n, f) == DEFAULT_SETTING else {"clients": n, "attackers": f}
+            for name in attacks:
+                method, options, _ = ATTACKS[name]
+                for agg in aggregations:
                     case = {"method": method, "options": options, "aggregation": agg, "seed": seed, **size}
                     cases.append({**case, "attack": name})
                     cases.append({**case, "attack": None})
-    for method, options in CLEAN.items():
-        for agg in ("mean", "norm-bound"):
-            for seed in seeds:
-                cases.append({"method": method, "options": options, "attack": None, "aggregation": agg, "seed": seed})
+        if DEFAULT_SETTING in settings:
+            for method, options in CLEAN.items():
+                for agg in ("mean", "norm-bound"):
+                    cases.append(
+                        {"method": method, "options": options, "attack": None, "aggregation": agg, "seed": seed}
+                    )
     unique = {}
     for c in cases:
         unique.setdefault(case_key(c), c)
