@@ -342,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         row = {**case, **settings, **result}
         rows.append(row)
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        with open(path, "a") as out:
+            out.write(json.dumps(row) + "\n")
         print(
             f"{case['method']:<10} {case['attack'] or 'clean':<16} {case['aggregation']:<11} "
             f"N={n} f={f if case['attack'] else 0} "
