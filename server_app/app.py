@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -10,10 +11,12 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.superlink.grid import InMemoryGrid  # the grid flwr-simulation gives the ServerApp
 
 from common.config import RunConfig
+from common.errors import ConfigError
 from common.results import ResultsWriter
 from strategies.registry import build_strategy
 
 app = ServerApp()
+log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
 #: the fewest messages of one exchange a simulation keeps waiting at once (:func:`simulation_window`)
 MIN_WINDOW = 16
@@ -67,6 +70,16 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str) -> ResultsWriter:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Flower entry point."""
-    cfg = RunConfig.from_dict(context.run_config)
-    run(grid, cfg, context.run_id)
+    """Flower entry point: :func:`run` on the run config.
+
+    A configuration error (``common.errors.ConfigError``: a value the run cannot take, found in the
+    config or at the handshake, e.g. a client's data or privacy target) is logged as one line and the
+    ServerApp returns: raised, Flower would print the ServerApp's traceback and its exit code for a
+    message that already names the key and what is allowed. Flower's status of such a run is
+    ``completed``; its ``summary.json`` (once :func:`run` has made the run folder) says ``failed`` with
+    the message, so ``tools.run`` exits 1. Any other failure is raised, as :func:`run` documents.
+    """
+    try:
+        run(grid, RunConfig.from_dict(context.run_config), context.run_id)
+    except ConfigError as exc:
+        log.error("The run failed: %s", exc)

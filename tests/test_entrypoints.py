@@ -986,3 +986,39 @@ def test_the_niceness_table_is_what_its_rows_give():
             cells.append(f"{mean[i]:.2f} s ({min(later):.2f}-{max(later):.2f}) | {mean[i] / mean[0]:.2f}x")
         assert f"| {n:,} | {cells[0]} | {cells[1]} |" in text
     assert f"{round(100 * (1 - means[0][2] / means[1][2]))} % faster" in text
+
+
+@pytest.mark.parametrize("broken", ["handshake", "config"])
+def test_a_config_error_ends_the_serverapp_with_one_line_and_a_failed_summary(run_config, broken):
+    """A ConfigError the ServerApp raised (here a partition too small to split, met at the handshake, or a
+    run config it cannot read) reached Flower, which printed the ServerApp's traceback and 'Exit Code'."""
+    import logging
+
+    from flwr.app import Context, RecordDict
+
+    from conftest import federation
+    from server_app import app
+
+    rc = run_config(**{"num-clients": 2, "max-examples-per-client": 1})
+    _, grid = federation(rc)
+    if broken == "config":
+        rc = {**rc, "min-clients": 3}
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("flwr").addHandler(handler)
+    try:
+        context = Context(run_id=5, node_id=0, node_config={}, state=RecordDict(), run_config=rc)
+        app.main(grid, context)  # returns: Flower gets no exception to print
+    finally:
+        logging.getLogger("flwr").removeHandler(handler)
+    errors = [r for r in records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is None and "\n" not in errors[0].getMessage()
+    message = errors[0].getMessage()
+    summaries = list(Path(rc["output-dir"]).glob("*/summary.json"))
+    if broken == "config":
+        assert "'min-clients' = 3" in message and not summaries  # before the run folder
+    else:
+        assert "too few for a train and a test set" in message
+        (summary,) = [json.loads(s.read_text()) for s in summaries]
+        assert summary["status"] == "failed" and "too few for a train and a test set" in summary["error"]
