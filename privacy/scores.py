@@ -76,6 +76,47 @@ def image_scores(reconstructions: torch.Tensor, references: torch.Tensor) -> dic
     return out
 
 
+def own_image_scores(
+    reconstructions: torch.Tensor, own: torch.Tensor, dataset_mean: torch.Tensor
+) -> dict[str, list[float]]:
+    """Each reconstruction against the one image it was made from, beside two images that know nothing
+    of it: a uniform mid-gray image and the data set's mean image.
+
+    A best match over many references (:func:`image_scores`) rewards any smooth, flat image: a flat
+    image's best PSNR over 32 CIFAR-10 images of a class is as high as a good reconstruction's (the
+    calibration table ``results/privacy/calibration/``). Against its own image a reconstruction has to
+    resemble that image, and the gray and mean images' scores on that same image are the floor.
+
+    Args:
+        reconstructions: ``[n, C, H, W]``, float in [0, 1] or uint8.
+        own: ``[n, C, H, W]``, float in [0, 1] or uint8: row i is the image reconstruction i was made from.
+        dataset_mean: ``[C, H, W]``, float in [0, 1]: the per-pixel mean of the data set (or of the
+            victim's images: what an attacker could know without any payload).
+
+    Returns:
+        lists of n floats: ``psnr_own`` (dB), ``ssim_own`` of each reconstruction to its image,
+        ``gray_psnr_own``, ``gray_ssim_own`` of the mid-gray image (0.5) to it, and
+        ``mean_image_psnr_own``, ``mean_image_ssim_own`` of ``dataset_mean`` to it.
+
+    Raises:
+        ValueError: shapes that differ (named), inputs not 4-D, float pixels outside [0, 1].
+    """
+    rec, ref = _unit(reconstructions, "reconstructions"), _unit(own, "own images")
+    mean = _unit(dataset_mean, "dataset_mean")
+    if rec.dim() != 4 or rec.shape != ref.shape or tuple(mean.shape) != tuple(ref.shape[1:]):
+        raise ValueError(
+            "reconstructions and own images must both be [n, C, H, W] and dataset_mean [C, H, W]: got "
+            f"{tuple(rec.shape)}, {tuple(ref.shape)} and {tuple(mean.shape)}"
+        )
+    out: dict[str, list[float]] = {}
+    for prefix, images in (("", rec), ("gray_", torch.full_like(ref, 0.5)), ("mean_image_", mean.expand_as(ref))):
+        psnr = peak_signal_noise_ratio(images, ref, data_range=1.0, reduction="none", dim=(1, 2, 3))
+        ssim = structural_similarity_index_measure(images, ref, data_range=1.0, reduction="none")
+        out[prefix + "psnr_own"] = [float(v) for v in psnr]
+        out[prefix + "ssim_own"] = [float(v) for v in ssim]
+    return out
+
+
 def summarize(values: Sequence[float]) -> dict[str, float]:
     """Mean and population standard deviation (ddof 0) of per-image scores, and their count.
 
