@@ -62,9 +62,8 @@ def cifar10_test_split(data_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     from common.data import load_split
 
     ds = load_split("cifar10", str(data_dir), "test")
-    images = torch.stack(
-        [decode_image(torch.frombuffer(bytearray(im["bytes"]), dtype=torch.uint8), ImageReadMode.RGB) for im in ds["img"]]
-    )
+    raw = [torch.frombuffer(bytearray(im["bytes"]), dtype=torch.uint8) for im in ds["img"]]
+    images = torch.stack([decode_image(b, ImageReadMode.RGB) for b in raw])
     return images, torch.as_tensor(ds["label"], dtype=torch.int64)
 
 
