@@ -160,7 +160,8 @@ def run_once(
 ) -> dict:
     """One in-process federation of ``clients`` clients, the first ``attackers`` after partition 0
     colluding when ``attack`` is given; its row: the honest clients' (the other partitions') mean
-    final accuracy, the fewest clients of a round, bounded rows, rollbacks, seconds."""
+    final accuracy, every client's final accuracy (0 for one without an evaluation), the fewest
+    clients of a round, bounded rows, rollbacks, seconds."""
     from client_app.app import app as client_app
     from strategies.registry import build_strategy
 
@@ -195,6 +196,7 @@ def run_once(
     honest = [p for p in range(clients) if p not in hostile]
     return {
         "honest_accuracy": float(np.mean([final.get(str(p), 0.0) for p in honest])),
+        "accuracy_per_client": {str(p): float(final.get(str(p), 0.0)) for p in range(clients)},
         "failed": failed,
         "min_num_clients": min((r["num_clients"] for r in rows), default=0),
         "bounded": int(sum(r.get("server_bounded", 0) for r in rows)),
@@ -263,8 +265,17 @@ def table(rows: list[dict], attacks: list[str], aggregations: list[str]) -> str:
             and (not r["attack"] or setting_of(r)[1] == where["f"])
         ]
 
-    def mean(selected: list[dict]) -> float:
-        return float(np.mean([r["honest_accuracy"] for r in selected])) if selected else float("nan")
+    def mean(selected: list[dict], f: int | None = None) -> float:
+        """Mean over runs of the honest clients' mean accuracy; with ``f``, honest = the partitions
+        other than :func:`attackers_of` (f), so a clean run is compared on the attacked run's clients."""
+        if not selected:
+            return float("nan")
+        if f is None:
+            return float(np.mean([r["honest_accuracy"] for r in selected]))
+        hostile = {str(p) for p in attackers_of(f)}
+        return float(
+            np.mean([np.mean([a for p, a in r["accuracy_per_client"].items() if p not in hostile]) for r in selected])
+        )
 
     settings = sorted({setting_of(r) for r in rows if r["attack"]}) or [DEFAULT_SETTING]
     lines = [
@@ -274,7 +285,9 @@ def table(rows: list[dict], attacks: list[str], aggregations: list[str]) -> str:
         method, options, _ = ATTACKS[name]
         for n, f in settings:
             for agg in aggregations:
-                clean = mean(found(method=method, options=options, attack=None, aggregation=agg, n=n, f=f))
+                clean_runs = found(method=method, options=options, attack=None, aggregation=agg, n=n, f=f)
+                per_client = clean_runs and all("accuracy_per_client" in r for r in clean_runs)
+                clean = mean(clean_runs, f if per_client else None)
                 hit = found(method=method, options=options, attack=name, aggregation=agg, n=n, f=f)
                 if not hit:
                     continue

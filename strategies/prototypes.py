@@ -229,8 +229,8 @@ def bound_class_rows(
     per_class: bool = True,
 ) -> tuple[list[ClientReply], int]:
     """Bound each uploaded per-class row's change from what the server sent for its class
-    (``reference``; zero without one): ``aggregation = "norm-bound"`` (``per_class``), and the cap
-    alone before a per-class median or trimmed mean (not ``per_class``).
+    (``reference``; zero without one): ``aggregation = "norm-bound"`` (``per_class``), and the same
+    less the class median before a per-class median or trimmed mean (not ``per_class``).
 
     FLAME's clipping (Nguyen et al. 2022, §4.3) per class, on the change from the server's row as
     :mod:`strategies.robust` bounds a model's change from the model sent. Two bounds, each an
@@ -243,10 +243,11 @@ def bound_class_rows(
       :data:`MEDIAN_VOTES` uploads hold c (:func:`strategies.robust.bound_by_median`). Honest while
       the attackers are fewer than half of the class's holders.
 
-    Under ``per_class`` a row of class c is scaled to at most min(M_c, ROW_NORM_FACTOR · V), or to V
-    for a class fewer than :data:`MEDIAN_VOTES` uploads hold (under a pathological split most
-    classes); otherwise to ROW_NORM_FACTOR · V (:data:`common.payload.ROW_NORM_FACTOR`, the spread
-    of honest rows' lengths, so an honest row is left as it is). The cap by V is what holds when
+    A row of a class fewer than :data:`MEDIAN_VOTES` uploads hold (under a pathological split most
+    classes) is scaled to at most V: a median of two rows is their mean, so nothing else protects
+    such a class. A row of a class more uploads hold is scaled to at most min(M_c, ROW_NORM_FACTOR · V)
+    under ``per_class``, otherwise to ROW_NORM_FACTOR · V (:data:`common.payload.ROW_NORM_FACTOR`, the
+    spread of honest rows' lengths, so an honest row is left as it is) before the class's median. The cap by V is what holds when
     colluders claim every class: two attackers of five outvote a class's one honest holder in M_c
     (its median was theirs, and rows of 1e5 went through whole) but not the five uploads' V.
     Directions are kept: a row within the bound pointing anywhere is not caught. Fewer than
@@ -257,7 +258,8 @@ def bound_class_rows(
             int [k_i] (unique class ids).
         reference: float [C, w], the row the server sent this round for each class (zeros where
             it sent none), or None: every reference zero, a bound on the rows' norms.
-        per_class: bound by the class median as well (``norm-bound``); False: the cap alone.
+        per_class: bound by the class median as well (``norm-bound``); False: only the cap for the
+            classes at least :data:`MEDIAN_VOTES` uploads hold (before a per-class median).
 
     Returns:
         (the replies, those with a bounded row as copies whose ``values`` keep their dtype and whose
@@ -275,12 +277,12 @@ def bound_class_rows(
     for c in sorted({c for _, _, c in places}):
         where = [(i, j) for i, j, k in places if k == c]
         group = [deltas[i][j] for i, j in where]
-        if not per_class:
-            bound = cap
-        elif len(group) >= MEDIAN_VOTES:
+        if len(group) < MEDIAN_VOTES:
+            bound = vote
+        elif per_class:
             bound = min(float(np.median(np.linalg.norm(group, axis=1))), cap)
         else:
-            bound = vote
+            bound = cap
         bounded, n = clip_to_norm(group, bound)
         for (i, j), delta, before in zip(where, bounded, group):
             if delta is not before:
@@ -309,10 +311,10 @@ def aggregate_class_sets(
     empty in round 1) as the reference (the round metric ``server-bounded`` counts the scaled rows);
     ``median`` / ``trimmed-mean``: per class the coordinate-wise median / Flower's ``trim_mean``
     (cutting ``floor(trim-fraction * m_c)`` of the class's m_c rows from each end) instead of the
-    mean, over rows first capped by the uploads' vote (:func:`bound_class_rows` without
+    mean, over rows first bounded by the uploads' vote (:func:`bound_class_rows` without
     ``per_class``). A class's median is an honest holder's value per coordinate while the attackers
     are fewer than its honest holders; with 2 rows of a class a median is their mean, so only
-    classes that at least 3 uploads hold are protected that way, the others by the cap.
+    classes that at least 3 uploads hold are protected that way, the others by the vote.
 
     Returns:
         as :func:`strategies.aggregation.class_average`, plus ``server-bounded`` unless ``mean``.

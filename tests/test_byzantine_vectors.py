@@ -211,9 +211,10 @@ def test_an_aggregation_the_method_cannot_do_is_refused_before_the_run(method, r
 @pytest.mark.parametrize("rule", ["median", "trimmed-mean"])
 def test_per_class_median_and_trimmed_mean(rule):
     """FedProto under ``median`` / ``trimmed-mean`` (trim-fraction 0.25 cuts one of four rows at each
-    end): class 0's rows of norms 1, 2, 4, 1000 give 3 (both), class 5's two rows their mean. The row
-    of 1000 is first capped at ROW_NORM_FACTOR times the uploads' vote (median of 1.5, 502, 2, 4: 3),
-    which leaves the median where it was."""
+    end): class 0's rows of norms 1, 2, 4, 1000 give 3 (both): the row of 1000 is first capped at
+    ROW_NORM_FACTOR times the uploads' vote (median of 1.5, 502, 2, 4: 3), which leaves the median
+    where it was. Class 5's two rows (2 and 4) give their mean once the longer is bounded by the vote
+    itself (a median of two rows is their mean): 2.5."""
     replies = [
         reply(0, [(0, 1.0), (5, 2.0)], 500),
         reply(1, [(0, 1000.0), (5, 4.0)], 500),
@@ -224,8 +225,8 @@ def test_per_class_median_and_trimmed_mean(rule):
     strategy = build_strategy(cfg)
     metrics = strategy.server_update(1, replies)
     protos = strategy.global_arrays()["protos"]
-    assert np.linalg.norm(protos, axis=1) == pytest.approx([3.0, 3.0], rel=1e-5)
-    assert metrics["server-num-classes"] == 2 and metrics[BOUNDED] == 1
+    assert np.linalg.norm(protos, axis=1) == pytest.approx([3.0, 2.5], rel=1e-5)
+    assert metrics["server-num-classes"] == 2 and metrics[BOUNDED] == 2
 
 
 def test_colluders_that_claim_every_class_are_capped_by_the_uploads_vote():
