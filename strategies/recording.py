@@ -19,15 +19,20 @@ personal model per client and recorded round in their state folder.
 
 from __future__ import annotations
 
+import io
 import json
+import math
+import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
 from common.config import RunConfig
-from common.files import atomic_write
+from common.errors import ConfigError
+from common.files import MAX_READ_BYTES, atomic_write, read_bounded
 
 #: the run folder's sub-folder of recorded payloads
 PAYLOADS = "payloads"
@@ -86,8 +91,47 @@ class PayloadRecorder:
 def read_arrays(path: str | Path) -> dict[str, np.ndarray]:
     """The arrays of one recorded payload file (name -> array, as sent).
 
+    The file is read whole through :func:`common.files.read_bounded` (a regular file of at most
+    ``MAX_READ_BYTES``), and each member's ``.npy`` header is checked before its data is read: a
+    numeric dtype (no objects, so nothing is unpickled) and a shape whose bytes are the member's.
+
     Raises:
-        FileNotFoundError: naming the file.
+        ConfigError: naming the file: it cannot be read (:func:`common.files.read_bounded`), is no
+            ``.npz`` archive (e.g. cut short), or holds a member that is not such an array.
     """
-    with np.load(Path(path), allow_pickle=False) as data:
-        return {k: data[k] for k in data.files}
+    data = read_bounded(path)
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            infos = archive.infolist()
+            if sum(info.file_size for info in infos) > MAX_READ_BYTES:  # a compressed member may claim more
+                raise ValueError(f"its members hold more than {MAX_READ_BYTES} bytes")
+            arrays = {}
+            for info in infos:
+                if not info.filename.endswith(".npy"):
+                    raise ValueError(f"member {info.filename!r} is not an .npy array")
+                with archive.open(info) as f:
+                    arrays[info.filename.removesuffix(".npy")] = _read_member(f, info)
+            return arrays
+    except (ValueError, EOFError, OSError, zipfile.BadZipFile, zlib.error) as exc:
+        raise ConfigError(f"{path} is not a payload file this system recorded: {exc}") from None
+
+
+def _read_member(f: IO[bytes], info: zipfile.ZipInfo) -> np.ndarray:
+    """The array of one ``.npy`` member, its header checked first. Raises ValueError naming the member."""
+    version = np.lib.format.read_magic(f)
+    header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+    if header is None:
+        raise ValueError(f"member {info.filename!r}: .npy format {version} (allowed: 1.0, 2.0)")
+    shape, fortran, dtype = header(f)
+    if dtype.kind not in "biufc" or dtype.hasobject:
+        raise ValueError(f"member {info.filename!r}: dtype {dtype} (allowed: booleans and numbers)")
+    size = math.prod(shape) * dtype.itemsize  # Python integers: a huge declared shape does not overflow
+    if size != info.file_size - f.tell():
+        raise ValueError(
+            f"member {info.filename!r}: shape {shape} of {dtype} is {size} bytes, the member holds "
+            f"{info.file_size - f.tell()}"
+        )
+    array = np.frombuffer(f.read(size), dtype=dtype)
+    if array.nbytes != size:
+        raise ValueError(f"member {info.filename!r} is cut short")
+    return array.reshape(shape, order="F" if fortran else "C").copy()

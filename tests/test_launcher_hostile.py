@@ -22,6 +22,7 @@ import pytest
 
 from common.config import RunConfig
 from common.errors import ConfigError
+from common.options import excerpt
 from conftest import DATA_DIR, ROOT
 from tools import grid as grids
 from tools import processes, ray_cluster, runconfig
@@ -320,6 +321,43 @@ def test_an_output_dir_that_cannot_be_a_writable_folder_fails_fast_naming_it(tmp
     assert "run config key 'output-dir'" in out and time.monotonic() - start < 10, out
     expected = {"file": "is a file", "below a file": "which is a file", "long name": "255 bytes"}
     assert expected.get(kind, "is not writable") in out
+
+
+def memory_capped() -> None:
+    """A child's address space capped at 4 GiB: a launcher that reads an endless preset whole fails
+    there instead of taking the machine's memory."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+
+@pytest.mark.parametrize("kind", ["a device", "a FIFO", "over the cap"])
+def test_a_preset_that_is_no_regular_file_under_the_cap_is_refused_naming_it(tmp_path, kind):
+    """``--preset /dev/zero`` was read whole until the process was killed for memory, and a FIFO held the
+    launcher forever: each is refused by name, with what is allowed (a child process, so that neither can
+    hang or fill this one)."""
+    path = {"a device": Path("/dev/zero"), "a FIFO": tmp_path / "fifo.toml", "over the cap": tmp_path / "big.toml"}[
+        kind
+    ]
+    if kind == "a FIFO":
+        os.mkfifo(path)
+    elif kind == "over the cap":
+        with open(path, "wb") as f:
+            f.truncate((1 << 30) + 1)  # sparse: no disk, one byte over common.files.MAX_READ_BYTES
+    cmd = [sys.executable, "-m", "tools.run", "--preset", str(path)]
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=memory_capped)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"tools.run --preset {kind} still running after 120 s")
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if "error" in line.lower()]
+    assert done.returncode == 2 and len(lines) == 1, done.stdout + done.stderr
+    expected = {
+        "a device": "it is a device",
+        "a FIFO": "it is a FIFO",
+        "over the cap": f"it holds {(1 << 30) + 1} bytes",
+    }
+    assert f"preset {excerpt(str(path))} cannot be read: {expected[kind]}" in lines[0], lines
+    assert f"allowed is a regular file of at most {1 << 30} bytes" in lines[0]
 
 
 @pytest.mark.parametrize("module", ["tools.run", "tools.grid"])

@@ -3,6 +3,8 @@ the gray image, and FedRE's Q2 ordering is judged from the rows."""
 
 import json
 
+import pytest
+
 from tools import privacy_report
 
 
@@ -86,3 +88,21 @@ def test_report_pools_judges_and_checks_the_q2_ordering(tmp_path):
 def test_an_empty_folder_is_refused(tmp_path, capsys):
     assert privacy_report.main([str(tmp_path)]) == 2
     assert "privacy.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "rows, expected",
+    [
+        ({"round": 1}, "holds a JSON dict, not a list of rows"),
+        (["fedgh"], "row 0 holds a JSON str, not an object"),
+        ([row("z", round_="1")], "row 0: key 'round' is '1', expected a int"),
+        ([row("z", best_psnr="high")], "row 0: key 'best_psnr' is 'high', expected a number or null"),
+    ],
+)
+def test_a_malformed_privacy_json_is_one_line_naming_it_with_exit_2(tmp_path, capsys, rows, expected):
+    """A ``privacy.json`` that is not a list of rows raised a TypeError deep in the tables."""
+    write(tmp_path, "fedgh", rows)
+    assert privacy_report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{tmp_path / 'fedgh' / 'privacy.json'}" in err[0] and expected in err[0], err
+    assert not (tmp_path / "report.md").exists()

@@ -1,9 +1,14 @@
 """``tools.privacy`` on a recorded run folder: its table, rows and figure, resumable cells, the label leakage
 of a per-class upload, and clear errors for a run that recorded nothing or has no public auxiliary data."""
 
+import io
 import json
 import shutil
+import subprocess
+import sys
+import zipfile
 
+import numpy as np
 import pytest
 
 from common.config import RunConfig
@@ -95,3 +100,70 @@ def test_a_run_recorded_before_a_key_existed_is_read_with_that_keys_default(fedg
     (old / "summary.json").write_text(json.dumps(summary))
     view = RunView(old)
     assert view.cfg.min_clients == cfg.min_clients and view.rounds() == [1, 2]
+
+
+def damaged(path, kind: str) -> str:
+    """Damage the recorded payload file ``path`` as ``kind`` says; returns what the error must say."""
+    arrays = dict(np.load(path))
+    name = next(iter(arrays))
+    if kind == "object array":  # np.savez pickles it; reading it back must not unpickle
+        np.savez(path, **{**arrays, name: np.array([1, "x"], dtype=object)})
+        return f"member '{name}.npy': dtype object (allowed: booleans and numbers)"
+    if kind == "truncated":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+        return "File is not a zip file"
+    # a header that declares 23 TiB of float32 over 16 bytes of data
+    with zipfile.ZipFile(path, "w") as archive:
+        for key, value in arrays.items():
+            member = io.BytesIO()
+            if key == name:
+                header = {"descr": "<f4", "fortran_order": False, "shape": ((23 << 40) // 4,)}
+                np.lib.format.write_array_header_1_0(member, header)
+                member.write(bytes(16))
+            else:
+                np.lib.format.write_array(member, value)
+            archive.writestr(f"{key}.npy", member.getvalue())
+    return f"member '{name}.npy': shape ({(23 << 40) // 4},) of float32 is {23 << 40} bytes, the member holds 16"
+
+
+@pytest.mark.parametrize("kind", ["object array", "truncated", "23 TiB"])
+def test_a_bad_recorded_payload_is_one_line_naming_it_with_exit_2_and_no_output(fedgh_run, tmp_path, capsys, kind):
+    """A recorded ``.npz`` holding an object array, cut short, or declaring a 23 TiB array raised a
+    ValueError, BadZipFile or numpy's memory error; each member's header is checked before its data is
+    read, and the command stops before it writes anything."""
+    run, _ = fedgh_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    path = copy / "payloads" / "round-2" / "partition-0" / "train.up.npz"
+    expected = damaged(path, kind)
+    out = tmp_path / "out"
+    args = [str(copy), "--rounds", "2", "--clients", "0", "--attacks", "labels", "--out", str(out)]
+    assert privacy.main(args + BUDGET) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{path} is not a payload file this system recorded" in err[0], err
+    assert expected in err[0] and not out.exists()
+
+
+def test_a_resume_from_loop_is_refused_naming_its_folders(fedgh_run, tmp_path):
+    """A run whose summary's ``resume-from`` named the run itself held ``tools.privacy`` in an endless walk
+    of the chain (a child process, so that the test fails instead of hanging)."""
+    from conftest import ROOT
+
+    run, _ = fedgh_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    summary = json.loads((copy / "summary.json").read_text())
+    summary["config"]["resume-from"] = str(copy)
+    (copy / "summary.json").write_text(json.dumps(summary))
+    cmd = [sys.executable, "-m", "tools.privacy", str(copy), "--out", str(tmp_path / "out")]
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("tools.privacy still walking the resume-from chain after 120 s")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0] == f"tools.privacy: the resume-from chain of {copy} is a loop: {copy} -> {copy}; " + (
+        "each run resumes an older one"
+    )
+    assert not (tmp_path / "out").exists()

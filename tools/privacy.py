@@ -23,12 +23,59 @@ import numpy as np
 import torch
 
 from common.errors import ConfigError
-from common.files import atomic_write
+from common.files import atomic_write, check_keys, parse_json, read_text
 from privacy import scores
 from tools.privacy_attacks import ATTACKS, Attacker, Settings, applicable, cell_path, run_cell
 from tools.privacy_view import RunView
 
 FIGURE = "reconstructions.png"
+#: the keys (with their types) of every row of ``privacy.json`` and of a cell; a row's other keys are
+#: scores: numbers, or null where the attack gives none
+ROW_KEYS = {"round": int, "partition": int, "attack": str, "threat": str, "knowledge": str, "payload": str}
+#: the keys of a cell file (``tools.privacy_attacks.run_cell``) and of each of its figure pairs
+CELL_KEYS = {"rows": list, "figure": list}
+PAIR_KEYS = {"payload": str, "caption": str, "original": list, "reconstruction": list}
+
+
+def check_rows(rows: Any, where: str) -> list[dict[str, Any]]:
+    """``rows`` if it is a list of rows of ``privacy.json``: objects with :data:`ROW_KEYS`, every other
+    value a number or null.
+
+    Raises:
+        ConfigError: naming ``where``, the row and the key that is not so.
+    """
+    if not isinstance(rows, list):
+        raise ConfigError(f"{where} holds a JSON {type(rows).__name__}, not a list of rows")
+    for n, row in enumerate(rows):
+        check_keys(row, ROW_KEYS, f"{where} row {n}")
+        for key, value in row.items():
+            score = value is None or (isinstance(value, int | float) and not isinstance(value, bool))
+            if key not in ROW_KEYS and not score:
+                raise ConfigError(f"{where} row {n}: key '{key}' is {str(value)[:80]!r}, expected a number or null")
+    return rows
+
+
+def read_privacy_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a ``privacy.json`` (read bounded, :func:`common.files.read_text`), checked (:func:`check_rows`).
+
+    Raises:
+        ConfigError: naming the file: it cannot be read, is not JSON, or is not a list of rows.
+    """
+    return check_rows(parse_json(read_text(path), str(path), strict=False), str(path))
+
+
+def read_cell(path: Path) -> dict[str, Any]:
+    """One cell file (``<out>/cells/*.json``), checked: :data:`CELL_KEYS`, its rows (:func:`check_rows`)
+    and its figure pairs (:data:`PAIR_KEYS`).
+
+    Raises:
+        ConfigError: naming the file and what is wrong.
+    """
+    cell = check_keys(parse_json(read_text(path), str(path), strict=False), CELL_KEYS, str(path))
+    check_rows(cell["rows"], f"{path} key 'rows'")
+    for n, pair in enumerate(cell["figure"]):
+        check_keys(pair, PAIR_KEYS, f"{path} figure pair {n}")
+    return cell
 
 
 ROW_COLUMNS = (
@@ -173,10 +220,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     try:
-        view = RunView(args.run)
-    except (ConfigError, FileNotFoundError) as exc:
+        return evaluate(args, argv if argv is not None else sys.argv[1:])
+    except (ConfigError, FileNotFoundError) as exc:  # a bad file or run, missing data: one line naming it
         print(f"tools.privacy: {exc}", file=sys.stderr)
         return 2
+
+
+def evaluate(args: argparse.Namespace, given: list[str]) -> int:
+    """Run :func:`main`'s cells and write the report; returns the exit status.
+
+    Every recorded payload the cells read is read (and checked, ``strategies.recording.read_arrays``)
+    before the first cell runs, so a bad payload file stops the command before it writes anything.
+
+    Raises:
+        ConfigError: the run folder, a payload, a client's model or a cell file is not what this
+            system wrote (naming it), or an attack needs what the run lacks.
+    """
+    view = RunView(args.run)
     rounds = parse_list(args.rounds, view.rounds(), "rounds")
     attacks = parse_list(args.attacks, applicable(view), "attacks") if args.attacks else applicable(view)
     unknown = [a for a in attacks if a not in ATTACKS]
@@ -186,19 +246,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else view.run_dir / "privacy"
     attacker = Attacker(view, settings)
     todo = [(r, p, a) for r in rounds for p in parse_list(args.clients, view.partitions(r), "clients") for a in attacks]
+    for r, p in dict.fromkeys((r, p) for r, p, _ in todo):
+        for direction in ("up", "down"):
+            view.payload(r, p, direction)
     from tqdm import tqdm
 
     for r, p, a in tqdm(todo, desc="privacy cells", unit="cell"):
-        if cell_path(out, r, p, a).is_file():
-            continue
-        try:
+        if not cell_path(out, r, p, a).is_file():
             run_cell(attacker, r, p, a, out)
-        except ConfigError as exc:
-            print(f"tools.privacy: {exc}", file=sys.stderr)
-            return 2
     # the report covers every cell in the folder, also those of earlier invocations (other rounds, clients)
-    cells = [json.loads(path.read_text()) for path in sorted((out / "cells").glob("*.json"))]
-    given = argv if argv is not None else sys.argv[1:]
+    cells = [read_cell(path) for path in sorted((out / "cells").glob("*.json"))]
     # the run folder is a local output (never committed): the command names it by its role
     command = "python -m tools.privacy " + " ".join("<run folder>" if a == args.run else a for a in given)
     write_report(view, out, cells, command)

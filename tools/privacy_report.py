@@ -11,12 +11,12 @@ MH-pFedHNGD's iDLG check (its appendix C.8). Every number is computed from those
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from tools.privacy import pooled, spread
+from common.errors import ConfigError
+from tools.privacy import pooled, read_privacy_rows, spread
 from tools.runconfig import ROOT
 
 #: FedRE's Q2 (TinyImageNet, its reference [35]): PSNR (dB) and MSE (0-255 scale) of images reconstructed
@@ -31,8 +31,9 @@ def load(folder: Path) -> dict[str, list[dict[str, Any]]]:
 
     Raises:
         FileNotFoundError: naming the folder when it holds no method's rows.
+        ConfigError: naming a ``privacy.json`` that is not a list of rows (``tools.privacy.read_privacy_rows``).
     """
-    found = {p.parent.name: json.loads(p.read_text()) for p in sorted(folder.glob("*/privacy.json"))}
+    found = {p.parent.name: read_privacy_rows(p) for p in sorted(folder.glob("*/privacy.json"))}
     if not found:
         raise FileNotFoundError(f"{folder} holds no <method>/privacy.json (run tools.privacy --out {folder}/<method>)")
     return found
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         text = report(args.folder)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ConfigError) as exc:
         print(f"tools.privacy_report: {exc}", file=sys.stderr)
         return 2
     (args.folder / "report.md").write_text(text)

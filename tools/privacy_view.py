@@ -20,7 +20,7 @@ from common.config import RunConfig
 from common.data import DataSpec, decode_images, load_client_data, load_split
 from common.datasets import DATASETS, with_recipe
 from common.errors import ConfigError
-from common.files import read_summary
+from common.files import read_summary, resume_chain
 from common.protocol import snapshot_name
 from models.groups import MODEL_GROUPS
 from strategies.fedkd import svd_decompress
@@ -39,20 +39,19 @@ class RunView:
     """What one run recorded, and the run's data and models for scoring.
 
     Raises:
-        ConfigError: ``run_dir`` is no run folder, or it recorded no payloads (naming ``record-payloads``).
+        ConfigError: ``run_dir`` is no run folder, its ``resume-from`` chain is a loop
+            (:func:`common.files.resume_chain`), or it recorded no payloads (naming ``record-payloads``).
     """
 
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
+        #: this run and the runs it resumed (``resume-from``, newest first): a resumed run's earlier rounds
+        #: were recorded by the launch that ran them
+        self.chain = resume_chain(self.run_dir)
         summary = read_summary(self.run_dir)
         # a run recorded before a key existed ran as that key's default does (e.g. min-clients)
         self.cfg = RunConfig.from_dict({**app_defaults(), **summary["config"]})
         self.method = METHODS[self.cfg.method]
-        #: this run and the runs it resumed (``resume-from``, newest first): a resumed run's earlier rounds
-        #: were recorded by the launch that ran them
-        self.chain = [self.run_dir]
-        while (previous := read_summary(self.chain[-1])["config"].get("resume-from")) and Path(previous).is_dir():
-            self.chain.append(Path(previous))
         if not self.rounds():
             raise ConfigError(
                 f"{self.run_dir} holds no recorded payloads: run it with run config key 'record-payloads' "

@@ -91,21 +91,23 @@ def read_preset(path: str | os.PathLike) -> dict[str, Any]:
     Flower's dotted keys as ``flwr run --run-config FILE`` flattens them.
 
     Raises:
-        ConfigError: naming the file: it cannot be read (missing, a folder, no permission) or is not
-            UTF-8 TOML of run config values (strings, numbers, booleans, tables of them).
+        ConfigError: naming the file: it cannot be read (missing, a folder, no permission, not a
+            regular file such as a FIFO or a device, over ``common.files.MAX_READ_BYTES``; see
+            :func:`common.files.read_bounded`) or is not UTF-8 TOML of run config values (strings,
+            numbers, booleans, tables of them).
     """
     from flwr.common.config import flatten_dict
 
     from common.errors import ConfigError
+    from common.files import read_bounded
     from common.options import excerpt
 
+    name = f"preset {excerpt(str(path))}"
+    data = read_bounded(Path(path).expanduser(), name=name)
     try:
-        with open(Path(path).expanduser(), "rb") as f:
-            return flatten_dict(tomllib.load(f))
-    except OSError as exc:
-        raise ConfigError(f"preset {excerpt(str(path))} cannot be read: {exc.strerror or exc}") from None
+        return flatten_dict(tomllib.loads(data.decode("utf-8")))
     except ValueError as exc:  # TOMLDecodeError, UnicodeDecodeError, or a value Flower does not take (a list)
-        raise ConfigError(f"preset {excerpt(str(path))} is not a TOML file of run config keys: {exc}") from None
+        raise ConfigError(f"{name} is not a TOML file of run config keys: {exc}") from None
 
 
 #: the run config keys that hold paths (:func:`read_config` resolves them)
