@@ -23,11 +23,13 @@ def test_accuracy_and_attacks_against_epsilon_regenerate_from_the_copies(tmp_pat
         (cell / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     attacked = next((tmp_path / "private").glob("fedre-seed0/*")) / "privacy"
     attacked.mkdir()
-    attack = {"threat": "server", "knowledge": "white-box", "attack": "inversion", "payload": "z", "n": 2}
+    cell = {"round": 2, "partition": 0, "cpu_seconds": 1.0}  # every row tools.privacy writes has these
+    attack = {**cell, "threat": "server", "knowledge": "white-box", "attack": "inversion", "payload": "z", "n": 2}
     rows = [
         {**attack, "best_psnr": 11.0, "best_psnr_std": 0.0, "gray_psnr": 17.0, "gray_psnr_std": 0.0},
         {**attack, "payload": "class mean representation", "best_psnr": 30.0, "gray_psnr": 17.0},
-        {"threat": "server", "attack": "labels", "label_recall": 0.5},
+        {**cell, "threat": "server", "knowledge": "payload only", "attack": "labels", "payload": "lar"}
+        | {"label_recall": 0.5},
     ]
     (attacked / "privacy.json").write_text(json.dumps(rows))
     out = tmp_path / "results"
@@ -55,6 +57,29 @@ def test_accuracy_and_attacks_against_epsilon_regenerate_from_the_copies(tmp_pat
 def test_a_bad_epsilon_label_is_refused(tmp_path, small_config):
     write_grid(tmp_path / "plain", small_config)
     assert main([str(tmp_path / "out"), "--grid", f"zero={tmp_path / 'plain'}"]) == 2
+
+
+def test_a_grid_that_is_not_one_or_a_bad_privacy_json_is_one_line_naming_it_with_exit_2_and_no_output(
+    tmp_path, small_config, capsys
+):
+    """A ``--grid`` folder that is no grid raised FileNotFoundError from copying its ``grid.json``; every
+    grid and ``privacy.json`` is checked before the first copy, so a bad second grid leaves no output."""
+    write_grid(tmp_path / "plain", small_config)
+    write_grid(tmp_path / "private", small_config, overrides={"dp.epsilon": 8.0})
+    attacked = next((tmp_path / "private").glob("fedre-seed0/*")) / "privacy"
+    attacked.mkdir()
+    (attacked / "privacy.json").write_text(json.dumps({"rows": []}))
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "out"
+    cases = {
+        "empty": f"{tmp_path / 'empty' / 'grid.json'} cannot be read",
+        "private": f"{attacked / 'privacy.json'} holds a JSON dict, not a list of rows",
+    }
+    for folder, expected in cases.items():
+        assert main([str(out), "--grid", f"inf={tmp_path / 'plain'}", "--grid", f"8={tmp_path / folder}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0], err
+        assert not out.exists(), folder
 
 
 @pytest.fixture

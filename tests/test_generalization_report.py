@@ -49,6 +49,18 @@ def test_a_bad_setting_is_refused(tmp_path, small_config):
     assert main([str(tmp_path / "out"), "--grid", f"a/b={tmp_path / 'homo'}"]) == 2
 
 
+def test_a_grid_that_is_not_one_is_one_line_naming_it_with_exit_2_and_no_output(tmp_path, small_config, capsys):
+    """A ``--grid`` folder that is no grid raised FileNotFoundError from copying its ``grid.json`` and left
+    the output folder behind; every grid is checked before the first copy."""
+    write_grid(tmp_path / "homo", small_config)
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "out"
+    assert main([str(out), "--grid", f"homo={tmp_path / 'homo'}", "--grid", f"hetero={tmp_path / 'empty'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{tmp_path / 'empty' / 'grid.json'} cannot be read" in err[0], err
+    assert not out.exists()
+
+
 @pytest.fixture
 def small_config():
     from test_report import small_config as config

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 
 import pytest
 import torch
 from flwr.app import Context, RecordDict
 
+from common import files
 from common.config import ConfigError, RunConfig
 from common.data import DataSpec, _cache_file, load_client_data
-from common.files import read_rows, read_summary
+from common.files import read_bounded, read_rows, read_summary, resume_chain
 from common.results import CHECKPOINT, load_checkpoint
 from common.runtime import MODEL_STATE, ClientRuntime
 from models.groups import MODEL_GROUPS
@@ -161,6 +164,84 @@ def test_a_summary_that_is_not_ours_names_the_file(tmp_path, text):
         read_summary(tmp_path)
 
 
+def within(seconds: float, call):
+    """``call()``'s result or error, or a test failure when it has not returned after ``seconds``: a read
+    that blocks (a FIFO) must fail the test, not hang it (the thread is left behind, a daemon)."""
+    done = {}
+
+    def run():
+        try:
+            done["value"] = call()
+        except Exception as exc:
+            done["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"still reading after {seconds} s")
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "folder", "over the cap"])
+def test_a_summary_or_rows_file_that_is_no_regular_file_under_the_cap_is_refused_naming_it(tmp_path, kind):
+    """A FIFO held a reader of ``summary.json`` forever; every file read back is a regular file of at most
+    ``MAX_READ_BYTES``, refused by name otherwise before it is read."""
+    cap = 100
+    for name in ("summary.json", "metrics.jsonl"):
+        path = tmp_path / name
+        if kind == "FIFO":
+            os.mkfifo(path)
+        elif kind == "folder":
+            path.mkdir()
+        else:
+            path.write_text(json.dumps({"status": "completed", "rounds_completed": 1, "pad": "x" * cap}))
+    expected = {"FIFO": "it is a FIFO", "folder": "it is a folder", "over the cap": f"at most {cap} bytes"}[kind]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(files, "MAX_READ_BYTES", cap)
+        for read in (read_summary, read_rows):
+            with pytest.raises(ConfigError, match=expected) as caught:
+                within(10, lambda read=read: read(tmp_path))
+            assert str(tmp_path) in str(caught.value) and "regular file" in str(caught.value)
+
+
+def test_an_endless_device_is_refused_before_a_byte_is_read():
+    with pytest.raises(ConfigError, match=r"/dev/zero cannot be read: it is a device.*regular file of at most"):
+        within(10, lambda: read_bounded("/dev/zero"))
+
+
+def write_summary(run, resume_from=None):
+    run.mkdir(exist_ok=True)
+    config = {"resume-from": str(resume_from)} if resume_from else {}
+    (run / "summary.json").write_text(json.dumps({"status": "completed", "rounds_completed": 1, "config": config}))
+
+
+def test_a_resume_from_chain_is_walked_newest_first_and_a_loop_is_refused_naming_its_folders(tmp_path, monkeypatch):
+    """A run folder whose ``resume-from`` named itself, or two naming each other, held ``tools.privacy``
+    in an endless walk; the chain stops at a folder that is gone and holds at most ``MAX_CHAIN`` runs."""
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    write_summary(a, tmp_path / "gone")
+    write_summary(b, a)
+    write_summary(c, b)
+    assert within(10, lambda: resume_chain(c)) == [c, b, a]
+    write_summary(a, a)  # itself
+    with pytest.raises(ConfigError, match=f"chain of {c} is a loop: {a} -> {a};"):
+        within(10, lambda: resume_chain(c))
+    write_summary(a, b / ".." / "c")  # a cycle through another spelling of c
+    with pytest.raises(ConfigError, match="is a loop") as caught:
+        within(10, lambda: resume_chain(c))
+    assert str(caught.value).count("\n") == 0 and f"{c} -> {b} -> {a} -> {b}/../c;" in str(caught.value)
+    write_summary(a)
+    monkeypatch.setattr(files, "MAX_CHAIN", 2)
+    with pytest.raises(ConfigError, match="holds more than 2 runs"):
+        resume_chain(c)
+    (a / "summary.json").write_text(json.dumps({"status": "completed", "rounds_completed": 1, "config": [1]}))
+    with pytest.raises(ConfigError, match=f"{a / 'summary.json'}: key 'config'"):
+        resume_chain(a)
+
+
 def cell_with_unreadable_summary(grid, rounds: int = 2):
     run = grid / "fedgh-seed0" / "20260101-000000-fedgh-cifar10-1"
     run.mkdir(parents=True)
@@ -200,8 +281,8 @@ def test_a_corrupt_grid_json_stops_grid_and_report_naming_it(tmp_path, capsys):
     preset = str(grid_tool.ROOT / "presets" / "fedre-table12-cifar10.toml")
     assert grid_tool.main([preset, "--methods", "fedre", "--out", str(tmp_path)]) == 2
     assert report_tool.main([str(tmp_path)]) == 2
-    out = capsys.readouterr().out
-    assert out.count(f"{tmp_path / 'grid.json'} is not valid JSON") == 2
+    out, err = capsys.readouterr()
+    assert (out + err).count(f"{tmp_path / 'grid.json'} is not valid JSON") == 2
 
 
 def test_the_report_shows_a_cell_whose_summary_is_unreadable(tmp_path):

@@ -176,6 +176,33 @@ def test_an_ablation_grid_is_reported_beside_its_method(tmp_path, small_config):
     write_grid(same, small_config, methods=("fedre",))
     with pytest.raises(ConfigError, match=r"same/grid.json: adds no override"):
         report(grid, tmp_path / "again", figures=False, ablations=[same])
+    assert not (tmp_path / "again").exists()  # refused before anything is copied
+
+
+def test_a_folder_that_is_no_grid_or_run_is_one_line_naming_the_file_with_exit_2_and_no_output(
+    tmp_path, small_config, capsys
+):
+    """``tools.report <a folder that is no grid> --out X`` raised FileNotFoundError and left an empty X; a
+    grid or run folder with a bad file left a half-written X. Each is one line on stderr naming the file,
+    exit 2, and no X."""
+    from tools.report import main
+
+    empty, grid, run, out = tmp_path / "empty", tmp_path / "grid", tmp_path / "run", tmp_path / "out"
+    empty.mkdir()
+    write_grid(grid, small_config)
+    next(grid.glob("local-seed1/*/metrics.jsonl")).write_text("garbage\n")
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"round": 1}\ngarbage\n')
+    cases = {
+        empty: f"{empty / 'grid.json'} cannot be read: No such file or directory",
+        grid: "metrics.jsonl line 1 is not valid JSON",
+        run: f"{run / 'metrics.jsonl'} line 2 is not valid JSON",
+    }
+    for folder, expected in cases.items():
+        assert main([str(folder), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0], err
+        assert not out.exists(), folder
 
 
 def test_report_of_one_run_folder_equals_its_rows(run_config, tmp_path):

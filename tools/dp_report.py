@@ -23,7 +23,6 @@ from the upload.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 import sys
@@ -36,10 +35,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from common.errors import ConfigError  # noqa: E402
+from common.files import new_folder_or_none  # noqa: E402
 from tools.figures import method_colors  # noqa: E402
 from tools.grid import newest_run  # noqa: E402
-from tools.grid_rows import copy_runs, load_grid  # noqa: E402
+from tools.grid_rows import copy_files, load_grid, run_copies  # noqa: E402
 from tools.grid_stats import mean_std, prior_by_seed, prior_stats  # noqa: E402
+from tools.privacy import read_privacy_rows  # noqa: E402
 from tools.privacy_report import cell as score_cell  # noqa: E402
 from tools.privacy_report import stat  # noqa: E402
 from tools.report import pct  # noqa: E402
@@ -71,24 +72,32 @@ def epsilon_value(label: str) -> float:
     return value
 
 
-def copy_grid(grid: Path, target: Path) -> None:
-    """:func:`tools.grid_rows.copy_runs` plus each cell's ``privacy/privacy.json`` (when attacked)."""
-    if target.exists():
-        shutil.rmtree(target)
-    copy_runs(grid, target)
+def grid_copies(grid: Path, target: Path) -> list[tuple[Path, Path]]:
+    """(file, its copy) of :func:`tools.grid_rows.run_copies` plus each cell's ``privacy/privacy.json``
+    (when attacked), all read and checked first.
+
+    Raises:
+        ConfigError: ``grid`` is no grid, or a file of it is not what the grid or ``tools.privacy``
+            wrote (naming the file).
+    """
+    copies = run_copies(grid, target)
     for folder in sorted(p for p in grid.iterdir() if p.is_dir() and "-seed" in p.name):
         newest = newest_run(folder)
         if newest is not None and (newest[0] / PRIVACY).is_file():
-            copy = target / folder.name / newest[0].name / PRIVACY
-            copy.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(newest[0] / PRIVACY, copy)
+            read_privacy_rows(newest[0] / PRIVACY)
+            copies.append((newest[0] / PRIVACY, target / folder.name / newest[0].name / PRIVACY))
+    return copies
 
 
 def attack_rows(grid: Path, method: str) -> list[dict[str, Any]]:
-    """Every row of the method's cells' ``privacy.json`` in ``grid``."""
+    """Every row of the method's cells' ``privacy.json`` in ``grid``.
+
+    Raises:
+        ConfigError: naming a ``privacy.json`` that is not a list of rows.
+    """
     rows = []
     for path in sorted(grid.glob(f"{method}-seed*/*/{PRIVACY}")):
-        rows += json.loads(path.read_text())
+        rows += read_privacy_rows(path)
     return rows
 
 
@@ -256,13 +265,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default=None, help="dataset folder for the class prior (default: the runs')")
     args = parser.parse_args(argv)
     try:
-        for item in args.grid:
-            label, _, path = item.partition("=")
-            epsilon_value(label)
-            if not Path(path).is_dir():
-                raise ConfigError(f"--grid {item!r}: {path!r} is no folder")
-            copy_grid(Path(path), args.folder / f"{PREFIX}{label}")
-        info, stats = collect(args.folder, args.data_dir)
+        with new_folder_or_none(args.folder):
+            copies = {}  # every grid is checked before any copy replaces an earlier one
+            for item in args.grid:
+                label, _, path = item.partition("=")
+                epsilon_value(label)
+                if not Path(path).is_dir():
+                    raise ConfigError(f"--grid {item!r}: {path!r} is no folder")
+                target = args.folder / f"{PREFIX}{label}"
+                copies[target] = grid_copies(Path(path), target)
+            for target, files in copies.items():
+                if target.exists():  # a stale cell of an earlier copy must not stay
+                    shutil.rmtree(target)
+                copy_files(files)
+            info, stats = collect(args.folder, args.data_dir)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -37,8 +37,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from common.errors import ConfigError  # noqa: E402
+from common.files import new_folder_or_none  # noqa: E402
 from tools.figures import method_colors  # noqa: E402
-from tools.grid_rows import Cell, copy_runs, load_grid  # noqa: E402
+from tools.grid_rows import Cell, copy_files, load_grid, run_copies  # noqa: E402
 from tools.grid_stats import mean_std, prior_over_seeds, seed_curves  # noqa: E402
 from tools.report import pct  # noqa: E402
 
@@ -233,14 +234,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default=None, help="dataset folder for the class prior (default: the runs')")
     args = parser.parse_args(argv)
     try:
-        for item in args.grid:
-            setting, _, path = item.partition("=")
-            if not setting.replace("-", "").isalnum() or not Path(path).is_dir():
-                raise ConfigError(f"--grid {item!r}: give <setting>=<grid folder>, the setting a plain name")
-            if (args.folder / setting).exists():  # a stale cell of an earlier copy must not stay
-                shutil.rmtree(args.folder / setting)
-            copy_runs(Path(path), args.folder / setting)
-        settings = collect(args.folder, args.data_dir)
+        with new_folder_or_none(args.folder):
+            copies = {}  # every grid is checked before any copy replaces an earlier one
+            for item in args.grid:
+                setting, _, path = item.partition("=")
+                if not setting.replace("-", "").isalnum() or not Path(path).is_dir():
+                    raise ConfigError(f"--grid {item!r}: give <setting>=<grid folder>, the setting a plain name")
+                copies[args.folder / setting] = run_copies(Path(path), args.folder / setting)
+            for target, files in copies.items():
+                if target.exists():  # a stale cell of an earlier copy must not stay
+                    shutil.rmtree(target)
+                copy_files(files)
+            settings = collect(args.folder, args.data_dir)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

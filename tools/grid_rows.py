@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import ConfigError
-from common.files import ROWS_FILE, read_rows
+from common.files import ROWS_FILE, SUMMARY_FILE, read_rows, read_text
 from common.results import counted_rows
 from tools.grid import GRID_FILE, newest_run, read_grid_info
 from tools.runconfig import ROOT
@@ -94,16 +94,26 @@ def load_ablations(grid: Path, info: dict) -> tuple[list[Cell], list[dict]]:
     folder, cells, infos = grid / ABLATIONS, [], []
     for sub in sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []:
         sub_info, sub_cells = load_grid(sub)
-        if sub_info["preset"] != info["preset"]:
-            raise ConfigError(f"{sub / GRID_FILE}: preset {sub_info['preset']!r}, not the grid's {info['preset']!r}")
-        base = info.get("overrides", {})
-        added = {k: v for k, v in sub_info.get("overrides", {}).items() if base.get(k) != v}
-        if not added:
-            raise ConfigError(f"{sub / GRID_FILE}: adds no override to the grid's {base}: not an ablation")
-        label = " ".join(f"{k}={v}" for k, v in added.items())
+        label = ablation_label(sub, sub_info, info)
         cells += [Cell(f"{c.method}{ABLATION_MARK}{label})", c.seed, c.rows, c.summary) for c in sub_cells]
         infos.append({**sub_info, "label": label, "folder": sub.name})
     return cells, infos
+
+
+def ablation_label(sub: Path, sub_info: dict, info: dict) -> str:
+    """``<key>=<value> ...``: the overrides that grid ``sub`` (its ``grid.json``: ``sub_info``) adds to
+    the grid of ``info``, whose ablation it is.
+
+    Raises:
+        ConfigError: ``sub`` is a grid of another preset, or adds no override (naming its ``grid.json``).
+    """
+    if sub_info["preset"] != info["preset"]:
+        raise ConfigError(f"{sub / GRID_FILE}: preset {sub_info['preset']!r}, not the grid's {info['preset']!r}")
+    base = info.get("overrides", {})
+    added = {k: v for k, v in sub_info.get("overrides", {}).items() if base.get(k) != v}
+    if not added:
+        raise ConfigError(f"{sub / GRID_FILE}: adds no override to the grid's {base}: not an ablation")
+    return " ".join(f"{k}={v}" for k, v in added.items())
 
 
 PAPER_KEYS = (
@@ -132,15 +142,19 @@ def paper_info(preset: str) -> dict:
     paper is not reproduced).
 
     Raises:
-        ConfigError: a key outside these, a ``[reported-std]`` method without a paper number, or a
-            ``[crosscheck]`` entry that is not text (naming the file and the key).
+        ConfigError: the file cannot be read or is not TOML, a key outside these, a
+            ``[reported-std]`` method without a paper number, or a ``[crosscheck]`` entry that is not
+            text (naming the file and the key).
     """
     import tomllib
 
     path = ROOT / "presets" / f"{Path(preset).stem}.paper.toml"
     if not path.is_file():
         return {}
-    paper = tomllib.loads(path.read_text(encoding="utf-8"))
+    try:
+        paper = tomllib.loads(read_text(path))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not TOML: {exc}") from None
     unknown = sorted(set(paper) - set(PAPER_KEYS))
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {unknown}; allowed: {list(PAPER_KEYS)}")
@@ -153,18 +167,40 @@ def paper_info(preset: str) -> dict:
     return paper
 
 
-def copy_runs(grid: Path, out: Path) -> None:
-    """Copy ``grid.json`` and each cell's newest metrics.jsonl and summary.json into ``out`` (grid
-    layout), and so every grid under ``<grid>/ablations/``; a cell without a finished round is
-    left out, as the report leaves it out."""
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(grid / GRID_FILE, out / GRID_FILE)
+def run_copies(grid: Path, out: Path) -> list[tuple[Path, Path]]:
+    """(file, its copy) for :func:`copy_runs`: ``grid.json`` and each cell's newest ``metrics.jsonl``
+    and ``summary.json`` of ``grid`` and of every grid under ``<grid>/ablations/``, in the grid's
+    layout under ``out``; a cell without a finished round is left out, as the report leaves it out.
+    Every ``grid.json`` and ``metrics.jsonl`` is read and checked here, so that a folder that is no
+    grid is refused before anything is written.
+
+    Raises:
+        ConfigError: ``grid`` is no grid folder, or a ``grid.json`` or ``metrics.jsonl`` is not what
+            the grid wrote (naming the file).
+    """
+    read_grid_info(grid)
+    copies = [(grid / GRID_FILE, out / GRID_FILE)]
     if (grid / ABLATIONS).is_dir():
         for sub in sorted(p for p in (grid / ABLATIONS).iterdir() if p.is_dir()):
-            copy_runs(sub, out / ABLATIONS / sub.name)
+            copies += run_copies(sub, out / ABLATIONS / sub.name)
     for folder, (run, _, _) in finished_runs(grid):
-        target = out / folder.name / run.name
-        target.mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.jsonl", "summary.json"):
-            if (run / name).is_file():
-                shutil.copy2(run / name, target / name)
+        copies += [(run / name, out / folder.name / run.name / name) for name in (ROWS_FILE, SUMMARY_FILE)]
+    return [(source, copy) for source, copy in copies if source.is_file()]
+
+
+def copy_files(copies: list[tuple[Path, Path]]) -> None:
+    """Copy each (file, copy) pair (:func:`run_copies`), creating the copies' folders."""
+    for source, copy in copies:
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, copy)
+
+
+def copy_runs(grid: Path, out: Path) -> None:
+    """Copy ``grid.json`` and each cell's newest metrics.jsonl and summary.json into ``out`` (grid
+    layout), and so every grid under ``<grid>/ablations/`` (:func:`run_copies`); nothing is written
+    when ``grid`` is not a grid.
+
+    Raises:
+        ConfigError: see :func:`run_copies`.
+    """
+    copy_files(run_copies(grid, out))

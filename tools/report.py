@@ -44,10 +44,20 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import ConfigError
-from common.files import ROWS_FILE, read_rows
+from common.files import ROWS_FILE, SUMMARY_FILE, check_keys, new_folder_or_none, read_rows
 from tools.figures import FIGURES, plot_curves, plot_partitions
-from tools.grid import run_summary
-from tools.grid_rows import ABLATIONS, Cell, base_method, copy_runs, load_ablations, load_grid, paper_info
+from tools.grid import read_grid_info, run_summary
+from tools.grid_rows import (
+    ABLATIONS,
+    Cell,
+    ablation_label,
+    base_method,
+    copy_files,
+    load_ablations,
+    load_grid,
+    paper_info,
+    run_copies,
+)
 from tools.grid_stats import above_baseline, difference, method_stats, training_flops, with_federation_size
 
 
@@ -370,14 +380,16 @@ def report(
     folders, copied to ``<out>/ablations/``) beside it; returns the per-method stats.
 
     Raises:
-        ConfigError: a file of a grid is not what the grid wrote, or an ablation is not one
-            (:func:`load_ablations`).
+        ConfigError: a folder is no grid, a file of a grid is not what the grid wrote, or an ablation
+            is not one (:func:`load_ablations`); all checked before anything is copied to ``out``.
     """
     out = out or grid
-    if out.resolve() != grid.resolve():
-        copy_runs(grid, out)
+    info = read_grid_info(grid)
     for ablation in ablations:
-        copy_runs(ablation, out / ABLATIONS / ablation.name)
+        ablation_label(ablation, read_grid_info(ablation), info)
+    sources = [(grid, out)] if out.resolve() != grid.resolve() else []
+    sources += [(ablation, out / ABLATIONS / ablation.name) for ablation in ablations]
+    copy_files([copy for source, target in sources for copy in run_copies(source, target)])
     info, cells = load_grid(out)
     extra, info["ablations"] = load_ablations(out, info)
     cells += extra
@@ -420,14 +432,15 @@ def report_run(run: Path, out: Path | None = None, data_dir: str | None = None, 
     round, and the accuracy-vs-round, accuracy-vs-bytes and label-distribution figures. Returns the stats.
 
     Raises:
-        ConfigError: the folder's ``metrics.jsonl`` is not what a run wrote, or it has no rows.
+        ConfigError: the folder's ``metrics.jsonl`` is not what a run wrote, it has no rows, or its
+            ``summary.json`` has a ``config`` that is not an object; ``out`` is created only after.
     """
     out = out or run
-    out.mkdir(parents=True, exist_ok=True)
     summary, rows = run_summary(run), read_rows(run)
     if not rows:
         raise ConfigError(f"{run / ROWS_FILE} holds no round yet")
-    config = summary.get("config", {})
+    config = check_keys(summary, {"config": dict}, str(run / SUMMARY_FILE))["config"] if "config" in summary else {}
+    out.mkdir(parents=True, exist_ok=True)
     cell = Cell(str(config.get("method", "run")), int(config.get("seed", 0)), rows, summary)
     stats = method_stats([cell], "accuracy_mean", None)
     if figures:
@@ -474,14 +487,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        if (args.grid / ROWS_FILE).is_file():  # one run folder (tools.run), not a grid
-            if args.ablation:
-                raise ConfigError(f"--ablation goes with a grid folder; {args.grid} is one run")
-            report_run(args.grid, args.out, args.data_dir)
-        else:
-            report(args.grid, args.out, args.data_dir, ablations=args.ablation)
+        with new_folder_or_none(args.out or args.grid):
+            if (args.grid / ROWS_FILE).is_file():  # one run folder (tools.run), not a grid
+                if args.ablation:
+                    raise ConfigError(f"--ablation goes with a grid folder; {args.grid} is one run")
+                report_run(args.grid, args.out, args.data_dir)
+            else:
+                report(args.grid, args.out, args.data_dir, ablations=args.ablation)
     except ConfigError as exc:  # a file of the grid is not what the grid wrote: name it, no traceback
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {(args.out or args.grid) / 'report.md'}")
     return 0
