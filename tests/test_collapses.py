@@ -70,3 +70,22 @@ def test_the_committed_listing_is_the_tools_over_results(tmp_path):
         assert section.strip() in committed, section.splitlines()[0]
         after = committed.split(section.strip(), 1)[1].split("\n## ", 1)[0]
         assert "**Cause.**" in after, section.splitlines()[0]
+
+
+def test_a_curve_file_that_is_no_regular_file_is_one_line_naming_it_with_exit_2(tmp_path):
+    """A FIFO named like a cross-check curve held the listing forever (a child process, so that the test
+    fails instead of hanging)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "cc").mkdir()
+    os.mkfifo(tmp_path / "cc" / "reference-seed-0.json")
+    cmd = [sys.executable, "-m", "tools.collapses", str(tmp_path)]
+    try:
+        done = subprocess.run(cmd, cwd=RESULTS.parent, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("tools.collapses still reading a FIFO after 60 s")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert f"{tmp_path / 'cc' / 'reference-seed-0.json'} cannot be read: it is a FIFO" in lines[0]

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
-from common.files import ROWS_FILE, read_rows
+from common.files import ROWS_FILE, read_rows, read_text
 
 #: a collapse falls by more than this and wins it back (fraction of test examples: 20 points)
 DROP = 0.2
@@ -81,10 +81,11 @@ def _curve(path: Path) -> tuple[list[float | None], str | None]:
     without ``curve`` (a cross-check of another kind, e.g. one against an authors' tree).
 
     Raises:
-        ConfigError: naming the file, when it is no JSON object or its ``curve`` no list of accuracies.
+        ConfigError: naming the file, when it cannot be read (:func:`common.files.read_text`), is no JSON
+            object or its ``curve`` no list of accuracies.
     """
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text(path))  # bounded: a regular file of at most common.files.MAX_READ_BYTES
         if not isinstance(data, dict):
             raise TypeError("not a JSON object")
         curve = data.get("curve", [])
