@@ -145,6 +145,24 @@ def test_a_bad_recorded_payload_is_one_line_naming_it_with_exit_2_and_no_output(
     assert expected in err[0] and not out.exists()
 
 
+@pytest.mark.parametrize("content", [b"PK\x03\x04 torn", b"garbage"])
+def test_a_bad_kept_model_is_one_line_naming_it_with_exit_2(fedgh_run, tmp_path, capsys, content):
+    """A client's kept model that is cut short or not a checkpoint at all raised a RuntimeError or an
+    UnpicklingError from torch.load."""
+    run, _ = fedgh_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    path = copy / "client-state" / "partition-0" / "model-round-2.pt"
+    path.write_bytes(content)
+    out = tmp_path / "out"
+    args = [str(copy), "--rounds", "2", "--clients", "0", "--attacks", "inversion", "--out", str(out)]
+    assert privacy.main(args + BUDGET) == 2
+    lines = capsys.readouterr().err.splitlines()
+    err = [line for line in lines if line.strip() and not line.startswith("privacy cells:")]  # tqdm's bar
+    assert len(err) == 1 and f"tools.privacy: {path} is not client 0's model as it kept it: " in err[0], err
+    assert not out.exists()
+
+
 def test_a_resume_from_loop_is_refused_naming_its_folders(fedgh_run, tmp_path):
     """A run whose summary's ``resume-from`` named the run itself held ``tools.privacy`` in an endless walk
     of the chain (a child process, so that the test fails instead of hanging)."""

@@ -10,6 +10,8 @@ shared module's weights with FedKD's SVD factors multiplied out (:func:`expanded
 
 from __future__ import annotations
 
+import io
+import pickle
 from functools import cached_property
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from common.config import RunConfig
 from common.data import DataSpec, decode_images, load_client_data, load_split
 from common.datasets import DATASETS, with_recipe
 from common.errors import ConfigError
-from common.files import read_summary, resume_chain
+from common.files import read_bounded, read_summary, resume_chain
 from common.protocol import snapshot_name
 from models.groups import MODEL_GROUPS
 from strategies.fedkd import svd_decompress
@@ -92,7 +94,12 @@ class RunView:
 
     def model(self, partition_id: int, server_round: int | None = None) -> torch.nn.Module:
         """Client ``partition_id``'s personal model as built at the start, or, with ``server_round``, as kept
-        after that round (state record ``model-round-<r>``). Raises ConfigError naming the file when absent."""
+        after that round (state record ``model-round-<r>``).
+
+        Raises:
+            ConfigError: naming the file when it is absent, cannot be read (``common.files.read_bounded``)
+                or is not this client's model as the client kept it.
+        """
         cfg, info = self.cfg, self.info
         model = MODEL_GROUPS[cfg.model_group].build(
             partition_id,
@@ -110,7 +117,12 @@ class RunView:
                     f"{path} is missing: the clients keep their model of a recorded round (run config key "
                     "'record-payloads') only with a state folder (a simulation's run folder or 'state-dir')"
                 )
-            model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["state"])
+            data = read_bounded(path)
+            try:  # weights_only: a file placed there cannot run code
+                model.load_state_dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)["state"])
+            except (RuntimeError, pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError) as exc:
+                said = " ".join(str(exc).split())[:300]  # torch's errors span lines: one line, cut short
+                raise ConfigError(f"{path} is not client {partition_id}'s model as it kept it: {said}") from None
         return model.eval()
 
     def data(self, partition_id: int):
