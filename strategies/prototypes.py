@@ -247,9 +247,10 @@ def bound_class_rows(
     classes) is scaled to at most V: a median of two rows is their mean, so nothing else protects
     such a class. A row of a class more uploads hold is scaled to at most min(M_c, ROW_NORM_FACTOR · V)
     under ``per_class``, otherwise to ROW_NORM_FACTOR · V (:data:`common.payload.ROW_NORM_FACTOR`, the
-    spread of honest rows' lengths, so an honest row is left as it is) before the class's median. The cap by V is what holds when
-    colluders claim every class: two attackers of five outvote a class's one honest holder in M_c
-    (its median was theirs, and rows of 1e5 went through whole) but not the five uploads' V.
+    spread of honest rows' lengths, so an honest row is left as it is) before the class's median.
+    The cap by V is what holds when colluders claim every class: two attackers of five outvote a
+    class's one honest holder in M_c (its median was theirs, and rows of 1e5 went through whole) but
+    not the five uploads' V.
     Directions are kept: a row within the bound pointing anywhere is not caught. Fewer than
     :data:`MEDIAN_VOTES` uploads with rows: nothing is bounded.
 

@@ -18,13 +18,12 @@ import torch
 
 from bench.byzantine import ATTACKS, HONEST, tamper_of
 from common.config import ConfigError, RunConfig
-from common.payload import ClientReply
+from common.payload import RECEIVED_ROW_FACTOR, ROW_NORM_FACTOR, ClientReply
 from conftest import federation, make_run_config
 from strategies.aggregation import class_average
 from strategies.fedgh import train_header
 from strategies.fedre import train_head
 from strategies.fedtgp import train_generator
-from common.payload import RECEIVED_ROW_FACTOR, ROW_NORM_FACTOR
 from strategies.prototypes import bound_class_rows, trusted_rows
 from strategies.registry import build_strategy
 from strategies.robust import BOUNDED
