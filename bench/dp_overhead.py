@@ -75,7 +75,7 @@ def main() -> None:
                     trained_class_means(runtime, stats)
                 else:  # the release alone, without charging a ledger
                     rows = representations(model.extractor, runtime.data.train_x, runtime.info, runtime.device)
-                    noisy_class_means(rows, runtime.data.train_y, 10, 1.0, runtime.dp.noise_multiplier)
+                    noisy_class_means(rows, runtime.data.train_y, 10, 1.0, runtime.dp.release_noise_multiplier)
                 times[name + "means"].append(time.perf_counter() - start)
         med = {k: statistics.median(v) for k, v in times.items()}
         arch = MODEL_GROUPS[plain.cfg.model_group].architecture_for(partition)

@@ -192,7 +192,8 @@ def handle_message(msg: Message, context: Context) -> Message:
             _ = client.data
             handshake = procedure.query(client, {}, config)[1]
         if trains:
-            client.check_budget()  # with DP on: a spent budget ends here, before any training
+            # with DP on: a message whose training and release the budget cannot take ends here, before any
+            client.check_budget(1, procedure.dp_releases)
         arrays, metrics = getattr(procedure, message_type.replace(".", "_"))(client, payload, config)
         metrics = {**handshake, **metrics}
         metrics.update(started, **{"handler-seconds": time.perf_counter() - start})

@@ -1,7 +1,7 @@
 """Record-level differential privacy of every upload (run config table ``[dp]``, off by default).
 
 What is protected: one training example of one client (add or remove one example, the relation
-of Flower's accountant ``NeighboringRelation.ADD_OR_REMOVE_ONE``), against everyone who sees what
+of dp-accounting's ``NeighboringRelation.ADD_OR_REMOVE_ONE``), against everyone who sees what
 the client sends: the server, the other clients and the wire. The mechanisms run inside the
 ClientApp, on the SuperNode, before the reply exists (docs/privacy.md, "Differential privacy"):
 
@@ -16,14 +16,15 @@ ClientApp, on the SuperNode, before the reply exists (docs/privacy.md, "Differen
   :func:`noisy_class_means`. The class counts and the set of classes a client holds are released
   through the same mechanism, never exactly.
 
-Accounting is Flower's ``RdpAccountant`` (dp-accounting's RDP): per client, every DP-SGD step is a
-Poisson-sampled Gaussian event (q = batch-size / n) and every payload release a Gaussian event
-(q = 1). The client's server-side sampling (``fraction-train``) gives no amplification: the
-server chooses, and sees, who trains, so the accountant composes exactly the rounds the client
-took part in. σ is calibrated per client (it depends on n) with dp-accounting's
-``calibrate_dp_mechanism`` so that the rounds the client is expected to train
-(:func:`planned_rounds`) spend ``dp.epsilon`` at ``dp.delta``; a client sampled more often stops
-training once its next round would exceed ``dp.epsilon`` (:class:`PrivacyLedger`).
+Accounting is dp-accounting's PLD accountant (privacy loss distributions; RDP reported beside it): per
+client, every DP-SGD step is a Poisson-sampled Gaussian event (q = batch-size / n) and every payload
+release a Gaussian event (q = 1). The client's server-side sampling (``fraction-train``) gives no
+amplification: the server chooses, and sees, who trains. DP-SGD and the releases have a σ each,
+calibrated together per client (they depend on n) so that the rounds the client is expected to train
+(:func:`planned_rounds`) spend ``dp.epsilon`` at ``dp.delta``, the releases ``dp.release-share`` of it
+(:func:`make_plan`). What a client has spent is its own: a :class:`PrivacyLedger` in its state folder,
+outside anything the server chooses, charged before each mechanism runs, and a client refuses any
+training or release that would take it past ``dp.epsilon`` (:class:`BudgetSpent`).
 
 The noise and the Poisson sampling draw from the operating system's entropy, not from the run's
 seed: the server knows the seed and could otherwise subtract the noise. DP runs are therefore
@@ -32,23 +33,23 @@ not bit-reproducible.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import math
 import secrets
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from pathlib import Path
 
 import torch
-from flwr.serverapp import (
-    GaussianPrivacyEvent,
-    NeighboringRelation,
-    PrivacyConfig,
-    RdpAccountant,
-    SamplingMethod,
-)
+from flwr.app import ConfigRecord, RecordDict
 from torch import nn
 
 from common.config import RunConfig, read_options
 from common.errors import ConfigError
+from common.files import atomic_write
 from common.options import option
 
 #: the run config table of the keys below
@@ -61,6 +62,8 @@ MAX_NOISE_MULTIPLIER = 100.0
 #: a class of a noisy per-class release is kept when its noisy count is at least this many
 #: standard deviations of the count's noise (and at least 1): below, the mean is mostly noise
 COUNT_THRESHOLD_STDS = 3.0
+#: ``dp.release-share``'s default: the share of ``dp.epsilon`` the payload releases get (docs/privacy.md)
+DEFAULT_RELEASE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,14 @@ class DPOptions:
         "a payload computed from examples (prototypes, LARs, logits, FedRE's representation): each example's row "
         "is clipped to this L2 norm before the per-class sums are noised",
         low=0,
+        low_open=True,
+    )
+    release_share: float = option(
+        DEFAULT_RELEASE_SHARE,
+        "the share of 'dp.epsilon' a method's payload releases get, alone (their σ is calibrated to it); DP-SGD "
+        "is calibrated to the rest, composed with them (docs/privacy.md)",
+        low=0,
+        high=0.99,
         low_open=True,
     )
 
@@ -151,14 +162,91 @@ def planned_rounds(cfg: RunConfig, num_partitions: int) -> int:
     return max(1, math.ceil(cfg.num_server_rounds * k / num_partitions))
 
 
+#: ``(noise multiplier σ, sampling rate q, count)``: ``count`` Gaussian mechanisms of noise standard deviation
+#: σ·sensitivity, each on a Poisson sample of rate q of the client's examples (q = 1: on all of them)
+Event = tuple[float, float, int]
+#: the width dp-accounting's PLD accountant discretizes the privacy loss in, for noise multipliers of 1 and
+#: more (:func:`pld_discretization`): its estimate is pessimistic (an upper bound on ε) at any width; 1e-3
+#: instead of the library's 1e-4 because a calibration composes some 20 times, and on DP-SGD events of this
+#: project (q 0.08-0.16, 70-260 steps) it gave the same ε to four digits in about a tenth of the time
+PLD_DISCRETIZATION = 1e-3
+
+
+def merge_events(*events: Event) -> tuple[Event, ...]:
+    """``events`` with the counts of equal (σ, q) summed, empty ones left out, sorted (a cache key)."""
+    counts: dict[tuple[float, float], int] = {}
+    for sigma, q, count in events:
+        if count:
+            counts[(sigma, q)] = counts.get((sigma, q), 0) + int(count)
+    return tuple(sorted((sigma, q, count) for (sigma, q), count in counts.items()))
+
+
+def dp_event(events: Iterable[Event]):
+    """dp-accounting's ``DpEvent`` of ``events`` composed: each one a self-composed Poisson-sampled Gaussian
+    (a plain Gaussian at q = 1)."""
+    # imported here: it pulls in scipy.stats and scipy.signal (~1-2 s), which every ClientApp and ServerApp
+    # process would otherwise pay at start-up, DP or not
+    import dp_accounting
+
+    parts = []
+    for sigma, q, count in events:
+        gaussian = dp_accounting.GaussianDpEvent(sigma)
+        step = gaussian if q >= 1.0 else dp_accounting.PoissonSampledDpEvent(q, gaussian)
+        parts.append(dp_accounting.SelfComposedDpEvent(step, count))
+    return dp_accounting.ComposedDpEvent(parts)
+
+
+def pld_discretization(sigma: float) -> float:
+    """The PLD accountant's discretization width for events whose smallest noise multiplier is ``sigma``:
+    :data:`PLD_DISCRETIZATION`, widened by 1/σ² below σ = 1. A Gaussian's privacy loss spans about 1/σ²,
+    so the accountant's grid grows as 1/σ² too: at σ = 0.01 and 1e-3 one composition had not finished
+    after two minutes. The ε there is in the hundreds or more, so the wider grid costs nothing relative
+    to it, and it is still an upper bound."""
+    return PLD_DISCRETIZATION / min(1.0, sigma) ** 2
+
+
+def fresh_accountant(accountant: str = "pld", smallest_sigma: float = 1.0):
+    """A new dp-accounting accountant for adding or removing one example: ``pld`` (privacy loss
+    distributions, Koskela et al. AISTATS 2020, Doroshenko et al. PETS 2022: tight; it calibrates and
+    enforces the budget), discretized for events of noise multipliers from ``smallest_sigma`` on
+    (:func:`pld_discretization`), or ``rdp`` (Rényi DP, Mironov CSF 2017: looser; reported beside it)."""
+    import dp_accounting
+
+    relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    if accountant == "pld":
+        return dp_accounting.pld.PLDAccountant(relation, pld_discretization(smallest_sigma))
+    return dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+
+
+@lru_cache(maxsize=4096)
+def epsilon_of(events: tuple[Event, ...], delta: float, accountant: str = "pld") -> float:
+    """ε at ``delta`` of ``events`` composed (:func:`fresh_accountant`; 0.0 for none), cached: every train
+    message asks, and a calibration asks again for the σ it tried."""
+    if not events:
+        return 0.0
+    smallest = min(sigma for sigma, _, _ in events)
+    return float(fresh_accountant(accountant, smallest).compose(dp_event(events)).get_epsilon(delta))
+
+
+def unreachable(options: DPOptions, num_train: int, rounds: int, why: str) -> ConfigError:
+    """The one refusal of a ``dp.epsilon`` target no noise multiplier up to :data:`MAX_NOISE_MULTIPLIER`
+    meets, before the run (:func:`check_reachable`) or at a client's handshake (:func:`make_plan`)."""
+    return ConfigError(
+        f"run config key 'dp.epsilon' = {options.epsilon:g} cannot be met by a client of {num_train} examples over "
+        f"{rounds} rounds with a noise multiplier of at most {MAX_NOISE_MULTIPLIER:g} ({why}); raise 'dp.epsilon', "
+        "or train fewer rounds, epochs or steps"
+    )
+
+
 @dataclass(frozen=True)
 class DPPlan:
     """One client's mechanisms for the run: what every one of its rounds spends.
 
     Attributes:
-        noise_multiplier: σ, the same for DP-SGD (noise std σ·clip_norm) and for a payload release
-            (noise std σ·√2·payload_clip); calibrated by :func:`make_plan`.
-        num_train: n, the client's training examples (the accountant's population).
+        noise_multiplier: σ of DP-SGD (noise std σ·clip-norm on each step's sum of clipped gradients).
+        release_noise_multiplier: σ of a payload release (noise std σ·√2·payload-clip on the per-class sums
+            and counts); 0.0 for a method without releases. Both calibrated by :func:`make_plan`.
+        num_train: n, the client's training examples.
         batch_size: the expected Poisson batch size B (sample rate q = B / n, at most 1).
         steps_per_training: DP-SGD steps of one local training: local-epochs · ceil(n / B).
         trainings: local trainings per round (MH-pFedHNGD: 2, the global and the personal model).
@@ -168,6 +256,7 @@ class DPPlan:
     """
 
     noise_multiplier: float
+    release_noise_multiplier: float
     num_train: int
     batch_size: int
     steps_per_training: int
@@ -180,69 +269,93 @@ class DPPlan:
     def sample_rate(self) -> float:
         return min(1.0, self.batch_size / self.num_train)
 
-    def epsilon(self, trainings: int, releases: int) -> float:
-        """ε at ``dp.delta`` after ``trainings`` local trainings and ``releases`` payload releases
-        (Flower's ``RdpAccountant``; 0.0 before any)."""
-        return _epsilon(self, trainings, releases)
-
-    def rounds_within_budget(self) -> int:
-        """The most whole rounds whose composition stays within ``dp.epsilon`` (>= :attr:`rounds`)."""
-        return _rounds_within_budget(self)
-
-
-@lru_cache(maxsize=4096)
-def _epsilon(plan: DPPlan, trainings: int, releases: int) -> float:
-    """:meth:`DPPlan.epsilon`, cached: one RDP composition takes ~0.1 s and every train reply asks."""
-    if trainings == 0 and releases == 0:
-        return 0.0
-    return _accountant(plan, trainings, releases).get_epsilon(plan.options.delta)
-
-
-@lru_cache(maxsize=256)
-def _rounds_within_budget(plan: DPPlan) -> int:
-    """:meth:`DPPlan.rounds_within_budget`, cached."""
-    low, high = plan.rounds, 2 * plan.rounds
-    while plan.epsilon(high * plan.trainings, high * plan.releases) <= plan.options.epsilon:
-        low, high = high, 2 * high
-    while high - low > 1:  # ε(low rounds) <= target < ε(high rounds)
-        mid = (low + high) // 2
-        if plan.epsilon(mid * plan.trainings, mid * plan.releases) <= plan.options.epsilon:
-            low = mid
-        else:
-            high = mid
-    return low
-
-
-def _accountant(plan: DPPlan, trainings: int, releases: int) -> RdpAccountant:
-    """Flower's RDP accountant with ``trainings`` local trainings and ``releases`` releases composed."""
-    n = plan.num_train
-    accountant = RdpAccountant(
-        PrivacyConfig(
-            target_delta=plan.options.delta,
-            population_size=n,
-            neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
-            sampling_method=SamplingMethod.POISSON,
+    def spend(self, trainings: int, releases: int) -> tuple[Event, ...]:
+        """The events of ``trainings`` local trainings (each :attr:`steps_per_training` DP-SGD steps at rate
+        q) and ``releases`` payload releases (q = 1)."""
+        return merge_events(
+            (self.noise_multiplier, self.sample_rate, trainings * self.steps_per_training),
+            (self.release_noise_multiplier, 1.0, releases),
         )
+
+    def epsilon(self, trainings: int, releases: int, accountant: str = "pld") -> float:
+        """ε at ``dp.delta`` after ``trainings`` local trainings and ``releases`` payload releases."""
+        return epsilon_of(self.spend(trainings, releases), self.options.delta, accountant)
+
+    def rounds_left(self, spent: tuple[Event, ...]) -> int:
+        """The most whole rounds (:attr:`trainings` trainings and :attr:`releases` releases each) that
+        stay within ``dp.epsilon`` (PLD) on top of the events ``spent``."""
+
+        def fits(rounds: int) -> bool:
+            events = self.spend(rounds * self.trainings, rounds * self.releases)
+            return epsilon_of(merge_events(*spent, *events), self.options.delta) <= self.options.epsilon
+
+        if not fits(1):
+            return 0
+        # the plan's rounds fit an empty ledger exactly, so one more is the first guess that does not fit
+        low, high = 1, self.rounds + 1
+        while fits(high):
+            low, high = high, 2 * high
+        while high - low > 1:  # fits(low) and not fits(high)
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return low
+
+
+def _calibrate(events: Callable[[float], tuple[Event, ...]], target: float, delta: float) -> float:
+    """The smallest σ in [:data:`MIN_NOISE_MULTIPLIER`, :data:`MAX_NOISE_MULTIPLIER`] (to a relative 1e-4)
+    whose ``events(σ)`` spend at most ``target`` at ``delta`` (PLD): a factor-2 bracket by doubling or
+    halving from σ = 1, then dp-accounting's ``calibrate_dp_mechanism`` within it, with the accountant
+    discretized for the bracket's low end (:func:`pld_discretization`), raised where :func:`epsilon_of`,
+    which the ledger enforces, finds it a little above ``target``.
+
+    Raises:
+        ValueError: even :data:`MAX_NOISE_MULTIPLIER` spends more than ``target``.
+    """
+    import dp_accounting
+
+    def spent(sigma: float) -> float:
+        return epsilon_of(events(sigma), delta)
+
+    if spent(MIN_NOISE_MULTIPLIER) <= target:
+        return MIN_NOISE_MULTIPLIER
+    if spent(MAX_NOISE_MULTIPLIER) > target:
+        raise ValueError(f"σ = {MAX_NOISE_MULTIPLIER:g} spends ε = {spent(MAX_NOISE_MULTIPLIER):.4g}")
+    low, high = 0.5, 1.0
+    while spent(high) > target:
+        low, high = high, min(2 * high, MAX_NOISE_MULTIPLIER)
+    while low > MIN_NOISE_MULTIPLIER and spent(low) <= target:
+        low, high = max(low / 2, MIN_NOISE_MULTIPLIER), low
+    sigma = dp_accounting.calibrate_dp_mechanism(
+        lambda: fresh_accountant("pld", low),
+        lambda s: dp_event(events(s)),
+        target,
+        delta,
+        dp_accounting.ExplicitBracketInterval(low, high),
+        tol=1e-4 * low,
     )
-    if trainings:
-        step = GaussianPrivacyEvent(plan.noise_multiplier, min(plan.batch_size, n), n)
-        accountant.compose(step, trainings * plan.steps_per_training)
-    if releases:
-        accountant.compose(GaussianPrivacyEvent(plan.noise_multiplier, n, n), releases)
-    return accountant
+    # the library composed on the bracket's grid, a ledger composes on σ's (pld_discretization): the σ must
+    # meet the target on the grid that enforces it
+    while spent(sigma) > target:
+        sigma *= 1 + 1e-4
+    return float(sigma)
 
 
 @lru_cache(maxsize=256)
 def make_plan(cfg: RunConfig, num_train: int, num_partitions: int, trainings: int, releases: int) -> DPPlan | None:
     """The calibrated :class:`DPPlan` of a client with ``num_train`` examples, or None with DP off.
 
-    σ is the smallest noise multiplier (dp-accounting's ``calibrate_dp_mechanism`` on the same RDP
-    events Flower's accountant composes) for which :func:`planned_rounds` rounds of ``trainings``
-    DP-SGD trainings and ``releases`` payload releases spend at most ``dp.epsilon`` at ``dp.delta``.
+    Over the :func:`planned_rounds` rounds of ``trainings`` DP-SGD trainings and ``releases`` payload
+    releases, both calibrated with dp-accounting's PLD accountant (:func:`_calibrate`):
+
+    1. the release σ is the smallest whose releases alone spend ``dp.release-share`` · ``dp.epsilon`` at
+       ``dp.delta``;
+    2. the DP-SGD σ is the smallest whose steps, composed with those releases, spend ``dp.epsilon``.
+
+    So the whole run spends ``dp.epsilon`` (PLD), and DP-SGD gets what the releases leave.
 
     Raises:
-        ConfigError: the target cannot be met: ``dp.delta`` >= 1/n, no training example, or the
-            calibrated σ would exceed :data:`MAX_NOISE_MULTIPLIER`.
+        ConfigError: the target cannot be met: ``dp.delta`` >= 1/n, no training example, or a calibrated
+            σ would exceed :data:`MAX_NOISE_MULTIPLIER` (:func:`unreachable`).
     """
     options = dp_options(cfg)
     if not options.enabled:
@@ -255,6 +368,7 @@ def make_plan(cfg: RunConfig, num_train: int, num_partitions: int, trainings: in
     batch = int(cfg.batch_size)
     plan = DPPlan(
         0.0,
+        0.0,
         num_train,
         batch,
         int(cfg.local_epochs) * math.ceil(num_train / batch),
@@ -263,56 +377,158 @@ def make_plan(cfg: RunConfig, num_train: int, num_partitions: int, trainings: in
         planned_rounds(cfg, num_partitions),
         options,
     )
-    q = plan.sample_rate
-    # imported here: it pulls in scipy.stats and scipy.signal (~1-2 s), which every ClientApp and ServerApp
-    # process would otherwise pay at start-up, DP or not
-    import dp_accounting
-
-    def composed(sigma: float) -> dp_accounting.DpEvent:
-        gaussian = dp_accounting.GaussianDpEvent(sigma)
-        step = dp_accounting.PoissonSampledDpEvent(q, gaussian)
-        events = [dp_accounting.SelfComposedDpEvent(step, plan.rounds * trainings * plan.steps_per_training)]
-        if releases:
-            release = dp_accounting.PoissonSampledDpEvent(1.0, gaussian)
-            events.append(dp_accounting.SelfComposedDpEvent(release, plan.rounds * releases))
-        return dp_accounting.ComposedDpEvent(events)
-
-    def spent(sigma: float) -> float:
-        accountant = dp_accounting.rdp.RdpAccountant()
-        return accountant.compose(composed(sigma)).get_epsilon(options.delta)
-
-    if spent(MIN_NOISE_MULTIPLIER) <= options.epsilon:
-        return replace(plan, noise_multiplier=MIN_NOISE_MULTIPLIER)
+    steps, released = plan.rounds * trainings * plan.steps_per_training, plan.rounds * releases
     try:
-        sigma = dp_accounting.calibrate_dp_mechanism(
-            dp_accounting.rdp.RdpAccountant,
-            composed,
+        release_sigma = 0.0
+        if released:
+            release_sigma = _calibrate(
+                lambda s: merge_events((s, 1.0, released)), options.release_share * options.epsilon, options.delta
+            )
+        sigma = _calibrate(
+            lambda s: merge_events((s, plan.sample_rate, steps), (release_sigma, 1.0, released)),
             options.epsilon,
             options.delta,
-            dp_accounting.ExplicitBracketInterval(MIN_NOISE_MULTIPLIER, MAX_NOISE_MULTIPLIER),
-            tol=1e-4,
         )
-    except (dp_accounting.mechanism_calibration.NoBracketIntervalFoundError, ValueError) as exc:
-        raise ConfigError(
-            f"run config key 'dp.epsilon' = {options.epsilon:g} cannot be met by a client of {num_train} examples over "
-            f"{plan.rounds} rounds with a noise multiplier of at most {MAX_NOISE_MULTIPLIER:g} ({exc}); raise "
-            "'dp.epsilon', or train fewer rounds, epochs or steps"
-        ) from exc
-    return replace(plan, noise_multiplier=float(sigma))
+    except ValueError as exc:
+        raise unreachable(options, num_train, plan.rounds, str(exc)) from exc
+    return replace(plan, noise_multiplier=sigma, release_noise_multiplier=release_sigma)
 
 
-class PrivacyLedger(nn.Module):
-    """A client's spent budget, kept in its state like a model (so a resumed run rolls it back with
-    the rest of the client's state): local trainings and payload releases so far, the rounds they
-    fell in and the last of them, and the σ they ran at."""
+def largest_client(cfg: RunConfig) -> int:
+    """The most training examples any client of ``cfg`` can hold: ``max-examples-per-client`` when set,
+    else the data set's training and test splits together (the ``data-pool`` that pools them)."""
+    from common.datasets import DATASETS
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("rounds", torch.zeros((), dtype=torch.int64))
-        self.register_buffer("last_round", torch.zeros((), dtype=torch.int64))
-        self.register_buffer("trainings", torch.zeros((), dtype=torch.int64))
-        self.register_buffer("releases", torch.zeros((), dtype=torch.int64))
-        self.register_buffer("noise_multiplier", torch.zeros((), dtype=torch.float64))
+    info = DATASETS[cfg.dataset]
+    return int(cfg.max_examples_per_client) or info.train_size + info.test_size
+
+
+def check_reachable(cfg: RunConfig, trainings: int, releases: int) -> None:
+    """Before the run, without data: refuse a ``dp.epsilon`` target that no client of ``cfg`` can meet.
+
+    The needed σ falls as n grows (DP-SGD's sample rate B/n falls faster than its steps grow), so the
+    target is checked for :func:`largest_client` over the rounds of ``num-clients`` partitions; a client
+    with fewer examples may still fail at its handshake, with the same message (:func:`make_plan`).
+    Nothing is checked with DP off or with ``num-clients`` = 0 (the federation's size is unknown).
+
+    Raises:
+        ConfigError: naming ``dp.epsilon`` (or ``dp.delta``), as :func:`make_plan`.
+    """
+    if dp_options(cfg).enabled and cfg.num_clients:
+        make_plan(cfg, largest_client(cfg), int(cfg.num_clients), trainings, releases)
+
+
+#: the folder of the privacy ledgers in a client's state folder (:class:`PrivacyLedger`)
+LEDGER_FOLDER = "dp-ledger"
+#: the ``context.state`` record of the ledger of a client without any state folder
+LEDGER_RECORD = "dp-ledger"
+
+
+class PrivacyLedger:
+    """A client's spent privacy budget: every DP mechanism it has run on its examples, over every run.
+
+    It belongs to the client, not to a run: a JSON file ``<state folder>/dp-ledger/<dataset>-partition-<p>.json``
+    (``common.runtime.ClientRuntime``: the node's ``state-dir``, else run config ``state-dir``, else the
+    run's ``client-state`` folder), outside the ``state-key`` and rounds the server sends, so another
+    state key, a replayed or repeated round, a resumed or a new run all continue from what was spent.
+    It only grows: each charge is counted before its mechanism runs (:meth:`charge`), written and
+    ``fsync``-ed (``common.files.atomic_write``), under an exclusive lock, so two messages at once cannot
+    both spend the last of the budget. Only deleting the file resets it. A client without any state folder
+    keeps it in ``context.state`` (record ``dp-ledger``), which lasts as long as its node.
+
+    The file: ``{"events": [[σ, q, count], ...], "trainings": t, "releases": r}``, the composed
+    :data:`Event` s and the local trainings and payload releases they came from.
+
+    Args:
+        path: the file, or None: record :data:`LEDGER_RECORD` of ``state``.
+        state: the message's ``context.state`` (only read without ``path``).
+    """
+
+    def __init__(self, path: Path | None, state: RecordDict | None = None) -> None:
+        self.path, self.state = path, state
+
+    @property
+    def where(self) -> str:
+        """The ledger's file, or where it lives without one, for the errors."""
+        return str(self.path) if self.path is not None else "record 'dp-ledger' of the node's context.state"
+
+    def read(self) -> tuple[tuple[Event, ...], int, int]:
+        """``(events, trainings, releases)`` spent so far; nothing spent when there is no ledger yet.
+
+        Raises:
+            ConfigError: the ledger cannot be read as one (naming it): the budget is unknown.
+        """
+        if self.path is None:
+            record = self.state.config_records.get(LEDGER_RECORD) if self.state is not None else None
+            text = str(record["json"]) if record is not None else None
+        else:
+            text = self.path.read_text() if self.path.exists() else None
+        if text is None:
+            return (), 0, 0
+        try:
+            data = json.loads(text)
+            events = merge_events(*((float(s), float(q), int(c)) for s, q, c in data["events"]))
+            if any(not (s > 0 and 0 < q <= 1 and c > 0) for s, q, c in events):
+                raise ValueError(f"an event outside σ > 0, 0 < q <= 1, count > 0: {events}")
+            return events, int(data["trainings"]), int(data["releases"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(
+                f"the privacy ledger {self.where} is not a ledger ({exc}); what this client has spent is unknown, "
+                "so it trains no more until a person deletes it"
+            ) from exc
+
+    def check(self, events: tuple[Event, ...], options: DPOptions, partition: int) -> None:
+        """Refuse when ``events`` on top of what is spent would exceed ``dp.epsilon`` (PLD, at ``dp.delta``).
+
+        Raises:
+            BudgetSpent: naming the ledger's file.
+            ConfigError: as :meth:`read`.
+        """
+        self._refuse_beyond(self.read(), events, options, partition)
+
+    def charge(
+        self, events: tuple[Event, ...], trainings: int, releases: int, options: DPOptions, partition: int
+    ) -> None:
+        """Add ``events`` (from ``trainings`` local trainings and ``releases`` releases) to the ledger, durably,
+        before the mechanisms run; refused as :meth:`check` when they would exceed the budget."""
+        with self._locked():
+            spent = self.read()
+            self._refuse_beyond(spent, events, options, partition)
+            data = {
+                "events": [list(event) for event in merge_events(*spent[0], *events)],
+                "trainings": spent[1] + trainings,
+                "releases": spent[2] + releases,
+            }
+            text = json.dumps(data, indent=1) + "\n"
+            if self.path is None:
+                self.state.config_records[LEDGER_RECORD] = ConfigRecord({"json": text})
+            else:
+                atomic_write(self.path, lambda f: f.write(text.encode()))
+
+    def _refuse_beyond(
+        self, spent: tuple[tuple[Event, ...], int, int], events: tuple[Event, ...], options: DPOptions, partition: int
+    ) -> None:
+        after = epsilon_of(merge_events(*spent[0], *events), options.delta)
+        if after > options.epsilon:
+            before = epsilon_of(spent[0], options.delta)
+            raise BudgetSpent(
+                f"partition {partition}: its privacy budget 'dp.epsilon' = {options.epsilon:g} allows no more: "
+                f"{spent[1]} local trainings and {spent[2]} payload releases spent ε = {before:.4g} at δ = "
+                f"{options.delta:g}, and this message would bring it to {after:.4g}; the budget is kept in "
+                f"{self.where}, and only deleting it resets it"
+            )
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """An exclusive lock on the ledger's file (``<file>.lock``) while the body runs; none without a file
+        (``context.state`` belongs to one message at a time)."""
+        if self.path is None:
+            yield
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            yield
 
 
 class BudgetSpent(RuntimeError):

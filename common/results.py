@@ -361,16 +361,24 @@ def held_out_summary(partitions: list[int], rows: list[dict[str, Any]]) -> dict[
 
 def privacy_spent(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """With DP on (rows carry ``dp_epsilon_per_client``): ``dp_epsilon_per_client``, each partition's ε
-    as last reported (at run config ``dp.delta``), ``dp_epsilon_max`` the largest, and ``dp_exhausted``
-    the partitions whose budget ran out; empty for a run without DP."""
+    as last reported (PLD, at run config ``dp.delta``), ``dp_epsilon_max`` the largest, ``dp_per_client``
+    each partition's last ``dp_per_client`` entry of the rows (ε by PLD and RDP, σ of each mechanism, q,
+    steps, releases, clips: ``strategies.records.round_metrics``), and ``dp_exhausted`` the partitions whose
+    budget ran out; empty for a run without DP."""
     spent: dict[str, float] = {}
+    last: dict[str, dict[str, Any]] = {}
     for row in rows:
         spent.update(row.get("dp_epsilon_per_client") or {})
+        last.update(row.get("dp_per_client") or {})
     if not spent:
         return {}
-    spent = dict(sorted(spent.items(), key=lambda item: int(item[0])))
+
+    def by_partition(values: dict[str, Any]) -> dict[str, Any]:
+        return dict(sorted(values.items(), key=lambda item: int(item[0])))
+
     return {
-        "dp_epsilon_per_client": spent,
+        "dp_epsilon_per_client": by_partition(spent),
         "dp_epsilon_max": max(spent.values()),
+        "dp_per_client": by_partition(last),
         "dp_exhausted": rows[-1].get("dp_exhausted", []),
     }

@@ -21,15 +21,13 @@ from common import gpu
 from common.config import ConfigError, RunConfig
 from common.data import ClientData, DataSpec, load_client_data, partition_sizes, torch_seed
 from common.datasets import DATASETS, DatasetInfo, with_recipe
-from common.dp import BudgetSpent, DPPlan, PrivacyLedger
+from common.dp import LEDGER_FOLDER, DPPlan, PrivacyLedger, epsilon_of
 from common.generalization import architecture_for
 from common.state_store import StateStore, safe_name
 from models.base import SplitModel
 from models.groups import MODEL_GROUPS
 
 MODEL_STATE = "model"
-#: the state record of the client's privacy ledger (run config ``dp.epsilon`` > 0; ``common.dp``)
-LEDGER_STATE = "dp-ledger"
 
 log = logging.getLogger("flwr." + __name__)
 
@@ -141,6 +139,13 @@ class ClientRuntime:
             self.state_dir = Path(run_state_dir) / partition if run_state_dir else None
         if scope and self.state_dir is not None:
             self.state_dir = self.state_dir / safe_name(scope)
+        # the privacy ledger belongs to the client's examples, not to a run: in its own state folder, outside
+        # the state key and scope the server sends (common.dp.PrivacyLedger)
+        ledger_root = Path(str(state_dir)) if state_dir else Path(run_state_dir) if run_state_dir else None
+        #: the file of this client's privacy ledger (None: kept in ``context.state``)
+        self.ledger_path = (
+            ledger_root / LEDGER_FOLDER / f"{safe_name(self.spec.dataset)}-{partition}.json" if ledger_root else None
+        )
         #: where the decoded partition is cached on disk
         self.cache_dir = str(
             node.get("cache-dir")
@@ -154,6 +159,8 @@ class ClientRuntime:
         #: this client's DP mechanisms (run config ``dp.epsilon`` > 0), set by the ClientApp for its
         #: query and train messages (``common.dp.make_plan``); None: DP off
         self.dp: DPPlan | None = None
+        #: local trainings and payload releases this message has charged to the privacy ledger
+        self.spent_now = [0, 0]
 
     @cached_property
     def info(self) -> DatasetInfo:
@@ -234,65 +241,60 @@ class ClientRuntime:
         """State records rolled back in this message because they were ahead of the server."""
         return self.state.rollbacks
 
-    @cached_property
+    @property
     def ledger(self) -> PrivacyLedger:
-        """The budget this client has spent so far (``common.dp.PrivacyLedger``), restored from state."""
-        ledger = PrivacyLedger()
-        self.restore(LEDGER_STATE, ledger)
-        return ledger
+        """The budget this client has spent on its examples so far, over every run (``common.dp.PrivacyLedger``)."""
+        return PrivacyLedger(self.ledger_path, self.context.state)
 
-    def check_budget(self) -> None:
-        """Before a train message: with DP on, refuse when the budget allows no further round.
-
-        A message of a round this client already trained in (MH-pFedHNGD's second train message)
-        finishes a round already counted; any other starts a new one.
+    def check_budget(self, trainings: int, releases: int) -> None:
+        """Before a train message, with DP on: refuse when its ``trainings`` local trainings and ``releases``
+        payload releases would take the ledger past ``dp.epsilon``, so no training starts that could not be sent.
 
         Raises:
-            BudgetSpent: one more round would exceed ``DPPlan.rounds_within_budget``; the reply
-                becomes an error the server drops (and the server samples the client no more).
-            ConfigError: the ledger was spent at another σ (a resumed run with other settings).
+            BudgetSpent: naming the ledger's file; the reply becomes an error the server logs and drops
+                (and the server samples the client no more).
+            ConfigError: the ledger is unreadable (``common.dp.PrivacyLedger.read``).
+        """
+        if self.dp is not None:
+            self.ledger.check(self.dp.spend(trainings, releases), self.dp.options, self.partition_id)
+
+    def spend_privacy(self, trainings: int = 0, releases: int = 0) -> None:
+        """With DP on, charge ``trainings`` DP-SGD trainings and ``releases`` payload releases to the ledger,
+        durably, before they run (nothing with DP off).
+
+        Raises:
+            BudgetSpent: they would take the ledger past ``dp.epsilon`` (another message spent it meanwhile).
         """
         if self.dp is None:
             return
-        ledger = self.ledger
-        spent_at = float(ledger.noise_multiplier)
-        if spent_at and abs(spent_at - self.dp.noise_multiplier) > 1e-9 * spent_at:
-            raise ConfigError(
-                f"partition {self.partition_id} spent its 'dp.epsilon' budget at noise multiplier {spent_at:.6g}, this "
-                f"run's settings give {self.dp.noise_multiplier:.6g}: a resumed DP run must keep 'num-server-rounds', "
-                "'fraction-train', 'batch-size', 'local-epochs' and the 'dp.*' keys"
-            )
-        new_round = int(ledger.last_round) != (self.server_round or 0)
-        if int(ledger.rounds) + new_round > self.dp.rounds_within_budget():
-            epsilon = self.dp.epsilon(int(ledger.trainings), int(ledger.releases))
-            raise BudgetSpent(
-                f"partition {self.partition_id}: its privacy budget 'dp.epsilon' = {self.dp.options.epsilon:g} is "
-                f"spent ({int(ledger.rounds)} rounds trained, ε = {epsilon:.4g}); it sends nothing more"
-            )
-
-    def spend_privacy(self, trainings: int = 0, releases: int = 0) -> None:
-        """Charge ``trainings`` DP-SGD trainings and ``releases`` payload releases to the ledger (with DP
-        on; nothing otherwise) and store it."""
-        if self.dp is None:
-            return
-        ledger = self.ledger
-        if int(ledger.last_round) != (self.server_round or 0):
-            ledger.rounds += 1
-            ledger.last_round.fill_(self.server_round or 0)
-        ledger.trainings += trainings
-        ledger.releases += releases
-        ledger.noise_multiplier.fill_(self.dp.noise_multiplier)
-        self.store(LEDGER_STATE, ledger)
+        self.ledger.charge(self.dp.spend(trainings, releases), trainings, releases, self.dp.options, self.partition_id)
+        self.spent_now[0] += trainings
+        self.spent_now[1] += releases
 
     def privacy_metrics(self) -> dict[str, float]:
-        """``dp-epsilon`` (ε spent so far at ``dp.delta``) and ``dp-rounds-left`` (whole rounds the budget
-        still allows); empty with DP off."""
+        """What a train reply says of its privacy (empty with DP off): ``dp-epsilon`` and ``dp-epsilon-rdp`` spent
+        so far by the ledger at ``dp.delta`` (PLD, RDP), ``dp-noise-multiplier`` and
+        ``dp-release-noise-multiplier`` (σ of DP-SGD and of a release), ``dp-sample-rate`` (q),
+        ``dp-steps`` and ``dp-releases`` of this message and ``dp-trainings-total`` and ``dp-releases-total``
+        of the ledger, ``dp-clip-norm`` and ``dp-payload-clip``, and ``dp-rounds-left`` (whole rounds the
+        budget still allows)."""
         if self.dp is None:
             return {}
-        ledger = self.ledger
+        dp = self.dp
+        events, trainings, releases = self.ledger.read()
         return {
-            "dp-epsilon": self.dp.epsilon(int(ledger.trainings), int(ledger.releases)),
-            "dp-rounds-left": max(0, self.dp.rounds_within_budget() - int(ledger.rounds)),
+            "dp-epsilon": epsilon_of(events, dp.options.delta),
+            "dp-epsilon-rdp": epsilon_of(events, dp.options.delta, "rdp"),
+            "dp-noise-multiplier": dp.noise_multiplier,
+            "dp-release-noise-multiplier": dp.release_noise_multiplier,
+            "dp-sample-rate": dp.sample_rate,
+            "dp-steps": self.spent_now[0] * dp.steps_per_training,
+            "dp-releases": self.spent_now[1],
+            "dp-trainings-total": trainings,
+            "dp-releases-total": releases,
+            "dp-clip-norm": dp.options.clip_norm,
+            "dp-payload-clip": dp.options.payload_clip,
+            "dp-rounds-left": dp.rounds_left(events),
         }
 
     def save_model(self) -> None:

@@ -233,6 +233,7 @@ def train_personal_model(
     Returns:
         The training metrics plus ``num-examples`` (local training samples).
     """
+    client.spend_privacy(trainings=1)  # with DP on: counted, durably, before the training runs
     stats = train_supervised(
         model or client.model,
         client.data,
@@ -245,7 +246,6 @@ def train_personal_model(
         client.dp,
     )
     client.save_model()
-    client.spend_privacy(trainings=1)
     return {**stats, "num-examples": len(client.data.train_y)}
 
 
@@ -268,8 +268,10 @@ def trained_class_means(
     else:
         rows = representations(extractor, data.train_x, data.info, client.device)
         dp = client.dp
-        out = noisy_class_means(rows, data.train_y, data.info.num_classes, dp.options.payload_clip, dp.noise_multiplier)
-        client.spend_privacy(releases=1)
+        client.spend_privacy(releases=1)  # counted, durably, before the release is computed
+        out = noisy_class_means(
+            rows, data.train_y, data.info.num_classes, dp.options.payload_clip, dp.release_noise_multiplier
+        )
     stats["train-seconds"] += time.perf_counter() - start
     return out
 

@@ -523,3 +523,4 @@ class ClientProcedure:
         if client.dp is not None:
             metrics["dp-noise-multiplier"] = client.dp.noise_multiplier
         return {}, metrics
+            metrics["dp-release-noise-multiplier"] = client.dp.release_noise_multiplier

@@ -103,9 +103,12 @@ class Method:
         """The server half for ``cfg`` (``results``: see ``HeteroStrategy``).
 
         Raises:
-            ConfigError: as :meth:`bind`, or the strategy's own checks.
+            ConfigError: as :meth:`bind`, the strategy's own checks, or a ``dp.epsilon`` target no client
+                can meet with this method's trainings and releases (``common.dp.check_reachable``).
         """
-        return self.strategy(cfg, self.bind(cfg), results)
+        binding = self.bind(cfg)
+        dp.check_reachable(cfg, self.client.dp_trainings, self.client.dp_releases)
+        return self.strategy(cfg, binding, results)
 
     def build_client(self, cfg: RunConfig) -> ClientProcedure:
         """The client half for ``cfg``.

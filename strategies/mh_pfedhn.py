@@ -525,7 +525,7 @@ class MHpFedHNGDClient(MHpFedHNClient):
             client.generator(int(config[SERVER_ROUND]), 1),
             dp=client.dp,
         )
-        client.spend_privacy(trainings=1)
+        client.spend_privacy(trainings=1)  # with DP on: counted, durably, before the training runs
         return {"delta_w_g": flat_delta(model, received)}, {**stats, "num-examples": len(client.data.train_y)}
 
     def supervised_loss(self, client, config):

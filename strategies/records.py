@@ -92,9 +92,15 @@ def round_metrics(replies: list[ClientReply], server: Mapping[str, Any], server_
     # clients whose state was ahead of a resumed server (it crashed after they trained) and was rolled back
     metrics["client-state-rollbacks"] = int(sum(r.metrics.get("state-rollbacks", 0) for r in replies))
     private = [r for r in replies if "dp-epsilon" in r.metrics]
-    if private:  # run config dp.epsilon > 0: what each client has spent, and who may train no more
+    if private:  # run config dp.epsilon > 0: what each client has spent, with which mechanisms
         metrics["dp-epsilon-per-client"] = {str(r.partition_id): r.metrics["dp-epsilon"] for r in private}
         metrics["dp-epsilon-max"] = max(r.metrics["dp-epsilon"] for r in private)
+        metrics["dp-per-client"] = {
+            str(r.partition_id): {
+                key[len("dp-") :].replace("-", "_"): value for key, value in r.metrics.items() if key.startswith("dp-")
+            }
+            for r in private
+        }
     losses = [r for r in replies if "train-loss" in r.metrics]
     if losses:
         metrics["train-loss"] = sample_weighted_mean(

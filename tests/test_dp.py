@@ -1,6 +1,7 @@
 """Run config ``[dp]``: calibrated noise, bounded per-example sensitivity, the accountant's ε in the rows,
 a spent budget, and every method training privately with its payload unchanged in shape."""
 
+import json
 import math
 import subprocess
 import sys
@@ -11,7 +12,17 @@ import torch
 from flwr.serverapp import GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig, RdpAccountant, SamplingMethod
 
 from common.config import ConfigError, RunConfig
-from common.dp import BudgetSpent, clipped_class_sums, make_plan, noisy_class_means, planned_rounds
+from common.dp import (
+    BudgetSpent,
+    check_reachable,
+    clipped_class_sums,
+    epsilon_of,
+    make_plan,
+    merge_events,
+    noisy_class_means,
+    planned_rounds,
+)
+from common.dp import _calibrate as dp_calibrate
 from conftest import ROOT, captured_federation, client_runtime, federation, make_run_config, shapes_of
 from strategies.registry import METHODS
 
@@ -25,20 +36,59 @@ def flower_epsilon(sigma, n, batch, steps, releases, delta):
     return accountant.get_epsilon(delta)
 
 
-def test_the_calibrated_noise_spends_the_target_over_the_planned_rounds():
+def pld_epsilon(events, delta):
+    """ε of ``events`` ((σ, q, count) each) by dp-accounting's PLD accountant at its default (finer) grid."""
+    import dp_accounting
+
+    parts = [
+        dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(s)), c)
+        for s, q, c in events
+    ]
+    return dp_accounting.pld.PLDAccountant().compose(dp_accounting.ComposedDpEvent(parts)).get_epsilon(delta)
+
+
+def test_dp_sgd_and_the_releases_get_their_own_noise_calibrated_together_to_the_target():
     rc = make_run_config(**{"dp.epsilon": 4.0, "num-server-rounds": 6, "batch-size": 32, "local-epochs": 2})
     cfg = RunConfig.from_dict(rc)
     plan = make_plan(cfg, 200, 4, 1, 1)
     steps = 6 * 2 * math.ceil(200 / 32)
     assert (plan.rounds, plan.steps_per_training, plan.sample_rate) == (6, 2 * 7, 32 / 200)
-    spent = flower_epsilon(plan.noise_multiplier, 200, 32, steps, 6, 1e-5)
-    assert 4.0 * (1 - 2e-3) <= spent <= 4.0
-    # a little less noise would overspend: the σ is the smallest that meets the target
-    assert flower_epsilon(plan.noise_multiplier * 0.99, 200, 32, steps, 6, 1e-5) > 4.0
-    assert plan.epsilon(6, 6) == pytest.approx(spent, rel=1e-12)
-    assert plan.rounds_within_budget() == 6
-    # no release (a weight payload): less is composed, so less noise meets the same target
-    assert make_plan(cfg, 200, 4, 1, 0).noise_multiplier < plan.noise_multiplier
+    sgd, release = (plan.noise_multiplier, 32 / 200, steps), (plan.release_noise_multiplier, 1.0, 6)
+    # the releases alone spend dp.release-share of ε, and everything together ε, by the PLD accountant
+    assert pld_epsilon([release], 1e-5) == pytest.approx(0.25 * 4.0, rel=2e-3)
+    assert 4.0 * (1 - 2e-3) <= pld_epsilon([sgd, release], 1e-5) <= 4.0
+    assert plan.epsilon(6, 6) == pytest.approx(pld_epsilon([sgd, release], 1e-5), rel=2e-3)
+    # a little less noise on DP-SGD would overspend: its σ is the smallest that meets the target
+    assert pld_epsilon([(sgd[0] * 0.99, *sgd[1:]), release], 1e-5) > 4.0
+    # RDP beside it, Flower's accountant the same: looser than PLD
+    flower = flower_epsilon(plan.noise_multiplier, 200, 32, steps, 0, 1e-5)
+    assert epsilon_of(merge_events(sgd), 1e-5, "rdp") == pytest.approx(flower, rel=1e-9)
+    assert plan.epsilon(6, 6, "rdp") > plan.epsilon(6, 6)
+    assert plan.rounds_left(()) == 6
+    # DP-SGD gets (nearly) what it gets with no release at all, far less noise than one σ for both
+    alone = make_plan(cfg, 200, 4, 1, 0)
+    assert alone.release_noise_multiplier == 0.0 and alone.noise_multiplier < plan.noise_multiplier
+    shared = dp_calibrate(lambda s: merge_events((s, 32 / 200, steps), (s, 1.0, 6)), 4.0, 1e-5)
+    assert plan.noise_multiplier < 0.9 * shared
+    # a larger release share: less noise on the releases, more on DP-SGD
+    half = make_plan(RunConfig.from_dict({**rc, "dp.release-share": 0.5}), 200, 4, 1, 1)
+    assert half.release_noise_multiplier < plan.release_noise_multiplier
+    assert half.noise_multiplier > plan.noise_multiplier
+
+
+def test_the_split_on_the_privacy_preset_as_docs_privacy_quotes_it():
+    # docs/privacy.md quotes these: CIFAR-10 clients of 400 training examples, batch 64, one epoch, 10 rounds
+    rc = make_run_config(
+        **{"dp.epsilon": 8.0, "num-server-rounds": 10, "batch-size": 64, "local-epochs": 1, "num-clients": 10}
+    )
+    plan = make_plan(RunConfig.from_dict(rc), 400, 10, 1, 1)
+    assert (round(plan.noise_multiplier, 2), round(plan.release_noise_multiplier, 2)) == (1.14, 6.31)
+    assert round(plan.epsilon(10, 0), 2) == 7.62 and round(plan.epsilon(0, 10), 2) == 2.0
+    assert round(make_plan(RunConfig.from_dict(rc), 400, 10, 1, 0).noise_multiplier, 2) == 1.11
+    # one σ for both: the ten releases alone would spend most of ε, and DP-SGD run at nearly twice the noise
+    shared = dp_calibrate(lambda s: merge_events((s, 64 / 400, 70), (s, 1.0, 10)), 8.0, 1e-5)
+    assert round(shared, 2) == 2.09
+    assert round(epsilon_of(merge_events((shared, 1.0, 10)), 1e-5), 2) == 7.13
 
 
 def test_the_budget_is_planned_over_the_rounds_a_client_is_expected_to_train():
@@ -47,10 +97,22 @@ def test_the_budget_is_planned_over_the_rounds_a_client_is_expected_to_train():
     assert planned_rounds(RunConfig.from_dict(make_run_config(**{"num-server-rounds": 10})), 4) == 10
 
 
-def test_a_target_that_cannot_be_met_is_refused_naming_the_key():
-    cfg = RunConfig.from_dict(make_run_config(**{"dp.epsilon": 1e-4, "num-server-rounds": 50}))
-    with pytest.raises(ConfigError, match="'dp.epsilon'"):
+def test_a_target_that_cannot_be_met_is_refused_naming_the_key_before_any_data():
+    from strategies.registry import build_strategy
+
+    rc = make_run_config(**{"dp.epsilon": 1e-4, "num-server-rounds": 50})
+    cfg = RunConfig.from_dict(rc)
+    message = "run config key 'dp.epsilon' = 0.0001 cannot be met by a client of 200 examples over 50 rounds"
+    with pytest.raises(ConfigError, match=message):
         make_plan(cfg, 200, 4, 1, 1)
+    # without data: the largest client the run config allows (max-examples-per-client), the same one line,
+    # and so the strategy (tools.run's pre-flight builds it) is refused before any message
+    with pytest.raises(ConfigError, match=message):
+        check_reachable(cfg, 1, 1)
+    with pytest.raises(ConfigError, match=message):
+        build_strategy(cfg)
+    # num-clients = 0: the rounds are unknown until the handshake, which checks it
+    check_reachable(RunConfig.from_dict({**rc, "num-clients": 0}), 1, 1)
     loose = RunConfig.from_dict(make_run_config(**{"dp.epsilon": 1.0, "dp.delta": 0.01}))
     with pytest.raises(ConfigError, match="'dp.delta'.*1/n"):
         make_plan(loose, 200, 4, 1, 1)
@@ -133,34 +195,121 @@ def test_a_spent_budget_ends_a_clients_training_and_the_run_goes_on_with_the_oth
     assert len(rows) == 6 or len(exhausted) == 4
 
 
-def test_a_client_refuses_to_train_past_its_budget(run_config):
-    rc = run_config(method="local", dataset="mnist", **{"dp.epsilon": 20.0, "max-examples-per-client": 80})
-    client = client_runtime(rc)
+def private_client(rc, partition=0, state_key="in-memory", server_round=1, context=None):
+    """A ClientRuntime of ``partition`` as a train message with ``state_key`` and ``server_round`` makes it, its
+    DP plan set as the ClientApp sets it, and its method's client procedure."""
+    from common.runtime import ClientRuntime
     from strategies.registry import client_procedure
 
-    client.dp = client_procedure(RunConfig.from_dict(rc)).dp_plan(client)
-    budget = client.dp.rounds_within_budget()
-    for r in range(1, budget + 1):
-        client.server_round = r
-        client.check_budget()
-        client.spend_privacy(trainings=1)
-    client.server_round = budget + 1
-    with pytest.raises(BudgetSpent, match="spent"):
-        client.check_budget()
-    assert client.privacy_metrics()["dp-rounds-left"] == 0
-    assert client.privacy_metrics()["dp-epsilon"] <= 20.0
+    if context is None:
+        context = client_runtime(rc, partition).context
+    client = ClientRuntime(context, state_key, server_round, trains=True)
+    procedure = client_procedure(RunConfig.from_dict(rc))
+    client.dp = procedure.dp_plan(client)
+    return client, procedure
 
 
-def test_the_reported_epsilon_is_the_accountants_for_the_rounds_trained(run_config):
+def train_once(rc, state_key, server_round):
+    """What the ClientApp does with a train message of the method ``local``: check the budget, then train."""
+    from conftest import train_config
+
+    client, procedure = private_client(rc, 0, state_key, server_round)
+    client.check_budget(1, procedure.dp_releases)
+    return procedure.train(client, {}, train_config(rc, server_round))
+
+
+def test_a_server_cannot_reset_a_clients_budget_by_state_key_or_round(run_config, tmp_path):
+    state = tmp_path / "node-state"
+    rc = run_config(
+        method="local", dataset="mnist", **{"dp.epsilon": 20.0, "max-examples-per-client": 80, "state-dir": str(state)}
+    )
+    client, _ = private_client(rc)
+    budget = client.dp.rounds_left(())
+    assert budget == 2  # the planned rounds (num-server-rounds)
+    ledger = state / "dp-ledger" / "mnist-partition-0.json"
+    # the server sends a new state key every time, and replays round 1: every training is counted all the same
+    for key in range(budget):
+        train_once(rc, f"key-{key}", 1)
+        assert json.loads(ledger.read_text())["trainings"] == key + 1
+    for key, server_round in (("key-0", 1), ("key-new", 1), ("key-1", 3), ("in-memory", 0)):
+        with pytest.raises(BudgetSpent, match=f"spent ε = .* the budget is kept in {ledger}"):
+            train_once(rc, key, server_round)
+    # nothing was charged by the refusals, and what was spent stays within ε (PLD; RDP's is looser)
+    client, _ = private_client(rc, state_key="another")
+    metrics = client.privacy_metrics()
+    assert metrics["dp-trainings-total"] == budget and metrics["dp-rounds-left"] == 0
+    assert metrics["dp-epsilon"] <= 20.0 and metrics["dp-epsilon-rdp"] > metrics["dp-epsilon"]
+    # only deleting the file resets it
+    ledger.unlink()
+    train_once(rc, "key-0", 1)
+
+
+def test_the_ledger_is_charged_durably_before_the_training_runs(run_config, tmp_path, monkeypatch):
+    import common.dp
+    import common.training
+
+    rc = run_config(method="local", dataset="mnist", **{"dp.epsilon": 20.0, "max-examples-per-client": 80})
+    rc["state-dir"] = str(tmp_path / "node-state")
+    ledger = tmp_path / "node-state" / "dp-ledger" / "mnist-partition-0.json"
+    writes = []
+    real_write = common.dp.atomic_write
+    monkeypatch.setattr(common.dp, "atomic_write", lambda path, write: writes.append(path) or real_write(path, write))
+
+    def crash(*args, **kwargs):
+        assert writes == [ledger]  # written (and fsynced by atomic_write) before the training starts
+        raise RuntimeError("the node lost power")
+
+    monkeypatch.setattr(common.training, "train_supervised", crash)
+    with pytest.raises(RuntimeError, match="lost power"):
+        train_once(rc, "in-memory", 1)
+    assert json.loads(ledger.read_text())["trainings"] == 1  # a crash mid-training still counts it
+
+
+def test_a_new_or_resumed_run_continues_the_spent_budget_and_its_clients_refuse(run_config, tmp_path):
+    from common.errors import RunFailed
+
+    rc = run_config(
+        method="fedproto",
+        dataset="mnist",
+        **{"dp.epsilon": 20.0, "max-examples-per-client": 80, "state-dir": str(tmp_path / "state")},
+    )
+    strategy, grid = federation(rc)
+    strategy.start(grid)
+    assert all(e <= 20.0 for e in strategy.rows[-1]["dp_epsilon_per_client"].values())
+    # a second run (or a resumed one: the ledger is outside its state key and rounds) finds every budget spent:
+    # each client answers with an error naming its ledger, the server logs it, and a run that trains nothing fails
+    strategy, grid = federation({**rc, "max-untrained-rounds": 1})
+    with pytest.raises(RunFailed) as failed:
+        strategy.start(grid)
+    assert any("BudgetSpent" in e and "dp-ledger/mnist-partition-" in e for e in failed.value.client_errors)
+
+
+def test_the_rows_and_the_summary_carry_every_parameter_of_the_guarantee(run_config):
+    from common.results import privacy_spent
+
     rc = run_config(method="fedgh", dataset="mnist", **{"dp.epsilon": 8.0, "num-server-rounds": 2})
     strategy, grid = federation(rc)
     strategy.start(grid)
     client = client_runtime(rc, 1)
     plan = make_plan(RunConfig.from_dict(rc), len(client.data.train_y), 4, 1, 1)
-    steps = 2 * plan.steps_per_training
-    expected = flower_epsilon(plan.noise_multiplier, plan.num_train, 32, steps, 2, 1e-5)
-    assert strategy.rows[-1]["dp_epsilon_per_client"]["1"] == pytest.approx(expected, rel=1e-9)
-    assert strategy.rows[0]["dp_epsilon_per_client"]["1"] < expected
+    first, last = (row["dp_per_client"]["1"] for row in strategy.rows)
+    assert last == {
+        "epsilon": pytest.approx(plan.epsilon(2, 2), rel=1e-9),
+        "epsilon_rdp": pytest.approx(plan.epsilon(2, 2, "rdp"), rel=1e-9),
+        "noise_multiplier": plan.noise_multiplier,
+        "release_noise_multiplier": plan.release_noise_multiplier,
+        "sample_rate": plan.sample_rate,
+        "steps": plan.steps_per_training,
+        "releases": 1,
+        "trainings_total": 2,
+        "releases_total": 2,
+        "clip_norm": 1.0,
+        "payload_clip": 1.0,
+        "rounds_left": 0,
+    }
+    assert first["epsilon"] < last["epsilon"] <= 8.0 < last["epsilon_rdp"] + 8.0
+    assert strategy.rows[-1]["dp_epsilon_per_client"]["1"] == last["epsilon"]
+    assert privacy_spent(strategy.rows)["dp_per_client"]["1"] == last  # the summary: each client's last entry
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -232,9 +381,17 @@ def test_a_vector_and_a_weight_payload_method_learn_at_a_loose_epsilon(run_confi
 
 
 def test_a_run_whose_target_cannot_be_met_fails_at_the_handshake_before_any_training(run_config):
+    from client_app.app import app as client_app
+    from fakegrid import FakeGrid
+    from strategies.registry import build_strategy
+
+    # the server's pre-flight passes (its config is looser: the clients' sizes are unknown to it), the clients,
+    # who know their n, refuse at the handshake with the pre-flight's one line
     rc = run_config(method="fedgh", dataset="mnist", **{"dp.epsilon": 1e-4, "num-server-rounds": 50})
-    strategy, grid, replies = captured_federation(rc)
-    with pytest.raises(ConfigError, match="'dp.epsilon' = 0.0001 cannot be met"):
+    strategy = build_strategy(RunConfig.from_dict({**rc, "dp.epsilon": 8.0}))
+    replies = []
+    grid = FakeGrid(client_app, rc, 4, lambda node, reply: replies.append(reply) or reply)
+    with pytest.raises(ConfigError, match="'dp.epsilon' = 0.0001 cannot be met by a client of"):
         strategy.start(grid)
     assert replies and all(r.metadata.message_type == "query" for r in replies)
 
