@@ -20,7 +20,12 @@ def test_accuracy_and_attacks_against_epsilon_regenerate_from_the_copies(tmp_pat
         rows = [json.loads(line) for line in (cell / "metrics.jsonl").read_text().splitlines()]
         for r in rows:
             r["dp_epsilon_max"] = 2.0 * r["round"]
+            r["dp_per_client"] = {
+                "0": {"epsilon_rdp": 3.0 * r["round"], "noise_multiplier": 1.5, "release_noise_multiplier": 6.0},
+                "1": {"epsilon_rdp": 1.0, "noise_multiplier": 2.5 + r["round"], "release_noise_multiplier": 8.0},
+            }
         (cell / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    last = rows[-1]["round"]
     attacked = next((tmp_path / "private").glob("fedre-seed0/*")) / "privacy"
     attacked.mkdir()
     cell = {"round": 2, "partition": 0, "cpu_seconds": 1.0}  # every row tools.privacy writes has these
@@ -39,8 +44,11 @@ def test_accuracy_and_attacks_against_epsilon_regenerate_from_the_copies(tmp_pat
     mean = sum(final) / 2
     assert f"| fedre | inf | 0,1 | {100 * mean:.2f} ± " in text
     assert f"| fedre | 8 | 0,1 | {100 * (mean - 0.2):.2f} ± " in text
-    # ε spent: the largest over rows; the upload's inversion only (not the ladder's class mean), and labels
-    assert "| 8 | 11.0 ± 0.0 | 17.0 ± 0.0 | 0.50 ± 0.00 |" in text
+    # ε spent: the largest over rows (PLD, then RDP), the σ of the last round's clients, mean over clients and
+    # seeds; the upload's inversion only (not the ladder's class mean), and labels
+    sigma = (1.5 + 2.5 + last) / 2
+    assert f"| {2.0 * last:.3g} | {3.0 * last:.3g} | {sigma:.3g} | 7 | 11.0 ± 0.0 | 17.0 ± 0.0 | 0.50 ± 0.00 |" in text
+    assert "| - | - | - |" in text  # the grid without DP
     assert "Class prior alone (every client predicts" in text and " pooled, " in text
     # above prior: each seed's final pooled accuracy minus the class prior of that seed's partitions
     from tools.grid_stats import prior_accuracy

@@ -14,7 +14,10 @@ from the copies alone. Writes ``<folder>/report.md`` and ``<folder>/accuracy_vs_
 
 Per method and ε, over its seeds (mean ± sample std): final pooled and mean-over-clients accuracy
 (percent, the last evaluated round), the pooled one's gain over the class prior of its seed (points),
-the largest ε any client spent (the rows' ``dp_epsilon_max``), and from the privacy evaluation the
+the largest ε any client spent (the rows' ``dp_epsilon_max``, PLD, and the largest ``epsilon_rdp`` of their
+``dp_per_client``, RDP), the noise multipliers DP-SGD and the payload releases ran at (the last rows'
+``dp_per_client``, mean over clients and seeds; "-" for rows written before they were recorded), and from
+the privacy evaluation the
 server's white-box attack on the upload (inversion of a per-class payload, or the update attack on a
 weight payload): best-match PSNR against a mid-gray image's, and the recall of the client's class set
 from the upload.
@@ -142,6 +145,8 @@ def collect(folder: Path, data_dir: str | None = None) -> tuple[dict, dict[str, 
         for method in sorted({c.method for c in cells}):
             mine = [c for c in cells if c.method == method]
             spent = [r["dp_epsilon_max"] for c in mine for r in c.rows if r.get("dp_epsilon_max") is not None]
+            clients = [entry for c in mine for r in c.rows for entry in (r.get("dp_per_client") or {}).values()]
+            last = [entry for c in mine if c.rows for entry in (c.rows[-1].get("dp_per_client") or {}).values()]
             attacks = attack_rows(grid, method)
             psnr, gray = upload_attack(attacks)
             recalls = [r["label_recall"] for r in attacks if r.get("label_recall") is not None]
@@ -152,6 +157,9 @@ def collect(folder: Path, data_dir: str | None = None) -> tuple[dict, dict[str, 
                 "weighted": mean_std([c.curve("accuracy_weighted")[1][-1] for c in mine]),
                 "mean": mean_std([c.curve("accuracy_mean")[1][-1] for c in mine]),
                 "spent": max(spent) if spent else None,
+                "spent_rdp": max((e["epsilon_rdp"] for e in clients), default=None),
+                "sigma": mean_of(last, "noise_multiplier"),
+                "release_sigma": mean_of(last, "release_noise_multiplier"),
                 "psnr": psnr,
                 "gray": gray,
                 "labels": labels,
@@ -165,6 +173,17 @@ def collect(folder: Path, data_dir: str | None = None) -> tuple[dict, dict[str, 
         out[method][label]["above_prior"] = None if priors is None else mean_std([a - priors[s][1] for s, a in seeds])
     # a method run at one ε only (the no-DP grid may hold every method) has no curve
     return info, {m: by_eps for m, by_eps in out.items() if len(by_eps) > 1}
+
+
+def mean_of(entries: list[dict[str, Any]], key: str) -> float | None:
+    """The mean of ``key`` over the rows' ``dp_per_client`` ``entries`` that carry it (None: none does)."""
+    values = [e[key] for e in entries if e.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def number(value: float | None, digits: int = 3) -> str:
+    """``value`` to ``digits`` significant digits, "-" for None."""
+    return "-" if value is None else f"{value:.{digits}g}"
 
 
 def prior_line(info: dict) -> str:
@@ -186,22 +205,24 @@ def render(info: dict, stats: dict[str, dict[str, dict[str, Any]]]) -> str:
         "",
         "Record-level DP of every upload (run config `dp.epsilon`; docs/privacy.md), per method and ε: final accuracy",
         "(percent, mean ± sample std over seeds), the pooled one's gain over its seed's class prior (points),",
-        "the largest ε a client spent (at `dp.delta`), and the server's white-box attack on the upload",
+        "the largest ε a client spent (at `dp.delta`: PLD, and RDP beside it), the mean noise multipliers σ of",
+        "DP-SGD and of the payload releases in the last round, and the server's white-box attack on the upload",
         "(best-match PSNR in dB against a mid-gray image's, and the recall of the client's class set;",
         f"`tools.privacy`, where it was run). ε = {NO_DP}: without DP.",
         "",
         prior_line(info),
         "",
         "| method | ε | seeds | final acc weighted | above prior (points) | final acc mean | ε spent (max) "
-        "| attack PSNR | gray PSNR | label recall |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| ε RDP (max) | σ DP-SGD | σ release | attack PSNR | gray PSNR | label recall |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, by_eps in stats.items():
         for label, s in by_eps.items():
-            spent = "-" if s["spent"] is None else f"{s['spent']:.3g}"
+            mechanisms = f"{number(s['spent_rdp'])} | {number(s['sigma'])} | {number(s['release_sigma'])}"
             lines.append(
                 f"| {method} | {label} | {','.join(map(str, s['seeds']))} | {pct(s['weighted'])} "
-                f"| {pct(s['above_prior'])} | {pct(s['mean'])} | {spent} | {score_cell(s['psnr'])} "
+                f"| {pct(s['above_prior'])} | {pct(s['mean'])} | {number(s['spent'])} | {mechanisms} "
+                f"| {score_cell(s['psnr'])} "
                 f"| {score_cell(s['gray'])} | {score_cell(s['labels'], 2)} |"
             )
     return "\n".join(lines) + "\n"
