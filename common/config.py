@@ -134,8 +134,9 @@ class RunConfig:
     )
     min_clients: int = option(
         0,
-        "0: the run starts once every training partition has answered the handshake; m > 0: once m have, the "
-        "others joining at a round boundary when their SuperNode connects (a federation that grows while it runs)",
+        "0: the run starts once every training partition has answered the handshake; m > 0 (at most `num-clients` "
+        "when that is set): once m have, the others joining at a round boundary when their SuperNode connects (a "
+        "federation that grows while it runs)",
         low=0,
     )
     handshake: str = option(
@@ -247,8 +248,16 @@ class RunConfig:
     record_payloads: str = option(
         "",
         "rounds whose payloads the server records for the privacy evaluation (`tools.privacy`): comma-separated "
-        "round numbers (`1,10`) or `all`; each client also keeps its personal model of those rounds in its state "
-        "folder (see docs/privacy.md)",
+        "round numbers from 1 to `num-server-rounds` (`1,10`) or `all`; each client also keeps its personal model "
+        "of those rounds in its state folder (see docs/privacy.md); at most `record-payloads-max-gib` on disk",
+    )
+    record_payloads_max_gib: float = option(
+        1.0,
+        "the most disk (GiB, 2^30 bytes) `record-payloads` may take: a run whose estimate (payload and personal "
+        "model bytes per client and recorded round, times the recorded rounds and the clients) is above it is "
+        "refused before it starts",
+        low=0,
+        low_open=True,
     )
     augment: str = option(
         "auto",
@@ -302,6 +311,8 @@ class RunConfig:
             ):
                 if not ok:
                     raise invalid(key, getattr(cfg, key.replace("-", "_")), allowed)
+        if cfg.num_clients and cfg.min_clients > cfg.num_clients:  # the roster would wait for num-clients instead
+            raise invalid("min-clients", cfg.min_clients, f"0 to 'num-clients' = {cfg.num_clients}")
         cfg.recorded_rounds  # noqa: B018 (parses record-payloads: a bad value fails here)
         # each client needs one local train and one local test example (test-fraction > 0): a larger N
         # would fail on every client at the handshake, so it fails here, before anything starts
@@ -326,15 +337,20 @@ class RunConfig:
         """The rounds ``record-payloads`` names: a set of rounds (empty: off), or None for ``all``.
 
         Raises:
-            ConfigError: a value that is neither ``all`` nor comma-separated integers >= 1.
+            ConfigError: a value that is neither ``all`` nor comma-separated rounds from 1 to
+                ``num-server-rounds`` (a later round never comes: nothing would be recorded).
         """
         text = self.record_payloads.strip()
         if text == "all":
             return None
         parts = [p.strip() for p in text.split(",")] if text else []
-        if not all(p.isdigit() and int(p) >= 1 for p in parts):
+        last = self.num_server_rounds
+        # isascii: str.isdigit takes other scripts' digits (and superscripts, which int() refuses)
+        if not all(p.isascii() and p.isdigit() and 1 <= int(p) <= last for p in parts):
             raise invalid(
-                "record-payloads", self.record_payloads, "'' (off), 'all' or comma-separated rounds >= 1 ('1,10')"
+                "record-payloads",
+                self.record_payloads,
+                f"'' (off), 'all' or comma-separated rounds from 1 to 'num-server-rounds' = {last} ('1,{last}')",
             )
         return frozenset(int(p) for p in parts)
 

@@ -34,6 +34,7 @@ import os
 import time
 import warnings
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from pathlib import Path
@@ -582,21 +583,49 @@ def cache_partitions(spec: DataSpec, cache_dir: str, workers: int) -> tuple[int,
         ``ConfigError`` message naming the file and row). A partition that fails is left uncached,
         so its client meets the same error at the handshake, where a run reports data errors.
     """
+    missing = [i for i in range(spec.num_partitions) if not _cache_file(spec, i, cache_dir)[0].is_file()]
+    errors = _in_workers(_cache_partition, spec, missing, cache_dir, workers)
+    return len(missing) - len(errors), spec.num_partitions - len(missing), errors
+
+
+def _split_partition(spec: DataSpec, partition_id: int, cache_dir: None) -> str | None:
+    """None when partition ``partition_id`` splits into a train and a test set (:func:`partition_split`,
+    nothing decoded), else the error's message (a worker of :func:`partition_errors`)."""
+    try:
+        partition_split(spec, partition_id)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def partition_errors(spec: DataSpec, workers: int) -> list[str]:
+    """The configuration or data errors of every partition of ``spec`` that the handshake would meet
+    (:func:`partition_split`: the data checks, the partitioner, the train/test split), found from the
+    labels alone (no image is decoded), in ``workers`` processes of their own that exit when done."""
+    return _in_workers(_split_partition, spec, list(range(spec.num_partitions)), None, workers)
+
+
+def _in_workers(
+    worker: Callable[[DataSpec, int, str | None], str | None],
+    spec: DataSpec,
+    partitions: list[int],
+    cache_dir: str | None,
+    workers: int,
+) -> list[str]:
+    """The errors ``worker(spec, partition, cache_dir)`` returns for ``partitions``, called in up to
+    ``workers`` spawned processes that exit when done."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    missing = [i for i in range(spec.num_partitions) if not _cache_file(spec, i, cache_dir)[0].is_file()]
-    if not missing:
-        return 0, spec.num_partitions, []
+    if not partitions:
+        return []
     # spawn, not fork: a forked child would share this process's state (threads, open files) for nothing
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(missing))), mp_context=context) as pool:
-        chunk = max(1, len(missing) // (4 * workers))  # a worker keeps its partitioner between partitions
-        results = list(
-            pool.map(_cache_partition, [spec] * len(missing), missing, [cache_dir] * len(missing), chunksize=chunk)
-        )
-    errors = [r for r in results if r is not None]
-    return len(missing) - len(errors), spec.num_partitions - len(missing), errors
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(partitions))), mp_context=context) as pool:
+        chunk = max(1, len(partitions) // (4 * workers))  # a worker keeps its partitioner between partitions
+        n = len(partitions)
+        results = list(pool.map(worker, [spec] * n, partitions, [cache_dir] * n, chunksize=chunk))
+    return [r for r in results if r is not None]
 
 
 def normalize(x: torch.Tensor, info: DatasetInfo) -> torch.Tensor:

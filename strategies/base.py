@@ -90,6 +90,12 @@ Arrays = dict[str, np.ndarray]
 Reply = tuple[Arrays, dict[str, Any]]
 
 NO_PAYLOAD = PayloadSchema()
+#: bytes a recorded file takes beyond its arrays in :meth:`HeteroStrategy.recording_estimate`: a file
+#: system block (4 KiB on ext4, XFS and Btrfs), which also covers an upload's metrics file
+RECORD_FILE_OVERHEAD = 4096
+#: bytes an array takes beyond its data in a recorded file: the ``.npy`` header and zip entry of an
+#: ``.npz`` member (about 250), or a tensor's entry in ``torch.save``'s zip archive
+RECORD_ARRAY_OVERHEAD = 512
 BASE_SCHEMAS: Schemas = {"query": (NO_PAYLOAD, NO_PAYLOAD), "evaluate": (NO_PAYLOAD, NO_PAYLOAD)}
 #: the schemas of a method that exchanges no arrays at all (Local, and the bare base classes)
 NO_PAYLOAD_SCHEMAS: Schemas = {**BASE_SCHEMAS, "train": (NO_PAYLOAD, NO_PAYLOAD)}
@@ -280,9 +286,11 @@ class HeteroStrategy:
 
         Raises:
             RuntimeError, ConfigError: from the handshake (not all clients answer within
-                ``connect-timeout`` seconds, or the nodes do not fit the run config), or a
-                ``resume-from`` checkpoint that does not fit the run.
+                ``connect-timeout`` seconds, or the nodes do not fit the run config), a
+                ``record-payloads`` above ``record-payloads-max-gib`` for the clients that answered
+                (:meth:`check_recording`), or a ``resume-from`` checkpoint that does not fit the run.
         """
+        self.checkpoints.check_summary()  # a resume the config refuses is refused before any node is asked
         state_key = self.checkpoints.state_key()
         client_state_dir = ""
         if state_in_run_folder and not self.cfg.state_dir and self.results is not None:
@@ -290,6 +298,8 @@ class HeteroStrategy:
             client_state_dir = str(Path(self.results.path).parent / state_key / CLIENT_STATE)
         self.transport.open(grid, state_key, client_state_dir, window=window)
         self.roster.handshake(self.transport)
+        if line := self.check_recording(self.roster.size):  # tools.run checked it before the launch
+            log.info(line)
         if self.results is not None:
             self.results.num_clients = self.roster.size
             self.results.held_out_partitions = self.roster.held_out_partitions
@@ -437,6 +447,70 @@ class HeteroStrategy:
         """Restore a :meth:`server_state` (a checkpoint's, or a round's that is rolled back)."""
         load_server_state(self, state)
 
+    def recording_dims(self, model: Any) -> dict[str, int]:
+        """Hook: the payload symbols at their largest for a client holding ``model`` (a module on the
+        meta device), for :meth:`recording_estimate`: ``C``, ``d``, and ``k`` and ``a`` (the classes a
+        client holds, or the server has prototypes of) at ``C``. A method whose payload grows with the
+        client's model adds its symbols (MH-pFedHN's ``K``)."""
+        return {**self.dims, "k": self.info.num_classes, "a": self.info.num_classes}
+
+    def recording_estimate(self, num_clients: int) -> int:
+        """Bytes run config ``record-payloads`` writes at most in a run of ``num_clients`` clients: per
+        client and recorded round, the download and the upload of every message type at their largest
+        (the payload schemas under :meth:`recording_dims`: ``.npz`` files hold their tensor bytes) and
+        the client's copy of its personal model (its state dict), plus :data:`RECORD_FILE_OVERHEAD`
+        per file and :data:`RECORD_ARRAY_OVERHEAD` per array, times the recorded rounds (0 when none
+        is). Each architecture of the model group is built once, on the meta device (nothing is
+        allocated)."""
+        import torch
+
+        from models.groups import MODEL_GROUPS
+
+        rounds = self.cfg.recorded_rounds
+        count = self.cfg.num_server_rounds if rounds is None else len(rounds)
+        group, info = MODEL_GROUPS[self.cfg.model_group], self.info
+        period = len(group.architectures) * len(group.heads)  # client p holds member p mod period
+        total = 0
+        for member in range(min(period, num_clients) if count else 0):
+            with torch.device("meta"):
+                model = group.build(member, info.num_classes, info.channels, info.image_size, 0, self.cfg.feature_dim)
+            dims = self.recording_dims(model)
+            state = model.state_dict().values()
+            schemas = [s for pair in self.schemas.values() for s in pair if s.arrays]
+            data = sum(s.nbytes(dims) for s in schemas) + sum(t.numel() * t.element_size() for t in state)
+            # a file per schema (an upload's metrics file beside it) and the model's copy
+            files = len(schemas) + sum(1 for _, up in self.schemas.values() if up.arrays) + 1
+            arrays = sum(len(s.arrays) for s in schemas) + len(state)
+            overhead = files * RECORD_FILE_OVERHEAD + arrays * RECORD_ARRAY_OVERHEAD
+            total += len(range(member, num_clients, period)) * (data + overhead)
+        return total * count
+
+    def check_recording(self, num_clients: int) -> str:
+        """The line that tells what run config ``record-payloads`` will take on disk for ``num_clients``
+        clients (:meth:`recording_estimate`; empty when nothing is recorded).
+
+        Raises:
+            ConfigError: naming ``record-payloads`` and ``record-payloads-max-gib``, when the estimate
+                is above ``record-payloads-max-gib`` GiB.
+        """
+        estimate = self.recording_estimate(num_clients)
+        if not estimate:
+            return ""
+        rounds = self.cfg.recorded_rounds
+        count = self.cfg.num_server_rounds if rounds is None else len(rounds)
+        what = (
+            f"run config key 'record-payloads' = {self.cfg.record_payloads!r} writes up to {estimate / 2**30:.3g} GiB "
+            f"({estimate / (count * num_clients) / 2**20:.3g} MiB per client and round x {count} rounds x "
+            f"{num_clients} clients: payloads and personal models)"
+        )
+        limit = self.cfg.record_payloads_max_gib
+        if estimate > limit * 2**30:
+            raise ConfigError(
+                f"{what}, above 'record-payloads-max-gib' = {limit:g}: allowed are fewer recorded rounds "
+                "(e.g. '1,10') or fewer clients, or a larger 'record-payloads-max-gib' where the disk has room"
+            )
+        return f"{what}; at most 'record-payloads-max-gib' = {limit:g}"
+
     def log_settings(self) -> None:
         """Log the method and the main settings."""
         c = self.cfg
@@ -522,5 +596,5 @@ class ClientProcedure:
         }
         if client.dp is not None:
             metrics["dp-noise-multiplier"] = client.dp.noise_multiplier
-        return {}, metrics
             metrics["dp-release-noise-multiplier"] = client.dp.release_noise_multiplier
+        return {}, metrics

@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 import math
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from common.config import ConfigError, RunConfig
+from common.files import SUMMARY_FILE, read_json_object
 from common.results import load_checkpoint
 from common.state_store import all_finite
 from strategies.records import RoundCounters
@@ -127,7 +129,32 @@ class Checkpoints:
                 f"checkpoint cannot resume method '{self.cfg.method}'"
                 + ("" if state["server"] is not None else " (this method has no server_state yet)")
             )
-        saved, now = state.get("config", {}), self.cfg.as_dict()
+        self._refuse_other_config(state.get("config", {}))
+        return state
+
+    def check_summary(self) -> None:
+        """Refuse a ``resume-from`` run whose ``summary.json`` holds a run config this run cannot
+        resume (as :meth:`load` refuses its checkpoint's), from that small file alone: before any node
+        is asked, and in ``tools.run`` before anything starts. A summary without a readable config
+        object (a missing file, a summary written on a full disk) is left to :meth:`load`.
+
+        Raises:
+            ConfigError: naming ``resume-from`` and the keys that differ.
+        """
+        if not self.cfg.resume_from:
+            return
+        try:
+            summary = read_json_object(Path(self.cfg.resume_from) / SUMMARY_FILE, {"config": dict})
+        except ConfigError:
+            return
+        self._refuse_other_config(summary["config"])
+
+    def _refuse_other_config(self, saved: dict[str, Any]) -> None:
+        """Raises ConfigError naming ``resume-from`` and every key of the resumed run's config ``saved``
+        this run sets otherwise (but ``num-server-rounds`` and ``resume-from`` itself; a key ``saved``
+        lacks differs unless this run has it at its declared default, or at its :data:`BEFORE_THE_KEY`
+        value)."""
+        now = self.cfg.as_dict()
         behaved = {**self.defaults, **BEFORE_THE_KEY}  # how a run that lacked a key behaved
         added = {k for k in set(now) - set(saved) if k in behaved and now[k] == behaved[k]}
         differ = sorted(
@@ -135,12 +162,10 @@ class Checkpoints:
         )
         if differ:
             raise ConfigError(
-                f"run config key 'resume-from' = {self.cfg.resume_from!r}: the checkpoint's run used "
-                "other values for "
+                f"run config key 'resume-from' = {self.cfg.resume_from!r}: the run it resumes used other values for "
                 + ", ".join(f"'{k}' ({saved.get(k)!r}, now {now.get(k)!r})" for k in differ)
                 + "; only 'num-server-rounds' may change on resume"
             )
-        return state
 
 
 def _state_of(obj: Any) -> Any:

@@ -119,6 +119,13 @@ def svd_decompress(arrays: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[
     return out
 
 
+def rank_limits(module: nn.Module) -> dict[str, int]:
+    """The rank symbol of each compressed weight of ``module`` (``r:<key>``) -> its largest rank,
+    min(m, n) of the weight as an m x n matrix."""
+    shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    return {f"r:{k}": min(shape[0], int(np.prod(shape[1:]))) for k, shape in shapes.items() if compressed(shape)}
+
+
 def compressed_schema(module: nn.Module) -> PayloadSchema:
     """Schema of :func:`svd_compress`'s output for ``module``: a free rank symbol per weight,
     checked to lie in [1, min(m, n)], and factors that cannot rebuild an entry beyond ``MAX_ABS``.
@@ -128,7 +135,7 @@ def compressed_schema(module: nn.Module) -> PayloadSchema:
     orders of magnitude below it (|u|, |v| <= 1 and Σ s_k is small), so no honest reply is refused."""
     shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     specs: dict[str, ArraySpec] = {}
-    limits = {}
+    limits = rank_limits(module)
     for key, shape in shapes.items():
         if not compressed(shape):
             specs[key] = ArraySpec(shape, "float32")
@@ -141,7 +148,6 @@ def compressed_schema(module: nn.Module) -> PayloadSchema:
                 key + ".v": ArraySpec((rank, n), "float32"),
             }
         )
-        limits[rank] = min(m, n)
 
     def ranks_and_weights_in_range(arrays, dims) -> None:
         for rank, limit in limits.items():
@@ -176,6 +182,10 @@ class FedKDStrategy(SharedModelStrategy):
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
         super().__init__(cfg, binding, results)
         self._broadcast: tuple[int, dict[str, np.ndarray]] = (0, {})
+
+    def recording_dims(self, model: nn.Module) -> dict[str, int]:
+        """Every rank symbol at its largest (:func:`rank_limits`: nothing cut)."""
+        return {**super().recording_dims(model), **rank_limits(self.shared)}
 
     def train_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
         """The mentee compressed at T_t (computed once per round)."""

@@ -287,6 +287,10 @@ class MHpFedHNStrategy(HeteroStrategy):
             )
         return value
 
+    def recording_dims(self, model: nn.Module) -> dict[str, int]:
+        """``K``: the parameter count of ``model``, the client's flat weights."""
+        return {**super().recording_dims(model), "K": num_params(model)}
+
     def reply_dims(self, node_id: int) -> dict[str, int]:
         """``K`` = the node's registered parameter count (and ``G`` = K_g for GD), once registered."""
         dims = dict(self.dims)
@@ -380,6 +384,11 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
     def client_models(self) -> list[nn.Module]:
         """The model group's models and the public global model."""
         return [*super().client_models(), self.global_model()]
+
+    def recording_dims(self, model: nn.Module) -> dict[str, int]:
+        """``K`` as MH-pFedHN's, and ``G``: the parameter count of the public global model."""
+        with torch.device("meta"):
+            return {**super().recording_dims(model), "G": num_params(self.global_model())}
 
     def global_model(self) -> nn.Module:
         """The public global model (``global-model``), freshly built."""
@@ -517,6 +526,7 @@ class MHpFedHNGDClient(MHpFedHNClient):
         client.context.state[TEACHER_STATE] = array_record(
             {"w_g": payload["w_g"], "round": np.array([int(config[SERVER_ROUND])], dtype=np.int64)}
         )
+        client.spend_privacy(trainings=1)  # with DP on: counted, durably, before the training runs
         stats = train_supervised(
             model,
             client.data,
@@ -525,7 +535,6 @@ class MHpFedHNGDClient(MHpFedHNClient):
             client.generator(int(config[SERVER_ROUND]), 1),
             dp=client.dp,
         )
-        client.spend_privacy(trainings=1)  # with DP on: counted, durably, before the training runs
         return {"delta_w_g": flat_delta(model, received)}, {**stats, "num-examples": len(client.data.train_y)}
 
     def supervised_loss(self, client, config):

@@ -123,3 +123,23 @@ def test_the_largest_seed_runs_a_round(run_config):
     assert strategy.rows[0]["num_clients"] == 2 and strategy.rows[0]["dropped_clients"] == []
     with pytest.raises(ConfigError, match="'seed'.*<= 9223372036854775807"):
         RunConfig.from_dict(make_run_config(seed=2**63))
+
+
+def test_min_clients_above_num_clients_is_refused_naming_both_keys():
+    """It was clamped to num-clients silently: the run waited for every client, not for min-clients."""
+    with pytest.raises(ConfigError, match=r"'min-clients' = 5 is invalid: allowed values are 0 to 'num-clients' = 4"):
+        RunConfig.from_dict(make_run_config(**{"num-clients": 4, "min-clients": 5}))
+    assert RunConfig.from_dict(make_run_config(**{"num-clients": 4, "min-clients": 4})).min_clients == 4
+    # num-clients = 0 follows the federation: its size is known only at the handshake
+    assert RunConfig.from_dict(make_run_config(**{"num-clients": 0, "min-clients": 5})).min_clients == 5
+
+
+@pytest.mark.parametrize("item", ["seed=1 seed=2", "lr=0.1 seed=1 'seed'=2", "fedgh.server-lr=1 fedgh.server-lr=2"])
+def test_a_key_given_twice_in_one_item_is_named(item):
+    """Flower's message ("invalid format") did not say which key; the same key in two items is an override."""
+    from tools.runconfig import read_config
+
+    key = item.split()[-1].partition("=")[0].strip("'")
+    with pytest.raises(ConfigError, match=rf"\['{key}'\] given twice in one item: allowed is each key once per item"):
+        read_config(None, [item])
+    assert read_config(None, ["seed=1", "seed=2"])[0]["seed"] == 2

@@ -488,3 +488,49 @@ def test_the_launch_starts_ray_workers_at_niceness_0_unless_the_user_sets_it(tmp
     with pytest.raises(Started):
         launcher._launch(tmp_path, args, {"output-dir": str(tmp_path)}, 2, False)
     assert seen["RAY_worker_niceness"] == (user or "0")
+
+
+def refused_before_the_launch(monkeypatch, capsys, config: dict) -> str:
+    """``tools.run`` with ``config`` as ``-c`` items exits 2 before it starts a SuperLink; its output."""
+    monkeypatch.setattr(launcher, "_run", never)
+    monkeypatch.setattr(launcher, "start_superlink", never)
+    argv = [arg for key, value in config.items() for arg in ("-c", f"{key}={json.dumps(value)}")]
+    assert launcher.main(argv) == 2
+    return capsys.readouterr().out
+
+
+def test_partitions_too_small_to_split_are_refused_before_any_node_starts(tmp_path, monkeypatch, capsys):
+    """They were refused only by the handshake, once every node had started and answered (10,000 MNIST
+    clients: 7.5 minutes after the launch)."""
+    from test_data_faults import write_mnist
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    write_mnist(tmp_path)  # 60 examples: 30 iid partitions of 2, two classes in most of them
+    for handshake in ("all", "sampled"):  # every partition decoded into the cache, or only split
+        config = {**TINY, "data-dir": str(tmp_path), "partitioner": "iid", "num-clients": 30}
+        config.update({"max-examples-per-client": 0, "handshake": handshake, "output-dir": str(tmp_path / "out")})
+        if handshake == "sampled":
+            config["eval-clients"] = "trained"
+        out = refused_before_the_launch(monkeypatch, capsys, config)
+        assert re.search(r"error: \d+ of 30 partitions cannot serve the run, refused before any node starts", out)
+        assert "has 2 examples: too few for a train and a test set at test-fraction 0.2" in out, out
+
+
+def test_a_resume_of_a_run_with_other_dp_settings_is_refused_before_the_launch(tmp_path, monkeypatch, capsys):
+    """It was refused by the checkpoint's check, after the launch and the handshake (51 s)."""
+    from common.results import ResultsWriter
+
+    given = {**TINY, "output-dir": str(tmp_path)}
+    done = ResultsWriter(tmp_path, "done", RunConfig.from_dict({**runconfig.app_defaults(), **given}).as_dict())
+    out = refused_before_the_launch(monkeypatch, capsys, {**given, "resume-from": str(done.path), "dp.epsilon": 8.0})
+    assert (
+        f"'resume-from' = '{done.path}': the run it resumes used other values for 'dp.epsilon' (0.0, now 8.0); "
+        "only 'num-server-rounds' may change on resume"
+    ) in out
+
+
+def test_a_recording_above_its_disk_cap_is_refused_before_the_launch(tmp_path, monkeypatch, capsys):
+    config = {**TINY, "record-payloads": "all", "record-payloads-max-gib": 1e-4, "output-dir": str(tmp_path)}
+    out = refused_before_the_launch(monkeypatch, capsys, config)
+    assert "error: run config key 'record-payloads' = 'all' writes up to" in out
+    assert "above 'record-payloads-max-gib' = 0.0001" in out

@@ -72,5 +72,48 @@ def test_a_bad_round_list_is_refused_naming_the_key(run_config, value):
 
 @pytest.mark.parametrize(("value", "rounds"), [("", []), ("all", [1, 2, 3]), (" 3, 1 ", [1, 3])])
 def test_the_named_rounds(run_config, value, rounds):
-    cfg = RunConfig.from_dict(run_config(**{"record-payloads": value}))
+    cfg = RunConfig.from_dict(run_config(**{"record-payloads": value, "num-server-rounds": 3}))
     assert [r for r in range(0, 4) if cfg.records_round(r)] == rounds
+
+
+@pytest.mark.parametrize("value", ["999999", str(10**23), "1,3", "¹"])
+def test_a_round_after_the_last_is_refused_naming_the_rounds_allowed(run_config, value):
+    """A round the run never reaches was accepted and nothing was recorded."""
+    with pytest.raises(ConfigError, match=r"'record-payloads' .*rounds from 1 to 'num-server-rounds' = 2"):
+        RunConfig.from_dict(run_config(**{"record-payloads": value, "num-server-rounds": 2}))
+
+
+def recorded_bytes(run) -> int:
+    """Bytes a run's recording took on disk: its payload files and the clients' copies of their models."""
+    files = [*(run / "payloads").rglob("*.npz"), *(run / "client-state").glob("*/model-round-*")]
+    return sum(f.stat().st_size for f in files)
+
+
+@pytest.mark.parametrize(
+    "method, extra",
+    [("fedgh", {}), ("mh-pfedhn", {"model-group": "mh-lenet", "mh-pfedhn.hidden-dim": 16})],
+)
+def test_the_disk_estimate_bounds_what_a_recorded_run_writes(run_config, method, extra):
+    """``record-payloads = "all"`` had no disk guard (MH-pFedHN, 2 clients: 7 MB a round, linear in
+    rounds x clients): the estimate is at least what the run writes and not far above it."""
+    rc = run_config(
+        method=method, **{"num-clients": 2, "max-examples-per-client": 40, "record-payloads": "all", **extra}
+    )
+    strategy, _ = recorded_run(rc)
+    written = recorded_bytes(strategy.results.path)
+    estimate = strategy.recording_estimate(2)
+    assert written <= estimate <= 1.5 * written, (written, estimate)
+    members = {"fedgh": 5, "mh-pfedhn": 1}[method]  # of the model group, cycled over the clients
+    assert strategy.recording_estimate(2 * members) == 2 * strategy.recording_estimate(members)
+    one_round = build_strategy(RunConfig.from_dict({**rc, "record-payloads": "2"}))
+    assert one_round.recording_estimate(2) * 2 == estimate
+    assert build_strategy(RunConfig.from_dict({**rc, "record-payloads": ""})).recording_estimate(2) == 0
+
+
+def test_a_recording_above_its_cap_is_refused_naming_both_keys(run_config):
+    rc = run_config(method="fedgh", **{"record-payloads": "all", "record-payloads-max-gib": 0.05})
+    strategy = build_strategy(RunConfig.from_dict(rc))
+    with pytest.raises(ConfigError, match=r"'record-payloads' = 'all' writes up to .* above 'record-payloads-max-gib'"):
+        strategy.check_recording(100)
+    line = strategy.check_recording(2)
+    assert "MiB per client and round x 2 rounds x 2 clients" in line and "'record-payloads-max-gib' = 0.05" in line

@@ -20,10 +20,13 @@ What plain ``flwr run . --stream`` (Flower 1.41, ``flwr.cli.run``) does not do a
 - sizes the simulation (``--num-supernodes``, default ``num-clients`` when that is set, else
   10; with ``num-clients`` = 0 the server takes every node) and grants each ClientApp a GPU
   share when one is present;
-- with the full handshake, decodes the partitions the simulated clients' cache lacks before Ray
-  starts, in the process that checked the config and its workers, which exit when done
-  (:func:`tools.partition_cache.cache_before_ray`), so the ClientApp actors memory-map them instead
-  of keeping what decoding imports;
+- checks what needs the federation's size before Ray starts (:func:`check_before_start`): prints the
+  disk ``record-payloads`` takes at most and refuses it above ``record-payloads-max-gib``; splits every
+  partition as the handshake would and refuses a run whose partitions cannot serve it (too small for a
+  train and a test set, a data error); with the full handshake it decodes, on the way, the partitions
+  the simulated clients' cache lacks, in the process that checked the config and its workers, which exit
+  when done (:func:`tools.partition_cache.cache_before_ray`), so the ClientApp actors memory-map them
+  instead of keeping what decoding imports;
 - submits the run, streams its log and asks its status from this process (:class:`tools.control.LocalControl`),
   with the FAB built while the SuperLink starts (:func:`tools.control.build_fab`, byte for byte the one
   ``flwr run`` builds, without its walk through ``.venv``): no CLI process per step;
@@ -175,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             config, _ = read_config(args.preset, args.run_config)
             check_output_folders(config)
             local = args.ray_address == LOCAL_RAY
-            # the partition cache is filled by the process that checks the config, after the check
-            # passed: one process, one torch import, before Ray starts
-            then = functools.partial(cache_before_ray, num_supernodes=args.num_supernodes) if local else None
+            # the checks that need the federation's size (and the partition cache) run in the process
+            # that checks the config, after the check passed: one process, one torch import, before Ray starts
+            then = functools.partial(check_before_start, num_supernodes=args.num_supernodes, local=local)
             ((num_clients, gpu),) = validate_configs([config], then=then)  # before anything starts
             supernodes = federation_size(args.num_supernodes, num_clients)
             if not local:
@@ -189,6 +192,31 @@ def main(argv: list[str] | None = None) -> int:
             print("interrupted before the run started")
             return 130
         return _run(args, config, supernodes, gpu)
+
+
+def check_before_start(config: dict, num_clients: int, *, num_supernodes: int | None, local: bool) -> None:
+    """The checks of the checked ``config`` that need the federation's size (``num_clients``, or
+    ``--num-supernodes`` ``num_supernodes``: :func:`tools.runconfig.federation_size`), in the process
+    that checked it (:func:`tools.runconfig.validate_configs`' ``then``): prints what run config
+    ``record-payloads`` writes at most (``strategies.base.HeteroStrategy.check_recording``), then checks
+    every partition as the handshake would, filling the partition cache on the way when the run has a Ray
+    instance of its own (``local``; :func:`tools.partition_cache.cache_before_ray`).
+
+    Raises:
+        ConfigError: ``record-payloads`` above ``record-payloads-max-gib``, or a partition that cannot
+            serve the run, naming the keys.
+    """
+    from common.config import RunConfig
+    from common.errors import ConfigError
+    from strategies.registry import build_strategy
+
+    try:
+        size = federation_size(num_supernodes, num_clients)
+    except ConfigError:
+        return  # the launcher raises the same error when it sizes the federation
+    if line := build_strategy(RunConfig.from_dict(config)).check_recording(size):
+        print(line, flush=True)
+    cache_before_ray(config, num_clients, num_supernodes=num_supernodes, cache=local)
 
 
 #: the folder of each launch's Flower home (:func:`launch_home`)

@@ -140,6 +140,18 @@ def check_path_names(key: str, value: str) -> None:
             )
 
 
+def repeated_keys(item: str) -> list[str]:
+    """The keys that ``key=value`` pairs of one ``-c`` item ``item`` set more than once (split as a shell
+    splits words, quotes kept together); none when the item cannot be split."""
+    import shlex
+
+    try:
+        keys = [word.partition("=")[0] for word in shlex.split(item) if "=" in word]
+    except ValueError:  # an unclosed quote: Flower's own message says what is wrong
+        return []
+    return sorted({k for k in keys if keys.count(k) > 1})
+
+
 def read_config(preset: str | os.PathLike | None, items: list[str], base: dict | None = None) -> tuple[dict, dict]:
     """``(config, overrides)``: the run config defaults (pyproject), then ``base`` (an entry point's
     own settings), then the preset (:func:`read_preset`), then each ``-c`` item, parsed by Flower's
@@ -166,6 +178,8 @@ def read_config(preset: str | os.PathLike | None, items: list[str], base: dict |
             overrides.update(parse_config_args([item]))
     except (ValueError, tomllib.TOMLDecodeError, click.ClickException) as exc:
         message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
+        if twice := repeated_keys(item):  # TOML refuses a key set twice, and Flower's message does not name it
+            message = f"key(s) {excerpt(twice)} given twice in one item: allowed is each key once per item"
         raise ConfigError(f"run config overrides {excerpt(items)} cannot be parsed: {message}") from None
     defaults = app_defaults()
     unknown = sorted(set(overrides) - set(defaults))
@@ -257,7 +271,8 @@ def federation_size(num_supernodes: int | None, num_clients: int) -> int:
 
 def check_config(config: dict) -> tuple[str | None, int, bool]:
     """(error message or None, run config ``num-clients``, whether a GPU is visible) of ``config``:
-    everything the ServerApp would reject, method options included. Runs in a child process
+    everything the ServerApp would reject that needs neither data nor the federation's size, method
+    options and a ``resume-from`` run of another config (its ``summary.json``) included. Runs in a child process
     (:func:`_validate_and_run`), so that torch and the methods are not kept in this launcher's
     memory for the whole run."""
     from common.config import RunConfig
@@ -266,7 +281,8 @@ def check_config(config: dict) -> tuple[str | None, int, bool]:
 
     try:
         cfg = RunConfig.from_dict(config)
-        build_strategy(cfg)  # fail fast on any bad value, method options too
+        strategy = build_strategy(cfg)  # fail fast on any bad value, method options too
+        strategy.checkpoints.check_summary()  # a resume of a run with another config
         tensorboard_class(cfg.logger)
     except ValueError as exc:
         return str(exc), 0, False
