@@ -117,3 +117,13 @@ def test_a_recording_above_its_cap_is_refused_naming_both_keys(run_config):
         strategy.check_recording(100)
     line = strategy.check_recording(2)
     assert "MiB per client and round x 2 rounds x 2 clients" in line and "'record-payloads-max-gib' = 0.05" in line
+
+
+def test_every_method_has_a_disk_estimate(run_config):
+    """Every symbol of every method's payload schemas has a largest value (a missing one is a KeyError)."""
+    from strategies.registry import METHODS
+
+    for method in METHODS:
+        cfg = RunConfig.from_dict(run_config(method=method, **{"record-payloads": "1"}))
+        line = build_strategy(cfg).check_recording(2)
+        assert "x 1 rounds x 2 clients" in line, method
