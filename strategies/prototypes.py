@@ -221,6 +221,14 @@ def unpack_global_set(
     return full, mask
 
 
+def lower_median(values) -> float:
+    """The lower median of ``values`` (float, at least one): the ⌈m/2⌉-th smallest of m. A bound on
+    lengths is attacked from above, and the lower median stays an honest length while the longer
+    values are at most half of them (with m even, np.median's mean of the middle two is not)."""
+    ordered = np.sort(np.asarray(values, np.float64))
+    return float(ordered[(len(ordered) - 1) // 2])
+
+
 def bound_class_rows(
     replies: list[ClientReply],
     values: str,
@@ -236,12 +244,12 @@ def bound_class_rows(
     :mod:`strategies.robust` bounds a model's change from the model sent. Two bounds, each an
     honest length while the attackers are fewer than the voters it is a median of:
 
-    - the *upload vote* V: each upload votes once with the median ‖δ‖ of its rows, V = the median
-      of the votes. Honest while the attackers are fewer than half of the round's uploads, whatever
-      classes they claim.
-    - the *class median* M_c: the median ‖δ‖ of the rows of class c, when at least
-      :data:`MEDIAN_VOTES` uploads hold c (:func:`strategies.robust.bound_by_median`). Honest while
-      the attackers are fewer than half of the class's holders.
+    - the *upload vote* V: each upload votes once with the median ‖δ‖ of its rows, V = the lower
+      median of the votes (:func:`lower_median`). Honest while the attackers are at most half of the
+      round's uploads, whatever classes they claim.
+    - the *class median* M_c: the lower median ‖δ‖ of the rows of class c, when at least
+      :data:`MEDIAN_VOTES` uploads hold c. Honest while the attackers are at most as many as the
+      class's honest holders.
 
     A row of a class fewer than :data:`MEDIAN_VOTES` uploads hold (under a pathological split most
     classes) is scaled to at most V: a median of two rows is their mean, so nothing else protects
@@ -249,8 +257,8 @@ def bound_class_rows(
     under ``per_class``, otherwise to ROW_NORM_FACTOR · V (:data:`common.payload.ROW_NORM_FACTOR`, the
     spread of honest rows' lengths, so an honest row is left as it is) before the class's median.
     The cap by V is what holds when colluders claim every class: two attackers of five outvote a
-    class's one honest holder in M_c (its median was theirs, and rows of 1e5 went through whole) but
-    not the five uploads' V.
+    class's one honest holder in M_c (its median is theirs; before the cap, rows of 1e5 went through
+    whole) but not the five uploads' V.
     Directions are kept: a row within the bound pointing anywhere is not caught. Fewer than
     :data:`MEDIAN_VOTES` uploads with rows: nothing is bounded.
 
@@ -271,7 +279,7 @@ def bound_class_rows(
         return replies, 0
     refs = [np.zeros_like(x) if reference is None else reference[r.arrays[labels]] for x, r in zip(rows, replies)]
     deltas = [x - ref for x, ref in zip(rows, refs)]
-    vote = float(np.median([np.median(np.linalg.norm(d, axis=1)) for d in deltas if len(d)]))
+    vote = lower_median([np.median(np.linalg.norm(d, axis=1)) for d in deltas if len(d)])
     cap = ROW_NORM_FACTOR * vote
     places = [(i, j, int(c)) for i, r in enumerate(replies) for j, c in enumerate(r.arrays[labels])]
     scaled = 0
@@ -281,7 +289,7 @@ def bound_class_rows(
         if len(group) < MEDIAN_VOTES:
             bound = vote
         elif per_class:
-            bound = min(float(np.median(np.linalg.norm(group, axis=1))), cap)
+            bound = min(lower_median(np.linalg.norm(group, axis=1)), cap)
         else:
             bound = cap
         bounded, n = clip_to_norm(group, bound)

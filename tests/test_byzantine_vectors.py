@@ -102,10 +102,11 @@ def norms(replies) -> list[list[float]]:
 
 
 def test_rows_are_bounded_by_the_class_median_or_by_the_uploads_median():
-    """Class 0 is held by four uploads (norms 1, 1000, 2, 4: median 3); classes 5 and 7 by fewer
-    than three, so their rows are bounded by the median of the uploads' own median norms
-    (5.5, 800, 2, 4: 4.75). Rows within their bound are left bit for bit; fewer than three uploads
-    are not bounded at all."""
+    """Class 0 is held by four uploads (norms 1, 1000, 2, 4: lower median 2, the second smallest);
+    classes 5 and 7 by fewer than three, so their rows are bounded by the lower median of the uploads'
+    own median norms (5.5, 800, 2, 4: 4). Rows within their bound are left bit for bit; fewer than
+    three uploads are not bounded at all. (With np.median's 3 for class 0 a second attacker of 1000
+    among two honest holders would set the bound to 500; the lower median stays honest.)"""
     replies = [
         reply(0, [(0, 1.0), (5, 10.0)]),
         reply(1, [(0, 1000.0), (5, 500.0), (7, 800.0)]),
@@ -114,7 +115,7 @@ def test_rows_are_bounded_by_the_class_median_or_by_the_uploads_median():
     ]
     bounded, scaled = bound_class_rows(replies, "protos", "proto_labels")
     assert scaled == 5
-    assert norms(bounded) == [[1.0, 4.75], [3.0, 4.75, 4.75], [2.0], [3.0]]
+    assert norms(bounded) == [[1.0, 4.0], [2.0, 4.0, 4.0], [2.0], [2.0]]
     assert np.array_equal(bounded[0].arrays["protos"][0], replies[0].arrays["protos"][0])
     assert np.array_equal(bounded[2].arrays["protos"], replies[2].arrays["protos"])
     assert all(b.arrays["protos"].dtype == np.float32 for b in bounded)
@@ -124,7 +125,7 @@ def test_rows_are_bounded_by_the_class_median_or_by_the_uploads_median():
 def test_rows_of_a_sparse_class_are_bounded_by_their_change_from_the_row_sent():
     """With the global rows sent this round as reference, a class fewer than three uploads hold is
     bounded on each row's change from its class's reference: class 0 rows 1 and 1000 from the row
-    sent, the others' changes 2 and 3 from none (zero), so the bound is median(1, 1000, 2, 3) = 2.5."""
+    sent, the others' changes 2 and 3 from none (zero), so the bound is their lower median, 2."""
     sent = np.zeros((10, 4))
     sent[0] = [5.0, 0.0, 0.0, 0.0]
     replies = [reply(0, [(0, 1.0)]), reply(1, [(0, 1000.0)]), reply(2, [(1, 2.0)]), reply(3, [(2, 3.0)])]
@@ -135,7 +136,7 @@ def test_rows_of_a_sparse_class_are_bounded_by_their_change_from_the_row_sent():
         float(np.linalg.norm(b.arrays["protos"][0].astype(np.float64) - sent[b.arrays["proto_labels"][0]]))
         for b in bounded
     ]
-    assert scaled == 2 and changes == pytest.approx([1.0, 2.5, 2.0, 2.5], rel=1e-5)
+    assert scaled == 2 and changes == pytest.approx([1.0, 2.0, 2.0, 2.0], rel=1e-5)
 
 
 @pytest.mark.parametrize("method", ["fedproto", "fd", "fedtgp", "fedgh", "fedre"])
@@ -211,9 +212,9 @@ def test_an_aggregation_the_method_cannot_do_is_refused_before_the_run(method, r
 def test_per_class_median_and_trimmed_mean(rule):
     """FedProto under ``median`` / ``trimmed-mean`` (trim-fraction 0.25 cuts one of four rows at each
     end): class 0's rows of norms 1, 2, 4, 1000 give 3 (both): the row of 1000 is first capped at
-    ROW_NORM_FACTOR times the uploads' vote (median of 1.5, 502, 2, 4: 3), which leaves the median
-    where it was. Class 5's two rows (2 and 4) give their mean once the longer is bounded by the vote
-    itself (a median of two rows is their mean): 2.5."""
+    ROW_NORM_FACTOR times the uploads' vote (lower median of 1.5, 502, 2, 4: 2), which leaves the
+    median where it was. Class 5's two rows (2 and 4) give their mean once the longer is bounded by the
+    vote itself (a median of two rows is their mean): 2."""
     replies = [
         reply(0, [(0, 1.0), (5, 2.0)], 500),
         reply(1, [(0, 1000.0), (5, 4.0)], 500),
@@ -224,14 +225,14 @@ def test_per_class_median_and_trimmed_mean(rule):
     strategy = build_strategy(cfg)
     metrics = strategy.server_update(1, replies)
     protos = strategy.global_arrays()["protos"]
-    assert np.linalg.norm(protos, axis=1) == pytest.approx([3.0, 2.5], rel=1e-5)
+    assert np.linalg.norm(protos, axis=1) == pytest.approx([3.0, 2.0], rel=1e-5)
     assert metrics["server-num-classes"] == 2 and metrics[BOUNDED] == 2
 
 
 def test_colluders_that_claim_every_class_are_capped_by_the_uploads_vote():
     """Two uploads of five claim all four classes with rows of norm 1e6; each class has one honest
     holder (norms 1, 3, 4). Each class's median is an attacker's, so the class median bounds nothing;
-    the uploads' vote (the median of 1, 3, 4, 1e6, 1e6: 4) is honest, and every attacker row ends at
+    the uploads' vote (the lower median of 1, 3, 4, 1e6, 1e6: 4) is honest, and every attacker row ends at
     most ROW_NORM_FACTOR times it, under ``norm-bound`` and as the cap before a per-class median."""
     honest = [reply(p, [(p, float(p + 1))]) for p in (0, 2, 3)]
     colluders = [reply(p, [(c, 1e6) for c in range(4)]) for p in (1, 4)]
