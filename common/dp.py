@@ -64,6 +64,12 @@ MAX_NOISE_MULTIPLIER = 100.0
 COUNT_THRESHOLD_STDS = 3.0
 #: ``dp.release-share``'s default: the share of ``dp.epsilon`` the payload releases get (docs/privacy.md)
 DEFAULT_RELEASE_SHARE = 0.25
+#: ``dp.clip-norm``'s and ``dp.payload-clip``'s defaults: at the models' scale, the median per-example gradient
+#: and representation L2 norms of the default model group (CNN-1..5 on CIFAR-10) after 5 local trainings,
+#: 7.09 and 10.68, rounded down (``bench.dp_clip_scale``, ``results/dp-clip-scale/cifar10.txt``): a clip far
+#: below them shortens every DP-SGD step and shrinks every prototype to the unit ball
+DEFAULT_CLIP_NORM = 7.0
+DEFAULT_PAYLOAD_CLIP = 10.0
 
 
 @dataclass(frozen=True)
@@ -80,9 +86,11 @@ class DPOptions:
         high=0.1,
         low_open=True,
     )
-    clip_norm: float = option(1.0, "DP-SGD: each example's gradient is clipped to this L2 norm", low=0, low_open=True)
+    clip_norm: float = option(
+        DEFAULT_CLIP_NORM, "DP-SGD: each example's gradient is clipped to this L2 norm", low=0, low_open=True
+    )
     payload_clip: float = option(
-        1.0,
+        DEFAULT_PAYLOAD_CLIP,
         "a payload computed from examples (prototypes, LARs, logits, FedRE's representation): each example's row "
         "is clipped to this L2 norm before the per-class sums are noised",
         low=0,

@@ -303,8 +303,8 @@ def test_the_rows_and_the_summary_carry_every_parameter_of_the_guarantee(run_con
         "releases": 1,
         "trainings_total": 2,
         "releases_total": 2,
-        "clip_norm": 1.0,
-        "payload_clip": 1.0,
+        "clip_norm": 7.0,  # the defaults, at the models' scale (docs/privacy.md)
+        "payload_clip": 10.0,
         "rounds_left": 0,
     }
     assert first["epsilon"] < last["epsilon"] <= 8.0 < last["epsilon_rdp"] + 8.0
@@ -412,3 +412,23 @@ print("plan", "dp_accounting" in sys.modules)
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["apps", "False", "False", "plan", "True"]
+
+
+def test_the_default_clips_are_the_models_scale_the_committed_measurement_gives():
+    from bench.dp_clip_scale import gradient_norms
+    from common.dp import DPOptions
+
+    # the bench's per-example gradient norms are each example's own backward pass
+    model = client_runtime(make_run_config(dataset="mnist", **{"max-examples-per-client": 40})).model.eval()
+    x, y = torch.randn(3, 1, 28, 28), torch.tensor([0, 3, 7])
+    alone = []
+    for i in range(3):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        alone.append(float(torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))))
+    assert gradient_norms(model, x, y).tolist() == pytest.approx(alone, rel=1e-4)
+    # the defaults: the default group's medians after 5 local trainings, rounded down
+    rows = (ROOT / "results" / "dp-clip-scale" / "cifar10.txt").read_text().splitlines()
+    median = next(r.split() for r in rows if r.split()[:3] == ["hetero-cnn5", "median", "5"])
+    gradient, representation = float(median[3]), float(median[4])
+    assert (DPOptions().clip_norm, DPOptions().payload_clip) == (math.floor(gradient), math.floor(representation))
