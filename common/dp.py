@@ -289,13 +289,14 @@ class DPPlan:
         """ε at ``dp.delta`` after ``trainings`` local trainings and ``releases`` payload releases."""
         return epsilon_of(self.spend(trainings, releases), self.options.delta, accountant)
 
-    def rounds_left(self, spent: tuple[Event, ...]) -> int:
+    def rounds_left(self, spent: tuple[Event, ...], budget: float | None = None) -> int:
         """The most whole rounds (:attr:`trainings` trainings and :attr:`releases` releases each) that
-        stay within ``dp.epsilon`` (PLD) on top of the events ``spent``."""
+        stay within ``budget`` (default ``dp.epsilon``; PLD) on top of the events ``spent``."""
+        budget = self.options.epsilon if budget is None else budget
 
         def fits(rounds: int) -> bool:
             events = self.spend(rounds * self.trainings, rounds * self.releases)
-            return epsilon_of(merge_events(*spent, *events), self.options.delta) <= self.options.epsilon
+            return epsilon_of(merge_events(*spent, *events), self.options.delta) <= budget
 
         if not fits(1):
             return 0
@@ -426,6 +427,8 @@ def check_reachable(cfg: RunConfig, trainings: int, releases: int) -> None:
         make_plan(cfg, largest_client(cfg), int(cfg.num_clients), trainings, releases)
 
 
+#: what sets a client's budget when its node does not cap it (``common.runtime.ClientRuntime.privacy_budget``)
+EPSILON_KEY = "run config key 'dp.epsilon'"
 #: the folder of the privacy ledgers in a client's state folder (:class:`PrivacyLedger`)
 LEDGER_FOLDER = "dp-ledger"
 #: the ``context.state`` record of the ledger of a client without any state folder
@@ -485,23 +488,30 @@ class PrivacyLedger:
                 "so it trains no more until a person deletes it"
             ) from exc
 
-    def check(self, events: tuple[Event, ...], options: DPOptions, partition: int) -> None:
-        """Refuse when ``events`` on top of what is spent would exceed ``dp.epsilon`` (PLD, at ``dp.delta``).
+    def check(self, events: tuple[Event, ...], options: DPOptions, partition: int, key: str = EPSILON_KEY) -> None:
+        """Refuse when ``events`` on top of what is spent would exceed ``options.epsilon`` (PLD, at ``dp.delta``),
+        the budget config key ``key`` sets.
 
         Raises:
             BudgetSpent: naming the ledger's file.
             ConfigError: as :meth:`read`.
         """
-        self._refuse_beyond(self.read(), events, options, partition)
+        self._refuse_beyond(self.read(), events, options, partition, key)
 
     def charge(
-        self, events: tuple[Event, ...], trainings: int, releases: int, options: DPOptions, partition: int
+        self,
+        events: tuple[Event, ...],
+        trainings: int,
+        releases: int,
+        options: DPOptions,
+        partition: int,
+        key: str = EPSILON_KEY,
     ) -> None:
         """Add ``events`` (from ``trainings`` local trainings and ``releases`` releases) to the ledger, durably,
         before the mechanisms run; refused as :meth:`check` when they would exceed the budget."""
         with self._locked():
             spent = self.read()
-            self._refuse_beyond(spent, events, options, partition)
+            self._refuse_beyond(spent, events, options, partition, key)
             data = {
                 "events": [list(event) for event in merge_events(*spent[0], *events)],
                 "trainings": spent[1] + trainings,
@@ -514,13 +524,18 @@ class PrivacyLedger:
                 atomic_write(self.path, lambda f: f.write(text.encode()))
 
     def _refuse_beyond(
-        self, spent: tuple[tuple[Event, ...], int, int], events: tuple[Event, ...], options: DPOptions, partition: int
+        self,
+        spent: tuple[tuple[Event, ...], int, int],
+        events: tuple[Event, ...],
+        options: DPOptions,
+        partition: int,
+        key: str,
     ) -> None:
         after = epsilon_of(merge_events(*spent[0], *events), options.delta)
         if after > options.epsilon:
             before = epsilon_of(spent[0], options.delta)
             raise BudgetSpent(
-                f"partition {partition}: its privacy budget 'dp.epsilon' = {options.epsilon:g} allows no more: "
+                f"partition {partition}: its privacy budget ({key} = {options.epsilon:g}) allows no more: "
                 f"{spent[1]} local trainings and {spent[2]} payload releases spent ε = {before:.4g} at δ = "
                 f"{options.delta:g}, and this message would bring it to {after:.4g}; the budget is kept in "
                 f"{self.where}, and only deleting it resets it"

@@ -21,13 +21,15 @@ from common import gpu
 from common.config import ConfigError, RunConfig
 from common.data import ClientData, DataSpec, load_client_data, partition_sizes, torch_seed
 from common.datasets import DATASETS, DatasetInfo, with_recipe
-from common.dp import LEDGER_FOLDER, DPPlan, PrivacyLedger, epsilon_of
+from common.dp import EPSILON_KEY, LEDGER_FOLDER, DPOptions, DPPlan, PrivacyLedger, epsilon_of
 from common.generalization import architecture_for
 from common.state_store import StateStore, safe_name
 from models.base import SplitModel
 from models.groups import MODEL_GROUPS
 
 MODEL_STATE = "model"
+#: node config key: the most ε this node's examples may spend, whatever the run config's ``dp.epsilon``
+NODE_EPSILON = "dp-epsilon-max"
 
 log = logging.getLogger("flwr." + __name__)
 
@@ -77,7 +79,9 @@ class ClientRuntime:
     ``cache-dir`` (optional: a folder for the decoded partition, written once and memory-mapped
     by later messages' processes and runs; default ``<node state-dir>/partition-cache`` when the
     node has a ``state-dir``, else :func:`default_cache_dir`), ``gpu-memory-fraction`` (optional:
-    the share of the GPU's memory this node's ClientApps may allocate, see ``common.gpu``).
+    the share of the GPU's memory this node's ClientApps may allocate, see ``common.gpu``),
+    ``dp-epsilon-max`` (optional: the most ε this node's examples may spend, whatever the run config's
+    ``dp.epsilon``; :meth:`privacy_budget`).
 
     Args:
         context: the message's Flower context.
@@ -246,6 +250,22 @@ class ClientRuntime:
         """The budget this client has spent on its examples so far, over every run (``common.dp.PrivacyLedger``)."""
         return PrivacyLedger(self.ledger_path, self.context.state)
 
+    def privacy_budget(self) -> tuple[DPOptions, str]:
+        """The run's ``dp.*`` options with ε lowered to the node config's :data:`NODE_EPSILON` where that is
+        smaller (the node's own cap, which no run config raises), and the key that sets the ε in force.
+
+        Raises:
+            ConfigError: the node config's cap is not a number > 0.
+        """
+        options, cap = self.dp.options, self.context.node_config.get(NODE_EPSILON)
+        if cap is None:
+            return options, EPSILON_KEY
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+            raise ConfigError(f"node config key '{NODE_EPSILON}' = {cap!r}: give a number > 0 (an ε)")
+        if cap < options.epsilon:
+            return replace(options, epsilon=float(cap)), f"node config key '{NODE_EPSILON}'"
+        return options, EPSILON_KEY
+
     def check_budget(self, trainings: int, releases: int) -> None:
         """Before a train message, with DP on: refuse when its ``trainings`` local trainings and ``releases``
         payload releases would take the ledger past ``dp.epsilon``, so no training starts that could not be sent.
@@ -256,7 +276,7 @@ class ClientRuntime:
             ConfigError: the ledger is unreadable (``common.dp.PrivacyLedger.read``).
         """
         if self.dp is not None:
-            self.ledger.check(self.dp.spend(trainings, releases), self.dp.options, self.partition_id)
+            self.ledger.check(self.dp.spend(trainings, releases), *self._budget_args())
 
     def spend_privacy(self, trainings: int = 0, releases: int = 0) -> None:
         """With DP on, charge ``trainings`` DP-SGD trainings and ``releases`` payload releases to the ledger,
@@ -267,9 +287,13 @@ class ClientRuntime:
         """
         if self.dp is None:
             return
-        self.ledger.charge(self.dp.spend(trainings, releases), trainings, releases, self.dp.options, self.partition_id)
+        self.ledger.charge(self.dp.spend(trainings, releases), trainings, releases, *self._budget_args())
         self.spent_now[0] += trainings
         self.spent_now[1] += releases
+
+    def _budget_args(self) -> tuple[DPOptions, int, str]:
+        options, key = self.privacy_budget()
+        return options, self.partition_id, key
 
     def privacy_metrics(self) -> dict[str, float]:
         """What a train reply says of its privacy (empty with DP off): ``dp-epsilon`` and ``dp-epsilon-rdp`` spent
@@ -294,7 +318,7 @@ class ClientRuntime:
             "dp-releases-total": releases,
             "dp-clip-norm": dp.options.clip_norm,
             "dp-payload-clip": dp.options.payload_clip,
-            "dp-rounds-left": dp.rounds_left(events),
+            "dp-rounds-left": dp.rounds_left(events, self.privacy_budget()[0].epsilon),
         }
 
     def save_model(self) -> None:

@@ -244,6 +244,33 @@ def test_a_server_cannot_reset_a_clients_budget_by_state_key_or_round(run_config
     train_once(rc, "key-0", 1)
 
 
+def test_a_node_caps_its_budget_below_what_any_run_config_asks(run_config, tmp_path):
+    from conftest import train_config
+
+    rc = run_config(
+        method="local",
+        dataset="mnist",
+        **{"dp.epsilon": 20.0, "max-examples-per-client": 80, "state-dir": str(tmp_path / "node-state")},
+    )
+    context = client_runtime(rc).context
+    client, procedure = private_client(rc, context=context)
+    one, two = client.dp.epsilon(1, 0), client.dp.epsilon(2, 0)
+    assert two <= 20.0
+    context.node_config["dp-epsilon-max"] = (one + two) / 2  # room for one training, where the run config allows two
+    for expected in (None, "node config key 'dp-epsilon-max'"):
+        client, procedure = private_client(rc, context=context)
+        if expected is None:
+            client.check_budget(1, 0)
+            procedure.train(client, {}, train_config(rc, 1))
+            assert client.privacy_metrics()["dp-rounds-left"] == 0
+        else:
+            with pytest.raises(BudgetSpent, match=expected):
+                client.check_budget(1, 0)
+    context.node_config["dp-epsilon-max"] = "lots"
+    with pytest.raises(ConfigError, match="'dp-epsilon-max' = 'lots'"):
+        private_client(rc, context=context)[0].check_budget(1, 0)
+
+
 def test_the_ledger_is_charged_durably_before_the_training_runs(run_config, tmp_path, monkeypatch):
     import common.dp
     import common.training
