@@ -80,15 +80,18 @@ def _frozen(module: nn.Module):
         module.train(training)
 
 
-def total_variation(x: torch.Tensor) -> torch.Tensor:
-    """Per-image total variation with beta = 2 of ``x`` float ``[n, C, H, W]``: float ``[n]``.
+def total_variation(x: torch.Tensor, beta: int = 2) -> torch.Tensor:
+    """Per-image total variation of ``x`` float ``[n, C, H, W]``: float ``[n]``.
 
-    Mahendran & Vedaldi's (CVPR 2015) TV^beta regulariser with beta = 2: the squared differences between
-    horizontally and vertically neighbouring pixels, here averaged over pixels and channels instead
-    of summed, so one ``tv_weight`` suits every image size.
+    ``beta`` = 2: Mahendran & Vedaldi's (CVPR 2015) TV^beta regulariser, the squared differences between
+    horizontally and vertically neighbouring pixels. ``beta`` = 1: the anisotropic L1 total variation of
+    Geiping et al. (NeurIPS 2020, Eq. 4), the absolute differences. Both averaged over pixels and channels
+    instead of summed, so one weight suits every image size. Raises ValueError for another ``beta``.
     """
-    dh = (x[..., 1:, :] - x[..., :-1, :]).pow(2).flatten(1).mean(1)
-    dw = (x[..., :, 1:] - x[..., :, :-1]).pow(2).flatten(1).mean(1)
+    if beta not in (1, 2):
+        raise ValueError(f"beta must be 1 (L1 TV) or 2 (TV^2), got {beta}")
+    dh = (x[..., 1:, :] - x[..., :-1, :]).abs().pow(beta).flatten(1).mean(1)
+    dw = (x[..., :, 1:] - x[..., :, :-1]).abs().pow(beta).flatten(1).mean(1)
     return dh + dw
 
 
@@ -301,8 +304,8 @@ class Decoder(nn.Module):
     Sides not divisible by 4 are decoded at the next multiple of 4 and the top-left ``H x W`` kept.
 
     The input is standardised with per-feature ``shift``/``scale`` buffers (the auxiliary
-    representations' mean and standard deviation, set by :func:`train_decoder`), so one learning
-    rate suits extractors whose outputs differ in scale by orders of magnitude.
+    representations' mean and standard deviation, set by :func:`train_decoder`, :func:`feature_scale`),
+    so one learning rate suits extractors whose outputs differ in scale by orders of magnitude.
 
     Args:
         feature_dim: d.
@@ -344,6 +347,21 @@ def _seeded(generator: torch.Generator):
         yield
 
 
+def feature_scale(z: torch.Tensor) -> torch.Tensor:
+    """The decoder's per-feature scale float32 ``[d]`` for representations ``z`` float ``[n, d]``: each
+    feature's standard deviation (ddof 0), floored at the median of the positive ones.
+
+    Why the floor: a ReLU unit that is dead (or nearly) on the attacker's auxiliary images has a std of 0
+    (or tiny); dividing by it turns the same unit active in a victim's vector into values of 1e5 and
+    more, and the decoder's sigmoid saturates almost every pixel. With the floor, such a unit is
+    weighed like a typical one. With no positive std at all the scale is 1.
+    """
+    std = z.std(0, unbiased=False)
+    positive = std[std > 0]
+    floor = positive.median() if len(positive) else std.new_tensor(1.0)
+    return std.clamp_min(floor)
+
+
 def train_decoder(
     extractor: nn.Module,
     aux_images_uint8: torch.Tensor,
@@ -382,7 +400,7 @@ def train_decoder(
     with _seeded(generator):
         decoder = Decoder(z.shape[1], pixels.shape[1:]).to(device)
     decoder.shift.copy_(z.mean(0))
-    decoder.scale.copy_(z.std(0, unbiased=False).clamp_min(1e-6))
+    decoder.scale.copy_(feature_scale(z))
     optimiser = torch.optim.Adam(decoder.parameters(), lr=lr)
     decoder.train()
     for _ in range(epochs):

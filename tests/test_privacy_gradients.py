@@ -131,7 +131,7 @@ def test_invert_update_reconstructs_two_images_from_three_local_steps(seed):
         std=STD,
         steps=150,
         attack_lr=0.1,
-        tv_weight=1e-2,
+        tv_weight=1e-3,
         generator=torch.Generator().manual_seed(seed),
         momentum=0.9,
         weight_decay=1e-3,
@@ -140,7 +140,8 @@ def test_invert_update_reconstructs_two_images_from_three_local_steps(seed):
     noise = torch.rand(2, 1, SIDE, SIDE, generator=torch.Generator().manual_seed(99))
     assert rec.shape == (2, 1, SIDE, SIDE) and rec.min() >= 0 and rec.max() <= 1
     for i in range(2):
-        # measured 44.2-49.3 dB for seeds 0-1 against 9.1-9.6 dB for uniform noise
+        # uniform noise scores 9.1-9.6 dB; with the L1 TV of the normalised image at 1e-3 (1e-2 held seed 0's
+        # first image at 28.7 dB: these smooth 16x16 images need little of the paper's CIFAR-10 prior)
         assert psnr(rec[i], truth[i]) > psnr(noise[i], truth[i]) + 20
 
 
