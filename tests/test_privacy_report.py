@@ -41,7 +41,7 @@ def test_report_pools_judges_and_checks_the_q2_ordering(tmp_path):
                 best_psnr_std=0.0,
                 gray_psnr=13.0,
             ),
-            row("per-sample representation", exact_psnr=14.0, exact_psnr_std=1.0, gray_exact_psnr=11.0, best_psnr=16.0),
+            row("per-sample representation", psnr_own=14.0, psnr_own_std=1.0, gray_psnr_own=11.0, best_psnr=16.0),
             row("class mean representation", best_psnr=12.0, best_psnr_std=0.0, gray_psnr=15.0, best_mse=4000.0),
             row(
                 "entangled label y",

@@ -83,15 +83,23 @@ ROW_COLUMNS = (
     ("best_ssim", "SSIM best"),
     ("best_mse", "MSE best"),
     ("mean_psnr", "PSNR mean (dB)"),
-    ("exact_psnr", "PSNR to its image (dB)"),
+    ("psnr_own", "PSNR to its image (dB)"),
     ("gray_psnr", "gray image PSNR best (dB)"),
-    ("gray_exact_psnr", "gray image PSNR to the image (dB)"),
+    ("gray_psnr_own", "gray image PSNR to the image (dB)"),
+)
+#: columns shown only when a row has them (rows written before these scores existed do not)
+OPTIONAL_COLUMNS = (
+    ("ssim_own", "SSIM to its image"),
+    ("mean_image_psnr_own", "mean image PSNR to the image (dB)"),
+    ("gray_mean_psnr", "gray image PSNR mean (dB)"),
+    ("ceiling_mean_psnr", "exact class mean PSNR mean (dB)"),
 )
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown tables: per round and (attack, threat, knowledge, payload) over victims, image scores as
     mean ± std over every reconstruction, then the label leakage, and the CPU seconds per cell."""
+    columns = ROW_COLUMNS + tuple(c for c in OPTIONAL_COLUMNS if any(c[0] in r for r in rows))
     groups: dict[tuple, list[dict]] = {}
     for row in sorted(rows, key=lambda r: r["round"]):
         groups.setdefault((row["round"], row["attack"], row["threat"], row["knowledge"], row["payload"]), []).append(
@@ -99,9 +107,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         )
     lines = [
         "| attack | threat | attacker knows | payload | round | victims | "
-        + " | ".join(t for _, t in ROW_COLUMNS)
+        + " | ".join(t for _, t in columns)
         + " | CPU s / cell |",
-        "|" + "---|" * (7 + len(ROW_COLUMNS)),
+        "|" + "---|" * (7 + len(columns)),
     ]
     label_lines = [
         "| payload | round | victims | label-set precision | label-set recall | distribution L1 |",
@@ -117,7 +125,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             ]
             label_lines.append(f"| {payload} | {rounds} | {victims} | " + " | ".join(cells) + " |")
             continue
-        cells = [fmt(pooled(group, k), 3 if "ssim" in k else 0 if "mse" in k else 1) for k, _ in ROW_COLUMNS]
+        cells = [fmt(pooled(group, k), 3 if "ssim" in k else 0 if "mse" in k else 1) for k, _ in columns]
         lines.append(
             f"| {attack} | {threat} | {knowledge} | {payload} | {rounds} | {victims} | "
             + " | ".join(cells)

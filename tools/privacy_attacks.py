@@ -22,7 +22,10 @@ its rows to ``<out>/cells/`` (:func:`cell_path`), so a stopped evaluation resume
 
 Scores (:mod:`privacy.scores`, :func:`scored`): PSNR, SSIM and MSE (0-255 scale) of each reconstruction
 against the images it stands for (one class's images, all of a client's, or the one image), best match
-and mean; label-set precision/recall and the class distribution's L1 error.
+and mean; a per-sample input's scores to its own image beside a gray and a mean image's (``psnr_own``,
+``gray_psnr_own``), a class-mean payload's beside the exact class mean's (``ceiling_mean_psnr``);
+label-set precision/recall and the class distribution's L1 error. Each row carries its cell's CPU
+seconds.
 """
 
 from __future__ import annotations
@@ -60,7 +63,9 @@ class Settings:
     best on CIFAR-10 CNN representations (``privacy.inversion.invert_representation``). ``images``:
     reference images per class for the scores; ``samples``: per-sample inputs of the Q2 ladder;
     ``epochs``: of the surrogate and each decoder; ``update_images``, ``update_steps``,
-    ``update_tv_weight``: the update inversion's images, iterations and TV weight."""
+    ``update_tv_weight``, ``update_restarts``: inverting gradients' images, iterations, L1 TV weight and
+    restarts (Geiping et al. 2020 on CIFAR-10: 24,000 iterations, TV 0.2; ``--update-steps 24000`` runs
+    the paper's budget); ``idlg_steps``: iDLG's L-BFGS iterations (its authors' 300)."""
 
     prior: str = "tv"
     images: int = 32
@@ -70,8 +75,10 @@ class Settings:
     tv_weight: float = 0.1
     epochs: int = 5
     update_images: int = 4
-    update_steps: int = 200
-    update_tv_weight: float = 0.01
+    update_steps: int = 4000
+    update_tv_weight: float = 0.2
+    update_restarts: int = 1
+    idlg_steps: int = 300
     seed: int = 0
 
 
@@ -81,7 +88,11 @@ class Inverted:
 
     ``images``: float32 ``[n, C, H, W]`` in [0, 1]; ``references``: one uint8 tensor ``[m_i, C, H, W]``
     per row (the images the row stands for); ``exact``: per row the index in its references of the one
-    image it was made from (per-sample inputs), else None."""
+    image it was made from (per-sample inputs), else None; ``mean_image``: float ``[C, H, W]``, the pixel
+    mean of the victim's images (the floor a per-sample reconstruction is read against beside gray);
+    ``ceilings``: per row of a class-mean payload the exact pixel mean of the images the row averages
+    (the best any inversion of a mean can reach), empty for other payloads; ``cpu_seconds``: the attack's
+    own CPU time where a cell runs several (iDLG and inverting gradients), else None (the cell's)."""
 
     payload: str
     threat: str
@@ -89,6 +100,9 @@ class Inverted:
     images: torch.Tensor
     references: list[torch.Tensor]
     exact: list[int | None] = field(default_factory=list)
+    mean_image: torch.Tensor | None = None
+    ceilings: list[torch.Tensor] = field(default_factory=list)
+    cpu_seconds: float | None = None
 
 
 def sample(images: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -101,6 +115,12 @@ def sample(images: torch.Tensor, count: int, generator: torch.Generator) -> torc
 def class_images(data, labels_: list[int | None], count: int, generator: torch.Generator) -> list[torch.Tensor]:
     """Per row the client's training images of that row's class (all its images for None), at most ``count``."""
     return [sample(data.train_x if c is None else data.train_x[data.train_y == c], count, generator) for c in labels_]
+
+
+def class_means(images: torch.Tensor, labels_: torch.Tensor, row_classes: list[int | None]) -> list[torch.Tensor]:
+    """Per row the pixel mean float ``[C, H, W]`` in [0, 1] of ``images`` (uint8 ``[n, C, H, W]``) of that
+    row's class (of all of them for None): the exact mean a class-mean payload stands for."""
+    return [(images if c is None else images[labels_ == c]).float().mean(0) / 255.0 for c in row_classes]
 
 
 def network(model: torch.nn.Module, space: str) -> torch.nn.Module:
@@ -160,7 +180,7 @@ class Attacker:
         if found is not None:
             name, vectors, row_classes, space = found
             images = self.invert(network(model, space), vectors, r, p, 5)
-            out.append(Inverted(name, "client", "own model", images, self.others(p, row_classes, g)))
+            out.append(Inverted(name, "client", "own model", images, *self.others(p, row_classes, g)))
         return out
 
     def invert_upload(
@@ -178,7 +198,14 @@ class Attacker:
         name, vectors, row_classes, space = found
         net = network(model, space)
         images = self.invert(net, vectors, r, p, 2)
-        upload = Inverted(name, "server", "white-box", images, class_images(data, row_classes, self.settings.images, g))
+        upload = Inverted(
+            name,
+            "server",
+            "white-box",
+            images,
+            class_images(data, row_classes, self.settings.images, g),
+            ceilings=class_means(data.train_x, data.train_y, row_classes),
+        )
         return [
             upload,
             self.invert_samples(r, p, net, space, data, g),
@@ -196,7 +223,8 @@ class Attacker:
         ]
         single = vectors_of(net, data.train_x[picks], self.view.info)
         images = self.invert(net, single, r, p, 3)
-        return Inverted("per-sample " + space, "server", "white-box", images, refs, [0] * len(picks))
+        mean_image = data.train_x.float().mean(0) / 255.0
+        return Inverted("per-sample " + space, "server", "white-box", images, refs, [0] * len(picks), mean_image)
 
     def invert_prototypes(self, r: int, p: int, net: torch.nn.Module, space: str, data, g: torch.Generator) -> Inverted:
         """The mean vector of ``space`` of each class ``p`` holds (its prototype), computed by ``net`` and
@@ -204,19 +232,23 @@ class Attacker:
         classes = sorted(int(c) for c in data.train_y.unique())
         means = torch.stack([vectors_of(net, data.train_x[data.train_y == c], self.view.info).mean(0) for c in classes])
         images = self.invert(net, means, r, p, 4)
-        return Inverted(
-            "class mean " + space, "server", "white-box", images, class_images(data, classes, self.settings.images, g)
-        )
+        refs = class_images(data, classes, self.settings.images, g)
+        ceilings = class_means(data.train_x, data.train_y, classes)
+        return Inverted("class mean " + space, "server", "white-box", images, refs, ceilings=ceilings)
 
-    def others(self, p: int, row_classes: list[int], g: torch.Generator) -> list[torch.Tensor]:
-        """Per class the other clients' training images of it (what a curious client's reconstruction of
-        a global per-class vector could reveal); an empty tensor for a class no other client holds."""
+    def others(
+        self, p: int, row_classes: list[int], g: torch.Generator
+    ) -> tuple[list[torch.Tensor], list[int | None], None, list[torch.Tensor]]:
+        """(references, exact, mean image, ceilings) of :class:`Inverted` for a curious client's downloaded
+        per-class vectors: per class a sample of the other clients' training images of it (what its
+        reconstruction could reveal; empty for a class no other client holds) and their exact pixel mean."""
         pools = [self.view.data(q) for q in range(self.view.num_clients) if q != p]
-        out = []
+        refs, ceilings = [], []
         for c in row_classes:
-            held = [d.train_x[d.train_y == c] for d in pools]
-            out.append(sample(torch.cat(held), self.settings.images, g))
-        return out
+            held = torch.cat([d.train_x[d.train_y == c] for d in pools])
+            refs.append(sample(held, self.settings.images, g))
+            ceilings.append(held.float().mean(0) / 255.0 if len(held) else torch.zeros(self.shape))
+        return refs, [], None, ceilings
 
     # ------------------------------------------------------------------ black-box decoder
     def decoder(self, r: int, p: int) -> list[Inverted]:
@@ -238,6 +270,7 @@ class Attacker:
                     f"black-box ({surrogate_space})",
                     images,
                     class_images(data, row_classes, s.images, g),
+                    ceilings=class_means(data.train_x, data.train_y, row_classes),
                 )
             )
         found = global_rows(view.payload(r, p, "down"))
@@ -248,7 +281,7 @@ class Attacker:
                 net, data.train_x, view.info.mean, view.info.std, epochs=s.epochs, batch_size=64, lr=1e-3, generator=g
             )
             images = inversion.decode(decoder, vectors)
-            out.append(Inverted(name, "client", "own model + decoder", images, self.others(p, row_classes, g)))
+            out.append(Inverted(name, "client", "own model + decoder", images, *self.others(p, row_classes, g)))
         return out
 
     def surrogate_decoder(self, r: int, p: int, space: str) -> tuple[torch.nn.Module, str]:
@@ -381,8 +414,12 @@ class Attacker:
         """iDLG (:meth:`idlg`) and inverting gradients (:meth:`inverting_gradients`) on one weight change
         of ``p`` in round ``r`` (see :meth:`update`)."""
         data, g = self.view.data(p), self.generator(r, p, 8)
+        start_time = time.process_time()
         label, one_step = self.idlg(model, change, data, g)
-        return [one_step, self.inverting_gradients(model, start, change, data, label, g)]
+        one_step.cpu_seconds, start_time = time.process_time() - start_time, time.process_time()
+        inverted = self.inverting_gradients(model, start, change, data, label, g)
+        inverted.cpu_seconds = time.process_time() - start_time
+        return [one_step, inverted]
 
     def idlg(
         self, model: torch.nn.Module, change: dict[str, torch.Tensor], data, g: torch.Generator
@@ -396,8 +433,7 @@ class Attacker:
             self.shape,
             view.info.mean,
             view.info.std,
-            steps=max(1, s.update_steps // 20),
-            lr=1.0,
+            steps=s.idlg_steps,
             generator=g,
         )
         refs = [sample(data.train_x, s.images, g)]
@@ -429,6 +465,7 @@ class Attacker:
             steps=s.update_steps,
             attack_lr=0.1,
             tv_weight=s.update_tv_weight,
+            restarts=s.update_restarts,
             generator=g,
             momentum=cfg.momentum,
             weight_decay=cfg.weight_decay,
@@ -508,34 +545,44 @@ def scored(inverted: Inverted) -> tuple[dict[str, Any], list[tuple]]:
     caption).
 
     Per reconstruction: PSNR / SSIM / MSE against the best-matching image among those it stands for and
-    the mean over them (:func:`privacy.scores.image_scores`); ``exact_psnr`` against the one image a
-    per-sample input was made from; ``gray_psnr`` (``gray_exact_psnr``): what a uniform mid-gray image,
-    which knows nothing, scores as best match against the same images (against that one image): the
-    floor every attack is read against. The row
-    holds mean, std and count over reconstructions."""
+    the mean over them (:func:`privacy.scores.image_scores`), and ``gray_psnr`` / ``gray_mean_psnr``: what
+    a uniform mid-gray image scores on the same images. A best match over many images is an order
+    statistic that a flat image wins too, so it is no floor on its own (``results/privacy/calibration/``).
+    The floors that can fire:
+
+    - per-sample inputs (``exact``): ``psnr_own`` / ``ssim_own`` to the one image the input was made
+      from, beside ``gray_psnr_own`` / ``gray_ssim_own`` and ``mean_image_psnr_own`` /
+      ``mean_image_ssim_own`` of the gray image and of the victim's mean image on that image
+      (:func:`privacy.scores.own_image_scores`);
+    - class-mean payloads (``ceilings``): ``ceiling_psnr`` (best) and ``ceiling_mean_psnr`` (mean over the
+      images) of the exact pixel mean of the row's images, the best a reconstruction of a mean can do,
+      beside the reconstruction's ``best_psnr`` / ``mean_psnr`` and gray's.
+
+    The row holds mean, std and count over reconstructions (all in dB but SSIM and MSE), and
+    ``attack_cpu_seconds`` where the attack was timed on its own (``Inverted.cpu_seconds``)."""
     per: dict[str, list] = {}
     pairs = []
     for i, (image, refs) in enumerate(zip(inverted.images, inverted.references, strict=True)):
         if len(refs) == 0:  # a class no victim holds
             continue
         result = scores.image_scores(image[None], refs)
-        for k, v in result.items():
-            if k != "best_index":
-                per.setdefault(k, []).extend(v)
-        per.setdefault("gray_psnr", []).extend(
-            scores.image_scores(torch.full_like(image[None], 0.5), refs)["best_psnr"]
-        )
+        gray = scores.image_scores(torch.full_like(image[None], 0.5), refs)
+        found = {k: v for k, v in result.items() if k != "best_index"}
+        found |= {"gray_psnr": gray["best_psnr"], "gray_mean_psnr": gray["mean_psnr"]}
         exact = inverted.exact[i] if inverted.exact else None
         if exact is not None:
-            gray = scores.image_scores(torch.full_like(image[None], 0.5), refs[exact : exact + 1])["best_psnr"]
-            per.setdefault("gray_exact_psnr", []).extend(gray)
-            per.setdefault("exact_psnr", []).extend(
-                scores.image_scores(image[None], refs[exact : exact + 1])["best_psnr"]
-            )
+            found |= scores.own_image_scores(image[None], refs[exact : exact + 1], inverted.mean_image)
+        if inverted.ceilings:
+            ceiling = scores.image_scores(inverted.ceilings[i][None], refs)
+            found |= {"ceiling_psnr": ceiling["best_psnr"], "ceiling_mean_psnr": ceiling["mean_psnr"]}
+        for k, v in found.items():
+            per.setdefault(k, []).extend(v)
         shown = result["best_index"][0] if exact is None else exact
         psnr = scores.image_scores(image[None], refs[shown : shown + 1])["best_psnr"][0]
         pairs.append((refs[shown], image, f"{psnr:.1f} dB"))
     row: dict[str, Any] = {"payload": inverted.payload, "threat": inverted.threat, "knowledge": inverted.knowledge}
+    if inverted.cpu_seconds is not None:
+        row["attack_cpu_seconds"] = inverted.cpu_seconds
     for k, values in per.items():
         summary = scores.summarize(values)
         row[k], row[k + "_std"], row["n"] = summary["mean"], summary["std"], int(summary["n"])

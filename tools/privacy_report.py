@@ -127,8 +127,8 @@ def fedre_ladder(rows: list[dict[str, Any]]) -> list[str]:
     orderings = []
     for r in sorted({x["round"] for x in rows}):
         wb = [x for x in rows if x["round"] == r and x["attack"] == "inversion" and x["threat"] == "server"]
-        exact = stat(wb, "exact_psnr", payload="per-sample representation")
-        gray_exact = stat(wb, "gray_exact_psnr", payload="per-sample representation")
+        exact = stat(wb, "psnr_own", payload="per-sample representation")
+        gray_exact = stat(wb, "gray_psnr_own", payload="per-sample representation")
         lines.append(f"| {r} | per-sample (to its image) | {cell(exact)} | - | {cell(gray_exact)} | - | - |")
         ladder = {
             "per-sample": (stat(wb, "best_psnr", payload="per-sample representation"), "best"),
