@@ -105,6 +105,10 @@ def every_class(
     return lambda seed: attack
 
 
+#: the class the "-one" attacks claim: at ``--partition-seed 0`` the class most clients hold (MNIST,
+#: pathological, 2 classes a client: partitions 0, 3, 4 of 5; 0, 3, 4, 5, 7 of 10), so its honest
+#: holders outnumber 1 or 2 colluders (partitions 1, 2) and are outnumbered by 4 (1-4) of 10
+ONE_CLASS = 6
 #: name -> (method, run config overrides, tamper factory (seed) -> attack on the payload arrays)
 ATTACKS: dict[str, tuple[str, dict, Callable[[int], Attack]]] = {
     "fml-10": ("fml", {}, constant(10.0)),
@@ -117,10 +121,10 @@ ATTACKS: dict[str, tuple[str, dict, Callable[[int], Attack]]] = {
     "fedtgp-1e5": ("fedtgp", {}, every_class("protos", "proto_labels", 1e5)),
     "fedgh-1e5": ("fedgh", {}, every_class("lar", "lar_labels", 1e5)),
     "fd-next-1e5": ("fd", {}, every_class("logits", "logit_labels", 1e5, next_class=True)),
-    "fedproto-1e5-one": ("fedproto", {}, every_class("protos", "proto_labels", 1e5, classes=(0,))),
-    "fedtgp-1e5-one": ("fedtgp", {}, every_class("protos", "proto_labels", 1e5, classes=(0,))),
-    "fedgh-1e5-one": ("fedgh", {}, every_class("lar", "lar_labels", 1e5, classes=(0,))),
-    "fd-next-1e5-one": ("fd", {}, every_class("logits", "logit_labels", 1e5, next_class=True, classes=(0,))),
+    "fedproto-1e5-one": ("fedproto", {}, every_class("protos", "proto_labels", 1e5, classes=(ONE_CLASS,))),
+    "fedtgp-1e5-one": ("fedtgp", {}, every_class("protos", "proto_labels", 1e5, classes=(ONE_CLASS,))),
+    "fedgh-1e5-one": ("fedgh", {}, every_class("lar", "lar_labels", 1e5, classes=(ONE_CLASS,))),
+    "fd-next-1e5-one": ("fd", {}, every_class("logits", "logit_labels", 1e5, next_class=True, classes=(ONE_CLASS,))),
 }
 #: the methods whose clean runs measure the accuracy cost of norm-bound against mean
 CLEAN = {"fml": {}, "lg-fedavg": {}, "fedproto": {}, "fedre": {}}
@@ -157,11 +161,13 @@ def run_once(
     examples: int,
     clients: int = NUM_CLIENTS,
     attackers: int = 1,
+    partition_seed: int = -1,
 ) -> dict:
     """One in-process federation of ``clients`` clients, the first ``attackers`` after partition 0
     colluding when ``attack`` is given; its row: the honest clients' (the other partitions') mean
     final accuracy, every client's final accuracy (0 for one without an evaluation), the fewest
-    clients of a round, bounded rows, rollbacks, seconds."""
+    clients of a round, bounded rows, rollbacks, seconds. ``partition_seed``: run config
+    ``partition-seed`` (-1: the partition follows ``seed``; fixed: every seed trains on one partition)."""
     from client_app.app import app as client_app
     from strategies.registry import build_strategy
 
@@ -176,6 +182,7 @@ def run_once(
         "max-examples-per-client": examples,
         "round-timeout": 5.0,
         "seed": seed,
+        "partition-seed": partition_seed,
         "method": method,
         "aggregation": aggregation,
         **options,
@@ -315,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--aggregations", default="mean,norm-bound")
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument(
+        "--partition-seed", type=int, default=-1, help="run config partition-seed (-1: each seed its own partition)"
+    )
+    parser.add_argument(
         "--settings",
         default=f"{DEFAULT_SETTING[0]}:{DEFAULT_SETTING[1]}",
         help="N:f pairs, comma-separated: N clients of which partitions 1..f collude (e.g. 5:1,5:2,10:2,10:4)",
@@ -334,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "rows.jsonl"
     settings = {"rounds": args.rounds, "max_examples": args.max_examples}
+    if args.partition_seed != -1:  # rows of the default carry no key, as before the option existed
+        settings["partition_seed"] = args.partition_seed
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     rows = [r for r in rows if all(r.get(k) == v for k, v in settings.items())]
     done = {case_key(r) for r in rows}
@@ -352,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             args.max_examples,
             n,
             f,
+            args.partition_seed,
         )
         row = {**case, **settings, **result}
         rows.append(row)
