@@ -230,3 +230,40 @@ def test_scores_reject_bad_input():
     assert distribution_l1([1.0, 0.0], [0, 3]) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="delta_bias or delta_weight"):
         from_head_update()
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_invert_update_keeps_the_restart_of_the_lowest_objective(seed):
+    """Three trials from one generator: the result is the trial, run alone (from the generator's next
+    draw), whose final cosine distance to the observed update is lowest: the first trial with seed 5, the
+    last with seed 6, so neither keeping the first nor the last passes both."""
+    model = sigmoid_net(0)
+    image, label = smooth_image(0)[None], torch.tensor([2])
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    loss = F.cross_entropy(model((image - 0.5) / 0.5), label)
+    names = [name for name, _ in model.named_parameters()]
+    update = {n: -0.1 * g for n, g in zip(names, torch.autograd.grad(loss, list(model.parameters())), strict=True)}
+    kw = dict(
+        num_images=1, labels=label, local_steps=1, lr=0.1, batch_size=1, image_shape=(1, SIDE, SIDE),
+        mean=MEAN, std=STD, steps=4, tv_weight=0.0,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    trials = []
+    for _ in range(3):  # trial k alone: the generator advanced past the k earlier starts
+        state = g.get_state()
+        trials.append(invert_update(model, start, update, generator=g, **kw))
+        g.set_state(state)
+        torch.rand((1, 1, SIDE, SIDE), generator=g)
+
+    def distance(x: torch.Tensor) -> float:
+        loss = F.cross_entropy(model((x - 0.5) / 0.5), label)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        simulated = torch.cat([-0.1 * gr.flatten() for gr in grads])
+        return 1 - float(F.cosine_similarity(simulated, torch.cat([update[n].flatten() for n in names]), dim=0))
+
+    best = min(range(3), key=lambda k: distance(trials[k]))
+    assert len({round(distance(t), 6) for t in trials}) == 3  # the trials differ
+    got = invert_update(model, start, update, generator=torch.Generator().manual_seed(seed), restarts=3, **kw)
+    assert torch.equal(got, trials[best])
+    with pytest.raises(ValueError, match="restarts"):
+        invert_update(model, start, update, generator=g, restarts=0, **kw)
