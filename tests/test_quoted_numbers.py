@@ -384,7 +384,9 @@ def test_the_byzantine_table_is_its_rows():
     rows = [json.loads(line) for line in (BYZANTINE / "rows.jsonl").read_text(encoding="utf-8").splitlines()]
     regenerated = table(rows, list(ATTACKS), sorted({r["aggregation"] for r in rows}))
     attacked = set(
-        re.findall(r"^\S+\s+(\S+)\s+(-?\d\.\d{3})\s+(-?\d\.\d{3})\s+(-?\d\.\d{3})\s+\d+$", regenerated, re.M)
+        re.findall(
+            r"^\S+\s+(\S+)\s+\d+\s+\d+\s+(-?\d\.\d{3})\s+(-?\d\.\d{3})\s+(-?\d\.\d{3})\s+\d+\s+\d+$", regenerated, re.M
+        )
     )
     clean = set(re.findall(r"^\S+\s+(\d\.\d{3})\s+(\d\.\d{3})\s+-?\d\.\d{3}$", regenerated, re.M))
     text = (BYZANTINE / "README.md").read_text(encoding="utf-8")
@@ -393,6 +395,26 @@ def test_the_byzantine_table_is_its_rows():
     assert set(quoted) <= attacked, set(quoted) - attacked
     pairs = re.findall(r"(\d\.\d{3}) / (\d\.\d{3})", text.split("Clean runs", 1)[1].split("\n\n", 1)[0])
     assert pairs and set(pairs) <= clean, set(pairs) - clean
+
+
+#: the bench folders whose README quotes :func:`bench.byzantine.table` in a ```text block (several
+#: colluding clients, a trial rule)
+BENCH_TABLES = sorted(p.parent for p in BYZANTINE.glob("*/rows.jsonl"))
+
+
+@pytest.mark.parametrize("folder", BENCH_TABLES, ids=[p.name for p in BENCH_TABLES])
+def test_a_byzantine_bench_table_is_its_rows(folder):
+    """A results/byzantine/<bench>/README.md's table is :func:`bench.byzantine.table` of its rows, line
+    for line, and each quoted ``clean -> attacked`` pair in its text is a cell of that table."""
+    rows = [json.loads(line) for line in (folder / "rows.jsonl").read_text(encoding="utf-8").splitlines()]
+    attacks = [a for a in ATTACKS if any(r["attack"] == a for r in rows)]
+    regenerated = table(rows, attacks, ["mean", "norm-bound", "median"]).split("\n\n", 1)[0]
+    text = (folder / "README.md").read_text(encoding="utf-8")
+    block = text.split("```text\n", 1)[1].split("```", 1)[0]
+    assert block.strip("\n") == regenerated
+    cells = set(re.findall(r"(\d\.\d{3})\s+(\d\.\d{3})\s+-?\d\.\d{3}\s+\d+\s+\d+$", regenerated, re.M))
+    quoted = set(re.findall(r"(\d\.\d{3}) -> (\d\.\d{3})", text.split("```", 2)[2]))
+    assert quoted <= cells, quoted - cells
 
 
 @pytest.mark.skipif(not (PRIVACY / "report.md").is_file(), reason="no committed privacy evaluation")
