@@ -18,10 +18,11 @@ For each method it
    (:mod:`bench.htfllib`: :data:`~bench.htfllib.FAMILIES`, :data:`~bench.htfllib.REFERENCE_METHODS`,
    :func:`~bench.htfllib.reference_command`), paired with ours: every client's model starts from
    our client's initial model for the run config and seed, and PyTorch
-   runs the threads each of our clients runs, and a server that starts from a module (a head, a
-   shared model) starts from our server's where the architectures agree (:mod:`bench.crosscheck_pairing`;
-   what a method cannot pair, e.g. a shared model of another architecture or a server's batch order,
-   is ``unpaired`` and in the report); it parses its
+   runs the threads each of our clients runs, a server that starts from a module (a head, a shared
+   model, FedTGP's trainable prototypes) starts from our server's where the architectures agree, and
+   FedTGP's and FedGH's servers take our mini-batch order over the uploads (:mod:`bench.crosscheck_pairing`;
+   what a method cannot pair, e.g. a shared model of another architecture, is ``unpaired`` and in the
+   report); it parses its
    per-round pooled test accuracy (:func:`~bench.htfllib.parse_reference_log`);
 3. runs ours (``tools.run``) on the same partitions (``partition-seed`` fixed) and recipe, one run per
    training seed; a run with a round that trained or evaluated without every client (a crashed Ray

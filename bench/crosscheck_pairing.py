@@ -12,7 +12,10 @@ loads them into HtFLlib's client models right after HtFLlib builds them (:func:`
 both sides run :data:`CLIENT_THREADS` threads. A method whose server starts from a module of its own
 (LG-FedAvg's and FedGH's head, the shared model of FML, FedKD and FedMRL) has it paired the same way
 where the architectures agree: :func:`server_initial_state` is what our server starts from, loaded
-into HtFLlib's server's module the first time HtFLlib stores it.
+into HtFLlib's server's module the first time HtFLlib stores it (FedTGP's trainable prototypes too:
+their generator's weights, which our server's global arrays show only after round 1). FedTGP's and
+FedGH's servers also train on the round's uploads in shuffled mini-batches: :class:`ServerOrder` gives
+HtFLlib's server ours, the rows in our order and the batches of our generator and seed.
 
 This module imports only torch at its top: the bootstrap imports it inside HtFLlib's process.
 """
@@ -100,8 +103,15 @@ def states_digest(states: list[Mapping[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
+#: method -> the attribute of its strategy that holds a trainable server module whose weights its
+#: ``global_arrays`` do not show before round 1 (FedTGP's shows only the prototypes it generates)
+SERVER_MODULES = {"fedtgp": "generator"}
+
+
 def server_initial_state(config: dict) -> dict[str, torch.Tensor]:
-    """What our server of the flat run config ``config`` (its ``method`` and ``seed``) starts from: its
+    """What our server of the flat run config ``config`` (its ``method`` and ``seed``) starts from: the
+    state dict of its module of :data:`SERVER_MODULES` (FedTGP's generator: ``embedding.weight`` [C, K],
+    ``mlp.0.weight`` [H, K], ``mlp.0.bias`` [H], ``mlp.2.weight`` [K, H], ``mlp.2.bias`` [K]), else its
     shared arrays before round 1 (``global_arrays`` of the method's strategy, e.g. FedGH's header
     ``head.weight`` [C, d] and ``head.bias`` [C], or a shared model's state dict), as float32 CPU
     tensors in that order; empty when the server holds none (Local, FedProto).
@@ -112,8 +122,102 @@ def server_initial_state(config: dict) -> dict[str, torch.Tensor]:
     from common.config import RunConfig
     from strategies.registry import build_strategy
 
-    arrays = build_strategy(RunConfig.from_dict(config)).global_arrays()
-    return {name: torch.from_numpy(array.copy()) for name, array in arrays.items()}
+    strategy = build_strategy(RunConfig.from_dict(config))
+    if (module := SERVER_MODULES.get(config["method"])) is not None:
+        return {name: t.detach().clone() for name, t in getattr(strategy, module).state_dict().items()}
+    return {name: torch.from_numpy(array.copy()) for name, array in strategy.global_arrays().items()}
+
+
+class ServerOrder:
+    """Our server's mini-batch order over a round's uploads, standing in for HtFLlib's
+    ``DataLoader(rows, batch_size, drop_last=False, shuffle=True)`` over them (FedTGP's and FedGH's
+    servers; :data:`bench.htfllib.BOOTSTRAP` replaces the name in their module).
+
+    Ours (``strategies/fedtgp.py::train_generator``, ``strategies/fedgh.py::header_batches``) orders
+    the rows by partition id, then by class, and draws each epoch's order as
+    ``torch.randperm(M, generator=g)`` split into batches of ``batch_size``, the last one partial, from
+    one generator ``g = torch.Generator().manual_seed(seed)`` kept across rounds. HtFLlib collects
+    the rows client by client in its own draw of the client order (numpy's, Python's for FedGH), each
+    client's classes in the order its data first showed them, and shuffles with torch's global
+    generator. Here the rows are sorted into ours (client id = our partition id; HtFLlib's client i
+    reads our partition i) and each iteration over a loader draws one permutation from :attr:`generator`
+    as ours does, nothing from torch's global generator.
+
+    HtFLlib's rows carry no client id, so :meth:`record` learns each row's client from the client's
+    ``protos`` item as the server loads it (``{class: row [K]}``), keyed by the row's bytes and class:
+    rows that are equal in both are interchangeable, so their relative order does not matter.
+
+    Attributes:
+        generator: the order's generator (CPU), seeded with ``seed``; a resumed run restores its state.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self.origin: dict[bytes, int] = {}  # row key -> the client that uploaded it
+        self.last: tuple[list, list] | None = None  # (HtFLlib's rows, ours' order): FedTGP asks each epoch
+
+    @staticmethod
+    def key(row: torch.Tensor, label) -> bytes:
+        """SHA-256 of a row's dtype, shape and bytes (on the CPU) and its class ``label`` (an int or a
+        0-d tensor)."""
+        row = row.detach().cpu().contiguous()
+        digest = hashlib.sha256(f"{row.dtype}{tuple(row.shape)}{int(label)}".encode())
+        digest.update(row.view(-1).view(torch.uint8).numpy().tobytes())
+        return digest.digest()
+
+    def record(self, client: int, protos: Mapping) -> None:
+        """Remember that ``client`` uploaded the rows of ``protos`` (``{class: row [K]}``)."""
+        for label, row in protos.items():
+            self.origin[self.key(row, label)] = client
+
+    def ordered(self, rows: list) -> list:
+        """``rows`` (``(row [K], class)`` pairs) in our order: by client, then by class.
+
+        Raises:
+            ValueError: a row no recorded client uploaded.
+        """
+        if self.last is not None and self.last[0] is rows and len(self.last[1]) == len(rows):
+            return self.last[1]
+        keyed = []
+        for row, label in rows:
+            if (client := self.origin.get(self.key(row, label))) is None:
+                raise ValueError(f"a row of class {int(label)} that no client's loaded `protos` holds")
+            keyed.append(((client, int(label)), (row, label)))
+        ours = [pair for _, pair in sorted(keyed, key=lambda k: k[0])]
+        self.last = (rows, ours)  # holding HtFLlib's list keeps its id from being reused while cached
+        return ours
+
+    def loader(self, rows: list, batch_size: int, drop_last: bool = False, shuffle: bool = True) -> OrderedBatches:
+        """:class:`OrderedBatches` of ``rows`` in our order (:meth:`ordered`), for ``DataLoader``'s call.
+
+        Raises:
+            ValueError: ``drop_last`` or not ``shuffle`` (not the loader ours stands in for), or a
+                row of no recorded client.
+        """
+        if drop_last or not shuffle:
+            raise ValueError(f"a server DataLoader with drop_last={drop_last}, shuffle={shuffle}: not ours")
+        return OrderedBatches(self.ordered(rows), batch_size, self.generator)
+
+
+class OrderedBatches:
+    """An iterable as HtFLlib's server uses its ``DataLoader``: each iteration draws one permutation of
+    ``rows`` from ``generator`` and yields its batches of ``batch_size`` (the last one partial),
+    collated as the ``DataLoader`` collates them (rows stacked [b, K], classes as a tensor [b]); no
+    rows: no batch and no draw, as our servers' step on no uploads."""
+
+    def __init__(self, rows: list, batch_size: int, generator: torch.Generator) -> None:
+        self.rows, self.batch_size, self.generator = rows, batch_size, generator
+
+    def __iter__(self):
+        from torch.utils.data import default_collate
+
+        if not self.rows:
+            return
+        for idx in torch.split(torch.randperm(len(self.rows), generator=self.generator), self.batch_size):
+            yield default_collate([self.rows[i] for i in idx])
+
+    def __len__(self) -> int:
+        return -(-len(self.rows) // self.batch_size)
 
 
 def save_initial_states(config: dict, path: Path, server: Path | None = None) -> str:

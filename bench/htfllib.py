@@ -1,7 +1,8 @@
 """TsingZ0/HtFLlib as the cross-check's reference: how our run config and methods map onto its
 ``main.py`` (:data:`FAMILIES`, :data:`REFERENCE_METHODS`, :data:`REFERENCE_RECIPE`,
 :func:`reference_command`; :func:`check_expressible` refuses what it cannot follow), the bootstrap that
-seeds it and loads our initial models into its clients' (:data:`BOOTSTRAP`), and one run of it for a
+seeds it and loads our initial models into its clients' and our server's module and batch order into
+its server's (:data:`BOOTSTRAP`), and one run of it for a
 training seed, read from its log (:func:`parse_reference_log`, :func:`run_reference`)."""
 
 from __future__ import annotations
@@ -95,10 +96,14 @@ class ReferenceMethod:
     with them, and the report lists them.
 
     ``server_item``: the name under which HtFLlib's server stores the module our server starts from
-    (``save_item(module, "Server", name, ...)``: ``head``, ``global_model``); the first time it stores
-    it, :data:`BOOTSTRAP` loads ours into it (:func:`bench.crosscheck_pairing.server_initial_state`),
-    or, where the architectures differ, leaves HtFLlib's own draw and says so; "" when our server
-    starts from nothing.
+    (``save_item(module, "Server", name, ...)``: ``head``, ``global_model``, FedTGP's ``TGP``); the
+    first time it stores it, :data:`BOOTSTRAP` loads ours into it
+    (:func:`bench.crosscheck_pairing.server_initial_state`), or, where the architectures differ, leaves
+    HtFLlib's own draw and says so; "" when our server starts from nothing.
+
+    ``server_order``: the HtFLlib server module (``flcore.servers.<name>``) whose ``DataLoader`` over
+    the round's uploads :data:`BOOTSTRAP` replaces with our server's mini-batch order
+    (:class:`bench.crosscheck_pairing.ServerOrder`); "" when the server trains on no uploads.
 
     ``unpaired``: what starts from other random draws on the two sides although every client's
     personal model (and the server's module of ``server_item``) is paired
@@ -117,6 +122,7 @@ class ReferenceMethod:
     as_code: dict[str, Any] = field(default_factory=dict)
     reported: tuple[str, Any, str] | None = None
     server_item: str = ""
+    server_order: str = ""
     unpaired: str = ""
     resumable: bool = True
 
@@ -131,10 +137,11 @@ PAIRED_SERVER = (
     "the server's initial `{item}` (ours, built by our server for the run config and seed, loaded into "
     "the module HtFLlib's server stores as `Server_{item}` the first time it stores it)"
 )
-#: the order of a server's training over the round's uploads
-SERVER_ORDER = (
-    "the server's mini-batch order over the uploads (HtFLlib: torch's global generator over uploads in "
-    "numpy's client order; ours: a generator of `seed`)"
+#: what a paired cross-check pairs for a method with a ``server_order`` (:class:`ReferenceMethod`)
+PAIRED_ORDER = (
+    "the server's mini-batch order over the round's uploads (HtFLlib's rows put in ours, by client and "
+    "class, and each epoch's permutation drawn from our generator of `seed`, in place of its DataLoader's "
+    "shuffle over its own client order)"
 )
 
 
@@ -146,6 +153,8 @@ REFERENCE_METHODS = {
     "fedproto": ReferenceMethod(
         "FedProto", flags={"-lam": "lambda"}, unexpressed=("reg-form",), as_code={"reg-form": "mse-mean"}
     ),
+    # servertgp.py: Trainable_Global_Prototypes (embedings, middle.0.0, fc) holds our generator's
+    # layers in order and shape (hidden-dim is tied to feature-dim, HtFLlib's hidden width)
     "fedtgp": ReferenceMethod(
         "FedTGP",
         flags={"-lam": "lambda", "-mart": "tau", "-se": "server-epochs"},
@@ -159,7 +168,8 @@ REFERENCE_METHODS = {
             "prototype-pass": "before-training",
             "margin-freeze": 0.0,
         },
-        unpaired="the server's trainable global prototypes (each side draws them from its seed); " + SERVER_ORDER,
+        server_item="TGP",
+        server_order="servertgp",
     ),
     # HtFLlib's FedGH and LG-FedAvg servers start from client 0's initial head (servergh.py, serverlg.py);
     # ours from a Linear(d, C) drawn from seed: paired, both start from ours
@@ -173,7 +183,7 @@ REFERENCE_METHODS = {
         # HtFLlib evaluates every client's extractor with the global head it has just been sent
         reported=("eval-global-head", True, "accuracy_weighted_global_head"),
         server_item="head",
-        unpaired=SERVER_ORDER,
+        server_order="servergh",
     ),
     "lg-fedavg": ReferenceMethod(
         "LG-FedAvg",
@@ -284,6 +294,11 @@ SERVER_PAIRED_LINE = re.compile(r"^crosscheck: server (\S+) (paired|not paired: 
 #: the environment variables that give :data:`BOOTSTRAP` the server's item and our server's initial state
 SERVER_ITEM_VARIABLE = "CROSSCHECK_SERVER_ITEM"
 SERVER_INITIAL_VARIABLE = "CROSSCHECK_SERVER_INITIAL"
+#: the environment variable that gives :data:`BOOTSTRAP` a method's ``server_order`` (in the command as
+#: recorded: a kept run of HtFLlib's own order is not reused for a paired one)
+SERVER_ORDER_VARIABLE = "CROSSCHECK_SERVER_ORDER"
+#: what :data:`BOOTSTRAP` prints the first time the server of ``server_order`` builds its loader
+SERVER_ORDER_LINE = re.compile(r"^crosscheck: server batch order paired", re.M)
 
 #: runs HtFLlib's ``main.py`` (argv[1:]) in its ``system/`` folder. HtFLlib seeds torch with
 #: ``torch.manual_seed(0)`` at start and again in every client's constructor, but leaves numpy's and
@@ -306,7 +321,12 @@ SERVER_INITIAL_VARIABLE = "CROSSCHECK_SERVER_INITIAL"
 #: ``$CROSSCHECK_SERVER_ITEM`` (a method's ``server_item``), the first module the server stores under
 #: that name (``clientbase.save_item``, which HtFLlib's servers import after this patch) is loaded
 #: with our server's (``$CROSSCHECK_SERVER_INITIAL``) before it is stored; where the two differ in
-#: order or shape it stays HtFLlib's draw, and the log says why (:data:`SERVER_PAIRED_LINE`).
+#: order or shape it stays HtFLlib's draw, and the log says why (:data:`SERVER_PAIRED_LINE`). With
+#: ``$CROSSCHECK_SERVER_ORDER`` (a method's ``server_order``), that server module's ``DataLoader``
+#: becomes :meth:`bench.crosscheck_pairing.ServerOrder.loader` (our rows' order and our generator of the
+#: training seed), which learns each row's client from the ``protos`` item the server loads of it
+#: (``clientbase.load_item``, patched before the servers import it); its first use prints
+#: :data:`SERVER_ORDER_LINE`, and a row of no client's ``protos`` stops the run.
 #: Resumable (``$CROSSCHECK_CHECKPOINT``, a folder; :func:`run_reference`): at the start of an
 #: iteration of the server's round loop (its ``select_clients`` call, the first thing each iteration
 #: does, before it draws) that begins ``$CROSSCHECK_CHECKPOINT_SECONDS`` or more after the last
@@ -359,6 +379,23 @@ if server_item:
                 print(f"crosscheck: server {item_name} not paired: {exc}", flush=True)
         stored(item, role, item_name, *args, **kwargs)
     clientbase.save_item = paired_save
+server_order = os.environ.get("CROSSCHECK_SERVER_ORDER")
+if server_order:
+    import importlib
+    from bench.crosscheck_pairing import ServerOrder
+    upload_order = ServerOrder(seed)
+    loaded = clientbase.load_item
+    def recorded_load(role, item_name, *args, **kwargs):
+        item = loaded(role, item_name, *args, **kwargs)
+        if item_name == "protos" and role.startswith("Client_") and item is not None:
+            upload_order.record(int(role[len("Client_"):]), item)
+        return item
+    clientbase.load_item = recorded_load
+    def paired_loader(*args, **kwargs):
+        if upload_order.last is None:
+            print(f"crosscheck: server batch order paired ({server_order}.DataLoader)", flush=True)
+        return upload_order.loader(*args, **kwargs)
+    importlib.import_module(f"flcore.servers.{server_order}").DataLoader = paired_loader
 checkpoint = os.environ.get("CROSSCHECK_CHECKPOINT")
 if checkpoint:
     import shutil
@@ -372,6 +409,8 @@ if checkpoint:
         shutil.copytree(server.save_folder_name, os.path.join(tmp, "store"))
         state = {k: v for k, v in server.__dict__.items() if k != "train"}
         rng = (torch.get_rng_state(), numpy.random.get_state(), random.getstate())
+        if server_order:
+            rng += (upload_order.generator.get_state(),)
         torch.save({"server": state, "rng": rng}, os.path.join(tmp, "state.pt"))
         progress = {
             "iterations": server.crosscheck_iterations,
@@ -410,6 +449,8 @@ if checkpoint:
                 torch.set_rng_state(saved["rng"][0])
                 numpy.random.set_state(saved["rng"][1])
                 random.setstate(saved["rng"][2])
+                if server_order:
+                    upload_order.generator.set_state(saved["rng"][3])
                 self.global_rounds = self.args.global_rounds - self.crosscheck_iterations
             return train()
         self.train = resumed_train
@@ -434,7 +475,8 @@ def pairing(method: str, refs: list[dict]) -> tuple[str, str]:
     """What the paired cross-check of ``method`` paired and what it did not, as the report says them,
     from its reference runs ``refs`` (:func:`run_reference`): :data:`PAIRED`, and the server's module
     of ``server_item`` (:data:`PAIRED_SERVER`) when every run took ours, else, among the unpaired, why
-    the first run that did not (e.g. a shared model of another architecture than HtFLlib's)."""
+    the first run that did not (e.g. a shared model of another architecture than HtFLlib's); then,
+    with a ``server_order``, :data:`PAIRED_ORDER` (a run that did not pair it is refused)."""
     ref = REFERENCE_METHODS[method]
     paired, unpaired = [PAIRED], [ref.unpaired] if ref.unpaired else []
     if ref.server_item:
@@ -443,6 +485,8 @@ def pairing(method: str, refs: list[dict]) -> tuple[str, str]:
             paired.append(PAIRED_SERVER.format(item=ref.server_item))
         else:
             unpaired.insert(0, f"the server's initial `{ref.server_item}`, each side's own draw ({refused})")
+    if ref.server_order:
+        paired.append(PAIRED_ORDER)
     return "; ".join(paired), "; ".join(unpaired)
 
 
@@ -631,8 +675,8 @@ def reference_launch(
     """How :func:`run_reference` starts HtFLlib: ``main.py`` and its flags (:func:`reference_command`),
     the environment :data:`BOOTSTRAP` reads (the training seed, ``threads``, ``initial``: the file of our
     clients' initial models, ``server``: our server's initial state for the method's ``server_item``,
-    this repository, and a family HtFLlib removed, :func:`restored_family`), and the command as
-    recorded (those variables, then ``python main.py ...``)."""
+    the method's ``server_order``, this repository, and a family HtFLlib removed,
+    :func:`restored_family`), and the command as recorded (those variables, then ``python main.py ...``)."""
     args = reference_command(config, method, dataset_name)
     env = {
         **os.environ,
@@ -655,6 +699,9 @@ def reference_launch(
         item = REFERENCE_METHODS[method].server_item
         env |= {SERVER_ITEM_VARIABLE: item, SERVER_INITIAL_VARIABLE: str(server)}
         command = f"{SERVER_ITEM_VARIABLE}={item} {SERVER_INITIAL_VARIABLE}={server} {command}"
+    if order := REFERENCE_METHODS[method].server_order:
+        env[SERVER_ORDER_VARIABLE] = order
+        command = f"{SERVER_ORDER_VARIABLE}={order} {command}"
     family = FAMILIES[config["model-group"]]
     if (models := restored_family(family, config["dataset"])) is not None:
         env[FAMILY_VARIABLE] = json.dumps([family, models])
@@ -694,7 +741,7 @@ def link_dataset(reference: Path, name: str, partitions: Path) -> None:
 
 
 def read_reference_run(
-    text: str, code: int, seed: int, rounds: int, clients: int, log: Path, server_item: str = ""
+    text: str, code: int, seed: int, rounds: int, clients: int, log: Path, server_item: str = "", server_order: str = ""
 ) -> dict:
     """The accuracy a reference run of ``rounds`` rounds and ``clients`` clients printed (its log
     ``text``, exit code ``code``): ``{"curve", "initial", "diverged_round", "server_pairing"}`` as
@@ -704,7 +751,9 @@ def read_reference_run(
 
     Raises:
         RuntimeError: the run printed fewer rounds than asked for another reason, did not pair every
-            client, or never stored its ``server_item`` (its log's tail, or ``log``, in the message).
+            client, never stored its ``server_item``, or, with a ``server_order``, never built its
+            server's loader over the uploads through the bootstrap's (:data:`SERVER_ORDER_LINE`) (its
+            log's tail, or ``log``, in the message).
     """
     runs = parse_reference_log(text)
     curve = [runs[-1].get(r) for r in range(1, rounds + 1)] if runs else [None]
@@ -732,6 +781,11 @@ def read_reference_run(
                 f"flcore.clients.clientbase.save_item, so it was not paired with ours (log {log})"
             )
         server_pairing = lines[-1].group(3) or "paired"
+    if server_order and not SERVER_ORDER_LINE.search(text):
+        raise RuntimeError(
+            f"the reference run (seed {seed}) never built a DataLoader of flcore.servers.{server_order} "
+            f"over its uploads, so its batch order was not paired with ours (log {log})"
+        )
     return {
         "curve": curve,
         "initial": runs[-1].get(0),
@@ -755,7 +809,9 @@ def run_reference(
     config), and PyTorch runs ``threads`` threads, as each of our clients does. A run whose log does
     not show every client model paired is refused. With the method's ``server_item`` our server's
     initial module goes to ``out/initial-server-seed-<seed>.pt`` the same way, and is part of the
-    ``initial_digest``; the result's ``server_pairing`` says whether HtFLlib's server took it.
+    ``initial_digest``; the result's ``server_pairing`` says whether HtFLlib's server took it. With its
+    ``server_order`` the server's mini-batches over the uploads are ours (:data:`BOOTSTRAP`); a run
+    whose log does not show it is refused.
 
     A run whose models diverged (HtFLlib's evaluation stops on NaN or infinite outputs:
     scikit-learn's "Input contains NaN" or "Input contains infinity" as the error it ended with; or it
@@ -782,7 +838,8 @@ def run_reference(
 
     Raises:
         RuntimeError: the reference printed fewer rounds than asked for another reason, did not
-            pair every client, or never stored its ``server_item`` (its log's tail in the message).
+            pair every client, never stored its ``server_item`` or did not pair its ``server_order``
+            (its log's tail in the message).
     """
     done = out / f"reference-seed-{seed}.json"
     rounds = config["num-server-rounds"]
@@ -822,7 +879,9 @@ def run_reference(
     text = continued_log(log.read_text(errors="replace"))
     prior = progress or {}
     result = {
-        **read_reference_run(text, code, seed, rounds, config["num-clients"], log, server_item),
+        **read_reference_run(
+            text, code, seed, rounds, config["num-clients"], log, server_item, REFERENCE_METHODS[method].server_order
+        ),
         **({"max_gap": parse_max_gap(text, rounds)} if method == "fedtgp" else {}),
         "command": command,
         "commit": commit,

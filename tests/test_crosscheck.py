@@ -28,8 +28,10 @@ from common.data import DataSpec, load_client_data, normalize
 from common.datasets import DATASETS, with_recipe
 from common.errors import ConfigError
 from common.options import check_value, declared_fields, option_key
+from common.payload import ClientReply
 from models.groups import MODEL_GROUPS
 from models.zoo import HTCNN8
+from strategies import fedgh, fedtgp
 from strategies.registry import METHODS
 from tools.runconfig import read_config
 
@@ -128,6 +130,52 @@ class Server:
 """
 
 
+#: a stand-in for HtFLlib's FedTGP and FedGH server modules (``servertgp.py``, ``servergh.py``), with
+#: what the bootstrap pairs in them: ``store_server_item`` stores the server's module as HtFLlib's do
+#: (FedTGP: a draw of its own with ``Trainable_Global_Prototypes``' names and shapes; FedGH: client 0's
+#: head) and prints the digests of that draw and of what the store then holds; ``upload`` stores each
+#: client's ``protos`` (``{class: row [4]}``, every entry 100 * client id + class, classes in descending
+#: order); ``train_on_uploads`` collects them in the server's client order as HtFLlib's servers do and
+#: goes over them in this module's ``DataLoader`` (one per epoch, as FedTGP's server), returning the
+#: rows' and each batch's (client, class) pairs
+STAND_IN_UPLOAD_SERVER = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from bench.crosscheck_pairing import states_digest
+from flcore.clients.clientbase import load_item, save_item
+
+def store_server_item(server, args):
+    if args.algo == "FedTGP":
+        item, name = nn.Module(), "TGP"
+        item.embedings = nn.Embedding(args.ncl, args.fd)
+        item.middle = nn.Sequential(nn.Sequential(nn.Linear(args.fd, args.fd), nn.ReLU()))
+        item.fc = nn.Linear(args.fd, args.fd)
+    else:
+        item, name = load_item("Client_0", "model", server.save_folder_name).head, "head"
+    own = states_digest([item.state_dict()])
+    save_item(item, "Server", name, server.save_folder_name)
+    stored = states_digest([load_item("Server", name, server.save_folder_name).state_dict()])
+    print("stand-in: server", name, own, stored, flush=True)
+
+def upload(clients, classes):
+    for c in clients:
+        protos = {k: torch.full((4,), 100.0 * c.id + k) for k in sorted(classes(c.id), reverse=True)}
+        save_item(protos, c.role, "protos", c.save_folder_name)
+
+def train_on_uploads(server, epochs, batch_size):
+    rows = []
+    for c in server.selected_clients:
+        protos = load_item(c.role, "protos", c.save_folder_name)
+        rows += [(protos[k], k) for k in protos]
+    batches = []
+    for _ in range(epochs):
+        for p, y in DataLoader(rows, batch_size, drop_last=False, shuffle=True):
+            batches.append([divmod(int(v), 100) for v in p[:, 0]])
+    return [divmod(int(p[0]), 100) for p, _ in rows], batches
+"""
+
+
 #: the end of HtFLlib's model family chain in ``main.py`` (never called here)
 FAMILY_CHAIN = """
 def families(args):
@@ -140,13 +188,16 @@ def families(args):
 
 
 def write_stand_in(system: Path, main: str, wider_head: bool = False, build: bool = True) -> None:
-    """A stand-in HtFLlib in ``system``: ``main.py`` builds its clients first (:data:`STAND_IN_CLIENTBASE`;
+    """A stand-in HtFLlib in ``system`` (:data:`STAND_IN_SERVERBASE`, FedTGP's and FedGH's server modules
+    :data:`STAND_IN_UPLOAD_SERVER`): ``main.py`` builds its clients first (:data:`STAND_IN_CLIENTBASE`;
     none without ``build``), then runs ``main``."""
     for package in ("clients", "servers"):
         (system / "flcore" / package).mkdir(parents=True, exist_ok=True)
         (system / "flcore" / package / "__init__.py").write_text("")
     (system / "flcore" / "__init__.py").write_text("")
     (system / "flcore" / "servers" / "serverbase.py").write_text(STAND_IN_SERVERBASE)
+    for module in ("servertgp", "servergh"):
+        (system / "flcore" / "servers" / f"{module}.py").write_text(STAND_IN_UPLOAD_SERVER)
     (system / "flcore" / "clients" / "clientbase.py").write_text(STAND_IN_CLIENTBASE.format(wider_head=wider_head))
     clients = "from flcore.clients.clientbase import build_clients\nbuild_clients()\n" if build else ""
     main = textwrap.dedent(main)
@@ -283,9 +334,10 @@ def run_stand_in_reference(tmp_path, partitions: Path, main: str, seed: int, met
 #: a stand-in ``main.py`` that reads client 0's partition as HtFLlib does, seeds torch with 0 as HtFLlib
 #: does, draws from numpy's and Python's generators unseeded as HtFLlib's client order does, imports an
 #: optional server module whose own import fails, takes its models from HtFLlib's family chain, and
-#: prints them and HtFLlib's log lines
+#: prints them and HtFLlib's log lines; each round goes over its FedGH server's loader (no uploads here)
 BOOTSTRAPPED_MAIN = """
 import argparse, json, random, numpy as np, torch
+from flcore.servers import servergh
 from flcore.servers.serverbroken import Broken
 def run(args):
     data = np.load(f"../dataset/{args.data}/train/0.npz", allow_pickle=True)["data"].tolist()
@@ -301,6 +353,7 @@ def run(args):
         for r in range(args.gr + 1):
             print(f"Round number: {r}")
             print(f"Averaged Test Accuracy: {draw + r / 100 + len(data['y']) / 1e6:.6f}")
+            list(servergh.DataLoader([], 10, drop_last=False, shuffle=True))  # FedGH's server step, on no uploads
 p = argparse.ArgumentParser()
 p.add_argument("-data"); p.add_argument("-m", dest="model_family"); p.add_argument("-gr", type=int)
 run(p.parse_known_args()[0])
@@ -458,7 +511,7 @@ def test_the_bootstrap_pairs_every_client_with_our_initial_models_and_threads(
             "OMP_NUM_THREADS=1 CROSSCHECK_THREADS=1 " in run["command"]
             and "CROSSCHECK_SERVER_ITEM=head " in run["command"]
         )
-    assert htfllib.pairing("fedgh", bootstrapped.runs)[0].endswith(htfllib.PAIRED_SERVER.format(item="head"))
+    assert htfllib.PAIRED_SERVER.format(item="head") in htfllib.pairing("fedgh", bootstrapped.runs)[0]
     assert not bootstrapped.left
     main = """
     print("Running time: 0th")
@@ -495,22 +548,146 @@ def test_a_server_module_not_paired_is_reported_and_one_never_stored_is_refused(
         htfllib.read_reference_run(refused, 0, 0, 1, 1, tmp_path, "head")
 
 
+#: a stand-in ``main.py`` whose server stores its module of the method (:data:`STAND_IN_UPLOAD_SERVER`)
+#: and in each iteration r has every client i upload the classes k < 4 with (k + i + r) % 3 != 0, then
+#: trains on them for ``-se`` epochs of batches of ``-lbs``, printing the rows in the order it collected
+#: them and its batches
+UPLOADS_MAIN = """
+import argparse, importlib, json
+from flcore.clients.clientbase import Client
+from flcore.servers.serverbase import Server
+p = argparse.ArgumentParser()
+for flag in ("-nc", "-gr", "-ncl", "-fd", "-lbs", "-se"):
+    p.add_argument(flag, type=int)
+p.add_argument("-algo")
+args, _ = p.parse_known_args()
+args.global_rounds = args.gr
+module = importlib.import_module("flcore.servers." + ("servertgp" if args.algo == "FedTGP" else "servergh"))
+
+class StandIn(Server):
+    def train(self):
+        for r in range(self.global_rounds + 1):
+            self.selected_clients = self.select_clients()
+            print(f"Round number: {r}")
+            print("Averaged Test Accuracy: 0.5")
+            module.upload(self.clients, lambda i: [k for k in range(4) if (k + i + r) % 3])
+            print("stand-in: round", json.dumps(module.train_on_uploads(self, args.se, args.lbs)), flush=True)
+
+server = StandIn(args, 0)
+server.clients = [Client(args, id=i) for i in range(args.nc)]
+module.store_server_item(server, args)
+print("Running time: 0th")
+server.train()
+"""
+
+
+def our_server_batches(method: str, config: dict, seed: int, monkeypatch) -> list[list[list[int]]]:
+    """Each mini-batch of our server's step (``strategies.fedtgp.train_generator``,
+    ``strategies.fedgh.train_header`` in ``minibatch`` mode) over :data:`UPLOADS_MAIN`'s uploads of every
+    iteration, as (client, class) pairs: the replies in partition order, each one's rows by class as
+    our clients send them, and the server's generator of ``seed`` kept across rounds. The rows of a
+    step are those FedTGP's ACL loss (patched to record them) or FedGH's header is called on."""
+    options = our_side.method_options(config, method)
+    epochs, size = options["server-epochs"], options["server-batch-size"]
+    generator = torch.Generator().manual_seed(seed)  # FedTGPStrategy.batch_rng, FedGHStrategy.header_generator
+    seen, batches = [], []
+    loss = fedtgp.acl_loss
+    monkeypatch.setattr(fedtgp, "acl_loss", lambda protos, *args: seen.append(protos.clone()) or loss(protos, *args))
+    for r in range(config["num-server-rounds"] + 1):
+        replies = []
+        for i in range(config["num-clients"]):
+            classes = [k for k in range(4) if (k + i + r) % 3]
+            rows = np.array([[100.0 * i + k] * 4 for k in classes], dtype=np.float32)
+            names = ("protos", "proto_labels") if method == "fedtgp" else ("lar", "lar_labels")
+            labels = np.array(classes, dtype=np.int64 if method == "fedtgp" else np.int32)
+            replies.append(ClientReply(1000 + i, i, {names[0]: rows, names[1]: labels}, {}))
+        seen.clear()
+        if method == "fedtgp":
+            opts = fedtgp.FedTGPOptions(server_epochs=epochs, server_batch_size=size)
+            fedtgp.train_generator(fedtgp.PrototypeGenerator(10, 4, 8), replies, opts, generator)
+        else:
+            opts = fedgh.FedGHOptions(server_mode="minibatch", server_epochs=epochs, server_batch_size=size)
+            fedgh.train_header(RecordingLinear(seen), replies, opts, generator)
+        # the first and the last call are the step's loss over all rows, before and after it
+        batches += [[list(divmod(int(row[0]), 100)) for row in rows] for rows in seen[1:-1]]
+    return batches
+
+
+class RecordingLinear(nn.Linear):
+    """FedGH's header Linear(4, 10) that appends each input it is called on to ``seen``."""
+
+    def __init__(self, seen: list) -> None:
+        super().__init__(4, 10)
+        self.seen = seen
+
+    def forward(self, x):
+        self.seen.append(x.detach().clone())
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("method", ["fedtgp", "fedgh"])
+def test_the_bootstrap_pairs_the_servers_module_and_batch_order_over_the_uploads(
+    method, stand_in_partitions, tmp_path, monkeypatch
+):
+    """Through the bootstrap, HtFLlib's server (a stand-in of FedTGP's or FedGH's) stores our server's
+    initial module, not its own draw (FedTGP's trainable prototypes: our generator's weights), and its
+    ``DataLoader`` over the uploads gives our server's batches round after round, although it collects
+    the rows in another order (its client order, each client's classes in its own); with the order
+    unpaired (the method without ``server_order``) the same stand-in's batches are not ours, and a run
+    whose log does not show the order paired is refused for a method that pairs it."""
+    config = stand_in_config(
+        **{"batch-size": 3, f"{method}.server-batch-size": 3, f"{method}.server-epochs": 2, "method": method}
+    )
+    seed = 2
+    item = htfllib.REFERENCE_METHODS[method].server_item
+    ours = our_server_batches(method, config, seed, monkeypatch)
+    write_stand_in(tmp_path / "ref" / "system", UPLOADS_MAIN, build=False)
+
+    def run(out):
+        result = htfllib.run_reference(tmp_path / "ref", config, method, seed, stand_in_partitions, out)
+        log = (out / f"reference-seed-{seed}.log").read_text()
+        rounds = [json.loads(line) for line in re.findall(r"^stand-in: round (.*)$", log, re.M)]
+        return result, log, rounds
+
+    paired, log, rounds = run(tmp_path / "paired")
+    server = pairing.server_initial_state({**config, "seed": seed})
+    own, stored = re.search(rf"^stand-in: server {item} (\w+) (\w+)$", log, re.M).groups()
+    assert stored == pairing.states_digest([server]) != own and paired["server_pairing"] == "paired"
+    assert [batch for _, batches in rounds for batch in batches] == ours
+    assert any(uploads != sorted(uploads) for uploads, _ in rounds)  # HtFLlib's own row order, not ours
+    assert f"CROSSCHECK_SERVER_ORDER=server{method[3:]} " in paired["command"]
+    assert htfllib.pairing(method, [paired]) == (
+        f"{htfllib.PAIRED}; {htfllib.PAIRED_SERVER.format(item=item)}; {htfllib.PAIRED_ORDER}",
+        "",
+    )
+    ref = htfllib.REFERENCE_METHODS[method]
+    monkeypatch.setitem(htfllib.REFERENCE_METHODS, method, dataclasses.replace(ref, server_order=""))
+    _, log, rounds = run(tmp_path / "unpaired")
+    assert [batch for _, batches in rounds for batch in batches] != ours
+    with pytest.raises(RuntimeError, match=rf"never built a DataLoader of flcore.servers.{ref.server_order}"):
+        htfllib.read_reference_run(log, 0, seed, 3, 3, tmp_path, item, ref.server_order)
+
+
 #: a stand-in ``main.py`` whose server runs HtFLlib's round loop: each iteration selects the clients
 #: (numpy's order), prints its round number and an "accuracy" of every stored model and of its own
 #: state, moves each selected client's stored model by torch's draws in that order, and prints a
 #: draw of Python's generator as FedTGP's ``max_gap`` and the iteration's "seconds" as HtFLlib's servers
-#: print them; ``$STAND_IN_KILL_AT`` kills the process
+#: print them. Its server stores FedTGP's prototypes and trains on the clients' uploads
+#: (:data:`STAND_IN_UPLOAD_SERVER`, 2 epochs of batches of 3), and the next round's "accuracy" also tells
+#: that batch order; ``$STAND_IN_KILL_AT`` kills the process
 #: (SIGKILL, nothing flushed or cleaned) in that iteration's training
 RESUMABLE_MAIN = """
 import argparse, os, random, signal, torch
 from flcore.clients.clientbase import Client, load_item, save_item
 from flcore.servers.serverbase import Server
+from flcore.servers.servertgp import store_server_item, train_on_uploads, upload
 
 class StandIn(Server):
     def __init__(self, args, times):
         super().__init__(args, times)
         self.clients = [Client(args, id=i) for i in range(args.nc)]
-        self.orders = []
+        store_server_item(self, args)
+        self.orders, self.batch_order = [], 0.0
 
     def train(self):
         for i in range(self.global_rounds + 1):
@@ -518,7 +695,7 @@ class StandIn(Server):
             print(f"\\n-------------Round number: {i}-------------")
             models = [load_item(c.role, "model", c.save_folder_name) for c in self.clients]
             total = sum(float(p.abs().sum()) for m in models for p in m.parameters())
-            print(f"Averaged Test Accuracy: {total % 1 / 2 + len(self.orders) / 100:.6f}")
+            print(f"Averaged Test Accuracy: {total % 1 / 2 + len(self.orders) / 100 + self.batch_order:.6f}")
             for c in self.selected_clients:
                 if os.environ.get("STAND_IN_KILL_AT") == str(i) and c is self.selected_clients[-1]:
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -527,12 +704,19 @@ class StandIn(Server):
                     for p in model.parameters():
                         p.add_(torch.randn_like(p))
                 save_item(model, c.role, "model", c.save_folder_name)
+            # the classes by the iterations done (the state), not by i, which a resumed launch counts from 0
+            upload(self.clients, lambda c: [k for k in range(4) if (k + c + len(self.orders)) % 3])
+            _, batches = train_on_uploads(self, 2, 3)
+            rows = [100 * c + k for batch in batches for c, k in batch]
+            self.batch_order = sum(j * row for j, row in enumerate(rows)) % 997 / 1e6
             self.orders.append([c.id for c in self.selected_clients])
             print(f"max_gap tensor({random.random():.6f})")
             print("-" * 50, 0.25 * len(self.orders))
 
 p = argparse.ArgumentParser()
-p.add_argument("-nc", type=int); p.add_argument("-gr", type=int)
+for flag in ("-nc", "-gr", "-ncl", "-fd"):
+    p.add_argument(flag, type=int)
+p.add_argument("-algo")
 args, _ = p.parse_known_args()
 args.global_rounds = args.gr
 print("\\n============= Running time: 0th =============")
@@ -545,7 +729,8 @@ def test_a_stopped_reference_run_goes_on_from_its_checkpoint_as_if_never_stopped
 ):
     """Through the real bootstrap: a FedTGP run killed in iteration 2's training (SIGKILL: nothing
     flushed or cleaned up) fails, and the next call goes on from the checkpoint of iteration 2's start
-    (the store, the server's state, every generator) to the same curve and ``max_gap`` as a run never
+    (the store, the server's state, every generator, the paired batch order's too) to the same curve and
+    ``max_gap`` as a run never
     stopped, over two launches; the checkpoint is gone once the run is kept."""
     monkeypatch.setattr(htfllib, "CHECKPOINT_SECONDS", 0.0)  # every iteration
     run = functools.partial(
@@ -600,13 +785,18 @@ def test_a_resumed_log_reads_as_one_launch():
 
 
 #: a bootstrap without PyTorch for the tests of how a run's end is read: it prints the line
-#: :data:`bench.htfllib.BOOTSTRAP` prints for each of the ``-nc`` clients it pairs, then runs
+#: :data:`bench.htfllib.BOOTSTRAP` prints for each of the ``-nc`` clients it pairs, and those for the
+#: server's item and batch order where the run has them, then runs
 #: ``main.py`` as that one does (its pairing and seeding: the tests on :func:`bootstrapped`)
 LIGHT_BOOTSTRAP = """
-import sys
+import os, sys
 sys.argv = sys.argv[1:]
 for i in range(int(sys.argv[sys.argv.index("-nc") + 1])):
     print(f"crosscheck: client {i} paired (stand-in)", flush=True)
+if os.environ.get("CROSSCHECK_SERVER_ITEM"):
+    print(f"crosscheck: server {os.environ['CROSSCHECK_SERVER_ITEM']} paired", flush=True)
+if os.environ.get("CROSSCHECK_SERVER_ORDER"):
+    print("crosscheck: server batch order paired (stand-in)", flush=True)
 exec(compile(open("main.py").read(), "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py"})
 """
 
@@ -935,8 +1125,9 @@ def test_the_report_keeps_earlier_methods_and_says_the_settings_as_run(tmp_path,
     assert "run by an earlier call" in report.split("## local")[1] and "## fedgh" in report
     assert "not paired: nothing" in report.split("## local")[1].split("##")[0]
     fedgh = report.split("## fedgh")[1]
-    assert htfllib.PAIRED_SERVER.format(item="head") in fedgh.split("- paired:")[1].split("\n")[0]
-    assert "- not paired: the server's mini-batch order over the uploads" in fedgh
+    paired = fedgh.split("- paired:")[1].split("\n")[0]
+    assert htfllib.PAIRED_SERVER.format(item="head") in paired and paired.endswith(htfllib.PAIRED_ORDER)
+    assert "- not paired: nothing" in fedgh
     # options HtFLlib has no flag for: at its code's value listed as such, otherwise as not expressible
     as_code = fedgh.split("- set as HtFLlib's code does, which has no flag for them: ")[1].split("\n")[0]
     unexpressed = fedgh.split("- not expressible in HtFLlib (ours as run; see docs/methods): ")[1].split("\n")[0]
