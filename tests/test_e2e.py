@@ -58,13 +58,17 @@ def test_flwr_run_learns_on_real_cifar10(tmp_path):
 
 @pytest.mark.slow
 def test_failed_run_exits_non_zero(tmp_path):
+    """A run that starts and then fails: no train reply arrives within a round timeout of 1 ms, so the
+    only round is untrained (a missing data folder, which this test used before, is now refused
+    before the launch, with exit code 2)."""
     proc = launch(
         {
             "num-clients": 2,
             "num-server-rounds": 1,
-            "data-dir": str(tmp_path / "nothing-here"),
+            "max-examples-per-client": 60,
+            "data-dir": str(DATA_DIR),
             "output-dir": str(tmp_path / "out"),
-            "round-timeout": 60.0,
+            "round-timeout": 0.001,
         }
     )
     assert proc.returncode == 1, proc.stdout[-3000:]
