@@ -89,11 +89,12 @@ def fd_loss(
     ``softmax``: CE(z, y) + λ·KL(softmax(ẑ_y) ‖ softmax(z)) over the samples whose class has a
     global logit, summed and divided by B (the others add 0). ``logits`` (HtFLlib's
     ``clientfd.py``): CE(z, y) + λ·CE(z, t), t_i = ẑ_{y_i} where set, else z_i (detached), taken as
-    a class-probability target, mean over the batch. A global logit the client does not trust
-    (:func:`strategies.prototypes.trusted_rows`: far longer than its own logits) counts as not set.
+    a class-probability target, mean over the batch. A global logit the client does not trust for an
+    example (:func:`strategies.prototypes.trusted_rows`: far longer than that example's own logits)
+    counts as not set.
     """
     ce = F.cross_entropy(logits, labels)
-    if targets is None or lam == 0 or not (known := trusted_rows(targets, mask, logits)[labels]).any():
+    if targets is None or lam == 0 or not (known := trusted_rows(targets, mask, logits, labels)).any():
         return ce
     if target == "logits":
         soft = torch.where(known[:, None], targets[labels], logits.detach())

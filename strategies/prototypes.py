@@ -104,35 +104,37 @@ class RegularizerOptions:
             )
 
 
-def trusted_rows(rows: torch.Tensor, mask: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
-    """The received global rows a client may train towards: ``mask`` less every row that is not
-    finite or is longer than :data:`common.payload.RECEIVED_ROW_FACTOR` times the longest of the
-    client's own rows ``own`` of this batch.
+def trusted_rows(rows: torch.Tensor, mask: torch.Tensor, own: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per example of a batch, whether the client trains it towards the received global row of its
+    class: the row was sent (``mask``), is finite and is at most
+    :data:`common.payload.RECEIVED_ROW_FACTOR` times as long as the example's own row in ``own``.
 
     A global row comes from the server, which colluding clients can outvote for a class that fewer
     honest clients hold (docs/deployment.md); trained towards, a row of 1e5 in every entry made an
     honest client's loss 2.5e10, its reply was refused and the run ended. Leaving the row out drops
-    that class's term for this batch (as for a class without a global row), never the client.
+    that example's term (as for a class without a global row), never the client. The test is per
+    example, so one example's row never decides another's term (DP-SGD bounds each example's
+    gradient alone).
 
     Args:
         rows: float [C, w] received rows (a prototype or a class's logits per class).
         mask: bool [C], the rows that were sent.
         own: float [B, w] the client's representations or logits of this batch (not differentiated).
+        labels: int64 [B], each example's class.
 
     Returns:
-        bool [C]: ``mask`` with the untrusted rows cleared.
+        bool [B].
     """
     with torch.no_grad():
-        bound = RECEIVED_ROW_FACTOR * own.detach().norm(dim=1).max()
-        norms = rows.norm(dim=1)
-        return mask & torch.isfinite(norms) & (norms <= bound)
+        norms = rows.norm(dim=1)[labels]
+        return mask[labels] & torch.isfinite(norms) & (norms <= RECEIVED_ROW_FACTOR * own.detach().norm(dim=1))
 
 
 class PrototypeRegularizer:
     """The prototype term added to the client's CE loss; P is a constant (no gradient).
 
-    A received row the client does not trust (:func:`trusted_rows`, per batch) adds 0, as a class
-    without a global prototype does.
+    An example whose received row the client does not trust (:func:`trusted_rows`) adds 0, as one of
+    a class without a global prototype does.
 
     Args:
         protos: float32 [C, K] global prototypes (rows of masked-out classes are ignored), or None.
@@ -148,7 +150,7 @@ class PrototypeRegularizer:
         """The term for representations ``[B, K]`` and labels ``[B]`` (0 without prototypes)."""
         if self.protos is None or self.lam == 0:
             return features.new_zeros(())
-        known = trusted_rows(self.protos, self.mask, features)[labels]
+        known = trusted_rows(self.protos, self.mask, features, labels)
         if self.form == "mse-mean":
             diff = torch.where(known[:, None], features - self.protos[labels], 0.0)
             return self.lam * diff.pow(2).sum() / features.numel()

@@ -247,13 +247,16 @@ def test_colluders_that_claim_every_class_are_capped_by_the_uploads_vote():
 
 
 def test_a_client_leaves_out_an_extreme_received_row():
-    """A received row longer than RECEIVED_ROW_FACTOR times the client's own longest row of the batch
-    (or not finite) is left out of the mask; one 300 times as long (the honest spread of htfe8) is kept."""
-    own = torch.ones(8, 4)  # norm 2 each
+    """Per example: a received row longer than RECEIVED_ROW_FACTOR times the example's own row (or not
+    finite, or not sent) is left out; one 300 times as long (the honest spread of htfe8) is kept. An
+    example with a longer own row keeps the row another example of the same class leaves out."""
+    own = torch.ones(5, 4)  # norm 2 each
+    own[4] *= 100.0  # norm 200: 1e5 * 2 is within RECEIVED_ROW_FACTOR of it
     rows = torch.stack([torch.full((4,), 300.0), torch.full((4,), 1e5), torch.full((4,), float("inf")), torch.ones(4)])
     mask = torch.tensor([True, True, True, False])
-    assert trusted_rows(rows, mask, own).tolist() == [True, False, False, False]
-    assert RECEIVED_ROW_FACTOR * 2 < 1e5 * 2
+    labels = torch.tensor([0, 1, 2, 3, 1])
+    assert RECEIVED_ROW_FACTOR * 2 < 1e5 * 2 <= RECEIVED_ROW_FACTOR * 200
+    assert trusted_rows(rows, mask, own, labels).tolist() == [True, False, False, False, True]
 
 
 @pytest.mark.parametrize("aggregation", ["norm-bound", "median"])
