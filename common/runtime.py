@@ -184,6 +184,22 @@ class ClientRuntime:
             return len(self.data.train_y), len(self.data.test_y)
         return partition_sizes(self.spec, self.partition_id, self.cache_dir)
 
+    def initial_model(self) -> SplitModel:
+        """The personal model as initialised from the model group and seed (run config ``init``), on
+        the current default device (the meta device inside ``with torch.device("meta")``): what a new
+        client starts from, built anew on each call."""
+        info = self.info
+        return MODEL_GROUPS[self.cfg.model_group].build(
+            self.partition_id,
+            info.num_classes,
+            info.channels,
+            info.image_size,
+            self.cfg.seed,
+            self.cfg.feature_dim,
+            identical=self.cfg.init == "identical",
+            architecture=architecture_for(self.cfg, self.partition_id, self.spec.num_partitions),
+        )
+
     @cached_property
     def model(self) -> SplitModel:
         """The personal model: restored from state, else built from the model group and seed (run
@@ -196,20 +212,7 @@ class ClientRuntime:
         Without a usable state it is built and initialised as the seed says; a client that has none
         (:meth:`common.state_store.StateStore.holds`: its first message) skips the skeleton.
         """
-        info = self.info
-
-        def build() -> SplitModel:
-            return MODEL_GROUPS[self.cfg.model_group].build(
-                self.partition_id,
-                info.num_classes,
-                info.channels,
-                info.image_size,
-                self.cfg.seed,
-                self.cfg.feature_dim,
-                identical=self.cfg.init == "identical",
-                architecture=architecture_for(self.cfg, self.partition_id, self.spec.num_partitions),
-            )
-
+        build = self.initial_model
         if not self.state.holds(MODEL_STATE):  # a new client: nothing to restore, so no skeleton to build
             return build().to(self.device)
         with torch.device("meta"):

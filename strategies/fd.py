@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from common.config import RunConfig
 from common.options import option
+from common.payload import RECEIVED_ROW_FACTOR
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model, trained_class_means
 from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
@@ -94,7 +95,8 @@ def fd_loss(
     counts as not set.
     """
     ce = F.cross_entropy(logits, labels)
-    if targets is None or lam == 0 or not (known := trusted_rows(targets, mask, logits, labels)).any():
+    longest = RECEIVED_ROW_FACTOR * logits.detach().norm(dim=1) if targets is not None else None
+    if targets is None or lam == 0 or not (known := trusted_rows(targets, mask, labels, longest)).any():
         return ce
     if target == "logits":
         soft = torch.where(known[:, None], targets[labels], logits.detach())

@@ -36,10 +36,10 @@ from strategies.method import Method, MethodBinding
 from strategies.prototypes import (
     CLASS_AGGREGATIONS,
     ClassMeanCollector,
-    PrototypeRegularizer,
     RegularizerOptions,
     aggregate_class_sets,
     class_set_schemas,
+    guarded_regularizer,
     nearest_prototype_correct,
     unpack_global_set,
 )
@@ -107,7 +107,7 @@ class FedProtoClient(ClientProcedure):
         data = client.data
         protos, mask = unpack_global_set(payload, data.info.num_classes)
         device_protos = (protos.to(client.device), mask.to(client.device)) if protos is not None else (None, None)
-        regularizer = PrototypeRegularizer(*device_protos, self.options)
+        regularizer = guarded_regularizer(client, *device_protos, self.options)
         collector = ClassMeanCollector(data.info.num_classes)
 
         def regularize_and_collect(features, labels):

@@ -53,9 +53,9 @@ from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, Arrays, ClientProcedure, C
 from strategies.method import Method, MethodBinding
 from strategies.prototypes import (
     ROW_AGGREGATIONS,
-    PrototypeRegularizer,
     RegularizerOptions,
     class_set_schemas,
+    guarded_regularizer,
     nearest_prototype_correct,
 )
 from strategies.robust import require_aggregation
@@ -298,7 +298,7 @@ class FedTGPClient(ClientProcedure):
         pass_stats = {"train-seconds": 0.0}
         if self.options.prototype_pass == "before-training":
             means, labels = trained_class_means(client, pass_stats)
-        stats = train_personal_model(client, config, PrototypeRegularizer(protos, mask, self.options))
+        stats = train_personal_model(client, config, guarded_regularizer(client, protos, mask, self.options))
         if self.options.prototype_pass == "after-training":
             means, labels = trained_class_means(client, pass_stats)
         stats["train-seconds"] += pass_stats["train-seconds"]

@@ -26,7 +26,7 @@ from common.dp import dp_options
 from common.errors import ConfigError
 from common.options import option
 from common.payload import (
-    RECEIVED_ROW_FACTOR,
+    RECEIVED_PROTOTYPE_FACTOR,
     ROW_NORM_FACTOR,
     ArraySpec,
     ClientReply,
@@ -104,53 +104,88 @@ class RegularizerOptions:
             )
 
 
-def trusted_rows(rows: torch.Tensor, mask: torch.Tensor, own: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def trusted_rows(
+    rows: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, longest: float | torch.Tensor
+) -> torch.Tensor:
     """Per example of a batch, whether the client trains it towards the received global row of its
-    class: the row was sent (``mask``), is finite and is at most
-    :data:`common.payload.RECEIVED_ROW_FACTOR` times as long as the example's own row in ``own``.
+    class: the row was sent (``mask``), is finite and is at most ``longest`` long.
 
     A global row comes from the server, which colluding clients can outvote for a class that fewer
     honest clients hold (docs/deployment.md); trained towards, a row of 1e5 in every entry made an
     honest client's loss 2.5e10, its reply was refused and the run ended. Leaving the row out drops
-    that example's term (as for a class without a global row), never the client. The test is per
-    example, so one example's row never decides another's term (DP-SGD bounds each example's
-    gradient alone).
+    that example's term (as for a class without a global row), never the client. ``longest`` is one
+    bound for the batch or one per example (never the batch's rows together: DP-SGD bounds each
+    example's gradient alone, so one example must not decide another's term).
 
     Args:
         rows: float [C, w] received rows (a prototype or a class's logits per class).
         mask: bool [C], the rows that were sent.
-        own: float [B, w] the client's representations or logits of this batch (not differentiated).
         labels: int64 [B], each example's class.
+        longest: the longest row trusted, a float or float [B] (e.g. RECEIVED_ROW_FACTOR times
+            each example's own logits' norm).
 
     Returns:
         bool [B].
     """
     with torch.no_grad():
         norms = rows.norm(dim=1)[labels]
-        return mask[labels] & torch.isfinite(norms) & (norms <= RECEIVED_ROW_FACTOR * own.detach().norm(dim=1))
+        return mask[labels] & torch.isfinite(norms) & (norms <= longest)
+
+
+#: (run config, partition) -> :func:`initial_representation_scale` in this process
+_INITIAL_SCALES: dict[tuple, float] = {}
+#: synthetic images of the batch that :func:`initial_representation_scale` measures
+SCALE_BATCH = 8
+
+
+def initial_representation_scale(client) -> float:
+    """The longest representation (L2 norm) that the client's extractor *as initialised* gives a fixed
+    batch of :data:`SCALE_BATCH` synthetic images (uniform pixels from a generator of seed 0), the
+    anchor of the client's guard on received prototypes (``common.payload.RECEIVED_PROTOTYPE_FACTOR``
+    times it). It reads no client data and training cannot move it: a prototype walked a bounded step
+    a round, which the honest client's representations follow, is still caught once it is far from
+    where any honest representation starts. Cached per process and partition (one model build).
+    """
+    cfg, info = client.cfg, client.info
+    key = (cfg.model_group, cfg.seed, cfg.init, cfg.feature_dim, cfg.dataset, client.partition_id)
+    if key not in _INITIAL_SCALES:
+        generator = torch.Generator().manual_seed(0)
+        shape = (SCALE_BATCH, info.channels, info.image_size, info.image_size)
+        images = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            extractor = client.initial_model().extractor.eval()
+            _INITIAL_SCALES[key] = float(extractor(normalize(images, info)).norm(dim=1).max())
+    return _INITIAL_SCALES[key]
 
 
 class PrototypeRegularizer:
     """The prototype term added to the client's CE loss; P is a constant (no gradient).
 
-    An example whose received row the client does not trust (:func:`trusted_rows`) adds 0, as one of
-    a class without a global prototype does.
+    An example whose received row is longer than ``longest`` (:func:`trusted_rows`; the client's
+    :func:`guarded_regularizer` sets it) adds 0, as one of a class without a global prototype does.
 
     Args:
         protos: float32 [C, K] global prototypes (rows of masked-out classes are ignored), or None.
         mask: bool [C], True where class c has a global prototype.
         options: lambda and form.
+        longest: the longest received prototype trained towards.
     """
 
-    def __init__(self, protos: torch.Tensor | None, mask: torch.Tensor | None, options: RegularizerOptions) -> None:
-        self.protos, self.mask = protos, mask
+    def __init__(
+        self,
+        protos: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        options: RegularizerOptions,
+        longest: float = float("inf"),
+    ) -> None:
+        self.protos, self.mask, self.longest = protos, mask, longest
         self.lam, self.form = options.lambda_, options.reg_form
 
     def __call__(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The term for representations ``[B, K]`` and labels ``[B]`` (0 without prototypes)."""
         if self.protos is None or self.lam == 0:
             return features.new_zeros(())
-        known = trusted_rows(self.protos, self.mask, features, labels)
+        known = trusted_rows(self.protos, self.mask, labels, self.longest)
         if self.form == "mse-mean":
             diff = torch.where(known[:, None], features - self.protos[labels], 0.0)
             return self.lam * diff.pow(2).sum() / features.numel()
@@ -161,6 +196,16 @@ class PrototypeRegularizer:
         if not distances:
             return features.new_zeros(())
         return self.lam * torch.stack(distances).mean()
+
+
+def guarded_regularizer(
+    client, protos: torch.Tensor | None, mask: torch.Tensor | None, options: RegularizerOptions
+) -> PrototypeRegularizer:
+    """The client's prototype term, guarded: a received prototype over
+    ``common.payload.RECEIVED_PROTOTYPE_FACTOR`` times :func:`initial_representation_scale` is not
+    trained towards (FedProto's and FedTGP's clients)."""
+    longest = RECEIVED_PROTOTYPE_FACTOR * initial_representation_scale(client) if protos is not None else float("inf")
+    return PrototypeRegularizer(protos, mask, options, longest)
 
 
 class ClassMeanCollector:

@@ -18,13 +18,14 @@ import torch
 
 from bench.byzantine import ATTACKS, HONEST, tamper_of
 from common.config import ConfigError, RunConfig
-from common.payload import RECEIVED_ROW_FACTOR, ROW_NORM_FACTOR, ClientReply
-from conftest import federation, make_run_config
+from common.data import normalize
+from common.payload import RECEIVED_PROTOTYPE_FACTOR, RECEIVED_ROW_FACTOR, ROW_NORM_FACTOR, ClientReply
+from conftest import client_runtime, federation, make_run_config
 from strategies.aggregation import class_average
 from strategies.fedgh import train_header
 from strategies.fedre import train_head
 from strategies.fedtgp import train_generator
-from strategies.prototypes import bound_class_rows, trusted_rows
+from strategies.prototypes import _INITIAL_SCALES, bound_class_rows, initial_representation_scale, trusted_rows
 from strategies.registry import build_strategy
 from strategies.robust import BOUNDED
 
@@ -247,16 +248,34 @@ def test_colluders_that_claim_every_class_are_capped_by_the_uploads_vote():
 
 
 def test_a_client_leaves_out_an_extreme_received_row():
-    """Per example: a received row longer than RECEIVED_ROW_FACTOR times the example's own row (or not
-    finite, or not sent) is left out; one 300 times as long (the honest spread of htfe8) is kept. An
-    example with a longer own row keeps the row another example of the same class leaves out."""
+    """Per example: a received row longer than the example's bound (or not finite, or not sent) is
+    left out; FD's bound is RECEIVED_ROW_FACTOR times the example's own row, so one 300 times as long
+    (the honest spread of htfe8) is kept and an example with a longer own row keeps a row another
+    example of the same class leaves out."""
     own = torch.ones(5, 4)  # norm 2 each
     own[4] *= 100.0  # norm 200: 1e5 * 2 is within RECEIVED_ROW_FACTOR of it
     rows = torch.stack([torch.full((4,), 300.0), torch.full((4,), 1e5), torch.full((4,), float("inf")), torch.ones(4)])
     mask = torch.tensor([True, True, True, False])
     labels = torch.tensor([0, 1, 2, 3, 1])
+    longest = RECEIVED_ROW_FACTOR * own.norm(dim=1)
     assert RECEIVED_ROW_FACTOR * 2 < 1e5 * 2 <= RECEIVED_ROW_FACTOR * 200
-    assert trusted_rows(rows, mask, own, labels).tolist() == [True, False, False, False, True]
+    assert trusted_rows(rows, mask, labels, longest).tolist() == [True, False, False, False, True]
+
+
+def test_the_prototype_guard_is_anchored_where_training_cannot_move_it(tmp_path):
+    """A client's bound on received prototypes is RECEIVED_PROTOTYPE_FACTOR times its initial
+    extractor's longest representation of a fixed synthetic batch: the same before and after the
+    client trained (its own representations grew), and an honest trained prototype is far inside it."""
+    rc = mnist(tmp_path, "fedproto", {}, 1, **{"max-examples-per-client": 60})
+    client = client_runtime(rc, 0)
+    before = initial_representation_scale(client)
+    with torch.no_grad():
+        client.model.extractor[0].weight.mul_(50.0)  # a trained model, far from its start
+    _INITIAL_SCALES.clear()
+    assert initial_representation_scale(client) == before > 0
+    trained = client.model.extractor.eval()(normalize(client.data.train_x[:32], client.data.info)).norm(dim=1).max()
+    assert trained > before
+    assert RECEIVED_PROTOTYPE_FACTOR * before > 100 * before
 
 
 @pytest.mark.parametrize("aggregation", ["norm-bound", "median"])
