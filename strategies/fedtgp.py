@@ -23,11 +23,12 @@ delta(t) (the official nearest-centre rule, ``fedtgp.margin = "max-pairwise"`` f
 Eq. 9), then P̂ = F(E). Each round row also carries diagnostics of P̂: the smallest distance
 between two global prototypes and how far they moved since the last round (the margin grows
 by design, as in the official code; these show whether it settles). Run config ``aggregation``:
-``norm-bound`` (default) and ``mean`` both run the paper's step: it bounds one upload's
-influence by design. A row's ACL gradient on P̂ is -‖p - P̂_c‖'s, a unit vector whatever the row's
-length, and the margin is capped at tau. Bounding the rows' length (or only the margin's input) by
-the round's median, as FedProto's ``norm-bound``, measured worse: scaled to an honest length an
-attacker's rows sit among the honest ones (docs/methods/fedtgp.md, Server step).
+``mean`` is the paper's step on the rows as uploaded; ``norm-bound`` (default) first bounds the rows
+of each class that at least 3 uploads hold to the class's lower median change from the P̂ sent
+(:func:`strategies.prototypes.bound_class_rows` with ``voted_only``) and leaves the other classes'
+rows to the step, whose ACL gradient on P̂ is -‖p - P̂_c‖'s, a unit vector whatever the row's length.
+Against colluders claiming a class that honest clients hold too, the paper's step lets one upload
+pull P̂_c anywhere; bounded, it cannot (``results/byzantine/colluding-120x5/``, docs/methods/fedtgp.md).
 ``fedtgp.margin-freeze`` (off by default; not the paper's) holds the margin at a level once it
 reaches it (:func:`held_margin`), to test whether the growing margin makes the runs diverge.
 """
@@ -54,11 +55,12 @@ from strategies.method import Method, MethodBinding
 from strategies.prototypes import (
     ROW_AGGREGATIONS,
     RegularizerOptions,
+    bound_class_rows,
     class_set_schemas,
     guarded_regularizer,
     nearest_prototype_correct,
 )
-from strategies.robust import require_aggregation
+from strategies.robust import BOUNDED, require_aggregation
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -272,15 +274,20 @@ class FedTGPStrategy(HeteroStrategy):
         return self.global_arrays()
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """Train the generator on the round's prototypes, then emit P̂ for all C classes (any
-        ``aggregation``: the step bounds a row's influence itself, see the module docstring)."""
+        """Train the generator on the round's prototypes (under ``norm-bound`` bounded first, see the
+        module docstring; ``server-bounded`` counts the scaled rows), then emit P̂ for all C classes."""
+        bounded = {}
+        if self.cfg.aggregation == "norm-bound":
+            sent = self.global_set.get("global_protos")
+            reference = None if sent is None else sent.astype(np.float64)
+            replies, bounded[BOUNDED] = bound_class_rows(replies, "protos", "proto_labels", reference, voted_only=True)
         metrics = train_generator(self.generator, replies, self.options, self.batch_rng, self.margin_hold["frozen"])
         self.margin_hold["frozen"] = bool(metrics.get("server-margin-frozen", self.margin_hold["frozen"]))
         old = self.global_set.get("global_protos")
         if metrics["server-num-protos"] or old is None:
             with torch.no_grad():
                 self.global_set["global_protos"] = self.generator().numpy().astype(np.float32)
-        return {**metrics, **prototype_diagnostics(self.global_set["global_protos"], old)}
+        return {**metrics, **prototype_diagnostics(self.global_set["global_protos"], old), **bounded}
 
 
 class FedTGPClient(ClientProcedure):

@@ -282,6 +282,7 @@ def bound_class_rows(
     labels: str,
     reference: np.ndarray | None = None,
     per_class: bool = True,
+    voted_only: bool = False,
 ) -> tuple[list[ClientReply], int]:
     """Bound each uploaded per-class row's change from what the server sent for its class
     (``reference``; zero without one): ``aggregation = "norm-bound"`` (``per_class``), and the same
@@ -316,6 +317,9 @@ def bound_class_rows(
             it sent none), or None: every reference zero, a bound on the rows' norms.
         per_class: bound by the class median as well (``norm-bound``); False: only the cap for the
             classes at least :data:`MEDIAN_VOTES` uploads hold (before a per-class median).
+        voted_only: leave the rows of a class fewer than :data:`MEDIAN_VOTES` uploads hold as they
+            are (FedTGP, whose step bounds such a row's pull itself: bounded to V, an attacker's row
+            sits among the honest ones; ``results/byzantine/colluding-120x5/``).
 
     Returns:
         (the replies, those with a bounded row as copies whose ``values`` keep their dtype and whose
@@ -334,6 +338,8 @@ def bound_class_rows(
         where = [(i, j) for i, j, k in places if k == c]
         group = [deltas[i][j] for i, j in where]
         if len(group) < MEDIAN_VOTES:
+            if voted_only:
+                continue
             bound = vote
         elif per_class:
             bound = min(lower_median(np.linalg.norm(group, axis=1)), cap)

@@ -186,12 +186,8 @@ def test_mean_is_the_papers_server_step_bit_for_bit(method):
     got = plain.global_arrays()
     assert got.keys() == expected.keys() and all(np.array_equal(got[k], expected[k]) for k in got)
     assert BOUNDED not in metrics
-    if method == "fedtgp":  # its step bounds a row's influence by design: norm-bound is the same step
-        assert all(np.array_equal(bounded.global_arrays()[k], expected[k]) for k in expected)
-        assert BOUNDED not in bounded_metrics
-    else:
-        assert bounded_metrics[BOUNDED] >= 1
-        assert any(not np.array_equal(bounded.global_arrays()[k], expected[k]) for k in expected)
+    assert bounded_metrics[BOUNDED] >= 1
+    assert any(not np.array_equal(bounded.global_arrays()[k], expected[k]) for k in expected)
 
 
 @pytest.mark.parametrize(
@@ -228,6 +224,20 @@ def test_per_class_median_and_trimmed_mean(rule):
     protos = strategy.global_arrays()["protos"]
     assert np.linalg.norm(protos, axis=1) == pytest.approx([3.0, 2.0], rel=1e-5)
     assert metrics["server-num-classes"] == 2 and metrics[BOUNDED] == 2
+
+
+def test_voted_only_leaves_the_classes_fewer_than_three_uploads_hold():
+    """FedTGP's bound (``voted_only``): class 0, held by four uploads, is bounded by its lower median
+    (2); classes 5 and 7, held by fewer than three, keep their rows bit for bit."""
+    replies = [
+        reply(0, [(0, 1.0), (5, 10.0)]),
+        reply(1, [(0, 1000.0), (5, 500.0), (7, 800.0)]),
+        reply(2, [(0, 2.0)]),
+        reply(3, [(0, 4.0)]),
+    ]
+    bounded, scaled = bound_class_rows(replies, "protos", "proto_labels", voted_only=True)
+    assert scaled == 2
+    assert norms(bounded) == [[1.0, 10.0], [2.0, 500.0, 800.0], [2.0], [2.0]]
 
 
 def test_colluders_that_claim_every_class_are_capped_by_the_uploads_vote():
