@@ -67,9 +67,11 @@ def rule_of(replies):
 
 
 def freeze_strategy(level, **kw):
-    """A FedTGP server (K = 512, C = 10) with ``fedtgp.margin-freeze`` = ``level`` and a one-epoch server step."""
+    """A FedTGP server (K = 512, C = 10) with ``fedtgp.margin-freeze`` = ``level`` and a one-epoch server
+    step, the paper's (``aggregation = "mean"``: the margin of the rows as uploaded)."""
     rc = make_run_config(
         method="fedtgp",
+        aggregation="mean",
         **{"model-group": "htfe2", "fedtgp.margin-freeze": level, "fedtgp.server-epochs": 1, "fedtgp.hidden-dim": 16},
         **kw,
     )
@@ -255,8 +257,10 @@ def test_fedtgp_options_and_fedgh_head_check():
 
 
 def test_fedtgp_rows_carry_prototype_diagnostics(run_config):
-    rc = run_config(
-        **MNIST, **{"num-clients": 4, "num-server-rounds": 3, "method": "fedtgp", "fedtgp.server-epochs": 5}
+    rc = run_config(  # the paper's step (mean): the margin recomputed below from the rows as uploaded
+        **MNIST,
+        **{"num-clients": 4, "num-server-rounds": 3, "method": "fedtgp", "fedtgp.server-epochs": 5},
+        aggregation="mean",
     )
     strategy, grid = federation(rc)
     olds, rules = [], []
