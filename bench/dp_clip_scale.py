@@ -20,9 +20,9 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from flwr.app import Context, RecordDict
 from torch.func import functional_call, grad, vmap
 
+from bench.dp_overhead import client
 from common.config import RunConfig
 from common.data import normalize
 from common.protocol import train_config
@@ -30,18 +30,6 @@ from common.runtime import ClientRuntime
 from common.training import train_supervised
 from models.groups import MODEL_GROUPS
 from tools.runconfig import app_defaults, read_preset
-
-
-def client(rc: dict, partition: int) -> ClientRuntime:
-    """A runtime of ``partition`` for run config ``rc`` with an empty state (no DP)."""
-    context = Context(
-        run_id=1,
-        node_id=partition + 1,
-        node_config={"partition-id": partition, "num-partitions": rc["num-clients"]},
-        state=RecordDict(),
-        run_config=rc,
-    )
-    return ClientRuntime(context)
 
 
 @torch.no_grad()
