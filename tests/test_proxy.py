@@ -72,6 +72,9 @@ def test_proxy_admits_nodes_everywhere_and_the_control_api_only_from_the_operato
         procs.append(spawn(proxy_command(config), env, tmp_path / "proxy.log"))
 
         def healthy():
+            for proc, log in zip(procs, ("superlink.log", "proxy.log")):
+                if proc.poll() is not None:  # fail now, with its reason, not after the timeout
+                    raise RuntimeError(f"{log} ended with {proc.returncode}: {(tmp_path / log).read_text()[-2000:]}")
             try:
                 return status(public_port, "/health", "127.0.0.1", certs["ca"]) != 502 or None
             except OSError:

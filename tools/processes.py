@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -13,10 +14,42 @@ import sys
 import time
 
 
+#: where :func:`free_port` looks when the kernel's ephemeral range cannot be read (Linux's default starts at 32768)
+EPHEMERAL_FALLBACK = (32768, 60999)
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (``ip_local_port_range``), inclusive."""
+    try:
+        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return EPHEMERAL_FALLBACK
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port nothing listens on, chosen below the kernel's ephemeral range.
+
+    Why not the port the kernel picks for ``bind(0)``: that port comes from the ephemeral range, which
+    every outgoing connection draws from too, so between this check and the server's own bind a client
+    of another process (nginx connecting upstream, a CLI, the other test worker) can take it: the
+    SuperLink then exits with "address already in use". Ports below the range are only taken by
+    listeners that ask for them by number.
+
+    Raises:
+        RuntimeError: 200 random ports in ``[10000, low)`` were all taken.
+    """
+    low = ephemeral_range()[0]
+    start = 10000 if low > 11000 else 1024
+    for _ in range(200):
+        port = random.randrange(start, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in [{start}, {low}) after 200 tries")
 
 
 def stop(proc: subprocess.Popen) -> None:
