@@ -70,6 +70,9 @@ DEFAULT_RELEASE_SHARE = 0.25
 #: below them shortens every DP-SGD step and shrinks every prototype to the unit ball
 DEFAULT_CLIP_NORM = 7.0
 DEFAULT_PAYLOAD_CLIP = 10.0
+#: ``dp.count-noise``'s default, as a share of the expected batch B: σ_b = B / 20, the choice of Andrew et al.
+#: (NeurIPS 2021, §4: σ_b = m / 20 for m clients a round), so the noisy clipped fraction b̃ has noise std 0.05
+DEFAULT_COUNT_NOISE_SHARE = 1 / 20
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,30 @@ class DPOptions:
         low=0,
         high=0.99,
         low_open=True,
+    )
+    adaptive_clip: bool = option(
+        False,
+        "DP-SGD: 'dp.clip-norm' is only where the clip starts; each step moves it towards the 'dp.target-quantile' "
+        "of the per-example gradient norms from a noisy count (Andrew et al. 2021; docs/privacy.md)",
+    )
+    target_quantile: float = option(
+        0.5,
+        "with 'dp.adaptive-clip': the share γ of per-example gradients the clip aims to leave unclipped",
+        low=0.01,
+        high=0.99,
+    )
+    clip_lr: float = option(
+        0.2,
+        "with 'dp.adaptive-clip': η_C of the clip's geometric step C·exp(-η_C·(b̃ - γ))",
+        low=0,
+        high=10,
+        low_open=True,
+    )
+    count_noise: float = option(
+        0.0,
+        "with 'dp.adaptive-clip': σ_b, the noise std (in examples) of each step's count of unclipped gradients; "
+        "0: the expected batch size / 20 (the paper's choice); DP-SGD's σ must stay below 2·σ_b",
+        low=0,
     )
 
     @property
@@ -277,6 +304,25 @@ class DPPlan:
     def sample_rate(self) -> float:
         return min(1.0, self.batch_size / self.num_train)
 
+    @property
+    def count_noise(self) -> float:
+        """σ_b of ``dp.adaptive-clip`` (std of the noise on each step's count of unclipped gradients, in
+        examples): ``dp.count-noise``, or with it 0 the expected batch min(B, n) / 20 (Andrew et al. 2021, §4)."""
+        return self.options.count_noise or DEFAULT_COUNT_NOISE_SHARE * min(self.batch_size, self.num_train)
+
+    @property
+    def gradient_noise_multiplier(self) -> float:
+        """The σ DP-SGD's gradient noise is drawn with (std σ·C on each step's sum of gradients clipped to C).
+
+        Without ``dp.adaptive-clip`` it is :attr:`noise_multiplier`. With it each step also releases the count of
+        unclipped gradients with noise σ_b (:attr:`count_noise`), and the pair is one Gaussian mechanism of noise
+        multiplier σ when the gradients get σ_Δ = (σ⁻² − (2σ_b)⁻²)^(-1/2) (Andrew et al., NeurIPS 2021, Theorem 1:
+        each example moves the count of b_i − 1/2 by 1/2). So the accountant's events stay those of σ, and the
+        count costs noise on the gradients instead of ε. :func:`make_plan` ensures σ < 2σ_b."""
+        if not self.options.adaptive_clip:
+            return self.noise_multiplier
+        return (self.noise_multiplier**-2 - (2 * self.count_noise) ** -2) ** -0.5
+
     def spend(self, trainings: int, releases: int) -> tuple[Event, ...]:
         """The events of ``trainings`` local trainings (each :attr:`steps_per_training` DP-SGD steps at rate
         q) and ``releases`` payload releases (q = 1)."""
@@ -360,11 +406,14 @@ def make_plan(cfg: RunConfig, num_train: int, num_partitions: int, trainings: in
        ``dp.delta``;
     2. the DP-SGD σ is the smallest whose steps, composed with those releases, spend ``dp.epsilon``.
 
-    So the whole run spends ``dp.epsilon`` (PLD), and DP-SGD gets what the releases leave.
+    So the whole run spends ``dp.epsilon`` (PLD), and DP-SGD gets what the releases leave. With
+    ``dp.adaptive-clip`` σ is unchanged: each step's noisy count is paid for by more noise on the gradients
+    (:attr:`DPPlan.gradient_noise_multiplier`).
 
     Raises:
         ConfigError: the target cannot be met: ``dp.delta`` >= 1/n, no training example, or a calibrated
-            σ would exceed :data:`MAX_NOISE_MULTIPLIER` (:func:`unreachable`).
+            σ would exceed :data:`MAX_NOISE_MULTIPLIER` (:func:`unreachable`); or with ``dp.adaptive-clip`` σ is
+            not below 2·σ_b (naming ``dp.count-noise``).
     """
     options = dp_options(cfg)
     if not options.enabled:
@@ -400,7 +449,15 @@ def make_plan(cfg: RunConfig, num_train: int, num_partitions: int, trainings: in
         )
     except ValueError as exc:
         raise unreachable(options, num_train, plan.rounds, str(exc)) from exc
-    return replace(plan, noise_multiplier=sigma, release_noise_multiplier=release_sigma)
+    plan = replace(plan, noise_multiplier=sigma, release_noise_multiplier=release_sigma)
+    if options.adaptive_clip and sigma >= 2 * plan.count_noise:
+        raise ConfigError(
+            f"run config key 'dp.count-noise' = {options.count_noise:g} with 'dp.adaptive-clip' = true: a client of "
+            f"{num_train} examples needs DP-SGD's σ = {sigma:.4g}, which must stay below 2·σ_b = "
+            f"{2 * plan.count_noise:.4g} (the count's noise pays for part of σ: Andrew et al. 2021, Theorem 1); set "
+            f"'dp.count-noise' above {sigma / 2:.4g} (0 gives the expected batch / 20), or raise 'batch-size'"
+        )
+    return plan
 
 
 def largest_client(cfg: RunConfig) -> int:

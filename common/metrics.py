@@ -129,7 +129,13 @@ CATEGORY_METRICS: dict[str, dict[str, MetricSpec]] = {
         "dp-releases": count("payload releases of this message"),
         "dp-trainings-total": count("local trainings in the client's privacy ledger, over every run"),
         "dp-releases-total": count("payload releases in the client's privacy ledger, over every run"),
-        "dp-clip-norm": MetricSpec(float, 0.0, 1e9, "DP-SGD's per-example gradient L2 bound (dp.clip-norm)"),
+        "dp-clip-norm": MetricSpec(
+            float, 0.0, 1e9, "DP-SGD's per-example gradient L2 bound (dp.clip-norm; adaptive: where it ended)"
+        ),
+        "dp-count-noise": MetricSpec(float, 0.0, 1e9, "dp.adaptive-clip: σ_b, noise std of each step's clip count"),
+        "dp-gradient-noise-multiplier": MetricSpec(
+            float, 0.0, 1e3, "dp.adaptive-clip: σ_Δ of the gradients (σ pays for them and the count together)"
+        ),
         "dp-payload-clip": MetricSpec(float, 0.0, 1e9, "a release's per-example row L2 bound (dp.payload-clip)"),
         "dp-rounds-left": count("whole rounds the client's dp.epsilon budget still allows"),
     },

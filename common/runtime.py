@@ -30,8 +30,23 @@ from models.groups import MODEL_GROUPS
 MODEL_STATE = "model"
 #: node config key: the most ε this node's examples may spend, whatever the run config's ``dp.epsilon``
 NODE_EPSILON = "dp-epsilon-max"
+#: with ``dp.adaptive-clip``: the state record of the clip a model's DP-SGD left off at, after the model's record
+CLIP_SUFFIX = "-dp-clip"
 
 log = logging.getLogger("flwr." + __name__)
+
+
+class ClipState(nn.Module):
+    """The clip a model's adaptive DP-SGD left off at (``dp.adaptive-clip``), kept between rounds as a state
+    record, so that a resumed server's repeated round rolls it back with the model (``common.state_store``).
+
+    Args:
+        clip: C, the per-example gradient L2 bound; held as the float64 scalar buffer ``clip_norm``.
+    """
+
+    def __init__(self, clip: float) -> None:
+        super().__init__()
+        self.register_buffer("clip_norm", torch.tensor(float(clip), dtype=torch.float64))
 
 
 @lru_cache(maxsize=8)
@@ -165,6 +180,8 @@ class ClientRuntime:
         self.dp: DPPlan | None = None
         #: local trainings and payload releases this message has charged to the privacy ledger
         self.spent_now = [0, 0]
+        #: with ``dp.adaptive-clip``: the clip this message's DP-SGD ended at (None: no adaptive training yet)
+        self.clip_now: float | None = None
 
     @cached_property
     def info(self) -> DatasetInfo:
@@ -294,6 +311,26 @@ class ClientRuntime:
         self.spent_now[0] += trainings
         self.spent_now[1] += releases
 
+    def dp_clip_norm(self, record: str = MODEL_STATE) -> float | None:
+        """With ``dp.adaptive-clip``: the clip the DP-SGD of the model kept as state record ``record`` starts
+        from, where its last training left it (record ``<record>-dp-clip``), else ``dp.clip-norm``. None
+        without it (DP-SGD clips at ``dp.clip-norm``) or with DP off."""
+        if self.dp is None or not self.dp.options.adaptive_clip:
+            return None
+        state = ClipState(self.dp.options.clip_norm)
+        self.restore(record + CLIP_SUFFIX, state)
+        return float(state.clip_norm)
+
+    def keep_dp_clip_norm(self, clip: float, record: str = MODEL_STATE) -> None:
+        """Store ``clip``, where the adaptive DP-SGD of ``record``'s model ended, for its next training, and
+        report it as this message's ``dp-clip-norm``.
+
+        Raises:
+            RuntimeError: ``clip`` is not finite (``common.state_store.StateStore.store``); nothing is stored.
+        """
+        self.store(record + CLIP_SUFFIX, ClipState(clip))
+        self.clip_now = clip
+
     def _budget_args(self) -> tuple[DPOptions, int, str]:
         options, key = self.privacy_budget()
         return options, self.partition_id, key
@@ -303,12 +340,17 @@ class ClientRuntime:
         so far by the ledger at ``dp.delta`` (PLD, RDP), ``dp-noise-multiplier`` and
         ``dp-release-noise-multiplier`` (σ of DP-SGD and of a release), ``dp-sample-rate`` (q),
         ``dp-steps`` and ``dp-releases`` of this message and ``dp-trainings-total`` and ``dp-releases-total``
-        of the ledger, ``dp-clip-norm`` and ``dp-payload-clip``, and ``dp-rounds-left`` (whole rounds the
-        budget still allows)."""
+        of the ledger, ``dp-clip-norm`` (with ``dp.adaptive-clip``: where this message's training left it) and
+        ``dp-payload-clip``, and ``dp-rounds-left`` (whole rounds the budget still allows). With
+        ``dp.adaptive-clip`` also ``dp-count-noise`` (σ_b) and ``dp-gradient-noise-multiplier`` (σ_Δ: the
+        gradients' noise, above σ, which the accountant charges for gradients and count together)."""
         if self.dp is None:
             return {}
         dp = self.dp
         events, trainings, releases = self.ledger.read()
+        adaptive = {}
+        if dp.options.adaptive_clip:
+            adaptive = {"dp-count-noise": dp.count_noise, "dp-gradient-noise-multiplier": dp.gradient_noise_multiplier}
         return {
             "dp-epsilon": epsilon_of(events, dp.options.delta),
             "dp-epsilon-rdp": epsilon_of(events, dp.options.delta, "rdp"),
@@ -319,9 +361,10 @@ class ClientRuntime:
             "dp-releases": self.spent_now[1],
             "dp-trainings-total": trainings,
             "dp-releases-total": releases,
-            "dp-clip-norm": dp.options.clip_norm,
+            "dp-clip-norm": dp.options.clip_norm if self.clip_now is None else self.clip_now,
             "dp-payload-clip": dp.options.payload_clip,
             "dp-rounds-left": dp.rounds_left(events, self.privacy_budget()[0].epsilon),
+            **adaptive,
         }
 
     def save_model(self) -> None:

@@ -50,6 +50,7 @@ def train_supervised(
     supervised_loss: SupervisedLoss | None = None,
     clip_groups: list[list[nn.Parameter]] | None = None,
     dp: DPPlan | None = None,
+    dp_clip_norm: float | None = None,
 ) -> dict[str, float]:
     """Train all of ``model`` with cross-entropy for ``local-epochs`` epochs on the train split.
 
@@ -72,17 +73,22 @@ def train_supervised(
     gradients and the optimiser stay float32); ``fp32`` (the papers' recipe) does not.
     With ``dp`` (run config ``dp.epsilon`` > 0) the training is DP-SGD (:func:`private_training`):
     Poisson-sampled batches instead of ``batch-order``, each example's gradient clipped to
-    ``dp.clip-norm`` instead of ``clip-norm``, and Gaussian noise on each step's sum.
+    ``dp.clip-norm`` instead of ``clip-norm``, and Gaussian noise on each step's sum; with
+    ``dp.adaptive-clip`` the clip starts at ``dp_clip_norm`` (default ``dp.clip-norm``) and adapts.
 
     Returns:
         ``train-loss`` (mean over samples of the last epoch), ``train-acc`` (fraction, last
-        epoch), ``train-seconds`` (wall time of the loop, synchronised on CUDA).
+        epoch), ``train-seconds`` (wall time of the loop, synchronised on CUDA); with
+        ``dp.adaptive-clip`` also ``dp-clip-norm``, the clip the training ended at.
     """
     start = time.perf_counter()
     model.train()
     opt = make_sgd(model.parameters(), config)
     if dp is not None:
-        return private_training(model, data, config, device, generator, opt, dp, regularizer, supervised_loss, start)
+        clip = dp.options.clip_norm if dp_clip_norm is None else dp_clip_norm
+        return private_training(
+            model, data, config, device, generator, opt, dp, clip, regularizer, supervised_loss, start
+        )
     clip = float(config["clip-norm"])
     clip_groups = clip_groups or [list(model.parameters())]
     x_all, y_all = data.train_x.to(device), data.train_y.to(device)
@@ -134,6 +140,7 @@ def private_training(
     generator: torch.Generator,
     opt: torch.optim.Optimizer,
     dp: DPPlan,
+    clip_norm: float,
     regularizer: Regularizer | None,
     supervised_loss: SupervisedLoss | None,
     start: float,
@@ -146,22 +153,41 @@ def private_training(
     the noise draw from the operating system's entropy (``common.dp.secret_generator``). The losses
     must be per-example means (cross-entropy, the prototype term ``mse-mean``, KL ``batchmean``).
 
+    With ``dp.adaptive-clip`` the clip starts at ``clip_norm`` and every step moves it towards the
+    ``dp.target-quantile`` of the per-example gradient norms (``common.adaptive_clip.QuantileClipDPOptimizer``:
+    Andrew et al. 2021), the gradients noised at σ_Δ (``DPPlan.gradient_noise_multiplier``) to pay for the count;
+    without, the clip is ``dp.clip-norm`` throughout.
+
     Returns:
-        as :func:`train_supervised`.
+        as :func:`train_supervised`, with ``dp-clip-norm`` (the clip after the last step) when adaptive.
     """
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
     from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 
+    from common.adaptive_clip import QuantileClipDPOptimizer
+
     n = len(data.train_y)
     sampled = GradSampleModule(model)  # hooks on model's own layers: model.extractor(x) records too
-    private = DPOptimizer(
-        opt,
-        noise_multiplier=dp.noise_multiplier,
-        max_grad_norm=dp.options.clip_norm,
-        expected_batch_size=min(dp.batch_size, n),
-        generator=secret_generator(device),
-    )
+    if dp.options.adaptive_clip:
+        private = QuantileClipDPOptimizer(
+            opt,
+            noise_multiplier=dp.noise_multiplier,
+            target_quantile=dp.options.target_quantile,
+            clip_lr=dp.options.clip_lr,
+            count_noise=dp.count_noise,
+            max_grad_norm=clip_norm,
+            expected_batch_size=min(dp.batch_size, n),
+            generator=secret_generator(device),
+        )
+    else:
+        private = DPOptimizer(
+            opt,
+            noise_multiplier=dp.noise_multiplier,
+            max_grad_norm=clip_norm,
+            expected_batch_size=min(dp.batch_size, n),
+            generator=secret_generator(device),
+        )
     sampler = UniformWithReplacementSampler(
         num_samples=n,
         sample_rate=dp.sample_rate,
@@ -198,11 +224,14 @@ def private_training(
     finally:
         sampled._close()  # the model leaves as it came: no hooks, no per-example gradients
     _sync(device)
-    return {
+    stats = {
         "train-loss": loss_sum / max(seen, 1),
         "train-acc": correct / max(seen, 1),
         "train-seconds": time.perf_counter() - start,
     }
+    if dp.options.adaptive_clip:
+        stats["dp-clip-norm"] = float(private.max_grad_norm)
+    return stats
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -234,6 +263,7 @@ def train_personal_model(
         The training metrics plus ``num-examples`` (local training samples).
     """
     client.spend_privacy(trainings=1)  # with DP on: counted, durably, before the training runs
+    clip = client.dp_clip_norm()  # dp.adaptive-clip: where the last round's training left the clip
     stats = train_supervised(
         model or client.model,
         client.data,
@@ -244,7 +274,10 @@ def train_personal_model(
         supervised_loss,
         clip_groups,
         client.dp,
+        clip,
     )
+    if clip is not None:
+        client.keep_dp_clip_norm(stats["dp-clip-norm"])
     client.save_model()
     return {**stats, "num-examples": len(client.data.train_y)}
 

@@ -84,6 +84,7 @@ SCHEMAS_GD = {
 }
 GLOBAL_KEY = "global"
 TEACHER_STATE = "global-teacher"  # client state: this round's untrained w_g, the KD teacher
+GLOBAL_CLIP_RECORD = "global-model"  # dp.adaptive-clip: the global phase's clip, apart from the personal model's
 
 
 @dataclass(frozen=True)
@@ -527,6 +528,7 @@ class MHpFedHNGDClient(MHpFedHNClient):
             {"w_g": payload["w_g"], "round": np.array([int(config[SERVER_ROUND])], dtype=np.int64)}
         )
         client.spend_privacy(trainings=1)  # with DP on: counted, durably, before the training runs
+        clip = client.dp_clip_norm(GLOBAL_CLIP_RECORD)  # dp.adaptive-clip: the global model's own clip
         stats = train_supervised(
             model,
             client.data,
@@ -534,7 +536,10 @@ class MHpFedHNGDClient(MHpFedHNClient):
             client.device,
             client.generator(int(config[SERVER_ROUND]), 1),
             dp=client.dp,
+            dp_clip_norm=clip,
         )
+        if clip is not None:
+            client.keep_dp_clip_norm(stats["dp-clip-norm"], GLOBAL_CLIP_RECORD)
         return {"delta_w_g": flat_delta(model, received)}, {**stats, "num-examples": len(client.data.train_y)}
 
     def supervised_loss(self, client, config):
