@@ -7,7 +7,7 @@ client, attack) is one cell, written to ``<out>/cells/`` as it finishes and skip
 given again, so a stopped evaluation resumes. At the end ``privacy.md`` (the tables), ``privacy.json``
 (every row) and ``reconstructions.png`` (originals above reconstructions, per payload kind) are written
 to ``<out>`` (default ``<run folder>/privacy``). The attacks (``--attacks``, default all that apply to
-the run's method: ``inversion``, ``decoder``, ``labels``, ``update``) and their scores:
+the run's method: ``inversion``, ``decoder``, ``labels``, ``update``, ``membership``) and their scores:
 ``tools.privacy_attacks``; threat models, attacks and scores: ``docs/privacy.md``.
 """
 
@@ -96,9 +96,29 @@ OPTIONAL_COLUMNS = (
 )
 
 
+#: a label row's columns: (key, header)
+LABEL_COLUMNS = (
+    ("label_precision", "label-set precision"),
+    ("label_recall", "label-set recall"),
+    ("distribution_l1", "distribution L1"),
+    ("counts_exact", "class counts revealed exactly"),
+    ("counts_within_10pct", "class counts within ±10 %"),
+)
+#: a membership row's columns (``tools.privacy_attacks.Attacker.membership``): (key, header)
+MEMBERSHIP_COLUMNS = (
+    ("mia_auc", "AUC"),
+    ("mia_tpr_at_1pct_fpr", "TPR at 1 % FPR"),
+    ("mia_distance_auc", "distance AUC"),
+    ("mia_distance_tpr_at_1pct_fpr", "distance TPR at 1 % FPR"),
+    ("mia_members", "members"),
+    ("mia_nonmembers", "non-members"),
+)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown tables: per round and (attack, threat, knowledge, payload) over victims, image scores as
-    mean ± std over every reconstruction, then the label leakage, and the CPU seconds per cell."""
+    mean ± std over every reconstruction, then the label leakage and the membership inference (mean ±
+    std over victims), and the CPU seconds per cell."""
     columns = ROW_COLUMNS + tuple(c for c in OPTIONAL_COLUMNS if any(c[0] in r for r in rows))
     groups: dict[tuple, list[dict]] = {}
     for row in sorted(rows, key=lambda r: r["round"]):
@@ -112,18 +132,25 @@ def table(rows: list[dict[str, Any]]) -> str:
         "|" + "---|" * (7 + len(columns)),
     ]
     label_lines = [
-        "| payload | round | victims | label-set precision | label-set recall | distribution L1 |",
-        "|---|---|---|---|---|---|",
+        "| payload | round | victims | " + " | ".join(t for _, t in LABEL_COLUMNS) + " |",
+        "|" + "---|" * (3 + len(LABEL_COLUMNS)),
+    ]
+    membership_lines = [
+        "| payload | round | victims | attacker knows | " + " | ".join(t for _, t in MEMBERSHIP_COLUMNS) + " |",
+        "|" + "---|" * (4 + len(MEMBERSHIP_COLUMNS)),
     ]
     for (rounds, attack, threat, knowledge, payload), group in groups.items():
         victims = ",".join(str(p) for p in sorted({g["partition"] for g in group}))
         seconds = np.mean([g["cpu_seconds"] for g in group])
         if attack == "labels":
-            cells = [
-                fmt(spread([g.get(k) for g in group]), 2)
-                for k in ("label_precision", "label_recall", "distribution_l1")
-            ]
+            cells = [fmt(spread([g.get(k) for g in group]), 2) for k, _ in LABEL_COLUMNS]
             label_lines.append(f"| {payload} | {rounds} | {victims} | " + " | ".join(cells) + " |")
+            continue
+        if attack == "membership":
+            cells = [
+                fmt(spread([g.get(k) for g in group]), 0 if k.endswith("members") else 2) for k, _ in MEMBERSHIP_COLUMNS
+            ]
+            membership_lines.append(f"| {payload} | {rounds} | {victims} | {knowledge} | " + " | ".join(cells) + " |")
             continue
         cells = [fmt(pooled(group, k), 3 if "ssim" in k else 0 if "mse" in k else 1) for k, _ in columns]
         lines.append(
@@ -131,7 +158,13 @@ def table(rows: list[dict[str, Any]]) -> str:
             + " | ".join(cells)
             + f" | {seconds:.0f} |"
         )
-    return "\n".join(lines) + "\n\nLabel leakage (server, from each upload):\n\n" + "\n".join(label_lines) + "\n"
+    return (
+        "\n".join(lines)
+        + "\n\nLabel leakage (server, from each upload):\n\n"
+        + "\n".join(label_lines)
+        + "\n\nMembership inference (server, from each upload; AUC 0.5 and TPR about 0.01: no leak; "
+        "docs/privacy.md):\n\n" + "\n".join(membership_lines) + "\n"
+    )
 
 
 def pooled(group: list[dict[str, Any]], key: str) -> tuple[float, float] | None:

@@ -19,13 +19,17 @@ its rows to ``<out>/cells/`` (:func:`cell_path`), so a stopped evaluation resume
 - ``update``: weight uploads (LG-FedAvg's head, FML/FedKD/FedMRL's shared model, MH-pFedHN's
   ``delta_theta``, GD's ``delta_w_g``) inverted with iDLG as if one step (:func:`privacy.gradients.idlg`)
   and with inverting gradients over the real number of local steps (:func:`privacy.gradients.invert_update`).
+- ``membership``: which of the victim's training examples an upload gives away (:mod:`tools.privacy_membership`):
+  per-class vectors by a likelihood-ratio and a distance test through the victim's model, weight uploads
+  by the loss threshold on the model as uploaded; members are the victim's training examples,
+  non-members its held-out test split of the same classes.
 
 Scores (:mod:`privacy.scores`, :func:`scored`): PSNR, SSIM and MSE (0-255 scale) of each reconstruction
 against the images it stands for (one class's images, all of a client's, or the one image), best match
 and mean; a per-sample input's scores to its own image beside a gray and a mean image's (``psnr_own``,
 ``gray_psnr_own``), a class-mean payload's beside the exact class mean's (``ceiling_mean_psnr``);
-label-set precision/recall and the class distribution's L1 error. Each row carries its cell's CPU
-seconds.
+label-set precision/recall, the class distribution's L1 error and the share of the victim's class
+counts revealed; membership AUC and TPR at 1 % FPR. Each row carries its cell's CPU seconds.
 """
 
 from __future__ import annotations
@@ -44,9 +48,10 @@ from common.data import class_counts, normalize
 from common.files import atomic_write
 from models.mh import build_mh_model
 from privacy import gradients, inversion, labels, scores
+from tools import privacy_membership as membership
 from tools.privacy_view import RunView, class_rows, expanded, global_rows
 
-ATTACKS = ("inversion", "decoder", "labels", "update")
+ATTACKS = ("inversion", "decoder", "labels", "update", "membership")
 #: the message types whose replies may carry a weight change (MH-pFedHNGD's global model: ``train.global``)
 WEIGHT_MESSAGES = ("train", "train.global")
 #: MH-pFedHN's flat weight changes (``delta_theta``; GD's global model: ``delta_w_g``) and the flat weights
@@ -65,7 +70,9 @@ class Settings:
     ``epochs``: of the surrogate and each decoder; ``update_images``, ``update_steps``,
     ``update_tv_weight``, ``update_restarts``: inverting gradients' images, iterations, L1 TV weight and
     restarts (Geiping et al. 2020 on CIFAR-10: 24,000 iterations, TV 0.2; ``--update-steps 24000`` runs
-    the paper's budget); ``idlg_steps``: iDLG's L-BFGS iterations (its authors' 300)."""
+    the paper's budget); ``idlg_steps``: iDLG's L-BFGS iterations (its authors' 300);
+    ``membership_examples``: membership inference's candidates per side (members, non-members) and per
+    class of a per-class payload, and its public reference images per class (drawn without replacement)."""
 
     prior: str = "tv"
     images: int = 32
@@ -79,6 +86,7 @@ class Settings:
     update_tv_weight: float = 0.2
     update_restarts: int = 1
     idlg_steps: int = 300
+    membership_examples: int = 256
     seed: int = 0
 
 
@@ -509,10 +517,112 @@ class Attacker:
                 inferred.append((prefix + "weight change (last layer)", leaked))
         return inferred
 
+    # ------------------------------------------------------------------ membership
+    def membership(self, r: int, p: int) -> list[dict[str, Any]]:
+        """Membership inference on ``p``'s round-``r`` upload: one row for its per-class vectors
+        (:meth:`vector_membership`) and one per weight upload (:meth:`loss_membership`; MH-pFedHNGD's
+        global model's too)."""
+        view, g = self.view, self.generator(r, p, 9)
+        data, rows = view.data(p), []
+        up = view.payload(r, p, "up")
+        found = class_rows(up)
+        if found is not None:
+            rows.append(self.vector_membership(r, p, found, up.get("y"), data, g))
+        for message_type in WEIGHT_MESSAGES:
+            weight = self.weight_update(r, p, message_type)
+            if weight is not None:
+                prefix = "" if message_type == "train" else "global model: "
+                rows.append(self.loss_membership(weight[0], weight[2], data, prefix, g))
+        return rows
+
+    def candidates(self, images: torch.Tensor, labels_: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+        """At most ``membership_examples`` of (uint8 images ``[n, C, H, W]``, int64 labels ``[n]``), the
+        same draw from both."""
+        picks = sample(torch.arange(len(images)), self.settings.membership_examples, g)
+        return images[picks], labels_[picks]
+
+    def vector_membership(
+        self, r: int, p: int, found: tuple, soft_label: np.ndarray | None, data, g: torch.Generator
+    ) -> dict[str, Any]:
+        """The likelihood-ratio and distance tests (:mod:`tools.privacy_membership`) of ``p``'s uploaded
+        per-class vectors (``found``: :func:`class_rows`) through ``p``'s round-``r`` model (white-box).
+
+        Row of class c: members are ``p``'s training examples of c, non-members its test examples of c,
+        the reference the mean vector of the auxiliary images of c (public, owned by no client). FedRE's
+        z (class None, ``[1, w]``) stands for every class, weighted by its soft label ``y`` (``[1, C]``; z
+        is Σ_c y_c times class c's mean vector, ``strategies.fedre``), so members are all training
+        examples, non-members all test examples, and the reference Σ_c y_c · (class c's auxiliary mean).
+        Scores of every row are pooled into one ROC curve (one threshold for the whole upload).
+
+        Raises:
+            ConfigError: the run has no public auxiliary images (``RunView.auxiliary``).
+        """
+        view, cap = self.view, self.settings.membership_examples
+        name, vectors, row_classes, space = found
+        net = network(view.model(p, r), space)
+        aux_x, aux_y = view.auxiliary
+        # every class's public mean vector: the non-member centre the likelihood ratio compares against
+        classes = range(view.info.num_classes)
+        centres = torch.stack([vectors_of(net, sample(aux_x[aux_y == c], cap, g), view.info).mean(0) for c in classes])
+        scores_ = {"ratio": ([], []), "distance": ([], [])}
+        for i, c in enumerate(row_classes):
+            if c is None:
+                weights = torch.from_numpy(np.asarray(soft_label[i], dtype=np.float32))
+                reference = weights @ centres / weights.sum()
+                train, test = data.train_x, data.test_x
+            else:
+                reference = centres[c]
+                train, test = data.train_x[data.train_y == c], data.test_x[data.test_y == c]
+            for side, images in enumerate((train, test)):
+                f = vectors_of(net, sample(images, cap, g), view.info)
+                scores_["ratio"][side].append(membership.likelihood_ratio_scores(f, vectors[i], reference))
+                scores_["distance"][side].append(membership.distance_scores(f, vectors[i]))
+        ratio = membership.roc_summary(*(np.concatenate(s) for s in scores_["ratio"]))
+        distance = membership.roc_summary(*(np.concatenate(s) for s in scores_["distance"]))
+        return {
+            "payload": name,
+            "threat": "server",
+            "knowledge": "white-box + public class means",
+            "mia_auc": ratio["auc"],
+            "mia_tpr_at_1pct_fpr": ratio["tpr_at_1pct_fpr"],
+            "mia_distance_auc": distance["auc"],
+            "mia_distance_tpr_at_1pct_fpr": distance["tpr_at_1pct_fpr"],
+            "mia_members": sum(len(s) for s in scores_["ratio"][0]),
+            "mia_nonmembers": sum(len(s) for s in scores_["ratio"][1]),
+        }
+
+    def loss_membership(
+        self, model: torch.nn.Module, change: dict[str, torch.Tensor], data, prefix: str, g: torch.Generator
+    ) -> dict[str, Any]:
+        """Yeom et al.'s loss threshold (:func:`tools.privacy_membership.loss_scores`) on the model as the
+        victim uploaded it: ``model`` (holding the weights it was sent, :meth:`weight_update`) plus
+        ``change``. Members: the victim's training examples; non-members: its test split. LG-FedAvg's head
+        runs on the victim's recorded extractor (white-box); the other uploads are whole models the
+        server holds (MH-pFedHN's with the BatchNorm buffers of initialisation: they are not uploaded)."""
+        with torch.no_grad():
+            for key, param in model.named_parameters():
+                param.add_(change[key])
+        members = membership.loss_scores(model, *self.candidates(data.train_x, data.train_y, g), self.view.info)
+        nonmembers = membership.loss_scores(model, *self.candidates(data.test_x, data.test_y, g), self.view.info)
+        found = membership.roc_summary(members, nonmembers)
+        head_only = isinstance(model, FixedExtractor)
+        return {
+            "payload": prefix + ("head as uploaded" if head_only else "model as uploaded"),
+            "threat": "server",
+            "knowledge": "white-box extractor + upload" if head_only else "upload (loss threshold)",
+            "mia_auc": found["auc"],
+            "mia_tpr_at_1pct_fpr": found["tpr_at_1pct_fpr"],
+            "mia_members": len(members),
+            "mia_nonmembers": len(nonmembers),
+        }
+
 
 def label_row(payload: str, result: labels.LabelInference, truth: np.ndarray) -> dict[str, Any]:
     """One table row of a payload's label leakage against the victim's class counts ``truth`` ``[C]``:
-    label-set precision and recall, and the class distribution's L1 error where the payload reveals one."""
+    label-set precision and recall, the class distribution's L1 error where the payload reveals one, and
+    the share of the victim's class counts it reveals exactly or within ±10 % (``counts_exact``,
+    ``counts_within_10pct``, ``classes_held``: :func:`tools.privacy_membership.count_leakage`, with the
+    victim's example count n, which the handshake discloses)."""
     precision, recall = labels.label_set_scores(result.classes, truth)
     row = {
         "payload": payload,
@@ -523,7 +633,7 @@ def label_row(payload: str, result: labels.LabelInference, truth: np.ndarray) ->
     }
     if result.distribution is not None:
         row["distribution_l1"] = labels.distribution_l1(result.distribution, truth)
-    return row
+    return row | membership.count_leakage(result.distribution, int(truth.sum()), truth)
 
 
 class FixedExtractor(torch.nn.Module):
@@ -598,8 +708,8 @@ def run_cell(attacker: Attacker, r: int, p: int, attack: str, out: Path) -> dict
     """Run one cell, write its rows (and its reconstructions' first figure pair per payload, as uint8)
     atomically, and return them."""
     start = time.process_time()
-    if attack == "labels":
-        rows, pairs = attacker.labels(r, p), []
+    if attack in ("labels", "membership"):
+        rows, pairs = getattr(attacker, attack)(r, p), []
     else:
         rows, pairs = [], []
         for inverted in getattr(attacker, attack)(r, p):
@@ -638,4 +748,4 @@ def applicable(view: RunView) -> list[str]:
     if not up:
         return []
     vectors = class_rows(up) is not None
-    return ["inversion", "decoder", "labels"] if vectors else ["labels", "update"]
+    return ["inversion", "decoder", "labels", "membership"] if vectors else ["labels", "update", "membership"]

@@ -3,7 +3,8 @@
 Reads ``<folder>/<method>/privacy.json`` (written by ``tools.privacy``, one folder per method) and writes
 ``<folder>/report.md``: per method and round what the honest-but-curious server recovers from an upload
 (white-box and black-box reconstructions, weight-change inversions, label leakage) beside a mid-gray
-image's score, what a curious client recovers from its downloads, FedRE's Q2 ladder (one image's
+image's score, which training examples an upload gives away (membership inference), what a curious
+client recovers from its downloads, FedRE's Q2 ladder (one image's
 representation, a class prototype, the entangled representation) against the paper's numbers, and
 MH-pFedHNGD's iDLG check (its appendix C.8). Every number is computed from those rows.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
-from tools.privacy import pooled, read_privacy_rows, spread
+from tools.privacy import LABEL_COLUMNS, MEMBERSHIP_COLUMNS, pooled, read_privacy_rows, spread
 from tools.runconfig import ROOT
 
 #: FedRE's Q2 (TinyImageNet, its reference [35]): PSNR (dB) and MSE (0-255 scale) of images reconstructed
@@ -83,16 +84,33 @@ def server_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
 def label_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Per method, round and payload, the label leakage over the victims (mean ± std)."""
     lines = [
-        "| method | round | from | label-set precision | label-set recall | distribution L1 |",
-        "|---|---|---|---|---|---|",
+        "| method | round | from | " + " | ".join(t for _, t in LABEL_COLUMNS) + " |",
+        "|" + "---|" * (3 + len(LABEL_COLUMNS)),
     ]
     for method, rows in methods.items():
         labelled = sorted((x for x in rows if x["attack"] == "labels"), key=lambda x: x["round"])
         for r, payload in dict.fromkeys((x["round"], x["payload"]) for x in labelled):
             mine = [x for x in labelled if x["round"] == r and x["payload"] == payload]
-            keys = ("label_precision", "label_recall", "distribution_l1")
-            cells = [cell(spread([x.get(k) for x in mine]), 2) for k in keys]
+            cells = [cell(spread([x.get(k) for x in mine]), 2) for k, _ in LABEL_COLUMNS]
             lines.append(f"| {method} | {r} | {payload} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def membership_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Per method, round and upload, the membership inference over the victims (mean ± std; members and
+    non-members: candidates per victim)."""
+    lines = [
+        "| method | round | upload | attacker knows | victims | " + " | ".join(t for _, t in MEMBERSHIP_COLUMNS) + " |",
+        "|" + "---|" * (5 + len(MEMBERSHIP_COLUMNS)),
+    ]
+    for method, rows in methods.items():
+        tested = sorted((x for x in rows if x["attack"] == "membership"), key=lambda x: x["round"])
+        for r, payload, knowledge in dict.fromkeys((x["round"], x["payload"], x["knowledge"]) for x in tested):
+            mine = [x for x in tested if (x["round"], x["payload"], x["knowledge"]) == (r, payload, knowledge)]
+            cells = [
+                cell(spread([x.get(k) for x in mine]), 0 if k.endswith("members") else 2) for k, _ in MEMBERSHIP_COLUMNS
+            ]
+            lines.append(f"| {method} | {r} | {payload} | {knowledge} | {len(mine)} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -201,6 +219,14 @@ def report(folder: Path) -> str:
         "## Label leakage, from each upload (the server)",
         "",
         *label_table(methods),
+        "",
+        "## Membership inference, from each upload (the server)",
+        "",
+        "Members: the victim's training examples; non-members: its held-out test examples of the same classes. "
+        "AUC 0.5 and TPR at 1 % FPR about 0.01 (0 with fewer than 100 non-members) is what a score that knows "
+        "nothing gets; docs/privacy.md says how to read them.",
+        "",
+        *membership_table(methods),
         "",
         "## Curious client, its per-class downloads (scored against the other clients' images)",
         "",
