@@ -18,6 +18,7 @@ from common.config import RunConfig, read_options
 from common.metrics import MetricSpec
 from common.payload import PayloadSchema
 from common.protocol import MESSAGE_TYPES
+from strategies import client_dp
 
 if TYPE_CHECKING:  # for the annotations only: strategies.base imports this module
     from common.results import ResultsWriter
@@ -27,10 +28,11 @@ if TYPE_CHECKING:  # for the annotations only: strategies.base imports this modu
 Schemas = dict[str, tuple[PayloadSchema, PayloadSchema]]
 #: the message types of a method whose schemas are computed from its config: the protocol's plain ones
 DEFAULT_MESSAGE_TYPES = tuple(t for t in MESSAGE_TYPES if "." not in t)
-#: the option tables every method shares (differential privacy, held-out clients), beside each
-#: method's own table
+#: the option tables every method shares (differential privacy of examples and of clients, held-out
+#: clients), beside each method's own table
 SHARED_OPTION_TABLES: dict[str, type] = {
     dp.TABLE: dp.DPOptions,
+    client_dp.TABLE: client_dp.ClientDPOptions,
     generalization.TABLE: generalization.GeneralizationOptions,
 }
 
@@ -103,11 +105,13 @@ class Method:
         """The server half for ``cfg`` (``results``: see ``HeteroStrategy``).
 
         Raises:
-            ConfigError: as :meth:`bind`, the strategy's own checks, or a ``dp.epsilon`` target no client
-                can meet with this method's trainings and releases (``common.dp.check_reachable``).
+            ConfigError: as :meth:`bind`, the strategy's own checks, a ``dp.epsilon`` target no client
+                can meet with this method's trainings and releases (``common.dp.check_reachable``), or
+                client-level DP the run cannot give (``strategies.client_dp.ClientDPOptions.check``).
         """
         binding = self.bind(cfg)
         dp.check_reachable(cfg, self.client.dp_trainings, self.client.dp_releases)
+        client_dp.client_dp_options(cfg)
         return self.strategy(cfg, binding, results)
 
     def build_client(self, cfg: RunConfig) -> ClientProcedure:

@@ -29,6 +29,7 @@ from common.config import ConfigError, RunConfig
 from common.generalization import generalization_options
 from common.metrics import CONFIG_ERROR_KEY, CONFIG_ERROR_RECORD, MAX_ERROR_CHARS, PARTITION_ID
 from common.payload import ClientReply, short
+from strategies.client_dp import client_sample_rate, poisson_sample
 from strategies.records import RoundCounters
 from strategies.transport import Transport
 
@@ -90,6 +91,9 @@ class Roster:
         #: nodes whose privacy budget is spent (run config dp.epsilon): never sampled again
         self.exhausted: set[int] = set()
         self.generalization = generalization_options(cfg)
+        #: client-level DP (run config ``client-dp.epsilon``): each round draws every training client on its own
+        #: at this rate q, from the operating system's entropy (``strategies.client_dp.poisson_sample``); None: off
+        self.poisson_rate = client_sample_rate(cfg)
         #: N, the run's partitions, once the handshake has learnt it
         self.num_partitions = 0
         #: handshake "sampled": this round's known clients, drawn (and asked) by refresh(), handed out by sample()
@@ -532,14 +536,18 @@ class Roster:
 
         K counts the run's training partitions (N minus the held-out ones). Held-out clients are never
         candidates, nor are clients whose privacy budget is spent (:meth:`exhaust`): the others take
-        their places (fewer than K once fewer remain, e.g. before late partitions have joined)."""
+        their places (fewer than K once fewer remain, e.g. before late partitions have joined). Under
+        client-level DP each candidate is drawn on its own at rate K / N instead (K on average)."""
         if self.cfg.handshake == "sampled":  # drawn (and asked) at the round's refresh(); new ones after the known
             self.sampled = [*self.drawn, *self.pending]
             return list(self.sampled)
         candidates = [n for n in self.training_nodes if n not in self.exhausted]
         trainers = self.num_partitions - len(self.held_out_partitions) if self.num_partitions else len(self.nodes)
-        k = min(sample_size(self.cfg.fraction_train, trainers), len(candidates))
-        chosen = self.rng.choice(len(candidates), size=k, replace=False)
+        if self.poisson_rate is not None:
+            chosen = poisson_sample(len(candidates), self.poisson_rate)
+        else:
+            k = min(sample_size(self.cfg.fraction_train, trainers), len(candidates))
+            chosen = self.rng.choice(len(candidates), size=k, replace=False)
         self.sampled = [candidates[i] for i in sorted(chosen)]
         # sampling is over all partitions, so a disconnected client does not shift the RNG stream;
         # it is recorded as dropped instead of being waited for

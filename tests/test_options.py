@@ -21,7 +21,7 @@ def test_pyproject_defaults_equal_the_declared_ones():
         assert in_pyproject == declared, table
     tables = {k.split(".", 1)[0] for k in defaults if "." in k}
     assert tables <= set(OPTION_TABLES)  # no unknown table
-    assert set(OPTION_TABLES) == set(METHODS) | {"dp", "generalization"}
+    assert set(OPTION_TABLES) == set(METHODS) | {"dp", "client-dp", "generalization"}
 
 
 def test_pyproject_run_config_defaults_equal_the_declared_ones():
