@@ -198,12 +198,13 @@ class FedKDStrategy(SharedModelStrategy):
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """θ^t = the run's ``aggregation`` of the reconstructed mentees (``mean``: their sample-weighted
-        mean), the reference being the mentee the clients rebuilt from this round's broadcast."""
+        mean; client-level DP's noisy mean of clipped updates with ``client-dp.epsilon`` > 0), the reference
+        being the mentee the clients rebuilt from this round's broadcast."""
         shapes = {k: tuple(v.shape) for k, v in self.shared.state_dict().items()}
         full = [ClientReply(r.node_id, r.partition_id, svd_decompress(r.arrays, shapes), r.metrics) for r in replies]
         # what every client started from: the broadcast compressed at T_t, rebuilt as they rebuilt it
         sent = svd_decompress(self.train_payload(0, server_round), shapes)
-        averaged, metrics = self.aggregator.replies(sent, full)
+        averaged, metrics = self.aggregate(sent, full, server_round)
         if averaged is not None:  # unchanged when no reply trained on an example
             load_arrays(self.shared, averaged)
         return {"server-num-averaged": len(full), "svd-energy": self.energy(server_round), **metrics}

@@ -59,6 +59,7 @@ from common.training import kd_loss, train_personal_model, train_supervised
 from models.groups import MODEL_GROUPS
 from models.mh import build_mh_model
 from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
+from strategies.client_dp import ClientDPAggregator, run_plan
 from strategies.hypernetwork import HyperNetwork, flat_delta, hn_step, load_flat, num_params
 from strategies.method import Method, MethodBinding
 from strategies.records import round_metrics
@@ -133,6 +134,10 @@ class MHpFedHNStrategy(HeteroStrategy):
     evaluate_in_train = False  # the evaluated model is h(v_i) after the round (section 6)
     checkpointed = ("hn", "optimizer")  # and the registry (server_state): key -> K in registration order
     query_first = True  # a client's weights are generated for its partition and parameter count
+    #: the upload is a model change: client-level DP applies, each ``delta_theta`` noised alone before its step;
+    #: the step shows who was sampled, so the sampling is not credited (``strategies.client_dp``)
+    client_dp_releases = 1
+    client_dp_amplified = False
 
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
         super().__init__(cfg, binding, results)
@@ -141,6 +146,8 @@ class MHpFedHNStrategy(HeteroStrategy):
             self.hn = HyperNetwork(self.options)
         # fused: one kernel over all tensors, ~4x faster than the per-tensor loop on CPU (same maths)
         self.optimizer = Adam(self.hn.trunk.parameters(), lr=self.options.server_lr, fused=True)
+        plan = run_plan(cfg, type(self))
+        self.client_dp = ClientDPAggregator(plan) if plan is not None else None
         #: during a generalisation phase: a copy of the hypernetwork with the held-out clients' new
         #: embeddings (and new heads), and the optimiser of only those (:meth:`begin_generalization`)
         self.phase: tuple[HyperNetwork, torch.optim.Optimizer] | None = None
@@ -341,30 +348,35 @@ class MHpFedHNStrategy(HeteroStrategy):
             server_seconds += time.perf_counter() - start
             return self.transport.validate("train", self.transport.exchange(messages))
 
-        def step(reply: ClientReply) -> None:
+        def step(node: int, reply: ClientReply | None) -> None:
             nonlocal server_seconds
             start = time.perf_counter()
-            hn_step(
-                self.hn,
-                self.optimizer,
-                self.key(reply.node_id),
-                torch.from_numpy(reply.arrays["delta_theta"]),
-                self.options.server_clip_norm,
-            )
+            if reply is not None:
+                delta = reply.arrays["delta_theta"]
+            elif self.client_dp is not None:  # sampled without a valid reply: its upload zeroed (strategies.client_dp)
+                delta = np.zeros(self.serving.sizes[self.key(node)], np.float32)
+            else:
+                return
+            if self.client_dp is not None:
+                delta = self.client_dp.privatize(delta)
+            hn_step(self.hn, self.optimizer, self.key(node), torch.from_numpy(delta), self.options.server_clip_norm)
             server_seconds += time.perf_counter() - start
 
         if self.options.schedule == "sequential":
             for node in order:
-                for reply in send([node]):
-                    step(reply)
-                    valid.append(reply)
+                replies = send([node])
+                step(node, replies[0] if replies else None)
+                valid += replies
         else:
             by_node = {r.node_id: r for r in send(order)}
             for node in order:  # one step per reply, each at the current φ, in the random order
+                step(node, by_node.get(node))
                 if node in by_node:
-                    step(by_node[node])
                     valid.append(by_node[node])
-        return valid, {"server-hn-steps": len(valid)}, server_seconds
+        metrics: dict[str, Any] = {"server-hn-steps": len(valid)}
+        if self.client_dp is not None:
+            metrics.update(self.client_dp.plan.row(server_round))
+        return valid, metrics, server_seconds
 
 
 class MHpFedHNGDStrategy(MHpFedHNStrategy):
@@ -372,11 +384,15 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
 
     The global step follows the clients' mean ``delta_w_g`` under run config ``aggregation``
     (:class:`strategies.robust.RobustAggregator` over the deltas, whose reference is zero; ``mean``
-    is the paper's data-weighted mean).
+    is the paper's data-weighted mean), or client-level DP's noisy mean of clipped deltas with
+    ``client-dp.epsilon`` > 0 (:class:`strategies.client_dp.ClientDPAggregator`).
 
     Raises:
         ConfigError: also an ``aggregation`` the sampled clients cannot satisfy.
     """
+
+    #: client-level DP: each sampled client's ``delta_w_g`` in the global sum and its own ``delta_theta``
+    client_dp_releases = 2
 
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
         super().__init__(cfg, binding, results)
@@ -446,17 +462,23 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
         replies = self.transport.validate("train.global", self.transport.exchange(messages))
         start = time.perf_counter()
         server: dict[str, Any] = {"server-global-replies": len(replies)}
+        zero = {"delta_w_g": np.zeros_like(w_g)}  # the deltas are changes already: their reference is zero
+        mean_delta = None
         if replies:
             sizes = np.array([r.metrics.get("num-examples", 0) for r in replies], dtype=np.float64)
             weights = sizes / sizes.sum() if sizes.sum() > 0 else np.full(len(replies), 1 / len(replies))
-            if self.aggregator.rule == "mean":  # the paper's data-weighted mean, as before run config aggregation
-                mean_delta = sum(w * r.arrays["delta_w_g"].astype(np.float64) for w, r in zip(weights, replies))
-            else:  # the deltas are changes already: their reference is zero
-                combined, robust = self.aggregator.aggregate(
-                    {"delta_w_g": np.zeros_like(w_g)}, [r.arrays for r in replies], sizes
-                )
-                mean_delta = combined["delta_w_g"] if combined is not None else np.zeros_like(w_g)
-                server.update(robust)
+            server["global-train-loss"] = float(np.dot(weights, [r.metrics.get("train-loss", 0.0) for r in replies]))
+        if self.client_dp is not None:  # the noisy mean of clipped deltas, released even without a reply
+            combined, private = self.client_dp.aggregate(zero, [r.arrays for r in replies], server_round)
+            mean_delta = combined["delta_w_g"]
+            server.update(private)
+        elif replies and self.aggregator.rule == "mean":  # the paper's data-weighted mean, as before aggregation
+            mean_delta = sum(w * r.arrays["delta_w_g"].astype(np.float64) for w, r in zip(weights, replies))
+        elif replies:
+            combined, robust = self.aggregator.aggregate(zero, [r.arrays for r in replies], sizes)
+            mean_delta = combined["delta_w_g"] if combined is not None else np.zeros_like(w_g)
+            server.update(robust)
+        if mean_delta is not None:
             hn_step(
                 self.hn,
                 self.optimizer,
@@ -464,13 +486,12 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
                 torch.from_numpy(mean_delta.astype(np.float32)),
                 self.options.server_clip_norm,
             )
-            server["global-train-loss"] = float(np.dot(weights, [r.metrics.get("train-loss", 0.0) for r in replies]))
         seconds += time.perf_counter() - start
         personal, metrics, personal_seconds = self.personal_phase(
             server_round, nodes, self.personal_config(server_round)
         )
         server.update(metrics)
-        server["server-hn-steps"] += int(bool(replies))
+        server["server-hn-steps"] += int(mean_delta is not None)
         return round_metrics(personal, server, seconds + personal_seconds), personal
 
 

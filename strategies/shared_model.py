@@ -26,6 +26,7 @@ from models.base import SplitModel
 from models.cnn import CNN_SHAPES, REPRESENTATION_DIM, SmallCNN
 from models.groups import MODEL_GROUPS
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
+from strategies.client_dp import ClientDPAggregator, run_plan
 from strategies.method import MethodBinding, Schemas
 from strategies.robust import RobustAggregator
 
@@ -110,7 +111,9 @@ class SharedModelStrategy(HeteroStrategy):
     schemas say so (``shared_schemas(..., evaluate_payload=True)``).
     The module starts from PyTorch's default init drawn from ``seed`` (docs/methods/fedmrl.md
     §5), before round 1, so a payload always exists. A round without valid replies
-    leaves it unchanged.
+    leaves it unchanged, except under client-level DP (run config ``client-dp.epsilon``), whose
+    noisy mean of clipped updates replaces ``aggregation`` and is released every round
+    (:class:`strategies.client_dp.ClientDPAggregator`).
 
     Raises:
         ConfigError: also an ``aggregation`` the sampled clients cannot satisfy
@@ -119,6 +122,10 @@ class SharedModelStrategy(HeteroStrategy):
 
     evaluate_in_train = True
     checkpointed = ("shared",)
+    #: the upload is a model: client-level DP applies, one Gaussian mechanism per sampled client and round,
+    #: hidden in the round's sum, so the sampling amplifies it (``strategies.client_dp``)
+    client_dp_releases = 1
+    client_dp_amplified = True
 
     @staticmethod
     def build_shared(cfg: RunConfig, options: Any) -> nn.Module:
@@ -128,6 +135,8 @@ class SharedModelStrategy(HeteroStrategy):
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
         super().__init__(cfg, binding, results)
         self.aggregator = RobustAggregator(cfg)
+        plan = run_plan(cfg, type(self))
+        self.client_dp = ClientDPAggregator(plan) if plan is not None else None
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             self.shared = self.build_shared(cfg, self.options)
@@ -144,10 +153,23 @@ class SharedModelStrategy(HeteroStrategy):
         """θ^t = the run's ``aggregation`` of the replies against θ^{t-1}, the module they trained
         from (``mean``: :func:`strategies.aggregation.fedavg`); unchanged when none trained on an
         example. Metrics: ``server-num-averaged`` and the aggregator's (e.g. ``server-bounded``)."""
-        averaged, metrics = self.aggregator.replies(self.global_arrays(), replies)
+        averaged, metrics = self.aggregate(self.global_arrays(), replies, server_round)
         if averaged is not None:
             load_arrays(self.shared, averaged)
         return {"server-num-averaged": len(replies), **metrics}
+
+    def aggregate(
+        self, reference: dict[str, np.ndarray], replies: list[ClientReply], server_round: int
+    ) -> tuple[dict[str, np.ndarray] | None, dict[str, float]]:
+        """The replies' modules combined against ``reference``, the module they trained from: client-level
+        DP's noisy mean of clipped updates when ``client-dp.epsilon`` > 0, else the run's ``aggregation``.
+
+        Returns:
+            (name -> float32 array, or None to keep the module; the round's metrics).
+        """
+        if self.client_dp is not None:
+            return self.client_dp.replies(reference, replies, server_round)
+        return self.aggregator.replies(reference, replies)
 
 
 class SharedModelClient(ClientProcedure):
