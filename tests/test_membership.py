@@ -151,10 +151,10 @@ def vector_test(features: torch.Tensor, labels_: torch.Tensor, k: int, other: bo
 def test_a_prototype_of_four_members_gives_them_away_and_one_of_others_does_not(cifar):
     # CNN-5 at initialisation, 500-d representations, 40 members and 200 non-members over 10 classes.
     # Mean of 4 members: likelihood ratio AUC 0.92 and TPR at 1 % FPR 0.38, the plain distance AUC 0.81
-    # and TPR 0.05 (it mistakes an atypical non-member for a member); mean of 16: 0.74 (distance 0.58),
-    # of 32: 0.66 (0.53): the signal fades as the class grows (each member is 1/k of the mean). Mean of 4
-    # other examples of the class: 0.46 (distance 0.48); a random non-negative vector of the class mean's
-    # norm: 0.56. CNN-1: 0.92, 0.73, 0.65, 0.42 and 0.58
+    # and TPR 0.05 (it scores how typical of the class a candidate is, not only membership); mean of 16:
+    # 0.74 (distance 0.58), of 32: 0.66 (0.53): the signal fades as the class grows (each member is 1/k of
+    # the mean). Mean of 4 other examples of the class: 0.46 (distance 0.48); a random non-negative vector
+    # of the class mean's norm: 0.56. CNN-1: 0.92, 0.73, 0.65, 0.42 and 0.58
     images, labels_ = cifar
     with torch.no_grad():
         features = model("cnn5").extractor(normalize(images, INFO))
@@ -287,3 +287,43 @@ def test_tools_privacy_tests_lg_fedavgs_head_as_the_victims_model_scores_it(tmp_
             membership.loss_scores(sent, data.test_x, data.test_y, view.info),
         )
         assert before["auc"] != pytest.approx(expected["auc"])
+
+
+def test_the_report_shows_membership_and_count_leakage_per_method_and_round(tmp_path):
+    """``tools.privacy_report``: mean ± std over the victims of each (method, round, upload), members and
+    non-members as whole numbers, the count leakage beside the class-set leakage."""
+    from tools import privacy_report
+
+    def row(partition, payload, attack, **values):
+        base = {"round": 10, "partition": partition, "attack": attack, "threat": "server", "cpu_seconds": 1.0}
+        return base | {"payload": payload, "knowledge": "upload (loss threshold)"} | values
+
+    rows = [
+        row(
+            0,
+            "model as uploaded",
+            "membership",
+            mia_auc=0.7,
+            mia_tpr_at_1pct_fpr=0.1,
+            mia_members=400,
+            mia_nonmembers=100,
+        ),
+        row(
+            1,
+            "model as uploaded",
+            "membership",
+            mia_auc=0.9,
+            mia_tpr_at_1pct_fpr=0.3,
+            mia_members=400,
+            mia_nonmembers=100,
+        ),
+        row(0, "weight change (last layer)", "labels", label_precision=1.0, label_recall=1.0, counts_exact=0.5),
+    ]
+    (tmp_path / "fml").mkdir()
+    (tmp_path / "fml" / "privacy.json").write_text(json.dumps(rows))
+    text = privacy_report.report(tmp_path)
+    assert (
+        "| fml | 10 | model as uploaded | upload (loss threshold) | 2 | 0.80 ± 0.10 | 0.20 ± 0.10 | - | - | "
+        "400 ± 0 | 100 ± 0 |" in text
+    )
+    assert "| fml | 10 | weight change (last layer) | 1.00 ± 0.00 | 1.00 ± 0.00 | - | 0.50 ± 0.00 | - |" in text

@@ -86,9 +86,9 @@ def likelihood_ratio_scores(vectors: torch.Tensor, payload: torch.Tensor, refere
     its vector f under N(payload, σ²I) (a member: the row averages it) against N(reference, σ²I) (a
     non-member of the class: ``reference`` is the class's mean vector over public non-member images).
 
-    It is the projection of f onto the direction from the reference mean to the row, so an example that
-    is atypical for its class is not scored as a member merely for lying far from both (what the plain
-    distance, :func:`distance_scores`, does).
+    Up to a constant it is the projection of f onto the direction from the reference mean to the row,
+    so a typical non-member (near the class's centre, hence near the row too) is not taken for a member,
+    nor an atypical member for a non-member, as the plain distance (:func:`distance_scores`) takes them.
 
     Args:
         vectors: float ``[n, w]``, the candidates' vectors under the model that made the payload.
