@@ -8,9 +8,10 @@ ClientApp, on the SuperNode, before the reply exists (docs/privacy.md, "Differen
 - **DP-SGD** (Abadi et al., CCS 2016) in every local training of every method, with Opacus
   (``GradSampleModule`` + ``DPOptimizer``, Poisson sampling ``UniformWithReplacementSampler``):
   each example's gradient is clipped to ``dp.clip-norm`` and Gaussian noise of standard deviation
-  σ·``clip-norm`` is added to each step's sum. Everything computed from the trained model alone
-  (a shared model, a head, MH-pFedHN's update, the model that computes a prototype) is then
-  post-processing of DP-SGD.
+  σ·``clip-norm`` is added to each step's sum (with ``dp.adaptive-clip`` the clip starts there and follows a
+  quantile of the per-example gradient norms: ``common.adaptive_clip``). Everything computed from the
+  trained model alone (a shared model, a head, MH-pFedHN's update, the model that computes a prototype)
+  is then post-processing of DP-SGD.
 - **The Gaussian mechanism on per-class sums** for a payload computed from the examples themselves
   (FedGH's LARs, FedProto/FedTGP prototypes, FD's logits, FedRE's entangled representation):
   :func:`noisy_class_means`. The class counts and the set of classes a client holds are released
