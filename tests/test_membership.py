@@ -260,6 +260,21 @@ def test_tools_privacy_tests_fedghs_lars_with_every_training_and_test_example(tm
     assert labelled and all(r["counts_exact"] == 0.0 and r["classes_held"] >= 1 for r in labelled)
     text = (tmp_path / "privacy.md").read_text()
     assert "Membership inference" in text and "| lar | 2 | 0,1 | white-box + public class means |" in text
+    # a row of a class the victim does not hold (what a DP release's noisy count can keep) has no
+    # candidates: left out, the other row still tested; with no row left the scores are null
+    path = run / "payloads" / "round-2" / "partition-0" / "train.up.npz"
+    arrays = dict(np.load(path))
+    data = view.data(0)
+    absent = min(set(range(10)) - set(data.train_y.tolist()))
+    kept = int(arrays["lar_labels"][1])
+    np.savez(path, **{**arrays, "lar_labels": np.array([absent, kept], dtype=arrays["lar_labels"].dtype)})
+    (row,) = [
+        r for r in membership_rows(run, tmp_path / "absent") if r["attack"] == "membership" and r["partition"] == 0
+    ]
+    assert row["mia_members"] == int((data.train_y == kept).sum()) and 0 <= row["mia_auc"] <= 1
+    np.savez(path, **{**arrays, "lar_labels": np.array([absent, absent], dtype=arrays["lar_labels"].dtype)})
+    (row,) = [r for r in membership_rows(run, tmp_path / "none") if r["attack"] == "membership" and r["partition"] == 0]
+    assert row["mia_members"] == 0 and row["mia_auc"] is None
 
 
 def test_tools_privacy_tests_lg_fedavgs_head_as_the_victims_model_scores_it(tmp_path_factory, tmp_path):

@@ -552,7 +552,9 @@ class Attacker:
         z (class None, ``[1, w]``) stands for every class, weighted by its soft label ``y`` (``[1, C]``; z
         is Σ_c y_c times class c's mean vector, ``strategies.fedre``), so members are all training
         examples, non-members all test examples, and the reference Σ_c y_c · (class c's auxiliary mean).
-        Scores of every row are pooled into one ROC curve (one threshold for the whole upload).
+        Scores of every row are pooled into one ROC curve (one threshold for the whole upload). A row of a
+        class the victim holds no training or test example of is left out (its scores are null when no
+        row is left).
 
         Raises:
             ConfigError: the run has no public auxiliary images (``RunView.auxiliary``).
@@ -573,12 +575,17 @@ class Attacker:
             else:
                 reference = centres[c]
                 train, test = data.train_x[data.train_y == c], data.test_x[data.test_y == c]
+            if len(train) == 0 or len(test) == 0:  # a DP release's noisy count can keep a class not held
+                continue
             for side, images in enumerate((train, test)):
                 f = vectors_of(net, sample(images, cap, g), view.info)
                 scores_["ratio"][side].append(membership.likelihood_ratio_scores(f, vectors[i], reference))
                 scores_["distance"][side].append(membership.distance_scores(f, vectors[i]))
-        ratio = membership.roc_summary(*(np.concatenate(s) for s in scores_["ratio"]))
-        distance = membership.roc_summary(*(np.concatenate(s) for s in scores_["distance"]))
+        if scores_["ratio"][0]:
+            ratio = membership.roc_summary(*(np.concatenate(s) for s in scores_["ratio"]))
+            distance = membership.roc_summary(*(np.concatenate(s) for s in scores_["distance"]))
+        else:  # no row of a class the victim holds: nothing to test (null scores)
+            ratio = distance = {"auc": None, "tpr_at_1pct_fpr": None}
         return {
             "payload": name,
             "threat": "server",
