@@ -342,3 +342,5 @@ def test_the_report_shows_membership_and_count_leakage_per_method_and_round(tmp_
         "400 ± 0 | 100 ± 0 |" in text
     )
     assert "| fml | 10 | weight change (last layer) | 1.00 ± 0.00 | 1.00 ± 0.00 | - | 0.50 ± 0.00 | - |" in text
+    # membership rows are no reconstructions: the server's reconstruction table has no row of them
+    assert "| fml | 10 | model as uploaded | - |" not in text

@@ -67,7 +67,11 @@ def server_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
     ]
     for method, rows in methods.items():
         for r in sorted({row["round"] for row in rows}):
-            images = [x for x in rows if x["round"] == r and x["threat"] == "server" and x["attack"] != "labels"]
+            images = [
+                x
+                for x in rows
+                if x["round"] == r and x["threat"] == "server" and x["attack"] not in ("labels", "membership")
+            ]
             uploads = [x for x in images if not x["payload"].startswith(("per-sample", "class mean"))]
             for payload in dict.fromkeys(x["payload"] for x in uploads):
                 mine = [x for x in uploads if x["payload"] == payload]
