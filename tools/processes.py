@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-
+from pathlib import Path
 
 #: where :func:`free_port` looks when the kernel's ephemeral range cannot be read (Linux's default starts at 32768)
 EPHEMERAL_FALLBACK = (32768, 60999)
@@ -21,7 +21,7 @@ EPHEMERAL_FALLBACK = (32768, 60999)
 def ephemeral_range() -> tuple[int, int]:
     """The kernel's range for outgoing connections' local ports (``ip_local_port_range``), inclusive."""
     try:
-        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
         return int(low), int(high)
     except (OSError, ValueError):
         return EPHEMERAL_FALLBACK
