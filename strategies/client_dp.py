@@ -66,7 +66,7 @@ import torch
 from flwr.supercore.differential_privacy import compute_clip_model_update
 
 from common.config import ConfigError, RunConfig, read_options
-from common.dp import MAX_NOISE_MULTIPLIER, _calibrate, epsilon_of, merge_events, secret_generator
+from common.dp import MAX_NOISE_MULTIPLIER, Event, _calibrate, epsilon_of, merge_events, secret_generator
 from common.options import option
 from common.payload import ClientReply
 
@@ -114,28 +114,15 @@ class ClientDPOptions:
         """Refuse, before the run, a client-level DP run that cannot give its guarantee.
 
         Raises:
-            ConfigError: naming the key: the method's upload is not a model (its strategy has no
-                ``client_dp_releases``), naming ``client-dp.epsilon``; ``num-clients`` is 0
-                (q = K / N unknown); ``handshake`` is ``sampled`` (it draws nodes its own way);
-                ``generalization.held-out-clients`` > 0 (their personalisation is outside the accounted
-                mechanism); ``aggregation`` is not one of :data:`REPLACEABLE_AGGREGATIONS`; ``client-dp.delta``
-                >= 1/N; or ``client-dp.epsilon`` needs σ > :data:`common.dp.MAX_NOISE_MULTIPLIER`
-                (:func:`client_plan`).
+            ConfigError: naming the key: ``num-clients`` is 0 (q = K / N unknown); ``handshake`` is ``sampled``
+                (it draws nodes its own way); ``generalization.held-out-clients`` > 0 (their personalisation is
+                outside the accounted mechanism); ``aggregation`` is not one of :data:`REPLACEABLE_AGGREGATIONS`.
+                What depends on the method is :func:`check_run`'s.
         """
         if not self.enabled:
             return
         from common.generalization import generalization_options
-        from strategies.registry import METHODS
 
-        if cfg.method not in METHODS:  # refused by strategies.registry.method_of, naming the key
-            return
-        strategy = METHODS[cfg.method].strategy
-        if not getattr(strategy, "client_dp_releases", 0):
-            raise ConfigError(
-                f"run config key 'client-dp.epsilon' = {self.epsilon:g} with method '{cfg.method}', whose upload is "
-                "not a model: client-level DP clips and noises model updates (lg-fedavg, fml, fedkd, fedmrl, "
-                "mh-pfedhn, mh-pfedhngd); use 'dp.epsilon' (record-level) for this method"
-            )
         for key, bad, why in (
             ("num-clients", cfg.num_clients == 0, "0: the sampling rate q = K / N needs N before the run"),
             ("handshake", cfg.handshake == "sampled", "'sampled': client-level DP samples the clients itself"),
@@ -153,7 +140,6 @@ class ClientDPOptions:
         ):
             if bad:
                 raise ConfigError(f"run config key {key!r} cannot be used with 'client-dp.epsilon' > 0: {why}")
-        client_plan(cfg, strategy.client_dp_releases, strategy.client_dp_amplified, self)
 
 
 @lru_cache(maxsize=64)
@@ -200,7 +186,7 @@ class ClientDPPlan:
         """The noise's standard deviation on the mean of the clipped updates: σ·C / K (Flower's ``compute_stdv``)."""
         return self.noise_multiplier * self.clip_norm / self.expected_clients
 
-    def events(self, rounds: int) -> tuple:
+    def events(self, rounds: int) -> tuple[Event, ...]:
         """``rounds`` rounds as ``common.dp.Event`` s: Poisson-sampled Gaussians of rate :attr:`accounted_rate` and
         noise multiplier σ / √releases (that many Gaussians of σ on one client compose to one)."""
         return merge_events((self.noise_multiplier / math.sqrt(self.releases), self.accounted_rate, rounds))
@@ -224,7 +210,7 @@ class ClientDPPlan:
 
 
 @lru_cache(maxsize=64)
-def client_plan(cfg: RunConfig, releases: int, amplified: bool, options: ClientDPOptions | None = None) -> ClientDPPlan:
+def client_plan(cfg: RunConfig, releases: int, amplified: bool) -> ClientDPPlan:
     """The calibrated :class:`ClientDPPlan` of ``cfg`` for a method with ``releases`` Gaussian mechanisms per
     sampled client and round, sampling credited when ``amplified``: N = ``num-clients``, K = max(1,
     floor(``fraction-train`` · N)), q = K / N, and σ the smallest whose ``num-server-rounds`` rounds
@@ -234,7 +220,7 @@ def client_plan(cfg: RunConfig, releases: int, amplified: bool, options: ClientD
         ConfigError: ``client-dp.delta`` >= 1/N (naming it); no σ up to :data:`common.dp.MAX_NOISE_MULTIPLIER`
             meets ``client-dp.epsilon`` (naming it).
     """
-    options = options or client_dp_options(cfg)
+    options = client_dp_options(cfg)
     n = int(cfg.num_clients)
     if options.delta >= 1.0 / n:
         raise ConfigError(
@@ -258,34 +244,48 @@ def client_plan(cfg: RunConfig, releases: int, amplified: bool, options: ClientD
     return replace(plan, noise_multiplier=sigma)
 
 
-def run_plan(cfg: RunConfig, strategy: type) -> ClientDPPlan | None:
-    """The plan (:func:`client_plan`) of a run of ``strategy`` (its ``client_dp_releases`` and
-    ``client_dp_amplified``), or None with client-level DP off."""
+def expected_clients(cfg: RunConfig) -> int:
+    """K = max(1, floor(``fraction-train`` · N)), N = ``num-clients``: the clients a round samples, on average
+    under client-level DP. The formula of ``strategies.nodes.sample_size``, which this module cannot import
+    (``strategies.nodes`` imports ``strategies.method``, which imports this module); tests/test_dp_client_level.py
+    checks that the two agree."""
+    return max(1, math.floor(round(cfg.fraction_train * cfg.num_clients, 9)))
+
+
+def check_run(cfg: RunConfig, strategy: type) -> None:
+    """Before the run (``strategies.method.Method.build_strategy``): refuse client-level DP that a run of
+    ``strategy`` cannot give. Nothing is checked with it off.
+
+    Raises:
+        ConfigError: naming the key: as :meth:`ClientDPOptions.check`; ``client-dp.epsilon`` with a method whose
+            upload is not a model (its strategy has no ``client_dp_releases``); as :func:`client_plan`.
+    """
+    options = client_dp_options(cfg)
+    if not options.enabled:
+        return
+    if not getattr(strategy, "client_dp_releases", 0):
+        raise ConfigError(
+            f"run config key 'client-dp.epsilon' = {options.epsilon:g} with method '{cfg.method}', whose upload is "
+            "not a model: client-level DP clips and noises model updates (lg-fedavg, fml, fedkd, fedmrl, "
+            "mh-pfedhn, mh-pfedhngd); use 'dp.epsilon' (record-level) for this method"
+        )
+    client_plan(cfg, strategy.client_dp_releases, strategy.client_dp_amplified)
+
+
+def attach(strategy) -> ClientDPAggregator | None:
+    """The server step of client-level DP for ``strategy`` (a ``HeteroStrategy`` whose class sets
+    ``client_dp_releases`` and ``client_dp_amplified``), its roster switched to Poisson sampling at q
+    (``strategies.nodes.Roster.poisson_rate``); None with client-level DP off.
+
+    Raises:
+        ConfigError: as :func:`client_plan`.
+    """
+    cfg = strategy.cfg
     if not client_dp_options(cfg).enabled:
         return None
-    return client_plan(cfg, strategy.client_dp_releases, strategy.client_dp_amplified)
-
-
-def expected_clients(cfg: RunConfig) -> int:
-    """K = max(1, floor(``fraction-train`` · N)), N = ``num-clients``: the clients sampled per round on average."""
-    from strategies.nodes import sample_size  # here: strategies.nodes imports this module
-
-    return sample_size(cfg.fraction_train, cfg.num_clients)
-
-
-def client_sample_rate(cfg: RunConfig) -> float | None:
-    """q = K / N of a client-level DP run (:func:`expected_clients`), None with it off."""
-    return expected_clients(cfg) / cfg.num_clients if client_dp_options(cfg).enabled else None
-
-
-def poisson_sample(count: int, rate: float) -> list[int]:
-    """Indices in [0, ``count``) each drawn on its own with probability ``rate`` (Poisson sampling, McMahan et
-    al. 2018, Algorithm 1), from the operating system's entropy: the amplification by sampling that the
-    accountant credits holds only against who cannot predict the sample, and every client knows the run's seed."""
-    if rate >= 1.0:
-        return list(range(count))
-    draws = torch.rand(count, generator=secret_generator(), dtype=torch.float64)
-    return torch.nonzero(draws < rate).flatten().tolist()
+    plan = client_plan(cfg, strategy.client_dp_releases, strategy.client_dp_amplified)
+    strategy.roster.poisson_rate = plan.sample_rate
+    return ClientDPAggregator(plan)
 
 
 def flat(arrays: Mapping[str, np.ndarray], keys: Sequence[str]) -> list[np.ndarray]:

@@ -107,11 +107,11 @@ class Method:
         Raises:
             ConfigError: as :meth:`bind`, the strategy's own checks, a ``dp.epsilon`` target no client
                 can meet with this method's trainings and releases (``common.dp.check_reachable``), or
-                client-level DP the run cannot give (``strategies.client_dp.ClientDPOptions.check``).
+                client-level DP the run cannot give (``strategies.client_dp.check_run``).
         """
         binding = self.bind(cfg)
         dp.check_reachable(cfg, self.client.dp_trainings, self.client.dp_releases)
-        client_dp.client_dp_options(cfg)
+        client_dp.check_run(cfg, self.strategy)
         return self.strategy(cfg, binding, results)
 
     def build_client(self, cfg: RunConfig) -> ClientProcedure:

@@ -58,8 +58,8 @@ from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model, train_supervised
 from models.groups import MODEL_GROUPS
 from models.mh import build_mh_model
+from strategies import client_dp
 from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
-from strategies.client_dp import ClientDPAggregator, run_plan
 from strategies.hypernetwork import HyperNetwork, flat_delta, hn_step, load_flat, num_params
 from strategies.method import Method, MethodBinding
 from strategies.records import round_metrics
@@ -146,8 +146,7 @@ class MHpFedHNStrategy(HeteroStrategy):
             self.hn = HyperNetwork(self.options)
         # fused: one kernel over all tensors, ~4x faster than the per-tensor loop on CPU (same maths)
         self.optimizer = Adam(self.hn.trunk.parameters(), lr=self.options.server_lr, fused=True)
-        plan = run_plan(cfg, type(self))
-        self.client_dp = ClientDPAggregator(plan) if plan is not None else None
+        self.client_dp = client_dp.attach(self)
         #: during a generalisation phase: a copy of the hypernetwork with the held-out clients' new
         #: embeddings (and new heads), and the optimiser of only those (:meth:`begin_generalization`)
         self.phase: tuple[HyperNetwork, torch.optim.Optimizer] | None = None

@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import ConfigRecord, Message
 
 from common.config import ConfigError, RunConfig
+from common.dp import secret_generator
 from common.generalization import generalization_options
 from common.metrics import CONFIG_ERROR_KEY, CONFIG_ERROR_RECORD, MAX_ERROR_CHARS, PARTITION_ID
 from common.payload import ClientReply, short
-from strategies.client_dp import client_sample_rate, poisson_sample
 from strategies.records import RoundCounters
 from strategies.transport import Transport
 
@@ -47,6 +48,17 @@ def sample_size(fraction: float, num_nodes: int) -> int:
     The product is rounded to 9 decimals first so that 0.29 * 100 gives 29, not 28.
     """
     return max(1, math.floor(round(fraction * num_nodes, 9)))
+
+
+def poisson_sample(count: int, rate: float) -> list[int]:
+    """Indices in [0, ``count``) each drawn on its own with probability ``rate`` (Poisson sampling: McMahan et
+    al., ICLR 2018, Algorithm 1), from the operating system's entropy (``common.dp.secret_generator``): the
+    amplification by sampling that client-level DP's accountant credits holds only against who cannot predict
+    the sample, and every client knows the run's seed."""
+    if rate >= 1.0:
+        return list(range(count))
+    draws = torch.rand(count, generator=secret_generator(), dtype=torch.float64)
+    return torch.nonzero(draws < rate).flatten().tolist()
 
 
 @dataclass
@@ -91,9 +103,9 @@ class Roster:
         #: nodes whose privacy budget is spent (run config dp.epsilon): never sampled again
         self.exhausted: set[int] = set()
         self.generalization = generalization_options(cfg)
-        #: client-level DP (run config ``client-dp.epsilon``): each round draws every training client on its own
-        #: at this rate q, from the operating system's entropy (``strategies.client_dp.poisson_sample``); None: off
-        self.poisson_rate = client_sample_rate(cfg)
+        #: client-level DP (run config ``client-dp.epsilon``, set by ``strategies.client_dp.attach``): each round
+        #: draws every training client on its own at this rate q (:func:`poisson_sample`); None: off
+        self.poisson_rate: float | None = None
         #: N, the run's partitions, once the handshake has learnt it
         self.num_partitions = 0
         #: handshake "sampled": this round's known clients, drawn (and asked) by refresh(), handed out by sample()

@@ -25,8 +25,8 @@ from common.payload import ArraySpec, PayloadSchema
 from models.base import SplitModel
 from models.cnn import CNN_SHAPES, REPRESENTATION_DIM, SmallCNN
 from models.groups import MODEL_GROUPS
+from strategies import client_dp
 from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
-from strategies.client_dp import ClientDPAggregator, run_plan
 from strategies.method import MethodBinding, Schemas
 from strategies.robust import RobustAggregator
 
@@ -135,8 +135,7 @@ class SharedModelStrategy(HeteroStrategy):
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
         super().__init__(cfg, binding, results)
         self.aggregator = RobustAggregator(cfg)
-        plan = run_plan(cfg, type(self))
-        self.client_dp = ClientDPAggregator(plan) if plan is not None else None
+        self.client_dp = client_dp.attach(self)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             self.shared = self.build_shared(cfg, self.options)
