@@ -183,9 +183,11 @@ def test_a_prototype_of_four_members_gives_them_away_and_one_of_others_does_not(
 def test_count_leakage_counts_the_class_counts_a_distribution_gives_away():
     truth = np.array([0, 120, 30, 50, 0])
     exact = truth / truth.sum()
+    # knowing the set only: 66.7 each, within 10 % of none of 120, 30, 50
     assert membership.count_leakage(exact, 200, truth) == {
         "counts_exact": 1.0,
         "counts_within_10pct": 1.0,
+        "set_only_within_10pct": 0.0,
         "classes_held": 3.0,
     }
     # uniform over the held classes (FedRE's ``rap`` soft label): 66.7 each, none exact, none within 10 %
@@ -196,9 +198,13 @@ def test_count_leakage_counts_the_class_counts_a_distribution_gives_away():
     assert membership.count_leakage(off, 200, truth) == {
         "counts_exact": 0.0,
         "counts_within_10pct": 1.0,
+        "set_only_within_10pct": 0.0,
         "classes_held": 3.0,
     }
     assert membership.count_leakage(None, 200, truth)["counts_exact"] == 0.0
+    # a balanced client (two classes of 100): the class set alone gives both counts
+    assert membership.count_leakage(None, 200, np.array([100, 0, 100]))["set_only_within_10pct"] == 1.0
+    assert membership.count_leakage(None, 205, np.array([100, 0, 105]))["set_only_within_10pct"] == 1.0
 
 
 def test_label_rows_carry_the_count_leakage():
@@ -332,7 +338,15 @@ def test_the_report_shows_membership_and_count_leakage_per_method_and_round(tmp_
             mia_members=400,
             mia_nonmembers=100,
         ),
-        row(0, "weight change (last layer)", "labels", label_precision=1.0, label_recall=1.0, counts_exact=0.5),
+        row(
+            0,
+            "weight change (last layer)",
+            "labels",
+            label_precision=1.0,
+            label_recall=1.0,
+            counts_exact=0.5,
+            set_only_within_10pct=1.0,
+        ),
     ]
     (tmp_path / "fml").mkdir()
     (tmp_path / "fml" / "privacy.json").write_text(json.dumps(rows))
@@ -341,6 +355,9 @@ def test_the_report_shows_membership_and_count_leakage_per_method_and_round(tmp_
         "| fml | 10 | model as uploaded | upload (loss threshold) | 2 | 0.80 ± 0.10 | 0.20 ± 0.10 | - | - | "
         "400 ± 0 | 100 ± 0 |" in text
     )
-    assert "| fml | 10 | weight change (last layer) | 1.00 ± 0.00 | 1.00 ± 0.00 | - | 0.50 ± 0.00 | - |" in text
+    assert (
+        "| fml | 10 | weight change (last layer) | 1.00 ± 0.00 | 1.00 ± 0.00 | - | 0.50 ± 0.00 | - | 1.00 ± 0.00 |"
+        in text
+    )
     # membership rows are no reconstructions: the server's reconstruction table has no row of them
     assert "| fml | 10 | model as uploaded | - |" not in text

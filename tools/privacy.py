@@ -103,6 +103,7 @@ LABEL_COLUMNS = (
     ("distribution_l1", "distribution L1"),
     ("counts_exact", "class counts revealed exactly"),
     ("counts_within_10pct", "class counts within ±10 %"),
+    ("set_only_within_10pct", "within ±10 % knowing the set only"),
 )
 #: a membership row's columns (``tools.privacy_attacks.Attacker.membership``): (key, header)
 MEMBERSHIP_COLUMNS = (

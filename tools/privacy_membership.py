@@ -138,17 +138,21 @@ def count_leakage(distribution: np.ndarray | None, n: int, true_counts: np.ndarr
     Returns:
         ``counts_exact``: the share (fraction in [0, 1]) of the victim's held classes whose estimate
         rounds to the true count; ``counts_within_10pct``: the share within ±10 % of it;
-        ``classes_held``: their number.
+        ``set_only_within_10pct``: the same share for n split evenly over the held classes, what knowing
+        the class set alone scores (on a balanced client every count, so a count leak shows only as
+        ``counts_within_10pct`` above it); ``classes_held``: their number.
     """
     counts = np.asarray(true_counts, dtype=np.float64)
     held = counts > 0
+
+    def within(estimate: np.ndarray) -> float:
+        return float((np.abs(estimate[held] - counts[held]) <= COUNT_TOLERANCE * counts[held]).mean())
+
+    found = {"set_only_within_10pct": within(np.where(held, n / held.sum(), 0.0)), "classes_held": float(held.sum())}
     if distribution is None:
-        return {"counts_exact": 0.0, "counts_within_10pct": 0.0, "classes_held": float(held.sum())}
+        return found | {"counts_exact": 0.0, "counts_within_10pct": 0.0}
     estimate = n * np.asarray(distribution, dtype=np.float64)
-    exact = np.rint(estimate[held]) == counts[held]
-    close = np.abs(estimate[held] - counts[held]) <= COUNT_TOLERANCE * counts[held]
-    return {
-        "counts_exact": float(exact.mean()),
-        "counts_within_10pct": float(close.mean()),
-        "classes_held": float(held.sum()),
+    return found | {
+        "counts_exact": float((np.rint(estimate[held]) == counts[held]).mean()),
+        "counts_within_10pct": within(estimate),
     }
