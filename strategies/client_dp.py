@@ -124,7 +124,12 @@ class ClientDPOptions:
         from common.generalization import generalization_options
 
         for key, bad, why in (
-            ("num-clients", cfg.num_clients == 0, "0: the sampling rate q = K / N needs N before the run"),
+            (
+                "num-clients",
+                cfg.num_clients == 0,
+                "0: σ is calibrated before the run to q = K / N and δ < 1/N, which need N; set it to the federation's "
+                "size (e.g. num-clients=10, tools.run's default)",
+            ),
             ("handshake", cfg.handshake == "sampled", "'sampled': client-level DP samples the clients itself"),
             (
                 "generalization.held-out-clients",
