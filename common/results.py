@@ -190,6 +190,7 @@ class ResultsWriter:
             ],
             **{f"total_{k}": v for k, v in total.items()},
             **privacy_spent(self.rows),
+            **client_privacy_spent(self.rows),
             **held_out_summary(self.held_out_partitions, self.rows),
             "total_seconds": time.perf_counter() - self.start,
             "config": self.config,
@@ -382,3 +383,15 @@ def privacy_spent(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "dp_per_client": by_partition(last),
         "dp_exhausted": rows[-1].get("dp_exhausted", []),
     }
+
+
+def client_privacy_spent(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """With client-level DP on (rows carry ``client_dp_epsilon``, ``strategies.client_dp``): ``client_dp``, the
+    last such row's mechanism and spending (σ, C, q, K, δ, ε by PLD and RDP over the rounds so far) and its
+    ``round``; empty for a run without it."""
+    private = [row for row in rows if "client_dp_epsilon" in row]
+    if not private:
+        return {}
+    last = private[-1]
+    keys = [k for k in last if k.startswith("client_dp_") and k != "client_dp_clipped"]
+    return {"client_dp": {"round": last["round"], **{k[len("client_dp_") :]: last[k] for k in keys}}}

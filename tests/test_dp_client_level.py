@@ -11,6 +11,7 @@ from flwr.app import Error, Message
 
 from common.config import ConfigError, RunConfig
 from common.errors import RunFailed
+from common.results import client_privacy_spent
 from conftest import chance, federation
 from strategies.client_dp import (
     ClientDPAggregator,
@@ -260,6 +261,10 @@ def test_a_run_at_a_large_epsilon_still_learns_and_its_rows_say_how_private_it_w
             independent_epsilon(p.noise_multiplier, 1.0, server_round, 1e-3, "rdp")
         )
     assert strategy.rows[0]["client_dp_epsilon"] < last["client_dp_epsilon"] <= 1000.0 < 1.1 * last["client_dp_epsilon"]
+    summary = client_privacy_spent(strategy.rows)["client_dp"]  # what summary.json keeps
+    assert summary["round"] == 2 and summary["epsilon"] == last["client_dp_epsilon"]
+    assert summary["noise_multiplier"] == p.noise_multiplier and summary["sample_rate"] == 1.0
+    assert client_privacy_spent([{"round": 1, "accuracy_mean": 0.5}]) == {}
 
 
 def test_at_a_small_epsilon_the_noise_reaches_the_released_head(run_config):
