@@ -84,6 +84,19 @@ def test_roc_summary_is_the_pairwise_auc_and_the_zero_false_positive_tpr():
     assert membership.roc_summary([989.5, 995.0, 980.0], neg)["tpr_at_1pct_fpr"] == pytest.approx(2 / 3)
 
 
+def test_a_score_that_knows_nothing_gets_the_documented_chance_level():
+    # continuous scores drawn alike for 200 members and m non-members: AUC 0.5 and TPR at 1 % FPR
+    # (⌊0.01 m⌋ + 1) / (m + 1) on average (the threshold sits above the (⌊0.01 m⌋ + 1)-th highest
+    # non-member). Over 2,000 draws: m = 100 (one false positive allowed): 0.4995 and 0.0201 (chance
+    # 0.0198, std 0.017 a draw); m = 64 (none): 0.5003 and 0.0150 (0.0154); m = 300 (three): 0.4997 and
+    # 0.0131 (0.0133)
+    rng = np.random.default_rng(2)
+    for m, chance in ((100, 2 / 101), (64, 1 / 65), (300, 4 / 301)):
+        got = [membership.roc_summary(rng.normal(size=200), rng.normal(size=m)) for _ in range(2000)]
+        assert np.mean([g["auc"] for g in got]) == pytest.approx(0.5, abs=0.005)
+        assert np.mean([g["tpr_at_1pct_fpr"] for g in got]) == pytest.approx(chance, rel=0.1), m
+
+
 def test_roc_summary_agrees_with_scikit_learn():
     metrics = pytest.importorskip("sklearn.metrics")  # the crosscheck extra, not a dependency
     rng = np.random.default_rng(1)

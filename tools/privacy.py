@@ -163,8 +163,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         "\n".join(lines)
         + "\n\nLabel leakage (server, from each upload):\n\n"
         + "\n".join(label_lines)
-        + "\n\nMembership inference (server, from each upload; AUC 0.5 and TPR about 0.01: no leak; "
-        "docs/privacy.md):\n\n" + "\n".join(membership_lines) + "\n"
+        + "\n\nMembership inference (server, from each upload; no leak: AUC 0.5 and TPR (⌊0.01 m⌋ + 1) / (m + 1) "
+        "with m non-members, 0.02 at 100; docs/privacy.md):\n\n" + "\n".join(membership_lines) + "\n"
     )
 
 

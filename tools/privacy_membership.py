@@ -43,15 +43,16 @@ def roc_summary(members, nonmembers) -> dict[str, float]:
     counted one half (equal to ``sklearn.metrics.roc_auc_score``). TPR at 1 % FPR: the largest share of
     members scored at or above a threshold that at most 1 % of the non-members reach (the ROC curve's
     highest point with FPR <= 0.01, as ``sklearn.metrics.roc_curve`` gives it without interpolation).
-    With m non-members the FPR moves in steps of 1/m, so with fewer than 100 it means no false
-    positive at all; a random score gets about 1 % only with many non-members.
+    With m non-members the FPR moves in steps of 1/m and ⌊0.01 m⌋ false positives are allowed (none
+    below 100), so a score that knows nothing (continuous, members and non-members drawn alike) gets
+    (⌊0.01 m⌋ + 1) / (m + 1) on average: 0.02 with 100 non-members, 0.011 with 1,000.
 
     Args:
         members, nonmembers: float scores, 1-D (any array-like), each non-empty and finite.
 
     Returns:
-        ``{"auc": ..., "tpr_at_1pct_fpr": ...}``, fractions in [0, 1]; 0.5 and about 0.01 for a score
-        that knows nothing.
+        ``{"auc": ..., "tpr_at_1pct_fpr": ...}``, fractions in [0, 1]; 0.5 and the chance level above for
+        a score that knows nothing.
 
     Raises:
         ValueError: an empty or non-finite side.

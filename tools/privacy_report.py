@@ -227,8 +227,8 @@ def report(folder: Path) -> str:
         "## Membership inference, from each upload (the server)",
         "",
         "Members: the victim's training examples; non-members: its held-out test examples of the same classes. "
-        "AUC 0.5 and TPR at 1 % FPR about 0.01 (0 with fewer than 100 non-members) is what a score that knows "
-        "nothing gets; docs/privacy.md says how to read them.",
+        "AUC 0.5 and TPR at 1 % FPR (⌊0.01 m⌋ + 1) / (m + 1) with m non-members (0.02 at 100) is what a score "
+        "that knows nothing gets; docs/privacy.md says how to read them.",
         "",
         *membership_table(methods),
         "",
