@@ -129,7 +129,7 @@ def test_training_loss_gradients_and_step_count(run_config, monkeypatch):
 
     original = training.train_supervised
 
-    def spy(model, data, config, device, generator, regularizer=None, supervised_loss=None, clip_groups=None, dp=None):
+    def spy(model, data, config, device, generator, regularizer=None, supervised_loss=None, *rest):
         def recorded(x, z, logits, y):
             loss = supervised_loss(x, z, logits, y)
             if not seen_losses:  # first batch, before any step: recompute independently
@@ -143,7 +143,7 @@ def test_training_loss_gradients_and_step_count(run_config, monkeypatch):
                 model.zero_grad()
             return loss
 
-        return original(model, data, config, device, generator, regularizer, recorded, clip_groups, dp)
+        return original(model, data, config, device, generator, regularizer, recorded, *rest)
 
     monkeypatch.setattr(training, "train_supervised", spy)
     handle = register_optimizer_step_post_hook(lambda opt, a, k: steps.append(1))
