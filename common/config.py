@@ -12,7 +12,7 @@ server before any message is sent.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 from common.datasets import AUGMENTATIONS, DATASETS, NORMALIZATIONS, with_recipe
@@ -34,13 +34,19 @@ PRECISIONS = ("fp32", "bf16")
 #: ``shuffle-drop`` (reshuffled every epoch, the last partial batch dropped: PFLlib's training loader,
 #: ``DataLoader(drop_last=True, shuffle=True)``, FedRE's Table-12 code)
 BATCH_ORDERS = ("shuffle", "fixed", "shuffle-drop")
-EVAL_CLIENTS = ("all", "trained")
+EVAL_CLIENTS = ("auto", "all", "trained")
 #: run config ``handshake``: ``all`` asks every node for its partition before round 1 (rounds sample by
 #: partition id, so a seed samples the same partitions in every run); ``sampled`` asks no node up front
 #: and each round only the nodes it samples that were not asked before, in their train message unless the
 #: method needs the answer first (cross-device scale: Flower's simulation engine looks at every waiting
 #: message for every node, so asking all N nodes costs O(N^2))
-HANDSHAKES = ("all", "sampled")
+HANDSHAKES = ("auto", "all", "sampled")
+#: ``handshake`` / ``eval-clients`` = ``auto`` (the defaults) choose ``sampled`` / ``trained`` above this many
+#: clients (``num-clients``) and ``all`` / ``all`` up to it (:func:`resolve_auto`). Why 1,000: the handshake
+#: of ``all`` costs Flower's engine about N^2 looks at stored messages (``results/scale/README.md``: over
+#: 200 s before round 1 at N = 10,000, so about 2 s at 1,000), and ``sampled`` changes which partitions a
+#: seed samples, so runs of the papers' sizes (20-100 clients) keep ``all``
+AUTO_SAMPLED_CLIENTS = 1000
 #: what ``stop-patience`` watches: the unweighted mean over clients, or the pooled accuracy (HtFLlib's
 #: auto-break, ``check_done`` on ``rs_test_acc``)
 STOP_METRICS = ("accuracy_mean", "accuracy_weighted")
@@ -140,7 +146,9 @@ class RunConfig:
         low=0,
     )
     handshake: str = option(
-        "all",
+        "auto",
+        "`auto`: `sampled` above 1,000 clients (`num-clients`) when nothing needs every client (`eval-clients` "
+        "`auto` or `trained`, `min-clients` = 0, no held-out clients), else `all`; the choice is logged at start. "
         "`all`: every node answers a partition query before round 1 and rounds sample by partition id (a seed "
         "samples the same partitions in every run); `sampled`: no node is asked up front, each round samples K of "
         "the connected nodes (seeded, in node-id order) and asks only those not asked before (in their train "
@@ -193,7 +201,8 @@ class RunConfig:
     )
     eval_every: int = option(1, "evaluate the clients' personal models every n rounds (and the last)", low=1)
     eval_clients: str = option(
-        "all",
+        "auto",
+        "`auto`: `trained` when `handshake` is (or `auto` chooses) `sampled`, else `all`; "
         "`all`: every client every `eval-every` rounds; `trained`: only this round's sampled clients, right after "
         "training (FedMRL's official protocol A)",
         choices=EVAL_CLIENTS,
@@ -278,6 +287,7 @@ class RunConfig:
         choices=INITS,
     )
     extra: tuple[tuple[str, Any], ...] = ()  # other keys (method tables), sorted; a tuple keeps cfg hashable
+    auto_chosen: tuple[str, ...] = ()  # the keys whose value `auto` chose (resolve_auto), for the start-up log
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> RunConfig:
@@ -294,7 +304,7 @@ class RunConfig:
         if missing:
             raise ConfigError(f"run config is missing key(s): {', '.join(missing)}")
         extra = tuple(sorted((k, v) for k, v in raw.items() if k not in names))
-        cfg = cls(**read_values(cls, raw), extra=extra)
+        cfg = resolve_auto(cls(**read_values(cls, raw), extra=extra))
         info = with_recipe(DATASETS[cfg.dataset], cfg.augment, cfg.normalize)
         if cfg.classes_per_client > info.num_classes:
             raise invalid(
@@ -379,9 +389,35 @@ class RunConfig:
 
     def as_dict(self) -> dict[str, Any]:
         """The full config as a flat JSON-serialisable dict with Flower's key names."""
-        out = {k.replace("_", "-"): v for k, v in asdict(self).items() if k != "extra"}
+        out = {k.replace("_", "-"): v for k, v in asdict(self).items() if k not in ("extra", "auto_chosen")}
         out.update(dict(self.extra))
         return out
+
+
+def resolve_auto(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``handshake`` and ``eval-clients`` = ``auto`` replaced by what they choose, and
+    :attr:`RunConfig.auto_chosen` naming the keys so chosen; a value the user set stands.
+
+    ``handshake``: ``sampled`` when ``num-clients`` > :data:`AUTO_SAMPLED_CLIENTS` and nothing needs every
+    client answered up front (``eval-clients`` not ``all``, ``min-clients`` = 0, no
+    ``generalization.held-out-clients``), else ``all``. ``eval-clients``: ``trained`` with a ``sampled``
+    handshake (which needs it), else ``all``. Up to 1,000 clients both choose what the defaults were
+    (``all``), so such runs are unchanged.
+    """
+    chosen = []
+    handshake, eval_clients = cfg.handshake, cfg.eval_clients
+    if handshake == "auto":
+        held_out = float(dict(cfg.extra).get("generalization.held-out-clients", 0) or 0)
+        large = cfg.num_clients > AUTO_SAMPLED_CLIENTS
+        free = eval_clients != "all" and cfg.min_clients == 0 and held_out == 0
+        handshake = "sampled" if large and free else "all"
+        chosen.append("handshake")
+    if eval_clients == "auto":
+        eval_clients = "trained" if handshake == "sampled" else "all"
+        chosen.append("eval-clients")
+    if not chosen:
+        return cfg
+    return replace(cfg, handshake=handshake, eval_clients=eval_clients, auto_chosen=tuple(chosen))
 
 
 def read_options(cls: type[T], cfg: RunConfig, table: str | None = None) -> T:

@@ -53,7 +53,7 @@ from flwr.app import ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from common.config import RunConfig
+from common.config import AUTO_SAMPLED_CLIENTS, RunConfig
 from common.datasets import DATASETS
 from common.dp import DPPlan, dp_options, make_plan
 from common.errors import ConfigError, RunFailed
@@ -524,6 +524,18 @@ class HeteroStrategy:
             c.num_server_rounds,
             c.fraction_train,
         )
+        if c.auto_chosen:
+            chosen = [
+                f"{key} = '{value}'" + (" (auto)" if key in c.auto_chosen else "")
+                for key, value in (("handshake", c.handshake), ("eval-clients", c.eval_clients))
+            ]
+            log.info(
+                "%s for num-clients = %d: 'auto' chooses 'sampled' / 'trained' above %d clients when nothing needs "
+                "every client asked up front; set a key to choose",
+                ", ".join(chosen),
+                c.num_clients,
+                AUTO_SAMPLED_CLIENTS,
+            )
 
     def is_eval_round(self, server_round: int) -> bool:
         """Every ``eval-every`` rounds, and the last round."""
