@@ -148,7 +148,8 @@ class RunConfig:
     handshake: str = option(
         "auto",
         "`auto`: `sampled` above 1,000 clients (`num-clients`) when nothing needs every client (`eval-clients` "
-        "`auto` or `trained`, `min-clients` = 0, no held-out clients), else `all`; the choice is logged at start. "
+        "`auto` or `trained`, `min-clients` = 0, no held-out clients, no client-level DP), else `all`; the choice is "
+        "logged at start. "
         "`all`: every node answers a partition query before round 1 and rounds sample by partition id (a seed "
         "samples the same partitions in every run); `sampled`: no node is asked up front, each round samples K of "
         "the connected nodes (seeded, in node-id order) and asks only those not asked before (in their train "
@@ -400,16 +401,18 @@ def resolve_auto(cfg: RunConfig) -> RunConfig:
 
     ``handshake``: ``sampled`` when ``num-clients`` > :data:`AUTO_SAMPLED_CLIENTS` and nothing needs every
     client answered up front (``eval-clients`` not ``all``, ``min-clients`` = 0, no
-    ``generalization.held-out-clients``), else ``all``. ``eval-clients``: ``trained`` with a ``sampled``
+    ``generalization.held-out-clients``, no ``client-dp.epsilon``), else ``all``. ``eval-clients``: ``trained`` with a ``sampled``
     handshake (which needs it), else ``all``. Up to 1,000 clients both choose what the defaults were
     (``all``), so such runs are unchanged.
     """
     chosen = []
     handshake, eval_clients = cfg.handshake, cfg.eval_clients
     if handshake == "auto":
-        held_out = float(dict(cfg.extra).get("generalization.held-out-clients", 0) or 0)
+        tables = dict(cfg.extra)
+        held_out = float(tables.get("generalization.held-out-clients", 0) or 0)
+        client_dp = float(tables.get("client-dp.epsilon", 0) or 0)  # samples the clients itself
         large = cfg.num_clients > AUTO_SAMPLED_CLIENTS
-        free = eval_clients != "all" and cfg.min_clients == 0 and held_out == 0
+        free = eval_clients != "all" and cfg.min_clients == 0 and held_out == 0 and client_dp == 0
         handshake = "sampled" if large and free else "all"
         chosen.append("handshake")
     if eval_clients == "auto":

@@ -30,6 +30,7 @@ def test_auto_keeps_every_client_asked_up_to_the_threshold_and_samples_above_it(
         {"eval-clients": "all"},
         {"min-clients": 10},
         {"generalization.held-out-clients": 5},
+        {"method": "lg-fedavg", "client-dp.epsilon": 8.0},
     ],
 )
 def test_auto_asks_every_client_when_a_key_needs_them_all(overrides):
