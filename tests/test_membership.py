@@ -232,8 +232,9 @@ def test_label_rows_carry_the_count_leakage():
 # --------------------------------------------------------------------------------- tools.privacy
 
 
-def recorded_run(tmp_path_factory, method: str):
-    """A 2-round run of ``method``, 3 clients of 60 examples on the fake grid, that recorded round 2."""
+def recorded_run(tmp_path_factory, method: str, **extra):
+    """A 2-round run of ``method`` (run config ``extra`` on top), 3 clients of 60 examples on the fake
+    grid, that recorded round 2."""
     from client_app.app import app as client_app
     from common.config import RunConfig
     from common.results import ResultsWriter
@@ -245,6 +246,7 @@ def recorded_run(tmp_path_factory, method: str):
     rc = make_run_config(
         method=method,
         **{"output-dir": str(out), "num-clients": 3, "max-examples-per-client": 60, "record-payloads": "2"},
+        **extra,
     )
     cfg = RunConfig.from_dict(rc)
     strategy = build_strategy(cfg, ResultsWriter(cfg.output_dir, method, cfg.as_dict()))
@@ -296,31 +298,55 @@ def test_tools_privacy_tests_fedghs_lars_with_every_training_and_test_example(tm
     assert row["mia_members"] == 0 and row["mia_auc"] is None
 
 
-def test_tools_privacy_tests_lg_fedavgs_head_as_the_victims_model_scores_it(tmp_path_factory, tmp_path):
-    # the head as uploaded, on the victim's extractor, is the victim's kept model: the loss threshold on
-    # it must give exactly the AUC of the kept model's losses, so the change was applied (not left out)
+@pytest.mark.parametrize(
+    ("method", "extra", "payload"),
+    [
+        ("lg-fedavg", {}, "head as uploaded"),
+        ("mh-pfedhn", {"model-group": "mh-lenet", "mh-pfedhn.hidden-dim": 16}, "model as uploaded"),
+    ],
+)
+def test_tools_privacy_scores_the_weights_as_uploaded_which_are_the_victims_kept_model(
+    tmp_path_factory, tmp_path, method, extra, payload
+):
+    # LG-FedAvg's head as uploaded, on the victim's extractor, and MH-pFedHN's theta + delta_theta are the
+    # victim's kept model: the loss threshold on them must give the AUC of the kept model's losses, and the
+    # weights as sent another, so the change was applied, not left out. After 2 rounds the AUCs differ by
+    # one pair of 48 x 12 (0.0017) for LG-FedAvg: compared exactly
+    from tools.privacy_attacks import Attacker, Settings
     from tools.privacy_view import RunView
 
-    run = recorded_run(tmp_path_factory, "lg-fedavg")
+    run = recorded_run(tmp_path_factory, method, **extra)
     rows = [r for r in membership_rows(run, tmp_path) if r["attack"] == "membership"]
     view = RunView(run)
-    assert [r["payload"] for r in rows] == ["head as uploaded"] * 2
+    assert [r["payload"] for r in rows] == [payload] * 2
     for row in rows:
         data, kept = view.data(row["partition"]), view.model(row["partition"], 2)
         expected = membership.roc_summary(
             membership.loss_scores(kept, data.train_x, data.train_y, view.info),
             membership.loss_scores(kept, data.test_x, data.test_y, view.info),
         )
-        assert row["mia_auc"] == pytest.approx(expected["auc"])
+        assert row["mia_auc"] == pytest.approx(expected["auc"], abs=1e-12)
         assert row["mia_members"] == len(data.train_y) and row["mia_nonmembers"] == len(data.test_y)
-        sent = view.model(row["partition"], 2)
-        down = view.payload(2, row["partition"], "down")
-        sent.head.load_state_dict({k.removeprefix("head."): torch.from_numpy(v) for k, v in down.items()})
+        sent = Attacker(view, Settings()).weight_update(2, row["partition"])[0]
         before = membership.roc_summary(
             membership.loss_scores(sent, data.train_x, data.train_y, view.info),
             membership.loss_scores(sent, data.test_x, data.test_y, view.info),
         )
-        assert before["auc"] != pytest.approx(expected["auc"])
+        assert before["auc"] != pytest.approx(expected["auc"], abs=1e-12), (before, expected)
+
+
+def test_tools_privacy_tests_fedres_z_against_every_training_and_test_example(tmp_path_factory, tmp_path):
+    # z stands for every class: all training examples are members, all test examples non-members
+    from tools.privacy_view import RunView
+
+    run = recorded_run(tmp_path_factory, "fedre")
+    rows = [r for r in membership_rows(run, tmp_path) if r["attack"] == "membership"]
+    view = RunView(run)
+    assert [r["payload"] for r in rows] == ["z"] * 2
+    for row in rows:
+        data = view.data(row["partition"])
+        assert row["mia_members"] == len(data.train_y) and row["mia_nonmembers"] == len(data.test_y)
+        assert 0 <= row["mia_auc"] <= 1 and 0 <= row["mia_distance_auc"] <= 1
 
 
 def test_the_report_shows_membership_and_count_leakage_per_method_and_round(tmp_path):
