@@ -47,6 +47,8 @@ HANDSHAKES = ("auto", "all", "sampled")
 #: 200 s before round 1 at N = 10,000, so about 2 s at 1,000), and ``sampled`` changes which partitions a
 #: seed samples, so runs of the papers' sizes (20-100 clients) keep ``all``
 AUTO_SAMPLED_CLIENTS = 1000
+#: the keys whose ``auto`` :func:`resolve_auto` replaces, and the values it chooses from
+AUTO_KEYS = {"handshake": ("all", "sampled"), "eval-clients": ("all", "trained")}
 #: what ``stop-patience`` watches: the unweighted mean over clients, or the pooled accuracy (HtFLlib's
 #: auto-break, ``check_done`` on ``rs_test_acc``)
 STOP_METRICS = ("accuracy_mean", "accuracy_weighted")
@@ -401,9 +403,9 @@ def resolve_auto(cfg: RunConfig) -> RunConfig:
 
     ``handshake``: ``sampled`` when ``num-clients`` > :data:`AUTO_SAMPLED_CLIENTS` and nothing needs every
     client answered up front (``eval-clients`` not ``all``, ``min-clients`` = 0, no
-    ``generalization.held-out-clients``, no ``client-dp.epsilon``), else ``all``. ``eval-clients``: ``trained`` with a ``sampled``
-    handshake (which needs it), else ``all``. Up to 1,000 clients both choose what the defaults were
-    (``all``), so such runs are unchanged.
+    ``generalization.held-out-clients``, no ``client-dp.epsilon``), else ``all``. ``eval-clients``:
+    ``trained`` with a ``sampled`` handshake (which needs it), else ``all``. Up to 1,000 clients both
+    choose what the defaults were (``all``), so such runs are unchanged.
     """
     chosen = []
     handshake, eval_clients = cfg.handshake, cfg.eval_clients

@@ -55,10 +55,18 @@ def test_the_run_config_reaches_flower_whole():
 
 def test_a_run_that_did_not_use_the_requested_config_is_named(tmp_path, capsys):
     (tmp_path / "summary.json").write_text(
-        json.dumps({"status": "completed", "rounds_completed": 1, "config": {"lr": 0.05, "fedgh.server-lr": 0.01}})
+        json.dumps(
+            {
+                "status": "completed",
+                "rounds_completed": 1,
+                "config": {"lr": 0.05, "fedgh.server-lr": 0.01, "handshake": "sampled"},
+            }
+        )
     )
     assert outcome.used_requested_config(tmp_path, {"lr": 0.05})
     assert not outcome.used_requested_config(tmp_path, {"lr": 0.05, "fedgh.server-lr": 0.5})
+    assert outcome.used_requested_config(tmp_path, {"handshake": "auto"})  # the run records what auto chose
+    assert not outcome.used_requested_config(tmp_path, {"handshake": "all"})
     assert "fedgh.server-lr: 0.5 -> 0.01" in capsys.readouterr().out
 
 

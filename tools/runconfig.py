@@ -63,8 +63,14 @@ def run_config_file(config: dict[str, Any]):
 
 def config_mismatch(requested: dict[str, Any], used: dict[str, Any]) -> list[str]:
     """``key: requested -> used`` for every key of ``requested`` whose value the run did not use
-    (``used``: the ``config`` of its ``summary.json``); empty when the run used what was asked."""
-    return [f"{k}: {v!r} -> {used.get(k)!r}" for k, v in requested.items() if used.get(k) != v]
+    (``used``: the ``config`` of its ``summary.json``); empty when the run used what was asked. A key
+    requested as ``auto`` (:data:`common.config.AUTO_KEYS`) matches the value the run chose for it."""
+    from common.config import AUTO_KEYS
+
+    def chosen(key: str, value: Any) -> bool:
+        return value == "auto" and key in AUTO_KEYS and used.get(key) in AUTO_KEYS[key]
+
+    return [f"{k}: {v!r} -> {used.get(k)!r}" for k, v in requested.items() if used.get(k) != v and not chosen(k, v)]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, preset: bool = True) -> None:
