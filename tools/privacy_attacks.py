@@ -627,9 +627,10 @@ class Attacker:
 def label_row(payload: str, result: labels.LabelInference, truth: np.ndarray) -> dict[str, Any]:
     """One table row of a payload's label leakage against the victim's class counts ``truth`` ``[C]``:
     label-set precision and recall, the class distribution's L1 error where the payload reveals one, and
-    the share of the victim's class counts it reveals exactly or within ±10 % (``counts_exact``,
-    ``counts_within_10pct``, ``classes_held``: :func:`tools.privacy_membership.count_leakage`, with the
-    victim's example count n, which the handshake discloses)."""
+    the share of the victim's class counts it reveals exactly or within ±10 % beside what the class set
+    alone gives (``counts_exact``, ``counts_within_10pct``, ``set_only_within_10pct``, ``classes_held``:
+    :func:`tools.privacy_membership.count_leakage`, with the victim's example count n, which the
+    handshake discloses)."""
     precision, recall = labels.label_set_scores(result.classes, truth)
     row = {
         "payload": payload,
