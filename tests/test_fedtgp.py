@@ -228,6 +228,27 @@ def test_before_training_pass_uploads_round_start_prototypes(run_config):
     assert not np.allclose(uploads["before-training"]["protos"], uploads["after-training"]["protos"], atol=1e-3)
 
 
+# 12: under batch-order = "fixed" (HtFLlib's training loader) the prototypes leave out the last partial
+# batch, as HtFLlib's collect_protos, which iterates that loader
+def test_fixed_batch_order_prototypes_leave_out_the_last_partial_batch(run_config):
+    rc = run_config(method="fedtgp", **MNIST, **{"num-clients": 4, "max-examples-per-client": 120})
+    rc.update({"fedtgp.prototype-pass": "before-training", "batch-size": 10})
+    client = client_runtime(rc, partition_id=1)
+    n = len(client.data.train_y)
+    assert n % 10, "the partition must end in a partial batch for this test to show anything"
+    x, y = normalize(client.data.train_x, client.data.info), client.data.train_y
+    with torch.no_grad():
+        feats = client.model.eval().extractor(x)
+    uploads = {}
+    for order, kept in (("fixed", n - n % 10), ("shuffle", n)):
+        config = {**rc, "batch-order": order}
+        procedure = FEDTGP_METHOD.build_client(RunConfig.from_dict(config))
+        uploads[order], _ = procedure.train(client_runtime(config, partition_id=1), {}, plain_sgd_config(config))
+        for row, c in zip(uploads[order]["protos"], uploads[order]["proto_labels"]):
+            np.testing.assert_allclose(row, feats[:kept][y[:kept] == int(c)].mean(0).numpy(), rtol=1e-4, atol=1e-5)
+    assert not np.allclose(uploads["fixed"]["protos"], uploads["shuffle"]["protos"], atol=1e-5)
+
+
 # 11: a single-class client and an empty upload both work
 def test_degenerate_uploads():
     gen = PrototypeGenerator(10, K, K)
