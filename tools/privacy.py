@@ -121,6 +121,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     mean ± std over every reconstruction, then the label leakage and the membership inference (mean ±
     std over victims), and the CPU seconds per cell."""
     columns = ROW_COLUMNS + tuple(c for c in OPTIONAL_COLUMNS if any(c[0] in r for r in rows))
+    # rows from before a score existed lack its key: their tables keep the columns they had
+    label_columns = tuple(c for c in LABEL_COLUMNS if c in LABEL_COLUMNS[:3] or any(c[0] in r for r in rows))
     groups: dict[tuple, list[dict]] = {}
     for row in sorted(rows, key=lambda r: r["round"]):
         groups.setdefault((row["round"], row["attack"], row["threat"], row["knowledge"], row["payload"]), []).append(
@@ -133,8 +135,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         "|" + "---|" * (7 + len(columns)),
     ]
     label_lines = [
-        "| payload | round | victims | " + " | ".join(t for _, t in LABEL_COLUMNS) + " |",
-        "|" + "---|" * (3 + len(LABEL_COLUMNS)),
+        "| payload | round | victims | " + " | ".join(t for _, t in label_columns) + " |",
+        "|" + "---|" * (3 + len(label_columns)),
     ]
     membership_lines = [
         "| payload | round | victims | attacker knows | " + " | ".join(t for _, t in MEMBERSHIP_COLUMNS) + " |",
@@ -144,7 +146,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         victims = ",".join(str(p) for p in sorted({g["partition"] for g in group}))
         seconds = np.mean([g["cpu_seconds"] for g in group])
         if attack == "labels":
-            cells = [fmt(spread([g.get(k) for g in group]), 2) for k, _ in LABEL_COLUMNS]
+            cells = [fmt(spread([g.get(k) for g in group]), 2) for k, _ in label_columns]
             label_lines.append(f"| {payload} | {rounds} | {victims} | " + " | ".join(cells) + " |")
             continue
         if attack == "membership":
@@ -159,12 +161,18 @@ def table(rows: list[dict[str, Any]]) -> str:
             + " | ".join(cells)
             + f" | {seconds:.0f} |"
         )
+    membership = (
+        "\nMembership inference (server, from each upload; no leak: AUC 0.5 and TPR (⌊0.01 m⌋ + 1) / (m + 1) "
+        "with m non-members, 0.02 at 100; docs/privacy.md):\n\n" + "\n".join(membership_lines) + "\n"
+        if len(membership_lines) > 2
+        else ""
+    )
     return (
         "\n".join(lines)
         + "\n\nLabel leakage (server, from each upload):\n\n"
         + "\n".join(label_lines)
-        + "\n\nMembership inference (server, from each upload; no leak: AUC 0.5 and TPR (⌊0.01 m⌋ + 1) / (m + 1) "
-        "with m non-members, 0.02 at 100; docs/privacy.md):\n\n" + "\n".join(membership_lines) + "\n"
+        + "\n"
+        + membership
     )
 
 
