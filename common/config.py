@@ -411,10 +411,11 @@ def resolve_auto(cfg: RunConfig) -> RunConfig:
     handshake, eval_clients = cfg.handshake, cfg.eval_clients
     if handshake == "auto":
         tables = dict(cfg.extra)
-        held_out = float(tables.get("generalization.held-out-clients", 0) or 0)
-        client_dp = float(tables.get("client-dp.epsilon", 0) or 0)  # samples the clients itself
+        # the table keys are validated later, by their tables: any value but 0 counts as set here
+        held_out = tables.get("generalization.held-out-clients", 0) != 0
+        client_dp = tables.get("client-dp.epsilon", 0) != 0  # samples the clients itself
         large = cfg.num_clients > AUTO_SAMPLED_CLIENTS
-        free = eval_clients != "all" and cfg.min_clients == 0 and held_out == 0 and client_dp == 0
+        free = eval_clients != "all" and cfg.min_clients == 0 and not held_out and not client_dp
         handshake = "sampled" if large and free else "all"
         chosen.append("handshake")
     if eval_clients == "auto":

@@ -60,8 +60,9 @@ def cache_before_ray(config: dict, num_clients: int, *, num_supernodes: int | No
         return  # the launcher raises the same error when it sizes the federation
     start = time.perf_counter()
     workers = os.cpu_count() or 1
-    spec = DataSpec.from_config(RunConfig.from_dict(config), partitions)
-    if not cache or config.get("handshake", "all") != "all":
+    cfg = RunConfig.from_dict(config)  # its handshake as run: `auto` resolved
+    spec = DataSpec.from_config(cfg, partitions)
+    if not cache or cfg.handshake != "all":
         errors = partition_errors(spec, workers)
     else:
         cache_dir = default_cache_dir()
