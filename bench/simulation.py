@@ -297,7 +297,9 @@ def scale_table(runs: list[dict]) -> str:
     ]
     first = None
     for run in runs:
-        config = dict(item.split("=", 1) for item in shlex.split(run["command"]) if "=" in item and " " not in item)
+        # key=value words, also those of one quoted -c "k=v k=v" argument
+        words = [w for item in shlex.split(run["command"]) for w in (shlex.split(item) if " " in item else [item])]
+        config = dict(w.split("=", 1) for w in words if "=" in w)
         n, fraction = int(config["num-clients"]), float(config["fraction-train"])
         cells, mean = later_rounds(run["round_seconds"], first)
         first = first or mean

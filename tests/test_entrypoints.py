@@ -420,6 +420,10 @@ def test_the_committed_scale_table_and_its_quoted_seconds_are_what_the_rows_give
     readme = (ROOT / "results" / "scale" / "README.md").read_text()
     runs = json.loads((ROOT / "results" / "scale" / "simulation-sampled.json").read_text())
     assert scale_table(runs) in readme
+    auto = json.loads((ROOT / "results" / "scale" / "simulation-auto.json").read_text())
+    assert scale_table(auto) in readme  # one quoted -c "k=v ..." argument, parsed word by word
+    launch = [sum(run["startup_seconds"].values()) for run in auto]
+    assert f"{launch[1] / launch[0]:.2f}x the launch at 100 ({launch[1]:.1f} s against {launch[0]:.1f} s)" in readme
     trial = json.loads((ROOT / "results" / "scale" / "simulation-sampled-window4.json").read_text())[0]
     assert f"{min(trial['round_seconds'][1:]):.2f}-{max(trial['round_seconds'][1:]):.2f} s per later round" in readme
     for run, handler, beyond in zip(runs[::2], ("4.9-6.0 s at 100", "10.5-11.4 s at 10,000"), ("30-40", "72-77")):
