@@ -156,3 +156,36 @@ def assert_learns(rc: dict, strategy) -> None:
     rows = strategy.rows
     assert rows[-1]["accuracy_mean"] > chance(rc, rc["num-clients"]) + 0.05, rows[-1]["accuracy_mean"]
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+
+
+#: CIFAR-10's official test split, the real images of the privacy controls
+CIFAR_TEST_SPLIT = DATA_DIR / "cifar10" / "test.parquet"
+
+
+def cifar_test_images():
+    """(uint8 images ``[1000, 3, 32, 32]``, int64 labels ``[1000]``): 100 images per class of
+    :data:`CIFAR_TEST_SPLIT`, interleaved (image k has class k mod 10; the split is stored class by
+    class, 1,000 each)."""
+    import pyarrow.parquet as pq
+    import torch
+    from torchvision.io import ImageReadMode, decode_image
+
+    table = pq.ParquetFile(CIFAR_TEST_SPLIT).read_row_group(0, columns=["img", "label"])
+    table = table.take([(k % 10) * 1000 + k // 10 for k in range(1000)])
+    raw = [torch.frombuffer(bytearray(d["bytes"]), dtype=torch.uint8) for d in table.column("img").to_pylist()]
+    images = torch.stack([decode_image(b, ImageReadMode.RGB) for b in raw])
+    labels = torch.tensor(table.column("label").to_pylist())
+    assert labels[:10].tolist() == list(range(10))
+    return images, labels
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (a module's ``autouse`` fixture can ask for it): on a loaded
+    2-core machine a second one costs more than it gives."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -11,47 +11,30 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
 
 from common.data import normalize
 from common.datasets import DATASETS
+from conftest import CIFAR_TEST_SPLIT, cifar_test_images
 from models.cnn import build_cnn
 from privacy import labels
 from tools import privacy
 from tools import privacy_membership as membership
 from tools.privacy_attacks import label_row
-from tools.runconfig import ROOT
 
 INFO = DATASETS["cifar10"]
-TEST_SPLIT = ROOT.parent / "shared" / "data" / "cifar10" / "test.parquet"
-needs_cifar = pytest.mark.skipif(not TEST_SPLIT.is_file(), reason=f"no CIFAR-10 test split at {TEST_SPLIT}")
+needs_cifar = pytest.mark.skipif(not CIFAR_TEST_SPLIT.is_file(), reason=f"no CIFAR-10 test split at {CIFAR_TEST_SPLIT}")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a loaded 2-core machine a second one costs more than it gives."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def cifar():
-    """(uint8 images ``[1000, 3, 32, 32]``, int64 labels ``[1000]``): 100 test images per class,
-    interleaved (image k has class k mod 10; the split is stored class by class, 1,000 each)."""
-    from torchvision.io import ImageReadMode, decode_image
-
-    table = pq.ParquetFile(TEST_SPLIT).read_row_group(0, columns=["img", "label"])
-    table = table.take([(k % 10) * 1000 + k // 10 for k in range(1000)])
-    raw = [torch.frombuffer(bytearray(d["bytes"]), dtype=torch.uint8) for d in table.column("img").to_pylist()]
-    images = torch.stack([decode_image(b, ImageReadMode.RGB) for b in raw])
-    labels_ = torch.tensor(table.column("label").to_pylist())
-    assert labels_[:10].tolist() == list(range(10))
-    return images, labels_
+    """:func:`conftest.cifar_test_images`."""
+    return cifar_test_images()
 
 
 def model(name: str) -> torch.nn.Module:
