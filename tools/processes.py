@@ -18,6 +18,10 @@ from pathlib import Path
 EPHEMERAL_FALLBACK = (32768, 60999)
 
 
+#: one past the last port of Ray's default worker port range (``ray start --max-worker-port`` 19999)
+RAY_WORKER_PORTS_END = 20000
+
+
 def ephemeral_range() -> tuple[int, int]:
     """The kernel's range for outgoing connections' local ports (``ip_local_port_range``), inclusive."""
     try:
@@ -34,13 +38,14 @@ def free_port() -> int:
     every outgoing connection draws from too, so between this check and the server's own bind a client
     of another process (nginx connecting upstream, a CLI, the other test worker) can take it: the
     SuperLink then exits with "address already in use". Ports below the range are only taken by
-    listeners that ask for them by number.
+    listeners that ask for them by number; the range starts at 20000, above the ports Ray's nodes
+    take for their workers by default (10002-19999) and its client server (10001).
 
     Raises:
-        RuntimeError: 200 random ports in ``[10000, low)`` were all taken.
+        RuntimeError: 200 random ports in ``[20000, low)`` were all taken.
     """
     low = ephemeral_range()[0]
-    start = 10000 if low > 11000 else 1024
+    start = RAY_WORKER_PORTS_END if low > RAY_WORKER_PORTS_END + 1000 else 1024
     for _ in range(200):
         port = random.randrange(start, low)
         with socket.socket() as s:
