@@ -11,6 +11,7 @@ server before any message is sent.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
@@ -48,7 +49,7 @@ HANDSHAKES = ("auto", "all", "sampled")
 #: seed samples, so runs of the papers' sizes (20-100 clients) keep ``all``
 AUTO_SAMPLED_CLIENTS = 1000
 #: the keys whose ``auto`` :func:`resolve_auto` replaces, and the values it chooses from
-AUTO_KEYS = {"handshake": ("all", "sampled"), "eval-clients": ("all", "trained")}
+AUTO_KEYS = {"handshake": HANDSHAKES[1:], "eval-clients": EVAL_CLIENTS[1:]}
 #: what ``stop-patience`` watches: the unweighted mean over clients, or the pooled accuracy (HtFLlib's
 #: auto-break, ``check_done`` on ``rs_test_acc``)
 STOP_METRICS = ("accuracy_mean", "accuracy_weighted")
@@ -395,6 +396,15 @@ class RunConfig:
         out = {k.replace("_", "-"): v for k, v in asdict(self).items() if k not in ("extra", "auto_chosen")}
         out.update(dict(self.extra))
         return out
+
+
+def sample_size(fraction: float, num_nodes: int) -> int:
+    """Clients per round K = max(1, floor(fraction * N)) (docs/methods/fedgh.md §4), run config
+    ``fraction-train``: the roster's draw and client-level DP's expected sample.
+
+    The product is rounded to 9 decimals first so that 0.29 * 100 gives 29, not 28.
+    """
+    return max(1, math.floor(round(fraction * num_nodes, 9)))
 
 
 def resolve_auto(cfg: RunConfig) -> RunConfig:

@@ -65,7 +65,7 @@ import numpy as np
 import torch
 from flwr.supercore.differential_privacy import compute_clip_model_update
 
-from common.config import ConfigError, RunConfig, read_options
+from common.config import ConfigError, RunConfig, read_options, sample_size
 from common.dp import MAX_NOISE_MULTIPLIER, Event, _calibrate, epsilon_of, merge_events, secret_generator
 from common.options import option
 from common.payload import ClientReply
@@ -250,11 +250,9 @@ def client_plan(cfg: RunConfig, releases: int, amplified: bool) -> ClientDPPlan:
 
 
 def expected_clients(cfg: RunConfig) -> int:
-    """K = max(1, floor(``fraction-train`` · N)), N = ``num-clients``: the clients a round samples, on average
-    under client-level DP. The formula of ``strategies.nodes.sample_size``, which this module cannot import
-    (``strategies.nodes`` imports ``strategies.method``, which imports this module); tests/test_dp_client_level.py
-    checks that the two agree."""
-    return max(1, math.floor(round(cfg.fraction_train * cfg.num_clients, 9)))
+    """K = max(1, floor(``fraction-train`` · N)), N = ``num-clients`` (:func:`common.config.sample_size`, the
+    roster's draw): the clients a round samples, on average under client-level DP."""
+    return sample_size(cfg.fraction_train, cfg.num_clients)
 
 
 def check_run(cfg: RunConfig, strategy: type) -> None:

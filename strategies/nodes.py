@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, Message
 
-from common.config import ConfigError, RunConfig
+from common.config import ConfigError, RunConfig, sample_size
 from common.dp import secret_generator
 from common.generalization import generalization_options
 from common.metrics import CONFIG_ERROR_KEY, CONFIG_ERROR_RECORD, MAX_ERROR_CHARS, PARTITION_ID
@@ -40,14 +40,6 @@ log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 NODE_POLL_SECONDS = 0.5
 #: seconds a node that connected mid-run has to answer the partition query (at most ``round-timeout``)
 QUERY_SECONDS = 120.0
-
-
-def sample_size(fraction: float, num_nodes: int) -> int:
-    """Clients per round K = max(1, floor(fraction * N)) (docs/methods/fedgh.md §4).
-
-    The product is rounded to 9 decimals first so that 0.29 * 100 gives 29, not 28.
-    """
-    return max(1, math.floor(round(fraction * num_nodes, 9)))
 
 
 def poisson_sample(count: int, rate: float) -> list[int]:
