@@ -288,9 +288,10 @@ def trained_class_means(
     """:func:`class_means` of the client's (trained) extractor, or of ``module`` (e.g. the whole
     model, for per-class mean logits), over the train examples an epoch of local training sees: all
     of them, but with run config ``batch-order = "fixed"`` the first ⌊n / B⌋·B (B = ``batch-size``;
-    all n when n < B). Why: ``fixed`` is HtFLlib's training loader (``clientbase.load_train_data``:
-    ``DataLoader(drop_last=True, shuffle=False)``), and its FedTGP and FedGH clients take their
-    prototypes over that loader (``collect_protos``), so the last partial batch is in no prototype:
+    all n when n < B). Why: ``fixed`` is HtFLlib's training loader (commit e959261,
+    ``system/flcore/clients/clientbase.py::load_train_data``: ``DataLoader(drop_last=True,
+    shuffle=False)``), and its FedTGP and FedGH clients take their prototypes over that loader
+    (``clienttgp.py`` / ``clientgh.py::collect_protos``), so the last partial batch is in no prototype:
     with every example, ours started apart from HtFLlib's in round 1 of the paired cross-check
     (Fashion-MNIST ``htcnn8``, 120 examples, seed 0: 21.47 % against 15.53 %), without it the same
     to the printed digit (docs/methods/fedtgp.md, section 12).
