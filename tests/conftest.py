@@ -189,3 +189,50 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def reference_dp_sgd(model, data, config, plan, generator, secrets, objective=None):
+    """DP-SGD from materialised per-example gradients, as ``common.training.private_training`` was before ghost
+    clipping and ``dp.adaptive-clip``: Opacus's ``GradSampleModule`` and ``DPOptimizer`` at ``dp.clip-norm``,
+    Poisson batches, per-example augmentation, the loss ``objective(x, representations, logits, labels)``
+    (default cross-entropy); ``secrets`` gives the generators the code draws from the operating system's
+    entropy, in the code's order."""
+    import torch
+    import torch.nn.functional as F
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+    from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+
+    import common.training
+    from common.data import augment, normalize
+
+    n = len(data.train_y)
+    opt = common.training.make_sgd(model.parameters(), config)
+    sampled = GradSampleModule(model)
+    private = DPOptimizer(
+        opt,
+        noise_multiplier=plan.noise_multiplier,
+        max_grad_norm=plan.options.clip_norm,
+        expected_batch_size=min(plan.batch_size, n),
+        generator=secrets(),
+    )
+    epochs = int(config["local-epochs"])
+    sampler = UniformWithReplacementSampler(
+        num_samples=n, sample_rate=plan.sample_rate, generator=secrets(), steps=plan.steps_per_training // epochs
+    )
+    for _ in range(epochs):
+        for idx in sampler:
+            idx = torch.as_tensor(idx, dtype=torch.int64)
+            x = augment(normalize(data.train_x[idx], data.info), data.info, generator)
+            features = model.extractor(x)
+            logits = model.head(features)
+            y = data.train_y[idx]
+            if len(idx) == 0:
+                loss = logits.sum()
+            else:
+                loss = F.cross_entropy(logits, y) if objective is None else objective(x, features, logits, y)
+            private.zero_grad(set_to_none=True)
+            loss.backward()
+            private.step()
+    sampled._close()
+    return model
