@@ -3,7 +3,7 @@
 Usage (from the repository root):
 
     uv run --frozen python -m tools.grid presets/<name>.toml --methods fedre,local,fedgh --seeds 0,1
-        [--rounds N] [--minutes M] [-c "local-epochs=1"] [--out outputs/grids/<name>]
+        [--rounds N] [--minutes M] [-c "local-epochs=1"] [--out outputs/grids/<name>] [--in-process]
 
 Every (method, seed) cell runs the preset through ``tools.run`` with ``method`` and ``seed``
 overridden, so all methods of one seed train on identical partitions (the partition depends on
@@ -22,7 +22,8 @@ the next invocation. ``-c`` overrides preset keys for every cell (e.g. fewer loc
 fit a CPU budget); they and the preset's config are recorded in ``grid.json`` and must not change
 between invocations. One grid at a time works in a grid folder (:func:`grid_lock`): a second one
 on the same ``--out`` is refused, naming the folder and the first one's PID.
-``python -m tools.report <grid>`` summarises a grid.
+``--in-process`` runs each cell with ``tools.inprocess`` instead (the same run without Ray's and Flower's
+start-up, clients one after another: for many small runs). ``python -m tools.report <grid>`` summarises a grid.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import platform
@@ -143,12 +145,13 @@ class CpuMeter:
         return sum(self.seen.values())
 
 
-def launch_tools_run(preset: Path, overrides: dict, minutes: float) -> int:
-    """Run one cell through ``python -m tools.run --preset``; interrupt it after ``minutes`` (> 0).
+def launch_tools_run(preset: Path, overrides: dict, minutes: float, module: str = "tools.run") -> int:
+    """Run one cell through ``python -m <module> --preset`` (``tools.run``, or ``tools.inprocess``: the same
+    run without Ray); interrupt it after ``minutes`` (> 0).
 
     Prints the launch's wall and CPU seconds (``CpuMeter``) as its last line.
     """
-    cmd = [sys.executable, "-m", "tools.run", "--preset", str(preset)]
+    cmd = [sys.executable, "-m", module, "--preset", str(preset)]
     for key, value in overrides.items():
         cmd += ["-c", f"{key}={json.dumps(value)}"]
     start = time.perf_counter()
@@ -365,6 +368,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per run (default: the preset's)")
     parser.add_argument("--minutes", type=float, default=0.0, help="wall-time budget per launch (0: none)")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run each cell with tools.inprocess (no Ray: for many small runs; needs num-clients)",
+    )
     add_config_arguments(parser, preset=False)  # preset keys overridden in every cell
     parser.add_argument("--out", type=Path, default=None, help="grid folder (default outputs/grids/<preset>)")
     args = parser.parse_args(argv)
@@ -386,8 +394,17 @@ def main(argv: list[str] | None = None) -> int:
             preset_config, _ = read_config(args.preset, [])
             rounds = {} if args.rounds is None else {"num-server-rounds": args.rounds}
             validate_configs([{**preset_config, **overrides, **rounds, "method": m, "seed": seeds[0]} for m in methods])
+            launcher = functools.partial(launch_tools_run, module="tools.inprocess" if args.in_process else "tools.run")
             outcomes = run_grid(
-                args.preset.resolve(), methods, seeds, grid, args.rounds, args.minutes, argv=argv, overrides=overrides
+                args.preset.resolve(),
+                methods,
+                seeds,
+                grid,
+                args.rounds,
+                args.minutes,
+                launcher,
+                argv=argv,
+                overrides=overrides,
             )
         except (ConfigError, ValueError) as exc:  # a bad key, or a grid.json the grid did not write: no traceback
             print(f"error: {exc}")
