@@ -12,7 +12,7 @@ import pytest
 from flwr.common.config import parse_config_args
 
 from common.config import RunConfig
-from common.files import CHECKPOINT, read_rows
+from common.files import CHECKPOINT, read_rows, read_summary
 from common.results import ResultsWriter
 from conftest import DATA_DIR, ROOT
 from strategies.base import HeteroStrategy
@@ -46,7 +46,7 @@ def test_every_preset_parses_and_a_paper_preset_has_paper_numbers():
     others are evaluation settings of no paper's table (the privacy evaluation's runs, the held-out clients')."""
     papers = [p for p in RUN_PRESETS if p.with_suffix(".paper.toml").is_file()]
     assert len(papers) >= 6
-    evaluations = {"privacy-cifar10-cnn5.toml", "generalization-cifar10-mh-lenet.toml"}
+    evaluations = {"privacy-cifar10-cnn5.toml", "dp-fmnist-cnn5.toml", "generalization-cifar10-mh-lenet.toml"}
     assert {p.name for p in RUN_PRESETS} - {p.name for p in papers} == evaluations
     defaults = app_defaults()
     for preset in RUN_PRESETS:
@@ -188,3 +188,21 @@ def test_the_grid_refuses_an_unknown_method_without_importing_the_methods(tmp_pa
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert "'method' = 'bogus' is invalid: allowed values are 'fedgh'" in done.stdout
     assert done.stdout.splitlines()[-1] == "2 False False" and not (tmp_path / "g").exists()
+
+
+def test_a_run_in_process_completes_resumes_and_refuses_a_federation_of_unknown_size(tmp_path, capsys):
+    from tools import inprocess
+
+    small = [
+        "method='fedproto' dataset='mnist' num-clients=2 max-examples-per-client=40 model-group='cnn1'",
+        f"data-dir='{DATA_DIR}' output-dir='{tmp_path}' num-server-rounds=2",
+    ]
+    args = [item for c in small for item in ("-c", c)]
+    assert inprocess.main([*args, "-c", "num-server-rounds=1"]) == 0
+    (first,) = tmp_path.iterdir()
+    assert len(read_rows(first)) == 1 and read_summary(first)["status"] == "completed"
+    assert inprocess.main([*args, "-c", f"resume-from='{first}'"]) == 0
+    resumed = next(p for p in tmp_path.iterdir() if p != first)
+    assert [row["round"] for row in read_rows(resumed)] == [1, 2]
+    assert inprocess.main(["-c", "num-clients=0"]) == 2
+    assert "'num-clients' is 0" in capsys.readouterr().err
