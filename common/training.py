@@ -36,7 +36,9 @@ def make_sgd(params, config: Mapping[str, Any]) -> SGD:
 
 
 Regularizer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-#: ``supervised_loss(images [B, C_in, H, W], representations [B, d], logits [B, C], labels [B]) -> scalar``
+#: ``supervised_loss(images [B, C_in, H, W], representations [B, d], logits [B, C], labels [B]) -> scalar``; one
+#: that runs a companion model may carry ``per_example``, the same arguments giving the float [B] terms whose mean
+#: it is, so that DP-SGD clips it by ghost clipping (:func:`private_training`)
 SupervisedLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -164,8 +166,10 @@ def private_training(
       whose parameter gradient is that of example i's term of the mean loss L (h: representation, z: logits).
       Per-example gradients of a 2M-parameter CNN-1 at B = 64 are 0.5 GB a step; this is 12x faster on CPU
       (``python -m bench.dp_overhead``);
-    - otherwise (a loss that runs a companion model: FML, FedKD, FedMRL), and with ``dp.adaptive-clip``,
-      from materialised per-example gradients (``GradSampleModule``).
+    - a loss that runs a companion model (FML) by the same ghost clipping over the per-example terms its
+      ``per_example`` attribute gives (Opacus's own second pass);
+    - otherwise (FedKD, FedMRL), and with ``dp.adaptive-clip``, from materialised per-example gradients
+      (``GradSampleModule``).
 
     With ``dp.adaptive-clip`` the clip starts at ``clip_norm`` and every step moves it towards the
     ``dp.target-quantile`` of the per-example gradient norms (``common.adaptive_clip.QuantileClipDPOptimizer``:
@@ -175,6 +179,7 @@ def private_training(
     Returns:
         as :func:`train_supervised`, with ``dp-clip-norm`` (the clip after the last step) when adaptive.
     """
+    from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
     from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 
     def objective(x: torch.Tensor, features: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -183,9 +188,9 @@ def private_training(
 
     n = len(data.train_y)
     x_all, y_all = data.train_x.to(device), data.train_y.to(device)
-    ghost = not dp.options.adaptive_clip and reads_only_outputs(
-        model, objective, normalize(x_all[:1], data.info), y_all[:1]
-    )
+    outputs_only = reads_only_outputs(model, objective, normalize(x_all[:1], data.info), y_all[:1])
+    per_example = getattr(supervised_loss, "per_example", None) if regularizer is None else None
+    ghost = not dp.options.adaptive_clip and (outputs_only or per_example is not None)
     sampled, private = _dp_optimizer(model, opt, dp, clip_norm, min(dp.batch_size, n), device, ghost)
     sampler = UniformWithReplacementSampler(
         num_samples=n,
@@ -210,8 +215,12 @@ def private_training(
                     continue
                 features = model.extractor(x)
                 logits = model.head(features)
-                if ghost:
+                if ghost and outputs_only:
                     loss = _ghost_clipped_backward(sampled, private, objective, x, features, logits, y)
+                elif ghost:
+                    losses = per_example(x, features, logits, y)
+                    DPTensorFastGradientClipping(sampled, private, losses, "mean").backward()
+                    loss = losses.mean()
                 else:
                     loss = logits.sum() if len(y) == 0 else objective(x, features, logits, y)
                     loss.backward()
@@ -312,11 +321,16 @@ def reads_only_outputs(model: SplitModel, objective: SupervisedLoss, x: torch.Te
     return True
 
 
-def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """T² · KL(softmax(z_t/T) ‖ softmax(z_s/T)), mean over the batch; the teacher's side gets no gradient
-    only if the caller detaches it (MH-pFedHNGD Eq. 8 with the code's weighting; FML, FedKD, FD)."""
+def kd_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0, per_example: bool = False
+) -> torch.Tensor:
+    """T² · KL(softmax(z_t/T) ‖ softmax(z_s/T)), mean over the batch (``per_example``: float [B], each row's);
+    the teacher's side gets no gradient only if the caller detaches it (MH-pFedHNGD Eq. 8 with the code's
+    weighting; FML, FedKD, FD)."""
     student = F.log_softmax(student_logits / temperature, dim=1)
     teacher = F.log_softmax(teacher_logits / temperature, dim=1)
+    if per_example:
+        return F.kl_div(student, teacher, reduction="none", log_target=True).sum(1) * temperature**2
     return F.kl_div(student, teacher, reduction="batchmean", log_target=True) * temperature**2
 
 

@@ -21,6 +21,7 @@ Inference: the private model.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,14 +73,18 @@ class FMLOptions:
     )
 
 
-def mutual_kl(student_logits: torch.Tensor, target_logits: torch.Tensor, options: FMLOptions) -> torch.Tensor:
+def mutual_kl(
+    student_logits: torch.Tensor, target_logits: torch.Tensor, options: FMLOptions, per_example: bool = False
+) -> torch.Tensor:
     """KL(softmax(target) ‖ softmax(student)) of one FML loss term (docs/methods/fml.md, client step).
 
     ``*_logits``: float [B, C]. ``kl-reduction = "mean"`` divides the per-example mean by C, which is
     what ``nn.KLDivLoss()`` (reduction ``mean``, over all B·C elements) gives in HtFLlib's
     ``clientfml.py``; ``detach-targets = false`` lets the gradient reach the target's model too.
+    A scalar, or with ``per_example`` float [B], the terms whose mean it is.
     """
-    kl = kd_loss(student_logits, target_logits.detach() if options.detach_targets else target_logits)
+    target = target_logits.detach() if options.detach_targets else target_logits
+    kl = kd_loss(student_logits, target, per_example=per_example)
     return kl / student_logits.shape[1] if options.kl_reduction == "mean" else kl
 
 
@@ -105,16 +110,22 @@ class FMLClient(SharedModelClient):
         meme = self.received(client, payload)
         model = WithCompanions(client.model, meme=meme)
 
-        def mutual_loss(x, features, logits, labels):
+        def mutual_terms(x, features, logits, labels, per_example=False):
             meme_logits = meme(x)
-            private = alpha * F.cross_entropy(logits, labels) + (1 - alpha) * mutual_kl(
-                logits, meme_logits, self.options
+            reduction = "none" if per_example else "mean"
+            private = alpha * F.cross_entropy(logits, labels, reduction=reduction) + (1 - alpha) * mutual_kl(
+                logits, meme_logits, self.options, per_example
             )
-            shared = beta * F.cross_entropy(meme_logits, labels) + (1 - beta) * mutual_kl(
-                meme_logits, logits, self.options
+            shared = beta * F.cross_entropy(meme_logits, labels, reduction=reduction) + (1 - beta) * mutual_kl(
+                meme_logits, logits, self.options, per_example
             )
             return private + shared
 
+        def mutual_loss(x, features, logits, labels):
+            return mutual_terms(x, features, logits, labels)
+
+        # DP-SGD clips it by ghost clipping over these (common.training.private_training)
+        mutual_loss.per_example = functools.partial(mutual_terms, per_example=True)
         stats = train_personal_model(client, config, supervised_loss=mutual_loss, model=model, clip_groups=model.groups)
         return module_arrays(meme), stats
 

@@ -39,6 +39,16 @@ def companion_loss(x, features, logits, y):
     return F.cross_entropy(logits, y) + F.cross_entropy(COMPANION(x), y)
 
 
+def companion_terms(x, features, logits, y):
+    """``companion_loss`` with its per-example terms, as FML's loss carries them."""
+    return F.cross_entropy(logits, y) + F.cross_entropy(COMPANION(x), y)
+
+
+companion_terms.per_example = lambda x, features, logits, y: (
+    F.cross_entropy(logits, y, reduction="none") + (F.cross_entropy(COMPANION(x), y, reduction="none"))
+)
+
+
 def train_both(monkeypatch, clip: float, objective):
     """(ghost-or-per-example weights as ``train_supervised`` trains them, Opacus's per-example weights, initial) on
     an MNIST client of CNN-1, one round at ε = 8, the same seeded secrets and augmentation in both."""
@@ -98,3 +108,28 @@ def test_a_loss_that_runs_a_companion_model_takes_the_per_example_path_bit_for_b
     trained, reference, _ = train_both(monkeypatch, 0.05, companion_loss)
     # the companion's parameters are not the client model's: the model trains as Opacus's loop trains it
     assert all(torch.equal(trained[k], v) for k, v in reference.items())
+
+
+def test_a_companion_loss_with_its_per_example_terms_is_ghost_clipped_as_per_example_dp_sgd(monkeypatch):
+    calls = []
+    original = companion_terms.per_example
+    monkeypatch.setattr(companion_terms, "per_example", lambda *a: calls.append(1) or original(*a))
+    trained, reference, _ = train_both(monkeypatch, 0.05, companion_terms)
+    assert calls  # the ghost path ran on the per-example terms
+    for k, v in reference.items():
+        torch.testing.assert_close(trained[k], v, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "batchmean"])
+def test_the_per_example_distillation_terms_average_to_the_loss(reduction):
+    from strategies.fml import FMLOptions, mutual_kl
+
+    student, target = torch.randn(6, 10), torch.randn(6, 10)
+    options = FMLOptions(kl_reduction=reduction)
+    per_example = mutual_kl(student, target, options, per_example=True)
+    assert per_example.shape == (6,)
+    torch.testing.assert_close(per_example.mean(), mutual_kl(student, target, options))
+    torch.testing.assert_close(
+        common.training.kd_loss(student, target, 2.0, per_example=True).mean(),
+        common.training.kd_loss(student, target, 2.0),
+    )
