@@ -20,9 +20,12 @@ def test_accuracy_and_attacks_against_epsilon_regenerate_from_the_copies(tmp_pat
         rows = [json.loads(line) for line in (cell / "metrics.jsonl").read_text().splitlines()]
         for r in rows:
             r["dp_epsilon_max"] = 2.0 * r["round"]
+            mechanism = {"sample_rate": 0.16, "steps": 7, "clip_norm": 7.0 + r["round"], "payload_clip": 10.0}
             r["dp_per_client"] = {
-                "0": {"epsilon_rdp": 3.0 * r["round"], "noise_multiplier": 1.5, "release_noise_multiplier": 6.0},
-                "1": {"epsilon_rdp": 1.0, "noise_multiplier": 2.5 + r["round"], "release_noise_multiplier": 8.0},
+                "0": {"epsilon_rdp": 3.0 * r["round"], "noise_multiplier": 1.5, "release_noise_multiplier": 6.0}
+                | mechanism,
+                "1": {"epsilon_rdp": 1.0, "noise_multiplier": 2.5 + r["round"], "release_noise_multiplier": 8.0}
+                | mechanism,
             }
         (cell / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     last = rows[-1]["round"]
@@ -31,8 +34,14 @@ def test_accuracy_and_attacks_against_epsilon_regenerate_from_the_copies(tmp_pat
     cell = {"round": 2, "partition": 0, "cpu_seconds": 1.0}  # every row tools.privacy writes has these
     attack = {**cell, "threat": "server", "knowledge": "white-box", "attack": "inversion", "payload": "z", "n": 2}
     rows = [
-        {**attack, "best_psnr": 11.0, "best_psnr_std": 0.0, "gray_psnr": 17.0, "gray_psnr_std": 0.0},
+        # a class-mean upload: best-matched, with the exact class mean's ceiling; one image's: to its own image
+        {**attack, "best_psnr": 11.0, "best_psnr_std": 0.0, "gray_psnr": 17.0, "gray_psnr_std": 0.0}
+        | {"ceiling_psnr": 19.0},
+        {**attack, "attack": "update", "payload": "weights", "best_psnr": 9.0, "gray_psnr": 9.0}
+        | {"psnr_own": 20.0, "gray_psnr_own": 12.0},
         {**attack, "payload": "class mean representation", "best_psnr": 30.0, "gray_psnr": 17.0},
+        {**cell, "threat": "server", "knowledge": "white-box + public class means", "attack": "membership"}
+        | {"payload": "z", "mia_auc": 0.6, "mia_tpr_at_1pct_fpr": 0.05},
         {**cell, "threat": "server", "knowledge": "payload only", "attack": "labels", "payload": "lar"}
         | {"label_recall": 0.5},
     ]
@@ -44,11 +53,13 @@ def test_accuracy_and_attacks_against_epsilon_regenerate_from_the_copies(tmp_pat
     mean = sum(final) / 2
     assert f"| fedre | inf | 0,1 | {100 * mean:.2f} ± " in text
     assert f"| fedre | 8 | 0,1 | {100 * (mean - 0.2):.2f} ± " in text
-    # ε spent: the largest over rows (PLD, then RDP), the σ of the last round's clients, mean over clients and
-    # seeds; the upload's inversion only (not the ladder's class mean), and labels
+    # ε spent: the largest over rows (PLD, then RDP), the σ, q, steps and clips of the last round's clients, mean
+    # over clients and seeds; the upload's attacks only (not the ladder's class mean): the gains above gray
+    # (11 - 17 best-matched, 20 - 12 to its own image), the class mean's ceiling (19 - 17), membership, labels
     sigma = (1.5 + 2.5 + last) / 2
-    assert f"| {2.0 * last:.3g} | {3.0 * last:.3g} | {sigma:.3g} | 7 | 11.0 ± 0.0 | 17.0 ± 0.0 | 0.50 ± 0.00 |" in text
-    assert "| - | - | - |" in text  # the grid without DP
+    guarantee = f"| record | {2.0 * last:.3g} | {3.0 * last:.3g} | {sigma:.3g} | 7 | 0.16 | 7 | {7.0 + last:.3g} | 10 |"
+    assert f"{guarantee} 0.60 ± 0.00 | 0.050 ± 0.000 | 1.0 ± 9.9 | 2.0 ± 0.0 | 0.50 ± 0.00 |" in text
+    assert "| - | - | - | - | - | - | - | - | - |" in text  # the grid without DP
     assert "Class prior alone (every client predicts" in text and " pooled, " in text
     # above prior: each seed's final pooled accuracy minus the class prior of that seed's partitions
     from tools.grid_stats import prior_accuracy
@@ -56,6 +67,9 @@ def test_accuracy_and_attacks_against_epsilon_regenerate_from_the_copies(tmp_pat
     gains = [ACC["fedre"][s][-1] - prior_accuracy({**small_config, "seed": s}, list(range(CLIENTS)))[1] for s in (0, 1)]
     gain = f"{100 * statistics.mean(gains):.2f} ± {100 * statistics.stdev(gains):.2f}"
     assert f"| fedre | inf | 0,1 | {100 * mean:.2f} ± {100 * statistics.stdev(final):.2f} | {gain} |" in text
+    # the share of the no-DP gain over the prior that ε = 8 keeps: (gain - 20 points) / gain
+    mean_gain = statistics.mean(gains)
+    assert f"| {(mean_gain - 0.2) / mean_gain:.2f} | record |" in text
     assert (out / "accuracy_vs_epsilon.png").stat().st_size > 10_000
     (out / "report.md").unlink()
     assert main([str(out)]) == 0
@@ -111,3 +125,19 @@ def test_an_interrupted_run_does_not_count_as_a_final_accuracy(tmp_path, small_c
     assert main([str(out), "--grid", f"inf={tmp_path / 'plain'}", "--grid", f"8={tmp_path / 'private'}"]) == 0
     text = (out / "report.md").read_text()
     assert "| local | inf | 0,1 |" in text and "| local | 8 | 0 |" in text
+
+
+def test_client_level_dp_is_read_from_its_own_row_keys(tmp_path, small_config):
+    write_grid(tmp_path / "plain", small_config)
+    write_grid(tmp_path / "private", small_config, overrides={"client-dp.epsilon": 4.0}, shift=-0.1)
+    for cell in (tmp_path / "private").glob("*-seed*/*"):
+        rows = [json.loads(line) for line in (cell / "metrics.jsonl").read_text().splitlines()]
+        for r in rows:
+            r |= {"client_dp_epsilon": 0.4 * r["round"], "client_dp_epsilon_rdp": 0.5 * r["round"]}
+            r |= {"client_dp_noise_multiplier": 1.2, "client_dp_sample_rate": 0.5, "client_dp_clip_norm": 0.15}
+        (cell / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    last = rows[-1]["round"]
+    out = tmp_path / "results"
+    assert main([str(out), "--grid", f"inf={tmp_path / 'plain'}", "--grid", f"4={tmp_path / 'private'}"]) == 0
+    text = (out / "report.md").read_text()
+    assert f"| client | {0.4 * last:.3g} | {0.5 * last:.3g} | 1.2 | - | 0.5 | - | 0.15 | - |" in text

@@ -12,15 +12,19 @@ Each ``--grid <ε>=<folder>`` is a ``tools.grid`` folder of the same preset run 
 copied to ``<folder>/eps-<ε>/`` (``tools.grid_rows.copy_runs``'s layout), so the report is regenerated
 from the copies alone. Writes ``<folder>/report.md`` and ``<folder>/accuracy_vs_epsilon.png``.
 
-Per method and ε, over its seeds (mean ± sample std): final pooled and mean-over-clients accuracy
-(percent, the last evaluated round), the pooled one's gain over the class prior of its seed (points),
-the largest ε any client spent (the rows' ``dp_epsilon_max``, PLD, and the largest ``epsilon_rdp`` of their
-``dp_per_client``, RDP), the noise multipliers DP-SGD and the payload releases ran at (the last rows'
-``dp_per_client``, mean over clients and seeds; "-" for rows written before they were recorded), and from
-the privacy evaluation the
-server's white-box attack on the upload (inversion of a per-class payload, or the update attack on a
-weight payload): best-match PSNR against a mid-gray image's, and the recall of the client's class set
-from the upload.
+Per method and ε, over its seeds (mean ± sample std): final pooled accuracy (percent, the last evaluated
+round), its gain over the class prior of its seed (points) and the share of the no-DP gain that ε keeps; the
+guarantee's parameters as the rows record them: the largest ε any client spent (PLD, and RDP beside it), and
+the means over clients and seeds of the last round's noise multipliers, sampling rate q, steps a round and
+clips. Record-level DP (run config ``dp.epsilon``) reads each row's ``dp_per_client`` (σ of DP-SGD and of the
+payload releases, q = B / n, the DP-SGD clip C, ``clip_norm`` where ``dp.adaptive-clip`` left it, and the
+payload clip); client-level DP (``client-dp.epsilon``) the rows' ``client_dp_*`` keys (σ, q, the update clip
+C). From the privacy evaluation, where it was run on the cell's newest run, the server's attacks on the upload
+scored as ``tools.privacy`` calibrates them: membership inference's AUC and TPR at 1 % FPR (0.5 and about
+0.01-0.02: chance), the reconstruction's PSNR above a mid-gray image's (dB; for one image's input, both to
+the victim's own image, ``psnr_own`` - ``gray_psnr_own``; for a class-mean payload, both best-matched over
+the victim's examples of the class, with the exact pixel mean's gain beside as the ceiling any inversion of
+a mean can reach), and the recall of the client's class set.
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ from tools.grid_rows import copy_files, load_grid, run_copies  # noqa: E402
 from tools.grid_stats import mean_std, prior_by_seed, prior_stats  # noqa: E402
 from tools.privacy import read_privacy_rows  # noqa: E402
 from tools.privacy_report import cell as score_cell  # noqa: E402
-from tools.privacy_report import stat  # noqa: E402
 from tools.report import pct  # noqa: E402
 
 #: subfolder of a report folder holding the grid run at one ε
@@ -104,17 +107,28 @@ def attack_rows(grid: Path, method: str) -> list[dict[str, Any]]:
     return rows
 
 
-def upload_attack(rows: list[dict[str, Any]]) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
-    """(best-match PSNR, gray PSNR) of the server's white-box attacks on the upload, pooled."""
-    uploads = [
-        r
-        for r in rows
-        if r.get("threat") == "server"
-        and r.get("knowledge") == "white-box"
-        and r.get("attack") in ("inversion", "update")
-        and r.get("payload") not in NOT_UPLOADS
+def upload_attacks(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float] | None]:
+    """The server's attacks on the upload, over the rows (mean ± std over rows; None where no row has it):
+    ``gain`` (a white-box reconstruction's PSNR above a mid-gray image's, dB: to the victim's own image where
+    the row has ``psnr_own``, else best-matched), ``ceiling`` (the exact class mean's gain, class-mean payloads),
+    ``auc`` and ``tpr`` (membership inference's AUC and TPR at 1 % FPR)."""
+    uploads = [r for r in rows if r.get("threat") == "server" and r.get("payload") not in NOT_UPLOADS]
+    inversions = [
+        r for r in uploads if r.get("knowledge") == "white-box" and r.get("attack") in ("inversion", "update")
     ]
-    return stat(uploads, "best_psnr"), stat(uploads, "gray_psnr")
+    gains = [
+        r["psnr_own"] - r["gray_psnr_own"] if r.get("psnr_own") is not None else r["best_psnr"] - r["gray_psnr"]
+        for r in inversions
+        if r.get("psnr_own") is not None or r.get("best_psnr") is not None
+    ]
+    ceilings = [r["ceiling_psnr"] - r["gray_psnr"] for r in inversions if r.get("ceiling_psnr") is not None]
+    membership = [r for r in uploads if r.get("attack") == "membership" and r.get("mia_auc") is not None]
+    return {
+        "gain": mean_std(gains) if gains else None,
+        "ceiling": mean_std(ceilings) if ceilings else None,
+        "auc": mean_std([r["mia_auc"] for r in membership]) if membership else None,
+        "tpr": mean_std([r["mia_tpr_at_1pct_fpr"] for r in membership]) if membership else None,
+    }
 
 
 def collect(folder: Path, data_dir: str | None = None) -> tuple[dict, dict[str, dict[str, dict[str, Any]]]]:
@@ -144,25 +158,16 @@ def collect(folder: Path, data_dir: str | None = None) -> tuple[dict, dict[str, 
             raise ConfigError(f"{grid}: preset {grid_info['preset']!r}, the others {info['preset']!r}")
         for method in sorted({c.method for c in cells}):
             mine = [c for c in cells if c.method == method]
-            spent = [r["dp_epsilon_max"] for c in mine for r in c.rows if r.get("dp_epsilon_max") is not None]
-            clients = [entry for c in mine for r in c.rows for entry in (r.get("dp_per_client") or {}).values()]
-            last = [entry for c in mine if c.rows for entry in (c.rows[-1].get("dp_per_client") or {}).values()]
             attacks = attack_rows(grid, method)
-            psnr, gray = upload_attack(attacks)
             recalls = [r["label_recall"] for r in attacks if r.get("label_recall") is not None]
-            labels = mean_std(recalls) if recalls else None  # one recall per (round, victim): no pooling
             finals[method, label] = [(c.seed, c.curve("accuracy_weighted")[1][-1]) for c in mine]
             out.setdefault(method, {})[label] = {
                 "seeds": sorted(c.seed for c in mine),
                 "weighted": mean_std([c.curve("accuracy_weighted")[1][-1] for c in mine]),
                 "mean": mean_std([c.curve("accuracy_mean")[1][-1] for c in mine]),
-                "spent": max(spent) if spent else None,
-                "spent_rdp": max((e["epsilon_rdp"] for e in clients), default=None),
-                "sigma": mean_of(last, "noise_multiplier"),
-                "release_sigma": mean_of(last, "release_noise_multiplier"),
-                "psnr": psnr,
-                "gray": gray,
-                "labels": labels,
+                **guarantee(mine),
+                **upload_attacks(attacks),
+                "labels": mean_std(recalls) if recalls else None,  # one recall per (round, victim): no pooling
             }
     try:
         priors = prior_by_seed(info["preset_config"], every_cell, data_dir)["training"]
@@ -171,8 +176,57 @@ def collect(folder: Path, data_dir: str | None = None) -> tuple[dict, dict[str, 
         info["prior_error"], priors = str(exc), None
     for (method, label), seeds in finals.items():
         out[method][label]["above_prior"] = None if priors is None else mean_std([a - priors[s][1] for s, a in seeds])
+    for by_eps in out.values():
+        base = by_eps.get(NO_DP, {}).get("above_prior")
+        for s in by_eps.values():  # the share of the no-DP gain over the prior this ε keeps (means over seeds)
+            s["kept"] = s["above_prior"][0] / base[0] if base and s["above_prior"] and base[0] > 0 else None
     # a method run at one ε only (the no-DP grid may hold every method) has no curve
     return info, {m: by_eps for m, by_eps in out.items() if len(by_eps) > 1}
+
+
+def guarantee(cells: list) -> dict[str, Any]:
+    """What the cells' rows record of their DP: ``level`` (``record``, ``client`` or None without DP), the
+    largest ε spent (``spent``, PLD; ``spent_rdp``) and the last round's means over clients and cells of σ
+    (``sigma``; ``release_sigma``), q, steps a round, the clip C and the payload clip."""
+    spent = [r["dp_epsilon_max"] for c in cells for r in c.rows if r.get("dp_epsilon_max") is not None]
+    if spent:
+        clients = [entry for c in cells for r in c.rows for entry in (r.get("dp_per_client") or {}).values()]
+        last = [entry for c in cells if c.rows for entry in (c.rows[-1].get("dp_per_client") or {}).values()]
+        return {
+            "level": "record",
+            "spent": max(spent),
+            "spent_rdp": max((e["epsilon_rdp"] for e in clients), default=None),
+            **{key: mean_of(last, field) for key, field in RECORD_FIELDS.items()},
+        }
+    last = [c.rows[-1] for c in cells if c.rows and c.rows[-1].get("client_dp_epsilon") is not None]
+    if last:
+        return {
+            "level": "client",
+            "spent": max(r["client_dp_epsilon"] for r in last),
+            "spent_rdp": max(r["client_dp_epsilon_rdp"] for r in last),
+            **{key: mean_of(last, field) if field else None for key, field in CLIENT_FIELDS.items()},
+        }
+    return {"level": None, "spent": None, "spent_rdp": None, **dict.fromkeys(RECORD_FIELDS)}
+
+
+#: report key -> the ``dp_per_client`` entry's key (record-level DP)
+RECORD_FIELDS = {
+    "sigma": "noise_multiplier",
+    "release_sigma": "release_noise_multiplier",
+    "q": "sample_rate",
+    "steps": "steps",
+    "clip": "clip_norm",
+    "payload_clip": "payload_clip",
+}
+#: report key -> the row's key (client-level DP; no releases, steps or payload clip)
+CLIENT_FIELDS = {
+    "sigma": "client_dp_noise_multiplier",
+    "release_sigma": None,
+    "q": "client_dp_sample_rate",
+    "steps": None,
+    "clip": "client_dp_clip_norm",
+    "payload_clip": None,
+}
 
 
 def mean_of(entries: list[dict[str, Any]], key: str) -> float | None:
@@ -201,79 +255,85 @@ def prior_line(info: dict) -> str:
 
 def render(info: dict, stats: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = [
-        f"# What differential privacy costs: {info['preset']}",
+        f"# What differential privacy costs and buys: {info['preset']}",
         "",
-        "Record-level DP of every upload (run config `dp.epsilon`; docs/privacy.md), per method and ε: final accuracy",
-        "(percent, mean ± sample std over seeds), the pooled one's gain over its seed's class prior (points),",
-        "the largest ε a client spent (at `dp.delta`: PLD, and RDP beside it), the mean noise multipliers σ of",
-        "DP-SGD and of the payload releases in the last round, and the server's white-box attack on the upload",
-        "(best-match PSNR in dB against a mid-gray image's, and the recall of the client's class set;",
-        f"`tools.privacy`, where it was run). ε = {NO_DP}: without DP.",
+        "Per method and ε (docs/privacy.md; `python -m tools.dp_report`): final pooled accuracy (percent, mean ±",
+        "sample std over seeds), its gain over its seed's class prior (points) and the share of the no-DP gain",
+        "that ε keeps; the guarantee as the rows record it: DP level (record: `dp.epsilon`, every upload of a",
+        "client's examples; client: `client-dp.epsilon`, a client's whole update), the largest ε a client spent",
+        "(at the run's δ: PLD, RDP beside it), and the last round's means of the noise multipliers σ (DP-SGD or",
+        "the server's noise on the updates; the payload releases), the sampling rate q, DP-SGD steps a round,",
+        "the clip C and the payload clip. Then the server's attacks on the upload (`tools.privacy`, where it was",
+        "run): membership inference AUC and TPR at 1 % FPR (chance: 0.5 and about 0.01-0.02), the white-box",
+        "reconstruction's PSNR above a mid-gray image's (dB; for a class-mean payload with the exact class mean's",
+        f"gain beside, the most any inversion of a mean can reach), the recall of the client's class set. ε = {NO_DP}:",
+        "without DP.",
         "",
         prior_line(info),
         "",
-        "| method | ε | seeds | final acc weighted | above prior (points) | final acc mean | ε spent (max) "
-        "| ε RDP (max) | σ DP-SGD | σ release | attack PSNR | gray PSNR | label recall |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | ε | seeds | final acc pooled | above prior (points) | gain kept | level | ε spent (max) "
+        "| ε RDP (max) | σ | σ release | q | steps a round | C | payload clip | membership AUC | TPR at 1 % FPR "
+        "| reconstruction gain (dB) | class-mean ceiling (dB) | label recall |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, by_eps in stats.items():
         for label, s in by_eps.items():
-            mechanisms = f"{number(s['spent_rdp'])} | {number(s['sigma'])} | {number(s['release_sigma'])}"
+            kept = "-" if s["kept"] is None else f"{s['kept']:.2f}"
+            guarantee = " | ".join(
+                number(s[k]) for k in ("spent", "spent_rdp", "sigma", "release_sigma", "q", "steps", "clip")
+            )
             lines.append(
                 f"| {method} | {label} | {','.join(map(str, s['seeds']))} | {pct(s['weighted'])} "
-                f"| {pct(s['above_prior'])} | {pct(s['mean'])} | {number(s['spent'])} | {mechanisms} "
-                f"| {score_cell(s['psnr'])} "
-                f"| {score_cell(s['gray'])} | {score_cell(s['labels'], 2)} |"
+                f"| {pct(s['above_prior'])} | {kept} | {s['level'] or '-'} | {guarantee} | {number(s['payload_clip'])} "
+                f"| {score_cell(s['auc'], 2)} | {score_cell(s['tpr'], 3)} | {score_cell(s['gain'])} "
+                f"| {score_cell(s['ceiling'])} | {score_cell(s['labels'], 2)} |"
             )
     return "\n".join(lines) + "\n"
 
 
 def plot(info: dict, stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> None:
     """``accuracy_vs_epsilon.png``: per method against ε (log scale; ε = ∞ drawn at the right edge), the
-    final pooled accuracy beside the class prior (what DP costs), and the server's white-box attack's
-    best-match PSNR minus a mid-gray image's (what it buys: above 0 dB the attack recovers more than a
-    constant image); accuracy: mean ± std over seeds, PSNR: over every reconstruction."""
+    final pooled accuracy beside the class prior (what DP costs; mean ± std over seeds), and what it buys
+    against the server's attacks on the upload: membership inference's AUC beside chance (0.5), and the
+    white-box reconstruction's PSNR above a mid-gray image's (0 dB: no more than a constant image); both
+    mean ± std over the attacked victims and rounds."""
     labels = sorted({label for by_eps in stats.values() for label in by_eps if label != NO_DP}, key=float)
     positions = {label: float(label) for label in labels}
     positions[NO_DP] = 4 * max([float(v) for v in labels], default=1.0)
     colors = method_colors(list(stats))
-    fig, (acc_ax, psnr_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = (("weighted", 100.0), ("auc", 1.0), ("gain", 1.0))
     for method, by_eps in stats.items():
         points = sorted((positions[label], s) for label, s in by_eps.items())
-        acc_ax.errorbar(
-            [p for p, _ in points],
-            [100 * s["weighted"][0] for _, s in points],
-            yerr=[100 * s["weighted"][1] for _, s in points],
-            label=method,
-            color=colors[method],
-            marker="o",
-            capsize=3,
-        )
-        gaps = [(p, s["psnr"][0] - s["gray"][0], s["psnr"][1]) for p, s in points if s["psnr"] and s["gray"]]
-        if gaps:
-            psnr_ax.errorbar(
-                [p for p, _, _ in gaps],
-                [g for _, g, _ in gaps],
-                yerr=[e for _, _, e in gaps],
-                label=method,
-                color=colors[method],
-                marker="o",
-                capsize=3,
-            )
+        for ax, (key, scale) in zip(axes, panels, strict=True):
+            shown = [(p, s[key]) for p, s in points if s[key] is not None]
+            if shown:
+                ax.errorbar(
+                    [p for p, _ in shown],
+                    [scale * v[0] for _, v in shown],
+                    yerr=[scale * v[1] for _, v in shown],
+                    label=method,
+                    color=colors[method],
+                    marker="o",
+                    capsize=3,
+                )
     if "prior" in info:
-        acc_ax.axhline(100 * info["prior"]["weighted"][0], color="gray", linestyle="--", label="class prior alone")
-    psnr_ax.axhline(0.0, color="gray", linestyle="--", label="a mid-gray image")
+        axes[0].axhline(100 * info["prior"]["weighted"][0], color="gray", linestyle="--", label="class prior alone")
+    axes[1].axhline(0.5, color="gray", linestyle="--", label="chance")
+    axes[2].axhline(0.0, color="gray", linestyle="--", label="a mid-gray image")
     ticks = [*labels, NO_DP]
-    for ax in (acc_ax, psnr_ax):
+    for ax in axes:
         ax.set_xscale("log")
         ax.set_xticks([positions[t] for t in ticks], [("∞ (no DP)" if t == NO_DP else t) for t in ticks])
         ax.minorticks_off()
         ax.set_xlabel("ε per client over the run (δ as configured)")
         ax.legend(fontsize=7)
-    acc_ax.set_ylabel("final accuracy, pooled (%)")
-    psnr_ax.set_ylabel("attack PSNR − gray image's PSNR (dB)")
-    acc_ax.set_title(f"{info['preset']}: what DP costs", fontsize=10)
-    psnr_ax.set_title("what it buys: the server's white-box attack on the upload", fontsize=10)
+    axes[0].set_ylabel("final accuracy, pooled (%)")
+    axes[1].set_ylabel("membership inference AUC")
+    axes[2].set_ylabel("reconstruction PSNR − gray image's (dB)")
+    axes[0].set_title(f"{info['preset']}: what DP costs", fontsize=10)
+    axes[1].set_title("what it buys: membership of the upload", fontsize=10)
+    axes[2].set_title("what it buys: white-box reconstruction from the upload", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "accuracy_vs_epsilon.png", dpi=120)
     plt.close(fig)
