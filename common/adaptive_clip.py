@@ -15,6 +15,7 @@ one Gaussian mechanism of noise multiplier σ when the gradients get σ_Δ = (σ
 Opacus's ``AdaClipDPOptimizer`` draws the noise this way, and is used for it, but counts b_i instead of b_i − 1/2
 (a sensitivity of 1, where its σ_Δ assumes 1/2) and divides by the sampled batch size, which the Poisson
 sampling keeps secret, and fails on an empty sample: :class:`QuantileClipDPOptimizer` replaces those two parts.
+Under ghost clipping no per-example gradient exists to count: :class:`GhostQuantileClip` counts the norms.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 
 import torch
 from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer
+from opacus.optimizers.optimizer import _generate_noise  # Opacus's Gaussian draw, as AdaClipDPOptimizer's count
 
 
 class QuantileClipDPOptimizer(AdaClipDPOptimizer):
@@ -81,8 +83,57 @@ class QuantileClipDPOptimizer(AdaClipDPOptimizer):
         DPOptimizer.clip_and_accumulate(self)
 
     def update_max_grad_norm(self) -> None:
-        """C ← C·exp(−η_C·(b̃ − γ)) with b̃ = (noisy Σ (b_i − 1/2)) / B + 1/2 (Andrew et al. 2021, Algorithm 1)."""
-        unclipped = float(self.unclipped_num) / self.expected_batch_size + 0.5
-        self.max_grad_norm = float(
-            self.max_grad_norm * math.exp(-self.clipbound_learning_rate * (unclipped - self.target_unclipped_quantile))
+        """C ← C·exp(−η_C·(b̃ − γ)) (:func:`next_clip`)."""
+        self.max_grad_norm = next_clip(
+            self.max_grad_norm,
+            float(self.unclipped_num),
+            self.expected_batch_size,
+            self.target_unclipped_quantile,
+            self.clipbound_learning_rate,
         )
+
+
+def next_clip(clip: float, noisy_count: float, expected_batch: int, target_quantile: float, clip_lr: float) -> float:
+    """C·exp(−η_C·(b̃ − γ)) with b̃ = ``noisy_count`` / B + 1/2, ``noisy_count`` the noisy Σ (b_i − 1/2) of a step
+    (Andrew et al. 2021, Algorithm 1; module docstring)."""
+    unclipped = noisy_count / expected_batch + 0.5
+    return float(clip * math.exp(-clip_lr * (unclipped - target_quantile)))
+
+
+class GhostQuantileClip:
+    """The same clip update for DP-SGD by ghost clipping (``common.training.private_training``), where no
+    per-example gradient exists for the optimiser to count: each step counts b_i from the per-example gradient
+    norms Opacus's ``GradSampleModuleFastGradientClipping`` computed in its first backward pass, adds
+    N(0, σ_b²) and moves the clip of both the module and the optimiser (whose noise multiplier must be σ_Δ,
+    ``common.dp.DPPlan.gradient_noise_multiplier``, for the step's σ to be what the accountant charges).
+
+    Args:
+        target_quantile: γ in (0, 1).
+        clip_lr: η_C > 0.
+        count_noise: σ_b, in examples.
+        expected_batch_size: B, the divisor of the count.
+        generator: the source of the count's noise (a CPU generator).
+    """
+
+    def __init__(
+        self,
+        *,
+        target_quantile: float,
+        clip_lr: float,
+        count_noise: float,
+        expected_batch_size: int,
+        generator: torch.Generator,
+    ) -> None:
+        self.target_quantile, self.clip_lr, self.count_noise = target_quantile, clip_lr, count_noise
+        self.expected_batch_size, self.generator = expected_batch_size, generator
+
+    def step(self, sampled: torch.nn.Module, private: DPOptimizer, norms: torch.Tensor | None) -> None:
+        """After ``private``'s step: count the step's ``norms`` (float [b], None or empty for an empty Poisson
+        sample) at most ``private.max_grad_norm``, noise the centred count and set the next clip on ``private``
+        and ``sampled``."""
+        counted = (
+            0.0 if norms is None or not len(norms) else float(((norms <= private.max_grad_norm).float() - 0.5).sum())
+        )
+        noisy = counted + float(_generate_noise(self.count_noise, torch.zeros(()), generator=self.generator))
+        clip = next_clip(private.max_grad_norm, noisy, self.expected_batch_size, self.target_quantile, self.clip_lr)
+        private.max_grad_norm = sampled.max_grad_norm = clip

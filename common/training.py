@@ -168,19 +168,21 @@ def private_training(
       (``python -m bench.dp_overhead``);
     - a loss that runs a companion model (FML) by the same ghost clipping over the per-example terms its
       ``per_example`` attribute gives (Opacus's own second pass);
-    - otherwise (FedKD, FedMRL), and with ``dp.adaptive-clip``, from materialised per-example gradients
-      (``GradSampleModule``).
+    - otherwise (FedKD, FedMRL) from materialised per-example gradients (``GradSampleModule``).
 
     With ``dp.adaptive-clip`` the clip starts at ``clip_norm`` and every step moves it towards the
-    ``dp.target-quantile`` of the per-example gradient norms (``common.adaptive_clip.QuantileClipDPOptimizer``:
-    Andrew et al. 2021), the gradients noised at σ_Δ (``DPPlan.gradient_noise_multiplier``) to pay for the count;
-    without, the clip is ``dp.clip-norm`` throughout.
+    ``dp.target-quantile`` of the per-example gradient norms (Andrew et al. 2021: under ghost clipping
+    ``common.adaptive_clip.GhostQuantileClip`` counts the norms of the step's first pass, otherwise
+    ``QuantileClipDPOptimizer`` those of the per-example gradients), the gradients noised at σ_Δ
+    (``DPPlan.gradient_noise_multiplier``) to pay for the count; without, the clip is ``dp.clip-norm`` throughout.
 
     Returns:
         as :func:`train_supervised`, with ``dp-clip-norm`` (the clip after the last step) when adaptive.
     """
     from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
     from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+
+    from common.adaptive_clip import GhostQuantileClip
 
     def objective(x: torch.Tensor, features: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(logits, y) if supervised_loss is None else supervised_loss(x, features, logits, y)
@@ -190,8 +192,17 @@ def private_training(
     x_all, y_all = data.train_x.to(device), data.train_y.to(device)
     outputs_only = reads_only_outputs(model, objective, normalize(x_all[:1], data.info), y_all[:1])
     per_example = getattr(supervised_loss, "per_example", None) if regularizer is None else None
-    ghost = not dp.options.adaptive_clip and (outputs_only or per_example is not None)
+    ghost = outputs_only or per_example is not None
     sampled, private = _dp_optimizer(model, opt, dp, clip_norm, min(dp.batch_size, n), device, ghost)
+    adapt = None
+    if ghost and dp.options.adaptive_clip:
+        adapt = GhostQuantileClip(
+            target_quantile=dp.options.target_quantile,
+            clip_lr=dp.options.clip_lr,
+            count_noise=dp.count_noise,
+            expected_batch_size=min(dp.batch_size, n),
+            generator=secret_generator(),
+        )
     sampler = UniformWithReplacementSampler(
         num_samples=n,
         sample_rate=dp.sample_rate,
@@ -212,6 +223,8 @@ def private_training(
                     for p in params:
                         p.grad = torch.zeros_like(p)
                     private.step()
+                    if adapt is not None:
+                        adapt.step(sampled, private, None)
                     continue
                 features = model.extractor(x)
                 logits = model.head(features)
@@ -225,6 +238,8 @@ def private_training(
                     loss = logits.sum() if len(y) == 0 else objective(x, features, logits, y)
                     loss.backward()
                 private.step()
+                if adapt is not None:
+                    adapt.step(sampled, private, sampled.per_sample_gradient_norms)
                 loss_sum += float(loss.detach()) * len(y)
                 correct += int((logits.detach().argmax(1) == y).sum())
                 seen += len(y)
@@ -258,9 +273,10 @@ def _dp_optimizer(
     from common.adaptive_clip import QuantileClipDPOptimizer
 
     common = {"max_grad_norm": clip_norm, "expected_batch_size": expected_batch, "generator": secret_generator(device)}
-    if ghost:
+    if ghost:  # adaptive: the count is GhostQuantileClip's, paid for by noising the gradients at σ_Δ
         sampled = GradSampleModuleFastGradientClipping(model, max_grad_norm=clip_norm, use_ghost_clipping=True)
-        return sampled, DPOptimizerFastGradientClipping(opt, noise_multiplier=dp.noise_multiplier, **common)
+        sigma = dp.gradient_noise_multiplier if dp.options.adaptive_clip else dp.noise_multiplier
+        return sampled, DPOptimizerFastGradientClipping(opt, noise_multiplier=sigma, **common)
     sampled = GradSampleModule(model)  # hooks on model's own layers: model.extractor(x) records too
     if dp.options.adaptive_clip:
         return sampled, QuantileClipDPOptimizer(

@@ -9,12 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from opacus import GradSampleModule
-from opacus.optimizers import AdaClipDPOptimizer
+from opacus.grad_sample import GradSampleModuleFastGradientClipping
+from opacus.optimizers import AdaClipDPOptimizer, DPOptimizerFastGradientClipping
+from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch import nn
 
 import common.training
-from common.adaptive_clip import QuantileClipDPOptimizer
+from common.adaptive_clip import GhostQuantileClip, QuantileClipDPOptimizer
 from common.config import ConfigError, RunConfig
 from common.dp import epsilon_of, make_plan, merge_events
 from conftest import client_runtime, federation, make_run_config, reference_dp_sgd, train_config
@@ -43,9 +45,14 @@ def tiny_problem(n: int = 256):
     return model, x, torch.randint(3, (n,), generator=generator)
 
 
-def adapted_clip(model, x, y, start: float, steps: int, quantile: float = 0.5, batch: int = 64) -> float:
+def adapted_clip(
+    model, x, y, start: float, steps: int, quantile: float = 0.5, batch: int = 64, ghost: bool = False
+) -> float:
     """C after ``steps`` adaptive DP-SGD steps (σ = 1, the paper's η_C = 0.2 and σ_b = B/20, Poisson batches of
-    expected size ``batch``) on a model that does not move (lr 0), so the norms' quantiles stay put."""
+    expected size ``batch``) on a model that does not move (lr 0), so the norms' quantiles stay put; ``ghost``:
+    by ghost clipping, the count from the first pass's norms (``GhostQuantileClip``)."""
+    if ghost:
+        return ghost_adapted_clip(model, x, y, start, steps, quantile, batch)
     sampled = GradSampleModule(model)
     private = QuantileClipDPOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.0),
@@ -68,20 +75,68 @@ def adapted_clip(model, x, y, start: float, steps: int, quantile: float = 0.5, b
     return private.max_grad_norm
 
 
+def ghost_steps(model, start, quantile, batch, count_noise=None, sigma=1.0):
+    """(module, optimiser, clip) of adaptive DP-SGD by ghost clipping as ``common.training`` builds them (lr 0)."""
+    sampled = GradSampleModuleFastGradientClipping(model, max_grad_norm=start, use_ghost_clipping=True)
+    count_noise = batch / 20 if count_noise is None else count_noise
+    private = DPOptimizerFastGradientClipping(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        noise_multiplier=sigma and (sigma**-2 - (2 * count_noise) ** -2) ** -0.5,
+        max_grad_norm=start,
+        expected_batch_size=batch,
+        generator=torch.Generator().manual_seed(1),
+    )
+    clip = GhostQuantileClip(
+        target_quantile=quantile,
+        clip_lr=0.2 if count_noise > 1e-6 else 0.5,
+        count_noise=count_noise,
+        expected_batch_size=batch,
+        generator=torch.Generator().manual_seed(3),
+    )
+    return sampled, private, clip
+
+
+def ghost_step(sampled, private, clip, x, y):
+    """One step on (x, y) (empty: a pure noise step), then the clip's update."""
+    private.zero_grad(set_to_none=True)
+    if len(y) == 0:
+        for p in sampled.parameters():
+            p.grad = torch.zeros_like(p)
+        private.step()
+        clip.step(sampled, private, None)
+        return
+    losses = F.cross_entropy(sampled(x), y, reduction="none")
+    DPTensorFastGradientClipping(sampled, private, losses, "mean").backward()
+    private.step()
+    clip.step(sampled, private, sampled.per_sample_gradient_norms)
+
+
+def ghost_adapted_clip(model, x, y, start, steps, quantile, batch):
+    sampled, private, clip = ghost_steps(model, start, quantile, batch)
+    sampler = UniformWithReplacementSampler(
+        num_samples=len(y), sample_rate=batch / len(y), generator=torch.Generator().manual_seed(2), steps=steps
+    )
+    for idx in sampler:
+        ghost_step(sampled, private, clip, x[idx], y[idx])
+    sampled._close()
+    return private.max_grad_norm
+
+
+@pytest.mark.parametrize("ghost", [False, True], ids=["per-example", "ghost"])
 @pytest.mark.parametrize("start", [0.01, 1000.0])
-def test_the_clip_moves_to_the_target_quantile_of_the_per_example_gradient_norms(start):
+def test_the_clip_moves_to_the_target_quantile_of_the_per_example_gradient_norms(start, ghost):
     model, x, y = tiny_problem()
     norms = per_example_norms(model, x, y)
     median = float(norms.median())
     assert norms.max() / norms.min() > 5 and not 0.01 < start / median < 100  # far off, on a spread of norms
-    after = {steps: adapted_clip(model, x, y, start, steps) for steps in (20, 200)}
+    after = {steps: adapted_clip(model, x, y, start, steps, ghost=ghost) for steps in (20, 200)}
     # geometric steps of at most exp(0.2 · 0.5) each: it heads for the median from either side ...
     assert (after[20] > start) == (start < median) and abs(math.log(after[20] / start)) > 1.0
     # ... and settles within a factor of 2 of it, with about half the examples unclipped
     assert 0.5 < after[200] / median < 2.0, (after, median)
     assert 0.3 < float((norms <= after[200]).double().mean()) < 0.7
     # another target quantile settles at its own quantile of the norms
-    high = adapted_clip(model, x, y, start, 200, quantile=0.9)
+    high = adapted_clip(model, x, y, start, 200, quantile=0.9, ghost=ghost)
     assert 0.75 < float((norms <= high).double().mean()) <= 1.0 and high > after[200]
 
 
@@ -131,6 +186,22 @@ def test_the_update_is_the_papers_on_the_centred_count_over_the_expected_batch()
     sampled._close()
 
 
+def test_under_ghost_clipping_the_update_is_the_same_centred_count_over_the_expected_batch():
+    # as above: 10 examples, 4 unclipped (norm 1 against C = 2), an expected batch of 20: b̃ = 0.45
+    model = nn.Linear(4, 1, bias=False)
+    sampled, private, clip = ghost_steps(model, 2.0, 0.6, 20, count_noise=1e-12, sigma=0.0)
+    x = torch.tensor([[1.0, 0, 0, 0]] * 4 + [[3.0, 0, 0, 0]] * 6)
+    private.zero_grad(set_to_none=True)
+    DPTensorFastGradientClipping(sampled, private, model(x)[:, 0], "mean").backward()
+    private.step()
+    clip.step(sampled, private, sampled.per_sample_gradient_norms)
+    assert private.max_grad_norm == sampled.max_grad_norm == pytest.approx(2.0 * math.exp(-0.5 * (0.45 - 0.6)))
+    before = private.max_grad_norm
+    ghost_step(sampled, private, clip, x[:0], torch.zeros(0, dtype=torch.int64))  # counts nothing: b̃ = 1/2
+    assert private.max_grad_norm == pytest.approx(before * math.exp(-0.5 * (0.5 - 0.6)), rel=1e-6)
+    sampled._close()
+
+
 def private_client(rc, partition=0):
     """A ClientRuntime of ``partition`` for a train message of round 1, its DP plan made as the ClientApp makes it."""
     from common.runtime import ClientRuntime
@@ -143,7 +214,9 @@ def private_client(rc, partition=0):
 
 def test_the_recorded_epsilon_is_an_independent_accountants_of_the_noise_actually_drawn(run_config, monkeypatch):
     import dp_accounting
-    import opacus.optimizers.adaclipoptimizer as adaclip
+    import opacus.optimizers.optimizer_fast_gradient_clipping as ghost
+
+    import common.adaptive_clip
 
     rc = run_config(
         method="local", dataset="mnist", **ADAPTIVE, **{"dp.epsilon": 8.0, "num-server-rounds": 1, "local-epochs": 2}
@@ -155,15 +228,20 @@ def test_the_recorded_epsilon_is_an_independent_accountants_of_the_noise_actuall
         plan.noise_multiplier
         == make_plan(RunConfig.from_dict({**rc, "dp.adaptive-clip": False}), n, 4, 1, 0).noise_multiplier
     )
-    # record every noise the optimiser draws, and the clip it draws the gradients' noise for
-    draws, clips, original_noise, original_add = [], [], adaclip._generate_noise, QuantileClipDPOptimizer.add_noise
+    # record every noise the training draws (DP-SGD by ghost clipping: the optimiser's on the gradients, the count's
+    # in GhostQuantileClip), and the clip it draws the gradients' noise for
+    draws, clips, original_noise = [], [], ghost._generate_noise
+    original_add = ghost.DPOptimizerFastGradientClipping.add_noise
+    for module in (ghost, common.adaptive_clip):
+        monkeypatch.setattr(
+            module,
+            "_generate_noise",
+            lambda std, reference, **kw: draws.append((std, reference.dim())) or original_noise(std, reference, **kw),
+        )
     monkeypatch.setattr(
-        adaclip,
-        "_generate_noise",
-        lambda std, reference, **kw: draws.append((std, reference.dim())) or original_noise(std, reference, **kw),
-    )
-    monkeypatch.setattr(
-        QuantileClipDPOptimizer, "add_noise", lambda self: clips.append(self.max_grad_norm) or original_add(self)
+        ghost.DPOptimizerFastGradientClipping,
+        "add_noise",
+        lambda self: clips.append(self.max_grad_norm) or original_add(self),
     )
     common.training.train_personal_model(client, train_config(rc, 1))
     recorded = client.privacy_metrics()
