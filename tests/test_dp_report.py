@@ -76,9 +76,23 @@ def test_accuracy_and_attacks_against_epsilon_regenerate_from_the_copies(tmp_pat
     assert (out / "report.md").read_text() == text
 
 
-def test_a_bad_epsilon_label_is_refused(tmp_path, small_config):
+@pytest.mark.parametrize("label", ["zero", "0", "8-", "8-Adaptive", "8 adaptive"])
+def test_a_bad_epsilon_label_is_refused(tmp_path, small_config, label):
     write_grid(tmp_path / "plain", small_config)
-    assert main([str(tmp_path / "out"), "--grid", f"zero={tmp_path / 'plain'}"]) == 2
+    assert main([str(tmp_path / "out"), "--grid", f"{label}={tmp_path / 'plain'}"]) == 2
+
+
+def test_a_variant_grid_gets_rows_of_its_own(tmp_path, small_config):
+    write_grid(tmp_path / "plain", small_config)
+    write_grid(tmp_path / "private", small_config, overrides={"dp.epsilon": 8.0}, shift=-0.2)
+    write_grid(tmp_path / "adaptive", small_config, overrides={"dp.epsilon": 8.0, "dp.adaptive-clip": True}, shift=-0.1)
+    out = tmp_path / "results"
+    grids = [f"inf={tmp_path / 'plain'}", f"8={tmp_path / 'private'}", f"8-adaptive={tmp_path / 'adaptive'}"]
+    assert main([str(out), *(a for g in grids for a in ("--grid", g))]) == 0
+    text = (out / "report.md").read_text()
+    final = statistics.mean(ACC["fedre"][s][-1] for s in (0, 1))
+    assert f"| fedre | 8-adaptive | 0,1 | {100 * (final - 0.1):.2f} ± " in text
+    assert f"| fedre | 8 | 0,1 | {100 * (final - 0.2):.2f} ± " in text
 
 
 def test_a_grid_that_is_not_one_or_a_bad_privacy_json_is_one_line_naming_it_with_exit_2_and_no_output(

@@ -1,4 +1,4 @@
-"""What differential privacy costs: accuracy and attack scores against ε, over grids of one preset.
+"""What differential privacy costs and buys: accuracy and attack scores against ε, over grids of one preset.
 
 Usage (from the repository root)::
 
@@ -7,7 +7,8 @@ Usage (from the repository root)::
     uv run --frozen python -m tools.dp_report results/privacy-dp      # regenerate from the copies
 
 Each ``--grid <ε>=<folder>`` is a ``tools.grid`` folder of the same preset run with run config
-``dp.epsilon`` = ε (``inf``: without DP). Its ``grid.json``, each cell's newest ``metrics.jsonl`` and
+``dp.epsilon`` = ε (``inf``: without DP; ``8-adaptive``: a variant at ε = 8, e.g. ``dp.adaptive-clip``,
+in rows of its own; ``client-dp.epsilon`` grids too). Its ``grid.json``, each cell's newest ``metrics.jsonl`` and
 ``summary.json`` and, where ``tools.privacy`` attacked that run, its ``privacy/privacy.json`` are
 copied to ``<folder>/eps-<ε>/`` (``tools.grid_rows.copy_runs``'s layout), so the report is regenerated
 from the copies alone. Writes ``<folder>/report.md`` and ``<folder>/accuracy_vs_epsilon.png``.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -62,20 +64,30 @@ NOT_UPLOADS = ("per-sample representation", "class mean representation")
 
 
 def epsilon_value(label: str) -> float:
-    """ε of a label: ``inf`` or a positive number.
+    """ε of a label: ``inf``, a positive number, or a positive number and a variant's name after a hyphen
+    (``8-adaptive``: a grid at ε = 8 with other ``dp.*`` settings, reported in rows of its own and left out
+    of the figure's curves).
 
     Raises:
         ConfigError: any other label.
     """
     if label == NO_DP:
         return math.inf
+    number, hyphen, variant = label.partition("-")
     try:
-        value = float(label)
+        value = float(number)
     except ValueError:
         value = -1.0
-    if not 0 < value < math.inf:
-        raise ConfigError(f"ε label {label!r}: allowed are '{NO_DP}' and positive numbers")
+    if not 0 < value < math.inf or (hyphen and not re.fullmatch(r"[a-z0-9][a-z0-9-]*", variant)):
+        raise ConfigError(
+            f"ε label {label!r}: allowed are '{NO_DP}', positive numbers and a number with a variant, e.g. 8-adaptive"
+        )
     return value
+
+
+def is_variant(label: str) -> bool:
+    """Whether the label names a variant grid (:func:`epsilon_value`)."""
+    return label != NO_DP and "-" in label
 
 
 def grid_copies(grid: Path, target: Path) -> list[tuple[Path, Path]]:
@@ -297,14 +309,16 @@ def plot(info: dict, stats: dict[str, dict[str, dict[str, Any]]], out: Path) -> 
     against the server's attacks on the upload: membership inference's AUC beside chance (0.5), and the
     white-box reconstruction's PSNR above a mid-gray image's (0 dB: no more than a constant image); both
     mean ± std over the attacked victims and rounds."""
-    labels = sorted({label for by_eps in stats.values() for label in by_eps if label != NO_DP}, key=float)
+    labels = sorted(
+        {label for by_eps in stats.values() for label in by_eps if label != NO_DP and not is_variant(label)}, key=float
+    )
     positions = {label: float(label) for label in labels}
     positions[NO_DP] = 4 * max([float(v) for v in labels], default=1.0)
     colors = method_colors(list(stats))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = (("weighted", 100.0), ("auc", 1.0), ("gain", 1.0))
     for method, by_eps in stats.items():
-        points = sorted((positions[label], s) for label, s in by_eps.items())
+        points = sorted((positions[label], s) for label, s in by_eps.items() if label in positions)
         for ax, (key, scale) in zip(axes, panels, strict=True):
             shown = [(p, s[key]) for p, s in points if s[key] is not None]
             if shown:
