@@ -58,7 +58,7 @@ def test_accuracy_and_attacks_against_epsilon_regenerate_from_the_copies(tmp_pat
     # (11 - 17 best-matched, 20 - 12 to its own image), the class mean's ceiling (19 - 17), membership, labels
     sigma = (1.5 + 2.5 + last) / 2
     guarantee = f"| record | {2.0 * last:.3g} | {3.0 * last:.3g} | {sigma:.3g} | 7 | 0.16 | 7 | {7.0 + last:.3g} | 10 |"
-    assert f"{guarantee} 0.60 ± 0.00 | 0.050 ± 0.000 | 1.0 ± 9.9 | 2.0 ± 0.0 | 0.50 ± 0.00 |" in text
+    assert f"{guarantee} 0.60 (1) | 0.050 ± 0.000 | 1.0 ± 9.9 (2) | 2.0 ± 0.0 | 0.50 ± 0.00 |" in text
     assert "| - | - | - | - | - | - | - | - | - |" in text  # the grid without DP
     assert "Class prior alone (every client predicts" in text and " pooled, " in text
     # above prior: each seed's final pooled accuracy minus the class prior of that seed's partitions

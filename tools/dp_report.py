@@ -123,7 +123,8 @@ def upload_attacks(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float] 
     """The server's attacks on the upload, over the rows (mean ± std over rows; None where no row has it):
     ``gain`` (a white-box reconstruction's PSNR above a mid-gray image's, dB: to the victim's own image where
     the row has ``psnr_own``, else best-matched), ``ceiling`` (the exact class mean's gain, class-mean payloads),
-    ``auc`` and ``tpr`` (membership inference's AUC and TPR at 1 % FPR)."""
+    ``auc`` and ``tpr`` (membership inference's AUC and TPR at 1 % FPR); ``gain_n`` and ``auc_n``, the rows
+    (attacked victims and rounds) behind them."""
     uploads = [r for r in rows if r.get("threat") == "server" and r.get("payload") not in NOT_UPLOADS]
     inversions = [
         r for r in uploads if r.get("knowledge") == "white-box" and r.get("attack") in ("inversion", "update")
@@ -137,8 +138,10 @@ def upload_attacks(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float] 
     membership = [r for r in uploads if r.get("attack") == "membership" and r.get("mia_auc") is not None]
     return {
         "gain": mean_std(gains) if gains else None,
+        "gain_n": len(gains),
         "ceiling": mean_std(ceilings) if ceilings else None,
         "auc": mean_std([r["mia_auc"] for r in membership]) if membership else None,
+        "auc_n": len(membership),
         "tpr": mean_std([r["mia_tpr_at_1pct_fpr"] for r in membership]) if membership else None,
     }
 
@@ -265,6 +268,13 @@ def prior_line(info: dict) -> str:
     )
 
 
+def counted(value: tuple[float, float] | None, n: int, digits: int) -> str:
+    """``mean ± std (n)`` over n rows; one row: ``value (1)``; none: ``-``."""
+    if value is None:
+        return "-"
+    return f"{value[0]:.{digits}f} (1)" if n == 1 else f"{score_cell(value, digits)} ({n})"
+
+
 def render(info: dict, stats: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = [
         f"# What differential privacy costs and buys: {info['preset']}",
@@ -279,7 +289,7 @@ def render(info: dict, stats: dict[str, dict[str, dict[str, Any]]]) -> str:
         "run): membership inference AUC and TPR at 1 % FPR (chance: 0.5 and about 0.01-0.02), the white-box",
         "reconstruction's PSNR above a mid-gray image's (dB; for a class-mean payload with the exact class mean's",
         f"gain beside, the most any inversion of a mean can reach), the recall of the client's class set. ε = {NO_DP}:",
-        "without DP.",
+        "without DP. In brackets: the attacked victims and rounds behind a mean (± their sample std).",
         "",
         prior_line(info),
         "",
@@ -297,7 +307,8 @@ def render(info: dict, stats: dict[str, dict[str, dict[str, Any]]]) -> str:
             lines.append(
                 f"| {method} | {label} | {','.join(map(str, s['seeds']))} | {pct(s['weighted'])} "
                 f"| {pct(s['above_prior'])} | {kept} | {s['level'] or '-'} | {guarantee} | {number(s['payload_clip'])} "
-                f"| {score_cell(s['auc'], 2)} | {score_cell(s['tpr'], 3)} | {score_cell(s['gain'])} "
+                f"| {counted(s['auc'], s['auc_n'], 2)} | {score_cell(s['tpr'], 3)} "
+                f"| {counted(s['gain'], s['gain_n'], 1)} "
                 f"| {score_cell(s['ceiling'])} | {score_cell(s['labels'], 2)} |"
             )
     return "\n".join(lines) + "\n"
