@@ -459,3 +459,18 @@ def test_the_default_clips_are_the_models_scale_the_committed_measurement_gives(
     median = next(r.split() for r in rows if r.split()[:3] == ["hetero-cnn5", "median", "5"])
     gradient, representation = float(median[3]), float(median[4])
     assert (DPOptions().clip_norm, DPOptions().payload_clip) == (math.floor(gradient), math.floor(representation))
+
+
+def test_a_budget_in_the_hundreds_lets_each_client_train_every_round_it_was_planned_for():
+    """dp-accounting's PLD ``get_epsilon`` overflows (inf) where e^ε exceeds float64 (ε ≈ 709): at ε = 1000 the
+    clients stopped after 5 of their 10 calibrated rounds, the ledger reading inf for the sixth. The smallest ε
+    whose δ is at most the target stands in: between its neighbours, and what get_epsilon gives where it can."""
+    sigma = 0.11232170831790984  # the σ of ε = 1000 over 10 rounds of 7 steps at n = 400
+    spent = [epsilon_of(((sigma, 0.16, steps),), 1e-5) for steps in (35, 42, 49)]
+    assert spent[0] < spent[1] < spent[2] and math.isfinite(spent[1])
+    assert spent[0] == pytest.approx(637.6305, rel=1e-6)  # get_epsilon's own number, finite there
+    rc = make_run_config(method="lg-fedavg", **{"dp.epsilon": 1000.0, "num-server-rounds": 10, "batch-size": 64})
+    plan = make_plan(RunConfig.from_dict(rc), 400, 10, 1, 0)
+    assert plan.rounds == 10 and plan.epsilon(10, 0) <= 1000.0
+    for done in range(10):
+        assert plan.rounds_left(plan.spend(done, 0)) == 10 - done, done
