@@ -17,7 +17,7 @@ error (one line naming the key).
 from __future__ import annotations
 
 import argparse
-import os
+import secrets
 import sys
 
 from common.errors import ConfigError
@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     from tools.fakegrid import FakeGrid
 
     try:
-        results = run(FakeGrid(client_app, config, cfg.num_clients), cfg, f"inprocess{os.getpid()}")
+        # a random run id, as Flower's: two runs started within one second get folders of their own
+        results = run(FakeGrid(client_app, config, cfg.num_clients), cfg, f"inprocess{secrets.randbits(63)}")
     except ConfigError as exc:  # found at the handshake (a client's data, a privacy target)
         print(f"error: {exc}", file=sys.stderr)
         return 2
