@@ -50,6 +50,7 @@ from tools.grid import newest_run  # noqa: E402
 from tools.grid_rows import copy_files, load_grid, run_copies  # noqa: E402
 from tools.grid_stats import mean_std, prior_by_seed, prior_stats  # noqa: E402
 from tools.privacy import read_privacy_rows  # noqa: E402
+from tools.privacy_attacks import REFERENCE_INPUTS  # noqa: E402
 from tools.privacy_report import cell as score_cell  # noqa: E402
 from tools.report import pct  # noqa: E402
 
@@ -60,7 +61,6 @@ NO_DP = "inf"
 #: the privacy evaluation's output inside a run folder (``tools.privacy``'s default ``--out``)
 PRIVACY = Path("privacy") / "privacy.json"
 #: payloads of the Q2 ladder, attacked from the victim's model rather than from its upload
-NOT_UPLOADS = ("per-sample representation", "class mean representation")
 
 
 def epsilon_value(label: str) -> float:
@@ -125,7 +125,9 @@ def upload_attacks(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float] 
     the row has ``psnr_own``, else best-matched), ``ceiling`` (the exact class mean's gain, class-mean payloads),
     ``auc`` and ``tpr`` (membership inference's AUC and TPR at 1 % FPR); ``gain_n`` and ``auc_n``, the rows
     (attacked victims and rounds) behind them."""
-    uploads = [r for r in rows if r.get("threat") == "server" and r.get("payload") not in NOT_UPLOADS]
+    uploads = [
+        r for r in rows if r.get("threat") == "server" and not str(r.get("payload")).startswith(REFERENCE_INPUTS)
+    ]
     inversions = [
         r for r in uploads if r.get("knowledge") == "white-box" and r.get("attack") in ("inversion", "update")
     ]

@@ -93,6 +93,8 @@ OPTIONAL_COLUMNS = (
     ("mean_image_psnr_own", "mean image PSNR to the image (dB)"),
     ("gray_mean_psnr", "gray image PSNR mean (dB)"),
     ("ceiling_mean_psnr", "exact class mean PSNR mean (dB)"),
+    ("recognised", "recognised (fraction)"),
+    ("ceiling_recognised", "exact class mean recognised (fraction)"),
 )
 
 

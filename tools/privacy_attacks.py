@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,12 @@ WEIGHT_MESSAGES = ("train", "train.global")
 #: MH-pFedHN's flat weight changes (``delta_theta``; GD's global model: ``delta_w_g``) and the flat weights
 #: the server sent that they change
 FLAT_WEIGHTS = {"delta_theta": "theta", "delta_w_g": "w_g"}
+#: the name prefixes of the inputs the server's inversion adds beside an upload (no method sends them): one
+#: image's vector and the victim's class mean vector (FedRE's Q2 ladder), and the class mean vector of public
+#: non-members through the victim's model (the control of what a class-mean upload shows beyond its class)
+REFERENCE_INPUTS = ("per-sample ", "class mean ", "non-member class mean ")
+#: recognisers trained in this process (:meth:`Attacker.recogniser`), by (dataset, model group, seed, epochs)
+_RECOGNISERS: dict[tuple, torch.nn.Module] = {}
 
 
 @dataclass
@@ -99,8 +106,10 @@ class Inverted:
     image it was made from (per-sample inputs), else None; ``mean_image``: float ``[C, H, W]``, the pixel
     mean of the victim's images (the floor a per-sample reconstruction is read against beside gray);
     ``ceilings``: per row of a class-mean payload the exact pixel mean of the images the row averages
-    (the best any inversion of a mean can reach), empty for other payloads; ``cpu_seconds``: the attack's
-    own CPU time where a cell runs several (iDLG and inverting gradients), else None (the cell's)."""
+    (the best any inversion of a mean can reach), empty for other payloads; ``classes``: per row the class
+    its images are of (None: several), empty where the attack has no such class (weight updates);
+    ``cpu_seconds``: the attack's own CPU time where a cell runs several (iDLG and inverting gradients),
+    else None (the cell's)."""
 
     payload: str
     threat: str
@@ -111,6 +120,7 @@ class Inverted:
     mean_image: torch.Tensor | None = None
     ceilings: list[torch.Tensor] = field(default_factory=list)
     cpu_seconds: float | None = None
+    classes: list[int | None] = field(default_factory=list)
 
 
 def sample(images: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -151,6 +161,39 @@ class Attacker:
         self.shape = (view.info.channels, view.info.image_size, view.info.image_size)
         self._decoders: dict[int, tuple[torch.nn.Module, torch.nn.Module, str]] = {}
 
+    @property
+    def recogniser(self) -> torch.nn.Module:
+        """A classifier of the public auxiliary images (the official test split, :attr:`RunView.auxiliary`):
+        the model group's first architecture with fresh weights (the run's seed + 1, no client's), trained
+        with cross-entropy (Adam, lr 1e-3, batch 64, ``epochs``; :func:`privacy.inversion.fit_surrogate`
+        through the whole model). It reads a reconstruction's class without matching pixels, so a
+        reconstruction of a class mean, which no pixel score can tell from a flat image, is recognised or
+        not. Trained once per process and dataset, model group, seed and epochs."""
+        view, s = self.view, self.settings
+        key = (view.cfg.dataset, view.cfg.model_group, view.cfg.seed, s.epochs)
+        if key not in _RECOGNISERS:
+            aux_x, aux_y = view.auxiliary
+            fresh = view.model(0, seed=view.cfg.seed + 1)
+            _RECOGNISERS[key] = inversion.fit_surrogate(
+                fresh,
+                torch.nn.Identity(),
+                None,
+                aux_x,
+                aux_y,
+                view.info.mean,
+                view.info.std,
+                epochs=s.epochs,
+                batch_size=64,
+                lr=1e-3,
+                generator=self.generator(9),
+            )
+        return _RECOGNISERS[key]
+
+    def recognise(self, images: torch.Tensor) -> torch.Tensor:
+        """The :attr:`recogniser`'s class ids int64 ``[n]`` of images float32 ``[n, C, H, W]`` in [0, 1]."""
+        pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8)
+        return vectors_of(self.recogniser, pixels, self.view.info).argmax(1)
+
     def generator(self, *salt: int) -> torch.Generator:
         """A CPU RNG for one cell and purpose: the same draws whatever ran before (resumable cells)."""
         seed = self.settings.seed
@@ -188,7 +231,8 @@ class Attacker:
         if found is not None:
             name, vectors, row_classes, space = found
             images = self.invert(network(model, space), vectors, r, p, 5)
-            out.append(Inverted(name, "client", "own model", images, *self.others(p, row_classes, g)))
+            inverted = Inverted(name, "client", "own model", images, *self.others(p, row_classes, g))
+            out.append(replace(inverted, classes=row_classes))
         return out
 
     def invert_upload(
@@ -201,48 +245,91 @@ class Attacker:
         g: torch.Generator,
     ) -> list[Inverted]:
         """The server's white-box inversions of ``p``'s upload (``found``: :func:`class_rows`) through ``p``'s
-        model, then FedRE's Q2 ladder from the same model: one image's representation
-        (:meth:`invert_samples`), then the per-class mean representation (:meth:`invert_prototypes`)."""
+        model; for a per-class upload, the same attack on the class mean vector of public non-members of each
+        class through the same model, scored against the same images (what the attack shows of the class
+        alone); then FedRE's Q2 ladder from the same model: one image's representation
+        (:meth:`invert_samples`) and the per-class mean representation (:meth:`invert_prototypes`), both
+        scored against one sample of the victim's images, the one the entangled ``z`` is scored against."""
         name, vectors, row_classes, space = found
         net = network(model, space)
         images = self.invert(net, vectors, r, p, 2)
-        upload = Inverted(
-            name,
+        victim_refs = sample(data.train_x, self.settings.images, g)
+        refs = [victim_refs if c is None else class_images(data, [c], self.settings.images, g)[0] for c in row_classes]
+        ceilings = class_means(data.train_x, data.train_y, row_classes)
+        out = [Inverted(name, "server", "white-box", images, refs, ceilings=ceilings, classes=row_classes)]
+        if None not in row_classes:
+            out.append(self.invert_nonmembers(r, p, net, space, data, row_classes, refs, ceilings))
+        return out + [
+            self.invert_samples(r, p, net, space, data, victim_refs, g),
+            self.invert_prototypes(r, p, net, space, data, victim_refs),
+        ]
+
+    def invert_nonmembers(
+        self,
+        r: int,
+        p: int,
+        net: torch.nn.Module,
+        space: str,
+        data,
+        row_classes: list[int],
+        refs: list[torch.Tensor],
+        ceilings: list[torch.Tensor],
+    ) -> Inverted:
+        """Per row's class the mean vector of ``space`` (through ``net``, the victim's model) of as many
+        public auxiliary images of that class as the victim holds, inverted and scored against the victim's
+        images ``refs``: a reconstruction this close to the victim's images comes from the class and the
+        model, not from the victim's examples."""
+        aux_x, aux_y = self.view.auxiliary
+        g = self.generator(r, p, 10)
+        means = []
+        for c in row_classes:
+            held = int((data.train_y == c).sum())
+            means.append(vectors_of(net, sample(aux_x[aux_y == c], max(held, 1), g), self.view.info).mean(0))
+        images = self.invert(net, torch.stack(means), r, p, 11)
+        return Inverted(
+            "non-member class mean " + space,
             "server",
             "white-box",
             images,
-            class_images(data, row_classes, self.settings.images, g),
-            ceilings=class_means(data.train_x, data.train_y, row_classes),
+            refs,
+            ceilings=ceilings,
+            classes=row_classes,
         )
-        return [
-            upload,
-            self.invert_samples(r, p, net, space, data, g),
-            self.invert_prototypes(r, p, net, space, data, g),
-        ]
 
-    def invert_samples(self, r: int, p: int, net: torch.nn.Module, space: str, data, g: torch.Generator) -> Inverted:
+    def invert_samples(
+        self, r: int, p: int, net: torch.nn.Module, space: str, data, victim_refs: torch.Tensor, g: torch.Generator
+    ) -> Inverted:
         """The ``samples`` drawn training images' own vectors of ``space`` (per-sample representations)
-        inverted through ``net``, each scored against its image (``exact``) and the images of its class."""
+        inverted through ``net``, each scored against its image (``exact``) and ``victim_refs``."""
         s = self.settings
         picks = sample(torch.arange(len(data.train_x)), s.samples, g)
-        refs = [
-            torch.cat([data.train_x[i : i + 1], class_images(data, [int(data.train_y[i])], s.images, g)[0]])
-            for i in picks
-        ]
+        refs = [torch.cat([data.train_x[i : i + 1], victim_refs]) for i in picks]
         single = vectors_of(net, data.train_x[picks], self.view.info)
         images = self.invert(net, single, r, p, 3)
         mean_image = data.train_x.float().mean(0) / 255.0
-        return Inverted("per-sample " + space, "server", "white-box", images, refs, [0] * len(picks), mean_image)
+        classes = [int(data.train_y[i]) for i in picks]
+        return Inverted(
+            "per-sample " + space, "server", "white-box", images, refs, [0] * len(picks), mean_image, classes=classes
+        )
 
-    def invert_prototypes(self, r: int, p: int, net: torch.nn.Module, space: str, data, g: torch.Generator) -> Inverted:
+    def invert_prototypes(
+        self, r: int, p: int, net: torch.nn.Module, space: str, data, victim_refs: torch.Tensor
+    ) -> Inverted:
         """The mean vector of ``space`` of each class ``p`` holds (its prototype), computed by ``net`` and
-        inverted through it, scored against that class's images."""
+        inverted through it, scored against ``victim_refs``, with each class's exact pixel mean as ceiling."""
         classes = sorted(int(c) for c in data.train_y.unique())
         means = torch.stack([vectors_of(net, data.train_x[data.train_y == c], self.view.info).mean(0) for c in classes])
         images = self.invert(net, means, r, p, 4)
-        refs = class_images(data, classes, self.settings.images, g)
         ceilings = class_means(data.train_x, data.train_y, classes)
-        return Inverted("class mean " + space, "server", "white-box", images, refs, ceilings=ceilings)
+        return Inverted(
+            "class mean " + space,
+            "server",
+            "white-box",
+            images,
+            [victim_refs] * len(classes),
+            ceilings=ceilings,
+            classes=classes,
+        )
 
     def others(
         self, p: int, row_classes: list[int], g: torch.Generator
@@ -279,6 +366,7 @@ class Attacker:
                     images,
                     class_images(data, row_classes, s.images, g),
                     ceilings=class_means(data.train_x, data.train_y, row_classes),
+                    classes=row_classes,
                 )
             )
         found = global_rows(view.payload(r, p, "down"))
@@ -289,7 +377,8 @@ class Attacker:
                 net, data.train_x, view.info.mean, view.info.std, epochs=s.epochs, batch_size=64, lr=1e-3, generator=g
             )
             images = inversion.decode(decoder, vectors)
-            out.append(Inverted(name, "client", "own model + decoder", images, *self.others(p, row_classes, g)))
+            inverted = Inverted(name, "client", "own model + decoder", images, *self.others(p, row_classes, g))
+            out.append(replace(inverted, classes=row_classes))
         return out
 
     def surrogate_decoder(self, r: int, p: int, space: str) -> tuple[torch.nn.Module, str]:
@@ -658,7 +747,9 @@ class FixedExtractor(torch.nn.Module):
         return self.head(self.frozen[0](x))
 
 
-def scored(inverted: Inverted) -> tuple[dict[str, Any], list[tuple]]:
+def scored(
+    inverted: Inverted, recognise: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[dict[str, Any], list[tuple]]:
     """One table row of a payload's reconstructions and its figure pairs (shown original, reconstruction,
     caption).
 
@@ -676,8 +767,14 @@ def scored(inverted: Inverted) -> tuple[dict[str, Any], list[tuple]]:
       images) of the exact pixel mean of the row's images, the best a reconstruction of a mean can do,
       beside the reconstruction's ``best_psnr`` / ``mean_psnr`` and gray's.
 
-    The row holds mean, std and count over reconstructions (all in dB but SSIM and MSE), and
-    ``attack_cpu_seconds`` where the attack was timed on its own (``Inverted.cpu_seconds``)."""
+    Recognisability, which needs no pixel match, where the rows have classes (``Inverted.classes``) and a
+    classifier ``recognise`` (float images ``[n, C, H, W]`` in [0, 1] -> class ids ``[n]``;
+    :meth:`Attacker.recognise`) is given: ``recognised``, the fraction of reconstructions it assigns their
+    row's class (chance: one over the number of classes), and ``ceiling_recognised``, the same of the exact
+    class means.
+
+    The row holds mean, std and count over reconstructions (all in dB but SSIM, MSE and the fractions),
+    and ``attack_cpu_seconds`` where the attack was timed on its own (``Inverted.cpu_seconds``)."""
     per: dict[str, list] = {}
     pairs = []
     for i, (image, refs) in enumerate(zip(inverted.images, inverted.references, strict=True)):
@@ -698,6 +795,13 @@ def scored(inverted: Inverted) -> tuple[dict[str, Any], list[tuple]]:
         shown = result["best_index"][0] if exact is None else exact
         psnr = scores.image_scores(image[None], refs[shown : shown + 1])["best_psnr"][0]
         pairs.append((refs[shown], image, f"{psnr:.1f} dB"))
+    known = [i for i, c in enumerate(inverted.classes) if c is not None and len(inverted.references[i])]
+    if recognise is not None and known:
+        truth = torch.tensor([inverted.classes[i] for i in known])
+        per["recognised"] = (recognise(inverted.images[known]) == truth).float().tolist()
+        if inverted.ceilings:
+            ceilings = torch.stack([inverted.ceilings[i] for i in known])
+            per["ceiling_recognised"] = (recognise(ceilings) == truth).float().tolist()
     row: dict[str, Any] = {"payload": inverted.payload, "threat": inverted.threat, "knowledge": inverted.knowledge}
     if inverted.cpu_seconds is not None:
         row["attack_cpu_seconds"] = inverted.cpu_seconds
@@ -721,7 +825,7 @@ def run_cell(attacker: Attacker, r: int, p: int, attack: str, out: Path) -> dict
     else:
         rows, pairs = [], []
         for inverted in getattr(attacker, attack)(r, p):
-            row, payload_pairs = scored(inverted)
+            row, payload_pairs = scored(inverted, attacker.recognise)
             rows.append(row)
             if payload_pairs:
                 original, image, caption = payload_pairs[0]

@@ -18,6 +18,7 @@ from typing import Any
 
 from common.errors import ConfigError
 from tools.privacy import LABEL_COLUMNS, MEMBERSHIP_COLUMNS, pooled, read_privacy_rows, spread
+from tools.privacy_attacks import REFERENCE_INPUTS
 from tools.runconfig import ROOT
 
 #: FedRE's Q2 (TinyImageNet, its reference [35]): PSNR (dB) and MSE (0-255 scale) of images reconstructed
@@ -72,7 +73,7 @@ def server_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
                 for x in rows
                 if x["round"] == r and x["threat"] == "server" and x["attack"] not in ("labels", "membership")
             ]
-            uploads = [x for x in images if not x["payload"].startswith(("per-sample", "class mean"))]
+            uploads = [x for x in images if not x["payload"].startswith(REFERENCE_INPUTS)]
             for payload in dict.fromkeys(x["payload"] for x in uploads):
                 mine = [x for x in uploads if x["payload"] == payload]
                 white = pooled([x for x in mine if x["knowledge"] == "white-box"], "best_psnr")

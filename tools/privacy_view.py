@@ -92,9 +92,10 @@ class RunView:
             return Path(self.cfg.state_dir) / key
         return self.run_dir.parent / key / "client-state"
 
-    def model(self, partition_id: int, server_round: int | None = None) -> torch.nn.Module:
+    def model(self, partition_id: int, server_round: int | None = None, seed: int | None = None) -> torch.nn.Module:
         """Client ``partition_id``'s personal model as built at the start, or, with ``server_round``, as kept
-        after that round (state record ``model-round-<r>``).
+        after that round (state record ``model-round-<r>``); ``seed``: the initial weights' seed (default
+        the run's: the client's own initial weights).
 
         Raises:
             ConfigError: naming the file when it is absent, cannot be read (``common.files.read_bounded``)
@@ -106,7 +107,7 @@ class RunView:
             info.num_classes,
             info.channels,
             info.image_size,
-            cfg.seed,
+            cfg.seed if seed is None else seed,
             cfg.feature_dim,
             identical=cfg.init == "identical",
         )
