@@ -70,6 +70,35 @@ def test_it_writes_table_rows_and_figure_and_resumes(fedgh_run, tmp_path, capsys
     assert [c.stat().st_mtime_ns for c in cells] == stamps
 
 
+def test_recognisability_the_non_member_control_and_one_reference_set_for_the_ladder(fedgh_run, tmp_path):
+    """The recogniser (a classifier of the public split) reads the victim's real images far above chance and a
+    flat image as one class; a per-class upload's rows carry ``recognised`` and the exact class mean's, beside
+    the inversion of public non-members' class means scored against the same images; FedRE's Q2 rungs (one
+    image's representation, the class mean) are scored against one sample of the victim's images."""
+    import torch
+
+    from tools.privacy_attacks import Attacker, Settings, class_rows, scored
+
+    run, _ = fedgh_run
+    view = RunView(run)
+    attacker = Attacker(view, Settings(steps=5, images=4, samples=2, epochs=1))
+    data = view.data(0)
+    accuracy = (attacker.recognise(data.train_x.float() / 255) == data.train_y).float().mean().item()
+    assert accuracy > 2 / view.info.num_classes  # 0.48 measured (CIFAR-10, 1 epoch on the test split)
+    gray = attacker.recognise(torch.full((8, *attacker.shape), 0.5))
+    assert len(set(gray.tolist())) == 1
+    found = class_rows(view.payload(2, 0, "up"))
+    upload, control, samples, means = attacker.invert_upload(2, 0, found, view.model(0, 2), data, attacker.generator(0))
+    assert control.payload.startswith("non-member class mean") and control.classes == upload.classes == found[2]
+    assert all(torch.equal(a, b) for a, b in zip(control.references, upload.references, strict=True))
+    assert all(torch.equal(refs[1:], means.references[0]) for refs in samples.references)
+    row, _ = scored(upload, attacker.recognise)
+    assert 0 <= row["recognised"] <= 1 and 0 <= row["ceiling_recognised"] <= 1 and row["n"] == len(found[2])
+    # a classifier that always says the row's class recognises everything, one that never does nothing
+    assert scored(upload, lambda x: torch.tensor(upload.classes[: len(x)]))[0]["recognised"] == 1.0
+    assert scored(upload, lambda x: torch.full((len(x),), -1))[0]["ceiling_recognised"] == 0.0
+
+
 def test_a_run_without_recorded_payloads_names_the_key(fedgh_run, tmp_path, capsys):
     run, _ = fedgh_run
     bare = tmp_path / "bare"
