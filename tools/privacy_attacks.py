@@ -521,8 +521,9 @@ class Attacker:
     def idlg(
         self, model: torch.nn.Module, change: dict[str, torch.Tensor], data, g: torch.Generator
     ) -> tuple[int, Inverted]:
-        """(the label iDLG recovers, its one image scored against a sample of the client's images) of
-        ``change`` read as one gradient (-change / lr)."""
+        """(the label iDLG recovers, its one image scored against a sample of the client's images, beside the
+        pixel mean of all of them: an image that shows no one example) of ``change`` read as one gradient
+        (-change / lr)."""
         view, s = self.view, self.settings
         label, image = gradients.idlg(
             model,
@@ -534,14 +535,18 @@ class Attacker:
             generator=g,
         )
         refs = [sample(data.train_x, s.images, g)]
-        return label, Inverted("update as one gradient (iDLG)", "server", "white-box", image[None], refs)
+        ceilings = class_means(data.train_x, data.train_y, [None])
+        return label, Inverted(
+            "update as one gradient (iDLG)", "server", "white-box", image[None], refs, ceilings=ceilings
+        )
 
     def inverting_gradients(
         self, model: torch.nn.Module, start: dict, change: dict[str, torch.Tensor], data, label: int, g: torch.Generator
     ) -> Inverted:
         """``update_images`` images inverted from ``change`` over the client's real number of local SGD
         steps (its lr, momentum, weight decay), labelled by the change's label leakage (iDLG's ``label``
-        without any), each scored against the images of its label."""
+        without any), each scored against the images of its label, beside that class's exact pixel mean (what
+        a reconstruction that shows the class and no one example scores) and recognised as that class or not."""
         view, s, cfg = self.view, self.settings, self.view.cfg
         steps = cfg.local_epochs * -(-len(data.train_x) // cfg.batch_size)
         leaked = self.update_labels(change)
@@ -567,8 +572,11 @@ class Attacker:
             momentum=cfg.momentum,
             weight_decay=cfg.weight_decay,
         )
-        refs = class_images(data, [int(c) for c in batch_labels], s.images, g)
-        return Inverted(f"update over {steps} steps (inverting gradients)", "server", "white-box", images, refs)
+        rows = [int(c) for c in batch_labels]
+        refs = class_images(data, rows, s.images, g)
+        ceilings = class_means(data.train_x, data.train_y, rows)
+        name = f"update over {steps} steps (inverting gradients)"
+        return Inverted(name, "server", "white-box", images, refs, ceilings=ceilings, classes=rows)
 
     # ------------------------------------------------------------------ labels
     def update_labels(self, change: dict[str, torch.Tensor]) -> labels.LabelInference | None:
