@@ -53,6 +53,7 @@ RESULTS = ROOT / "results"
 README = RESULTS / "README.md"
 CROSSCHECK = RESULTS / "crosscheck"
 PRIVACY = RESULTS / "privacy"
+DATA_DIR = ROOT.parent / "shared" / "data"
 BYZANTINE = RESULTS / "byzantine"
 LAST = 10  # the README's "mean of the last 10 rounds"
 ACCURACIES = ("accuracy_mean", "accuracy_weighted")  # mean over clients, pooled
@@ -419,12 +420,12 @@ def test_a_byzantine_bench_table_is_its_rows(folder):
 
 @pytest.mark.skipif(not (PRIVACY / "report.md").is_file(), reason="no committed privacy evaluation")
 def test_the_privacy_reports_are_their_rows():
-    """results/privacy/report.md is what ``tools.privacy_report`` makes of the committed rows, and each
-    method's privacy.md tables are what ``tools.privacy.table`` makes of its privacy.json."""
+    """results/privacy/report.md is what ``tools.privacy_report`` makes of the committed grid copy, and each
+    run's privacy.md tables are what ``tools.privacy.table`` makes of its privacy.json."""
     from tools.privacy import table as privacy_table
     from tools.privacy_report import report
 
-    assert (PRIVACY / "report.md").read_text(encoding="utf-8") == report(PRIVACY)
-    for rows in sorted(PRIVACY.glob("*/privacy.json")):
+    assert (PRIVACY / "report.md").read_text(encoding="utf-8") == report(PRIVACY, str(DATA_DIR))
+    for rows in sorted(PRIVACY.glob("grid/*/*/privacy/privacy.json")):
         text = (rows.parent / "privacy.md").read_text(encoding="utf-8")
-        assert privacy_table(json.loads(rows.read_text(encoding="utf-8"))) in text, rows.parent.name
+        assert privacy_table(json.loads(rows.read_text(encoding="utf-8"))) in text, rows.parent.parent.name

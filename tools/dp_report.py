@@ -46,11 +46,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
 from common.files import new_folder_or_none  # noqa: E402
 from tools.figures import method_colors  # noqa: E402
-from tools.grid import newest_run  # noqa: E402
-from tools.grid_rows import copy_files, load_grid, run_copies  # noqa: E402
+from tools.grid_rows import copy_files, load_grid  # noqa: E402
 from tools.grid_stats import mean_std, prior_by_seed, prior_stats  # noqa: E402
 from tools.privacy import read_privacy_rows  # noqa: E402
 from tools.privacy_attacks import REFERENCE_INPUTS  # noqa: E402
+from tools.privacy_report import PRIVACY, grid_copies  # noqa: E402
 from tools.privacy_report import cell as score_cell  # noqa: E402
 from tools.report import pct  # noqa: E402
 
@@ -59,7 +59,6 @@ PREFIX = "eps-"
 #: the label of the grid without DP
 NO_DP = "inf"
 #: the privacy evaluation's output inside a run folder (``tools.privacy``'s default ``--out``)
-PRIVACY = Path("privacy") / "privacy.json"
 #: payloads of the Q2 ladder, attacked from the victim's model rather than from its upload
 
 
@@ -88,23 +87,6 @@ def epsilon_value(label: str) -> float:
 def is_variant(label: str) -> bool:
     """Whether the label names a variant grid (:func:`epsilon_value`)."""
     return label != NO_DP and "-" in label
-
-
-def grid_copies(grid: Path, target: Path) -> list[tuple[Path, Path]]:
-    """(file, its copy) of :func:`tools.grid_rows.run_copies` plus each cell's ``privacy/privacy.json``
-    (when attacked), all read and checked first.
-
-    Raises:
-        ConfigError: ``grid`` is no grid, or a file of it is not what the grid or ``tools.privacy``
-            wrote (naming the file).
-    """
-    copies = run_copies(grid, target)
-    for folder in sorted(p for p in grid.iterdir() if p.is_dir() and "-seed" in p.name):
-        newest = newest_run(folder)
-        if newest is not None and (newest[0] / PRIVACY).is_file():
-            read_privacy_rows(newest[0] / PRIVACY)
-            copies.append((newest[0] / PRIVACY, target / folder.name / newest[0].name / PRIVACY))
-    return copies
 
 
 def attack_rows(grid: Path, method: str) -> list[dict[str, Any]]:

@@ -1,49 +1,350 @@
-"""One report over every method's privacy evaluation: ``python -m tools.privacy_report results/privacy``.
+"""One report over a grid of attacked runs: ``python -m tools.privacy_report results/privacy --grid <grid>``.
 
-Reads ``<folder>/<method>/privacy.json`` (written by ``tools.privacy``, one folder per method) and writes
-``<folder>/report.md``: per method and round what the honest-but-curious server recovers from an upload
-(white-box and black-box reconstructions, weight-change inversions, label leakage) beside a mid-gray
-image's score, which training examples an upload gives away (membership inference), what a curious
-client recovers from its downloads, FedRE's Q2 ladder (one image's
-representation, a class prototype, the entangled representation) against the paper's numbers, and
-MH-pFedHNGD's iDLG check (its appendix C.8). Every number is computed from those rows.
+``--grid`` copies the grid's rows into ``<folder>/grid`` (``grid.json``, each cell's newest ``metrics.jsonl``,
+``summary.json`` and ``privacy/privacy.json`` written by ``tools.privacy``) and each method's seed-0
+``reconstructions.png`` into ``<folder>/<method>/``; the report is made from the copies alone, so
+``python -m tools.privacy_report results/privacy`` regenerates it from committed files.
+
+``<folder>/report.md`` says, per method and round, over every attacked victim and seed (a *cell*: one
+victim of one seed in one round), with a 95 % Student-t interval over cells:
+
+- the setting's accuracy against the class prior (an attack on models that learnt nothing says nothing);
+- what the honest-but-curious server recovers from one upload, white-box: the reconstruction's best-match
+  PSNR above a mid-gray image's (*gain*, dB), beside the gain of the exact pixel mean of the images the
+  upload stands for (an image that shows the class or the client and no one example) and, for per-class
+  uploads, of the same attack on public non-members' class mean through the victim's model, with the
+  paired difference; and the share of reconstructions a classifier of the public split assigns their class
+  (*recognised*, chance 1/C), which needs no pixel match. Verdicts: :func:`verdict`;
+- the controls on the victims' own trained models (one image's representation, to that image, above the
+  better of gray and the victim's mean image; the class mean representation): the attack fires there;
+- membership inference (AUC, TPR at 1 % FPR), label leakage, a curious client's reconstructions;
+- FedRE's Q2 ladder (one image's representation, the class prototype, the entangled ``z``) scored against
+  one sample of the victim's images, with paired differences; MH-pFedHNGD's iDLG check (its appendix C.8);
+- leakage against round (``leakage_vs_round.png``) and the CPU seconds per cell.
+
+What the scores mean: ``results/privacy/calibration/`` (``tools.privacy_calibration``).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError
-from tools.privacy import LABEL_COLUMNS, MEMBERSHIP_COLUMNS, pooled, read_privacy_rows, spread
-from tools.privacy_attacks import REFERENCE_INPUTS
-from tools.runconfig import ROOT
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from common.datasets import DATASETS  # noqa: E402
+from common.errors import ConfigError  # noqa: E402
+from common.files import new_folder_or_none  # noqa: E402
+from tools.figures import method_colors  # noqa: E402
+from tools.grid import newest_run  # noqa: E402
+from tools.grid_rows import Cell, copy_files, load_grid, run_copies  # noqa: E402
+from tools.grid_stats import mean_ci, mean_std, prior_by_seed, prior_stats  # noqa: E402
+from tools.privacy import FIGURE, LABEL_COLUMNS, read_privacy_rows, spread  # noqa: E402
+from tools.privacy_attacks import REFERENCE_INPUTS  # noqa: E402
+from tools.report import pct  # noqa: E402
+from tools.runconfig import ROOT  # noqa: E402
 
 #: FedRE's Q2 (TinyImageNet, its reference [35]): PSNR (dB) and MSE (0-255 scale) of images reconstructed
 #: from per-sample representations, prototypes and entangled representations
 FEDRE_Q2 = {"per-sample": (12.89, 4514.91), "prototype": (10.25, 6992.04), "entangled": (9.66, 7781.87)}
-#: how far above the mid-gray image's score a reconstruction must be to count as recovering something (dB)
+#: how far a gain's lower 95 % bound must be above zero to count as recovering something (dB)
 MARGIN_DB = 1.0
+#: the grid copy's folder in the report folder, and where a run's attack rows are
+GRID = "grid"
+PRIVACY = Path("privacy") / "privacy.json"
+#: a run's attack tables, which name the budgets of its cells (``tools.privacy.write_report``)
+TABLES = Path("privacy") / "privacy.md"
+BUDGET_LINE = "Budgets (tools.privacy flags) of the cells: "
+FIGURE_NAME = "leakage_vs_round.png"
 
 
-def load(folder: Path) -> dict[str, list[dict[str, Any]]]:
-    """Method -> its rows, for every ``<folder>/<method>/privacy.json``.
+def grid_copies(grid: Path, target: Path, tables: bool = False) -> list[tuple[Path, Path]]:
+    """(file, its copy) of :func:`tools.grid_rows.run_copies` plus each cell's ``privacy/privacy.json``
+    (when attacked; with ``tables`` also its ``privacy/privacy.md``), all read and checked first.
 
     Raises:
-        FileNotFoundError: naming the folder when it holds no method's rows.
-        ConfigError: naming a ``privacy.json`` that is not a list of rows (``tools.privacy.read_privacy_rows``).
+        ConfigError: ``grid`` is no grid, or a file of it is not what the grid or ``tools.privacy``
+            wrote (naming the file).
     """
-    found = {p.parent.name: read_privacy_rows(p) for p in sorted(folder.glob("*/privacy.json"))}
-    if not found:
-        raise FileNotFoundError(f"{folder} holds no <method>/privacy.json (run tools.privacy --out {folder}/<method>)")
-    return found
+    copies = run_copies(grid, target)
+    for folder in sorted(p for p in grid.iterdir() if p.is_dir() and "-seed" in p.name):
+        newest = newest_run(folder)
+        if newest is not None and (newest[0] / PRIVACY).is_file():
+            read_privacy_rows(newest[0] / PRIVACY)
+            copies.append((newest[0] / PRIVACY, target / folder.name / newest[0].name / PRIVACY))
+            if tables and (newest[0] / TABLES).is_file():
+                copies.append((newest[0] / TABLES, target / folder.name / newest[0].name / TABLES))
+    return copies
 
 
-def stat(rows: list[dict[str, Any]], key: str, **match: Any) -> tuple[float, float] | None:
-    """Mean and std of ``key`` over every reconstruction of the rows that match (see ``tools.privacy.pooled``)."""
-    return pooled([r for r in rows if all(r.get(k) == v for k, v in match.items())], key)
+def budgets(folder: Path) -> list[str]:
+    """The distinct attack budgets the grid copy's runs name in their ``privacy.md`` (JSON of the flags)."""
+    found = set()
+    for path in (folder / GRID).glob(f"*-seed*/*/{TABLES}"):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if BUDGET_LINE in line:
+                found.update(line.split(BUDGET_LINE, 1)[1].rstrip(".").split("; "))
+    return sorted(found)
+
+
+def figure_copies(grid: Path, folder: Path) -> list[tuple[Path, Path]]:
+    """(seed 0's ``privacy/reconstructions.png``, ``<folder>/<method>/reconstructions.png``) per method."""
+    copies = []
+    for cell in sorted(grid.glob("*-seed0")):
+        newest = newest_run(cell)
+        if newest is not None and (newest[0] / "privacy" / FIGURE).is_file():
+            copies.append((newest[0] / "privacy" / FIGURE, folder / cell.name.rsplit("-seed", 1)[0] / FIGURE))
+    return copies
+
+
+def load(folder: Path) -> tuple[dict, list[Cell], dict[str, list[dict[str, Any]]]]:
+    """(``grid.json``, the completed cells, method -> every attack row of its cells with ``seed`` added)
+    of the grid copy ``<folder>/grid``.
+
+    Raises:
+        FileNotFoundError: no grid copy (naming the folder and the flag that makes one).
+        ConfigError: a copied file is not what the grid or ``tools.privacy`` wrote.
+    """
+    if not (folder / GRID / "grid.json").is_file():
+        raise FileNotFoundError(f"{folder / GRID} holds no grid copy: give the attacked grid with --grid <folder>")
+    info, cells = load_grid(folder / GRID)
+    cells = [c for c in cells if c.summary.get("status") == "completed"]
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for c in sorted(cells, key=lambda c: (c.method, c.seed)):
+        newest = newest_run(folder / GRID / f"{c.method}-seed{c.seed}")
+        path = None if newest is None else newest[0] / PRIVACY
+        if path is not None and path.is_file():
+            rows.setdefault(c.method, []).extend(r | {"seed": c.seed} for r in read_privacy_rows(path))
+    return info, cells, rows
+
+
+def gain(row: dict[str, Any]) -> float | None:
+    """A row's reconstruction gain (dB): to the one image it was made from over the better of the gray and
+    the victim's mean image where the row has one (``psnr_own``), else best-matched over gray's best."""
+    if row.get("psnr_own") is not None:
+        return row["psnr_own"] - max(row["gray_psnr_own"], row.get("mean_image_psnr_own") or -1e9)
+    if row.get("best_psnr") is None:
+        return None
+    return row["best_psnr"] - row["gray_psnr"]
+
+
+def ceiling_gain(row: dict[str, Any]) -> float | None:
+    """The exact pixel mean's best-match PSNR above gray's on the same images (dB), or None."""
+    return None if row.get("ceiling_psnr") is None else row["ceiling_psnr"] - row["gray_psnr"]
+
+
+def interval(values: list[float], digits: int = 1) -> str:
+    """``mean [lower, upper]`` (95 % Student t), ``-`` without values."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    m, lo, hi = mean_ci(values)
+    return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def lower(values: list[float]) -> float | None:
+    """The 95 % interval's lower bound of the values (None without any)."""
+    values = [v for v in values if v is not None]
+    return mean_ci(values)[1] if values else None
+
+
+def verdict(group: list[dict[str, Any]], chance: float, control: list[dict[str, Any]] | None = None) -> str:
+    """What the upload's reconstructions show, over the cells ``group`` (95 % lower bounds; ``-`` under two
+    cells, which give no interval), the first that holds:
+
+    - ``recovers examples``: the gain beats :data:`MARGIN_DB` and the exact mean's gain (a reconstruction
+      closer to one of the images than their mean is), or, for rows scored to their own image
+      (:func:`gain`), the gain beats :data:`MARGIN_DB`;
+    - ``beyond the class``: a per-class upload whose gain beats the non-members' (``control``, paired by
+      seed, victim and round) by :data:`MARGIN_DB`;
+    - ``shows the class``: recognised above ``chance``;
+    - ``the images' mean look``: a gain above :data:`MARGIN_DB` that no classifier reads as the class (on
+      dark-background images a dark reconstruction beats gray);
+    - ``nothing found``: none of these at this budget.
+    """
+    if len(group) < 2:
+        return "-"
+    gains = [gain(r) for r in group]
+    above_mean = [gain(r) - ceiling_gain(r) for r in group if r.get("ceiling_psnr") is not None]
+    own = all(r.get("psnr_own") is not None for r in group)  # already scored to its own image over the floors
+    if lower(gains) > MARGIN_DB and (own or (above_mean and lower(above_mean) > 0)):
+        return "recovers examples"
+    paired = pair(group, control or [])
+    if len(paired) > 1 and lower([a - b for a, b in paired]) > MARGIN_DB:
+        return "beyond the class"
+    recognised = [r["recognised"] for r in group if r.get("recognised") is not None]
+    if len(recognised) > 1 and lower(recognised) > chance:
+        return "shows the class"
+    if lower(gains) > MARGIN_DB:
+        return "the images' mean look"
+    return "nothing found"
+
+
+def pair(group: list[dict[str, Any]], control: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(gain of ``group``'s row, gain of ``control``'s row) for every (seed, partition, round) both have."""
+    by_key = {(r["seed"], r["partition"], r["round"]): gain(r) for r in control}
+    return [(gain(r), by_key[k]) for r in group if (k := (r["seed"], r["partition"], r["round"])) in by_key]
+
+
+def setting_table(info: dict, cells: list[Cell], data_dir: str | None) -> list[str]:
+    """Per method its final pooled accuracy and its gain over its seed's class prior (points)."""
+    try:
+        priors = prior_by_seed(info["preset_config"], cells, data_dir)["training"]
+        prior = prior_stats(priors)
+        head = [
+            f"Class prior alone (every client predicts its most frequent training class): {pct(prior['weighted'])} "
+            "pooled. Attacks on models at that accuracy would say nothing; every method here is well above it.",
+            "",
+        ]
+    except ConfigError as exc:  # regenerating without the dataset: the rest of the report stands
+        priors, head = None, [f"Class prior: not computed ({exc}; pass --data-dir).", ""]
+    lines = head + [
+        "| method | seeds | final accuracy (pooled, %) | above the class prior (points) |",
+        "|---|---|---|---|",
+    ]
+    for method in sorted({c.method for c in cells}):
+        mine = [c for c in cells if c.method == method]
+        finals = [(c.seed, c.curve("accuracy_weighted")[1][-1]) for c in mine]
+        acc = mean_std([a for _, a in finals])
+        above = (
+            "-"
+            if priors is None
+            else "{:.1f} ± {:.1f}".format(*(100 * x for x in mean_std([a - priors[s][1] for s, a in finals])))
+        )
+        lines.append(
+            f"| {method} | {','.join(str(s) for s, _ in finals)} | {100 * acc[0]:.1f} ± {100 * acc[1]:.1f} | {above} |"
+        )
+    return lines
+
+
+def server_uploads(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The server's white-box reconstructions of an upload (no reference input, no black-box decoder)."""
+    return [
+        r
+        for r in rows
+        if r["threat"] == "server"
+        and r["knowledge"] == "white-box"
+        and r["attack"] in ("inversion", "update")
+        and not r["payload"].startswith(REFERENCE_INPUTS)
+    ]
+
+
+def server_table(methods: dict[str, list[dict[str, Any]]], chance: float) -> list[str]:
+    """Per method, upload and round: the white-box reconstruction's gain, the exact mean's, the non-members'
+    and the paired difference, recognised, and the verdict (:func:`verdict`)."""
+    lines = [
+        "| method | upload | round | cells | gain over gray (dB) | exact mean's gain | non-members' gain | "
+        "upload − non-members | recognised | exact mean recognised | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method, rows in methods.items():
+        uploads = server_uploads(rows)
+        for payload in dict.fromkeys(r["payload"] for r in uploads):
+            for rnd in sorted({r["round"] for r in uploads if r["payload"] == payload}):
+                group = [r for r in uploads if r["payload"] == payload and r["round"] == rnd]
+                control = [r for r in rows if r["payload"].startswith("non-member") and r["round"] == rnd]
+                paired = pair(group, control)
+                lines.append(
+                    f"| {method} | {payload} | {rnd} | {len(group)} | {interval([gain(r) for r in group])} | "
+                    f"{interval([ceiling_gain(r) for r in group])} | {interval([b for _, b in paired])} | "
+                    f"{interval([a - b for a, b in paired])} | "
+                    f"{interval([r.get('recognised') for r in group], 2)} | "
+                    f"{interval([r.get('ceiling_recognised') for r in group], 2)} | "
+                    f"{verdict(group, chance, control)} |"
+                )
+    return lines
+
+
+def control_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Per method and round, the attack on the victim's own model's inputs no method sends: one image's
+    representation (gain to that image over the better of gray and the victim's mean image) and the class
+    mean representation (best-match gain over gray), with recognised: where these fire, the attack works
+    on that model."""
+    lines = [
+        "| method | round | cells | one image: gain to its image | one image: recognised | class mean: gain | "
+        "class mean: recognised |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for method, rows in methods.items():
+        ref = [r for r in rows if r["threat"] == "server" and r["payload"].startswith(("per-sample", "class mean"))]
+        for rnd in sorted({r["round"] for r in ref}):
+            single = [r for r in ref if r["round"] == rnd and r["payload"].startswith("per-sample")]
+            means = [r for r in ref if r["round"] == rnd and r["payload"].startswith("class mean")]
+            lines.append(
+                f"| {method} | {rnd} | {len(single)} | {interval([gain(r) for r in single])} | "
+                f"{interval([r.get('recognised') for r in single], 2)} | {interval([gain(r) for r in means])} | "
+                f"{interval([r.get('recognised') for r in means], 2)} |"
+            )
+    return lines
+
+
+def membership_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Per method, round and upload: membership AUC and TPR at 1 % FPR over the cells (95 % intervals)."""
+    lines = [
+        "| method | round | upload | attacker knows | cells | AUC | TPR at 1 % FPR | distance AUC | members | "
+        "non-members |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method, rows in methods.items():
+        tested = sorted((x for x in rows if x["attack"] == "membership"), key=lambda x: x["round"])
+        for r, payload, knowledge in dict.fromkeys((x["round"], x["payload"], x["knowledge"]) for x in tested):
+            mine = [x for x in tested if (x["round"], x["payload"], x["knowledge"]) == (r, payload, knowledge)]
+            lines.append(
+                f"| {method} | {r} | {payload} | {knowledge} | {len(mine)} | "
+                f"{interval([x.get('mia_auc') for x in mine], 2)} | "
+                f"{interval([x.get('mia_tpr_at_1pct_fpr') for x in mine], 3)} | "
+                f"{interval([x.get('mia_distance_auc') for x in mine], 2)} | "
+                f"{fmt_mean([x.get('mia_members') for x in mine])} | "
+                f"{fmt_mean([x.get('mia_nonmembers') for x in mine])} |"
+            )
+    return lines
+
+
+def fmt_mean(values: list) -> str:
+    """The mean of the present values as a whole number, ``-`` without any."""
+    present = [v for v in values if v is not None]
+    return f"{sum(present) / len(present):.0f}" if present else "-"
+
+
+def label_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Per method, round and payload, the label leakage over the cells (mean ± std)."""
+    lines = [
+        "| method | round | from | cells | " + " | ".join(t for _, t in LABEL_COLUMNS) + " |",
+        "|" + "---|" * (4 + len(LABEL_COLUMNS)),
+    ]
+    for method, rows in methods.items():
+        labelled = sorted((x for x in rows if x["attack"] == "labels"), key=lambda x: x["round"])
+        for r, payload in dict.fromkeys((x["round"], x["payload"]) for x in labelled):
+            mine = [x for x in labelled if x["round"] == r and x["payload"] == payload]
+            cells = [cell(spread([x.get(k) for x in mine]), 2) for k, _ in LABEL_COLUMNS]
+            lines.append(f"| {method} | {r} | {payload} | {len(mine)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def client_table(methods: dict[str, list[dict[str, Any]]], chance: float) -> list[str]:
+    """Per method and round, what a curious client recovers from its per-class downloads through its own
+    model (inversion, decoder): gain over gray against the other clients' images of each class, recognised."""
+    lines = [
+        "| method | round | download | attack | cells | gain over gray (dB) | exact mean's gain | recognised | "
+        "verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method, rows in methods.items():
+        client = [x for x in rows if x["threat"] == "client"]
+        for key in sorted({(x["round"], x["payload"], x["attack"]) for x in client}):
+            group = [x for x in client if (x["round"], x["payload"], x["attack"]) == key]
+            lines.append(
+                f"| {method} | {key[0]} | {key[1]} | {key[2]} | {len(group)} | {interval([gain(r) for r in group])} | "
+                f"{interval([ceiling_gain(r) for r in group])} | {interval([r.get('recognised') for r in group], 2)} | "
+                f"{verdict(group, chance)} |"
+            )
+    return lines
 
 
 def cell(value: tuple[float, float] | None, digits: int = 1) -> str:
@@ -51,191 +352,176 @@ def cell(value: tuple[float, float] | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value[0]:.{digits}f} ± {value[1]:.{digits}f}"
 
 
-def verdict(attack: tuple[float, float] | None, gray: tuple[float, float] | None) -> str:
-    """``recovers more than a gray image`` when the attack's mean PSNR beats the gray image's by
-    :data:`MARGIN_DB`, else ``no better than a gray image``; ``-`` without both."""
-    if attack is None or gray is None:
-        return "-"
-    return "recovers more than a gray image" if attack[0] > gray[0] + MARGIN_DB else "no better than a gray image"
-
-
-def server_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Per method and round, the server's best reconstruction from one upload, beside the gray image."""
-    lines = [
-        "| method | round | upload | white-box PSNR best | black-box PSNR best | gray image PSNR best | "
-        "verdict (white-box) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for method, rows in methods.items():
-        for r in sorted({row["round"] for row in rows}):
-            images = [
-                x
-                for x in rows
-                if x["round"] == r and x["threat"] == "server" and x["attack"] not in ("labels", "membership")
-            ]
-            uploads = [x for x in images if not x["payload"].startswith(REFERENCE_INPUTS)]
-            for payload in dict.fromkeys(x["payload"] for x in uploads):
-                mine = [x for x in uploads if x["payload"] == payload]
-                white = pooled([x for x in mine if x["knowledge"] == "white-box"], "best_psnr")
-                black = pooled([x for x in mine if x["knowledge"] != "white-box"], "best_psnr")
-                gray = pooled(mine, "gray_psnr")
-                lines.append(
-                    f"| {method} | {r} | {payload} | {cell(white)} | {cell(black)} | {cell(gray)} | "
-                    f"{verdict(white, gray)} |"
-                )
-    return lines
-
-
-def label_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Per method, round and payload, the label leakage over the victims (mean ± std)."""
-    lines = [
-        "| method | round | from | " + " | ".join(t for _, t in LABEL_COLUMNS) + " |",
-        "|" + "---|" * (3 + len(LABEL_COLUMNS)),
-    ]
-    for method, rows in methods.items():
-        labelled = sorted((x for x in rows if x["attack"] == "labels"), key=lambda x: x["round"])
-        for r, payload in dict.fromkeys((x["round"], x["payload"]) for x in labelled):
-            mine = [x for x in labelled if x["round"] == r and x["payload"] == payload]
-            cells = [cell(spread([x.get(k) for x in mine]), 2) for k, _ in LABEL_COLUMNS]
-            lines.append(f"| {method} | {r} | {payload} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def membership_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Per method, round and upload, the membership inference over the victims (mean ± std; members and
-    non-members: candidates per victim)."""
-    lines = [
-        "| method | round | upload | attacker knows | victims | " + " | ".join(t for _, t in MEMBERSHIP_COLUMNS) + " |",
-        "|" + "---|" * (5 + len(MEMBERSHIP_COLUMNS)),
-    ]
-    for method, rows in methods.items():
-        tested = sorted((x for x in rows if x["attack"] == "membership"), key=lambda x: x["round"])
-        for r, payload, knowledge in dict.fromkeys((x["round"], x["payload"], x["knowledge"]) for x in tested):
-            mine = [x for x in tested if (x["round"], x["payload"], x["knowledge"]) == (r, payload, knowledge)]
-            cells = [
-                cell(spread([x.get(k) for x in mine]), 0 if k.endswith("members") else 2) for k, _ in MEMBERSHIP_COLUMNS
-            ]
-            lines.append(f"| {method} | {r} | {payload} | {knowledge} | {len(mine)} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def client_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Per method and round, what a curious client recovers from its per-class downloads."""
-    lines = [
-        "| method | round | download | own model: inversion PSNR best | own model: decoder PSNR best | "
-        "gray image PSNR best | verdict (inversion) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for method, rows in methods.items():
-        client = [x for x in rows if x["threat"] == "client"]
-        for r in sorted({x["round"] for x in client}):
-            for payload in dict.fromkeys(x["payload"] for x in client if x["round"] == r):
-                inv = stat(client, "best_psnr", round=r, payload=payload, attack="inversion")
-                dec = stat(client, "best_psnr", round=r, payload=payload, attack="decoder")
-                gray = stat(client, "gray_psnr", round=r, payload=payload)
-                lines.append(
-                    f"| {method} | {r} | {payload} | {cell(inv)} | {cell(dec)} | {cell(gray)} | {verdict(inv, gray)} |"
-                )
-    return lines
-
-
 def fedre_ladder(rows: list[dict[str, Any]]) -> list[str]:
-    """FedRE's Q2 on our FedRE run: per round, white-box PSNR/MSE of one image's representation (to that
-    image), the class prototype and the entangled z (best match), beside the paper's numbers, and
-    whether the paper's ordering holds."""
+    """FedRE's Q2 on our FedRE runs, white-box from the victim's own model: per round the mean PSNR of each
+    rung's reconstructions over one sample of the victim's images (the same sample for the three rungs), one
+    image's PSNR to itself, the paired differences per cell, and whether the paper's ordering holds (both
+    differences' 95 % intervals above zero)."""
+    rungs = {
+        "per-sample": "per-sample representation",
+        "prototype": "class mean representation",
+        "entangled": "z",
+    }
     lines = [
-        "| round | input | PSNR (dB) | MSE | gray image PSNR | paper PSNR | paper MSE |",
-        "|---|---|---|---|---|---|---|",
+        "| round | cells | per-sample: PSNR to its image | per-sample | prototype | entangled | "
+        "per-sample − prototype | prototype − entangled | ordering | paper (PSNR / MSE) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    orderings = []
-    for r in sorted({x["round"] for x in rows}):
-        wb = [x for x in rows if x["round"] == r and x["attack"] == "inversion" and x["threat"] == "server"]
-        exact = stat(wb, "psnr_own", payload="per-sample representation")
-        gray_exact = stat(wb, "gray_psnr_own", payload="per-sample representation")
-        lines.append(f"| {r} | per-sample (to its image) | {cell(exact)} | - | {cell(gray_exact)} | - | - |")
-        ladder = {
-            "per-sample": (stat(wb, "best_psnr", payload="per-sample representation"), "best"),
-            "prototype": (stat(wb, "best_psnr", payload="class mean representation"), "best"),
-            "entangled": (stat(wb, "best_psnr", payload="z"), "best"),
+    wb = [x for x in rows if x["attack"] == "inversion" and x["threat"] == "server" and x["knowledge"] == "white-box"]
+    for rnd in sorted({x["round"] for x in wb}):
+        by = {
+            name: {(x["seed"], x["partition"]): x for x in wb if x["round"] == rnd and x["payload"] == p}
+            for name, p in rungs.items()
         }
-        mse = {
-            "per-sample": stat(wb, "best_mse", payload="per-sample representation"),
-            "prototype": stat(wb, "best_mse", payload="class mean representation"),
-            "entangled": stat(wb, "best_mse", payload="z"),
-        }
-        gray = {
-            "per-sample": stat(wb, "gray_psnr", payload="per-sample representation"),
-            "prototype": stat(wb, "gray_psnr", payload="class mean representation"),
-            "entangled": stat(wb, "gray_psnr", payload="z"),
-        }
-        for name, (value, how) in ladder.items():
-            label = {"exact": "to its image", "best": "best match"}[how]
-            lines.append(
-                f"| {r} | {name} ({label}) | {cell(value)} | {cell(mse[name], 0)} | {cell(gray[name])} | "
-                f"{FEDRE_Q2[name][0]} | {FEDRE_Q2[name][1]} |"
-            )
-        values = [ladder[k][0] for k in ("per-sample", "prototype", "entangled")]
-        if all(v is not None for v in values):
-            holds = values[0][0] > values[1][0] > values[2][0]
-            orderings.append(
-                f"round {r}: per-sample {values[0][0]:.1f}, prototype {values[1][0]:.1f}, entangled "
-                f"{values[2][0]:.1f} dB: {'holds' if holds else 'does not hold'}"
-            )
-    return lines + [
-        "",
-        "The paper's ordering (per-sample > prototype > entangled, best-match PSNR): " + "; ".join(orderings) + ".",
-    ]
-
-
-def idlg_check(rows: list[dict[str, Any]]) -> list[str]:
-    """MH-pFedHNGD's appendix C.8: iDLG (and inverting gradients) on the global model's and the personal
-    model's change, beside the gray image, per round."""
-    lines = ["| round | change | attack | PSNR best | gray image PSNR best | verdict |", "|---|---|---|---|---|---|"]
-    for x in sorted({(r["round"], r["payload"]) for r in rows if r["attack"] == "update"}):
-        r, payload = x
-        value = stat(rows, "best_psnr", round=r, payload=payload)
-        gray = stat(rows, "gray_psnr", round=r, payload=payload)
-        change = "global model" if payload.startswith("global model") else "personal model"
+        keys = sorted(set.intersection(*(set(v) for v in by.values())))
+        if not keys:
+            continue
+        mean = {name: [by[name][k]["mean_psnr"] for k in keys] for name in rungs}
+        first = [a - b for a, b in zip(mean["per-sample"], mean["prototype"], strict=True)]
+        second = [a - b for a, b in zip(mean["prototype"], mean["entangled"], strict=True)]
+        holds = len(keys) > 1 and lower(first) > 0 and lower(second) > 0
+        paper = ", ".join(f"{FEDRE_Q2[n][0]} / {FEDRE_Q2[n][1]}" for n in rungs)
         lines.append(
-            f"| {r} | {change} | {payload.removeprefix('global model: ')} | {cell(value)} | {cell(gray)} | "
-            f"{verdict(value, gray)} |"
+            f"| {rnd} | {len(keys)} | {interval([by['per-sample'][k]['psnr_own'] for k in keys])} | "
+            f"{interval(mean['per-sample'])} | {interval(mean['prototype'])} | {interval(mean['entangled'])} | "
+            f"{interval(first)} | {interval(second)} | {'holds' if holds else 'not shown'} | {paper} |"
         )
     return lines
 
 
-def report(folder: Path) -> str:
-    """The Markdown of ``<folder>/report.md``."""
-    methods = load(folder)
+def idlg_check(rows: list[dict[str, Any]], chance: float) -> list[str]:
+    """MH-pFedHNGD's appendix C.8: iDLG and inverting gradients on the global model's and the personal
+    model's change, per round: gain over gray, the exact mean's, and the verdict (:func:`verdict`)."""
+    lines = [
+        "| round | change | attack | cells | gain over gray (dB) | exact mean's gain | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for rnd, payload in sorted({(r["round"], r["payload"]) for r in rows if r["attack"] == "update"}):
+        group = [r for r in rows if r["round"] == rnd and r["payload"] == payload]
+        change = "global model" if payload.startswith("global model") else "personal model"
+        lines.append(
+            f"| {rnd} | {change} | {payload.removeprefix('global model: ')} | {len(group)} | "
+            f"{interval([gain(r) for r in group])} | {interval([ceiling_gain(r) for r in group])} | "
+            f"{verdict(group, chance)} |"
+        )
+    return lines
+
+
+def cost_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """CPU seconds per cell by method and attack (one thread): mean and largest."""
+    lines = ["| method | attack | cells | CPU s / cell (mean) | largest |", "|---|---|---|---|---|"]
+    for method, rows in methods.items():
+        for attack in sorted({r["attack"] for r in rows}):
+            seconds = {(r["seed"], r["round"], r["partition"]): r["cpu_seconds"] for r in rows if r["attack"] == attack}
+            values = list(seconds.values())
+            lines.append(
+                f"| {method} | {attack} | {len(values)} | {sum(values) / len(values):.0f} | {max(values):.0f} |"
+            )
+    return lines
+
+
+def plot(methods: dict[str, list[dict[str, Any]]], chance: float, out: Path) -> None:
+    """``leakage_vs_round.png``: per method against round, the upload's white-box gain over gray (dB),
+    recognised (chance dashed) and membership AUC (0.5 dashed), means with 95 % intervals over cells."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    colors = method_colors(list(methods))
+    panels = (
+        ("gain over gray (dB), server, white-box", lambda rows: [(r["round"], gain(r)) for r in server_uploads(rows)]),
+        ("recognised (fraction)", lambda rows: [(r["round"], r.get("recognised")) for r in server_uploads(rows)]),
+        ("membership AUC", lambda rows: [(r["round"], r.get("mia_auc")) for r in rows if r["attack"] == "membership"]),
+    )
+    for ax, (title, points) in zip(axes, panels, strict=True):
+        for method, rows in methods.items():
+            found = [(x, y) for x, y in points(rows) if y is not None]
+            xs = sorted({x for x, _ in found})
+            if not xs:
+                continue
+            stats = [mean_ci([y for x2, y in found if x2 == x]) for x in xs]
+            ax.errorbar(
+                xs,
+                [s[0] for s in stats],
+                yerr=[[s[0] - s[1] for s in stats], [s[2] - s[0] for s in stats]],
+                label=method,
+                color=colors[method],
+                marker="o",
+                capsize=3,
+            )
+        ax.set_title(title)
+        ax.set_xlabel("round")
+    axes[1].axhline(chance, color="gray", linestyle="--", linewidth=1)
+    axes[2].axhline(0.5, color="gray", linestyle="--", linewidth=1)
+    axes[0].axhline(0.0, color="gray", linestyle="--", linewidth=1)
+    axes[2].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out / FIGURE_NAME, dpi=110)
+    plt.close(fig)
+
+
+def chance_of(info: dict) -> float:
+    """One over the number of classes of the grid's dataset: a recogniser's chance level."""
+    return 1 / DATASETS[info["preset_config"]["dataset"]].num_classes
+
+
+def report(folder: Path, data_dir: str | None = None) -> str:
+    """The Markdown of ``<folder>/report.md`` (its figure: :func:`plot`)."""
+    info, cells, methods = load(folder)
+    chance = chance_of(info)
     inside = folder.resolve().is_relative_to(ROOT)
     shown = folder.resolve().relative_to(ROOT) if inside else folder
+    found = budgets(folder)
+    calls = info.get("invocations") or []
+    command = (
+        (calls[0]["command"] + (f" (and {len(calls) - 1} more, `grid/grid.json`)" if len(calls) > 1 else ""))
+        if calls
+        else "-"
+    )
     parts = [
         "# Privacy evaluation: every method's payload attacked",
         "",
-        "Generated by `python -m tools.privacy_report " + str(shown) + "` from each method's `privacy.json` "
-        "(`tools.privacy`; commands, runs and budgets in each method's `privacy.md`). PSNR in dB, best match "
-        "among the images a reconstruction stands for, mean ± std over reconstructions (rounds x 3 victims x "
-        f"rows). Verdict: the attack's mean PSNR beats a uniform mid-gray image's by more than {MARGIN_DB} dB. "
-        "Threat models and attacks: docs/privacy.md.",
+        f"Generated by `python -m tools.privacy_report {shown}` from the grid copy `{GRID}/` (`tools.privacy`'s "
+        f"rows of every attacked run). Runs: `{command}`. A cell is one victim of one seed in one round; each "
+        f"number is the mean over cells with its 95 % Student-t interval. PSNR in dB. Gain: a reconstruction's "
+        "best-match PSNR over the images it stands for, above a mid-gray image's on the same images; the exact "
+        "mean's gain is that of the pixel mean of those images (it shows the class or the client and no one "
+        f"example). Recognised: the share of reconstructions a classifier of the public split assigns their "
+        f"class (chance {chance:.2f}). Verdicts (lower 95 % bounds, margin {MARGIN_DB} dB; none under two cells): "
+        "*recovers examples* (gain above the margin and above the exact mean's), *beyond the class* (above the "
+        "same attack on public non-members' class mean by the margin), *shows the class* (recognised above "
+        "chance), *the images' mean look* (a gain above the margin, not recognised), *nothing found* (none of "
+        "these at this budget). What the scores mean: `calibration/`; threat "
+        "models and attacks: docs/privacy.md. Budgets (each run's `privacy/privacy.md`): "
+        + ("; ".join(f"`{b}`" for b in found) or "-")
+        + ".",
         "",
-        "## Honest-but-curious server, one victim's upload",
+        "## The setting learns",
         "",
-        *server_table(methods),
+        *setting_table(info, cells, data_dir),
+        "",
+        "## Honest-but-curious server, one victim's upload (white-box)",
+        "",
+        *server_table(methods, chance),
+        "",
+        f"![leakage against round]({FIGURE_NAME})",
+        "",
+        "## Controls on the victims' trained models (inputs no method sends)",
+        "",
+        *control_table(methods),
+        "",
+        "## Membership inference, from each upload (the server)",
+        "",
+        "Members: the victim's training examples; non-members: its held-out test examples of the same classes. "
+        "AUC 0.5 and TPR at 1 % FPR (⌊0.01 m⌋ + 1) / (m + 1) with m non-members is what a score that knows "
+        "nothing gets; docs/privacy.md says how to read them.",
+        "",
+        *membership_table(methods),
         "",
         "## Label leakage, from each upload (the server)",
         "",
         *label_table(methods),
         "",
-        "## Membership inference, from each upload (the server)",
-        "",
-        "Members: the victim's training examples; non-members: its held-out test examples of the same classes. "
-        "AUC 0.5 and TPR at 1 % FPR (⌊0.01 m⌋ + 1) / (m + 1) with m non-members (0.02 at 100) is what a score "
-        "that knows nothing gets; docs/privacy.md says how to read them.",
-        "",
-        *membership_table(methods),
-        "",
         "## Curious client, its per-class downloads (scored against the other clients' images)",
         "",
-        *client_table(methods),
+        *client_table(methods, chance),
     ]
     if "fedre" in methods:
         parts += [
@@ -245,22 +531,45 @@ def report(folder: Path) -> str:
             *fedre_ladder(methods["fedre"]),
         ]
     if "mh-pfedhngd" in methods:
-        parts += ["", "## MH-pFedHNGD: the iDLG check of its appendix C.8", "", *idlg_check(methods["mh-pfedhngd"])]
-    figures = [
-        f"- {m}: [{m}/reconstructions.png]({m}/reconstructions.png)"
-        for m in methods
-        if (folder / m / "reconstructions.png").is_file()
+        parts += [
+            "",
+            "## MH-pFedHNGD: the iDLG check of its appendix C.8",
+            "",
+            *idlg_check(methods["mh-pfedhngd"], chance),
+        ]
+    figures = [f"- {m}: [{m}/{FIGURE}]({m}/{FIGURE})" for m in methods if (folder / m / FIGURE).is_file()]
+    parts += [
+        "",
+        "## CPU seconds per cell (one thread)",
+        "",
+        *cost_table(methods),
+        "",
+        "## Reconstructions (seed 0; best-matching original above each reconstruction)",
+        "",
+        *figures,
     ]
-    parts += ["", "## Reconstructions (best-matching original above each reconstruction)", "", *figures]
     return "\n".join(parts) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.privacy_report", description=__doc__.split("\n")[0])
-    parser.add_argument("folder", type=Path, help="the folder of per-method tools.privacy outputs")
+    parser.add_argument("folder", type=Path, help="the report folder (holds the grid copy grid/)")
+    parser.add_argument("--grid", type=Path, help="an attacked grid to copy into <folder>/grid first")
+    parser.add_argument("--data-dir", default=None, help="dataset folder for the class prior (default: the runs')")
     args = parser.parse_args(argv)
     try:
-        text = report(args.folder)
+        with new_folder_or_none(args.folder):
+            if args.grid is not None:
+                if not args.grid.is_dir():
+                    raise ConfigError(f"--grid {str(args.grid)!r} is no folder")
+                copies = grid_copies(args.grid, args.folder / GRID, tables=True)
+                copies += figure_copies(args.grid, args.folder)
+                if (args.folder / GRID).exists():  # a stale cell of an earlier copy must not stay
+                    shutil.rmtree(args.folder / GRID)
+                copy_files(copies)
+            text = report(args.folder, args.data_dir)
+            info, _, methods = load(args.folder)
+            plot(methods, chance_of(info), args.folder)
     except (FileNotFoundError, ConfigError) as exc:
         print(f"tools.privacy_report: {exc}", file=sys.stderr)
         return 2
