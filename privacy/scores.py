@@ -77,7 +77,10 @@ def image_scores(reconstructions: torch.Tensor, references: torch.Tensor) -> dic
 
 
 def own_image_scores(
-    reconstructions: torch.Tensor, own: torch.Tensor, dataset_mean: torch.Tensor
+    reconstructions: torch.Tensor,
+    own: torch.Tensor,
+    dataset_mean: torch.Tensor,
+    class_means: torch.Tensor | None = None,
 ) -> dict[str, list[float]]:
     """Each reconstruction against the one image it was made from, beside two images that know nothing
     of it: a uniform mid-gray image and the data set's mean image.
@@ -92,11 +95,15 @@ def own_image_scores(
         own: ``[n, C, H, W]``, float in [0, 1] or uint8: row i is the image reconstruction i was made from.
         dataset_mean: ``[C, H, W]``, float in [0, 1]: the per-pixel mean of the data set (or of the
             victim's images: what an attacker could know without any payload).
+        class_means: ``[n, C, H, W]``, float in [0, 1], or None: row i the pixel mean of image i's class,
+            what a payload that shows the class and no example can give (on Fashion-MNIST it beats the
+            gray and mean images on most images, ``results/privacy/calibration/fashion-mnist/``).
 
     Returns:
         lists of n floats: ``psnr_own`` (dB), ``ssim_own`` of each reconstruction to its image,
         ``gray_psnr_own``, ``gray_ssim_own`` of the mid-gray image (0.5) to it, and
-        ``mean_image_psnr_own``, ``mean_image_ssim_own`` of ``dataset_mean`` to it.
+        ``mean_image_psnr_own``, ``mean_image_ssim_own`` of ``dataset_mean`` to it, and with
+        ``class_means`` ``class_mean_psnr_own``, ``class_mean_ssim_own`` of its class's mean.
 
     Raises:
         ValueError: shapes that differ (named), inputs not 4-D, float pixels outside [0, 1].
@@ -108,8 +115,14 @@ def own_image_scores(
             "reconstructions and own images must both be [n, C, H, W] and dataset_mean [C, H, W]: got "
             f"{tuple(rec.shape)}, {tuple(ref.shape)} and {tuple(mean.shape)}"
         )
+    floors = [("", rec), ("gray_", torch.full_like(ref, 0.5)), ("mean_image_", mean.expand_as(ref))]
+    if class_means is not None:
+        means = _unit(class_means, "class_means")
+        if means.shape != ref.shape:
+            raise ValueError(f"class_means must be {tuple(ref.shape)} like the own images, got {tuple(means.shape)}")
+        floors.append(("class_mean_", means))
     out: dict[str, list[float]] = {}
-    for prefix, images in (("", rec), ("gray_", torch.full_like(ref, 0.5)), ("mean_image_", mean.expand_as(ref))):
+    for prefix, images in floors:
         psnr = peak_signal_noise_ratio(images, ref, data_range=1.0, reduction="none", dim=(1, 2, 3))
         ssim = structural_similarity_index_measure(images, ref, data_range=1.0, reduction="none")
         out[prefix + "psnr_own"] = [float(v) for v in psnr]

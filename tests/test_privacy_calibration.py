@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from privacy.scores import own_image_scores
-from tools.privacy_calibration import calibrate, fires_new, fires_old, markdown, stand_ins
+from tools.privacy_calibration import calibrate, fires_class, fires_new, fires_old, markdown, stand_ins
 from tools.runconfig import ROOT
 
 FOLDER = ROOT / "results" / "privacy" / "calibration"
@@ -22,9 +22,27 @@ def rows():
     return json.loads((FOLDER / "calibration.json").read_text(encoding="utf-8"))
 
 
-def test_the_committed_table_is_its_rows(rows):
-    assert (FOLDER / "calibration.md").read_text(encoding="utf-8") == markdown(rows)
+@pytest.fixture(scope="module")
+def fmnist_rows():
+    return json.loads((FOLDER / "fashion-mnist" / "calibration.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("folder", [FOLDER, FOLDER / "fashion-mnist"])
+def test_the_committed_table_is_its_rows(folder):
+    rows = json.loads((folder / "calibration.json").read_text(encoding="utf-8"))
+    assert (folder / "calibration.md").read_text(encoding="utf-8") == markdown(rows)
     assert markdown(rows) in (FOLDER / "README.md").read_text(encoding="utf-8")
+
+
+def test_with_the_class_mean_among_the_floors_only_what_holds_the_image_fires(rows, fmnist_rows):
+    """On Fashion-MNIST the class mean beats gray and the data-set mean on most images (the new rule fires
+    for it); with the class mean among the floors no stand-in that knows only the class fires, on either
+    data set, and the copies at 20 dB do."""
+    assert share(fmnist_rows, "class mean", fires_new) > 0.5
+    for data in (rows, fmnist_rows):
+        for name in ("gray", "data-set mean", "class mean", "another image of the class"):
+            assert share(data, name, fires_class) == 0.0, name
+        assert share(data, "noise-20", fires_class) > 0.9
 
 
 def share(rows, name, rule):
@@ -58,6 +76,10 @@ def test_own_image_scores_by_hand():
         assert got["mean_image_psnr_own"][i] == pytest.approx(flat, rel=1e-5)
     with pytest.raises(ValueError, match="dataset_mean"):
         own_image_scores(image, image[:1], mean)
+    got = own_image_scores(image, image, mean, torch.full_like(image, 0.25))
+    assert got["class_mean_psnr_own"] == pytest.approx(got["mean_image_psnr_own"])
+    with pytest.raises(ValueError, match="class_means"):
+        own_image_scores(image, image, mean, mean)
 
 
 def test_stand_ins_have_the_stated_noise_and_calibrate_is_deterministic():

@@ -300,7 +300,8 @@ class Attacker:
         self, r: int, p: int, net: torch.nn.Module, space: str, data, victim_refs: torch.Tensor, g: torch.Generator
     ) -> Inverted:
         """The ``samples`` drawn training images' own vectors of ``space`` (per-sample representations)
-        inverted through ``net``, each scored against its image (``exact``) and ``victim_refs``."""
+        inverted through ``net``, each scored against its image (``exact``) and ``victim_refs``, beside the
+        victim's mean image and its class's exact pixel mean on that image."""
         s = self.settings
         picks = sample(torch.arange(len(data.train_x)), s.samples, g)
         refs = [torch.cat([data.train_x[i : i + 1], victim_refs]) for i in picks]
@@ -308,8 +309,17 @@ class Attacker:
         images = self.invert(net, single, r, p, 3)
         mean_image = data.train_x.float().mean(0) / 255.0
         classes = [int(data.train_y[i]) for i in picks]
+        ceilings = class_means(data.train_x, data.train_y, classes)
         return Inverted(
-            "per-sample " + space, "server", "white-box", images, refs, [0] * len(picks), mean_image, classes=classes
+            "per-sample " + space,
+            "server",
+            "white-box",
+            images,
+            refs,
+            [0] * len(picks),
+            mean_image,
+            ceilings,
+            classes=classes,
         )
 
     def invert_prototypes(
@@ -769,7 +779,8 @@ def scored(
 
     - per-sample inputs (``exact``): ``psnr_own`` / ``ssim_own`` to the one image the input was made
       from, beside ``gray_psnr_own`` / ``gray_ssim_own`` and ``mean_image_psnr_own`` /
-      ``mean_image_ssim_own`` of the gray image and of the victim's mean image on that image
+      ``mean_image_ssim_own`` of the gray image and of the victim's mean image on that image, and, with
+      ``ceilings`` (its class's exact pixel mean), ``class_mean_psnr_own`` / ``class_mean_ssim_own``
       (:func:`privacy.scores.own_image_scores`);
     - class-mean payloads (``ceilings``): ``ceiling_psnr`` (best) and ``ceiling_mean_psnr`` (mean over the
       images) of the exact pixel mean of the row's images, the best a reconstruction of a mean can do,
@@ -794,7 +805,8 @@ def scored(
         found |= {"gray_psnr": gray["best_psnr"], "gray_mean_psnr": gray["mean_psnr"]}
         exact = inverted.exact[i] if inverted.exact else None
         if exact is not None:
-            found |= scores.own_image_scores(image[None], refs[exact : exact + 1], inverted.mean_image)
+            means = inverted.ceilings[i][None] if inverted.ceilings else None
+            found |= scores.own_image_scores(image[None], refs[exact : exact + 1], inverted.mean_image, means)
         if inverted.ceilings:
             ceiling = scores.image_scores(inverted.ceilings[i][None], refs)
             found |= {"ceiling_psnr": ceiling["best_psnr"], "ceiling_mean_psnr": ceiling["mean_psnr"]}

@@ -1,8 +1,8 @@
 """What the privacy scores say about images whose content is known: ``python -m tools.privacy_calibration``.
 
 A floor is only worth its name if an image that does resemble the victim's beats it and one that knows
-nothing does not. This scores, on real CIFAR-10 test images and with the project's own score functions
-(:mod:`privacy.scores`), stand-ins whose information is known:
+nothing does not. This scores, on real test images of ``--dataset`` (CIFAR-10 by default) and with the
+project's own score functions (:mod:`privacy.scores`), stand-ins whose information is known:
 
 - knows nothing of the image: a mid-gray image, the data set's mean image, the mean image of its class,
   another image of its class;
@@ -38,6 +38,8 @@ from tools.privacy_report import MARGIN_DB
 from tools.runconfig import ROOT
 
 #: the stand-ins in table order (``noise-<dB>``, ``down-<factor>``: see :func:`stand_ins`)
+#: the own-image scores of a row (:func:`privacy.scores.own_image_scores`)
+OWN_KEYS = ("psnr_own", "ssim_own", "gray_psnr_own", "mean_image_psnr_own", "class_mean_psnr_own")
 STAND_INS = (
     "gray",
     "data-set mean",
@@ -51,20 +53,23 @@ STAND_INS = (
 )
 
 
-def cifar10_test_split(data_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """CIFAR-10's official test split: uint8 ``[10000, 3, 32, 32]`` and int64 labels ``[10000]``.
+def test_split(dataset: str, data_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """A data set's official test split: uint8 ``[n, C, H, W]`` (its channels) and int64 labels ``[n]``.
 
-    Reads ``<data_dir>/cifar10/test.parquet`` (``common.data``'s checked loader); raises
+    Reads ``<data_dir>/<dataset>/test.parquet`` (``common.data``'s checked loader); raises
     ``common.errors.ConfigError`` naming the file when it is missing or damaged.
     """
     from torchvision.io import ImageReadMode, decode_image
 
     from common.data import load_split
+    from common.datasets import DATASETS
 
-    ds = load_split("cifar10", str(data_dir), "test")
-    raw = [torch.frombuffer(bytearray(im["bytes"]), dtype=torch.uint8) for im in ds["img"]]
-    images = torch.stack([decode_image(b, ImageReadMode.RGB) for b in raw])
-    return images, torch.as_tensor(ds["label"], dtype=torch.int64)
+    info = DATASETS[dataset]
+    ds = load_split(dataset, str(data_dir), "test")
+    mode = ImageReadMode.RGB if info.channels == 3 else ImageReadMode.GRAY
+    raw = [torch.frombuffer(bytearray(im["bytes"]), dtype=torch.uint8) for im in ds[info.image_column]]
+    images = torch.stack([decode_image(b, mode) for b in raw])
+    return images, torch.as_tensor(ds[info.label_column], dtype=torch.int64)
 
 
 def stand_ins(
@@ -119,7 +124,7 @@ def calibrate(images: torch.Tensor, labels: torch.Tensor, per_class: int, refere
             gray = scores.image_scores(torch.full_like(own, 0.5), refs)["best_psnr"][0]
             for name, x in stand_ins(pixels[i], pixels[picked[0]], class_mean, data_mean, g).items():
                 old = scores.image_scores(x[None], refs)
-                new = scores.own_image_scores(x[None], own, data_mean)
+                new = scores.own_image_scores(x[None], own, data_mean, class_mean[None])
                 rows.append(
                     {
                         "image": i,
@@ -128,7 +133,7 @@ def calibrate(images: torch.Tensor, labels: torch.Tensor, per_class: int, refere
                         "best_psnr": old["best_psnr"][0],
                         "gray_best_psnr": gray,
                         "mean_psnr": old["mean_psnr"][0],
-                        **{k: new[k][0] for k in ("psnr_own", "ssim_own", "gray_psnr_own", "mean_image_psnr_own")},
+                        **{k: new[k][0] for k in OWN_KEYS},
                     }
                 )
     return rows
@@ -137,6 +142,14 @@ def calibrate(images: torch.Tensor, labels: torch.Tensor, per_class: int, refere
 def fires_old(row: dict[str, Any]) -> bool:
     """The old rule: the best PSNR over the references beats the gray image's best by :data:`MARGIN_DB`."""
     return row["best_psnr"] > row["gray_best_psnr"] + MARGIN_DB
+
+
+def fires_class(row: dict[str, Any]) -> bool:
+    """The rule the privacy report reads one image's input by: the PSNR to the image itself beats the gray,
+    the data-set mean and the image's class mean image's PSNR to it by :data:`MARGIN_DB`."""
+    return (
+        row["psnr_own"] > max(row["gray_psnr_own"], row["mean_image_psnr_own"], row["class_mean_psnr_own"]) + MARGIN_DB
+    )
 
 
 def fires_new(row: dict[str, Any]) -> bool:
@@ -156,8 +169,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| stand-in | old: PSNR best of refs | old: gray PSNR best of refs | old rule fires | "
         "PSNR to the image | SSIM to the image | gray PSNR to the image | data-set mean PSNR to the image | "
-        "new rule fires | PSNR mean over the class's refs |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "new rule fires | class mean PSNR to the image | fires over the class mean too | "
+        "PSNR mean over the class's refs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in STAND_INS:
         group = [r for r in rows if r["stand_in"] == name]
@@ -165,27 +179,35 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             continue
         old = sum(fires_old(r) for r in group)
         new = sum(fires_new(r) for r in group)
+        over_class = sum(fires_class(r) for r in group)
         lines.append(
             f"| {name} | {stat(group, 'best_psnr')} | {stat(group, 'gray_best_psnr')} | {old}/{len(group)} | "
             f"{stat(group, 'psnr_own')} | {stat(group, 'ssim_own', 3)} | {stat(group, 'gray_psnr_own')} | "
-            f"{stat(group, 'mean_image_psnr_own')} | {new}/{len(group)} | {stat(group, 'mean_psnr')} |"
+            f"{stat(group, 'mean_image_psnr_own')} | {new}/{len(group)} | {stat(group, 'class_mean_psnr_own')} | "
+            f"{over_class}/{len(group)} | {stat(group, 'mean_psnr')} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.privacy_calibration", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "privacy" / "calibration")
+    parser.add_argument("--dataset", default="cifar10", help="a data set with a test split (default cifar10)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="output folder (default results/privacy/calibration, <dataset>/ below it but CIFAR-10's)",
+    )
     parser.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
     parser.add_argument("--per-class", type=int, default=5, help="images drawn per class (default 5)")
     parser.add_argument("--references", type=int, default=32, help="other images of the class (default 32)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    images, labels = cifar10_test_split(args.data_dir)
+    out = args.out or ROOT / "results" / "privacy" / "calibration" / ("" if args.dataset == "cifar10" else args.dataset)
+    images, labels = test_split(args.dataset, args.data_dir)
     rows = calibrate(images, labels, args.per_class, args.references, args.seed)
-    args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write(args.out / "calibration.json", lambda f: f.write(json.dumps(rows, indent=1).encode("utf-8")))
-    atomic_write(args.out / "calibration.md", lambda f: f.write(markdown(rows).encode("utf-8")))
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "calibration.json", lambda f: f.write(json.dumps(rows, indent=1).encode("utf-8")))
+    atomic_write(out / "calibration.md", lambda f: f.write(markdown(rows).encode("utf-8")))
     print(markdown(rows))
     return 0
 

@@ -125,10 +125,12 @@ def load(folder: Path) -> tuple[dict, list[Cell], dict[str, list[dict[str, Any]]
 
 
 def gain(row: dict[str, Any]) -> float | None:
-    """A row's reconstruction gain (dB): to the one image it was made from over the better of the gray and
-    the victim's mean image where the row has one (``psnr_own``), else best-matched over gray's best."""
+    """A row's reconstruction gain (dB): to the one image it was made from over the best of the gray image,
+    the victim's mean image and the image's class mean (those the row has) where it has one
+    (``psnr_own``), else best-matched over gray's best."""
     if row.get("psnr_own") is not None:
-        return row["psnr_own"] - max(row["gray_psnr_own"], row.get("mean_image_psnr_own") or -1e9)
+        floors = [row.get(k) for k in ("gray_psnr_own", "mean_image_psnr_own", "class_mean_psnr_own")]
+        return row["psnr_own"] - max(f for f in floors if f is not None)
     if row.get("best_psnr") is None:
         return None
     return row["best_psnr"] - row["gray_psnr"]
@@ -263,7 +265,7 @@ def server_table(methods: dict[str, list[dict[str, Any]]], chance: float) -> lis
 
 def control_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Per method and round, the attack on the victim's own model's inputs no method sends: one image's
-    representation (gain to that image over the better of gray and the victim's mean image) and the class
+    representation (gain to that image over the best of gray, the victim's mean image and the class mean) and the class
     mean representation (best-match gain over gray), with recognised: where these fire, the attack works
     on that model."""
     lines = [
