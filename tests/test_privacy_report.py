@@ -61,13 +61,11 @@ def test_each_verdict_fires_on_its_case():
     assert verdict([r | {"mean_image_psnr_own": 19.5} for r in own], chance) == "nothing found"
 
 
-def write_rows(grid, method, seed, rows):
-    run = next((grid / f"{method}-seed{seed}").glob("*"))
-    (run / "privacy").mkdir()
-    (run / "privacy" / "privacy.json").write_text(
-        json.dumps([{k: v for k, v in r.items() if k != "seed"} for r in rows])
-    )
-    (run / "privacy" / "privacy.md").write_text('Budgets (tools.privacy flags) of the cells: {"steps": 5}.\n')
+def write_rows(grid, method, seed, rows, folder="privacy", budget='{"steps": 5}'):
+    out = next((grid / f"{method}-seed{seed}").glob("*")) / folder
+    out.mkdir()
+    (out / "privacy.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "seed"} for r in rows]))
+    (out / "privacy.md").write_text(f"Budgets (tools.privacy flags) of the cells: {budget}.\n")
 
 
 def test_the_report_is_its_rows_and_regenerates_from_the_copies(tmp_path, small_config):
@@ -95,6 +93,8 @@ def test_the_report_is_its_rows_and_regenerates_from_the_copies(tmp_path, small_
     for seed in (0, 1):
         mine = [r for r in upload + ladder + membership + labels if r["seed"] == seed]
         write_rows(grid, "fedre", seed, mine)
+        dip = [r | {"mean_psnr": r["mean_psnr"] + 1.0} for r in upload + ladder if r["seed"] == seed]
+        write_rows(grid, "fedre", seed, dip, privacy_report.DIP, '{"prior": "dip"}')
     out = tmp_path / "results"
     assert main([str(out), "--grid", str(grid)]) == 0
     text = (out / "report.md").read_text()
@@ -109,7 +109,15 @@ def test_the_report_is_its_rows_and_regenerates_from_the_copies(tmp_path, small_
     assert "| fedre | z | 2 | 4 |" in text and "| fedre | model as uploaded |" not in text
     # Q2: per-sample 14/15, prototype 12/13 (+0.1 for partition 1), entangled 11/12: both differences > 0
     assert "| 2 | 4 | 16.0 [16.0, 16.0] | 14.5 [" in text and "| holds | 12.89 / 4514.91" in text
-    assert '`{"steps": 5}`' in text and (out / privacy_report.FIGURE_NAME).stat().st_size > 10_000
+    # the deep image prior's rows: a ladder of their own (every rung 1 dB up), in no other table
+    dip = text.split("The deep image prior", 1)[1]
+    assert "| 2 | 4 | 16.0 [16.0, 16.0] | 15.5 [" in dip and "| holds |" in dip
+    assert text.count("| fedre | z | 2 | 4 |") == 1
+    assert (
+        '`{"prior": "dip"}`' in text
+        and '`{"steps": 5}`' in text
+        and (out / privacy_report.FIGURE_NAME).stat().st_size > 10_000
+    )
     (out / "report.md").unlink()
     assert main([str(out)]) == 0
     assert (out / "report.md").read_text() == text

@@ -60,6 +60,9 @@ GRID = "grid"
 PRIVACY = Path("privacy") / "privacy.json"
 #: a run's attack tables, which name the budgets of its cells (``tools.privacy.write_report``)
 TABLES = Path("privacy") / "privacy.md"
+#: where a run's FedRE Q2 attack with the deep image prior writes (``tools.privacy <run> --prior dip --out
+#: <run>/privacy-dip``), read for the Q2 ladder only
+DIP = "privacy-dip"
 BUDGET_LINE = "Budgets (tools.privacy flags) of the cells: "
 FIGURE_NAME = "leakage_vs_round.png"
 
@@ -80,13 +83,18 @@ def grid_copies(grid: Path, target: Path, tables: bool = False) -> list[tuple[Pa
             copies.append((newest[0] / PRIVACY, target / folder.name / newest[0].name / PRIVACY))
             if tables and (newest[0] / TABLES).is_file():
                 copies.append((newest[0] / TABLES, target / folder.name / newest[0].name / TABLES))
+        if tables and newest is not None and (newest[0] / DIP / PRIVACY.name).is_file():
+            read_privacy_rows(newest[0] / DIP / PRIVACY.name)
+            for name in (PRIVACY.name, TABLES.name):
+                copies.append((newest[0] / DIP / name, target / folder.name / newest[0].name / DIP / name))
     return copies
 
 
 def budgets(folder: Path) -> list[str]:
     """The distinct attack budgets the grid copy's runs name in their ``privacy.md`` (JSON of the flags)."""
     found = set()
-    for path in (folder / GRID).glob(f"*-seed*/*/{TABLES}"):
+    tables = [*(folder / GRID).glob(f"*-seed*/*/{TABLES}"), *(folder / GRID).glob(f"*-seed*/*/{DIP}/{TABLES.name}")]
+    for path in tables:
         for line in path.read_text(encoding="utf-8").splitlines():
             if BUDGET_LINE in line:
                 found.update(line.split(BUDGET_LINE, 1)[1].rstrip(".").split("; "))
@@ -103,9 +111,9 @@ def figure_copies(grid: Path, folder: Path) -> list[tuple[Path, Path]]:
     return copies
 
 
-def load(folder: Path) -> tuple[dict, list[Cell], dict[str, list[dict[str, Any]]]]:
-    """(``grid.json``, the completed cells, method -> every attack row of its cells with ``seed`` added)
-    of the grid copy ``<folder>/grid``.
+def load(folder: Path) -> tuple[dict, list[Cell], dict[str, list[dict]], dict[str, list[dict]]]:
+    """(``grid.json``, the completed cells, method -> every attack row of its cells with ``seed`` added,
+    method -> the same of its deep-image-prior rows, :data:`DIP`) of the grid copy ``<folder>/grid``.
 
     Raises:
         FileNotFoundError: no grid copy (naming the folder and the flag that makes one).
@@ -116,12 +124,15 @@ def load(folder: Path) -> tuple[dict, list[Cell], dict[str, list[dict[str, Any]]
     info, cells = load_grid(folder / GRID)
     cells = [c for c in cells if c.summary.get("status") == "completed"]
     rows: dict[str, list[dict[str, Any]]] = {}
+    dip: dict[str, list[dict[str, Any]]] = {}
     for c in sorted(cells, key=lambda c: (c.method, c.seed)):
         newest = newest_run(folder / GRID / f"{c.method}-seed{c.seed}")
-        path = None if newest is None else newest[0] / PRIVACY
-        if path is not None and path.is_file():
-            rows.setdefault(c.method, []).extend(r | {"seed": c.seed} for r in read_privacy_rows(path))
-    return info, cells, rows
+        if newest is None:
+            continue
+        for found, path in ((rows, newest[0] / PRIVACY), (dip, newest[0] / DIP / PRIVACY.name)):
+            if path.is_file():
+                found.setdefault(c.method, []).extend(r | {"seed": c.seed} for r in read_privacy_rows(path))
+    return info, cells, rows, dip
 
 
 def gain(row: dict[str, Any]) -> float | None:
@@ -466,7 +477,7 @@ def chance_of(info: dict) -> float:
 
 def report(folder: Path, data_dir: str | None = None) -> str:
     """The Markdown of ``<folder>/report.md`` (its figure: :func:`plot`)."""
-    info, cells, methods = load(folder)
+    info, cells, methods, dip = load(folder)
     chance = chance_of(info)
     inside = folder.resolve().is_relative_to(ROOT)
     shown = folder.resolve().relative_to(ROOT) if inside else folder
@@ -530,8 +541,13 @@ def report(folder: Path, data_dir: str | None = None) -> str:
             "",
             "## FedRE's Q2 ladder (white-box, from the victim's own model)",
             "",
+            "Total-variation prior (every cell of the upload table):",
+            "",
             *fedre_ladder(methods["fedre"]),
         ]
+    if "fedre" in dip:
+        parts += ["", "The deep image prior (FedRE's reference [35]; `privacy-dip/` of the runs it was run on):", ""]
+        parts += fedre_ladder(dip["fedre"])
     if "mh-pfedhngd" in methods:
         parts += [
             "",
@@ -570,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(args.folder / GRID)
                 copy_files(copies)
             text = report(args.folder, args.data_dir)
-            info, _, methods = load(args.folder)
+            info, _, methods, _ = load(args.folder)
             plot(methods, chance_of(info), args.folder)
     except (FileNotFoundError, ConfigError) as exc:
         print(f"tools.privacy_report: {exc}", file=sys.stderr)
