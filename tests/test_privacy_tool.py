@@ -54,6 +54,9 @@ def test_it_writes_table_rows_and_figure_and_resumes(fedgh_run, tmp_path, capsys
         if r["attack"] == "inversion":
             assert r["n"] >= 1 and r["best_psnr"] > 0 and 0 <= r["best_mse"] <= 255**2
     assert "| inversion | server | white-box | lar |" in (out / "privacy.md").read_text()
+    # the recogniser's accuracy on the victim's real images rides with every row it read
+    assert all(0 < r["recogniser_accuracy"] <= 1 for r in rows if "recognised" in r)
+    assert any("recognised" in r for r in rows)
     assert (out / privacy.FIGURE).stat().st_size > 0
     # the label leakage of FedGH's upload: its class ids are the client's class set exactly
     spec = DataSpec.from_config(cfg, 3)

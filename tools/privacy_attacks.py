@@ -838,7 +838,8 @@ def cell_path(out: Path, r: int, p: int, attack: str) -> Path:
 
 def run_cell(attacker: Attacker, r: int, p: int, attack: str, out: Path) -> dict[str, Any]:
     """Run one cell, write its rows (and its reconstructions' first figure pair per payload, as uint8)
-    atomically, and return them."""
+    atomically, and return them. Rows with ``recognised`` also carry ``recogniser_accuracy``: the
+    recogniser's share of the victim's real training images it classifies right (its own calibration)."""
     start = time.process_time()
     if attack in ("labels", "membership"):
         rows, pairs = getattr(attacker, attack)(r, p), []
@@ -858,6 +859,11 @@ def run_cell(attacker: Attacker, r: int, p: int, attack: str, out: Path) -> dict
                     }
                 )
     seconds = time.process_time() - start
+    if any("recognised" in row for row in rows):  # the recogniser's own accuracy on the victim's real images
+        data = attacker.view.data(p)
+        accuracy = float((attacker.recognise(data.train_x.float() / 255) == data.train_y).float().mean())
+        for row in rows:
+            row["recogniser_accuracy"] = accuracy
     for row in rows:
         row.update({"round": r, "partition": p, "attack": attack, "cpu_seconds": seconds})
     cell = {"rows": rows, "figure": pairs, "settings": asdict(attacker.settings)}

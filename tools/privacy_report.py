@@ -297,6 +297,23 @@ def control_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def recogniser_line(methods: dict[str, list[dict[str, Any]]], chance: float) -> str:
+    """The recogniser's accuracy on the attacked victims' real training images (``recogniser_accuracy``,
+    one value per attacked cell)."""
+    found = {
+        (m, r["seed"], r["partition"], r["round"], r["attack"]): r["recogniser_accuracy"]
+        for m, rows in methods.items()
+        for r in rows
+        if r.get("recogniser_accuracy") is not None
+    }
+    if not found:
+        return "The recogniser's accuracy on the victims' images: not recorded."
+    return (
+        f"The recogniser reads the attacked victims' real training images at {interval(list(found.values()), 2)} "
+        f"({len(found)} cells; chance {chance:.2f})."
+    )
+
+
 def membership_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Per method, round and upload: membership AUC and TPR at 1 % FPR over the cells (95 % intervals)."""
     lines = [
@@ -517,6 +534,8 @@ def report(folder: Path, data_dir: str | None = None) -> str:
         f"![leakage against round]({FIGURE_NAME})",
         "",
         "## Controls on the victims' trained models (inputs no method sends)",
+        "",
+        recogniser_line(methods, chance),
         "",
         *control_table(methods),
         "",
