@@ -78,7 +78,7 @@ class QuantileClipDPOptimizer(AdaClipDPOptimizer):
         counted = torch.zeros((), device=samples[0].device)
         if len(samples[0]):
             norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in samples], dim=1).norm(2, dim=1)
-            counted = ((norms <= self.max_grad_norm).float() - 0.5).sum()
+            counted = centred_count(norms, self.max_grad_norm)
         self.unclipped_num = self.unclipped_num + counted
         DPOptimizer.clip_and_accumulate(self)
 
@@ -91,6 +91,13 @@ class QuantileClipDPOptimizer(AdaClipDPOptimizer):
             self.target_unclipped_quantile,
             self.clipbound_learning_rate,
         )
+
+
+def centred_count(norms: torch.Tensor, clip: float) -> torch.Tensor:
+    """Σ (b_i − 1/2) with b_i = 1 where the example's gradient norm (``norms``, float ``[b]``) is at most
+    ``clip``: the count Andrew et al. 2021 (Algorithm 1) noise, centred so that its sensitivity is 1/2; a
+    float32 scalar tensor on ``norms``' device."""
+    return ((norms <= clip).float() - 0.5).sum()
 
 
 def next_clip(clip: float, noisy_count: float, expected_batch: int, target_quantile: float, clip_lr: float) -> float:
@@ -131,9 +138,7 @@ class GhostQuantileClip:
         """After ``private``'s step: count the step's ``norms`` (float [b], None or empty for an empty Poisson
         sample) at most ``private.max_grad_norm``, noise the centred count and set the next clip on ``private``
         and ``sampled``."""
-        counted = (
-            0.0 if norms is None or not len(norms) else float(((norms <= private.max_grad_norm).float() - 0.5).sum())
-        )
+        counted = 0.0 if norms is None or not len(norms) else float(centred_count(norms, private.max_grad_norm))
         noisy = counted + float(_generate_noise(self.count_noise, torch.zeros(()), generator=self.generator))
         clip = next_clip(private.max_grad_norm, noisy, self.expected_batch_size, self.target_quantile, self.clip_lr)
         private.max_grad_norm = sampled.max_grad_norm = clip
