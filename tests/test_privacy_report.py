@@ -6,6 +6,7 @@ import json
 import statistics
 
 import pytest
+from scipy import stats
 from test_report import write_grid
 
 from tools import privacy_report
@@ -101,6 +102,9 @@ def test_the_report_is_its_rows_and_regenerates_from_the_copies(tmp_path, small_
     m, sd = statistics.mean(gains), statistics.stdev(gains)
     half = T_3 * sd / 2
     assert f"| fedre | z | 2 | 4 | {m:.1f} [{m - half:.1f}, {m + half:.1f}] | 10.0 [10.0, 10.0] | - | - |" in text
+    # recognised: pooled over the reconstructions (half of 2 in each of 4 cells), Clopper-Pearson 95 %
+    low, high = stats.binomtest(4, 8).proportion_ci(0.95)
+    assert f"| 4/8 = 0.50 [{low:.2f}, {high:.2f}] |" in text
     aucs = [0.5, 0.52, 0.52, 0.54]
     m, half = statistics.mean(aucs), T_3 * statistics.stdev(aucs) / 2
     assert f"| fedre | 2 | z | white-box | 4 | {m:.2f} [{m - half:.2f}, {m + half:.2f}] |" in text

@@ -161,6 +161,27 @@ def interval(values: list[float], digits: int = 1) -> str:
     return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
+def counted(group: list[dict[str, Any]], key: str) -> tuple[int, int]:
+    """(reconstructions the recogniser assigned their class, reconstructions) over the rows' fraction ``key``
+    (``recognised`` or ``ceiling_recognised``, each row's mean over its ``n`` reconstructions)."""
+    found = [(r[key], r["n"]) for r in group if r.get(key) is not None]
+    return sum(round(f * n) for f, n in found), sum(n for _, n in found)
+
+
+def share(group: list[dict[str, Any]], key: str) -> tuple[str, float | None]:
+    """(``k/n`` with the share and its 95 % Clopper-Pearson interval, the interval's lower bound) of the
+    pooled reconstructions of ``group`` (:func:`counted`); ``-`` and None without any. Pooled, not a mean
+    over cells: a victim of 2 classes has shares of 0, 0.5 or 1 only, whose spread over few cells says
+    little."""
+    from scipy import stats  # imported here, as tools.grid_stats.mean_ci does
+
+    k, n = counted(group, key)
+    if not n:
+        return "-", None
+    ci = stats.binomtest(k, n).proportion_ci(0.95)
+    return f"{k}/{n} = {k / n:.2f} [{ci.low:.2f}, {ci.high:.2f}]", float(ci.low)
+
+
 def lower(values: list[float]) -> float | None:
     """The 95 % interval's lower bound of the values (None without any)."""
     values = [v for v in values if v is not None]
@@ -176,7 +197,7 @@ def verdict(group: list[dict[str, Any]], chance: float, control: list[dict[str, 
       (:func:`gain`), the gain beats :data:`MARGIN_DB`;
     - ``beyond the class``: a per-class upload whose gain beats the non-members' (``control``, paired by
       seed, victim and round) by :data:`MARGIN_DB`;
-    - ``shows the class``: recognised above ``chance``;
+    - ``shows the class``: recognised above ``chance`` (the lower bound of :func:`share`);
     - ``the images' mean look``: a gain above :data:`MARGIN_DB` that no classifier reads as the class (on
       dark-background images a dark reconstruction beats gray);
     - ``nothing found``: none of these at this budget.
@@ -191,8 +212,8 @@ def verdict(group: list[dict[str, Any]], chance: float, control: list[dict[str, 
     paired = pair(group, control or [])
     if len(paired) > 1 and lower([a - b for a, b in paired]) > MARGIN_DB:
         return "beyond the class"
-    recognised = [r["recognised"] for r in group if r.get("recognised") is not None]
-    if len(recognised) > 1 and lower(recognised) > chance:
+    recognised = share(group, "recognised")[1]
+    if recognised is not None and recognised > chance:
         return "shows the class"
     if lower(gains) > MARGIN_DB:
         return "the images' mean look"
@@ -267,8 +288,7 @@ def server_table(methods: dict[str, list[dict[str, Any]]], chance: float) -> lis
                     f"| {method} | {payload} | {rnd} | {len(group)} | {interval([gain(r) for r in group])} | "
                     f"{interval([ceiling_gain(r) for r in group])} | {interval([b for _, b in paired])} | "
                     f"{interval([a - b for a, b in paired])} | "
-                    f"{interval([r.get('recognised') for r in group], 2)} | "
-                    f"{interval([r.get('ceiling_recognised') for r in group], 2)} | "
+                    f"{share(group, 'recognised')[0]} | {share(group, 'ceiling_recognised')[0]} | "
                     f"{verdict(group, chance, control)} |"
                 )
     return lines
@@ -291,8 +311,8 @@ def control_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
             means = [r for r in ref if r["round"] == rnd and r["payload"].startswith("class mean")]
             lines.append(
                 f"| {method} | {rnd} | {len(single)} | {interval([gain(r) for r in single])} | "
-                f"{interval([r.get('recognised') for r in single], 2)} | {interval([gain(r) for r in means])} | "
-                f"{interval([r.get('recognised') for r in means], 2)} |"
+                f"{share(single, 'recognised')[0]} | {interval([gain(r) for r in means])} | "
+                f"{share(means, 'recognised')[0]} |"
             )
     return lines
 
@@ -371,7 +391,7 @@ def client_table(methods: dict[str, list[dict[str, Any]]], chance: float) -> lis
             group = [x for x in client if (x["round"], x["payload"], x["attack"]) == key]
             lines.append(
                 f"| {method} | {key[0]} | {key[1]} | {key[2]} | {len(group)} | {interval([gain(r) for r in group])} | "
-                f"{interval([ceiling_gain(r) for r in group])} | {interval([r.get('recognised') for r in group], 2)} | "
+                f"{interval([ceiling_gain(r) for r in group])} | {share(group, 'recognised')[0]} | "
                 f"{verdict(group, chance)} |"
             )
     return lines
@@ -450,37 +470,60 @@ def cost_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def round_stats(rows: list[dict[str, Any]], kind: str) -> dict[int, tuple[float, float, float]]:
+    """Round -> (value, lower, upper) of one panel of :func:`plot`: ``gain`` (the server's white-box
+    gain over gray, mean over cells, 95 % t), ``recognised`` (pooled share, 95 % Clopper-Pearson) or
+    ``auc`` (membership AUC, mean over cells, 95 % t)."""
+    from scipy import stats
+
+    out = {}
+    uploads = server_uploads(rows)
+    if kind == "recognised":
+        for rnd in sorted({r["round"] for r in uploads}):
+            k, n = counted([r for r in uploads if r["round"] == rnd], "recognised")
+            if n:
+                ci = stats.binomtest(k, n).proportion_ci(0.95)
+                out[rnd] = (k / n, ci.low, ci.high)
+        return out
+    points = (
+        [(r["round"], gain(r)) for r in uploads]
+        if kind == "gain"
+        else [(r["round"], r.get("mia_auc")) for r in rows if r["attack"] == "membership"]
+    )
+    for rnd in sorted({x for x, y in points if y is not None}):
+        out[rnd] = mean_ci([y for x, y in points if x == rnd and y is not None])
+    return out
+
+
 def plot(methods: dict[str, list[dict[str, Any]]], chance: float, out: Path) -> None:
     """``leakage_vs_round.png``: per method against round, the upload's white-box gain over gray (dB),
-    recognised (chance dashed) and membership AUC (0.5 dashed), means with 95 % intervals over cells."""
+    recognised (chance dashed) and membership AUC (0.5 dashed), with 95 % intervals (:func:`round_stats`)."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     colors = method_colors(list(methods))
     panels = (
-        ("gain over gray (dB), server, white-box", lambda rows: [(r["round"], gain(r)) for r in server_uploads(rows)]),
-        ("recognised (fraction)", lambda rows: [(r["round"], r.get("recognised")) for r in server_uploads(rows)]),
-        ("membership AUC", lambda rows: [(r["round"], r.get("mia_auc")) for r in rows if r["attack"] == "membership"]),
+        ("gain", "gain over gray (dB), server, white-box", 0.0),
+        ("recognised", "recognised (share of reconstructions)", chance),
+        ("auc", "membership AUC", 0.5),
     )
-    for ax, (title, points) in zip(axes, panels, strict=True):
-        for method, rows in methods.items():
-            found = [(x, y) for x, y in points(rows) if y is not None]
-            xs = sorted({x for x, _ in found})
-            if not xs:
+    for ax, (kind, title, level) in zip(axes, panels, strict=True):
+        for n, (method, rows) in enumerate(methods.items()):
+            found = round_stats(rows, kind)
+            if not found:
                 continue
-            stats = [mean_ci([y for x2, y in found if x2 == x]) for x in xs]
+            xs = [x + 0.08 * (n - len(methods) / 2) for x in found]  # side by side, so the bars stay apart
+            values = list(found.values())
             ax.errorbar(
                 xs,
-                [s[0] for s in stats],
-                yerr=[[s[0] - s[1] for s in stats], [s[2] - s[0] for s in stats]],
+                [v[0] for v in values],
+                yerr=[[v[0] - v[1] for v in values], [v[2] - v[0] for v in values]],
                 label=method,
                 color=colors[method],
                 marker="o",
                 capsize=3,
             )
+        ax.axhline(level, color="gray", linestyle="--", linewidth=1)
         ax.set_title(title)
         ax.set_xlabel("round")
-    axes[1].axhline(chance, color="gray", linestyle="--", linewidth=1)
-    axes[2].axhline(0.5, color="gray", linestyle="--", linewidth=1)
-    axes[0].axhline(0.0, color="gray", linestyle="--", linewidth=1)
     axes[2].legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(out / FIGURE_NAME, dpi=110)
