@@ -34,7 +34,7 @@ from flwr.app import Array, ArrayRecord, Message, RecordDict
 
 from common.config import RunConfig
 from common.errors import RunFailed
-from common.payload import PAYLOAD
+from common.protocol import PAYLOAD
 from tools.fakegrid import FakeGrid
 from tools.runconfig import app_defaults
 

@@ -23,20 +23,18 @@ from common import gpu
 from common.data import load_client_data
 from common.datasets import DATASETS
 from common.errors import ConfigError
-from common.metrics import (
-    CONFIG_ERROR_KEY,
-    CONFIG_ERROR_RECORD,
-    DEVICE_RECORD,
-    EVAL_PREFIX,
-    MAX_ERROR_CHARS,
-    PARTITION_ID,
-)
+from common.metrics import MAX_ERROR_CHARS
 from common.payload import read_payload, short
 from common.protocol import (
     CLIENT_STATE_DIR,
+    CONFIG_ERROR_KEY,
+    CONFIG_ERROR_RECORD,
     CONFIG_RECORD,
+    DEVICE_RECORD,
+    EVAL_PREFIX,
     EVALUATE,
     HANDSHAKE,
+    PARTITION_ID,
     RECORD,
     SERVER_ROUND,
     STATE_KEY,

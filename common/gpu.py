@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from common.errors import ConfigError
-from common.metrics import GPU_PEAK, MAX_DEVICE_NAME
+from common.metrics import MAX_DEVICE_NAME
+from common.protocol import GPU_PEAK
 
 #: node config key: the share of its GPU's memory a SuperNode's ClientApps may allocate, in (0, 1]
 NODE_KEY = "gpu-memory-fraction"

@@ -18,28 +18,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.payload import PayloadError, names, short
+from common.protocol import EVAL_PREFIX, GPU_PEAK, PARTITION_ID
 
-#: metric key every reply carries (the client runtime adds it)
-PARTITION_ID = "partition-id"
 #: further metric keys a reply of a message category must carry
 REQUIRED_METRICS = {
     "train": ("num-examples",),
     "evaluate": ("test-correct", "num-examples"),
     "query": ("num-train", "num-test", "num-partitions"),
 }
-#: prefix of evaluation metrics carried in a train reply (see ``HeteroStrategy.evaluate_in_train``)
-EVAL_PREFIX = "eval-"
-#: metric of a reply from a client on a GPU: its peak CUDA memory in the message (``common.gpu``)
-GPU_PEAK = "gpu-peak-mib"
-#: the ConfigRecord in which a reply says where it ran: its GPU (key ``name``, from a GPU only) and its
-#: Ray node (key ``ray-node``, from a simulation's actor only); and the longest value of either
-DEVICE_RECORD = "device"
-DEVICE_KEYS = ("name", "ray-node")
+#: the longest value of a reply's ``common.protocol.DEVICE_RECORD`` entries
 MAX_DEVICE_NAME = 100
-#: the ConfigRecord in which a query reply says instead of its sizes that the client cannot serve the
-#: run: its configuration or data error (key ``error``, a string; ``strategies.nodes``), and its
-#: ``partition-id`` when the node config has one; the longest error text
-CONFIG_ERROR_RECORD, CONFIG_ERROR_KEY = "config-error", "error"
+#: the longest error text of a query reply's ``common.protocol.CONFIG_ERROR_RECORD``
 MAX_ERROR_CHARS = 1000
 #: largest seconds a client may report for one message step (~116 days: far beyond any round timeout)
 MAX_SECONDS = 1e7

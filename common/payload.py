@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
-#: Name of the ArrayRecord that carries a method's payload, in both directions.
-PAYLOAD = "payload"
+from common.protocol import EVALUATE_MESSAGE, PAYLOAD, QUERY, TRAIN
+
 #: default bound on the magnitude of a float payload entry (see :class:`ArraySpec` ``max_abs``)
 MAX_ABS = 1e6
 #: an uploaded row may be at most this many times as long as the round's typical row
@@ -196,6 +196,16 @@ class PayloadSchema:
         if not arrays:
             return RecordDict()
         return RecordDict({PAYLOAD: array_record(arrays)})
+
+
+#: message type -> (server->client schema, client->server schema)
+Schemas = dict[str, tuple[PayloadSchema, PayloadSchema]]
+#: no arrays at all
+NO_PAYLOAD = PayloadSchema()
+#: the schemas every method has: the handshake's query and the evaluation carry no arrays unless a method says so
+BASE_SCHEMAS: Schemas = {QUERY: (NO_PAYLOAD, NO_PAYLOAD), EVALUATE_MESSAGE: (NO_PAYLOAD, NO_PAYLOAD)}
+#: the schemas of a method that exchanges no arrays at all (Local, and the bare base classes)
+NO_PAYLOAD_SCHEMAS: Schemas = {**BASE_SCHEMAS, TRAIN: (NO_PAYLOAD, NO_PAYLOAD)}
 
 
 def clip_outlier_rows(schema: PayloadSchema, uploads: list[dict[str, np.ndarray]]) -> int:

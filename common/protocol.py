@@ -1,6 +1,8 @@
-"""The wire protocol between the ServerApp and the ClientApps, defined once for both halves.
+"""The wire protocol between the ServerApp and the ClientApps, defined once for both halves: every
+message type, record name, config key and structural metric key (``tests/test_protocol.py`` checks that
+no other module defines one).
 
-A message to a client carries the method's payload (ArrayRecord ``common.payload.PAYLOAD``) and a
+A message to a client carries the method's payload (ArrayRecord :data:`PAYLOAD`) and a
 ConfigRecord :data:`CONFIG_RECORD` of scalar settings: the keys below, and for a train instruction the
 training settings of :func:`train_config` (plus a method's own, e.g. FedKD's ``kd-temperature``). A
 reply carries the payload and a MetricRecord of the keys ``common.metrics`` declares, built with
@@ -16,10 +18,33 @@ import numpy as np
 
 from common.config import RunConfig
 
-#: every message type a method may send, ``<category>[.<action>]``: the ClientApp registers a handler for
-#: each (``client_app.app``, which must not import the methods to know them); the registry refuses a
-#: method that sends another (``strategies.registry``)
-MESSAGE_TYPES = ("evaluate", "query", "train", "train.global", "train.head")
+#: message types, ``<category>[.<action>]``: evaluate the personal model, answer the handshake's query,
+#: train; MH-pFedHNGD's training of the public global model; FedRE's ``head-source = "client-0"`` head upload
+EVALUATE_MESSAGE, QUERY, TRAIN, TRAIN_GLOBAL, TRAIN_HEAD = "evaluate", "query", "train", "train.global", "train.head"
+#: every message type a method may send: the ClientApp registers a handler for each (``client_app.app``,
+#: which must not import the methods to know them); the registry refuses a method that sends another
+#: (``strategies.registry``)
+MESSAGE_TYPES = (EVALUATE_MESSAGE, QUERY, TRAIN, TRAIN_GLOBAL, TRAIN_HEAD)
+#: the ArrayRecord that carries a method's payload, in both directions (``common.payload``)
+PAYLOAD = "payload"
+#: a payload: array name -> array (the message's arrays after schema validation)
+Arrays = dict[str, np.ndarray]
+#: what a client handler returns: (reply payload, scalar metrics)
+Reply = tuple[Arrays, dict[str, Any]]
+#: metric key every reply carries (the client runtime adds it)
+PARTITION_ID = "partition-id"
+#: prefix of evaluation metrics carried in a train reply (a method that evaluates in its train replies)
+EVAL_PREFIX = "eval-"
+#: metric of a reply from a client on a GPU: its peak CUDA memory in the message (``common.gpu``)
+GPU_PEAK = "gpu-peak-mib"
+#: the ConfigRecord in which a reply says where it ran: its GPU (key ``name``, from a GPU only) and its
+#: Ray node (key ``ray-node``, from a simulation's actor only)
+DEVICE_RECORD = "device"
+DEVICE_KEYS = ("name", "ray-node")
+#: the ConfigRecord in which a query reply says instead of its sizes that the client cannot serve the
+#: run: its configuration or data error (key ``error``, a string; ``strategies.nodes``), and its
+#: ``partition-id`` when the node config has one
+CONFIG_ERROR_RECORD, CONFIG_ERROR_KEY = "config-error", "error"
 #: the ConfigRecord of a message to a client
 CONFIG_RECORD = "config"
 #: config key: the round a message belongs to (a generalisation phase's step for its messages)

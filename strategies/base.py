@@ -58,14 +58,14 @@ from common.datasets import DATASETS
 from common.dp import DPPlan, dp_options, make_plan
 from common.errors import ConfigError, RunFailed
 from common.options import declared_defaults
-from common.payload import ClientReply, PayloadSchema, array_record
-from common.protocol import HANDSHAKE, SERVER_ROUND, metric_values, train_config
+from common.payload import NO_PAYLOAD_SCHEMAS, ClientReply, array_record
+from common.protocol import HANDSHAKE, SERVER_ROUND, Arrays, Reply, metric_values, train_config
 from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics
 from strategies.checkpoint import Checkpoints, broken_state, load_server_state, server_state
 from strategies.evaluation import evaluate_clients, evaluated_in_train
 from strategies.generalization import phase_due, run_phase
-from strategies.method import SHARED_OPTION_TABLES, MethodBinding, Schemas
+from strategies.method import SHARED_OPTION_TABLES, MethodBinding
 from strategies.nodes import Roster
 from strategies.recording import PayloadRecorder
 from strategies.records import (
@@ -84,21 +84,12 @@ log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 #: the folder of a run folder that holds its clients' state when no state-dir is set (simulation)
 CLIENT_STATE = "client-state"
 
-#: a payload: array name -> array (the message's arrays after schema validation)
-Arrays = dict[str, np.ndarray]
-#: what a client handler returns: (reply payload, scalar metrics)
-Reply = tuple[Arrays, dict[str, Any]]
-
-NO_PAYLOAD = PayloadSchema()
 #: bytes a recorded file takes beyond its arrays in :meth:`HeteroStrategy.recording_estimate`: a file
 #: system block (4 KiB on ext4, XFS and Btrfs), which also covers an upload's metrics file
 RECORD_FILE_OVERHEAD = 4096
 #: bytes an array takes beyond its data in a recorded file: the ``.npy`` header and zip entry of an
 #: ``.npz`` member (about 250), or a tensor's entry in ``torch.save``'s zip archive
 RECORD_ARRAY_OVERHEAD = 512
-BASE_SCHEMAS: Schemas = {"query": (NO_PAYLOAD, NO_PAYLOAD), "evaluate": (NO_PAYLOAD, NO_PAYLOAD)}
-#: the schemas of a method that exchanges no arrays at all (Local, and the bare base classes)
-NO_PAYLOAD_SCHEMAS: Schemas = {**BASE_SCHEMAS, "train": (NO_PAYLOAD, NO_PAYLOAD)}
 #: the binding of the bare base classes: no options, no payload, no metrics of their own
 NO_METHOD = MethodBinding(None, NO_PAYLOAD_SCHEMAS, {})
 

@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 from flwr.app import ConfigRecord, MetricRecord
 
-from common.metrics import EVAL_PREFIX, REQUIRED_METRICS
+from common.metrics import REQUIRED_METRICS
 from common.payload import ClientReply
+from common.protocol import EVAL_PREFIX
 from strategies.transport import Transport
 
 

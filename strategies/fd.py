@@ -35,10 +35,11 @@ import torch.nn.functional as F
 
 from common.config import RunConfig
 from common.options import option
-from common.payload import RECEIVED_ROW_FACTOR
+from common.payload import BASE_SCHEMAS, RECEIVED_ROW_FACTOR, ClientReply
+from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model, trained_class_means
-from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
+from strategies.base import ClientProcedure, HeteroStrategy
 from strategies.method import Method, MethodBinding
 from strategies.prototypes import (
     CLASS_AGGREGATIONS,

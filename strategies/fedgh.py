@@ -33,10 +33,11 @@ from torch import nn
 from common.config import RunConfig
 from common.optim import SGD
 from common.options import option
-from common.payload import ROW_NORM_FACTOR, ArraySpec, PayloadSchema
+from common.payload import BASE_SCHEMAS, NO_PAYLOAD, ROW_NORM_FACTOR, ArraySpec, ClientReply, PayloadSchema
+from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import train_personal_model, trained_class_means
-from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
+from strategies.base import ClientProcedure, HeteroStrategy
 from strategies.heads import (
     GLOBAL_HEAD_METRICS,
     HEADER,

@@ -38,11 +38,10 @@ from torch import nn
 
 from common.config import RunConfig
 from common.options import option
-from common.payload import MAX_ABS, ArraySpec, PayloadError, PayloadSchema
-from common.protocol import SERVER_ROUND
+from common.payload import BASE_SCHEMAS, MAX_ABS, ArraySpec, ClientReply, PayloadError, PayloadSchema
+from common.protocol import SERVER_ROUND, Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model
-from strategies.base import BASE_SCHEMAS, Arrays, ClientReply, Reply
 from strategies.method import Method, MethodBinding
 from strategies.shared_model import (
     SHARED_LAYOUTS,

@@ -35,12 +35,12 @@ from torch import nn
 from common.config import ConfigError, RunConfig
 from common.metrics import fraction
 from common.options import number, option
+from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics, train_personal_model
 from models.base import SplitModel
 from models.cnn import SmallCNN
 from models.groups import MODEL_GROUPS
-from strategies.base import Arrays, Reply
 from strategies.method import Method
 from strategies.shared_model import (
     GROUP_FIRST,

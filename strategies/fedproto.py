@@ -29,9 +29,11 @@ from typing import Any
 import numpy as np
 
 from common.config import RunConfig
+from common.payload import BASE_SCHEMAS, NO_PAYLOAD, ClientReply
+from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import evaluation_metrics, train_personal_model, trained_class_means
-from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
+from strategies.base import ClientProcedure, HeteroStrategy
 from strategies.method import Method, MethodBinding
 from strategies.prototypes import (
     CLASS_AGGREGATIONS,

@@ -73,14 +73,14 @@ from common.data import batches, normalize
 from common.datasets import DatasetInfo
 from common.dp import dp_options
 from common.errors import ConfigError
-from common.metrics import PARTITION_ID, count
+from common.metrics import count
 from common.optim import SGD
 from common.options import option
-from common.payload import ROW_NORM_FACTOR, ArraySpec, PayloadError, PayloadSchema
-from common.protocol import SERVER_ROUND
+from common.payload import BASE_SCHEMAS, ROW_NORM_FACTOR, ArraySpec, ClientReply, PayloadError, PayloadSchema
+from common.protocol import PARTITION_ID, SERVER_ROUND, TRAIN_HEAD, Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import EVAL_BATCH, train_personal_model, trained_class_means
-from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
+from strategies.base import ClientProcedure, HeteroStrategy
 from strategies.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
 from strategies.method import Method, MethodBinding
 from strategies.prototypes import MEDIAN_VOTES, ROW_AGGREGATIONS
@@ -95,7 +95,6 @@ LOSS_REDUCTIONS = ("mean", "sum")
 #: where the head of the server step comes from (P13): the server's own | partition 0's upload
 HEAD_SOURCES = ("server", "client-0")
 #: message type of partition 0's train instruction under ``head-source = "client-0"``
-TRAIN_HEAD = "train.head"
 SOFT_LABEL_TOLERANCE = 1e-4  # |sum(y) - 1| accepted by the server (section 4)
 _ENTANGLE_RNG = 7  # ``purpose`` of the client's entangling RNG (independent of training's)
 

@@ -47,10 +47,11 @@ from torch import nn
 from common.config import RunConfig
 from common.optim import SGD
 from common.options import number, option
-from common.payload import ArraySpec, PayloadSchema
+from common.payload import BASE_SCHEMAS, NO_PAYLOAD, ArraySpec, ClientReply, PayloadSchema
+from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import evaluation_metrics, train_personal_model, trained_class_means
-from strategies.base import BASE_SCHEMAS, NO_PAYLOAD, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
+from strategies.base import ClientProcedure, HeteroStrategy
 from strategies.method import Method, MethodBinding
 from strategies.prototypes import (
     ROW_AGGREGATIONS,

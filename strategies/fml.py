@@ -30,9 +30,9 @@ import torch.nn.functional as F
 
 from common.config import RunConfig
 from common.options import option
+from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model
-from strategies.base import Arrays, Reply
 from strategies.method import Method
 from strategies.shared_model import (
     SHARED_LAYOUTS,

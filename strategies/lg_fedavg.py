@@ -23,9 +23,9 @@ from torch import nn
 from common.config import RunConfig
 from common.datasets import DATASETS
 from common.options import option
+from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import train_personal_model
-from strategies.base import Arrays, Reply
 from strategies.heads import GLOBAL_HEAD_METRICS, add_global_head_accuracy, require_linear_heads
 from strategies.method import Method
 from strategies.shared_model import SharedModelClient, SharedModelStrategy, load_arrays, module_arrays, shared_schemas

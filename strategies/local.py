@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from common.payload import NO_PAYLOAD_SCHEMAS
+from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import train_personal_model
-from strategies.base import NO_PAYLOAD_SCHEMAS, Arrays, ClientProcedure, HeteroStrategy, Reply
+from strategies.base import ClientProcedure, HeteroStrategy
 from strategies.method import Method
 
 

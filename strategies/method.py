@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from common import dp, generalization
 from common.config import RunConfig, read_options
 from common.metrics import MetricSpec
-from common.payload import PayloadSchema
+from common.payload import Schemas
 from common.protocol import MESSAGE_TYPES
 from strategies import client_dp
 
@@ -24,8 +24,6 @@ if TYPE_CHECKING:  # for the annotations only: strategies.base imports this modu
     from common.results import ResultsWriter
     from strategies.base import ClientProcedure, HeteroStrategy
 
-#: message type -> (server->client schema, client->server schema)
-Schemas = dict[str, tuple[PayloadSchema, PayloadSchema]]
 #: the message types of a method whose schemas are computed from its config: the protocol's plain ones
 DEFAULT_MESSAGE_TYPES = tuple(t for t in MESSAGE_TYPES if "." not in t)
 #: the option tables every method shares (differential privacy of examples and of clients, held-out

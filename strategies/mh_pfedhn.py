@@ -52,14 +52,14 @@ from common.dp import dp_options, require_private_module
 from common.metrics import count
 from common.optim import Adam
 from common.options import option
-from common.payload import ArraySpec, PayloadError, PayloadSchema, array_record
-from common.protocol import SERVER_ROUND
+from common.payload import BASE_SCHEMAS, ArraySpec, ClientReply, PayloadError, PayloadSchema, array_record
+from common.protocol import SERVER_ROUND, TRAIN_GLOBAL, Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model, train_supervised
 from models.groups import MODEL_GROUPS
 from models.mh import build_mh_model
 from strategies import client_dp
-from strategies.base import BASE_SCHEMAS, Arrays, ClientProcedure, ClientReply, HeteroStrategy, Reply
+from strategies.base import ClientProcedure, HeteroStrategy
 from strategies.hypernetwork import HyperNetwork, flat_delta, hn_step, load_flat, num_params
 from strategies.method import Method, MethodBinding
 from strategies.records import round_metrics
@@ -78,7 +78,7 @@ SCHEMAS = {
 }
 SCHEMAS_GD = {
     **SCHEMAS,
-    "train.global": (
+    TRAIN_GLOBAL: (
         PayloadSchema({"w_g": ArraySpec(("G",), "float32")}),
         PayloadSchema({"delta_w_g": ArraySpec(("G",), "float32")}),
     ),
@@ -445,8 +445,8 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
         config["record"] = False
         with torch.no_grad():
             w_g = self.serving.generate(GLOBAL_KEY).numpy().copy()
-        messages = [self.transport.message("train.global", n, {"w_g": w_g}, config, step, scope) for n in nodes]
-        self.transport.validate("train.global", self.transport.exchange(messages))
+        messages = [self.transport.message(TRAIN_GLOBAL, n, {"w_g": w_g}, config, step, scope) for n in nodes]
+        self.transport.validate(TRAIN_GLOBAL, self.transport.exchange(messages))
         return super().personalize(nodes, step, scope, server_round)
 
     def train_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
@@ -457,8 +457,8 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
         with torch.no_grad():
             w_g = self.hn.generate(GLOBAL_KEY).numpy().copy()
         seconds = time.perf_counter() - start
-        messages = [self.transport.message("train.global", n, {"w_g": w_g}, config, server_round) for n in nodes]
-        replies = self.transport.validate("train.global", self.transport.exchange(messages))
+        messages = [self.transport.message(TRAIN_GLOBAL, n, {"w_g": w_g}, config, server_round) for n in nodes]
+        replies = self.transport.validate(TRAIN_GLOBAL, self.transport.exchange(messages))
         start = time.perf_counter()
         server: dict[str, Any] = {"server-global-replies": len(replies)}
         zero = {"delta_w_g": np.zeros_like(w_g)}  # the deltas are changes already: their reference is zero

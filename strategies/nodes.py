@@ -29,8 +29,9 @@ from flwr.app import ConfigRecord, Message
 from common.config import ConfigError, RunConfig, sample_size
 from common.dp import secret_generator
 from common.generalization import generalization_options
-from common.metrics import CONFIG_ERROR_KEY, CONFIG_ERROR_RECORD, MAX_ERROR_CHARS, PARTITION_ID
+from common.metrics import MAX_ERROR_CHARS
 from common.payload import ClientReply, short
+from common.protocol import CONFIG_ERROR_KEY, CONFIG_ERROR_RECORD, PARTITION_ID
 from strategies.records import RoundCounters
 from strategies.transport import Transport
 

@@ -21,13 +21,13 @@ from torch import nn
 
 from common.config import ConfigError, RunConfig
 from common.datasets import DATASETS
-from common.payload import ArraySpec, PayloadSchema
+from common.payload import BASE_SCHEMAS, ArraySpec, ClientReply, PayloadSchema, Schemas
 from models.base import SplitModel
 from models.cnn import CNN_SHAPES, REPRESENTATION_DIM, SmallCNN
 from models.groups import MODEL_GROUPS
 from strategies import client_dp
-from strategies.base import BASE_SCHEMAS, ClientProcedure, ClientReply, HeteroStrategy
-from strategies.method import MethodBinding, Schemas
+from strategies.base import ClientProcedure, HeteroStrategy
+from strategies.method import MethodBinding
 from strategies.robust import RobustAggregator
 
 #: ``build_shared(cfg, options)``: the module every client of a run trains a copy of

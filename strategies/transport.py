@@ -21,21 +21,18 @@ from flwr.serverapp import Grid
 
 from common.config import RunConfig
 from common.generalization import architecture_for
-from common.metrics import (
-    ANY_MESSAGE,
+from common.metrics import ANY_MESSAGE, MAX_DEVICE_NAME, REQUIRED_METRICS, MetricSpec, check_metrics, declared_metrics
+from common.payload import ClientReply, PayloadError, Schemas, clip_outlier_rows, read_payload, tensor_bytes
+from common.protocol import (
+    CLIENT_STATE_DIR,
+    CONFIG_RECORD,
     DEVICE_KEYS,
     DEVICE_RECORD,
     GPU_PEAK,
-    MAX_DEVICE_NAME,
     PARTITION_ID,
-    REQUIRED_METRICS,
-    MetricSpec,
-    check_metrics,
-    declared_metrics,
+    STATE_KEY,
+    STATE_SCOPE,
 )
-from common.payload import ClientReply, PayloadError, clip_outlier_rows, read_payload, tensor_bytes
-from common.protocol import CLIENT_STATE_DIR, CONFIG_RECORD, STATE_KEY, STATE_SCOPE
-from strategies.method import Schemas
 from strategies.recording import PayloadRecorder
 from strategies.records import RoundCounters
 

@@ -137,7 +137,7 @@ def chance(rc: dict, n: int) -> float:
 
 def shapes_of(message) -> dict:
     """Payload array name -> shape of a message."""
-    from common.payload import PAYLOAD
+    from common.protocol import PAYLOAD
 
     return {k: tuple(v.shape) for k, v in message.content.array_records[PAYLOAD].items()}
 

@@ -17,7 +17,8 @@ from torch import nn
 
 from bench.byzantine import ATTACKER, ATTACKS, HONEST, tamper_of
 from common.config import ConfigError, RunConfig
-from common.payload import PAYLOAD, ClientReply
+from common.payload import ClientReply
+from common.protocol import PAYLOAD
 from conftest import client_runtime, federation, make_run_config
 from strategies.aggregation import fedavg
 from strategies.checkpoint import GROWTH, broken_state, exploded

@@ -8,8 +8,8 @@ import pytest
 from flwr.app import ConfigRecord
 
 from common.config import ConfigError, RunConfig
+from common.payload import NO_PAYLOAD_SCHEMAS
 from common.results import ResultsWriter
-from strategies.base import NO_PAYLOAD_SCHEMAS
 from strategies.checkpoint import Checkpoints
 from strategies.nodes import Roster
 from strategies.records import RoundCounters

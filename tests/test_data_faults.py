@@ -19,7 +19,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from common.config import ConfigError, RunConfig
 from common.data import DataSpec, load_client_data
-from common.metrics import CONFIG_ERROR_KEY, CONFIG_ERROR_RECORD
+from common.protocol import CONFIG_ERROR_KEY, CONFIG_ERROR_RECORD
 from conftest import data_spec, federation
 
 #: the Hugging Face features of the offline MNIST files (../shared/data/README.md): an Image column

@@ -341,7 +341,7 @@ def test_the_rows_and_the_summary_carry_every_parameter_of_the_guarantee(run_con
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_method_trains_privately_with_the_payload_it_sends_without(run_config, method):
-    from common.payload import PAYLOAD
+    from common.protocol import PAYLOAD
 
     group = {"model-group": "mh-lenet"} if method.startswith("mh-") else {}
     small = {"num-clients": 2, "num-server-rounds": 1, "max-examples-per-client": 60}
@@ -367,7 +367,7 @@ def test_the_server_receives_the_noised_payload(run_config):
     """The noise is drawn in the ClientApp from the OS's entropy: two DP runs with the same seed send the
     server different prototypes, where two runs without DP send the same bytes. Under DP the set of classes
     a client keeps is itself a noisy release, so prototypes are paired by (client, class)."""
-    from common.payload import PAYLOAD
+    from common.protocol import PAYLOAD
 
     def sent(eps):
         rc = run_config(method="fedtgp", dataset="mnist", **{"dp.epsilon": eps, "num-server-rounds": 1})

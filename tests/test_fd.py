@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from common.config import RunConfig
-from common.payload import PAYLOAD, tensor_bytes
+from common.payload import tensor_bytes
+from common.protocol import PAYLOAD
 from conftest import assert_learns, client_runtime, run_method, shapes_of, train_config
 from strategies.fd import METHOD as FD_METHOD
 

@@ -10,11 +10,10 @@ from torch import nn
 
 from common.config import RunConfig
 from common.data import normalize
-from common.payload import tensor_bytes
+from common.payload import ClientReply, tensor_bytes
 from common.runtime import ClientRuntime
 from common.training import class_means
 from conftest import client_runtime, federation, make_run_config, train_config
-from strategies.base import ClientReply
 from strategies.evaluation import aggregate_evaluation
 from strategies.fedgh import METHOD as FEDGH_METHOD
 from strategies.fedgh import FedGHOptions, load_header, train_header

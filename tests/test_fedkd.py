@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.payload import PAYLOAD, PayloadError, tensor_bytes
+from common.payload import PayloadError, tensor_bytes
+from common.protocol import PAYLOAD
 from conftest import assert_learns, run_method
 from models.cnn import SmallCNN
 from strategies.fedkd import compressed_schema, svd_compress, svd_decompress

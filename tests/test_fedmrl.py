@@ -7,11 +7,11 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from common.config import ConfigError, RunConfig
-from common.payload import PAYLOAD, tensor_bytes
+from common.payload import ClientReply, tensor_bytes
+from common.protocol import PAYLOAD
 from common.runtime import MODEL_STATE
 from conftest import captured_federation, chance, client_runtime, federation, shapes_of, train_config
 from strategies.aggregation import fedavg
-from strategies.base import ClientReply
 from strategies.fedmrl import METHOD, PROJECTOR_STATE, projector, small_model
 from strategies.fedmrl import METHOD as FEDMRL_METHOD
 from strategies.shared_model import module_arrays

@@ -3,9 +3,8 @@
 import numpy as np
 
 from common.config import RunConfig
-from common.payload import tensor_bytes
+from common.payload import ClientReply, tensor_bytes
 from conftest import make_run_config
-from strategies.base import ClientReply
 from strategies.fedproto import METHOD as FEDPROTO_METHOD
 
 K = 512

@@ -10,13 +10,13 @@ from torch import nn
 from common.config import ConfigError, RunConfig, read_options
 from common.data import class_counts
 from common.datasets import DATASETS
-from common.payload import PAYLOAD, array_record, tensor_bytes
+from common.payload import ClientReply, array_record, tensor_bytes
+from common.protocol import PAYLOAD
 from common.runtime import MODEL_STATE
 from common.training import class_means
 from conftest import client_runtime, federation, train_config
 from models.groups import MODEL_GROUPS
 from models.zoo import FixedPool
-from strategies.base import ClientReply
 from strategies.fedre import METHOD as FEDRE_METHOD
 from strategies.fedre import (
     FedREOptions,

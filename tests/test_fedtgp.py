@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from common.config import ConfigError, RunConfig
 from common.data import normalize
+from common.payload import ClientReply
 from common.results import CHECKPOINT, ResultsWriter, load_checkpoint
 from conftest import client_runtime, federation, make_run_config, plain_sgd_config
-from strategies.base import ClientReply
 from strategies.checkpoint import load_server_state
 from strategies.fedproto import METHOD as FEDPROTO_METHOD
 from strategies.fedtgp import METHOD as FEDTGP_METHOD

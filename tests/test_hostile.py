@@ -16,7 +16,7 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
-from common.payload import PAYLOAD
+from common.protocol import PAYLOAD
 from conftest import federation
 
 ATTACKER = 1001  # node of partition 1 in the fake grid

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from common.config import ConfigError
-from common.payload import PAYLOAD, tensor_bytes
+from common.payload import tensor_bytes
+from common.protocol import PAYLOAD
 from conftest import assert_learns, federation, run_method, shapes_of
 from strategies.shared_model import module_arrays
 

@@ -1,6 +1,6 @@
 """Local (Standalone): nothing travels either way, the server keeps no state, and every client learns alone."""
 
-from common.payload import PAYLOAD
+from common.protocol import PAYLOAD
 from conftest import assert_learns, run_method
 
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from common.config import RunConfig
-from common.payload import PAYLOAD, array_record
+from common.payload import array_record
+from common.protocol import PAYLOAD
 from common.runtime import MODEL_STATE
 from common.training import kd_loss
 from conftest import client_runtime, federation, train_config

@@ -7,8 +7,7 @@ import torch
 
 from common.config import RunConfig
 from common.errors import ConfigError
-from common.payload import PAYLOAD
-from common.protocol import snapshot_name
+from common.protocol import PAYLOAD, snapshot_name
 from common.results import ResultsWriter
 from common.runtime import MODEL_STATE
 from strategies.recording import read_arrays, round_folder

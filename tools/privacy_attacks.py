@@ -47,6 +47,7 @@ from torch.nn.utils import vector_to_parameters
 
 from common.data import class_counts, normalize
 from common.files import atomic_write
+from common.protocol import TRAIN, TRAIN_GLOBAL
 from models.mh import build_mh_model
 from privacy import gradients, inversion, labels, scores
 from tools import privacy_membership as membership
@@ -54,7 +55,7 @@ from tools.privacy_view import RunView, class_rows, expanded, global_rows
 
 ATTACKS = ("inversion", "decoder", "labels", "update", "membership")
 #: the message types whose replies may carry a weight change (MH-pFedHNGD's global model: ``train.global``)
-WEIGHT_MESSAGES = ("train", "train.global")
+WEIGHT_MESSAGES = (TRAIN, TRAIN_GLOBAL)
 #: MH-pFedHN's flat weight changes (``delta_theta``; GD's global model: ``delta_w_g``) and the flat weights
 #: the server sent that they change
 FLAT_WEIGHTS = {"delta_theta": "theta", "delta_w_g": "w_g"}
