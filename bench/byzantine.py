@@ -169,7 +169,7 @@ def run_once(
     clients of a round, bounded rows, rollbacks, seconds. ``partition_seed``: run config
     ``partition-seed`` (-1: the partition follows ``seed``; fixed: every seed trains on one partition)."""
     from client_app.app import app as client_app
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     rc = {
         **app_defaults(),

@@ -117,10 +117,10 @@ def server_initial_state(config: dict) -> dict[str, torch.Tensor]:
     tensors in that order; empty when the server holds none (Local, FedProto).
 
     Raises:
-        ConfigError: as :func:`strategies.registry.build_strategy`.
+        ConfigError: as :func:`methods.registry.build_strategy`.
     """
     from common.config import RunConfig
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     strategy = build_strategy(RunConfig.from_dict(config))
     if (module := SERVER_MODULES.get(config["method"])) is not None:
@@ -133,7 +133,7 @@ class ServerOrder:
     ``DataLoader(rows, batch_size, drop_last=False, shuffle=True)`` over them (FedTGP's and FedGH's
     servers; :data:`bench.htfllib.BOOTSTRAP` replaces the name in their module).
 
-    Ours (``strategies/fedtgp.py::train_generator``, ``strategies/fedgh.py::header_batches``) orders
+    Ours (``methods/fedtgp.py::train_generator``, ``methods/fedgh.py::header_batches``) orders
     the rows by partition id, then by class, and draws each epoch's order as
     ``torch.randperm(M, generator=g)`` split into batches of ``batch_size``, the last one partial, from
     one generator ``g = torch.Generator().manual_seed(seed)`` kept across rounds. HtFLlib collects

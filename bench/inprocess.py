@@ -41,7 +41,7 @@ def run_size(config: dict, num_clients: int, per_round: int) -> dict:
 
     from client_app.app import app as client_app
     from common.results import ResultsWriter
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
     from tools.fakegrid import FakeGrid
 
     torch.set_num_threads(1)

@@ -22,7 +22,7 @@ def method_options(config: dict, method: str) -> dict:
     """Our options of ``method`` as the run will have them: declared defaults, then ``config``'s
     ``<method>.<key>`` values (the flat run config :func:`tools.runconfig.read_config` gives)."""
     from common.options import option_key
-    from strategies.registry import METHODS
+    from methods.registry import METHODS
 
     declared = {option_key(f): f.default for f in dataclasses.fields(METHODS[method].options)}
     prefix = f"{method}."

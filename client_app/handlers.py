@@ -43,7 +43,7 @@ from common.protocol import (
     snapshot_name,
 )
 from common.runtime import ClientRuntime
-from strategies.registry import client_procedure
+from methods.registry import client_procedure
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 #: the C library when it is glibc (the one with ``malloc_trim``), else None
@@ -126,7 +126,7 @@ def config_error_reply(msg: Message, context: Context, error: ConfigError) -> Me
     """The reply to ``msg`` (a query, or a train message that answers it: :func:`answers_query`) of a
     client that cannot serve the run: one ConfigRecord ``config-error`` whose key ``error`` holds the
     error's text, cut to ``MAX_ERROR_CHARS`` (``common.metrics``), and key ``partition-id`` the node
-    config's, when it has an integer one. ``strategies.nodes.Roster`` decides whether it ends the run."""
+    config's, when it has an integer one. ``engine.roster.Roster`` decides whether it ends the run."""
     record = {CONFIG_ERROR_KEY: short(str(error), MAX_ERROR_CHARS)}
     pid = context.node_config.get(PARTITION_ID)
     if isinstance(pid, int) and not isinstance(pid, bool):

@@ -55,7 +55,7 @@ AUTO_KEYS = {"handshake": HANDSHAKES[1:], "eval-clients": EVAL_CLIENTS[1:]}
 STOP_METRICS = ("accuracy_mean", "accuracy_weighted")
 LOGGERS = ("none", "tensorboard")
 #: run config ``aggregation``: how the server combines the uploads of one round (see
-#: ``strategies.robust``): ``norm-bound`` (default) bounds each upload's change from what the server sent
+#: ``engine.robust``): ``norm-bound`` (default) bounds each upload's change from what the server sent
 #: by the round's median (FLAME's clipping, Nguyen et al. 2022); ``mean`` is the papers' plain average;
 #: the others are Flower's robust aggregators, for the methods whose server step is an average
 AGGREGATIONS = ("norm-bound", "mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan")
@@ -82,7 +82,7 @@ class RunConfig:
     server learns N from the nodes' ``num-partitions`` at the handshake.
     """
 
-    method: str = option("fedgh", "the method (see the method table); checked by `strategies.registry`", nonempty=True)
+    method: str = option("fedgh", "the method (see the method table); checked by `methods.registry`", nonempty=True)
     dataset: str = option(
         "cifar10",
         "`cifar10`, `mnist`, `fashion-mnist` offline from `data-dir`; `cifar100` from the Hugging Face Hub "
@@ -298,7 +298,7 @@ class RunConfig:
         """Parse and validate a flat Flower run config.
 
         Every key is checked against its declaration; the method name and its options are
-        checked by ``strategies.registry``.
+        checked by ``methods.registry``.
 
         Raises:
             ConfigError: on the first missing or invalid key.

@@ -4,7 +4,7 @@ A share or number of partitions is held out: the last partition ids of the run's
 draw is the one of N partitions either way, so a run with held-out clients trains exactly the same
 clients on the same data as a run without them, minus the held-out ones. Held-out clients receive
 no train message during training; every ``generalization.every`` rounds and after the last round
-the server runs a generalisation phase (``strategies.generalization``): each held-out client gets
+the server runs a generalisation phase (``engine.heldout_phase``): each held-out client gets
 what a new client of its method gets, personalises for ``generalization.rounds`` rounds under a
 fresh state of its own (nothing of an earlier phase carries over), and is evaluated before the first and after each.
 

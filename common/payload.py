@@ -30,14 +30,14 @@ MAX_ABS = 1e6
 #: (see :class:`ArraySpec` ``row_norm_factor``)
 ROW_NORM_FACTOR = 100.0
 #: a received global row (a prototype, a class logit) may be at most this many times as long as the
-#: receiving client's own rows of the batch before the client leaves it out (``strategies.prototypes.
+#: receiving client's own rows of the batch before the client leaves it out (``methods.blocks.prototypes.
 #: trusted_rows``): over three times the largest honest spread measured (representation norms 0.45
 #: for GoogLeNet against 135 for ResNet-34 in one htfe8 round, 300x), so an honest row is kept, while
 #: a row of 1e5 in every entry (norm 2.2e6 at d = 500) against representations of norm ~10 is not
 RECEIVED_ROW_FACTOR = 1000.0
 #: a received global prototype may be at most this many times as long as the client's longest
 #: representation of a fixed synthetic batch under its extractor as initialised, before the client
-#: leaves it out (``strategies.prototypes.initial_representation_scale``): representations grow up to
+#: leaves it out (``methods.blocks.prototypes.initial_representation_scale``): representations grow up to
 #: 28x from initialisation to training (mh-lenet, results/dp-clip-scale/cifar10.txt) and differ 300x
 #: between honest architectures, 8,400x together; an anchor that training cannot move, since
 #: representations that follow a walked prototype would move one taken from them

@@ -23,7 +23,7 @@ from common.config import RunConfig
 EVALUATE_MESSAGE, QUERY, TRAIN, TRAIN_GLOBAL, TRAIN_HEAD = "evaluate", "query", "train", "train.global", "train.head"
 #: every message type a method may send: the ClientApp registers a handler for each (``client_app.app``,
 #: which must not import the methods to know them); the registry refuses a method that sends another
-#: (``strategies.registry``)
+#: (``methods.registry``)
 MESSAGE_TYPES = (EVALUATE_MESSAGE, QUERY, TRAIN, TRAIN_GLOBAL, TRAIN_HEAD)
 #: the ArrayRecord that carries a method's payload, in both directions (``common.payload``)
 PAYLOAD = "payload"
@@ -42,7 +42,7 @@ GPU_PEAK = "gpu-peak-mib"
 DEVICE_RECORD = "device"
 DEVICE_KEYS = ("name", "ray-node")
 #: the ConfigRecord in which a query reply says instead of its sizes that the client cannot serve the
-#: run: its configuration or data error (key ``error``, a string; ``strategies.nodes``), and its
+#: run: its configuration or data error (key ``error``, a string; ``engine.roster``), and its
 #: ``partition-id`` when the node config has one
 CONFIG_ERROR_RECORD, CONFIG_ERROR_KEY = "config-error", "error"
 #: the ConfigRecord of a message to a client
@@ -61,7 +61,7 @@ EVALUATE = "evaluate"
 #: config key (train): keep the just-trained personal model for the privacy evaluation (:func:`snapshot_name`)
 RECORD = "record"
 #: config key (train): the server does not know this node yet (run config ``handshake = "sampled"``): the reply
-#: also answers the handshake's query (its metrics beside the train metrics; ``strategies.nodes.Roster.answered``)
+#: also answers the handshake's query (its metrics beside the train metrics; ``engine.roster.Roster.answered``)
 HANDSHAKE = "handshake"
 
 

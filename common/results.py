@@ -345,7 +345,7 @@ def load_checkpoint(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 def held_out_summary(partitions: list[int], rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The held-out clients (run config ``generalization.*``): ``held_out_partitions``, and from the last
-    generalisation phase (``strategies.generalization``) ``final_heldout_accuracy_mean`` and
+    generalisation phase (``engine.heldout_phase``) ``final_heldout_accuracy_mean`` and
     ``final_heldout_accuracy_weighted`` (fractions after its last personalisation round) and
     ``final_heldout_round``, the round it followed; None before any phase, {} without held-out clients."""
     if not partitions:
@@ -364,7 +364,7 @@ def privacy_spent(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """With DP on (rows carry ``dp_epsilon_per_client``): ``dp_epsilon_per_client``, each partition's ε
     as last reported (PLD, at run config ``dp.delta``), ``dp_epsilon_max`` the largest, ``dp_per_client``
     each partition's last ``dp_per_client`` entry of the rows (ε by PLD and RDP, σ of each mechanism, q,
-    steps, releases, clips: ``strategies.records.round_metrics``), and ``dp_exhausted`` the partitions whose
+    steps, releases, clips: ``engine.round_rows.round_metrics``), and ``dp_exhausted`` the partitions whose
     budget ran out; empty for a run without DP."""
     spent: dict[str, float] = {}
     last: dict[str, dict[str, Any]] = {}
@@ -386,7 +386,7 @@ def privacy_spent(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def client_privacy_spent(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """With client-level DP on (rows carry ``client_dp_epsilon``, ``strategies.client_dp``): ``client_dp``, the
+    """With client-level DP on (rows carry ``client_dp_epsilon``, ``engine.client_dp``): ``client_dp``, the
     last such row's mechanism and spending (σ, C, q, K, δ, ε by PLD and RDP over the rounds so far) and its
     ``round``; empty for a run without it."""
     private = [row for row in rows if "client_dp_epsilon" in row]

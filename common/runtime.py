@@ -113,7 +113,7 @@ class ClientRuntime:
         scope: a state of its own beside the run's (message config ``state-scope``; empty: the run's):
             its records live in ``<state folder>/<scope>/`` and under ``<scope>/<name>`` in
             ``context.state``, so a held-out client's generalisation phase starts from nothing and
-            leaves the run's state alone (``strategies.generalization``).
+            leaves the run's state alone (``engine.heldout_phase``).
     """
 
     def __init__(

@@ -45,7 +45,7 @@ def parameter_update(model: nn.Module, update) -> dict[str, torch.Tensor]:
         update: either a flat vector (numpy array or tensor, 1-D) in the canonical order of
             ``model.parameters()`` (``torch.nn.utils.parameters_to_vector``: the layout of
             MH-pFedHN's ``theta``/``delta_theta`` and MH-pFedHNGD's ``w_g``/``delta_w_g``,
-            ``strategies.hypernetwork.load_flat``), or a mapping name -> array (a state-dict
+            ``methods.blocks.hypernetwork.load_flat``), or a mapping name -> array (a state-dict
             difference, e.g. a shared model's uploaded state minus the state sent). Keys of the
             mapping that are not parameters (BatchNorm buffers) are ignored.
 

@@ -103,7 +103,7 @@ def from_class_ids(ids, num_classes: int) -> LabelInference:
 def from_soft_label(y) -> LabelInference:
     """FedRE's soft label(s): the classes with a positive entry, and the mean soft label as distribution.
 
-    y = Σ_i α_i e_{y_i} (docs/methods/fedre.md §3, ``strategies.fedre.entangling_weights``) with
+    y = Σ_i α_i e_{y_i} (docs/methods/fedre.md §3, ``methods.fedre.entangling_weights``) with
     α_i > 0 for every sample in ``rap``, ``rap-fixed``, ``vap``, ``rar`` and ``var`` (almost surely
     for the random ones), so one round's support is exactly the client's class set.
     As an estimate of the class distribution n_c / n:

@@ -13,7 +13,7 @@ from flwr.superlink.grid import InMemoryGrid  # the grid flwr-simulation gives t
 from common.config import RunConfig
 from common.errors import ConfigError
 from common.results import ResultsWriter
-from strategies.registry import build_strategy
+from methods.registry import build_strategy
 
 app = ServerApp()
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
@@ -24,7 +24,7 @@ MIN_WINDOW = 16
 
 def simulation_window() -> int:
     """How many messages of one exchange wait for their replies at once in a simulation
-    (``strategies.transport.Transport.window``): four per CPU of the Ray cluster, which runs at most
+    (``engine.transport.Transport.window``): four per CPU of the Ray cluster, which runs at most
     one ClientApp per CPU at a time, and at least :data:`MIN_WINDOW` (also before Ray is up: the
     ServerApp starts before the simulation's Ray, in the same process). The cluster's CPUs are asked
     once Ray is up, then kept."""

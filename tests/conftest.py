@@ -82,7 +82,7 @@ def federation(rc: dict, tamper=None):
     from client_app.app import app as client_app
     from common.config import RunConfig
     from fakegrid import FakeGrid
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     cfg = RunConfig.from_dict(rc)
     return build_strategy(cfg), FakeGrid(client_app, rc, cfg.num_clients, tamper)
@@ -105,7 +105,7 @@ def client_runtime(rc: dict, partition_id: int = 0):
 
 
 def train_config(rc: dict, server_round: int = 1, **kw) -> dict:
-    """The config of a train instruction for run config ``rc`` (``strategies.base.train_config``),
+    """The config of a train instruction for run config ``rc`` (``engine.contract.train_config``),
     ``kw`` overriding (keys with '-')."""
     from common.config import RunConfig
     from common.protocol import train_config as base_train_config

@@ -1,4 +1,4 @@
-"""docs/architecture.md walks one round through the code, and strategies/base.py opens with its short
+"""docs/architecture.md walks one round through the code, and engine/contract.py opens with its short
 version: every ``file::name`` either cites must exist."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from conftest import ROOT
 
 DOC = ROOT / "docs" / "architecture.md"
 #: the strategy's module docstring: the life of a round, hop by hop
-BASE = ROOT / "strategies" / "base.py"
+BASE = ROOT / "engine" / "contract.py"
 REFERENCE = re.compile(r"`([\w/]+\.py)::([\w.]+)`")
 
 

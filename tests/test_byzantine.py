@@ -1,4 +1,4 @@
-"""Byzantine clients against the averaging methods: run config ``aggregation`` (strategies.robust),
+"""Byzantine clients against the averaging methods: run config ``aggregation`` (engine.robust),
 the server's rollback of an exploded state, and clients that never store a non-finite model.
 
 The attacks are those of ``bench.byzantine.ATTACKS``: one client (partition 1) of 4 uploads a
@@ -20,9 +20,9 @@ from common.config import ConfigError, RunConfig
 from common.payload import ClientReply
 from common.protocol import PAYLOAD
 from conftest import client_runtime, federation, make_run_config
-from strategies.aggregation import fedavg
-from strategies.checkpoint import GROWTH, broken_state, exploded
-from strategies.robust import BOUNDED, FALLBACK, RobustAggregator, bound_by_median, check_aggregation
+from engine.aggregation import fedavg
+from engine.checkpoint import GROWTH, broken_state, exploded
+from engine.robust import BOUNDED, FALLBACK, RobustAggregator, bound_by_median, check_aggregation
 
 ROUNDS = 2
 #: the attacks of bench.byzantine on the methods whose server averages models or heads
@@ -65,8 +65,8 @@ def record_steps(strategy) -> list[tuple[float, float]]:
     """Wraps ``strategy.server_update`` of a shared-module method: per round (L2 norm of the server's
     step, the longest honest upload's change), both from what the server sent (FedKD: the
     broadcast as the clients rebuilt it)."""
-    from strategies.fedkd import svd_decompress
-    from strategies.shared_model import module_arrays
+    from methods.blocks.shared_model import module_arrays
+    from methods.fedkd import svd_decompress
 
     original, steps = strategy.server_update, []
     shapes = {k: tuple(v.shape) for k, v in strategy.shared.state_dict().items()}
@@ -189,7 +189,7 @@ def test_flower_rules_ignore_one_outlier(rule):
 def test_selecting_rules_need_enough_clients_and_fall_back_when_too_few_answer():
     """Krum needs n > 2f + 2 and Bulyan n > 4f + 2 sampled clients, refused before the run naming
     the keys; a round with fewer valid uploads runs norm-bound and says so."""
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     with pytest.raises(ConfigError, match="'aggregation' = 'krum' with 'byzantine-clients' = 1"):
         build_strategy(cfg_of(method="fml", aggregation="krum", **{"num-clients": 4}))
@@ -259,8 +259,8 @@ def test_a_checkpoint_from_before_aggregation_existed_resumes_only_as_mean(tmp_p
     presets say), and is refused with the default ``norm-bound``, which would change the method."""
     from common.options import declared_defaults
     from common.results import CHECKPOINT
-    from strategies.checkpoint import Checkpoints
-    from strategies.records import RoundCounters
+    from engine.checkpoint import Checkpoints
+    from engine.round_rows import RoundCounters
 
     rc = make_run_config(method="lg-fedavg", aggregation="mean")
     saved = Checkpoints(cfg_of(**rc), None).build(1, "key", np.random.default_rng(0), RoundCounters(), [], {})
@@ -279,7 +279,7 @@ def test_a_checkpoint_from_before_aggregation_existed_resumes_only_as_mean(tmp_p
 def test_mh_pfedhngd_global_step_follows_the_bounded_mean(run_config, monkeypatch):
     """MH-pFedHNGD: a ``delta_w_g`` 1000 times an honest one moves the global step no further than
     the longest honest delta (its reference is zero: the uploads are changes already)."""
-    import strategies.mh_pfedhn as mh
+    import methods.mh_pfedhn as mh
 
     rc = run_config(
         method="mh-pfedhngd",

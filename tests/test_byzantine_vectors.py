@@ -21,13 +21,13 @@ from common.config import ConfigError, RunConfig
 from common.data import normalize
 from common.payload import RECEIVED_PROTOTYPE_FACTOR, RECEIVED_ROW_FACTOR, ROW_NORM_FACTOR, ClientReply
 from conftest import client_runtime, federation, make_run_config
-from strategies.aggregation import class_average
-from strategies.fedgh import train_header
-from strategies.fedre import train_head
-from strategies.fedtgp import train_generator
-from strategies.prototypes import _INITIAL_SCALES, bound_class_rows, initial_representation_scale, trusted_rows
-from strategies.registry import build_strategy
-from strategies.robust import BOUNDED
+from engine.aggregation import class_average
+from engine.robust import BOUNDED
+from methods.blocks.prototypes import _INITIAL_SCALES, bound_class_rows, initial_representation_scale, trusted_rows
+from methods.fedgh import train_header
+from methods.fedre import train_head
+from methods.fedtgp import train_generator
+from methods.registry import build_strategy
 
 #: honest clients may lose at most this much accuracy to the attacker (fraction) by the last round
 TOLERANCE = 0.05

@@ -11,7 +11,7 @@ import pytest
 from common.config import RunConfig
 from common.results import ResultsWriter
 from common.runtime import MODEL_STATE
-from strategies.registry import build_strategy
+from methods.registry import build_strategy
 
 
 def run(rc: dict, name: str, in_run_folder: bool = True):

@@ -10,10 +10,10 @@ from flwr.app import ConfigRecord
 from common.config import ConfigError, RunConfig
 from common.payload import NO_PAYLOAD_SCHEMAS
 from common.results import ResultsWriter
-from strategies.checkpoint import Checkpoints
-from strategies.nodes import Roster
-from strategies.records import RoundCounters
-from strategies.transport import ReplyRules, Transport
+from engine.checkpoint import Checkpoints
+from engine.roster import Roster
+from engine.round_rows import RoundCounters
+from engine.transport import ReplyRules, Transport
 
 #: the least a transport needs of a method: schemas without payload, no metrics or checks of its own
 RULES = ReplyRules(
@@ -78,7 +78,7 @@ def test_checkpoint_store_alone_builds_and_loads_what_a_resume_needs(run_config,
 def test_a_long_client_error_is_quoted_with_its_cause():
     """A Ray actor's traceback (2,391 characters on the GPU machine) names its cause last: the log line
     keeps the start and the end, within REASON_CHARS plus the marker."""
-    from strategies.transport import REASON_CHARS, quoted_reason
+    from engine.transport import REASON_CHARS, quoted_reason
 
     header = "<class 'ray.exceptions.RayTaskError(ClientAppException)'>: ray::ClientAppActor.run() "
     traceback = header + "  File x.py, line 1\n" * 120 + "ValueError: Expected a torch.device with a specified index"

@@ -6,7 +6,7 @@ import pytest
 
 from common.config import ConfigError, RunConfig
 from conftest import make_run_config
-from strategies.registry import build_strategy
+from methods.registry import build_strategy
 
 
 def test_defaults_are_valid():
@@ -76,7 +76,7 @@ def _numeric_keys() -> list[tuple[str, type]]:
     import typing
 
     from common.options import option_key
-    from strategies.registry import OPTION_TABLES
+    from methods.registry import OPTION_TABLES
 
     hints = typing.get_type_hints(RunConfig)
     keys = [
@@ -101,7 +101,7 @@ NUMERIC_KEYS = _numeric_keys()
 def test_every_numeric_key_refuses_nan_infinity_and_integers_beyond_64_bits(key, kind):
     """NaN slipped through every range check (``<``/``>`` are false for NaN): a run 'completed' with
     0 clients, crashed in sampling, never ended (round-timeout) or failed every ClientApp call."""
-    from strategies.registry import METHODS
+    from methods.registry import METHODS
 
     table = key.split(".")[0] if "." in key else ""
     method = table if table in METHODS else "fedgh"

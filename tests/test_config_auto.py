@@ -58,7 +58,7 @@ def test_the_recorded_config_holds_the_choice_not_auto():
 
 
 def test_the_server_logs_what_auto_chose(caplog):
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     strategy = build_strategy(resolved(**{"num-clients": 5000, "fraction-train": 0.002, "method": "fedproto"}))
     with caplog.at_level(logging.INFO):

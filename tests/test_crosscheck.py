@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
+from strategies import fedgh, fedtgp
 from torch import nn
 
 from bench import crosscheck, crosscheck_report, htfllib, our_side, pfllib
@@ -29,10 +30,9 @@ from common.datasets import DATASETS, with_recipe
 from common.errors import ConfigError
 from common.options import check_value, declared_fields, option_key
 from common.payload import ClientReply
+from methods.registry import METHODS
 from models.groups import MODEL_GROUPS
 from models.zoo import HTCNN8
-from strategies import fedgh, fedtgp
-from strategies.registry import METHODS
 from tools.runconfig import read_config
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -582,8 +582,8 @@ server.train()
 
 
 def our_server_batches(method: str, config: dict, seed: int, monkeypatch) -> list[list[list[int]]]:
-    """Each mini-batch of our server's step (``strategies.fedtgp.train_generator``,
-    ``strategies.fedgh.train_header`` in ``minibatch`` mode) over :data:`UPLOADS_MAIN`'s uploads of every
+    """Each mini-batch of our server's step (``methods.fedtgp.train_generator``,
+    ``methods.fedgh.train_header`` in ``minibatch`` mode) over :data:`UPLOADS_MAIN`'s uploads of every
     iteration, as (client, class) pairs: the replies in partition order, each one's rows by class as
     our clients send them, and the server's generator of ``seed`` kept across rounds. The rows of a
     step are those FedTGP's ACL loss (patched to record them) or FedGH's header is called on."""

@@ -24,7 +24,7 @@ from common.dp import (
 )
 from common.dp import _calibrate as dp_calibrate
 from conftest import ROOT, captured_federation, client_runtime, federation, make_run_config, shapes_of
-from strategies.registry import METHODS
+from methods.registry import METHODS
 
 
 def flower_epsilon(sigma, n, batch, steps, releases, delta):
@@ -98,7 +98,7 @@ def test_the_budget_is_planned_over_the_rounds_a_client_is_expected_to_train():
 
 
 def test_a_target_that_cannot_be_met_is_refused_naming_the_key_before_any_data():
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     rc = make_run_config(**{"dp.epsilon": 1e-4, "num-server-rounds": 50})
     cfg = RunConfig.from_dict(rc)
@@ -128,7 +128,7 @@ def test_a_target_that_cannot_be_met_is_refused_naming_the_key_before_any_data()
     ],
 )
 def test_a_run_that_cannot_be_private_fails_before_it_starts(overrides, key):
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     with pytest.raises(ConfigError, match=key):
         build_strategy(RunConfig.from_dict(make_run_config(**{"dp.epsilon": 8.0, **overrides})))
@@ -199,7 +199,7 @@ def private_client(rc, partition=0, state_key="in-memory", server_round=1, conte
     """A ClientRuntime of ``partition`` as a train message with ``state_key`` and ``server_round`` makes it, its
     DP plan set as the ClientApp sets it, and its method's client procedure."""
     from common.runtime import ClientRuntime
-    from strategies.registry import client_procedure
+    from methods.registry import client_procedure
 
     if context is None:
         context = client_runtime(rc, partition).context
@@ -410,7 +410,7 @@ def test_a_vector_and_a_weight_payload_method_learn_at_a_loose_epsilon(run_confi
 def test_a_run_whose_target_cannot_be_met_fails_at_the_handshake_before_any_training(run_config):
     from client_app.app import app as client_app
     from fakegrid import FakeGrid
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     # the server's pre-flight passes (its config is looser: the clients' sizes are unknown to it), the clients,
     # who know their n, refuse at the handshake with the pre-flight's one line

@@ -205,7 +205,7 @@ def test_under_ghost_clipping_the_update_is_the_same_centred_count_over_the_expe
 def private_client(rc, partition=0):
     """A ClientRuntime of ``partition`` for a train message of round 1, its DP plan made as the ClientApp makes it."""
     from common.runtime import ClientRuntime
-    from strategies.registry import client_procedure
+    from methods.registry import client_procedure
 
     client = ClientRuntime(client_runtime(rc, partition).context, "in-memory", 1, trains=True)
     client.dp = client_procedure(RunConfig.from_dict(rc)).dp_plan(client)
@@ -353,7 +353,7 @@ def test_each_client_keeps_its_clip_between_rounds_and_the_rows_record_it(run_co
     ],
 )
 def test_a_bad_adaptive_clip_value_is_refused_before_the_run_naming_the_key_and_its_range(key, value, allowed):
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     rc = make_run_config(**{**ADAPTIVE, "dp.epsilon": 8.0, key: value})
     with pytest.raises(ConfigError, match=f"'{key}' = .* is invalid: allowed values are {allowed}"):
@@ -361,7 +361,7 @@ def test_a_bad_adaptive_clip_value_is_refused_before_the_run_naming_the_key_and_
 
 
 def test_a_count_noise_too_small_for_the_calibrated_sigma_is_refused_before_the_run():
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     # σ_b = 0.1 leaves no room: σ must stay below 2·σ_b (Theorem 1), and ε = 8 here needs σ near 1
     rc = make_run_config(**ADAPTIVE, **{"dp.epsilon": 8.0, "dp.count-noise": 0.1})

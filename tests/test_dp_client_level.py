@@ -1,4 +1,4 @@
-"""Client-level DP of the model uploads (``strategies.client_dp``, run config ``[client-dp]``): the clip, the
+"""Client-level DP of the model uploads (``engine.client_dp``, run config ``[client-dp]``): the clip, the
 server's noise, the accountant, the pre-flight refusals and an end-to-end run that still learns."""
 
 import math
@@ -13,14 +13,14 @@ from common.config import ConfigError, RunConfig
 from common.errors import RunFailed
 from common.results import client_privacy_spent
 from conftest import chance, federation
-from strategies.client_dp import (
+from engine.client_dp import (
     ClientDPAggregator,
     ClientDPPlan,
     client_plan,
     clip_update,
 )
-from strategies.nodes import poisson_sample
-from strategies.registry import build_strategy
+from engine.roster import poisson_sample
+from methods.registry import build_strategy
 
 #: every key a round row of a client-level DP run carries (``ClientDPPlan.row``)
 ROW_KEYS = {
@@ -98,8 +98,8 @@ def test_poisson_sampling_draws_each_client_alone_at_the_rate():
 
 
 def test_the_expected_clients_are_the_rosters_k(run_config):
-    from strategies.client_dp import expected_clients
-    from strategies.nodes import sample_size
+    from engine.client_dp import expected_clients
+    from engine.roster import sample_size
 
     for n, fraction in [(100, 0.29), (10, 0.3), (4, 0.5), (3, 0.1), (7, 1.0)]:
         cfg = RunConfig.from_dict(run_config(**{"num-clients": n, "fraction-train": fraction}))
@@ -201,7 +201,7 @@ def drop(grid, reply):
 
 def test_a_sampled_client_without_a_reply_is_stepped_on_noise_alone(run_config, monkeypatch):
     # MH-pFedHN: with the reply dropped, its embedding still moves, by noise of std σC (its upload zeroed)
-    from strategies import mh_pfedhn
+    from methods import mh_pfedhn
 
     rc = run_config(
         method="mh-pfedhn",

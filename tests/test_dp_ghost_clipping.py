@@ -122,7 +122,7 @@ def test_a_companion_loss_with_its_per_example_terms_is_ghost_clipped_as_per_exa
 
 @pytest.mark.parametrize("reduction", ["mean", "batchmean"])
 def test_the_per_example_distillation_terms_average_to_the_loss(reduction):
-    from strategies.fml import FMLOptions, mutual_kl
+    from methods.fml import FMLOptions, mutual_kl
 
     student, target = torch.randn(6, 10), torch.randn(6, 10)
     options = FMLOptions(kl_reduction=reduction)

@@ -6,7 +6,7 @@ from common.config import RunConfig
 from common.runtime import MODEL_STATE, ClientRuntime
 from common.state_store import STAMPS
 from fakegrid import FakeGrid
-from strategies.registry import build_strategy
+from methods.registry import build_strategy
 
 
 def deployed(rc, state_dir):

@@ -7,7 +7,7 @@ from common.config import RunConfig
 from common.payload import tensor_bytes
 from common.protocol import PAYLOAD
 from conftest import assert_learns, client_runtime, run_method, shapes_of, train_config
-from strategies.fd import METHOD as FD_METHOD
+from methods.fd import METHOD as FD_METHOD
 
 
 def test_fd_uploads_per_class_logits_and_learns(run_config):
@@ -35,7 +35,7 @@ def test_both_distillation_targets_equal_an_independent_computation():
 
     import torch
 
-    from strategies.fd import fd_loss
+    from methods.fd import fd_loss
 
     z = torch.tensor([[1.0, 0.0, -1.0], [0.5, 0.5, 0.0], [0.0, 2.0, 1.0]])
     y = torch.tensor([0, 1, 2])

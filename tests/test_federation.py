@@ -314,8 +314,8 @@ def test_sampled_handshake_asks_only_the_sampled_nodes_and_trains_what_the_full_
 def test_a_method_that_needs_its_clients_before_training_asks_them_first():
     # a method whose round, reply checks or client registration read the roster must know a node before
     # its train message (HeteroStrategy.query_first); the others let a new node answer in its train reply
-    from strategies.base import HeteroStrategy
-    from strategies.registry import METHODS
+    from engine.contract import HeteroStrategy
+    from methods.registry import METHODS
 
     hooks = ("train_round", "reply_dims", "joined", "admitted")
     for name, method in METHODS.items():

@@ -14,9 +14,9 @@ from common.payload import ClientReply, tensor_bytes
 from common.runtime import ClientRuntime
 from common.training import class_means
 from conftest import client_runtime, federation, make_run_config, train_config
-from strategies.evaluation import aggregate_evaluation
-from strategies.fedgh import METHOD as FEDGH_METHOD
-from strategies.fedgh import FedGHOptions, load_header, train_header
+from engine.evaluation import aggregate_evaluation
+from methods.fedgh import METHOD as FEDGH_METHOD
+from methods.fedgh import FedGHOptions, load_header, train_header
 
 C, D = 10, 500
 

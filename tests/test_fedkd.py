@@ -7,8 +7,8 @@ import torch
 from common.payload import PayloadError, tensor_bytes
 from common.protocol import PAYLOAD
 from conftest import assert_learns, run_method
+from methods.fedkd import compressed_schema, svd_compress, svd_decompress
 from models.cnn import SmallCNN
-from strategies.fedkd import compressed_schema, svd_compress, svd_decompress
 
 
 def test_svd_compression():

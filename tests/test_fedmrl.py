@@ -11,10 +11,10 @@ from common.payload import ClientReply, tensor_bytes
 from common.protocol import PAYLOAD
 from common.runtime import MODEL_STATE
 from conftest import captured_federation, chance, client_runtime, federation, shapes_of, train_config
-from strategies.aggregation import fedavg
-from strategies.fedmrl import METHOD, PROJECTOR_STATE, projector, small_model
-from strategies.fedmrl import METHOD as FEDMRL_METHOD
-from strategies.shared_model import module_arrays
+from engine.aggregation import fedavg
+from methods.blocks.shared_model import module_arrays
+from methods.fedmrl import METHOD, PROJECTOR_STATE, projector, small_model
+from methods.fedmrl import METHOD as FEDMRL_METHOD
 
 SMALL_KEYS = [
     "conv1.weight",

@@ -5,7 +5,7 @@ import numpy as np
 from common.config import RunConfig
 from common.payload import ClientReply, tensor_bytes
 from conftest import make_run_config
-from strategies.fedproto import METHOD as FEDPROTO_METHOD
+from methods.fedproto import METHOD as FEDPROTO_METHOD
 
 K = 512
 

@@ -15,16 +15,16 @@ from common.protocol import PAYLOAD
 from common.runtime import MODEL_STATE
 from common.training import class_means
 from conftest import client_runtime, federation, train_config
-from models.groups import MODEL_GROUPS
-from models.zoo import FixedPool
-from strategies.fedre import METHOD as FEDRE_METHOD
-from strategies.fedre import (
+from methods.fedre import METHOD as FEDRE_METHOD
+from methods.fedre import (
     FedREOptions,
     entangle,
     entangling_weights,
     soft_label_ce,
     train_head,
 )
+from models.groups import MODEL_GROUPS
+from models.zoo import FixedPool
 
 C, D = 10, 512
 

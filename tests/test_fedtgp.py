@@ -13,10 +13,11 @@ from common.data import normalize
 from common.payload import ClientReply
 from common.results import CHECKPOINT, ResultsWriter, load_checkpoint
 from conftest import client_runtime, federation, make_run_config, plain_sgd_config
-from strategies.checkpoint import load_server_state
-from strategies.fedproto import METHOD as FEDPROTO_METHOD
-from strategies.fedtgp import METHOD as FEDTGP_METHOD
-from strategies.fedtgp import (
+from engine.checkpoint import load_server_state
+from methods.blocks.prototypes import RegularizerOptions
+from methods.fedproto import METHOD as FEDPROTO_METHOD
+from methods.fedtgp import METHOD as FEDTGP_METHOD
+from methods.fedtgp import (
     FedTGPOptions,
     PrototypeGenerator,
     acl_loss,
@@ -24,7 +25,6 @@ from strategies.fedtgp import (
     held_margin,
     train_generator,
 )
-from strategies.prototypes import RegularizerOptions
 
 K = 512
 MNIST = {"dataset": "mnist", "model-group": "htcnn8", "partitioner": "dirichlet", "dirichlet-alpha": 0.1}
@@ -267,7 +267,7 @@ def test_fedtgp_options_and_fedgh_head_check():
         )
     with pytest.raises(ConfigError, match="'fedtgp.reg-form'"):
         FEDTGP_METHOD.build_strategy(RunConfig.from_dict(make_run_config(method="fedtgp", **{"fedtgp.reg-form": "l1"})))
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     with pytest.raises(ConfigError, match="fedgh.*linear header"):
         build_strategy(RunConfig.from_dict(make_run_config(**{"model-group": "htfe8-htc4"})))

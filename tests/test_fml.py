@@ -27,7 +27,7 @@ def test_htflib_kl_is_per_element_and_undetached_when_asked():
     import torch.nn.functional as F
     from torch import nn
 
-    from strategies.fml import FMLOptions, mutual_kl
+    from methods.fml import FMLOptions, mutual_kl
 
     g = torch.Generator().manual_seed(0)
     student = torch.randn(8, 10, generator=g, requires_grad=True)
@@ -50,7 +50,7 @@ def test_htflib_kl_is_per_element_and_undetached_when_asked():
 def test_group_first_over_a_batchnorm_client_zero_is_refused_naming_the_key(run_config, key):
     """htfe3's client 0 is a ResNet-10 with BatchNorm: its int64 counters cannot be averaged."""
     from common.config import ConfigError, RunConfig
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     rc = run_config(method=key.split(".")[0], model_group="htfe3", **{key: "group-first"})
     with pytest.raises(ConfigError, match=rf"{key}='group-first'.*'htfe3'.*num_batches_tracked"):
@@ -65,8 +65,8 @@ def test_group_first_shares_client_zeros_model_of_the_group(run_config, method):
     import torch
 
     from common.config import RunConfig
+    from methods.registry import METHODS
     from models.groups import MODEL_GROUPS
-    from strategies.registry import METHODS
 
     rc = run_config(
         method=method, model_group="htcnn8", **{"num-server-rounds": 1, f"{method}.shared-model": "group-first"}

@@ -11,7 +11,7 @@ import torch
 from common.config import ConfigError, RunConfig
 from common.generalization import architecture_for
 from conftest import client_runtime, federation
-from strategies.generalization import run_phase
+from engine.heldout_phase import run_phase
 
 HELD_OUT = {"generalization.held-out-clients": 1.0, "generalization.rounds": 2}
 
@@ -21,7 +21,7 @@ def captured(rc, results=False):
     from client_app.app import app as client_app
     from common.results import ResultsWriter
     from fakegrid import FakeGrid
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     cfg = RunConfig.from_dict(rc)
     writer = ResultsWriter(cfg.output_dir, "run", cfg.as_dict()) if results else None
@@ -129,7 +129,7 @@ def test_a_new_architecture_is_held_out_and_gets_a_new_head(run_config):
     ],
 )
 def test_an_impossible_held_out_setting_fails_before_the_run_starts(run_config, overrides, key):
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     with pytest.raises(ConfigError, match=key):
         build_strategy(RunConfig.from_dict(run_config(**overrides)))

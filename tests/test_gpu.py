@@ -86,7 +86,7 @@ def test_peak_memory_and_device_name_are_reported_on_a_gpu_only(monkeypatch):
 def test_rows_carry_each_gpu_clients_peak_and_device_and_an_oom_drops_only_that_client(run_config, monkeypatch, caplog):
     """Through whole rounds: clients report as if on a GPU (``gpu.report`` faked), partition 1 runs out
     of memory in round 2; its reply is dropped with the clear error, the others go on."""
-    from strategies.fedgh import FedGHClient
+    from methods.fedgh import FedGHClient
 
     monkeypatch.setattr(gpu, "report", lambda device: ({"gpu-peak-mib": 123.5}, "Fake H100"))
     train = FedGHClient.train
@@ -121,7 +121,7 @@ def test_a_malformed_device_record_is_refused(record):
     from flwr.app import ConfigRecord, RecordDict
 
     from common.payload import PayloadError
-    from strategies.transport import device_record
+    from engine.transport import device_record
 
     where = {"name": "NVIDIA H100 80GB HBM3", "ray-node": "ab" * 28}
     assert device_record(RecordDict({"device": ConfigRecord(where)})) == where

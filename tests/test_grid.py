@@ -15,8 +15,8 @@ from common.config import RunConfig
 from common.files import CHECKPOINT, read_rows, read_summary
 from common.results import ResultsWriter
 from conftest import DATA_DIR, ROOT
-from strategies.base import HeteroStrategy
-from strategies.registry import build_strategy
+from engine.contract import HeteroStrategy
+from methods.registry import build_strategy
 from tools.grid import newest_run, plan, run_grid
 from tools.grid_rows import paper_info
 from tools.runconfig import app_defaults
@@ -183,7 +183,7 @@ def test_the_grid_refuses_an_unknown_method_without_importing_the_methods(tmp_pa
     code = (
         "import sys, tools.grid\n"
         f"code = tools.grid.main({argv!r})\n"
-        "print(code, 'torch' in sys.modules, 'strategies.registry' in sys.modules)\n"
+        "print(code, 'torch' in sys.modules, 'methods.registry' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert "'method' = 'bogus' is invalid: allowed values are 'fedgh'" in done.stdout

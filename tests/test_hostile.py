@@ -285,7 +285,7 @@ def test_hostile_torn_state_file_is_ignored_and_rewritten(run_config, tmp_path):
     from common.config import RunConfig
     from common.runtime import MODEL_STATE
     from fakegrid import FakeGrid
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     rc = run_config(**{"num-clients": 3, "num-server-rounds": 1})
     cfg = RunConfig.from_dict(rc)
@@ -321,7 +321,7 @@ def _fedgh(run_config, rounds, **grid_options):
     from client_app.app import app as client_app
     from common.config import RunConfig
     from fakegrid import FakeGrid
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     rc = run_config(**{"num-clients": 3, "num-server-rounds": rounds})
     return build_strategy(RunConfig.from_dict(rc)), FakeGrid(client_app, rc, 3, **grid_options)
@@ -399,7 +399,7 @@ def test_hostile_num_params_claim_is_bounded_by_the_model_group(run_config):
     """MH-pFedHN allocates a hypernetwork head of the claimed size K: a claim above the largest
     model of the run's group (here 1e8, ~51 GB of head) is dropped before anything is allocated."""
     from common.config import RunConfig
-    from strategies.hypernetwork import num_params
+    from methods.blocks.hypernetwork import num_params
 
     rc = run_config(
         **{

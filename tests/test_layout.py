@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from conftest import ROOT
 
-PACKAGES = ("bench", "client_app", "common", "models", "privacy", "server_app", "strategies", "tools")
+PACKAGES = ("bench", "client_app", "common", "engine", "methods", "models", "privacy", "server_app", "tools")
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -46,10 +46,19 @@ def import_graph() -> dict[str, set[str]]:
 
 
 #: the packages from the bottom up; a package imports only packages of a lower layer, so the apps
-#: (one layer: neither imports the other) sit on the methods, and the methods on the neutral pieces
-#: both halves use (common: config, data, training loops, the payload and metric protocol; models);
-#: the attacks of the privacy evaluation (privacy) sit beside the methods and import none of them
-LAYERS = (("models",), ("common",), ("strategies", "privacy"), ("client_app", "server_app"), ("tools",), ("bench",))
+#: (one layer: neither imports the other) sit on the methods, the methods on the engine, which knows
+#: no method, and both on the neutral pieces both halves use (common: config, data, training loops,
+#: the payload and metric protocol; models); the attacks of the privacy evaluation (privacy) sit
+#: beside the engine and import neither it nor a method
+LAYERS = (
+    ("models",),
+    ("common",),
+    ("engine", "privacy"),
+    ("methods",),
+    ("client_app", "server_app"),
+    ("tools",),
+    ("bench",),
+)
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -65,8 +74,8 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_layer_checker_finds_planted_upward_and_sideways_imports():
-    graph = {"common.data": {"strategies.base", "models.base"}, "client_app.app": {"server_app.app", "common.data"}}
-    assert upward_imports(graph) == ["client_app.app -> server_app.app", "common.data -> strategies.base"]
+    graph = {"common.data": {"engine.contract", "models.base"}, "client_app.app": {"server_app.app", "common.data"}}
+    assert upward_imports(graph) == ["client_app.app -> server_app.app", "common.data -> engine.contract"]
 
 
 def test_packages_import_only_lower_layers():
@@ -105,7 +114,7 @@ def test_no_import_circles():
 
 
 def test_no_method_imports_another_method():
-    from strategies.registry import METHODS
+    from methods.registry import METHODS
 
     method_modules = {m.strategy.__module__ for m in METHODS.values()} | {m.client.__module__ for m in METHODS.values()}
     assert len(method_modules) == 11  # mh-pfedhn and mh-pfedhngd share one module
@@ -115,7 +124,7 @@ def test_no_method_imports_another_method():
 
 
 def test_every_method_has_its_page_and_code_cites_no_outside_document():
-    from strategies.registry import METHODS
+    from methods.registry import METHODS
 
     for name in METHODS:
         page = ROOT / "docs" / "methods" / f"{'mh-pfedhn' if name == 'mh-pfedhngd' else name}.md"
@@ -129,22 +138,22 @@ def test_every_method_has_its_page_and_code_cites_no_outside_document():
 
 def test_the_client_app_takes_only_the_method_table_from_the_server_side_package():
     """The wire protocol (config keys, train settings, metric values, state names) lives in
-    ``common.protocol``; of ``strategies`` the ClientApp's handlers need only the method table (which
+    ``common.protocol``; of the engine and the methods the ClientApp's handlers need only the method table (which
     procedure answers which message), and the module Flower loads needs nothing of it."""
     graph = import_graph()
-    assert {b for b in graph["client_app.handlers"] if b.startswith("strategies")} == {"strategies.registry"}
-    assert not {b for b in graph["client_app.app"] if b.startswith("strategies")}
+    assert {b for b in graph["client_app.handlers"] if b.startswith(("engine", "methods"))} == {"methods.registry"}
+    assert not {b for b in graph["client_app.app"] if b.startswith(("engine", "methods"))}
 
 
 def test_the_module_flower_loads_before_ray_imports_neither_torch_nor_the_methods():
     """flwr-simulation loads the ClientApp before it starts Ray: what ``client_app.app`` imports delays
     Ray's start. Its handlers serve every message type some method sends, and no other."""
-    code = "import sys, client_app.app; print(sorted(m for m in ('torch', 'strategies.registry') if m in sys.modules))"
+    code = "import sys, client_app.app; print(sorted(m for m in ('torch', 'methods.registry') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     from client_app.app import app
     from common.protocol import MESSAGE_TYPES
-    from strategies.registry import METHODS, unserved_message_types
+    from methods.registry import METHODS, unserved_message_types
 
     assert set(MESSAGE_TYPES) == {t for m in METHODS.values() for t in m.message_types}
     assert set(app._registered_funcs) == {t if "." in t else f"{t}.default" for t in MESSAGE_TYPES}

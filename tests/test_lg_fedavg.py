@@ -7,7 +7,7 @@ from common.config import ConfigError
 from common.payload import tensor_bytes
 from common.protocol import PAYLOAD
 from conftest import assert_learns, federation, run_method, shapes_of
-from strategies.shared_model import module_arrays
+from methods.blocks.shared_model import module_arrays
 
 
 def test_lg_fedavg_shares_only_the_head_and_learns(run_config):

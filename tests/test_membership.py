@@ -223,7 +223,7 @@ def recorded_run(tmp_path_factory, method: str, **extra):
     from common.results import ResultsWriter
     from conftest import make_run_config
     from fakegrid import FakeGrid
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     out = tmp_path_factory.mktemp(method)
     rc = make_run_config(

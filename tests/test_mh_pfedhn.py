@@ -15,11 +15,11 @@ from common.protocol import PAYLOAD
 from common.runtime import MODEL_STATE
 from common.training import kd_loss
 from conftest import client_runtime, federation, train_config
+from methods.blocks.hypernetwork import HyperNetwork, flat_delta, hn_step, load_flat
+from methods.mh_pfedhn import METHOD as MHPFEDHN_METHOD
+from methods.mh_pfedhn import METHOD_GD as MHPFEDHNGD_METHOD
+from methods.mh_pfedhn import TEACHER_STATE, HNOptions
 from models.mh import build_mh_model
-from strategies.hypernetwork import HyperNetwork, flat_delta, hn_step, load_flat
-from strategies.mh_pfedhn import METHOD as MHPFEDHN_METHOD
-from strategies.mh_pfedhn import METHOD_GD as MHPFEDHNGD_METHOD
-from strategies.mh_pfedhn import TEACHER_STATE, HNOptions
 
 # docs/methods/mh-pfedhn.md §7: generated parameter counts for 3x32x32 input
 K_C10 = {"lenet": 234_006, "vgg8": 268_814, "mhresnet10": 347_178, "mhresnet12": 523_242, "mhresnet18": 565_386}

@@ -9,7 +9,7 @@ import pytest
 from common.config import ConfigError, RunConfig, read_options
 from common.options import declared_defaults, option, option_rows
 from conftest import ROOT, federation, make_run_config
-from strategies.registry import METHODS, OPTION_TABLES, client_procedure, key_table, option_tables
+from methods.registry import METHODS, OPTION_TABLES, client_procedure, key_table, option_tables
 from tools.runconfig import app_defaults
 
 

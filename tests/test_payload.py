@@ -5,7 +5,7 @@ import pytest
 from flwr.app import ArrayRecord, RecordDict
 
 from common.payload import PayloadError, array_record, tensor_bytes
-from strategies.fedgh import HEADER, LARS
+from methods.fedgh import HEADER, LARS
 
 DIMS = {"C": 10, "d": 500}
 

@@ -15,10 +15,10 @@ from torch.nn.utils import parameters_to_vector
 from common.data import ClientData
 from common.datasets import DATASETS
 from common.training import train_supervised
+from methods.fedre import entangling_weights
 from models.base import SplitModel
 from privacy.gradients import idlg, idlg_label, invert_update, parameter_update
 from privacy.labels import distribution_l1, from_class_ids, from_head_update, from_soft_label, label_set_scores
-from strategies.fedre import entangling_weights
 
 SIDE = 16
 MEAN, STD = (0.5,), (0.5,)
@@ -178,7 +178,7 @@ def test_fedre_soft_label_gives_set_and_distribution(seed):
     labels = torch.from_numpy(np.repeat(classes, rng.integers(20, 300, 4)))
     counts = np.bincount(labels.numpy(), minlength=10)
 
-    def soft_label(mode: str) -> torch.Tensor:  # as strategies.fedre.entangle builds y
+    def soft_label(mode: str) -> torch.Tensor:  # as methods.fedre.entangle builds y
         alpha = entangling_weights(labels, mode, generator)
         return torch.zeros(10, dtype=torch.float64).index_add_(0, labels, alpha).float()[None]
 

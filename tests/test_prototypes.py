@@ -8,9 +8,9 @@ import torch
 from common.config import RunConfig
 from common.data import normalize
 from conftest import client_runtime, federation, plain_sgd_config
-from strategies.fedtgp import METHOD as FEDTGP_METHOD
-from strategies.local import METHOD as LOCAL_METHOD
-from strategies.prototypes import PrototypeRegularizer, RegularizerOptions, nearest_prototype_correct
+from methods.blocks.prototypes import PrototypeRegularizer, RegularizerOptions, nearest_prototype_correct
+from methods.fedtgp import METHOD as FEDTGP_METHOD
+from methods.local import METHOD as LOCAL_METHOD
 
 K = 512
 MNIST = {"dataset": "mnist", "model-group": "htcnn8", "partitioner": "dirichlet", "dirichlet-alpha": 0.1}

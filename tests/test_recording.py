@@ -1,5 +1,5 @@
 """Run config ``record-payloads``: the server keeps what it sent and received in the named rounds, and each
-client keeps its just-trained model of those rounds, for the privacy evaluation (``strategies.recording``)."""
+client keeps its just-trained model of those rounds, for the privacy evaluation (``engine.payload_recorder``)."""
 
 import numpy as np
 import pytest
@@ -10,8 +10,8 @@ from common.errors import ConfigError
 from common.protocol import PAYLOAD, snapshot_name
 from common.results import ResultsWriter
 from common.runtime import MODEL_STATE
-from strategies.recording import read_arrays, round_folder
-from strategies.registry import build_strategy
+from engine.payload_recorder import read_arrays, round_folder
+from methods.registry import build_strategy
 
 
 def recorded_run(rc: dict):
@@ -120,7 +120,7 @@ def test_a_recording_above_its_cap_is_refused_naming_both_keys(run_config):
 
 def test_every_method_has_a_disk_estimate(run_config):
     """Every symbol of every method's payload schemas has a largest value (a missing one is a KeyError)."""
-    from strategies.registry import METHODS
+    from methods.registry import METHODS
 
     for method in METHODS:
         cfg = RunConfig.from_dict(run_config(method=method, **{"record-payloads": "1"}))

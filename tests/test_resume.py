@@ -7,8 +7,8 @@ import torch
 from common.config import ConfigError, RunConfig
 from common.results import CHECKPOINT, ResultsWriter
 from conftest import federation
-from strategies.base import NO_METHOD, HeteroStrategy
-from strategies.registry import build_strategy
+from engine.contract import NO_METHOD, HeteroStrategy
+from methods.registry import build_strategy
 
 FAST = {"mh-pfedhn.hidden-dim": 16}
 

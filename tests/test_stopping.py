@@ -6,7 +6,7 @@ import pytest
 from flwr.app import MetricRecord
 from test_resume import run_with_results
 
-from strategies.records import patience_exhausted
+from engine.round_rows import patience_exhausted
 
 #: accuracy_mean of rounds 1, 2, ...: best 0.6 first reached in round 2 (round 3 ties it: no new best)
 SCRIPT = [0.5, 0.6, 0.6, 0.55, 0.9, 0.9, 0.9, 0.9]
@@ -54,7 +54,7 @@ def scripted(strategy):
 
 
 def test_a_run_stops_after_patience_rounds_and_a_resumed_run_keeps_counting(run_config, monkeypatch):
-    import strategies.registry as registry
+    import methods.registry as registry
 
     build = registry.build_strategy
     monkeypatch.setattr("test_resume.build_strategy", lambda cfg, results=None: scripted(build(cfg, results)))

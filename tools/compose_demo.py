@@ -71,7 +71,7 @@ def fedgh_payload_bytes(run_config: dict, data_dir: str) -> tuple[int, int]:
     """``(bytes_down, bytes_up)`` of one FedGH training round over all clients of ``run_config``
     (pyproject defaults filled in), computed from the partitions in ``data_dir``: the header is
     4*C*(d+1) bytes to each client, client k sends 4*C_k*(d+1) bytes (FedGH payload, see
-    strategies/fedgh.py). Reads labels only (no image decoding).
+    methods/fedgh.py). Reads labels only (no image decoding).
 
     Raises:
         ConfigError: the run config is invalid (key named).

@@ -21,7 +21,7 @@ def method_colors(methods: list[str]) -> dict[str, tuple]:
     import matplotlib
     from matplotlib.colors import to_rgba
 
-    from strategies.registry import METHODS
+    from methods.registry import METHODS
 
     palette = [*matplotlib.colormaps["tab10"].colors, to_rgba("black"), to_rgba("darkgoldenrod")]
     order = list(METHODS)

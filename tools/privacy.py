@@ -1,6 +1,6 @@
 """Attack what a finished run's clients shared: ``python -m tools.privacy <run folder>``.
 
-The run must have recorded its payloads (run config ``record-payloads``, ``strategies.recording``):
+The run must have recorded its payloads (run config ``record-payloads``, ``engine.payload_recorder``):
 the server's view of every upload and download of the named rounds, and each client's personal model
 after those rounds (the white-box attacker's knowledge; read by ``tools.privacy_view``). Each (round,
 client, attack) is one cell, written to ``<out>/cells/`` as it finishes and skipped when the command is
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 def evaluate(args: argparse.Namespace, given: list[str]) -> int:
     """Run :func:`main`'s cells and write the report; returns the exit status.
 
-    Every recorded payload the cells read is read (and checked, ``strategies.recording.read_arrays``)
+    Every recorded payload the cells read is read (and checked, ``engine.payload_recorder.read_arrays``)
     before the first cell runs, so a bad payload file stops the command before it writes anything.
 
     Raises:

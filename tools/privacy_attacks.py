@@ -658,7 +658,7 @@ class Attacker:
         Row of class c: members are ``p``'s training examples of c, non-members its test examples of c,
         the reference the mean vector of the auxiliary images of c (public, owned by no client). FedRE's
         z (class None, ``[1, w]``) stands for every class, weighted by its soft label ``y`` (``[1, C]``; z
-        is Σ_c y_c times class c's mean vector, ``strategies.fedre``), so members are all training
+        is Σ_c y_c times class c's mean vector, ``methods.fedre``), so members are all training
         examples, non-members all test examples, and the reference Σ_c y_c · (class c's auxiliary mean).
         Scores of every row are pooled into one ROC curve (one threshold for the whole upload). A row of a
         class the victim holds no training or test example of is left out (its scores are null when no

@@ -1,7 +1,7 @@
 """What a finished run recorded, read for the privacy evaluation (``tools.privacy``).
 
 :class:`RunView` opens a run folder that recorded its payloads (run config ``record-payloads``,
-``strategies.recording``): the recorded rounds and partitions, each message's arrays, each client's
+``engine.payload_recorder``): the recorded rounds and partitions, each message's arrays, each client's
 personal model as kept after a recorded round, the clients' data and the public auxiliary images. The
 payload readers name what an attack inverts in a message's arrays: an upload's per-class (or
 per-sample) vectors (:func:`class_rows`), a download's per-class vectors (:func:`global_rows`), and a
@@ -24,10 +24,10 @@ from common.datasets import DATASETS, with_recipe
 from common.errors import ConfigError
 from common.files import read_bounded, read_summary, resume_chain
 from common.protocol import snapshot_name
+from engine.payload_recorder import PAYLOADS, read_arrays
+from methods.fedkd import svd_decompress
+from methods.registry import METHODS
 from models.groups import MODEL_GROUPS
-from strategies.fedkd import svd_decompress
-from strategies.recording import PAYLOADS, read_arrays
-from strategies.registry import METHODS
 from tools.runconfig import app_defaults
 
 #: upload array pairs (vectors, their class ids) of the per-class payloads, and the space they live in

@@ -283,7 +283,7 @@ def check_config(config: dict) -> tuple[str | None, int, bool]:
     memory for the whole run."""
     from common.config import RunConfig
     from common.results import tensorboard_class
-    from strategies.registry import build_strategy
+    from methods.registry import build_strategy
 
     try:
         cfg = RunConfig.from_dict(config)

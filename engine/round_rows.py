@@ -1,5 +1,5 @@
 """Round records: the per-round counters, the metrics every method reports for a round and the row
-written for it (the evaluation's aggregate: ``strategies.evaluation``)."""
+written for it (the evaluation's aggregate: ``engine.evaluation``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from flwr.app import MetricRecord
 
 from common.payload import ClientReply
 from common.results import best_row
-from strategies.aggregation import sample_weighted_mean
+from engine.aggregation import sample_weighted_mean
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 

@@ -9,7 +9,7 @@ then expects in train replies (``common.metrics.declared_metrics``). Every other
 gets an evaluate message. :func:`evaluate_clients` takes the evaluations carried by train replies
 (:func:`evaluated_in_train`), asks the rest, and aggregates both (:func:`aggregate_evaluation`),
 naming the clients asked that gave no valid evaluation. The round's evaluation
-(``HeteroStrategy.evaluate_round``) and a generalisation phase (``strategies.generalization``) both
+(``HeteroStrategy.evaluate_round``) and a generalisation phase (``engine.heldout_phase``) both
 use it.
 """
 
@@ -24,7 +24,7 @@ from flwr.app import ConfigRecord, MetricRecord
 from common.metrics import REQUIRED_METRICS
 from common.payload import ClientReply
 from common.protocol import EVAL_PREFIX
-from strategies.transport import Transport
+from engine.transport import Transport
 
 
 def evaluate_clients(

@@ -13,8 +13,7 @@ from common.payload import NO_PAYLOAD_SCHEMAS
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import train_personal_model
-from strategies.base import ClientProcedure, HeteroStrategy
-from strategies.method import Method
+from engine.contract import ClientProcedure, HeteroStrategy, Method
 
 
 class LocalStrategy(HeteroStrategy):

@@ -1,21 +1,30 @@
-"""The machinery every method shares, written once: server half and client half.
+"""The contract between the engine and the methods, written once: the server half, the client half and
+the descriptor that binds them.
+
+One descriptor per method: its name, its two halves, its payload schemas and its options, declared once.
+
+Each method module ends with ``METHOD = Method(...)``; ``methods.registry`` lists them. The
+descriptor builds both halves (:meth:`Method.build_strategy`, :meth:`Method.build_client`) and hands
+each the same :class:`MethodBinding` (validated options, payload schemas, declared metrics) for the
+run config, whichever half is built first and in whichever process; the classes hold nothing that
+is set from outside.
 
 Server (:class:`HeteroStrategy`, the method's hooks and one round loop over Flower's Grid):
 
 - a ``query`` handshake with every node as it connects learns its partition id, data sizes and
   the federation's size N (``num-clients``, or the nodes' ``num-partitions`` when that is 0);
   node ids are random, so sampling and ordering by partition id make runs reproducible and
-  methods comparable on the same clients (``strategies.nodes.Roster``);
+  methods comparable on the same clients (``engine.roster.Roster``);
 - ``max(1, floor(fraction-train * N))`` clients are sampled per round with a seeded RNG;
 - one message per client carries only that client's payload (:meth:`HeteroStrategy.train_payload`
   may differ per client); the transport sends, receives, counts payload bytes per message
   category and checks every reply against the method's schema, dropping bad ones with a log
-  line, so one broken client never stops a round (``strategies.transport.Transport``);
+  line, so one broken client never stops a round (``engine.transport.Transport``);
 - :meth:`HeteroStrategy.train_round` is one exchange + :meth:`HeteroStrategy.server_update` by
   default; methods with sequential server updates or two exchanges per round override it;
 - every client's personal model is evaluated every ``eval-every`` rounds (and the last), one
-  results row per round is written as it goes (``strategies.records``), and a checkpoint after
-  every round lets a run resume (``strategies.checkpoint.Checkpoints``).
+  results row per round is written as it goes (``engine.round_rows``), and a checkpoint after
+  every round lets a run resume (``engine.checkpoint.Checkpoints``).
 
 Client (:class:`ClientProcedure`): one method per message type (``train``, ``evaluate``,
 ``query``, or ``train_<action>`` for ``train.<action>``), each taking the client runtime,
@@ -23,19 +32,19 @@ the validated payload and the config, and returning reply arrays and metrics.
 
 Life of a round (docs/architecture.md walks it step by step; a test keeps every hop real):
 
-1. `strategies/base.py::HeteroStrategy.run_round`: the loop's round; refreshes the roster
-   (`strategies/nodes.py::Roster.refresh`) and calls the method's hook;
-2. `strategies/base.py::HeteroStrategy.train_round` (the hook): samples
-   (`strategies/nodes.py::Roster.sample`), builds one train message per client
-   (`strategies/transport.py::Transport.message`, settings from `common/protocol.py::train_config`),
-   exchanges them (`strategies/transport.py::Transport.exchange`), keeps the valid replies
-   (`strategies/transport.py::Transport.validate`) and calls the method's
-   `strategies/base.py::HeteroStrategy.server_update`;
+1. `engine/contract.py::HeteroStrategy.run_round`: the loop's round; refreshes the roster
+   (`engine/roster.py::Roster.refresh`) and calls the method's hook;
+2. `engine/contract.py::HeteroStrategy.train_round` (the hook): samples
+   (`engine/roster.py::Roster.sample`), builds one train message per client
+   (`engine/transport.py::Transport.message`, settings from `common/protocol.py::train_config`),
+   exchanges them (`engine/transport.py::Transport.exchange`), keeps the valid replies
+   (`engine/transport.py::Transport.validate`) and calls the method's
+   `engine/contract.py::HeteroStrategy.server_update`;
 3. on each client `client_app/handlers.py::handle_message` restores its state
-   (`common/runtime.py::ClientRuntime`) and runs the method's `strategies/base.py::ClientProcedure.train`;
-4. `strategies/base.py::HeteroStrategy.evaluate_round` with `strategies/evaluation.py::evaluate_clients`:
+   (`common/runtime.py::ClientRuntime`) and runs the method's `engine/contract.py::ClientProcedure.train`;
+4. `engine/contract.py::HeteroStrategy.evaluate_round` with `engine/evaluation.py::evaluate_clients`:
    the round's accuracy;
-5. the row (`strategies/records.py::round_row`, `common/results.py::ResultsWriter.write_round`) and the
+5. the row (`engine/round_rows.py::round_row`, `common/results.py::ResultsWriter.write_round`) and the
    checkpoint (`common/results.py::ResultsWriter.write_checkpoint`).
 """
 
@@ -45,30 +54,33 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from common.config import AUTO_SAMPLED_CLIENTS, RunConfig
+from common import dp, generalization
+from common.config import AUTO_SAMPLED_CLIENTS, RunConfig, read_options
 from common.datasets import DATASETS
 from common.dp import DPPlan, dp_options, make_plan
 from common.errors import ConfigError, RunFailed
+from common.metrics import MetricSpec
 from common.options import declared_defaults
-from common.payload import NO_PAYLOAD_SCHEMAS, ClientReply, array_record
-from common.protocol import HANDSHAKE, SERVER_ROUND, Arrays, Reply, metric_values, train_config
+from common.payload import NO_PAYLOAD_SCHEMAS, ClientReply, Schemas, array_record
+from common.protocol import HANDSHAKE, MESSAGE_TYPES, SERVER_ROUND, Arrays, Reply, metric_values, train_config
 from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics
-from strategies.checkpoint import Checkpoints, broken_state, load_server_state, server_state
-from strategies.evaluation import evaluate_clients, evaluated_in_train
-from strategies.generalization import phase_due, run_phase
-from strategies.method import SHARED_OPTION_TABLES, MethodBinding
-from strategies.nodes import Roster
-from strategies.recording import PayloadRecorder
-from strategies.records import (
+from engine import client_dp
+from engine.checkpoint import Checkpoints, broken_state, load_server_state, server_state
+from engine.evaluation import evaluate_clients, evaluated_in_train
+from engine.heldout_phase import phase_due, run_phase
+from engine.payload_recorder import PayloadRecorder
+from engine.roster import Roster
+from engine.round_rows import (
     RoundCounters,
     patience_exhausted,
     progress_line,
@@ -77,7 +89,112 @@ from strategies.records import (
     untrained_error,
     untrained_streak,
 )
-from strategies.transport import ReplyRules, Transport
+from engine.transport import ReplyRules, Transport
+
+#: the message types of a method whose schemas are computed from its config: the protocol's plain ones
+DEFAULT_MESSAGE_TYPES = tuple(t for t in MESSAGE_TYPES if "." not in t)
+#: the option tables every method shares (differential privacy of examples and of clients, held-out
+#: clients), beside each method's own table
+SHARED_OPTION_TABLES: dict[str, type] = {
+    dp.TABLE: dp.DPOptions,
+    client_dp.TABLE: client_dp.ClientDPOptions,
+    generalization.TABLE: generalization.GeneralizationOptions,
+}
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a method without a table of its own: any ``<method>.*`` key is unknown."""
+
+
+@dataclass(frozen=True)
+class MethodBinding:
+    """What both halves of a method are built with for one run config (:meth:`Method.bind`).
+
+    Attributes:
+        options: the method's validated options (its options dataclass; None for the bare base).
+        schemas: message type -> (down, up) payload schemas.
+        metrics: the scalar metrics its clients report beyond every method's, by message category.
+    """
+
+    options: Any
+    schemas: Schemas
+    metrics: Mapping[str, Mapping[str, MetricSpec]]
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method, declared once.
+
+    Args:
+        name: the run config value of ``method`` (and the name of its options table).
+        strategy: the server half (a ``HeteroStrategy`` subclass).
+        client: the client half (a ``ClientProcedure`` subclass).
+        schemas: message type -> (down, up) payload schemas, or ``(cfg, options) -> schemas``
+            for a method whose payload depends on its config (e.g. the shared model's layers).
+        options: the frozen dataclass of ``common.options.option`` fields declaring every key of
+            the method's table.
+        metrics: the scalar metrics its clients report beyond every method's
+            (``common.metrics``), by message category; a reply with any other key is dropped.
+    """
+
+    name: str
+    strategy: type[HeteroStrategy]
+    client: type[ClientProcedure]
+    schemas: Schemas | Callable[[RunConfig, Any], Schemas]
+    options: type = NoOptions
+    metrics: Mapping[str, Mapping[str, MetricSpec]] = field(default_factory=dict)
+
+    def read_options(self, cfg: RunConfig) -> Any:
+        """This method's validated options from ``cfg`` (see :func:`common.config.read_options`).
+
+        Raises:
+            ConfigError: an unknown key of the method's table or a value outside its declaration.
+        """
+        return read_options(self.options, cfg, self.name)
+
+    def schemas_for(self, cfg: RunConfig, options: Any) -> Schemas:
+        """The message schemas of a run with ``cfg`` and the method's ``options``."""
+        return self.schemas(cfg, options) if callable(self.schemas) else self.schemas
+
+    def bind(self, cfg: RunConfig) -> MethodBinding:
+        """Options, schemas and metrics of a run with ``cfg``.
+
+        Raises:
+            ConfigError: an unknown key of the method's table or a value outside its declaration.
+        """
+        options = self.read_options(cfg)
+        return MethodBinding(options, self.schemas_for(cfg, options), self.metrics)
+
+    def build_strategy(self, cfg: RunConfig, results: ResultsWriter | None = None) -> HeteroStrategy:
+        """The server half for ``cfg`` (``results``: see ``HeteroStrategy``).
+
+        Raises:
+            ConfigError: as :meth:`bind`, the strategy's own checks, a ``dp.epsilon`` target no client
+                can meet with this method's trainings and releases (``common.dp.check_reachable``), or
+                client-level DP the run cannot give (``engine.client_dp.check_run``).
+        """
+        binding = self.bind(cfg)
+        dp.check_reachable(cfg, self.client.dp_trainings, self.client.dp_releases)
+        client_dp.check_run(cfg, self.strategy)
+        return self.strategy(cfg, binding, results)
+
+    def build_client(self, cfg: RunConfig) -> ClientProcedure:
+        """The client half for ``cfg``.
+
+        Raises:
+            ConfigError: as :meth:`bind`.
+        """
+        return self.client(cfg, self.bind(cfg))
+
+    @property
+    def message_types(self) -> tuple[str, ...]:
+        """Every message type this method sends (the ClientApp registers a handler for each)."""
+        return tuple(sorted(self.schemas)) if isinstance(self.schemas, dict) else DEFAULT_MESSAGE_TYPES
+
+
+if TYPE_CHECKING:  # for the annotations only
+    from common.results import ResultsWriter
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -102,11 +219,11 @@ class HeteroStrategy:
     own payload, evaluates clients' personal models and may exchange several times per round. It
     drives Flower's ``Grid`` (Message API) itself, through collaborators with explicit inputs:
 
-    - ``counters``: :class:`strategies.records.RoundCounters` (bytes, dropped replies, the round's work);
-    - ``roster``: :class:`strategies.nodes.Roster` (handshake, node refresh, sampling);
-    - ``transport``: :class:`strategies.transport.Transport` (messages, exchange, reply checks by
-      this method's :class:`strategies.transport.ReplyRules`: its schemas, metrics and hooks);
-    - ``checkpoints``: :class:`strategies.checkpoint.Checkpoints` (resume, per-round checkpoint).
+    - ``counters``: :class:`engine.round_rows.RoundCounters` (bytes, dropped replies, the round's work);
+    - ``roster``: :class:`engine.roster.Roster` (handshake, node refresh, sampling);
+    - ``transport``: :class:`engine.transport.Transport` (messages, exchange, reply checks by
+      this method's :class:`engine.transport.ReplyRules`: its schemas, metrics and hooks);
+    - ``checkpoints``: :class:`engine.checkpoint.Checkpoints` (resume, per-round checkpoint).
 
     Args:
         cfg: the validated run config.
@@ -137,7 +254,7 @@ class HeteroStrategy:
     #: :meth:`train_round`, :meth:`reply_dims`, :meth:`joined` or :meth:`admitted`). With run config
     #: ``handshake = "sampled"`` such a method asks a drawn node it does not know yet a query first; any other
     #: sends the node its train message at once and the node answers the query in its train reply, one
-    #: message instead of two (``strategies.nodes.Roster.answered``): what a Flower simulation engine
+    #: message instead of two (``engine.roster.Roster.answered``): what a Flower simulation engine
     #: costs grows with the messages sent (docs/running.md). Recording payloads and differential privacy
     #: keep the query first too: a download is recorded under its partition, a spent budget is known
     #: before the client is drawn again.
@@ -166,7 +283,7 @@ class HeteroStrategy:
             defaults.update(declared_defaults(type(self.options), cfg.method))
         self.checkpoints = Checkpoints(cfg, results, defaults)
         self.rows: list[dict[str, Any]] = []
-        self.phases = 0  # generalisation phases run by this process (strategies.generalization)
+        self.phases = 0  # generalisation phases run by this process (engine.heldout_phase)
 
     # ------------------------------------------------------------------ hooks
     def evaluates_in_train(self) -> bool:
@@ -207,11 +324,11 @@ class HeteroStrategy:
 
     def admitted(self, nodes: list[int]) -> None:
         """Called at a round boundary with the nodes of partitions that joined after the handshake
-        (``strategies.nodes.Roster.refresh``), before they are served. Nothing by default."""
+        (``engine.roster.Roster.refresh``), before they are served. Nothing by default."""
 
     def begin_generalization(self, nodes: list[int], server_round: int) -> None:
         """Called before a generalisation phase serves the held-out ``nodes`` after round
-        ``server_round`` (``strategies.generalization``). Nothing by default."""
+        ``server_round`` (``engine.heldout_phase``). Nothing by default."""
 
     def end_generalization(self) -> None:
         """Called after a generalisation phase, also when it failed. Nothing by default."""
@@ -239,7 +356,7 @@ class HeteroStrategy:
         ``self.roster.sample()`` and ``self.transport`` (``message``, ``exchange``, ``validate``).
 
         Returns:
-            the round's train metrics (:func:`strategies.records.round_metrics` and the method's
+            the round's train metrics (:func:`engine.round_rows.round_metrics` and the method's
             own) and its valid train replies (whose ``eval-`` metrics, if any, are evaluations).
         """
         config = self.train_config(server_round)
@@ -387,7 +504,7 @@ class HeteroStrategy:
         """The round's evaluation (None when it is no evaluation round): one evaluate message to
         every client to evaluate (``eval-clients``: all known clients, or this round's sampled
         ones) that is connected and not among ``evaluated`` (evaluations carried by train replies),
-        aggregated over both by :func:`strategies.evaluation.evaluate_clients`, which names the
+        aggregated over both by :func:`engine.evaluation.evaluate_clients`, which names the
         connected clients asked that gave no valid evaluation (row key ``eval_missing``)."""
         if not self.is_eval_round(server_round):
             return None
@@ -431,7 +548,7 @@ class HeteroStrategy:
         return int(state["round"])
 
     def server_state(self) -> dict[str, Any] | None:
-        """The state of the attributes in ``checkpointed`` (:func:`strategies.checkpoint.server_state`)."""
+        """The state of the attributes in ``checkpointed`` (:func:`engine.checkpoint.server_state`)."""
         return server_state(self, self.checkpointed)
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -549,8 +666,8 @@ class HeteroStrategy:
 
 class ClientProcedure:
     """Client half of a method. Subclasses implement ``train``; their method's descriptor builds them
-    with the same :class:`strategies.method.MethodBinding` as the server half (``self.options``,
-    ``self.schemas``; ``strategies.method.Method.build_client``).
+    with the same :class:`engine.contract.MethodBinding` as the server half (``self.options``,
+    ``self.schemas``; ``engine.contract.Method.build_client``).
 
     Handlers take ``(client, payload, config)``: the :class:`common.runtime.ClientRuntime`,
     the validated payload arrays (name -> ndarray) and the message's ConfigRecord as a dict;

@@ -25,7 +25,7 @@ between two global prototypes and how far they moved since the last round (the m
 by design, as in the official code; these show whether it settles). Run config ``aggregation``:
 ``mean`` is the paper's step on the rows as uploaded; ``norm-bound`` (default) first bounds the rows
 of each class that at least 3 uploads hold to the class's lower median change from the P̂ sent
-(:func:`strategies.prototypes.bound_class_rows` with ``voted_only``) and leaves the other classes'
+(:func:`methods.blocks.prototypes.bound_class_rows` with ``voted_only``) and leaves the other classes'
 rows to the step, whose ACL gradient on P̂ is -‖p - P̂_c‖'s, a unit vector whatever the row's length.
 Against colluders claiming a class that honest clients hold too, the paper's step lets one upload
 pull P̂_c anywhere; bounded, it cannot (``results/byzantine/colluding-120x5/``, docs/methods/fedtgp.md).
@@ -51,9 +51,9 @@ from common.payload import BASE_SCHEMAS, NO_PAYLOAD, ArraySpec, ClientReply, Pay
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import evaluation_metrics, train_personal_model, trained_class_means
-from strategies.base import ClientProcedure, HeteroStrategy
-from strategies.method import Method, MethodBinding
-from strategies.prototypes import (
+from engine.contract import ClientProcedure, HeteroStrategy, Method, MethodBinding
+from engine.robust import BOUNDED, require_aggregation
+from methods.blocks.prototypes import (
     ROW_AGGREGATIONS,
     RegularizerOptions,
     bound_class_rows,
@@ -61,7 +61,6 @@ from strategies.prototypes import (
     guarded_regularizer,
     nearest_prototype_correct,
 )
-from strategies.robust import BOUNDED, require_aggregation
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -105,7 +104,7 @@ class FedTGPOptions(RegularizerOptions):
     hidden_dim: int = option(512, "hidden width H of the generator", low=1)
 
     def check(self, cfg: RunConfig) -> None:
-        """Raises ConfigError: ``aggregation`` is not one of :data:`strategies.prototypes.ROW_AGGREGATIONS`,
+        """Raises ConfigError: ``aggregation`` is not one of :data:`methods.blocks.prototypes.ROW_AGGREGATIONS`,
         or ``margin-freeze`` is above ``tau`` (the capped margin would never reach it), or ``reg-form``
         cannot be trained privately (:meth:`RegularizerOptions.require_per_example`)."""
         require_aggregation(cfg, ROW_AGGREGATIONS)

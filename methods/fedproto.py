@@ -17,8 +17,8 @@ Server step: unweighted per-class mean of the uploads (no per-class counts are s
 nobody uploaded this round get no prototype and are never predicted. Run config ``aggregation``:
 ``mean`` is that step; ``norm-bound`` (default) first bounds each uploaded prototype's change from
 the global prototype sent this round (its norm where none was sent) by the round's median
-(:func:`strategies.prototypes.bound_class_rows`); ``median`` / ``trimmed-mean`` take
-that statistic per class instead of the mean (:func:`strategies.prototypes.aggregate_class_sets`).
+(:func:`methods.blocks.prototypes.bound_class_rows`); ``median`` / ``trimmed-mean`` take
+that statistic per class instead of the mean (:func:`methods.blocks.prototypes.aggregate_class_sets`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from common.payload import BASE_SCHEMAS, NO_PAYLOAD, ClientReply
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import evaluation_metrics, train_personal_model, trained_class_means
-from strategies.base import ClientProcedure, HeteroStrategy
-from strategies.method import Method, MethodBinding
-from strategies.prototypes import (
+from engine.contract import ClientProcedure, HeteroStrategy, Method, MethodBinding
+from engine.robust import require_aggregation
+from methods.blocks.prototypes import (
     CLASS_AGGREGATIONS,
     ClassMeanCollector,
     RegularizerOptions,
@@ -45,7 +45,6 @@ from strategies.prototypes import (
     nearest_prototype_correct,
     unpack_global_set,
 )
-from strategies.robust import require_aggregation
 
 UPLOAD, GLOBAL_SET = class_set_schemas("protos", "proto_labels", "d")
 SCHEMAS = {**BASE_SCHEMAS, "train": (GLOBAL_SET, UPLOAD), "evaluate": (GLOBAL_SET, NO_PAYLOAD)}
@@ -56,7 +55,7 @@ class FedProtoOptions(RegularizerOptions):
     """``[tool.flwr.app.config.fedproto]``: the client's prototype term (FedTGP's client objective)."""
 
     def check(self, cfg: RunConfig) -> None:
-        """Raises ConfigError: ``aggregation`` is not one of :data:`strategies.prototypes.CLASS_AGGREGATIONS`, or
+        """Raises ConfigError: ``aggregation`` is not one of :data:`methods.blocks.prototypes.CLASS_AGGREGATIONS`, or
         ``reg-form`` cannot be trained privately (:meth:`RegularizerOptions.require_per_example`)."""
         require_aggregation(cfg, CLASS_AGGREGATIONS)
         self.require_per_example(cfg)
@@ -81,7 +80,7 @@ class FedProtoStrategy(HeteroStrategy):
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """P̄^c = unweighted mean of the uploaded P_i^c for every class uploaded this round, under run
-        config ``aggregation`` (:func:`strategies.prototypes.aggregate_class_sets`).
+        config ``aggregation`` (:func:`methods.blocks.prototypes.aggregate_class_sets`).
 
         A round whose valid replies upload no prototype at all (none arrived, or each carries zero
         classes) keeps the previous global set: no upload is no evidence, and clients would

@@ -2,9 +2,9 @@
 payload, the exchange (push, then pull at a short interval until every reply is in or the round
 times out), payload bytes counted per message category, and every reply checked before use.
 
-A :class:`Transport` is built by ``strategies.base.HeteroStrategy`` from explicit inputs: the run
+A :class:`Transport` is built by ``engine.contract.HeteroStrategy`` from explicit inputs: the run
 config, the method's :class:`ReplyRules` (its schemas, declared metrics and reply checks), the node
-registry's ``clients`` (read only) and the :class:`strategies.records.RoundCounters` it counts into.
+registry's ``clients`` (read only) and the :class:`engine.round_rows.RoundCounters` it counts into.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from common.protocol import (
     STATE_KEY,
     STATE_SCOPE,
 )
-from strategies.recording import PayloadRecorder
-from strategies.records import RoundCounters
+from engine.payload_recorder import PayloadRecorder
+from engine.round_rows import RoundCounters
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -60,7 +60,7 @@ class DuplicateReply(PayloadError):
 @dataclass(frozen=True)
 class ReplyRules:
     """What the transport needs of a method to build messages and check replies, settled from the
-    method's binding before the transport is built (``strategies.base.HeteroStrategy``).
+    method's binding before the transport is built (``engine.contract.HeteroStrategy``).
 
     Attributes:
         schemas: message type -> (server->client, client->server) payload schema.
@@ -135,7 +135,7 @@ class Transport:
         scope: str = "",
     ) -> Message:
         """A message to one node: its payload (checked against the schema) plus ``config``; in a recorded
-        round the payload is also written to the run folder (``strategies.recording``). A ``scope``
+        round the payload is also written to the run folder (``engine.payload_recorder``). A ``scope``
         (message config ``state-scope``) gives the client a state of its own beside its run state
         (``common.runtime.ClientRuntime``: a held-out client's generalisation phase); such messages are
         never recorded."""

@@ -13,8 +13,8 @@ activation); loss = m_G·CE(G^hd(z[:, :d1]), y) + m_F·CE(F_k^hd(z), y); one SGD
 θ, ω_k and φ_k, each parameter set's gradient clipped separately. ω_k and φ_k persist in
 client state; θ is replaced by the broadcast every round; optimisers are fresh every round.
 
-Server step (section 4): sample-weighted FedAvg of the returned θ_k (:mod:`strategies.shared_model`),
-under run config ``aggregation`` (``mean``: the paper's; default ``norm-bound``, :mod:`strategies.robust`).
+Server step (section 4): sample-weighted FedAvg of the returned θ_k (:mod:`methods.blocks.shared_model`),
+under run config ``aggregation`` (``mean``: the paper's; default ``norm-bound``, :mod:`engine.robust`).
 
 Evaluation (section 6): the deployed model is "mix-large", F_k^hd(P_k(G^ex(x) ∘ F_k^ex(x)));
 "mix-small" (G^hd on the first d1 coordinates) is reported alongside. Protocols:
@@ -38,11 +38,8 @@ from common.options import number, option
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics, train_personal_model
-from models.base import SplitModel
-from models.cnn import SmallCNN
-from models.groups import MODEL_GROUPS
-from strategies.method import Method
-from strategies.shared_model import (
+from engine.contract import Method
+from methods.blocks.shared_model import (
     GROUP_FIRST,
     SHARED_LAYOUTS,
     SharedModelClient,
@@ -51,6 +48,9 @@ from strategies.shared_model import (
     shared_module,
     shared_schemas,
 )
+from models.base import SplitModel
+from models.cnn import SmallCNN
+from models.groups import MODEL_GROUPS
 
 EVAL_PROTOCOLS = ("official", "deployment")
 INFERENCE = ("mix-large", "mix-small")

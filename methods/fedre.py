@@ -49,7 +49,7 @@ The upload passes only the transport's schema checks (float32, [C, d] and [C], f
 most :data:`common.payload.MAX_ABS`; otherwise the whole reply is dropped and logged and the round
 goes on without partition 0); ``aggregation``'s bound applies to z, never to the head, and the
 only other guard is the server's rollback of a state whose RMS grows beyond 100 x max(RMS before, 1)
-in one round (``strategies.checkpoint.broken_state``). Partition 0's reply is checked in a call of
+in one round (``engine.checkpoint.broken_state``). Partition 0's reply is checked in a call of
 its own, so the transport's outlier bound on z (:data:`common.payload.ROW_NORM_FACTOR`, over at least
 3 uploads) does not compare its z with the other clients'; under ``norm-bound`` its z is bounded by
 the round's median with all others.
@@ -80,12 +80,11 @@ from common.payload import BASE_SCHEMAS, ROW_NORM_FACTOR, ArraySpec, ClientReply
 from common.protocol import PARTITION_ID, SERVER_ROUND, TRAIN_HEAD, Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import EVAL_BATCH, train_personal_model, trained_class_means
-from strategies.base import ClientProcedure, HeteroStrategy
-from strategies.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
-from strategies.method import Method, MethodBinding
-from strategies.prototypes import MEDIAN_VOTES, ROW_AGGREGATIONS
-from strategies.records import round_metrics
-from strategies.robust import BOUNDED, bound_by_median, require_aggregation
+from engine.contract import ClientProcedure, HeteroStrategy, Method, MethodBinding
+from engine.robust import BOUNDED, bound_by_median, require_aggregation
+from engine.round_rows import round_metrics
+from methods.blocks.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
+from methods.blocks.prototypes import MEDIAN_VOTES, ROW_AGGREGATIONS
 
 #: how the client turns its representations into one (z, y) pair (section 3, Appendix A)
 RE_MODES = ("rap", "vap", "rsp", "rar", "var", "rsr", "rap-fixed")
@@ -147,7 +146,7 @@ class FedREOptions:
 
     def check(self, cfg: RunConfig) -> None:
         """Raises ConfigError: the model group has a non-linear head (FedRE exchanges a linear one),
-        ``aggregation`` is not one of :data:`strategies.prototypes.ROW_AGGREGATIONS`, or DP is on with a
+        ``aggregation`` is not one of :data:`methods.blocks.prototypes.ROW_AGGREGATIONS`, or DP is on with a
         sample-level ``re-mode``."""
         require_linear_heads(cfg, "head")
         require_aggregation(cfg, ROW_AGGREGATIONS)
@@ -299,11 +298,11 @@ def train_head(
 def bound_entangled(replies: list[ClientReply]) -> tuple[list[ClientReply], int]:
     """``aggregation = "norm-bound"``: every ``z`` scaled to at most the median ``z`` norm of the round.
 
-    FLAME's clipping (Nguyen et al. 2022, §4.3; :func:`strategies.robust.bound_by_median`) over the
+    FLAME's clipping (Nguyen et al. 2022, §4.3; :func:`engine.robust.bound_by_median`) over the
     round's uploads, one z each: with an honest majority the bound is an honest norm, so one pair's
     gradient on the head is no larger than an honest pair's (see the module docstring). ``y`` needs
     no bound (non-negative, summing to 1). With fewer than
-    :data:`strategies.prototypes.MEDIAN_VOTES` pairs nothing is bounded.
+    :data:`methods.blocks.prototypes.MEDIAN_VOTES` pairs nothing is bounded.
 
     Returns:
         (the replies, those with a scaled ``z`` as copies, float32; how many ``z`` were scaled).
@@ -336,7 +335,7 @@ class FedREStrategy(HeteroStrategy):
         self.head_generator = torch.Generator().manual_seed(cfg.seed)
 
     def global_arrays(self) -> dict[str, np.ndarray]:
-        """The global head (:func:`strategies.heads.header_arrays`)."""
+        """The global head (:func:`methods.blocks.heads.header_arrays`)."""
         return header_arrays(self.head)
 
     def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:

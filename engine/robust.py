@@ -17,7 +17,7 @@ client's handshake ``num-train``, which is bounded by the dataset). Rules (``com
   The weight is the reply's ``num-examples``: an attacker that claimed a large ``num-train`` at
   the handshake (up to the dataset's size) keeps a large weight, so its bounded step can
   dominate the round's step, never exceed M.
-- ``mean``: the papers' plain sample-weighted FedAvg (:func:`strategies.aggregation.fedavg`),
+- ``mean``: the papers' plain sample-weighted FedAvg (:func:`engine.aggregation.fedavg`),
   bit for bit as before this module existed.
 - ``median``, ``trimmed-mean``, ``krum``, ``multi-krum``, ``bulyan``: Flower's own helpers
   (``flwr.server.strategy.aggregate``): coordinate-wise median (Yin et al. 2018); coordinate-wise
@@ -34,7 +34,7 @@ per round cannot satisfy it; a round in which fewer valid uploads arrived (drops
 falls back to ``norm-bound`` for that round, logged and counted as ``server-aggregation-fallback``.
 
 Uploads with weight 0 carry no evidence and are left out; a round without any weight leaves the
-state unchanged (None), as :func:`strategies.aggregation.fedavg` does.
+state unchanged (None), as :func:`engine.aggregation.fedavg` does.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from flwr.server.strategy.aggregate import (
 
 from common.config import ConfigError, RunConfig
 from common.payload import ClientReply
-from strategies.aggregation import fedavg
+from engine.aggregation import fedavg
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -128,7 +128,7 @@ def require_aggregation(cfg: RunConfig, allowed: Sequence[str]) -> None:
 
 
 def sampled_per_round(cfg: RunConfig) -> int | None:
-    """The clients sampled per round, K = max(1, floor(fraction-train · N)) (``strategies.nodes``);
+    """The clients sampled per round, K = max(1, floor(fraction-train · N)) (``engine.roster``);
     None when ``num-clients`` is 0 (N is known only once the nodes connect)."""
     if cfg.num_clients <= 0:
         return None
@@ -180,7 +180,7 @@ class RobustAggregator:
     ) -> tuple[dict[str, np.ndarray] | None, dict[str, float]]:
         """The aggregate of the replies' arrays (names of ``reference``), weights their ``num-examples``.
 
-        ``mean`` is :func:`strategies.aggregation.fedavg` itself; the other rules go through
+        ``mean`` is :func:`engine.aggregation.fedavg` itself; the other rules go through
         :meth:`aggregate`.
 
         Returns:

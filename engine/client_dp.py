@@ -13,7 +13,7 @@ The mechanism is DP-FedAvg (McMahan et al., "Learning Differentially Private Rec
 Models", ICLR 2018, Algorithm 1 with the fixed-denominator estimator f̃_f and flat clipping):
 
 - every round each training client is sampled independently with probability q = K / N (Poisson
-  sampling, from the operating system's entropy: ``strategies.nodes.Roster.sample``), K =
+  sampling, from the operating system's entropy: ``engine.roster.Roster.sample``), K =
   max(1, floor(``fraction-train`` · N)) and N the training partitions;
 - each sampled client's update Δ_k = w_k − w_sent (the shared part's change from what the server
   sent, all payload arrays flattened into one vector) is clipped to L2 norm C = ``client-dp.clip-norm``:
@@ -256,7 +256,7 @@ def expected_clients(cfg: RunConfig) -> int:
 
 
 def check_run(cfg: RunConfig, strategy: type) -> None:
-    """Before the run (``strategies.method.Method.build_strategy``): refuse client-level DP that a run of
+    """Before the run (``engine.contract.Method.build_strategy``): refuse client-level DP that a run of
     ``strategy`` cannot give. Nothing is checked with it off.
 
     Raises:
@@ -278,7 +278,7 @@ def check_run(cfg: RunConfig, strategy: type) -> None:
 def attach(strategy) -> ClientDPAggregator | None:
     """The server step of client-level DP for ``strategy`` (a ``HeteroStrategy`` whose class sets
     ``client_dp_releases`` and ``client_dp_amplified``), its roster switched to Poisson sampling at q
-    (``strategies.nodes.Roster.poisson_rate``); None with client-level DP off.
+    (``engine.roster.Roster.poisson_rate``); None with client-level DP off.
 
     Raises:
         ConfigError: as :func:`client_plan`.

@@ -17,7 +17,7 @@ Server step (section 4, Eq. 4): SGD on cross-entropy of the header over the roun
 one step per LAR in (partition id, class) order by default. The authors' released code
 never applies this update (P1); ``server-mode = "none"`` reproduces that. Run config
 ``aggregation``: ``mean`` trains on the LARs as uploaded (the paper); ``norm-bound`` (default) first
-bounds each LAR's norm by the round's median (:func:`strategies.prototypes.bound_class_rows`).
+bounds each LAR's norm by the round's median (:func:`methods.blocks.prototypes.bound_class_rows`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ from common.payload import BASE_SCHEMAS, NO_PAYLOAD, ROW_NORM_FACTOR, ArraySpec,
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import train_personal_model, trained_class_means
-from strategies.base import ClientProcedure, HeteroStrategy
-from strategies.heads import (
+from engine.contract import ClientProcedure, HeteroStrategy, Method, MethodBinding
+from engine.robust import BOUNDED, require_aggregation
+from methods.blocks.heads import (
     GLOBAL_HEAD_METRICS,
     HEADER,
     add_global_head_accuracy,
@@ -47,9 +48,7 @@ from strategies.heads import (
     load_header,
     require_linear_heads,
 )
-from strategies.method import Method, MethodBinding
-from strategies.prototypes import ROW_AGGREGATIONS, bound_class_rows
-from strategies.robust import BOUNDED, require_aggregation
+from methods.blocks.prototypes import ROW_AGGREGATIONS, bound_class_rows
 
 LARS = PayloadSchema(
     {
@@ -82,7 +81,7 @@ class FedGHOptions:
 
     def check(self, cfg: RunConfig) -> None:
         """Raises ConfigError: the model group has a non-linear head (FedGH exchanges a linear one), or
-        ``aggregation`` is not one of :data:`strategies.prototypes.ROW_AGGREGATIONS`."""
+        ``aggregation`` is not one of :data:`methods.blocks.prototypes.ROW_AGGREGATIONS`."""
         require_linear_heads(cfg, "header")
         require_aggregation(cfg, ROW_AGGREGATIONS)
 
@@ -175,7 +174,7 @@ class FedGHStrategy(HeteroStrategy):
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """Train the header on the round's LARs (:func:`train_header`), under ``norm-bound`` bounded
-        first (:func:`strategies.prototypes.bound_class_rows`)."""
+        first (:func:`methods.blocks.prototypes.bound_class_rows`)."""
         bounded = {}
         if self.cfg.aggregation == "norm-bound":
             replies, bounded[BOUNDED] = bound_class_rows(replies, "lar", "lar_labels")

@@ -1,6 +1,6 @@
-"""The methods: one :class:`strategies.method.Method` descriptor per method module, listed once.
+"""The methods: one :class:`engine.contract.Method` descriptor per method module, listed once.
 
-``python -m strategies.registry`` prints the run config key table and every method's option table
+``python -m methods.registry`` prints the run config key table and every method's option table
 (the generated sections of ``docs/configuration.md``).
 """
 
@@ -13,9 +13,8 @@ from common.config import ConfigError, RunConfig
 from common.options import declared_defaults, option_rows, option_table
 from common.protocol import MESSAGE_TYPES
 from common.results import ResultsWriter
-from strategies import fd, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml, lg_fedavg, local, mh_pfedhn
-from strategies.base import ClientProcedure, HeteroStrategy
-from strategies.method import SHARED_OPTION_TABLES, Method
+from engine.contract import SHARED_OPTION_TABLES, ClientProcedure, HeteroStrategy, Method
+from methods import fd, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml, lg_fedavg, local, mh_pfedhn
 
 METHODS: dict[str, Method] = {
     m.name: m

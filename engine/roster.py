@@ -7,7 +7,7 @@ asked before round 1: each round samples K of the connected nodes in node-id ord
 sampled ones it does not know yet, so neither start-up nor a round grows with N (Flower's simulation
 engine looks at every waiting message for every node, so asking all N nodes costs O(N^2) there), at
 the price that which partitions a seed samples follows the nodes' ids. A :class:`Roster` is built by
-``strategies.base.HeteroStrategy`` from explicit inputs (the run config, the round counters it
+``engine.contract.HeteroStrategy`` from explicit inputs (the run config, the round counters it
 records dropped clients in, the strategy's seeded ``rng``); the handshake and the refresh send
 their queries through the transport they are given.
 """
@@ -32,8 +32,8 @@ from common.generalization import generalization_options
 from common.metrics import MAX_ERROR_CHARS
 from common.payload import ClientReply, short
 from common.protocol import CONFIG_ERROR_KEY, CONFIG_ERROR_RECORD, PARTITION_ID
-from strategies.records import RoundCounters
-from strategies.transport import Transport
+from engine.round_rows import RoundCounters
+from engine.transport import Transport
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -96,7 +96,7 @@ class Roster:
         #: nodes whose privacy budget is spent (run config dp.epsilon): never sampled again
         self.exhausted: set[int] = set()
         self.generalization = generalization_options(cfg)
-        #: client-level DP (run config ``client-dp.epsilon``, set by ``strategies.client_dp.attach``): each round
+        #: client-level DP (run config ``client-dp.epsilon``, set by ``engine.client_dp.attach``): each round
         #: draws every training client on its own at this rate q (:func:`poisson_sample`); None: off
         self.poisson_rate: float | None = None
         #: N, the run's partitions, once the handshake has learnt it

@@ -4,7 +4,7 @@
 1-2); docs/methods/mh-pfedhn.md (section numbers below refer to it). The server half
 (:class:`HyperNetwork`, :func:`hn_step`) never sees a model: it generates flat vectors [K]; the client
 half (:func:`load_flat`, :func:`flat_delta`) maps them to and from a model's parameters in canonical
-order. ``strategies.mh_pfedhn`` is the only user.
+order. ``methods.mh_pfedhn`` is the only user.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from common.payload import PayloadError
 
 
 class HyperNetworkShape(Protocol):
-    """The sizes a :class:`HyperNetwork` is built with (``strategies.mh_pfedhn.HNOptions`` has them)."""
+    """The sizes a :class:`HyperNetwork` is built with (``methods.mh_pfedhn.HNOptions`` has them)."""
 
     embedding_dim: int
     hidden_dim: int

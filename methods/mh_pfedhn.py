@@ -23,7 +23,7 @@ code): generate, send, receive and step one client at a time in a random order; 
 send all at once, then step per reply in a random order, each regenerated at the current φ.
 GD adds one data-weighted step from the global model's deltas before the personal phase; the
 clients distil from that round's untrained global model (section 3, P8). Run config
-``aggregation`` applies to that step's mean delta (:mod:`strategies.robust`; ``mean``: the paper's);
+``aggregation`` applies to that step's mean delta (:mod:`engine.robust`; ``mean``: the paper's);
 a personal reply's influence is one Adam step whose gradient is clipped at ``server-clip-norm``,
 so however large its ``delta_theta`` (within the payload's entry bound), its step is bounded.
 
@@ -56,14 +56,13 @@ from common.payload import BASE_SCHEMAS, ArraySpec, ClientReply, PayloadError, P
 from common.protocol import SERVER_ROUND, TRAIN_GLOBAL, Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model, train_supervised
+from engine import client_dp
+from engine.contract import ClientProcedure, HeteroStrategy, Method, MethodBinding
+from engine.robust import RobustAggregator
+from engine.round_rows import round_metrics
+from methods.blocks.hypernetwork import HyperNetwork, flat_delta, hn_step, load_flat, num_params
 from models.groups import MODEL_GROUPS
 from models.mh import build_mh_model
-from strategies import client_dp
-from strategies.base import ClientProcedure, HeteroStrategy
-from strategies.hypernetwork import HyperNetwork, flat_delta, hn_step, load_flat, num_params
-from strategies.method import Method, MethodBinding
-from strategies.records import round_metrics
-from strategies.robust import RobustAggregator
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -135,7 +134,7 @@ class MHpFedHNStrategy(HeteroStrategy):
     checkpointed = ("hn", "optimizer")  # and the registry (server_state): key -> K in registration order
     query_first = True  # a client's weights are generated for its partition and parameter count
     #: the upload is a model change: client-level DP applies, each ``delta_theta`` noised alone before its step;
-    #: the step shows who was sampled, so the sampling is not credited (``strategies.client_dp``)
+    #: the step shows who was sampled, so the sampling is not credited (``engine.client_dp``)
     client_dp_releases = 1
     client_dp_amplified = False
 
@@ -352,7 +351,7 @@ class MHpFedHNStrategy(HeteroStrategy):
             start = time.perf_counter()
             if reply is not None:
                 delta = reply.arrays["delta_theta"]
-            elif self.client_dp is not None:  # sampled without a valid reply: its upload zeroed (strategies.client_dp)
+            elif self.client_dp is not None:  # sampled without a valid reply: its upload zeroed (engine.client_dp)
                 delta = np.zeros(self.serving.sizes[self.key(node)], np.float32)
             else:
                 return
@@ -382,9 +381,9 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
     """MH-pFedHNGD server: a global model from a global embedding, one extra data-weighted step per round.
 
     The global step follows the clients' mean ``delta_w_g`` under run config ``aggregation``
-    (:class:`strategies.robust.RobustAggregator` over the deltas, whose reference is zero; ``mean``
+    (:class:`engine.robust.RobustAggregator` over the deltas, whose reference is zero; ``mean``
     is the paper's data-weighted mean), or client-level DP's noisy mean of clipped deltas with
-    ``client-dp.epsilon`` > 0 (:class:`strategies.client_dp.ClientDPAggregator`).
+    ``client-dp.epsilon`` > 0 (:class:`engine.client_dp.ClientDPAggregator`).
 
     Raises:
         ConfigError: also an ``aggregation`` the sampled clients cannot satisfy.

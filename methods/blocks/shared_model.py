@@ -1,5 +1,5 @@
 """A shared module every client trains a copy of, averaged by the server (FedAvg, or a robust
-rule: run config ``aggregation``, :mod:`strategies.robust`).
+rule: run config ``aggregation``, :mod:`engine.robust`).
 
 The machinery of the methods whose payload is a whole homogeneous module: FedMRL's small
 global model, FML's meme model, FedKD's mentee, LG-FedAvg's head. Each method module
@@ -22,13 +22,12 @@ from torch import nn
 from common.config import ConfigError, RunConfig
 from common.datasets import DATASETS
 from common.payload import BASE_SCHEMAS, ArraySpec, ClientReply, PayloadSchema, Schemas
+from engine import client_dp
+from engine.contract import ClientProcedure, HeteroStrategy, MethodBinding
+from engine.robust import RobustAggregator
 from models.base import SplitModel
 from models.cnn import CNN_SHAPES, REPRESENTATION_DIM, SmallCNN
 from models.groups import MODEL_GROUPS
-from strategies import client_dp
-from strategies.base import ClientProcedure, HeteroStrategy
-from strategies.method import MethodBinding
-from strategies.robust import RobustAggregator
 
 #: ``build_shared(cfg, options)``: the module every client of a run trains a copy of
 Builder = Callable[[RunConfig, Any], nn.Module]
@@ -104,7 +103,7 @@ def shared_module(cfg: RunConfig, layout: str, key: str, d: int | None = None) -
 
 class SharedModelStrategy(HeteroStrategy):
     """Server of a method that shares one module: the run's ``aggregation`` of the clients' trained
-    copies (:class:`strategies.robust.RobustAggregator`; ``mean`` is the papers' FedAvg).
+    copies (:class:`engine.robust.RobustAggregator`; ``mean`` is the papers' FedAvg).
 
     Subclasses set ``build_shared`` (a ``staticmethod`` ``(cfg, options) -> nn.Module``, which
     their client half uses too). Evaluate instructions carry the module when the method's
@@ -113,17 +112,17 @@ class SharedModelStrategy(HeteroStrategy):
     §5), before round 1, so a payload always exists. A round without valid replies
     leaves it unchanged, except under client-level DP (run config ``client-dp.epsilon``), whose
     noisy mean of clipped updates replaces ``aggregation`` and is released every round
-    (:class:`strategies.client_dp.ClientDPAggregator`).
+    (:class:`engine.client_dp.ClientDPAggregator`).
 
     Raises:
         ConfigError: also an ``aggregation`` the sampled clients cannot satisfy
-            (:func:`strategies.robust.check_aggregation`).
+            (:func:`engine.robust.check_aggregation`).
     """
 
     evaluate_in_train = True
     checkpointed = ("shared",)
     #: the upload is a model: client-level DP applies, one Gaussian mechanism per sampled client and round,
-    #: hidden in the round's sum, so the sampling amplifies it (``strategies.client_dp``)
+    #: hidden in the round's sum, so the sampling amplifies it (``engine.client_dp``)
     client_dp_releases = 1
     client_dp_amplified = True
 
@@ -150,7 +149,7 @@ class SharedModelStrategy(HeteroStrategy):
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """θ^t = the run's ``aggregation`` of the replies against θ^{t-1}, the module they trained
-        from (``mean``: :func:`strategies.aggregation.fedavg`); unchanged when none trained on an
+        from (``mean``: :func:`engine.aggregation.fedavg`); unchanged when none trained on an
         example. Metrics: ``server-num-averaged`` and the aggregator's (e.g. ``server-bounded``)."""
         averaged, metrics = self.aggregate(self.global_arrays(), replies, server_round)
         if averaged is not None:

@@ -9,7 +9,7 @@ Payload: the head ``head.weight`` [C, d] and ``head.bias`` [C], float32, both wa
 traffic). Every member of the model group must have a linear head of the same d (true of CNN-1..5).
 Client step: overwrite the local head with the global one, train the whole model with CE,
 upload the head. Server step: sample-weighted FedAvg of the heads, under run config ``aggregation``
-(``mean``: the paper's; default ``norm-bound``, :mod:`strategies.robust`). The head starts from
+(``mean``: the paper's; default ``norm-bound``, :mod:`engine.robust`). The head starts from
 PyTorch's default init drawn from ``seed``. Inference: the personal model.
 """
 
@@ -26,9 +26,15 @@ from common.options import option
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import train_personal_model
-from strategies.heads import GLOBAL_HEAD_METRICS, add_global_head_accuracy, require_linear_heads
-from strategies.method import Method
-from strategies.shared_model import SharedModelClient, SharedModelStrategy, load_arrays, module_arrays, shared_schemas
+from engine.contract import Method
+from methods.blocks.heads import GLOBAL_HEAD_METRICS, add_global_head_accuracy, require_linear_heads
+from methods.blocks.shared_model import (
+    SharedModelClient,
+    SharedModelStrategy,
+    load_arrays,
+    module_arrays,
+    shared_schemas,
+)
 
 
 @dataclass(frozen=True)

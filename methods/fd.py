@@ -18,8 +18,8 @@ uploads the exact per-class means of its model's logits over its whole train spl
 mode without augmentation (the paper averages logits seen during training; the post-training
 means describe the model that is uploaded and do not depend on batch order).
 Server step: per-class unweighted mean over the clients that uploaded the class
-(:func:`strategies.aggregation.class_average`), under run config ``aggregation``
-(:func:`strategies.prototypes.aggregate_class_sets`: ``mean`` is the paper's step, ``norm-bound``
+(:func:`engine.aggregation.class_average`), under run config ``aggregation``
+(:func:`methods.blocks.prototypes.aggregate_class_sets`: ``mean`` is the paper's step, ``norm-bound``
 bounds each uploaded logit row's change from the global row sent this round (its norm where none
 was sent) by the round's median first, ``median`` / ``trimmed-mean``
 replace the mean per class). Inference: the personal model.
@@ -39,16 +39,15 @@ from common.payload import BASE_SCHEMAS, RECEIVED_ROW_FACTOR, ClientReply
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model, trained_class_means
-from strategies.base import ClientProcedure, HeteroStrategy
-from strategies.method import Method, MethodBinding
-from strategies.prototypes import (
+from engine.contract import ClientProcedure, HeteroStrategy, Method, MethodBinding
+from engine.robust import require_aggregation
+from methods.blocks.prototypes import (
     CLASS_AGGREGATIONS,
     aggregate_class_sets,
     class_set_schemas,
     trusted_rows,
     unpack_global_set,
 )
-from strategies.robust import require_aggregation
 
 TARGETS = ("softmax", "logits")
 
@@ -69,7 +68,7 @@ class FDOptions:
     )
 
     def check(self, cfg: RunConfig) -> None:
-        """Raises ConfigError: ``aggregation`` is not one of :data:`strategies.prototypes.CLASS_AGGREGATIONS`."""
+        """Raises ConfigError: ``aggregation`` is not one of :data:`methods.blocks.prototypes.CLASS_AGGREGATIONS`."""
         require_aggregation(cfg, CLASS_AGGREGATIONS)
 
 
@@ -92,7 +91,7 @@ def fd_loss(
     global logit, summed and divided by B (the others add 0). ``logits`` (HtFLlib's
     ``clientfd.py``): CE(z, y) + λ·CE(z, t), t_i = ẑ_{y_i} where set, else z_i (detached), taken as
     a class-probability target, mean over the batch. A global logit the client does not trust for an
-    example (:func:`strategies.prototypes.trusted_rows`: far longer than that example's own logits)
+    example (:func:`methods.blocks.prototypes.trusted_rows`: far longer than that example's own logits)
     counts as not set.
     """
     ce = F.cross_entropy(logits, labels)
@@ -121,7 +120,7 @@ class FDStrategy(HeteroStrategy):
 
     def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """ẑ_c = mean of the uploaded per-class logits of class c, under run config ``aggregation``
-        (:func:`strategies.prototypes.aggregate_class_sets`); a round whose valid replies upload
+        (:func:`methods.blocks.prototypes.aggregate_class_sets`); a round whose valid replies upload
         no logits at all (none arrived, or each carries zero classes) keeps the previous global
         logits (as FedProto keeps its prototypes)."""
         global_logits, metrics = aggregate_class_sets(

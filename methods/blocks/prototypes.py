@@ -33,8 +33,8 @@ from common.payload import (
     PayloadError,
     PayloadSchema,
 )
-from strategies.aggregation import class_average
-from strategies.robust import BOUNDED, clip_to_norm
+from engine.aggregation import class_average
+from engine.robust import BOUNDED, clip_to_norm
 
 #: the fewest norms whose median one upload cannot move outside the range of the others; with
 #: fewer uploads (one of two may be the attacker) ``norm-bound`` leaves the rows as they are
@@ -289,7 +289,7 @@ def bound_class_rows(
     less the class median before a per-class median or trimmed mean (not ``per_class``).
 
     FLAME's clipping (Nguyen et al. 2022, §4.3) per class, on the change from the server's row as
-    :mod:`strategies.robust` bounds a model's change from the model sent. Two bounds, each an
+    :mod:`engine.robust` bounds a model's change from the model sent. Two bounds, each an
     honest length while the attackers are fewer than the voters it is a median of:
 
     - the *upload vote* V: each upload votes once with the median ‖δ‖ of its rows, V = the lower
@@ -368,7 +368,7 @@ def aggregate_class_sets(
 ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """A per-class average of the round's rows under run config ``aggregation`` (FedProto, FD).
 
-    ``mean``: :func:`strategies.aggregation.class_average` as the papers; ``norm-bound``: the same
+    ``mean``: :func:`engine.aggregation.class_average` as the papers; ``norm-bound``: the same
     over :func:`bound_class_rows` with the global set ``sent`` this round (``values``, ``mask``;
     empty in round 1) as the reference (the round metric ``server-bounded`` counts the scaled rows);
     ``median`` / ``trimmed-mean``: per class the coordinate-wise median / Flower's ``trim_mean``
@@ -379,7 +379,7 @@ def aggregate_class_sets(
     classes that at least 3 uploads hold are protected that way, the others by the vote.
 
     Returns:
-        as :func:`strategies.aggregation.class_average`, plus ``server-bounded`` unless ``mean``.
+        as :func:`engine.aggregation.class_average`, plus ``server-bounded`` unless ``mean``.
     """
     bounded = {}
     if cfg.aggregation != "mean":

@@ -1,7 +1,7 @@
 """Checkpoints: everything a run needs to continue after its last completed round, and the resume.
 
 A method declares its server state in ``checkpointed`` (attribute names, see
-``strategies.base.HeteroStrategy``); :func:`server_state` and :func:`load_server_state` save and
+``engine.contract.HeteroStrategy``); :func:`server_state` and :func:`load_server_state` save and
 restore those attributes. :class:`Checkpoints` reads the ``resume-from`` checkpoint once, checks it
 fits the run, and builds each round's checkpoint from explicit inputs (server state, RNG, byte
 counters, rows, the clients' state key).
@@ -22,7 +22,7 @@ from common.config import ConfigError, RunConfig
 from common.files import SUMMARY_FILE, read_json_object
 from common.results import load_checkpoint
 from common.state_store import all_finite
-from strategies.records import RoundCounters
+from engine.round_rows import RoundCounters
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 

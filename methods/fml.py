@@ -15,7 +15,7 @@ one SGD step on L_private + L_meme (the two parameter sets are disjoint, so this
 optimisers); gradient norms clipped per model at ``clip-norm``.
 Server step: sample-weighted FedAvg of the meme models (HtFLlib: uniform), under run config
 ``aggregation`` (default ``norm-bound``: each upload's change bounded by the round's median;
-``mean``: the paper's plain FedAvg; :mod:`strategies.robust`).
+``mean``: the paper's plain FedAvg; :mod:`engine.robust`).
 Inference: the private model.
 """
 
@@ -33,8 +33,8 @@ from common.options import option
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model
-from strategies.method import Method
-from strategies.shared_model import (
+from engine.contract import Method
+from methods.blocks.shared_model import (
     SHARED_LAYOUTS,
     SharedModelClient,
     SharedModelStrategy,

@@ -13,7 +13,7 @@ T_t = start + (end − start)·t/T for round t of T. As in HtFLlib, the *paramet
 compressed both ways (the original paper compresses the updates; parameters need no client
 to track the server's state, which partial participation would break): the client uploads
 its compressed trained mentee; the server reconstructs, averages (sample-weighted; run config
-``aggregation`` bounds or replaces the average on the rebuilt weights, :mod:`strategies.robust`)
+``aggregation`` bounds or replaces the average on the rebuilt weights, :mod:`engine.robust`)
 and broadcasts the compressed average. Its bytes are 4·Σ(m·r + r + r·n) + the biases.
 
 Client step (mentor t = the private model, mentee s), per augmented batch:
@@ -42,8 +42,8 @@ from common.payload import BASE_SCHEMAS, MAX_ABS, ArraySpec, ClientReply, Payloa
 from common.protocol import SERVER_ROUND, Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model
-from strategies.method import Method, MethodBinding
-from strategies.shared_model import (
+from engine.contract import Method, MethodBinding
+from methods.blocks.shared_model import (
     SHARED_LAYOUTS,
     SharedModelClient,
     SharedModelStrategy,
