@@ -40,7 +40,7 @@ def run_size(config: dict, num_clients: int, per_round: int) -> dict:
     import torch
 
     from client_app.app import app as client_app
-    from common.results import ResultsWriter
+    from common.run_folder import ResultsWriter
     from methods.registry import build_strategy
     from tools.fakegrid import FakeGrid
 

@@ -125,12 +125,12 @@ def read_text(path: str | os.PathLike, cap: int | None = None, name: str | None 
         raise ConfigError(f"{str(path) if name is None else name} is not UTF-8 text: {exc}") from None
 
 
-#: the per-round rows of a run, one JSON object per line (written by ``common.results``)
+#: the per-round rows of a run, one JSON object per line (written by ``common.run_folder``)
 ROWS_FILE = "metrics.jsonl"
-#: a run's summary (``common.results``) and the keys (with their types) every summary has
+#: a run's summary (``common.run_folder``) and the keys (with their types) every summary has
 SUMMARY_FILE = "summary.json"
 SUMMARY_KEYS: dict[str, type] = {"status": str, "rounds_completed": int}
-#: a run folder's checkpoint of its last completed round (:class:`common.results.ResultsWriter`)
+#: a run folder's checkpoint of its last completed round (:class:`common.run_folder.ResultsWriter`)
 CHECKPOINT = "checkpoint.pt"
 
 

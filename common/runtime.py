@@ -22,7 +22,7 @@ from common.config import ConfigError, RunConfig
 from common.data import ClientData, DataSpec, load_client_data, partition_sizes, torch_seed
 from common.datasets import DATASETS, DatasetInfo, with_recipe
 from common.dp import EPSILON_KEY, LEDGER_FOLDER, DPOptions, DPPlan, PrivacyLedger, epsilon_of
-from common.generalization import architecture_for
+from common.heldout import architecture_for
 from common.state_store import StateStore, safe_name
 from models.base import SplitModel
 from models.groups import MODEL_GROUPS

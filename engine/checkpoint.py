@@ -20,7 +20,7 @@ import torch
 
 from common.config import ConfigError, RunConfig
 from common.files import SUMMARY_FILE, read_json_object
-from common.results import load_checkpoint
+from common.run_folder import load_checkpoint
 from common.state_store import all_finite
 from engine.round_rows import RoundCounters
 

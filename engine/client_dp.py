@@ -121,7 +121,7 @@ class ClientDPOptions:
         """
         if not self.enabled:
             return
-        from common.generalization import generalization_options
+        from common.heldout import generalization_options
 
         for key, bad, why in (
             (

@@ -44,8 +44,8 @@ Life of a round (docs/architecture.md walks it step by step; a test keeps every 
    (`common/runtime.py::ClientRuntime`) and runs the method's `engine/contract.py::ClientProcedure.train`;
 4. `engine/contract.py::HeteroStrategy.evaluate_round` with `engine/evaluation.py::evaluate_clients`:
    the round's accuracy;
-5. the row (`engine/round_rows.py::round_row`, `common/results.py::ResultsWriter.write_round`) and the
-   checkpoint (`common/results.py::ResultsWriter.write_checkpoint`).
+5. the row (`engine/round_rows.py::round_row`, `common/run_folder.py::ResultsWriter.write_round`) and the
+   checkpoint (`common/run_folder.py::ResultsWriter.write_checkpoint`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from flwr.app import ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from common import dp, generalization
+from common import dp, heldout
 from common.config import AUTO_SAMPLED_CLIENTS, RunConfig, read_options
 from common.datasets import DATASETS
 from common.dp import DPPlan, dp_options, make_plan
@@ -98,7 +98,7 @@ DEFAULT_MESSAGE_TYPES = tuple(t for t in MESSAGE_TYPES if "." not in t)
 SHARED_OPTION_TABLES: dict[str, type] = {
     dp.TABLE: dp.DPOptions,
     client_dp.TABLE: client_dp.ClientDPOptions,
-    generalization.TABLE: generalization.GeneralizationOptions,
+    heldout.TABLE: heldout.GeneralizationOptions,
 }
 
 
@@ -194,7 +194,7 @@ class Method:
 
 
 if TYPE_CHECKING:  # for the annotations only
-    from common.results import ResultsWriter
+    from common.run_folder import ResultsWriter
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -229,7 +229,7 @@ class HeteroStrategy:
         cfg: the validated run config.
         binding: the method's options, schemas and metrics for ``cfg`` (``self.options``,
             ``self.schemas``, ``self.metrics``); :data:`NO_METHOD` for the bare base.
-        results: receives one row per round and the summary (see ``common.results``);
+        results: receives one row per round and the summary (see ``common.run_folder``);
             None keeps rows in memory only (``self.rows``).
 
     Raises:

@@ -75,7 +75,7 @@ def aggregate_evaluation(replies: list[ClientReply], asked: Sequence[int] = ()) 
     ``accuracy-mean-<name>`` and weighted by ``num-examples`` into ``accuracy-weighted-<name>``
     (over the replies that have it). ``partitions-not-evaluated`` lists the partitions of
     ``asked`` (the partitions asked to evaluate) without a valid reply, when there are any: that
-    round's accuracy covers only part of the clients (``common.results.counted_rows``).
+    round's accuracy covers only part of the clients (``common.run_folder.counted_rows``).
     """
     valid = sorted(replies, key=lambda r: r.partition_id)
     if not valid:

@@ -1,6 +1,6 @@
 """The generalisation phase: clients that never trained are served what a new client gets.
 
-Run config table ``[generalization]`` (``common.generalization``) holds partitions out of training.
+Run config table ``[generalization]`` (``common.heldout``) holds partitions out of training.
 Every ``generalization.every`` rounds and after the last round (or the round ``stop-patience`` ends
 the run on), :func:`run_phase` serves each connected held-out client for ``generalization.rounds``
 personalisation rounds through the strategy's hooks ``begin_generalization``, ``personalize`` and

@@ -28,7 +28,7 @@ from flwr.app import ConfigRecord, Message
 
 from common.config import ConfigError, RunConfig, sample_size
 from common.dp import secret_generator
-from common.generalization import generalization_options
+from common.heldout import generalization_options
 from common.metrics import MAX_ERROR_CHARS
 from common.payload import ClientReply, short
 from common.protocol import CONFIG_ERROR_KEY, CONFIG_ERROR_RECORD, PARTITION_ID

@@ -12,7 +12,7 @@ from typing import Any
 from flwr.app import MetricRecord
 
 from common.payload import ClientReply
-from common.results import best_row
+from common.run_folder import best_row
 from engine.aggregation import sample_weighted_mean
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log

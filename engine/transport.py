@@ -20,7 +20,7 @@ from flwr.app import ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
 from common.config import RunConfig
-from common.generalization import architecture_for
+from common.heldout import architecture_for
 from common.metrics import ANY_MESSAGE, MAX_DEVICE_NAME, REQUIRED_METRICS, MetricSpec, check_metrics, declared_metrics
 from common.payload import ClientReply, PayloadError, Schemas, clip_outlier_rows, read_payload, tensor_bytes
 from common.protocol import (

@@ -12,7 +12,7 @@ from functools import lru_cache
 from common.config import ConfigError, RunConfig
 from common.options import declared_defaults, option_rows, option_table
 from common.protocol import MESSAGE_TYPES
-from common.results import ResultsWriter
+from common.run_folder import ResultsWriter
 from engine.contract import SHARED_OPTION_TABLES, ClientProcedure, HeteroStrategy, Method
 from methods import fd, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml, lg_fedavg, local, mh_pfedhn
 

@@ -76,7 +76,7 @@ class ModelGroup:
         (FedGH's code, docs/methods/fedgh.md P10); ``identical`` gives every client of one architecture the
         same initial model, as HtFLlib/PFLlib (FedTGP, FedRE) do with ``manual_seed(0)`` before
         building each. Either way every process builds the same model. ``architecture`` overrides
-        the round-robin member (``common.generalization.architecture_for``: held-out architectures).
+        the round-robin member (``common.heldout.architecture_for``: held-out architectures).
         """
         arch = architecture or self.architecture_for(partition_id)
         with torch.random.fork_rng(devices=[]):

@@ -12,7 +12,7 @@ from flwr.superlink.grid import InMemoryGrid  # the grid flwr-simulation gives t
 
 from common.config import RunConfig
 from common.errors import ConfigError
-from common.results import ResultsWriter
+from common.run_folder import ResultsWriter
 from methods.registry import build_strategy
 
 app = ServerApp()

@@ -258,7 +258,7 @@ def test_a_checkpoint_from_before_aggregation_existed_resumes_only_as_mean(tmp_p
     """Such a run averaged plainly: its checkpoint resumes with ``aggregation = "mean"`` (what the
     presets say), and is refused with the default ``norm-bound``, which would change the method."""
     from common.options import declared_defaults
-    from common.results import CHECKPOINT
+    from common.run_folder import CHECKPOINT
     from engine.checkpoint import Checkpoints
     from engine.round_rows import RoundCounters
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from common.config import RunConfig
-from common.results import ResultsWriter
+from common.run_folder import ResultsWriter
 from common.runtime import MODEL_STATE
 from methods.registry import build_strategy
 

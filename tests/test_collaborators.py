@@ -9,7 +9,7 @@ from flwr.app import ConfigRecord
 
 from common.config import ConfigError, RunConfig
 from common.payload import NO_PAYLOAD_SCHEMAS
-from common.results import ResultsWriter
+from common.run_folder import ResultsWriter
 from engine.checkpoint import Checkpoints
 from engine.roster import Roster
 from engine.round_rows import RoundCounters

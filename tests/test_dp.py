@@ -312,7 +312,7 @@ def test_a_new_or_resumed_run_continues_the_spent_budget_and_its_clients_refuse(
 
 
 def test_the_rows_and_the_summary_carry_every_parameter_of_the_guarantee(run_config):
-    from common.results import privacy_spent
+    from common.run_folder import privacy_spent
 
     rc = run_config(method="fedgh", dataset="mnist", **{"dp.epsilon": 8.0, "num-server-rounds": 2})
     strategy, grid = federation(rc)

@@ -11,7 +11,7 @@ from flwr.app import Error, Message
 
 from common.config import ConfigError, RunConfig
 from common.errors import RunFailed
-from common.results import client_privacy_spent
+from common.run_folder import client_privacy_spent
 from conftest import chance, federation
 from engine.client_dp import (
     ClientDPAggregator,

@@ -13,7 +13,7 @@ from common.config import ConfigError, RunConfig
 from common.errors import RunFailed
 from common.files import read_rows
 from common.protocol import HANDSHAKE
-from common.results import load_checkpoint, scalars
+from common.run_folder import load_checkpoint, scalars
 from conftest import federation
 from server_app.app import run
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from common.config import ConfigError, RunConfig
 from common.data import normalize
 from common.payload import ClientReply
-from common.results import CHECKPOINT, ResultsWriter, load_checkpoint
+from common.run_folder import CHECKPOINT, ResultsWriter, load_checkpoint
 from conftest import client_runtime, federation, make_run_config, plain_sgd_config
 from engine.checkpoint import load_server_state
 from methods.blocks.prototypes import RegularizerOptions

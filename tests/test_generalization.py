@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.config import ConfigError, RunConfig
-from common.generalization import architecture_for
+from common.heldout import architecture_for
 from conftest import client_runtime, federation
 from engine.heldout_phase import run_phase
 
@@ -19,7 +19,7 @@ HELD_OUT = {"generalization.held-out-clients": 1.0, "generalization.rounds": 2}
 def captured(rc, results=False):
     """(strategy, grid) after a whole run of ``rc`` on the fake grid; ``results``: with a results writer."""
     from client_app.app import app as client_app
-    from common.results import ResultsWriter
+    from common.run_folder import ResultsWriter
     from fakegrid import FakeGrid
     from methods.registry import build_strategy
 
@@ -136,7 +136,7 @@ def test_an_impossible_held_out_setting_fails_before_the_run_starts(run_config, 
 
 
 def test_a_held_out_share_rounds_and_keeps_a_trainer(run_config):
-    from common.generalization import generalization_options
+    from common.heldout import generalization_options
 
     opts = generalization_options(RunConfig.from_dict(run_config(**{"generalization.held-out-clients": 0.2})))
     assert [opts.count(n) for n in (2, 5, 10, 50)] == [1, 1, 2, 10]

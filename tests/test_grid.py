@@ -13,7 +13,7 @@ from flwr.common.config import parse_config_args
 
 from common.config import RunConfig
 from common.files import CHECKPOINT, read_rows, read_summary
-from common.results import ResultsWriter
+from common.run_folder import ResultsWriter
 from conftest import DATA_DIR, ROOT
 from engine.contract import HeteroStrategy
 from methods.registry import build_strategy

@@ -238,7 +238,7 @@ class _Payload:
 
 def test_hostile_pickle_checkpoint_is_refused_not_run(tmp_path):
     from common.config import ConfigError
-    from common.results import CHECKPOINT, load_checkpoint
+    from common.run_folder import CHECKPOINT, load_checkpoint
 
     marker = tmp_path / "code-ran"
     torch.save({"round": 1, "server": _Payload(marker)}, tmp_path / CHECKPOINT)
@@ -249,7 +249,7 @@ def test_hostile_pickle_checkpoint_is_refused_not_run(tmp_path):
 
 def test_hostile_checkpoint_round_trips_numpy_state(run_config, tmp_path):
     """A real checkpoint (numpy arrays, RNG states, rows) loads with weights_only=True unchanged."""
-    from common.results import ResultsWriter, load_checkpoint
+    from common.run_folder import ResultsWriter, load_checkpoint
 
     state = {
         "round": 2,

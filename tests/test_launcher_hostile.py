@@ -518,7 +518,7 @@ def test_partitions_too_small_to_split_are_refused_before_any_node_starts(tmp_pa
 
 def test_a_resume_of_a_run_with_other_dp_settings_is_refused_before_the_launch(tmp_path, monkeypatch, capsys):
     """It was refused by the checkpoint's check, after the launch and the handshake (51 s)."""
-    from common.results import ResultsWriter
+    from common.run_folder import ResultsWriter
 
     given = {**TINY, "output-dir": str(tmp_path)}
     done = ResultsWriter(tmp_path, "done", RunConfig.from_dict({**runconfig.app_defaults(), **given}).as_dict())

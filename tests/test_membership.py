@@ -220,7 +220,7 @@ def recorded_run(tmp_path_factory, method: str, **extra):
     grid, that recorded round 2."""
     from client_app.app import app as client_app
     from common.config import RunConfig
-    from common.results import ResultsWriter
+    from common.run_folder import ResultsWriter
     from conftest import make_run_config
     from fakegrid import FakeGrid
     from methods.registry import build_strategy

@@ -13,7 +13,7 @@ import pytest
 
 from common.config import RunConfig
 from common.data import DataSpec, load_client_data
-from common.results import ResultsWriter
+from common.run_folder import ResultsWriter
 from methods.registry import build_strategy
 from tools import privacy
 from tools.privacy_view import RunView

@@ -17,7 +17,7 @@ from common import files
 from common.config import ConfigError, RunConfig
 from common.data import DataSpec, _cache_file, load_client_data
 from common.files import read_bounded, read_rows, read_summary, resume_chain
-from common.results import CHECKPOINT, load_checkpoint
+from common.run_folder import CHECKPOINT, load_checkpoint
 from common.runtime import MODEL_STATE, ClientRuntime
 from models.groups import MODEL_GROUPS
 from tools import grid as grid_tool

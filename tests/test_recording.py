@@ -8,7 +8,7 @@ import torch
 from common.config import RunConfig
 from common.errors import ConfigError
 from common.protocol import PAYLOAD, snapshot_name
-from common.results import ResultsWriter
+from common.run_folder import ResultsWriter
 from common.runtime import MODEL_STATE
 from engine.payload_recorder import read_arrays, round_folder
 from methods.registry import build_strategy

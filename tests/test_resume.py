@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from common.config import ConfigError, RunConfig
-from common.results import CHECKPOINT, ResultsWriter
+from common.run_folder import CHECKPOINT, ResultsWriter
 from conftest import federation
 from engine.contract import NO_METHOD, HeteroStrategy
 from methods.registry import build_strategy

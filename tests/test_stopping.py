@@ -84,7 +84,7 @@ def test_a_round_whose_evaluation_some_clients_failed_is_left_out_of_final_best_
     """Round 2's 0.9 comes from the one client of three whose evaluation did not fail (a worker killed
     for memory): not comparable with the complete rounds, so neither the best nor the final nor
     the patience count rests on it; a run without any complete round keeps its rows."""
-    from common.results import ResultsWriter
+    from common.run_folder import ResultsWriter
 
     history = [
         {"round": 1, "accuracy_mean": 0.5, "accuracy_weighted": 0.5, "eval_missing": []},

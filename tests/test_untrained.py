@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from flwr.app import Error, Message
 
-import common.results
+import common.run_folder
 from common.config import ConfigError, RunConfig
 from common.errors import RunFailed
 from common.files import read_rows, read_summary
@@ -104,7 +104,7 @@ def test_a_resume_with_fewer_rounds_than_done_is_refused(run_config):
 
 def test_a_full_disk_fails_the_run_naming_the_file_and_rows_agree_with_the_summary(run_config, monkeypatch):
     rc = run_config(method="local", num_server_rounds=3)
-    real_write = common.results.os.write
+    real_write = common.run_folder.os.write
     writes = {"rows": 0}
 
     def write(fd, data):
@@ -116,15 +116,15 @@ def test_a_full_disk_fails_the_run_naming_the_file_and_rows_agree_with_the_summa
                 raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, data)
 
-    real_atomic = common.results.atomic_write
+    real_atomic = common.run_folder.atomic_write
 
     def atomic_write(path, fill):  # the full disk has no room for a new summary either
         if writes["rows"] >= 2:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_atomic(path, fill)
 
-    monkeypatch.setattr(common.results.os, "write", write)
-    monkeypatch.setattr(common.results, "atomic_write", atomic_write)
+    monkeypatch.setattr(common.run_folder.os, "write", write)
+    monkeypatch.setattr(common.run_folder, "atomic_write", atomic_write)
     folder, exc = run_folder(rc)
     assert isinstance(exc, OSError) and exc.errno == errno.ENOSPC
     summary = read_summary(folder)

@@ -11,7 +11,7 @@ import numpy as np
 
 from common.errors import ConfigError
 from common.files import ROWS_FILE, SUMMARY_FILE, read_rows, read_text
-from common.results import counted_rows
+from common.run_folder import counted_rows
 from tools.grid import GRID_FILE, newest_run, read_grid_info
 from tools.runconfig import ROOT
 
@@ -27,7 +27,7 @@ class Cell:
 
     def curve(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """(rounds, values) of the evaluated rounds for row key ``key``: those in which every client
-        asked to evaluate gave a valid evaluation (:func:`common.results.counted_rows`, as the run's
+        asked to evaluate gave a valid evaluation (:func:`common.run_folder.counted_rows`, as the run's
         summary counts them)."""
         rows = counted_rows(self.rows, key)
         return np.array([r["round"] for r in rows]), np.array([r[key] for r in rows], dtype=np.float64)

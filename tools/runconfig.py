@@ -282,7 +282,7 @@ def check_config(config: dict) -> tuple[str | None, int, bool]:
     (:func:`_validate_and_run`), so that torch and the methods are not kept in this launcher's
     memory for the whole run."""
     from common.config import RunConfig
-    from common.results import tensorboard_class
+    from common.run_folder import tensorboard_class
     from methods.registry import build_strategy
 
     try:
