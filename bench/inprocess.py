@@ -7,7 +7,7 @@ Usage (from the repository root):
 
 Each N runs the run config with ``num-clients`` N and ``fraction-train`` ``per-round / N`` (at most 1) over
 :class:`tools.fakegrid.FakeGrid`: the real ServerApp strategy and ClientApp handlers, client state in the
-run folder as in a simulation (``HeteroStrategy.start``'s ``state_in_run_folder``), but no Ray, no
+run folder as in a simulation (``MethodServer.start``'s ``state_in_run_folder``), but no Ray, no
 Flower engine and no serialisation, in one process on one torch thread. What grows with N here is ours
 (the roster, a new client's partition and model, its state); what ``bench.simulation`` adds at the same
 N is Flower's and Ray's. It prints per N the seconds of each round and the clients' handler, training

@@ -138,18 +138,18 @@ CATEGORY_METRICS: dict[str, dict[str, MetricSpec]] = {
 
 
 def declared_metrics(
-    category: str, method_metrics: Mapping[str, Mapping[str, MetricSpec]], evaluate_in_train: bool
+    category: str, method_metrics: Mapping[str, Mapping[str, MetricSpec]], eval_after_training: bool
 ) -> dict[str, MetricSpec]:
     """Every key a reply of ``category`` may carry, with its spec.
 
     Args:
         category: ``query``, ``train`` or ``evaluate`` (a message type's part before the dot).
         method_metrics: the method's own keys by category (``Method.metrics``).
-        evaluate_in_train: the strategy asks sampled clients to evaluate in their train reply,
+        eval_after_training: the strategy asks sampled clients to evaluate in their train reply,
             so train replies may also carry the evaluate keys prefixed with :data:`EVAL_PREFIX`.
     """
     declared = {**ANY_MESSAGE, **CATEGORY_METRICS.get(category, {}), **method_metrics.get(category, {})}
-    if category == "train" and evaluate_in_train:
+    if category == "train" and eval_after_training:
         evaluate = {**CATEGORY_METRICS["evaluate"], **method_metrics.get("evaluate", {})}
         declared.update({EVAL_PREFIX + k: spec for k, spec in evaluate.items()})
     return declared

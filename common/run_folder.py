@@ -298,7 +298,7 @@ def _to_arrays(obj: Any) -> Any:
     return obj
 
 
-#: the entries of a checkpoint (``HeteroStrategy.checkpoint``) and their types; ``server`` is a dict,
+#: the entries of a checkpoint (``MethodServer.checkpoint``) and their types; ``server`` is a dict,
 #: or None for a method without server state
 CHECKPOINT_KEYS: dict[str, type | tuple[type, ...]] = {
     "round": int,

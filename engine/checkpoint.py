@@ -1,7 +1,7 @@
 """Checkpoints: everything a run needs to continue after its last completed round, and the resume.
 
 A method declares its server state in ``checkpointed`` (attribute names, see
-``engine.contract.HeteroStrategy``); :func:`server_state` and :func:`load_server_state` save and
+``engine.contract.MethodServer``); :func:`server_state` and :func:`load_server_state` save and
 restore those attributes. :class:`Checkpoints` reads the ``resume-from`` checkpoint once, checks it
 fits the run, and builds each round's checkpoint from explicit inputs (server state, RNG, byte
 counters, rows, the clients' state key).

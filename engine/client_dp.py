@@ -276,7 +276,7 @@ def check_run(cfg: RunConfig, strategy: type) -> None:
 
 
 def attach(strategy) -> ClientDPAggregator | None:
-    """The server step of client-level DP for ``strategy`` (a ``HeteroStrategy`` whose class sets
+    """The server step of client-level DP for ``strategy`` (a ``MethodServer`` whose class sets
     ``client_dp_releases`` and ``client_dp_amplified``), its roster switched to Poisson sampling at q
     (``engine.roster.Roster.poisson_rate``); None with client-level DP off.
 

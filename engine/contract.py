@@ -9,18 +9,18 @@ each the same :class:`MethodBinding` (validated options, payload schemas, declar
 run config, whichever half is built first and in whichever process; the classes hold nothing that
 is set from outside.
 
-Server (:class:`HeteroStrategy`, the method's hooks and one round loop over Flower's Grid):
+Server (:class:`MethodServer`, the method's hooks and one round loop over Flower's Grid):
 
 - a ``query`` handshake with every node as it connects learns its partition id, data sizes and
   the federation's size N (``num-clients``, or the nodes' ``num-partitions`` when that is 0);
   node ids are random, so sampling and ordering by partition id make runs reproducible and
   methods comparable on the same clients (``engine.roster.Roster``);
 - ``max(1, floor(fraction-train * N))`` clients are sampled per round with a seeded RNG;
-- one message per client carries only that client's payload (:meth:`HeteroStrategy.train_payload`
+- one message per client carries only that client's payload (:meth:`MethodServer.train_payload`
   may differ per client); the transport sends, receives, counts payload bytes per message
   category and checks every reply against the method's schema, dropping bad ones with a log
   line, so one broken client never stops a round (``engine.transport.Transport``);
-- :meth:`HeteroStrategy.train_round` is one exchange + :meth:`HeteroStrategy.server_update` by
+- :meth:`MethodServer.train_round` is one exchange + :meth:`MethodServer.server_update` by
   default; methods with sequential server updates or two exchanges per round override it;
 - every client's personal model is evaluated every ``eval-every`` rounds (and the last), one
   results row per round is written as it goes (``engine.round_rows``), and a checkpoint after
@@ -32,17 +32,17 @@ the validated payload and the config, and returning reply arrays and metrics.
 
 Life of a round (docs/architecture.md walks it step by step; a test keeps every hop real):
 
-1. `engine/contract.py::HeteroStrategy.run_round`: the loop's round; refreshes the roster
+1. `engine/contract.py::MethodServer.run_round`: the loop's round; refreshes the roster
    (`engine/roster.py::Roster.refresh`) and calls the method's hook;
-2. `engine/contract.py::HeteroStrategy.train_round` (the hook): samples
+2. `engine/contract.py::MethodServer.train_round` (the hook): samples
    (`engine/roster.py::Roster.sample`), builds one train message per client
    (`engine/transport.py::Transport.message`, settings from `common/protocol.py::train_config`),
    exchanges them (`engine/transport.py::Transport.exchange`), keeps the valid replies
    (`engine/transport.py::Transport.validate`) and calls the method's
-   `engine/contract.py::HeteroStrategy.server_update`;
+   `engine/contract.py::MethodServer.server_update`;
 3. on each client `client_app/handlers.py::handle_message` restores its state
    (`common/runtime.py::ClientRuntime`) and runs the method's `engine/contract.py::ClientProcedure.train`;
-4. `engine/contract.py::HeteroStrategy.evaluate_round` with `engine/evaluation.py::evaluate_clients`:
+4. `engine/contract.py::MethodServer.evaluate_round` with `engine/evaluation.py::evaluate_clients`:
    the round's accuracy;
 5. the row (`engine/round_rows.py::round_row`, `common/run_folder.py::ResultsWriter.write_round`) and the
    checkpoint (`common/run_folder.py::ResultsWriter.write_checkpoint`).
@@ -76,7 +76,7 @@ from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics
 from engine import client_dp
 from engine.checkpoint import Checkpoints, broken_state, load_server_state, server_state
-from engine.evaluation import evaluate_clients, evaluated_in_train
+from engine.evaluation import evaluate_clients, evaluations_in
 from engine.heldout_phase import phase_due, run_phase
 from engine.payload_recorder import PayloadRecorder
 from engine.roster import Roster
@@ -128,7 +128,7 @@ class Method:
 
     Args:
         name: the run config value of ``method`` (and the name of its options table).
-        strategy: the server half (a ``HeteroStrategy`` subclass).
+        strategy: the server half (a ``MethodServer`` subclass).
         client: the client half (a ``ClientProcedure`` subclass).
         schemas: message type -> (down, up) payload schemas, or ``(cfg, options) -> schemas``
             for a method whose payload depends on its config (e.g. the shared model's layers).
@@ -139,7 +139,7 @@ class Method:
     """
 
     name: str
-    strategy: type[HeteroStrategy]
+    strategy: type[MethodServer]
     client: type[ClientProcedure]
     schemas: Schemas | Callable[[RunConfig, Any], Schemas]
     options: type = NoOptions
@@ -166,8 +166,8 @@ class Method:
         options = self.read_options(cfg)
         return MethodBinding(options, self.schemas_for(cfg, options), self.metrics)
 
-    def build_strategy(self, cfg: RunConfig, results: ResultsWriter | None = None) -> HeteroStrategy:
-        """The server half for ``cfg`` (``results``: see ``HeteroStrategy``).
+    def build_strategy(self, cfg: RunConfig, results: ResultsWriter | None = None) -> MethodServer:
+        """The server half for ``cfg`` (``results``: see ``MethodServer``).
 
         Raises:
             ConfigError: as :meth:`bind`, the strategy's own checks, a ``dp.epsilon`` target no client
@@ -201,7 +201,7 @@ log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 #: the folder of a run folder that holds its clients' state when no state-dir is set (simulation)
 CLIENT_STATE = "client-state"
 
-#: bytes a recorded file takes beyond its arrays in :meth:`HeteroStrategy.recording_estimate`: a file
+#: bytes a recorded file takes beyond its arrays in :meth:`MethodServer.recording_estimate`: a file
 #: system block (4 KiB on ext4, XFS and Btrfs), which also covers an upload's metrics file
 RECORD_FILE_OVERHEAD = 4096
 #: bytes an array takes beyond its data in a recorded file: the ``.npy`` header and zip entry of an
@@ -211,7 +211,7 @@ RECORD_ARRAY_OVERHEAD = 512
 NO_METHOD = MethodBinding(None, NO_PAYLOAD_SCHEMAS, {})
 
 
-class HeteroStrategy:
+class MethodServer:
     """The server half of every method: the method's hooks and one round loop (:meth:`start`).
 
     It is not a Flower ``Strategy``: Flower's strategy API exchanges one global ``ArrayRecord`` and
@@ -237,15 +237,9 @@ class HeteroStrategy:
 
     Hooks (all optional): :meth:`global_arrays`, :meth:`train_payload`, :meth:`eval_payload`,
     :meth:`server_update`, :meth:`reply_dims`, :meth:`check_reply`, :meth:`joined`, :meth:`train_round`,
-    :meth:`evaluates_in_train`.
+    :meth:`evaluates_after_training`.
     """
 
-    #: True when the evaluated model is the client's post-training personal model and the
-    #: evaluate instruction carries no payload (docs/methods/fedgh.md §6, Local): sampled clients then
-    #: evaluate right after training and report in the train reply, which saves one round trip
-    #: per round (in deployment, one ClientApp process per client); only clients not sampled
-    #: get a separate evaluate message.
-    evaluate_in_train: bool = False
     #: attributes holding the server state (modules, optimisers, torch Generators, dicts of
     #: arrays) saved in the per-round checkpoint; None: the method cannot resume yet; () stateless
     checkpointed: tuple[str, ...] | None = None
@@ -263,8 +257,9 @@ class HeteroStrategy:
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results: Any | None = None) -> None:
         self.cfg = cfg
         self.options, self.schemas, self.metrics = binding.options, binding.schemas, binding.metrics
-        # decided once from the options, before the transport that checks replies against it exists
-        self.evaluate_in_train = self.evaluates_in_train()
+        #: :meth:`evaluates_after_training`, decided once from the options, before the transport that checks
+        #: replies against it exists
+        self.eval_after_training = self.evaluates_after_training()
         self.info = DATASETS[cfg.dataset]
         self.dp = dp_options(cfg)  # a DP run that cannot give its guarantee fails here, before any message
         self.dims = {"C": self.info.num_classes, "d": cfg.representation_dim}
@@ -274,7 +269,7 @@ class HeteroStrategy:
         query_in_train = not (self.query_first or self.dp.enabled or cfg.record_payloads.strip())
         self.roster = Roster(cfg, self.counters, self.rng, query_in_train)
         recorder = PayloadRecorder(cfg, None if results is None else results.path)
-        rules = ReplyRules(self.schemas, self.metrics, self.evaluate_in_train, self.check_reply, self.reply_dims)
+        rules = ReplyRules(self.schemas, self.metrics, self.eval_after_training, self.check_reply, self.reply_dims)
         self.transport = Transport(cfg, rules, self.roster.clients, self.counters, recorder)
         defaults = declared_defaults(RunConfig)
         for table, options in SHARED_OPTION_TABLES.items():
@@ -286,10 +281,14 @@ class HeteroStrategy:
         self.phases = 0  # generalisation phases run by this process (engine.heldout_phase)
 
     # ------------------------------------------------------------------ hooks
-    def evaluates_in_train(self) -> bool:
-        """Hook: whether sampled clients evaluate in their train reply (:attr:`evaluate_in_train`, the
-        class's value by default); called once in ``__init__`` with ``self.options`` set."""
-        return type(self).evaluate_in_train
+    def evaluates_after_training(self) -> bool:
+        """Hook: True when the evaluated model is the client's post-training personal model and the
+        evaluate instruction carries no payload (docs/methods/fedgh.md §6, Local): sampled clients then
+        evaluate right after training and report in the train reply, which saves one round trip per round
+        (in deployment, one ClientApp process per client); only clients not sampled get a separate
+        evaluate message. False by default; called once in ``__init__`` with ``self.options`` set, kept as
+        ``eval_after_training``."""
+        return False
 
     def global_arrays(self) -> Arrays:
         """The server's current shared arrays (e.g. FedGH's header); empty by default."""
@@ -339,7 +338,7 @@ class HeteroStrategy:
         next round would receive (:meth:`train_payload` of round ``server_round + 1``), its reply not
         used by the server. ``step`` (1, 2, ...) is the message's round in the client's fresh state
         ``scope``. Returns the valid train replies (with their evaluation when
-        ``evaluate_in_train``). Methods whose new clients get something else override it, leaving
+        ``eval_after_training``). Methods whose new clients get something else override it, leaving
         the server's state unchanged."""
         config = self.generalization_config(step)
         messages = [
@@ -453,7 +452,7 @@ class HeteroStrategy:
             train_metrics["server-rolled-back"] = 1
             log.warning("Round %d: the server update made the server state %s; rolled back", server_round, broken)
         t1 = time.perf_counter()
-        eval_metrics = self.evaluate_round(server_round, evaluated_in_train(replies))
+        eval_metrics = self.evaluate_round(server_round, evaluations_in(replies))
         t2 = time.perf_counter()
         row = round_row(
             server_round,
@@ -651,16 +650,16 @@ class HeteroStrategy:
 
     def generalization_config(self, step: int) -> ConfigRecord:
         """The training settings of a held-out client's personalisation round ``step``: as
-        :meth:`train_config`, evaluating right after training when ``evaluate_in_train``, never recorded."""
+        :meth:`train_config`, evaluating right after training when ``eval_after_training``, never recorded."""
         config = self.train_config(step)
-        config["evaluate"], config["record"] = self.evaluate_in_train, False
+        config["evaluate"], config["record"] = self.eval_after_training, False
         return config
 
     def train_config(self, server_round: int) -> ConfigRecord:
         """The training settings sent with every train instruction (:func:`train_config`); ``evaluate``
-        asks the client to evaluate after training (see ``evaluate_in_train``)."""
+        asks the client to evaluate after training (see ``eval_after_training``)."""
         return ConfigRecord(
-            train_config(self.cfg, server_round, self.evaluate_in_train and self.is_eval_round(server_round))
+            train_config(self.cfg, server_round, self.eval_after_training and self.is_eval_round(server_round))
         )
 
 

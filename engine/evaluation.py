@@ -1,15 +1,15 @@
 """The evaluation of the clients' personal models, in one place.
 
 A round's evaluation reaches a client one of two ways. A method whose evaluated model is the
-client's post-training personal model (``HeteroStrategy.evaluate_in_train``) asks its sampled clients
+client's post-training personal model (``MethodServer.evaluates_after_training``) asks its sampled clients
 to evaluate right after training: the train message's config carries ``evaluate``
 (``common.protocol.train_config``), the client runs its evaluation in the same message
 (``client_app.handlers``) and replies with its evaluate metrics under ``eval-`` names, which the transport
 then expects in train replies (``common.metrics.declared_metrics``). Every other client to evaluate
 gets an evaluate message. :func:`evaluate_clients` takes the evaluations carried by train replies
-(:func:`evaluated_in_train`), asks the rest, and aggregates both (:func:`aggregate_evaluation`),
+(:func:`evaluations_in`), asks the rest, and aggregates both (:func:`aggregate_evaluation`),
 naming the clients asked that gave no valid evaluation. The round's evaluation
-(``HeteroStrategy.evaluate_round``) and a generalisation phase (``engine.heldout_phase``) both
+(``MethodServer.evaluate_round``) and a generalisation phase (``engine.heldout_phase``) both
 use it.
 """
 
@@ -50,9 +50,9 @@ def evaluate_clients(
     return aggregate_evaluation(replies, [transport.clients[node]["partition-id"] for node in nodes])
 
 
-def evaluated_in_train(replies: list[ClientReply]) -> list[ClientReply]:
+def evaluations_in(replies: list[ClientReply]) -> list[ClientReply]:
     """The evaluations carried by train replies (``eval-`` metrics, see
-    ``HeteroStrategy.evaluate_in_train``), as evaluate replies without payload."""
+    ``MethodServer.evaluates_after_training``), as evaluate replies without payload."""
     return [
         ClientReply(
             r.node_id,

@@ -4,7 +4,7 @@ Run config table ``[generalization]`` (``common.heldout``) holds partitions out 
 Every ``generalization.every`` rounds and after the last round (or the round ``stop-patience`` ends
 the run on), :func:`run_phase` serves each connected held-out client for ``generalization.rounds``
 personalisation rounds through the strategy's hooks ``begin_generalization``, ``personalize`` and
-``end_generalization`` (``engine.contract.HeteroStrategy``), and evaluates it on its own test split
+``end_generalization`` (``engine.contract.MethodServer``), and evaluates it on its own test split
 before the first and after each. Each phase runs under a state scope of its own (message config ``state-scope``), so a
 held-out client starts every phase from nothing and the run's state is never touched; the server's
 state is left as it was (the method's hooks must not change it). The phase's bytes are reported
@@ -25,14 +25,14 @@ from flwr.app import ConfigRecord
 
 from common.payload import ClientReply
 from common.protocol import SERVER_ROUND
-from engine.evaluation import evaluate_clients, evaluated_in_train
+from engine.evaluation import evaluate_clients, evaluations_in
 from engine.roster import Roster
 from engine.round_rows import RoundCounters
 from engine.transport import Transport
 
 
 class HeldOutHost(Protocol):
-    """What a phase needs of its strategy (``engine.contract.HeteroStrategy`` is one)."""
+    """What a phase needs of its strategy (``engine.contract.MethodServer`` is one)."""
 
     roster: Roster
     transport: Transport
@@ -85,7 +85,7 @@ def run_phase(strategy: HeldOutHost, server_round: int) -> dict[str, Any]:
             record = evaluate_clients(
                 transport,
                 nodes,
-                evaluated_in_train(replies),
+                evaluations_in(replies),
                 lambda n: strategy.eval_payload(n, server_round),
                 config,
                 step,

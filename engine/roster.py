@@ -7,7 +7,7 @@ asked before round 1: each round samples K of the connected nodes in node-id ord
 sampled ones it does not know yet, so neither start-up nor a round grows with N (Flower's simulation
 engine looks at every waiting message for every node, so asking all N nodes costs O(N^2) there), at
 the price that which partitions a seed samples follows the nodes' ids. A :class:`Roster` is built by
-``engine.contract.HeteroStrategy`` from explicit inputs (the run config, the round counters it
+``engine.contract.MethodServer`` from explicit inputs (the run config, the round counters it
 records dropped clients in, the strategy's seeded ``rng``); the handshake and the refresh send
 their queries through the transport they are given.
 """
@@ -76,7 +76,7 @@ class Roster:
         counters: where dropped queries and this round's dropped partitions are recorded.
         rng: the seeded generator that samples each round's clients.
         query_in_train: handshake "sampled": a drawn node not known yet answers the handshake's query in
-            its train reply (one message instead of a query first; ``HeteroStrategy.query_first``).
+            its train reply (one message instead of a query first; ``MethodServer.query_first``).
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 payload, the exchange (push, then pull at a short interval until every reply is in or the round
 times out), payload bytes counted per message category, and every reply checked before use.
 
-A :class:`Transport` is built by ``engine.contract.HeteroStrategy`` from explicit inputs: the run
+A :class:`Transport` is built by ``engine.contract.MethodServer`` from explicit inputs: the run
 config, the method's :class:`ReplyRules` (its schemas, declared metrics and reply checks), the node
 registry's ``clients`` (read only) and the :class:`engine.round_rows.RoundCounters` it counts into.
 """
@@ -60,12 +60,12 @@ class DuplicateReply(PayloadError):
 @dataclass(frozen=True)
 class ReplyRules:
     """What the transport needs of a method to build messages and check replies, settled from the
-    method's binding before the transport is built (``engine.contract.HeteroStrategy``).
+    method's binding before the transport is built (``engine.contract.MethodServer``).
 
     Attributes:
         schemas: message type -> (server->client, client->server) payload schema.
         metrics: message category -> the method's declared reply metrics.
-        evaluate_in_train: whether evaluation rides in train replies (the declared evaluate metrics
+        eval_after_training: whether evaluation rides in train replies (the declared evaluate metrics
             are then expected in train replies too, ``common.metrics.declared_metrics``).
         check_reply: the method's own checks of a reply's metrics, ``(message_type, metrics)``;
             raises ``common.payload.PayloadError`` to drop the reply.
@@ -76,7 +76,7 @@ class ReplyRules:
 
     schemas: Schemas
     metrics: Mapping[str, Mapping[str, MetricSpec]]
-    evaluate_in_train: bool
+    eval_after_training: bool
     check_reply: Callable[[str, Mapping[str, Any]], None]
     reply_dims: Callable[[int], dict[str, int]]
 
@@ -107,7 +107,7 @@ class Transport:
         #: the run that started it, kept by a resumed run so clients find their state again
         self.state_key = "in-memory"
         #: sent as message config ``client-state-dir``: where clients without any ``state-dir`` keep
-        #: their state (a simulation's run folder, see ``HeteroStrategy.start``); empty: context.state
+        #: their state (a simulation's run folder, see ``MethodServer.start``); empty: context.state
         self.client_state_dir = ""
         self.timeout = cfg.round_timeout
         #: in a simulation, the most messages of one exchange that wait for replies at once (asked
@@ -248,7 +248,7 @@ class Transport:
         """
         category = _category(message_type)
         up = self.rules.schemas[message_type][1]
-        declared = declared_metrics(category, self.rules.metrics, self.rules.evaluate_in_train)
+        declared = declared_metrics(category, self.rules.metrics, self.rules.eval_after_training)
         valid: list[ClientReply] = []
         answered: set[int] = set()  # partitions with a valid reply in this exchange
         for reply in replies:

@@ -39,7 +39,7 @@ from common.payload import BASE_SCHEMAS, RECEIVED_ROW_FACTOR, ClientReply
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model, trained_class_means
-from engine.contract import ClientProcedure, HeteroStrategy, Method, MethodBinding
+from engine.contract import ClientProcedure, Method, MethodBinding, MethodServer
 from engine.robust import require_aggregation
 from methods.blocks.prototypes import (
     CLASS_AGGREGATIONS,
@@ -104,11 +104,14 @@ def fd_loss(
     return ce + lam * kd_loss(logits[known], targets[labels[known]]) * known.sum() / len(labels)
 
 
-class FDStrategy(HeteroStrategy):
+class FDStrategy(MethodServer):
     """FD server: averages the uploaded per-class logits per class."""
 
-    evaluate_in_train = True
     checkpointed = ("global_logits",)
+
+    def evaluates_after_training(self) -> bool:
+        """Yes: the evaluated model is the post-training personal model, and evaluation needs no payload."""
+        return True
 
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
         super().__init__(cfg, binding, results)

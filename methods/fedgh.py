@@ -37,7 +37,7 @@ from common.payload import BASE_SCHEMAS, NO_PAYLOAD, ROW_NORM_FACTOR, ArraySpec,
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import train_personal_model, trained_class_means
-from engine.contract import ClientProcedure, HeteroStrategy, Method, MethodBinding
+from engine.contract import ClientProcedure, Method, MethodBinding, MethodServer
 from engine.robust import BOUNDED, require_aggregation
 from methods.blocks.heads import (
     GLOBAL_HEAD_METRICS,
@@ -146,13 +146,12 @@ def train_header(
     return {"server-num-lars": len(labels), "server-ce-before": before, "server-ce-after": after}
 
 
-class FedGHStrategy(HeteroStrategy):
+class FedGHStrategy(MethodServer):
     """FedGH server: holds the global header θ = Linear(d, C) and trains it each round.
 
     θ⁰ is PyTorch's default Linear init drawn from ``seed`` (section 5).
     """
 
-    evaluate_in_train = True  # the primary metric is the post-training model (section 6)
     checkpointed = ("header", "header_generator")
 
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
@@ -160,8 +159,9 @@ class FedGHStrategy(HeteroStrategy):
         self.header = initial_header(self.dims["d"], self.dims["C"], cfg.seed)
         self.header_generator = torch.Generator().manual_seed(cfg.seed)
 
-    def evaluates_in_train(self) -> bool:
-        """Not with ``eval-global-head``: the secondary metric needs the header *after* this round's server step."""
+    def evaluates_after_training(self) -> bool:
+        """The primary metric is the post-training model (section 6); not with ``eval-global-head``: the
+        secondary metric needs the header *after* this round's server step."""
         return not self.options.eval_global_head
 
     def global_arrays(self) -> dict[str, np.ndarray]:

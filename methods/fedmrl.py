@@ -162,7 +162,7 @@ class FedMRLStrategy(SharedModelStrategy):
 
     build_shared = staticmethod(small_model)
 
-    def evaluates_in_train(self) -> bool:
+    def evaluates_after_training(self) -> bool:
         """Only with ``eval-protocol = "official"`` (the post-training models, as the authors' code)."""
         return self.options.eval_protocol == "official"
 

@@ -33,7 +33,7 @@ from common.payload import BASE_SCHEMAS, NO_PAYLOAD, ClientReply
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import evaluation_metrics, train_personal_model, trained_class_means
-from engine.contract import ClientProcedure, HeteroStrategy, Method, MethodBinding
+from engine.contract import ClientProcedure, Method, MethodBinding, MethodServer
 from engine.robust import require_aggregation
 from methods.blocks.prototypes import (
     CLASS_AGGREGATIONS,
@@ -61,7 +61,7 @@ class FedProtoOptions(RegularizerOptions):
         self.require_per_example(cfg)
 
 
-class FedProtoStrategy(HeteroStrategy):
+class FedProtoStrategy(MethodServer):
     """FedProto server: per-class unweighted mean of this round's uploads (no learned state)."""
 
     checkpointed = ("global_set",)

@@ -80,7 +80,7 @@ from common.payload import BASE_SCHEMAS, ROW_NORM_FACTOR, ArraySpec, ClientReply
 from common.protocol import PARTITION_ID, SERVER_ROUND, TRAIN_HEAD, Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import EVAL_BATCH, train_personal_model, trained_class_means
-from engine.contract import ClientProcedure, HeteroStrategy, Method, MethodBinding
+from engine.contract import ClientProcedure, Method, MethodBinding, MethodServer
 from engine.robust import BOUNDED, bound_by_median, require_aggregation
 from engine.round_rows import round_metrics
 from methods.blocks.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
@@ -317,7 +317,7 @@ def bound_entangled(replies: list[ClientReply]) -> tuple[list[ClientReply], int]
     return out, scaled
 
 
-class FedREStrategy(HeteroStrategy):
+class FedREStrategy(MethodServer):
     """FedRE server: holds the global head φ = Linear(d, C), trains it on (z, y), sends it to all.
 
     φ⁰ is PyTorch's default Linear init drawn from ``seed`` (section 5). The evaluated
@@ -325,7 +325,6 @@ class FedREStrategy(HeteroStrategy):
     exchange with every client carrying the head (sections 4 steps 6-7, 6).
     """
 
-    evaluate_in_train = False
     checkpointed = ("head", "head_generator")
     query_first = True  # partition 0 trains the head (head-source = client-0): known before its train message
 

@@ -51,7 +51,7 @@ from common.payload import BASE_SCHEMAS, NO_PAYLOAD, ArraySpec, ClientReply, Pay
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import evaluation_metrics, train_personal_model, trained_class_means
-from engine.contract import ClientProcedure, HeteroStrategy, Method, MethodBinding
+from engine.contract import ClientProcedure, Method, MethodBinding, MethodServer
 from engine.robust import BOUNDED, require_aggregation
 from methods.blocks.prototypes import (
     ROW_AGGREGATIONS,
@@ -250,7 +250,7 @@ def prototype_diagnostics(new: np.ndarray, old: np.ndarray | None) -> dict[str, 
     return out
 
 
-class FedTGPStrategy(HeteroStrategy):
+class FedTGPStrategy(MethodServer):
     """FedTGP server: the generator persists across rounds; P̂ is regenerated after every update."""
 
     checkpointed = ("generator", "batch_rng", "global_set", "margin_hold")

@@ -65,7 +65,7 @@ class LGFedAvgStrategy(SharedModelStrategy):
 
     build_shared = staticmethod(global_head)
 
-    def evaluates_in_train(self) -> bool:
+    def evaluates_after_training(self) -> bool:
         """Not with ``eval-global-head``: the secondary metric needs the head *after* this round's average."""
         return not self.options.eval_global_head
 

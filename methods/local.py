@@ -13,14 +13,17 @@ from common.payload import NO_PAYLOAD_SCHEMAS
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import train_personal_model
-from engine.contract import ClientProcedure, HeteroStrategy, Method
+from engine.contract import ClientProcedure, Method, MethodServer
 
 
-class LocalStrategy(HeteroStrategy):
+class LocalStrategy(MethodServer):
     """Server of the Local baseline: no server state, no server step."""
 
-    evaluate_in_train = True
     checkpointed = ()
+
+    def evaluates_after_training(self) -> bool:
+        """Yes: nothing is sent, the personal model is what is evaluated."""
+        return True
 
 
 class LocalClient(ClientProcedure):

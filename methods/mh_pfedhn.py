@@ -57,7 +57,7 @@ from common.protocol import SERVER_ROUND, TRAIN_GLOBAL, Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model, train_supervised
 from engine import client_dp
-from engine.contract import ClientProcedure, HeteroStrategy, Method, MethodBinding
+from engine.contract import ClientProcedure, Method, MethodBinding, MethodServer
 from engine.robust import RobustAggregator
 from engine.round_rows import round_metrics
 from methods.blocks.hypernetwork import HyperNetwork, flat_delta, hn_step, load_flat, num_params
@@ -124,13 +124,12 @@ class HNGDOptions(HNOptions):
             require_private_module(model, "mh-pfedhngd.global-model", self.global_model, self.global_model)
 
 
-class MHpFedHNStrategy(HeteroStrategy):
+class MHpFedHNStrategy(MethodServer):
     """MH-pFedHN server: hypernetwork, Adam over all its parameters, sequential or parallel steps.
 
     Built after the handshake (section 5): one embedding per partition id, heads per tau.
     """
 
-    evaluate_in_train = False  # the evaluated model is h(v_i) after the round (section 6)
     checkpointed = ("hn", "optimizer")  # and the registry (server_state): key -> K in registration order
     query_first = True  # a client's weights are generated for its partition and parameter count
     #: the upload is a model change: client-level DP applies, each ``delta_theta`` noised alone before its step;

@@ -13,7 +13,7 @@ from common.config import ConfigError, RunConfig
 from common.options import declared_defaults, option_rows, option_table
 from common.protocol import MESSAGE_TYPES
 from common.run_folder import ResultsWriter
-from engine.contract import SHARED_OPTION_TABLES, ClientProcedure, HeteroStrategy, Method
+from engine.contract import SHARED_OPTION_TABLES, ClientProcedure, Method, MethodServer
 from methods import fd, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml, lg_fedavg, local, mh_pfedhn
 
 METHODS: dict[str, Method] = {
@@ -70,7 +70,7 @@ def method_of(cfg: RunConfig) -> Method:
     return METHODS[cfg.method]
 
 
-def build_strategy(cfg: RunConfig, results: ResultsWriter | None = None) -> HeteroStrategy:
+def build_strategy(cfg: RunConfig, results: ResultsWriter | None = None) -> MethodServer:
     """The method's Strategy for ``cfg`` (validates the method name and its options).
 
     Raises:

@@ -49,7 +49,7 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str) -> ResultsWriter:
     config ``max-untrained-rounds`` rounds: ``common.errors.RunFailed``, with the clients' errors)
     marks ``summary.json`` as ``failed`` and re-raises, so Flower records the run as failed. In a simulation
     (an ``InMemoryGrid``) clients without a ``state-dir`` keep their state in
-    ``<run folder>/client-state`` (``HeteroStrategy.start``'s ``state_in_run_folder``), and at most
+    ``<run folder>/client-state`` (``MethodServer.start``'s ``state_in_run_folder``), and at most
     :func:`simulation_window` messages of an exchange wait at once (``Transport.window``).
     """
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())

@@ -1,4 +1,4 @@
-"""The strategy's collaborators alone, each built from its explicit inputs without a HeteroStrategy:
+"""The strategy's collaborators alone, each built from its explicit inputs without a MethodServer:
 the roster and the transport on the fake grid, the round counters, the checkpoint store."""
 
 from __future__ import annotations

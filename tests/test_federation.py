@@ -313,13 +313,13 @@ def test_sampled_handshake_asks_only_the_sampled_nodes_and_trains_what_the_full_
 
 def test_a_method_that_needs_its_clients_before_training_asks_them_first():
     # a method whose round, reply checks or client registration read the roster must know a node before
-    # its train message (HeteroStrategy.query_first); the others let a new node answer in its train reply
-    from engine.contract import HeteroStrategy
+    # its train message (MethodServer.query_first); the others let a new node answer in its train reply
+    from engine.contract import MethodServer
     from methods.registry import METHODS
 
     hooks = ("train_round", "reply_dims", "joined", "admitted")
     for name, method in METHODS.items():
-        reads_roster = any(getattr(method.strategy, h) is not getattr(HeteroStrategy, h) for h in hooks)
+        reads_roster = any(getattr(method.strategy, h) is not getattr(MethodServer, h) for h in hooks)
         assert method.strategy.query_first == reads_roster, name
     assert {n for n, m in METHODS.items() if m.strategy.query_first} == {"fedre", "mh-pfedhn", "mh-pfedhngd"}
 

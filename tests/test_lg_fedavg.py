@@ -33,7 +33,7 @@ def test_eval_global_head_reports_the_averaged_head_after_the_round(run_config):
     once per evaluated client as evaluation traffic."""
     rc = run_config(**{"method": "lg-fedavg", "num-server-rounds": 1, "lg-fedavg.eval-global-head": True})
     strategy, grid = federation(rc)
-    assert not strategy.evaluate_in_train
+    assert not strategy.eval_after_training
     strategy.start(grid)
     row = strategy.rows[-1]
     assert row["eval_bytes_down"] == rc["num-clients"] * 20_040

@@ -7,7 +7,7 @@ import torch
 from common.config import ConfigError, RunConfig
 from common.run_folder import CHECKPOINT, ResultsWriter
 from conftest import federation
-from engine.contract import NO_METHOD, HeteroStrategy
+from engine.contract import NO_METHOD, MethodServer
 from methods.registry import build_strategy
 
 FAST = {"mh-pfedhn.hidden-dim": 16}
@@ -69,7 +69,7 @@ def test_resume_refuses_other_method_and_unsupported(run_config):
     strategy, _ = federation({**rc, "resume-from": str(first.results.path / "missing")})
     with pytest.raises(FileNotFoundError, match="resume-from"):
         strategy.resume()
-    bare = HeteroStrategy(RunConfig.from_dict(rc), NO_METHOD)  # a method that declares no server state cannot resume
+    bare = MethodServer(RunConfig.from_dict(rc), NO_METHOD)  # a method that declares no server state cannot resume
     assert bare.server_state() is None
     assert np.isfinite(first.rows[0]["accuracy_mean"])
 

@@ -23,7 +23,7 @@ from common.config import ConfigError, RunConfig
 from common.datasets import DATASETS
 from common.payload import BASE_SCHEMAS, ArraySpec, ClientReply, PayloadSchema, Schemas
 from engine import client_dp
-from engine.contract import ClientProcedure, HeteroStrategy, MethodBinding
+from engine.contract import ClientProcedure, MethodBinding, MethodServer
 from engine.robust import RobustAggregator
 from models.base import SplitModel
 from models.cnn import CNN_SHAPES, REPRESENTATION_DIM, SmallCNN
@@ -101,7 +101,7 @@ def shared_module(cfg: RunConfig, layout: str, key: str, d: int | None = None) -
     return SmallCNN(layout, d or REPRESENTATION_DIM, info.num_classes, info.channels, info.image_size)
 
 
-class SharedModelStrategy(HeteroStrategy):
+class SharedModelStrategy(MethodServer):
     """Server of a method that shares one module: the run's ``aggregation`` of the clients' trained
     copies (:class:`engine.robust.RobustAggregator`; ``mean`` is the papers' FedAvg).
 
@@ -119,12 +119,15 @@ class SharedModelStrategy(HeteroStrategy):
             (:func:`engine.robust.check_aggregation`).
     """
 
-    evaluate_in_train = True
     checkpointed = ("shared",)
     #: the upload is a model: client-level DP applies, one Gaussian mechanism per sampled client and round,
     #: hidden in the round's sum, so the sampling amplifies it (``engine.client_dp``)
     client_dp_releases = 1
     client_dp_amplified = True
+
+    def evaluates_after_training(self) -> bool:
+        """Yes by default: each client's personal model after training is what is evaluated."""
+        return True
 
     @staticmethod
     def build_shared(cfg: RunConfig, options: Any) -> nn.Module:
