@@ -16,11 +16,11 @@ Server (:class:`MethodServer`, the method's hooks and one round loop over Flower
   node ids are random, so sampling and ordering by partition id make runs reproducible and
   methods comparable on the same clients (``engine.roster.Roster``);
 - ``max(1, floor(fraction-train * N))`` clients are sampled per round with a seeded RNG;
-- one message per client carries only that client's payload (:meth:`MethodServer.train_payload`
+- one message per client carries only that client's payload (:meth:`MethodServer.configure_train`
   may differ per client); the transport sends, receives, counts payload bytes per message
   category and checks every reply against the method's schema, dropping bad ones with a log
   line, so one broken client never stops a round (``engine.transport.Transport``);
-- :meth:`MethodServer.train_round` is one exchange + :meth:`MethodServer.server_update` by
+- :meth:`MethodServer.train_round` is one exchange + :meth:`MethodServer.aggregate_train` by
   default; methods with sequential server updates or two exchanges per round override it;
 - every client's personal model is evaluated every ``eval-every`` rounds (and the last), one
   results row per round is written as it goes (``engine.round_rows``), and a checkpoint after
@@ -39,7 +39,7 @@ Life of a round (docs/architecture.md walks it step by step; a test keeps every 
    (`engine/transport.py::Transport.message`, settings from `common/protocol.py::train_config`),
    exchanges them (`engine/transport.py::Transport.exchange`), keeps the valid replies
    (`engine/transport.py::Transport.validate`) and calls the method's
-   `engine/contract.py::MethodServer.server_update`;
+   `engine/contract.py::MethodServer.aggregate_train`;
 3. on each client `client_app/handlers.py::handle_message` restores its state
    (`common/runtime.py::ClientRuntime`) and runs the method's `engine/contract.py::ClientProcedure.train`;
 4. `engine/contract.py::MethodServer.evaluate_round` with `engine/evaluation.py::evaluate_clients`:
@@ -235,24 +235,14 @@ class MethodServer:
     Raises:
         ConfigError: an invalid option of the method's table.
 
-    Hooks (all optional): :meth:`global_arrays`, :meth:`train_payload`, :meth:`eval_payload`,
-    :meth:`server_update`, :meth:`reply_dims`, :meth:`check_reply`, :meth:`joined`, :meth:`train_round`,
+    Hooks (all optional): :meth:`global_arrays`, :meth:`configure_train`, :meth:`configure_evaluate`,
+    :meth:`aggregate_train`, :meth:`reply_dims`, :meth:`check_reply`, :meth:`joined`, :meth:`train_round`,
     :meth:`evaluates_after_training`.
     """
 
     #: attributes holding the server state (modules, optimisers, torch Generators, dicts of
     #: arrays) saved in the per-round checkpoint; None: the method cannot resume yet; () stateless
     checkpointed: tuple[str, ...] | None = None
-    #: True when the method must know a client's handshake answer before its train message (its partition
-    #: or sizes: FedRE's head trainer, MH-pFedHN's generated weights; any method overriding
-    #: :meth:`train_round`, :meth:`reply_dims`, :meth:`joined` or :meth:`admitted`). With run config
-    #: ``handshake = "sampled"`` such a method asks a drawn node it does not know yet a query first; any other
-    #: sends the node its train message at once and the node answers the query in its train reply, one
-    #: message instead of two (``engine.roster.Roster.answered``): what a Flower simulation engine
-    #: costs grows with the messages sent (docs/running.md). Recording payloads and differential privacy
-    #: keep the query first too: a download is recorded under its partition, a spent budget is known
-    #: before the client is drawn again.
-    query_first: bool = False
 
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results: Any | None = None) -> None:
         self.cfg = cfg
@@ -266,7 +256,7 @@ class MethodServer:
         self.rng = np.random.default_rng(cfg.seed)
         self.results = results
         self.counters = RoundCounters()
-        query_in_train = not (self.query_first or self.dp.enabled or cfg.record_payloads.strip())
+        query_in_train = not (needs_query_first(type(self)) or self.dp.enabled or cfg.record_payloads.strip())
         self.roster = Roster(cfg, self.counters, self.rng, query_in_train)
         recorder = PayloadRecorder(cfg, None if results is None else results.path)
         rules = ReplyRules(self.schemas, self.metrics, self.eval_after_training, self.check_reply, self.reply_dims)
@@ -294,17 +284,17 @@ class MethodServer:
         """The server's current shared arrays (e.g. FedGH's header); empty by default."""
         return {}
 
-    def train_payload(self, node_id: int, server_round: int) -> Arrays:
+    def configure_train(self, node_id: int, server_round: int) -> Arrays:
         """Arrays sent to ``node_id`` with its train instruction. Default: :meth:`global_arrays`. Unless
-        :attr:`query_first`, ``node_id`` may be a node the roster does not know yet (its first round with
+        :func:`needs_query_first`, ``node_id`` may be a node the roster does not know yet (its first round with
         handshake ``sampled``)."""
         return self.global_arrays()
 
-    def eval_payload(self, node_id: int, server_round: int) -> Arrays:
+    def configure_evaluate(self, node_id: int, server_round: int) -> Arrays:
         """Arrays sent with the evaluate instruction; none by default (clients hold their models)."""
         return {}
 
-    def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+    def aggregate_train(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """The method's server step on this round's valid train replies; returns scalar metrics."""
         return {}
 
@@ -335,21 +325,21 @@ class MethodServer:
     def personalize(self, nodes: list[int], step: int, scope: str, server_round: int) -> list[ClientReply]:
         """One personalisation round of held-out ``nodes`` in a generalisation phase after round
         ``server_round``: by default the method's own train message with what a client sampled in the
-        next round would receive (:meth:`train_payload` of round ``server_round + 1``), its reply not
+        next round would receive (:meth:`configure_train` of round ``server_round + 1``), its reply not
         used by the server. ``step`` (1, 2, ...) is the message's round in the client's fresh state
         ``scope``. Returns the valid train replies (with their evaluation when
         ``eval_after_training``). Methods whose new clients get something else override it, leaving
         the server's state unchanged."""
         config = self.generalization_config(step)
         messages = [
-            self.transport.message("train", n, self.train_payload(n, server_round + 1), config, step, scope)
+            self.transport.message("train", n, self.configure_train(n, server_round + 1), config, step, scope)
             for n in nodes
         ]
         return self.transport.validate("train", self.transport.exchange(messages))
 
     def train_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
         """The method's hook for a round's training (:meth:`run_round`, the loop's round, calls it): by
-        default one train exchange with the sampled clients, then :meth:`server_update`.
+        default one train exchange with the sampled clients, then :meth:`aggregate_train`.
 
         Methods with sequential server updates or several exchanges per round override it, using
         ``self.roster.sample()`` and ``self.transport`` (``message``, ``exchange``, ``validate``).
@@ -364,7 +354,7 @@ class MethodServer:
         pending = set(self.roster.pending)
         messages = [
             self.transport.message(
-                "train", n, self.train_payload(n, server_round), handshake if n in pending else config, server_round
+                "train", n, self.configure_train(n, server_round), handshake if n in pending else config, server_round
             )
             for n in self.roster.sample()
         ]
@@ -372,7 +362,7 @@ class MethodServer:
         replies = self.roster.answered(self.transport, self.transport.exchange(messages, *wait))
         valid = self.transport.validate("train", replies)
         start = time.perf_counter()
-        server = self.server_update(server_round, valid)
+        server = self.aggregate_train(server_round, valid)
         return round_metrics(valid, server, time.perf_counter() - start), valid
 
     # ------------------------------------------------------------------ the run
@@ -511,7 +501,12 @@ class MethodServer:
         asked = [node for node in targets if node in self.roster.connected]
         config = ConfigRecord({SERVER_ROUND: server_round})
         return evaluate_clients(
-            self.transport, asked, evaluated, lambda node: self.eval_payload(node, server_round), config, server_round
+            self.transport,
+            asked,
+            evaluated,
+            lambda node: self.configure_evaluate(node, server_round),
+            config,
+            server_round,
         )
 
     def resume(self) -> int:
@@ -717,3 +712,20 @@ class ClientProcedure:
             metrics["dp-noise-multiplier"] = client.dp.noise_multiplier
             metrics["dp-release-noise-multiplier"] = client.dp.release_noise_multiplier
         return {}, metrics
+
+
+#: the hooks that read what a client answered in the handshake (its partition or sizes): a method that
+#: overrides one must know a node before its train message (:func:`needs_query_first`)
+ROSTER_HOOKS = ("train_round", "reply_dims", "joined", "admitted")
+
+
+def needs_query_first(server: type[MethodServer]) -> bool:
+    """Whether a method's server half must know a client's handshake answer before its train message: it
+    overrides one of :data:`ROSTER_HOOKS` (FedRE's head trainer, MH-pFedHN's generated weights). With run
+    config ``handshake = "sampled"`` such a method asks a drawn node it does not know yet a query first; any
+    other sends the node its train message at once and the node answers the query in its train reply, one
+    message instead of two (``engine.roster.Roster.answered``): what a Flower simulation engine costs grows
+    with the messages sent (docs/running.md). Recording payloads and differential privacy keep the query
+    first too: a download is recorded under its partition, a spent budget is known before the client is
+    drawn again."""
+    return any(getattr(server, hook) is not getattr(MethodServer, hook) for hook in ROSTER_HOOKS)

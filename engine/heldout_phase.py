@@ -43,7 +43,7 @@ class HeldOutHost(Protocol):
 
     def personalize(self, nodes: list[int], step: int, scope: str, server_round: int) -> list[ClientReply]: ...
 
-    def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]: ...
+    def configure_evaluate(self, node_id: int, server_round: int) -> dict[str, np.ndarray]: ...
 
     def end_generalization(self) -> None: ...
 
@@ -86,7 +86,7 @@ def run_phase(strategy: HeldOutHost, server_round: int) -> dict[str, Any]:
                 transport,
                 nodes,
                 evaluations_in(replies),
-                lambda n: strategy.eval_payload(n, server_round),
+                lambda n: strategy.configure_evaluate(n, server_round),
                 config,
                 step,
                 scope,

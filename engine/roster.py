@@ -76,7 +76,7 @@ class Roster:
         counters: where dropped queries and this round's dropped partitions are recorded.
         rng: the seeded generator that samples each round's clients.
         query_in_train: handshake "sampled": a drawn node not known yet answers the handshake's query in
-            its train reply (one message instead of a query first; ``MethodServer.query_first``).
+            its train reply (one message instead of a query first; ``engine.contract.needs_query_first``).
     """
 
     def __init__(

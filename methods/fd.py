@@ -121,7 +121,7 @@ class FDStrategy(MethodServer):
         """``logits`` [a, C] and ``mask`` [C] of the last round (empty before round 1's update)."""
         return dict(self.global_logits)
 
-    def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+    def aggregate_train(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """ẑ_c = mean of the uploaded per-class logits of class c, under run config ``aggregation``
         (:func:`methods.blocks.prototypes.aggregate_class_sets`); a round whose valid replies upload
         no logits at all (none arrived, or each carries zero classes) keeps the previous global

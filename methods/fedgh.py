@@ -168,11 +168,11 @@ class FedGHStrategy(MethodServer):
         """The header (:func:`header_arrays`)."""
         return header_arrays(self.header)
 
-    def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
+    def configure_evaluate(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
         """The current header when ``eval-global-head`` is on (secondary metric), else nothing."""
         return self.global_arrays() if self.options.eval_global_head else {}
 
-    def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+    def aggregate_train(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """Train the header on the round's LARs (:func:`train_header`), under ``norm-bound`` bounded
         first (:func:`methods.blocks.prototypes.bound_class_rows`)."""
         bounded = {}

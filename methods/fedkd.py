@@ -186,7 +186,7 @@ class FedKDStrategy(SharedModelStrategy):
         """Every rank symbol at its largest (:func:`rank_limits`: nothing cut)."""
         return {**super().recording_dims(model), **rank_limits(self.shared)}
 
-    def train_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
+    def configure_train(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
         """The mentee compressed at T_t (computed once per round)."""
         if self._broadcast[0] != server_round:
             self._broadcast = (
@@ -195,14 +195,14 @@ class FedKDStrategy(SharedModelStrategy):
             )
         return self._broadcast[1]
 
-    def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+    def aggregate_train(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """θ^t = the run's ``aggregation`` of the reconstructed mentees (``mean``: their sample-weighted
         mean; client-level DP's noisy mean of clipped updates with ``client-dp.epsilon`` > 0), the reference
         being the mentee the clients rebuilt from this round's broadcast."""
         shapes = {k: tuple(v.shape) for k, v in self.shared.state_dict().items()}
         full = [ClientReply(r.node_id, r.partition_id, svd_decompress(r.arrays, shapes), r.metrics) for r in replies]
         # what every client started from: the broadcast compressed at T_t, rebuilt as they rebuilt it
-        sent = svd_decompress(self.train_payload(0, server_round), shapes)
+        sent = svd_decompress(self.configure_train(0, server_round), shapes)
         averaged, metrics = self.aggregate(sent, full, server_round)
         if averaged is not None:  # unchanged when no reply trained on an example
             load_arrays(self.shared, averaged)

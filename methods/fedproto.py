@@ -74,11 +74,11 @@ class FedProtoStrategy(MethodServer):
         """``protos`` [C_avail, K] and ``mask`` [C] of the last round (empty before round 1's update)."""
         return dict(self.global_set)
 
-    def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
+    def configure_evaluate(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
         """Evaluation uses the global prototypes (nearest-prototype inference)."""
         return self.global_arrays()
 
-    def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+    def aggregate_train(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """P̄^c = unweighted mean of the uploaded P_i^c for every class uploaded this round, under run
         config ``aggregation`` (:func:`methods.blocks.prototypes.aggregate_class_sets`).
 

@@ -326,7 +326,6 @@ class FedREStrategy(MethodServer):
     """
 
     checkpointed = ("head", "head_generator")
-    query_first = True  # partition 0 trains the head (head-source = client-0): known before its train message
 
     def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
         super().__init__(cfg, binding, results)
@@ -337,12 +336,12 @@ class FedREStrategy(MethodServer):
         """The global head (:func:`methods.blocks.heads.header_arrays`)."""
         return header_arrays(self.head)
 
-    def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
+    def configure_evaluate(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
         """The head after this round's server step: clients evaluate (and keep) it."""
         return self.global_arrays()
 
     def train_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
-        """One train exchange and :meth:`server_update`; under ``head-source = "client-0"`` partition 0
+        """One train exchange and :meth:`aggregate_train`; under ``head-source = "client-0"`` partition 0
         is sent :data:`TRAIN_HEAD` (its reply adds its trained head) in the same exchange, and its
         reply is checked against that message type's schema."""
         if self.options.head_source == "server":
@@ -351,7 +350,7 @@ class FedREStrategy(MethodServer):
         nodes = self.roster.sample()
         kinds = {n: TRAIN_HEAD if self.roster.clients[n][PARTITION_ID] == 0 else "train" for n in nodes}
         messages = [
-            self.transport.message(kinds[n], n, self.train_payload(n, server_round), config, server_round)
+            self.transport.message(kinds[n], n, self.configure_train(n, server_round), config, server_round)
             for n in nodes
         ]
         replies = self.transport.exchange(messages)
@@ -364,10 +363,10 @@ class FedREStrategy(MethodServer):
         ]
         valid.sort(key=lambda r: r.partition_id)
         start = time.perf_counter()
-        server = self.server_update(server_round, valid)
+        server = self.aggregate_train(server_round, valid)
         return round_metrics(valid, server, time.perf_counter() - start), valid
 
-    def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+    def aggregate_train(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """Train the head on the round's entangled pairs (:func:`train_head`), under ``norm-bound``
         with each ``z`` bounded first (:func:`bound_entangled`). Under ``head-source = "client-0"``
         the head is first replaced by partition 0's uploaded head when its reply carries one (row

@@ -269,11 +269,11 @@ class FedTGPStrategy(MethodServer):
         """``global_protos`` [C, K] after the first server update; empty before."""
         return {k: v.copy() for k, v in self.global_set.items()}
 
-    def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
+    def configure_evaluate(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
         """Evaluation uses the global prototypes (nearest-prototype inference)."""
         return self.global_arrays()
 
-    def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+    def aggregate_train(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """Train the generator on the round's prototypes (under ``norm-bound`` bounded first, see the
         module docstring; ``server-bounded`` counts the scaled rows), then emit P̂ for all C classes."""
         bounded = {}

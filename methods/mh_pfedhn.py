@@ -131,7 +131,6 @@ class MHpFedHNStrategy(MethodServer):
     """
 
     checkpointed = ("hn", "optimizer")  # and the registry (server_state): key -> K in registration order
-    query_first = True  # a client's weights are generated for its partition and parameter count
     #: the upload is a model change: client-level DP applies, each ``delta_theta`` noised alone before its step;
     #: the step shows who was sampled, so the sampling is not credited (``engine.client_dp``)
     client_dp_releases = 1
@@ -311,7 +310,7 @@ class MHpFedHNStrategy(MethodServer):
         with torch.no_grad():
             return {"theta": self.serving.generate(self.key(node_id)).numpy().copy()}
 
-    def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
+    def configure_evaluate(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
         """The post-round generated weights: the evaluated model (section 6)."""
         return self.weights_for(node_id)
 

@@ -168,8 +168,8 @@ def test_mean_is_the_papers_server_step_bit_for_bit(method):
         return build_strategy(RunConfig.from_dict(make_run_config(method=method, aggregation=rule, **overrides)))
 
     plain, bounded, direct = strategy("mean"), strategy("norm-bound"), strategy("mean")
-    metrics = plain.server_update(1, replies)
-    bounded_metrics = bounded.server_update(1, replies)
+    metrics = plain.aggregate_train(1, replies)
+    bounded_metrics = bounded.aggregate_train(1, replies)
     if method in ("fedproto", "fd"):
         expected, _ = class_average(replies, *names[method], 10, width)
     else:
@@ -220,7 +220,7 @@ def test_per_class_median_and_trimmed_mean(rule):
     ]
     cfg = RunConfig.from_dict(make_run_config(method="fedproto", aggregation=rule, **{"trim-fraction": 0.25}))
     strategy = build_strategy(cfg)
-    metrics = strategy.server_update(1, replies)
+    metrics = strategy.aggregate_train(1, replies)
     protos = strategy.global_arrays()["protos"]
     assert np.linalg.norm(protos, axis=1) == pytest.approx([3.0, 2.0], rel=1e-5)
     assert metrics["server-num-classes"] == 2 and metrics[BOUNDED] == 2

@@ -225,7 +225,7 @@ def test_largest_expected_work_is_pushed_first_and_replies_keep_the_sent_order(r
         group.architecture_for(strategy.roster.clients[slow]["partition-id"]): 1000.0
     }
     train = [
-        strategy.transport.message("train", n, strategy.train_payload(n, 1), ConfigRecord(), 1)
+        strategy.transport.message("train", n, strategy.configure_train(n, 1), ConfigRecord(), 1)
         for n in strategy.roster.nodes
     ]
     assert max(train, key=strategy.transport.expected_seconds).metadata.dst_node_id == slow
@@ -313,15 +313,18 @@ def test_sampled_handshake_asks_only_the_sampled_nodes_and_trains_what_the_full_
 
 def test_a_method_that_needs_its_clients_before_training_asks_them_first():
     # a method whose round, reply checks or client registration read the roster must know a node before
-    # its train message (MethodServer.query_first); the others let a new node answer in its train reply
-    from engine.contract import MethodServer
+    # its train message (engine.contract.needs_query_first, derived from which hooks it overrides); the
+    # others let a new node answer in its train reply
+    from engine.contract import MethodServer, needs_query_first
     from methods.registry import METHODS
 
-    hooks = ("train_round", "reply_dims", "joined", "admitted")
-    for name, method in METHODS.items():
-        reads_roster = any(getattr(method.strategy, h) is not getattr(MethodServer, h) for h in hooks)
-        assert method.strategy.query_first == reads_roster, name
-    assert {n for n, m in METHODS.items() if m.strategy.query_first} == {"fedre", "mh-pfedhn", "mh-pfedhngd"}
+    assert {n for n, m in METHODS.items() if needs_query_first(m.strategy)} == {"fedre", "mh-pfedhn", "mh-pfedhngd"}
+
+    class ReadsTheRoster(MethodServer):
+        def reply_dims(self, reply):
+            return {}
+
+    assert needs_query_first(ReadsTheRoster) and not needs_query_first(MethodServer)
 
 
 @pytest.mark.parametrize(

@@ -150,9 +150,9 @@ def test_matches_hand_written_sgd_and_ignores_arrival_order():
 def test_update_uses_only_this_rounds_lars():
     strategy = FEDGH_METHOD.build_strategy(RunConfig.from_dict(make_run_config(aggregation="mean")))
     start = copy.deepcopy(strategy.header.state_dict())
-    strategy.server_update(1, synthetic_replies(seed=9))
+    strategy.aggregate_train(1, synthetic_replies(seed=9))
     mid = copy.deepcopy(strategy.header.state_dict())
-    strategy.server_update(2, synthetic_replies(seed=1))
+    strategy.aggregate_train(2, synthetic_replies(seed=1))
     reference = fresh_header()
     reference.load_state_dict(mid)
     train_header(reference, synthetic_replies(seed=1), strategy.options, torch.Generator())

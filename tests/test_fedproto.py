@@ -27,7 +27,7 @@ def test_fedproto_server_is_unweighted_class_mean():
         )
         for i, labels in enumerate([[0, 2], [2], [2, 5]])
     ]
-    strategy.server_update(1, replies)
+    strategy.aggregate_train(1, replies)
     out = strategy.global_arrays()
     assert out["mask"].tolist() == [c in (0, 2, 5) for c in range(10)]
     expected2 = (replies[0].arrays["protos"][1] + replies[1].arrays["protos"][0] + replies[2].arrays["protos"][0]) / 3

@@ -101,7 +101,7 @@ def test_margin_freeze_server_step_holds_the_level_when_the_rule_rises_and_falls
     rules = [rule_of(u) for u in FREEZE_ROUNDS]
     assert rules[0] < LEVEL < rules[1] < rules[2] and rules[3] < LEVEL
     strategy = freeze_strategy(LEVEL)
-    metrics = [strategy.server_update(t + 1, u) for t, u in enumerate(FREEZE_ROUNDS)]
+    metrics = [strategy.aggregate_train(t + 1, u) for t, u in enumerate(FREEZE_ROUNDS)]
     assert [m["server-margin"] for m in metrics] == [rules[0], LEVEL, LEVEL, LEVEL]
     assert [m["server-margin-frozen"] for m in metrics] == [0, 1, 1, 1]
     assert strategy.margin_hold == {"frozen": True}
@@ -113,7 +113,7 @@ def test_margin_freeze_off_is_the_rule_unchanged():
     # off, and on at a level no round reaches: the same margins, metrics and global prototypes' bytes
     off, unreached = freeze_strategy(0.0), freeze_strategy(100.0)
     for t, u in enumerate(FREEZE_ROUNDS):
-        a, b = off.server_update(t + 1, u), unreached.server_update(t + 1, u)
+        a, b = off.aggregate_train(t + 1, u), unreached.aggregate_train(t + 1, u)
         assert a["server-margin"] == rule_of(u) and "server-margin-frozen" not in a
         assert b["server-margin-frozen"] == 0 and a == {k: v for k, v in b.items() if k != "server-margin-frozen"}
         assert off.global_arrays()["global_protos"].tobytes() == unreached.global_arrays()["global_protos"].tobytes()
@@ -123,7 +123,7 @@ def test_margin_freeze_off_is_the_rule_unchanged():
 def test_margin_freeze_survives_a_checkpoint_round_trip(tmp_path):
     strategy = freeze_strategy(LEVEL)
     for t, u in enumerate(FREEZE_ROUNDS[:2]):
-        strategy.server_update(t + 1, u)
+        strategy.aggregate_train(t + 1, u)
     writer = ResultsWriter(tmp_path, "run", strategy.cfg.as_dict())
     writer.write_checkpoint(
         strategy.checkpoints.build(2, "key", strategy.rng, strategy.counters, [], strategy.server_state())
@@ -133,9 +133,9 @@ def test_margin_freeze_survives_a_checkpoint_round_trip(tmp_path):
     load_server_state(resumed, load_checkpoint(writer.path)["server"])
     assert resumed.margin_hold == {"frozen": True}
     # the rule falls below the level in round 4: the resumed server holds it, as the one that went on does
-    after = [s.server_update(3 + t, u) for s in (strategy, resumed) for t, u in enumerate(FREEZE_ROUNDS[2:])]
+    after = [s.aggregate_train(3 + t, u) for s in (strategy, resumed) for t, u in enumerate(FREEZE_ROUNDS[2:])]
     assert after[:2] == after[2:] and [m["server-margin"] for m in after] == [LEVEL] * 4
-    assert fresh.server_update(4, FREEZE_ROUNDS[3])["server-margin"] == rule_of(FREEZE_ROUNDS[3]) < LEVEL
+    assert fresh.aggregate_train(4, FREEZE_ROUNDS[3])["server-margin"] == rule_of(FREEZE_ROUNDS[3]) < LEVEL
 
 
 # 5: the implemented ACL is Eq. 10
@@ -176,7 +176,7 @@ def test_generator_learns_and_persists():
         RunConfig.from_dict(make_run_config(method="fedtgp", **{"model-group": "htfe2"}))
     )
     strategy.dims = {"C": 10, "d": K}
-    strategy.server_update(
+    strategy.aggregate_train(
         1,
         [
             ClientReply(0, 0, {"protos": r.arrays["protos"], "proto_labels": r.arrays["proto_labels"]}, {})
@@ -285,14 +285,14 @@ def test_fedtgp_rows_carry_prototype_diagnostics(run_config):
     )
     strategy, grid = federation(rc)
     olds, rules = [], []
-    original = strategy.server_update
+    original = strategy.aggregate_train
 
     def spy(server_round, replies):
         olds.append(strategy.global_set.get("global_protos"))
         rules.append(rule_of(replies))
         return original(server_round, replies)
 
-    strategy.server_update = spy
+    strategy.aggregate_train = spy
     strategy.start(grid)
     rows = strategy.rows
     assert all(r["server_margin"] > 0 for r in rows) and "server_proto_shift" not in rows[0]

@@ -210,14 +210,14 @@ def test_hostile_empty_round_keeps_the_global_state(run_config, method, state, e
 
     strategy, grid = federation(rc, tamper)
     kept = []
-    original = strategy.server_update
+    original = strategy.aggregate_train
 
-    def server_update(server_round, replies):
+    def aggregate_train(server_round, replies):
         metrics = original(server_round, replies)
         kept.append({k: v.copy() for k, v in getattr(strategy, state).items()})
         return metrics
 
-    strategy.server_update = server_update
+    strategy.aggregate_train = aggregate_train
     strategy.start(grid)
     assert [r["num_clients"] for r in strategy.rows] == [3, 0 if empty == "no valid reply" else 1, 3]
     assert kept[0] and kept[1].keys() == kept[0].keys()
@@ -504,13 +504,13 @@ def test_hostile_outlying_representation_is_scaled_to_the_round_bound(run_config
     seen = []
     rc = run_config(**{"method": "fedre", "num-clients": 3, "num-server-rounds": 2})
     strategy, grid = federation(rc, attacker("train", attack))
-    original = strategy.server_update
+    original = strategy.aggregate_train
 
-    def server_update(server_round, replies):
+    def aggregate_train(server_round, replies):
         seen.append({r.partition_id: float(np.linalg.norm(r.arrays["z"])) for r in replies})
         return original(server_round, replies)
 
-    strategy.server_update = server_update
+    strategy.aggregate_train = aggregate_train
     strategy.start(grid)
     assert [r["clipped_rows"] for r in strategy.rows] == [1, 1]
     for norms in seen:
@@ -527,17 +527,17 @@ def test_hostile_update_that_breaks_the_server_state_is_rolled_back(run_config):
     round is recorded as rolled back, and the next round sends the last finite state."""
     rc = run_config(**{"num-clients": 3, "num-server-rounds": 3})
     strategy, grid = federation(rc)
-    original = strategy.server_update
+    original = strategy.aggregate_train
     headers = []
 
-    def server_update(server_round, replies):
+    def aggregate_train(server_round, replies):
         metrics = original(server_round, replies)
         if server_round == 2:
             strategy.header.weight.data[0, 0] = float("nan")
         headers.append({k: v.copy() for k, v in strategy.global_arrays().items()})
         return metrics
 
-    strategy.server_update = server_update
+    strategy.aggregate_train = aggregate_train
     strategy.start(grid)
     assert [r.get("server_rolled_back", 0) for r in strategy.rows] == [0, 1, 0]
     round3 = [m for m in grid.sent if m.metadata.message_type == "train"][6:9]

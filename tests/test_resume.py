@@ -112,7 +112,7 @@ def crash_after_training(strategy):
     def crash(server_round, replies):
         raise RuntimeError("server killed after the clients trained")
 
-    strategy.server_update = crash
+    strategy.aggregate_train = crash
 
 
 def crash_after_evaluation(strategy):

@@ -146,11 +146,11 @@ class SharedModelStrategy(MethodServer):
         """The shared module's tensors (:func:`module_arrays`)."""
         return module_arrays(self.shared)
 
-    def eval_payload(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
+    def configure_evaluate(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
         """The shared module when the evaluate schema carries it, else nothing."""
         return self.global_arrays() if self.schemas["evaluate"][0].arrays else {}
 
-    def server_update(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
+    def aggregate_train(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
         """θ^t = the run's ``aggregation`` of the replies against θ^{t-1}, the module they trained
         from (``mean``: :func:`engine.aggregation.fedavg`); unchanged when none trained on an
         example. Metrics: ``server-num-averaged`` and the aggregator's (e.g. ``server-bounded``)."""
