@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from strategies import fedgh, fedtgp
 from torch import nn
 
 from bench import crosscheck, crosscheck_report, htfllib, our_side, pfllib
@@ -30,6 +29,7 @@ from common.datasets import DATASETS, with_recipe
 from common.errors import ConfigError
 from common.options import check_value, declared_fields, option_key
 from common.payload import ClientReply
+from methods import fedgh, fedtgp
 from methods.registry import METHODS
 from models.groups import MODEL_GROUPS
 from models.zoo import HTCNN8
