@@ -53,8 +53,11 @@ def test_each_verdict_fires_on_its_case():
         "the images' mean look"
     )
     assert verdict(cells("protos", [0.2, -0.1, 0.0, 0.3], recognised=0.1), chance) == "nothing found"
-    # one cell gives no interval, so no verdict
+    # one cell gives no interval, so no verdict; nor two of which one has no score
     assert verdict(cells("protos", [5, 5.2, 4.8, 5.1])[:1], chance) == "-"
+    assert verdict(cells("protos", [5, 5.2, 4.8, 5.1])[:1] + [row("protos", seed=1, best_psnr=None)], chance) == (
+        "nothing found"
+    )
     # a per-example row is judged to its own image over the better of gray and the mean image
     own = [r | {"psnr_own": 20.0, "gray_psnr_own": 12.0, "mean_image_psnr_own": 18.5} for r in cells("x", [9] * 4)]
     assert privacy_report.gain(own[0]) == pytest.approx(MARGIN_DB + 0.5)

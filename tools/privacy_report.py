@@ -182,10 +182,10 @@ def share(group: list[dict[str, Any]], key: str) -> tuple[str, float | None]:
     return f"{k}/{n} = {k / n:.2f} [{ci.low:.2f}, {ci.high:.2f}]", float(ci.low)
 
 
-def lower(values: list[float]) -> float | None:
-    """The 95 % interval's lower bound of the values (None without any)."""
+def lower(values: list[float]) -> float:
+    """The 95 % interval's lower bound of the present values; -inf under two, which give no interval."""
     values = [v for v in values if v is not None]
-    return mean_ci(values)[1] if values else None
+    return mean_ci(values)[1] if len(values) > 1 else float("-inf")
 
 
 def verdict(group: list[dict[str, Any]], chance: float, control: list[dict[str, Any]] | None = None) -> str:
@@ -207,10 +207,10 @@ def verdict(group: list[dict[str, Any]], chance: float, control: list[dict[str, 
     gains = [gain(r) for r in group]
     above_mean = [gain(r) - ceiling_gain(r) for r in group if r.get("ceiling_psnr") is not None]
     own = all(r.get("psnr_own") is not None for r in group)  # already scored to its own image over the floors
-    if lower(gains) > MARGIN_DB and (own or (above_mean and lower(above_mean) > 0)):
+    if lower(gains) > MARGIN_DB and (own or lower(above_mean) > 0):
         return "recovers examples"
     paired = pair(group, control or [])
-    if len(paired) > 1 and lower([a - b for a, b in paired]) > MARGIN_DB:
+    if lower([a - b for a, b in paired]) > MARGIN_DB:
         return "beyond the class"
     recognised = share(group, "recognised")[1]
     if recognised is not None and recognised > chance:
