@@ -173,22 +173,34 @@ class Attacker:
         view, s = self.view, self.settings
         key = (view.cfg.dataset, view.cfg.model_group, view.cfg.seed, s.epochs)
         if key not in _RECOGNISERS:
-            aux_x, aux_y = view.auxiliary
             fresh = view.model(0, seed=view.cfg.seed + 1)
-            _RECOGNISERS[key] = inversion.fit_surrogate(
-                fresh,
-                torch.nn.Identity(),
-                None,
-                aux_x,
-                aux_y,
-                view.info.mean,
-                view.info.std,
-                epochs=s.epochs,
-                batch_size=64,
-                lr=1e-3,
-                generator=self.generator(9),
-            )
+            _RECOGNISERS[key] = self.fit_on_auxiliary(fresh, torch.nn.Identity(), None, self.generator(9))
         return _RECOGNISERS[key]
+
+    def fit_on_auxiliary(
+        self,
+        extractor: torch.nn.Module,
+        head: torch.nn.Module | None,
+        prototypes: tuple[torch.Tensor, torch.Tensor] | None,
+        generator: torch.Generator,
+    ) -> torch.nn.Module:
+        """:func:`privacy.inversion.fit_surrogate` of ``extractor`` on the public auxiliary images with the
+        attacks' schedule (Adam, lr 1e-3, batch 64, ``epochs``)."""
+        aux_x, aux_y = self.view.auxiliary
+        info = self.view.info
+        return inversion.fit_surrogate(
+            extractor,
+            head,
+            prototypes,
+            aux_x,
+            aux_y,
+            info.mean,
+            info.std,
+            epochs=self.settings.epochs,
+            batch_size=64,
+            lr=1e-3,
+            generator=generator,
+        )
 
     def recognise(self, images: torch.Tensor) -> torch.Tensor:
         """The :attr:`recogniser`'s class ids int64 ``[n]`` of images float32 ``[n, C, H, W]`` in [0, 1]."""
@@ -399,22 +411,10 @@ class Attacker:
         if r in self._decoders:
             return self._decoders[r][1], self._decoders[r][2]
         view, s = self.view, self.settings
-        aux_x, aux_y = view.auxiliary
+        aux_x, _ = view.auxiliary
         g = self.generator(r, 7)
         how, extractor, head, prototypes = self.alignment(view.model(0), view.payload(r, p, "down"), space)
-        fitted = inversion.fit_surrogate(
-            extractor,
-            head,
-            prototypes,
-            aux_x,
-            aux_y,
-            view.info.mean,
-            view.info.std,
-            epochs=s.epochs,
-            batch_size=64,
-            lr=1e-3,
-            generator=g,
-        )
+        fitted = self.fit_on_auxiliary(extractor, head, prototypes, g)
         decoder = inversion.train_decoder(
             fitted, aux_x, view.info.mean, view.info.std, epochs=s.epochs, batch_size=64, lr=1e-3, generator=g
         )

@@ -544,7 +544,18 @@ def chance_of(info: dict) -> float:
 
 def report(folder: Path, data_dir: str | None = None) -> str:
     """The Markdown of ``<folder>/report.md`` (its figure: :func:`plot`)."""
-    info, cells, methods, dip = load(folder)
+    return render(folder, *load(folder), data_dir)
+
+
+def render(
+    folder: Path,
+    info: dict,
+    cells: list[Cell],
+    methods: dict[str, list[dict[str, Any]]],
+    dip: dict[str, list[dict[str, Any]]],
+    data_dir: str | None = None,
+) -> str:
+    """The Markdown of ``<folder>/report.md`` from :func:`load`'s grid info, cells and rows."""
     chance = chance_of(info)
     inside = folder.resolve().is_relative_to(ROOT)
     shown = folder.resolve().relative_to(ROOT) if inside else folder
@@ -654,8 +665,8 @@ def main(argv: list[str] | None = None) -> int:
                 if (args.folder / GRID).exists():  # a stale cell of an earlier copy must not stay
                     shutil.rmtree(args.folder / GRID)
                 copy_files(copies)
-            text = report(args.folder, args.data_dir)
-            info, _, methods, _ = load(args.folder)
+            info, cells, methods, dip = load(args.folder)  # read once for the report and its figure
+            text = render(args.folder, info, cells, methods, dip, args.data_dir)
             plot(methods, chance_of(info), args.folder)
     except (FileNotFoundError, ConfigError) as exc:
         print(f"tools.privacy_report: {exc}", file=sys.stderr)
