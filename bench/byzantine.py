@@ -169,7 +169,7 @@ def run_once(
     clients of a round, bounded rows, rollbacks, seconds. ``partition_seed``: run config
     ``partition-seed`` (-1: the partition follows ``seed``; fixed: every seed trains on one partition)."""
     from client_app.app import app as client_app
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     rc = {
         **app_defaults(),
@@ -188,16 +188,16 @@ def run_once(
         **options,
     }
     cfg = RunConfig.from_dict(rc)
-    strategy = build_strategy(cfg)
+    run = build_run(cfg)
     hostile = attackers_of(attackers)
     grid = FakeGrid(client_app, rc, cfg.num_clients, tamper_of(attack, hostile) if attack else None)
     start = time.perf_counter()
     failed = ""
     try:
-        strategy.start(grid)
+        run.start(grid)
     except RunFailed as exc:  # no client trained for max-untrained-rounds rounds: the honest ones too
         failed = str(exc)
-    rows = strategy.rows
+    rows = run.rows
     # a failed run's honest clients count as its last evaluation (rounds without one, e.g. all dropped, add none)
     final = next((r["accuracy_per_client"] for r in reversed(rows) if "accuracy_per_client" in r), {})
     honest = [p for p in range(clients) if p not in hostile]

@@ -112,20 +112,20 @@ def server_initial_state(config: dict) -> dict[str, torch.Tensor]:
     """What our server of the flat run config ``config`` (its ``method`` and ``seed``) starts from: the
     state dict of its module of :data:`SERVER_MODULES` (FedTGP's generator: ``embedding.weight`` [C, K],
     ``mlp.0.weight`` [H, K], ``mlp.0.bias`` [H], ``mlp.2.weight`` [K, H], ``mlp.2.bias`` [K]), else its
-    shared arrays before round 1 (``global_arrays`` of the method's strategy, e.g. FedGH's header
+    shared arrays before round 1 (``global_arrays`` of the method's server half, e.g. FedGH's header
     ``head.weight`` [C, d] and ``head.bias`` [C], or a shared model's state dict), as float32 CPU
     tensors in that order; empty when the server holds none (Local, FedProto).
 
     Raises:
-        ConfigError: as :func:`methods.registry.build_strategy`.
+        ConfigError: as :func:`methods.registry.build_run`.
     """
     from common.config import RunConfig
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
-    strategy = build_strategy(RunConfig.from_dict(config))
+    server = build_run(RunConfig.from_dict(config)).method
     if (module := SERVER_MODULES.get(config["method"])) is not None:
-        return {name: t.detach().clone() for name, t in getattr(strategy, module).state_dict().items()}
-    return {name: torch.from_numpy(array.copy()) for name, array in strategy.global_arrays().items()}
+        return {name: t.detach().clone() for name, t in getattr(server, module).state_dict().items()}
+    return {name: torch.from_numpy(array.copy()) for name, array in server.global_arrays().items()}
 
 
 class ServerOrder:

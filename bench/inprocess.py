@@ -6,8 +6,8 @@ Usage (from the repository root):
         [--clients 100,1000,10000] [--per-round 100] [--out runs.json]
 
 Each N runs the run config with ``num-clients`` N and ``fraction-train`` ``per-round / N`` (at most 1) over
-:class:`tools.fakegrid.FakeGrid`: the real ServerApp strategy and ClientApp handlers, client state in the
-run folder as in a simulation (``MethodServer.start``'s ``state_in_run_folder``), but no Ray, no
+:class:`tools.fakegrid.FakeGrid`: the real ServerApp run and ClientApp handlers, client state in the
+run folder as in a simulation (``engine.runner.Runner.start``'s ``state_in_run_folder``), but no Ray, no
 Flower engine and no serialisation, in one process on one torch thread. What grows with N here is ours
 (the roster, a new client's partition and model, its state); what ``bench.simulation`` adds at the same
 N is Flower's and Ray's. It prints per N the seconds of each round and the clients' handler, training
@@ -41,7 +41,7 @@ def run_size(config: dict, num_clients: int, per_round: int) -> dict:
 
     from client_app.app import app as client_app
     from common.run_folder import ResultsWriter
-    from methods.registry import build_strategy
+    from methods.registry import build_run
     from tools.fakegrid import FakeGrid
 
     torch.set_num_threads(1)
@@ -49,12 +49,12 @@ def run_size(config: dict, num_clients: int, per_round: int) -> dict:
     cfg = RunConfig.from_dict(rc)
     name = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-inprocess-{num_clients}"
     results = ResultsWriter(cfg.output_dir, name, cfg.as_dict(), cfg.logger)
-    strategy = build_strategy(cfg, results)
-    strategy.start(FakeGrid(client_app, rc, num_clients), state_in_run_folder=True)
+    run = build_run(cfg, results)
+    run.start(FakeGrid(client_app, rc, num_clients), state_in_run_folder=True)
     return {
         "num_clients": num_clients,
         "per_round": round(num_clients * cfg.fraction_train),
-        **{key: [row[key] for row in strategy.rows] for key in KEYS},
+        **{key: [row[key] for row in run.rows] for key in KEYS},
     }
 
 

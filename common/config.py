@@ -368,6 +368,10 @@ class RunConfig:
             )
         return frozenset(int(p) for p in parts)
 
+    def is_eval_round(self, server_round: int) -> bool:
+        """True every ``eval-every`` rounds and in the last round (``num-server-rounds``)."""
+        return server_round % self.eval_every == 0 or server_round == self.num_server_rounds
+
     def records_round(self, server_round: int) -> bool:
         """True when ``record-payloads`` names round ``server_round`` (or is ``all``)."""
         rounds = self.recorded_rounds

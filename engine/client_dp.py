@@ -255,39 +255,39 @@ def expected_clients(cfg: RunConfig) -> int:
     return sample_size(cfg.fraction_train, cfg.num_clients)
 
 
-def check_run(cfg: RunConfig, strategy: type) -> None:
-    """Before the run (``engine.contract.Method.build_strategy``): refuse client-level DP that a run of
-    ``strategy`` cannot give. Nothing is checked with it off.
+def check_run(cfg: RunConfig, server: type) -> None:
+    """Before the run (``engine.runner.build_run``): refuse client-level DP that a run of the method's
+    ``server`` half cannot give. Nothing is checked with it off.
 
     Raises:
         ConfigError: naming the key: as :meth:`ClientDPOptions.check`; ``client-dp.epsilon`` with a method whose
-            upload is not a model (its strategy has no ``client_dp_releases``); as :func:`client_plan`.
+            upload is not a model (its server half has no ``client_dp_releases``); as :func:`client_plan`.
     """
     options = client_dp_options(cfg)
     if not options.enabled:
         return
-    if not getattr(strategy, "client_dp_releases", 0):
+    if not getattr(server, "client_dp_releases", 0):
         raise ConfigError(
             f"run config key 'client-dp.epsilon' = {options.epsilon:g} with method '{cfg.method}', whose upload is "
             "not a model: client-level DP clips and noises model updates (lg-fedavg, fml, fedkd, fedmrl, "
             "mh-pfedhn, mh-pfedhngd); use 'dp.epsilon' (record-level) for this method"
         )
-    client_plan(cfg, strategy.client_dp_releases, strategy.client_dp_amplified)
+    client_plan(cfg, server.client_dp_releases, server.client_dp_amplified)
 
 
-def attach(strategy) -> ClientDPAggregator | None:
-    """The server step of client-level DP for ``strategy`` (a ``MethodServer`` whose class sets
-    ``client_dp_releases`` and ``client_dp_amplified``), its roster switched to Poisson sampling at q
-    (``engine.roster.Roster.poisson_rate``); None with client-level DP off.
+def attach(server) -> ClientDPAggregator | None:
+    """The server step of client-level DP for ``server`` (a ``MethodServer`` whose class sets
+    ``client_dp_releases`` and ``client_dp_amplified``), its federation switched to Poisson sampling at q
+    (``engine.federation.Federation.use_poisson_sampling``); None with client-level DP off.
 
     Raises:
         ConfigError: as :func:`client_plan`.
     """
-    cfg = strategy.cfg
+    cfg = server.cfg
     if not client_dp_options(cfg).enabled:
         return None
-    plan = client_plan(cfg, strategy.client_dp_releases, strategy.client_dp_amplified)
-    strategy.roster.poisson_rate = plan.sample_rate
+    plan = client_plan(cfg, server.client_dp_releases, server.client_dp_amplified)
+    server.federation.use_poisson_sampling(plan.sample_rate)
     return ClientDPAggregator(plan)
 
 

@@ -4,92 +4,45 @@ the descriptor that binds them.
 One descriptor per method: its name, its two halves, its payload schemas and its options, declared once.
 
 Each method module ends with ``METHOD = Method(...)``; ``methods.registry`` lists them. The
-descriptor builds both halves (:meth:`Method.build_strategy`, :meth:`Method.build_client`) and hands
-each the same :class:`MethodBinding` (validated options, payload schemas, declared metrics) for the
-run config, whichever half is built first and in whichever process; the classes hold nothing that
-is set from outside.
+descriptor hands both halves the same :class:`MethodBinding` (validated options, payload schemas,
+declared metrics) for the run config (:meth:`Method.bind`; the runner is built by
+``engine.runner.build_run``, the client half by :meth:`Method.build_client`), whichever half is built
+first and in whichever process; the classes hold nothing that is set from outside.
 
-Server (:class:`MethodServer`, the method's hooks and one round loop over Flower's Grid):
-
-- a ``query`` handshake with every node as it connects learns its partition id, data sizes and
-  the federation's size N (``num-clients``, or the nodes' ``num-partitions`` when that is 0);
-  node ids are random, so sampling and ordering by partition id make runs reproducible and
-  methods comparable on the same clients (``engine.roster.Roster``);
-- ``max(1, floor(fraction-train * N))`` clients are sampled per round with a seeded RNG;
-- one message per client carries only that client's payload (:meth:`MethodServer.configure_train`
-  may differ per client); the transport sends, receives, counts payload bytes per message
-  category and checks every reply against the method's schema, dropping bad ones with a log
-  line, so one broken client never stops a round (``engine.transport.Transport``);
-- :meth:`MethodServer.train_round` is one exchange + :meth:`MethodServer.aggregate_train` by
-  default; methods with sequential server updates or two exchanges per round override it;
-- every client's personal model is evaluated every ``eval-every`` rounds (and the last), one
-  results row per round is written as it goes (``engine.round_rows``), and a checkpoint after
-  every round lets a run resume (``engine.checkpoint.Checkpoints``).
+Server (:class:`MethodServer`): Flower's four verbs, ``configure_train``, ``aggregate_train``,
+``configure_evaluate`` and ``aggregate_evaluate``, with each client sent arrays of its own; two optional
+protocols for the methods that need more: :class:`OwnRound` (a round that is not one exchange and one
+aggregation) and :class:`PerClientServer` (state per client on the server). ``engine.runner.Runner``
+drives it: handshake, sampling, exchanges, evaluation, rows, checkpoints.
 
 Client (:class:`ClientProcedure`): one method per message type (``train``, ``evaluate``,
 ``query``, or ``train_<action>`` for ``train.<action>``), each taking the client runtime,
 the validated payload and the config, and returning reply arrays and metrics.
-
-Life of a round (docs/architecture.md walks it step by step; a test keeps every hop real):
-
-1. `engine/contract.py::MethodServer.run_round`: the loop's round; refreshes the roster
-   (`engine/roster.py::Roster.refresh`) and calls the method's hook;
-2. `engine/contract.py::MethodServer.train_round` (the hook): samples
-   (`engine/roster.py::Roster.sample`), builds one train message per client
-   (`engine/transport.py::Transport.message`, settings from `common/protocol.py::train_config`),
-   exchanges them (`engine/transport.py::Transport.exchange`), keeps the valid replies
-   (`engine/transport.py::Transport.validate`) and calls the method's
-   `engine/contract.py::MethodServer.aggregate_train`;
-3. on each client `client_app/handlers.py::handle_message` restores its state
-   (`common/runtime.py::ClientRuntime`) and runs the method's `engine/contract.py::ClientProcedure.train`;
-4. `engine/contract.py::MethodServer.evaluate_round` with `engine/evaluation.py::evaluate_clients`:
-   the round's accuracy;
-5. the row (`engine/round_rows.py::round_row`, `common/run_folder.py::ResultsWriter.write_round`) and the
-   checkpoint (`common/run_folder.py::ResultsWriter.write_checkpoint`).
 """
 
 from __future__ import annotations
 
-import copy
-import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from flwr.app import ConfigRecord, MetricRecord
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result
 
 from common import dp, heldout
-from common.config import AUTO_SAMPLED_CLIENTS, RunConfig, read_options
+from common.config import RunConfig, read_options
 from common.datasets import DATASETS
 from common.dp import DPPlan, dp_options, make_plan
-from common.errors import ConfigError, RunFailed
 from common.metrics import MetricSpec
-from common.options import declared_defaults
-from common.payload import NO_PAYLOAD_SCHEMAS, ClientReply, Schemas, array_record
-from common.protocol import HANDSHAKE, MESSAGE_TYPES, SERVER_ROUND, Arrays, Reply, metric_values, train_config
+from common.payload import NO_PAYLOAD_SCHEMAS, ClientReply, Schemas
+from common.protocol import MESSAGE_TYPES, Arrays, Reply, train_config
 from common.runtime import ClientRuntime
 from common.training import evaluate_model, evaluation_metrics
 from engine import client_dp
-from engine.checkpoint import Checkpoints, broken_state, load_server_state, server_state
-from engine.evaluation import evaluate_clients, evaluations_in
-from engine.heldout_phase import phase_due, run_phase
-from engine.payload_recorder import PayloadRecorder
-from engine.roster import Roster
-from engine.round_rows import (
-    RoundCounters,
-    patience_exhausted,
-    progress_line,
-    round_metrics,
-    round_row,
-    untrained_error,
-    untrained_streak,
-)
-from engine.transport import ReplyRules, Transport
+from engine.checkpoint import load_server_state, server_state
+from engine.evaluation import aggregate_evaluation
+from engine.federation import Federation
 
 #: the message types of a method whose schemas are computed from its config: the protocol's plain ones
 DEFAULT_MESSAGE_TYPES = tuple(t for t in MESSAGE_TYPES if "." not in t)
@@ -128,7 +81,7 @@ class Method:
 
     Args:
         name: the run config value of ``method`` (and the name of its options table).
-        strategy: the server half (a ``MethodServer`` subclass).
+        server: the server half (a ``MethodServer`` subclass).
         client: the client half (a ``ClientProcedure`` subclass).
         schemas: message type -> (down, up) payload schemas, or ``(cfg, options) -> schemas``
             for a method whose payload depends on its config (e.g. the shared model's layers).
@@ -139,11 +92,25 @@ class Method:
     """
 
     name: str
-    strategy: type[MethodServer]
+    server: type[MethodServer]
     client: type[ClientProcedure]
     schemas: Schemas | Callable[[RunConfig, Any], Schemas]
     options: type = NoOptions
     metrics: Mapping[str, Mapping[str, MetricSpec]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Refuse a server half that defines part of :class:`PerClientServer`: the runner would call none of it.
+
+        Raises:
+            TypeError: naming the method and the members it lacks.
+        """
+        defined = [h for h in PER_CLIENT_HOOKS if callable(getattr(self.server, h, None))]
+        if defined and len(defined) < len(PER_CLIENT_HOOKS):
+            missing = sorted(set(PER_CLIENT_HOOKS) - set(defined))
+            raise TypeError(
+                f"method '{self.name}': its server defines {defined} of PerClientServer but not {missing}: "
+                "define all of them or none"
+            )
 
     def read_options(self, cfg: RunConfig) -> Any:
         """This method's validated options from ``cfg`` (see :func:`common.config.read_options`).
@@ -166,19 +133,6 @@ class Method:
         options = self.read_options(cfg)
         return MethodBinding(options, self.schemas_for(cfg, options), self.metrics)
 
-    def build_strategy(self, cfg: RunConfig, results: ResultsWriter | None = None) -> MethodServer:
-        """The server half for ``cfg`` (``results``: see ``MethodServer``).
-
-        Raises:
-            ConfigError: as :meth:`bind`, the strategy's own checks, a ``dp.epsilon`` target no client
-                can meet with this method's trainings and releases (``common.dp.check_reachable``), or
-                client-level DP the run cannot give (``engine.client_dp.check_run``).
-        """
-        binding = self.bind(cfg)
-        dp.check_reachable(cfg, self.client.dp_trainings, self.client.dp_releases)
-        client_dp.check_run(cfg, self.strategy)
-        return self.strategy(cfg, binding, results)
-
     def build_client(self, cfg: RunConfig) -> ClientProcedure:
         """The client half for ``cfg``.
 
@@ -193,353 +147,117 @@ class Method:
         return tuple(sorted(self.schemas)) if isinstance(self.schemas, dict) else DEFAULT_MESSAGE_TYPES
 
 
-if TYPE_CHECKING:  # for the annotations only
-    from common.run_folder import ResultsWriter
-
-log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
-
-#: the folder of a run folder that holds its clients' state when no state-dir is set (simulation)
-CLIENT_STATE = "client-state"
-
-#: bytes a recorded file takes beyond its arrays in :meth:`MethodServer.recording_estimate`: a file
-#: system block (4 KiB on ext4, XFS and Btrfs), which also covers an upload's metrics file
-RECORD_FILE_OVERHEAD = 4096
-#: bytes an array takes beyond its data in a recorded file: the ``.npy`` header and zip entry of an
-#: ``.npz`` member (about 250), or a tensor's entry in ``torch.save``'s zip archive
-RECORD_ARRAY_OVERHEAD = 512
 #: the binding of the bare base classes: no options, no payload, no metrics of their own
 NO_METHOD = MethodBinding(None, NO_PAYLOAD_SCHEMAS, {})
 
 
-class MethodServer:
-    """The server half of every method: the method's hooks and one round loop (:meth:`start`).
+@dataclass(frozen=True)
+class MethodContext:
+    """What the server half of a method is built with, for one run (``engine.runner.Runner`` makes it).
 
-    It is not a Flower ``Strategy``: Flower's strategy API exchanges one global ``ArrayRecord`` and
-    one config with every sampled client, while a model-heterogeneous method sends each client its
-    own payload, evaluates clients' personal models and may exchange several times per round. It
-    drives Flower's ``Grid`` (Message API) itself, through collaborators with explicit inputs:
-
-    - ``counters``: :class:`engine.round_rows.RoundCounters` (bytes, dropped replies, the round's work);
-    - ``roster``: :class:`engine.roster.Roster` (handshake, node refresh, sampling);
-    - ``transport``: :class:`engine.transport.Transport` (messages, exchange, reply checks by
-      this method's :class:`engine.transport.ReplyRules`: its schemas, metrics and hooks);
-    - ``checkpoints``: :class:`engine.checkpoint.Checkpoints` (resume, per-round checkpoint).
-
-    Args:
+    Attributes:
         cfg: the validated run config.
-        binding: the method's options, schemas and metrics for ``cfg`` (``self.options``,
-            ``self.schemas``, ``self.metrics``); :data:`NO_METHOD` for the bare base.
-        results: receives one row per round and the summary (see ``common.run_folder``);
-            None keeps rows in memory only (``self.rows``).
-
-    Raises:
-        ConfigError: an invalid option of the method's table.
-
-    Hooks (all optional): :meth:`global_arrays`, :meth:`configure_train`, :meth:`configure_evaluate`,
-    :meth:`aggregate_train`, :meth:`reply_dims`, :meth:`check_reply`, :meth:`joined`, :meth:`train_round`,
-    :meth:`evaluates_after_training`.
+        binding: the method's validated options, payload schemas and declared reply metrics.
+        rng: the run's seeded generator. It also samples the clients and is saved in every checkpoint:
+            draw from it only in a round (MH-pFedHN's order of clients), never at construction.
+        federation: the run's clients (``engine.federation.Federation``): what a method reads of them
+            (``clients``, ``training_nodes``, ...) and, in a round of its own, ``sample`` and ``send``.
     """
 
-    #: attributes holding the server state (modules, optimisers, torch Generators, dicts of
-    #: arrays) saved in the per-round checkpoint; None: the method cannot resume yet; () stateless
+    cfg: RunConfig
+    binding: MethodBinding
+    rng: np.random.Generator
+    federation: Federation
+
+
+class MethodServer:
+    """The server half of a method: what each client is sent, what the server makes of the replies, and
+    the state it keeps. The four verbs carry the names of Flower's ``flwr.serverapp.strategy.Strategy``
+    (``configure_train``, ``aggregate_train``, ``configure_evaluate``, ``aggregate_evaluate``); their
+    arguments differ because a model-heterogeneous method sends each client arrays of its own and
+    evaluates clients' personal models, not one global ``ArrayRecord``. ``engine.runner.Runner`` drives
+    it; a method never talks to the grid itself except in a round of its own (:class:`OwnRound`),
+    through ``self.federation``.
+
+    Args:
+        ctx: the run config, the binding (``self.options``, ``self.schemas``, ``self.metrics``), the
+            run's ``rng`` and the ``federation``.
+
+    Class attributes:
+        checkpointed: attributes holding the server state (modules, optimisers, torch Generators, dicts
+            of arrays) saved in the per-round checkpoint; None: the method cannot resume yet; () stateless.
+        client_dp_releases, client_dp_amplified: client-level DP applies (the upload is a model;
+            ``engine.client_dp``): releases per round, and whether the sampling amplifies them.
+    """
+
     checkpointed: tuple[str, ...] | None = None
+    client_dp_releases: int = 0
+    client_dp_amplified: bool = False
 
-    def __init__(self, cfg: RunConfig, binding: MethodBinding, results: Any | None = None) -> None:
-        self.cfg = cfg
-        self.options, self.schemas, self.metrics = binding.options, binding.schemas, binding.metrics
-        #: :meth:`evaluates_after_training`, decided once from the options, before the transport that checks
-        #: replies against it exists
+    def __init__(self, ctx: MethodContext) -> None:
+        self.cfg = ctx.cfg
+        self.options, self.schemas, self.metrics = ctx.binding.options, ctx.binding.schemas, ctx.binding.metrics
+        #: :meth:`evaluates_after_training`, decided once from the options
         self.eval_after_training = self.evaluates_after_training()
-        self.info = DATASETS[cfg.dataset]
-        self.dp = dp_options(cfg)  # a DP run that cannot give its guarantee fails here, before any message
-        self.dims = {"C": self.info.num_classes, "d": cfg.representation_dim}
-        self.rng = np.random.default_rng(cfg.seed)
-        self.results = results
-        self.counters = RoundCounters()
-        query_in_train = not (needs_query_first(type(self)) or self.dp.enabled or cfg.record_payloads.strip())
-        self.roster = Roster(cfg, self.counters, self.rng, query_in_train)
-        recorder = PayloadRecorder(cfg, None if results is None else results.path)
-        rules = ReplyRules(self.schemas, self.metrics, self.eval_after_training, self.check_reply, self.reply_dims)
-        self.transport = Transport(cfg, rules, self.roster.clients, self.counters, recorder)
-        defaults = declared_defaults(RunConfig)
-        for table, options in SHARED_OPTION_TABLES.items():
-            defaults.update(declared_defaults(options, table))
-        if self.options is not None:  # None: the bare base (NO_METHOD)
-            defaults.update(declared_defaults(type(self.options), cfg.method))
-        self.checkpoints = Checkpoints(cfg, results, defaults)
-        self.rows: list[dict[str, Any]] = []
-        self.phases = 0  # generalisation phases run by this process (engine.heldout_phase)
+        self.info = DATASETS[self.cfg.dataset]
+        self.dims = {"C": self.info.num_classes, "d": self.cfg.representation_dim}
+        self.rng = ctx.rng
+        self.federation = ctx.federation
 
-    # ------------------------------------------------------------------ hooks
     def evaluates_after_training(self) -> bool:
-        """Hook: True when the evaluated model is the client's post-training personal model and the
-        evaluate instruction carries no payload (docs/methods/fedgh.md §6, Local): sampled clients then
-        evaluate right after training and report in the train reply, which saves one round trip per round
-        (in deployment, one ClientApp process per client); only clients not sampled get a separate
-        evaluate message. False by default; called once in ``__init__`` with ``self.options`` set, kept as
-        ``eval_after_training``."""
+        """True when the evaluated model is the client's post-training personal model and the evaluate
+        instruction carries no payload (docs/methods/fedgh.md §6, Local): sampled clients then evaluate
+        right after training and report in the train reply, which saves one round trip per round (in
+        deployment, one ClientApp process per client); only clients not sampled get a separate evaluate
+        message. False by default; asked once, with ``self.options`` set, kept as ``eval_after_training``."""
         return False
 
     def global_arrays(self) -> Arrays:
-        """The server's current shared arrays (e.g. FedGH's header); empty by default."""
+        """The server's current shared arrays (e.g. FedGH's header): the run's result and the default
+        train payload; empty by default."""
         return {}
 
     def configure_train(self, node_id: int, server_round: int) -> Arrays:
-        """Arrays sent to ``node_id`` with its train instruction. Default: :meth:`global_arrays`. Unless
-        :func:`needs_query_first`, ``node_id`` may be a node the roster does not know yet (its first round with
-        handshake ``sampled``)."""
+        """Arrays sent to ``node_id`` with its train instruction (Flower: ``configure_train``). Default:
+        :meth:`global_arrays`. Unless :func:`needs_query_first`, ``node_id`` may be a node the federation
+        does not know yet (its first round with handshake ``sampled``)."""
         return self.global_arrays()
 
-    def configure_evaluate(self, node_id: int, server_round: int) -> Arrays:
-        """Arrays sent with the evaluate instruction; none by default (clients hold their models)."""
-        return {}
-
     def aggregate_train(self, server_round: int, replies: list[ClientReply]) -> dict[str, float]:
-        """The method's server step on this round's valid train replies; returns scalar metrics."""
+        """The server step on this round's valid train replies; returns its scalar metrics (row keys)
+        (Flower: ``aggregate_train``; the new global arrays are read through :meth:`global_arrays`)."""
         return {}
 
-    def reply_dims(self, node_id: int) -> dict[str, int]:
-        """Symbol values a reply from ``node_id`` is validated with: ``C``, ``d`` and, in
-        methods whose payload size differs per client, that client's sizes (e.g. MH-pFedHN's K_i)."""
-        return self.dims
+    def configure_evaluate(self, node_id: int, server_round: int) -> Arrays:
+        """Arrays sent with the evaluate instruction (Flower: ``configure_evaluate``); none by default
+        (clients hold their models)."""
+        return {}
 
-    def check_reply(self, message_type: str, metrics: Mapping[str, Any]) -> None:
-        """The method's own checks of a reply's metrics before anything is used (e.g. a claimed
-        model size); raise PayloadError to drop the reply. None by default."""
-
-    def joined(self) -> None:
-        """Called once the handshake knows every client, before a resume restores the server state
-        (e.g. MH-pFedHN registers each client's embedding). Nothing by default."""
-
-    def admitted(self, nodes: list[int]) -> None:
-        """Called at a round boundary with the nodes of partitions that joined after the handshake
-        (``engine.roster.Roster.refresh``), before they are served. Nothing by default."""
-
-    def begin_generalization(self, nodes: list[int], server_round: int) -> None:
-        """Called before a generalisation phase serves the held-out ``nodes`` after round
-        ``server_round`` (``engine.heldout_phase``). Nothing by default."""
-
-    def end_generalization(self) -> None:
-        """Called after a generalisation phase, also when it failed. Nothing by default."""
+    def aggregate_evaluate(
+        self, server_round: int, replies: list[ClientReply], asked: Sequence[int]
+    ) -> MetricRecord | None:
+        """The round's accuracy from the valid evaluations (Flower: ``aggregate_evaluate``): by default the
+        pooled accuracies of :func:`engine.evaluation.aggregate_evaluation`; ``asked``: the partition ids
+        asked to evaluate."""
+        return aggregate_evaluation(replies, asked)
 
     def personalize(self, nodes: list[int], step: int, scope: str, server_round: int) -> list[ClientReply]:
         """One personalisation round of held-out ``nodes`` in a generalisation phase after round
-        ``server_round``: by default the method's own train message with what a client sampled in the
-        next round would receive (:meth:`configure_train` of round ``server_round + 1``), its reply not
-        used by the server. ``step`` (1, 2, ...) is the message's round in the client's fresh state
-        ``scope``. Returns the valid train replies (with their evaluation when
-        ``eval_after_training``). Methods whose new clients get something else override it, leaving
-        the server's state unchanged."""
-        config = self.generalization_config(step)
-        messages = [
-            self.transport.message("train", n, self.configure_train(n, server_round + 1), config, step, scope)
-            for n in nodes
-        ]
-        return self.transport.validate("train", self.transport.exchange(messages))
+        ``server_round`` (``engine.heldout_phase``): by default the method's own train message with what a
+        client sampled in the next round would receive (:meth:`configure_train` of round
+        ``server_round + 1``), its reply not used by the server. ``step`` (1, 2, ...) is the message's
+        round in the client's fresh state ``scope``. Returns the valid train replies (with their
+        evaluation when ``eval_after_training``). Methods whose new clients get something else override
+        it, leaving the server's state unchanged."""
+        payloads = {n: self.configure_train(n, server_round + 1) for n in nodes}
+        return self.federation.send("train", payloads, self.generalization_config(step), step, scope)
 
-    def train_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
-        """The method's hook for a round's training (:meth:`run_round`, the loop's round, calls it): by
-        default one train exchange with the sampled clients, then :meth:`aggregate_train`.
-
-        Methods with sequential server updates or several exchanges per round override it, using
-        ``self.roster.sample()`` and ``self.transport`` (``message``, ``exchange``, ``validate``).
-
-        Returns:
-            the round's train metrics (:func:`engine.round_rows.round_metrics` and the method's
-            own) and its valid train replies (whose ``eval-`` metrics, if any, are evaluations).
-        """
-        config = self.train_config(server_round)
-        # a node not known yet (handshake "sampled") answers the handshake's query in its train reply
-        handshake = ConfigRecord({**dict(config), HANDSHAKE: True})
-        pending = set(self.roster.pending)
-        messages = [
-            self.transport.message(
-                "train", n, self.configure_train(n, server_round), handshake if n in pending else config, server_round
-            )
-            for n in self.roster.sample()
-        ]
-        wait = self.roster.exchange_timeout() if pending else ()  # (seconds, run config key) for new nodes
-        replies = self.roster.answered(self.transport, self.transport.exchange(messages, *wait))
-        valid = self.transport.validate("train", replies)
-        start = time.perf_counter()
-        server = self.aggregate_train(server_round, valid)
-        return round_metrics(valid, server, time.perf_counter() - start), valid
-
-    # ------------------------------------------------------------------ the run
-    def start(self, grid: Grid, window: Callable[[], int] | None = None, state_in_run_folder: bool = False) -> Result:
-        """Run the whole federation on ``grid``: handshake, rounds, evaluation, results.
-
-        Args:
-            grid: Flower's grid of the run.
-            window: in a simulation, the most messages of one exchange that wait at once
-                (``Transport.window``); None: all at once.
-            state_in_run_folder: clients without any ``state-dir`` keep their state in the run
-                folder (``<run>/client-state``) instead of ``context.state`` (a simulation, whose
-                clients share the server's file system and whose ``context.state`` lives in one
-                process for every client).
-
-        Returns:
-            Flower's ``Result``: each round's train and evaluation metrics and the final global arrays.
-
-        Raises:
-            RuntimeError, ConfigError: from the handshake (not all clients answer within
-                ``connect-timeout`` seconds, or the nodes do not fit the run config), a
-                ``record-payloads`` above ``record-payloads-max-gib`` for the clients that answered
-                (:meth:`check_recording`), or a ``resume-from`` checkpoint that does not fit the run.
-        """
-        self.checkpoints.check_summary()  # a resume the config refuses is refused before any node is asked
-        state_key = self.checkpoints.state_key()
-        client_state_dir = ""
-        if state_in_run_folder and not self.cfg.state_dir and self.results is not None:
-            # the folder of the run that started the clients' state: a resumed run finds it again
-            client_state_dir = str(Path(self.results.path).parent / state_key / CLIENT_STATE)
-        self.transport.open(grid, state_key, client_state_dir, window=window)
-        self.roster.handshake(self.transport)
-        if line := self.check_recording(self.roster.size):  # tools.run checked it before the launch
-            log.info(line)
-        if self.results is not None:
-            self.results.num_clients = self.roster.size
-            self.results.held_out_partitions = self.roster.held_out_partitions
-        self.joined()
-        self.log_settings()
-        first = self.resume() + 1
-        result = Result()
-        run_start = time.perf_counter()
-        for server_round in range(first, self.cfg.num_server_rounds + 1):
-            if self.rows and self.rows[-1].get("stop_reason"):  # stop-patience ran out (maybe before a resume)
-                break
-            train_metrics, eval_metrics = self.run_round(server_round, run_start)
-            result.train_metrics_clientapp[server_round] = MetricRecord(metric_values(train_metrics))
-            if eval_metrics is not None:
-                result.evaluate_metrics_clientapp[server_round] = eval_metrics
-        # a resumed run with no round left to play ends on its restored rows: they must have trained too
-        self.check_trained(last_round=True)
-        result.arrays = array_record(self.global_arrays())
-        if self.results is not None:
-            self.results.finish()
-        return result
-
-    def run_round(self, server_round: int, run_start: float) -> tuple[dict[str, Any], MetricRecord | None]:
-        """One round of the loop (not a method hook): refresh the nodes, :meth:`train_round` (its server
-        update undone if it left the server state non-finite or exploded: ``checkpoint.broken_state``),
-        :meth:`evaluate_round`, then the round's row (with the ``stop-patience`` verdict) and
-        checkpoint written. ``run_start``: :func:`time.perf_counter` at the loop's start. Returns the
-        round's train metrics and evaluation."""
-        before = self.counters.traffic.copy()
-        t0 = time.perf_counter()
-        self.counters.begin_round()
-        admitted = self.roster.refresh(self.transport)
-        if admitted:
-            self.admitted(admitted)
-        before_state = copy.deepcopy(self.server_state())
-        train_metrics, replies = self.train_round(server_round)
-        if self.dp.enabled:
-            train_metrics["dp-exhausted"] = self.roster.exhaust(replies)
-        broken = None if before_state is None else broken_state(before_state, self.server_state())
-        if broken:
-            # the server would send a broken state to every client from now on: undo this round's update
-            self.load_state(before_state)
-            train_metrics["server-rolled-back"] = 1
-            log.warning("Round %d: the server update made the server state %s; rolled back", server_round, broken)
-        t1 = time.perf_counter()
-        eval_metrics = self.evaluate_round(server_round, evaluations_in(replies))
-        t2 = time.perf_counter()
-        row = round_row(
-            server_round,
-            train_metrics,
-            eval_metrics,
-            self.counters.traffic - before,
-            self.counters,
-            t1 - t0,
-            t2 - t1,
-            time.perf_counter() - run_start,
-        )
-        stop = patience_exhausted([*self.rows, row], self.cfg.stop_patience, self.cfg.stop_metric)
-        last = server_round == self.cfg.num_server_rounds
-        if self.dp.enabled and not last and len(row["dp_exhausted"]) == self.roster.trainers:
-            stop = "every client's privacy budget (dp.epsilon) is spent"
-        if stop:
-            row["stop_reason"] = stop
-        if phase_due(self, server_round, last or bool(stop)):
-            row.update(run_phase(self, server_round))
-        self.rows.append(row)
-        if self.results is not None:
-            self.results.write_round(row)
-            state = self.checkpoints.build(
-                server_round, self.transport.state_key, self.rng, self.counters, self.rows, self.server_state()
-            )
-            self.results.write_checkpoint(state)
-        log.info(progress_line(row, self.cfg.num_server_rounds))
-        if stop:
-            log.info("Stopping after round %d: %s", server_round, stop)
-        self.check_trained(last_round=bool(stop) or server_round == self.cfg.num_server_rounds)
-        return train_metrics, eval_metrics
-
-    def check_trained(self, last_round: bool = False) -> None:
-        """Fail the run once ``max-untrained-rounds`` rounds in a row had no valid training reply, or
-        when the run ends on such rounds (``last_round``): its result would be an earlier round's.
-
-        Raises:
-            RunFailed: naming the rounds, the key and the clients' distinct errors.
-        """
-        streak = untrained_streak(self.rows)
-        if not streak or (len(streak) < self.cfg.max_untrained_rounds and not last_round):
-            return
-        limit = self.cfg.max_untrained_rounds if len(streak) >= self.cfg.max_untrained_rounds else None
-        errors = [e for row in streak for e in row.get("client_errors", [])]
-        raise RunFailed(untrained_error(streak, limit), list(dict.fromkeys(errors)))
-
-    def evaluate_round(self, server_round: int, evaluated: list[ClientReply]) -> MetricRecord | None:
-        """The round's evaluation (None when it is no evaluation round): one evaluate message to
-        every client to evaluate (``eval-clients``: all known clients, or this round's sampled
-        ones) that is connected and not among ``evaluated`` (evaluations carried by train replies),
-        aggregated over both by :func:`engine.evaluation.evaluate_clients`, which names the
-        connected clients asked that gave no valid evaluation (row key ``eval_missing``)."""
-        if not self.is_eval_round(server_round):
-            return None
-        targets = self.roster.training_nodes if self.cfg.eval_clients == "all" else self.roster.sampled
-        asked = [node for node in targets if node in self.roster.connected]
-        config = ConfigRecord({SERVER_ROUND: server_round})
-        return evaluate_clients(
-            self.transport,
-            asked,
-            evaluated,
-            lambda node: self.configure_evaluate(node, server_round),
-            config,
-            server_round,
-        )
-
-    def resume(self) -> int:
-        """Restore the ``resume-from`` checkpoint (RNG, counters, rows, server state; the rows and the
-        checkpoint are written again into this run's folder); returns its last round (0 without one).
-
-        Raises:
-            ConfigError: as ``Checkpoints.load``, or the checkpoint has more rounds than
-                ``num-server-rounds``.
-        """
-        state = self.checkpoints.load()
-        if state is None:
-            return 0
-        if state["round"] > self.cfg.num_server_rounds:
-            # the rows cannot be undone: a summary would report more rounds than were asked for
-            raise ConfigError(
-                f"run config key 'resume-from' = {self.cfg.resume_from!r} has {state['round']} completed rounds, "
-                f"more than 'num-server-rounds' = {self.cfg.num_server_rounds}: ask for at least {state['round']} "
-                "rounds (that many: nothing more is run)"
-            )
-        self.rng.bit_generator.state = state["rng"]
-        self.counters.traffic.update(state["traffic"])
-        self.counters.dropped.update(state["dropped"])
-        self.rows = list(state["rows"])
-        if self.rows:
-            self.roster.exhaust_partitions(self.rows[-1].get("dp_exhausted", []))
-        if self.results is not None:
-            for row in self.rows:
-                self.results.write_round(row)
-            self.results.keep_checkpoint(self.cfg.resume_from)
-        self.load_state(state["server"])
-        log.info("Resumed from %s after round %d", self.cfg.resume_from, state["round"])
-        return int(state["round"])
+    def recording_dims(self, model: Any) -> dict[str, int]:
+        """The payload symbols at their largest for a client holding ``model`` (a module on the meta
+        device), for run config ``record-payloads``' disk estimate (``engine.runner.Runner.recording_estimate``):
+        ``C``, ``d``, and ``k`` and ``a`` (the classes a client holds, or the server has prototypes of) at
+        ``C``. A method whose payload grows with the client's model adds its symbols (MH-pFedHN's ``K``)."""
+        return {**self.dims, "k": self.info.num_classes, "a": self.info.num_classes}
 
     def server_state(self) -> dict[str, Any] | None:
         """The state of the attributes in ``checkpointed`` (:func:`engine.checkpoint.server_state`)."""
@@ -549,99 +267,12 @@ class MethodServer:
         """Restore a :meth:`server_state` (a checkpoint's, or a round's that is rolled back)."""
         load_server_state(self, state)
 
-    def recording_dims(self, model: Any) -> dict[str, int]:
-        """Hook: the payload symbols at their largest for a client holding ``model`` (a module on the
-        meta device), for :meth:`recording_estimate`: ``C``, ``d``, and ``k`` and ``a`` (the classes a
-        client holds, or the server has prototypes of) at ``C``. A method whose payload grows with the
-        client's model adds its symbols (MH-pFedHN's ``K``)."""
-        return {**self.dims, "k": self.info.num_classes, "a": self.info.num_classes}
-
-    def recording_estimate(self, num_clients: int) -> int:
-        """Bytes run config ``record-payloads`` writes at most in a run of ``num_clients`` clients: per
-        client and recorded round, the download and the upload of every message type at their largest
-        (the payload schemas under :meth:`recording_dims`: ``.npz`` files hold their tensor bytes) and
-        the client's copy of its personal model (its state dict), plus :data:`RECORD_FILE_OVERHEAD`
-        per file and :data:`RECORD_ARRAY_OVERHEAD` per array, times the recorded rounds (0 when none
-        is). Each architecture of the model group is built once, on the meta device (nothing is
-        allocated)."""
-        import torch
-
-        from models.groups import MODEL_GROUPS
-
-        rounds = self.cfg.recorded_rounds
-        count = self.cfg.num_server_rounds if rounds is None else len(rounds)
-        group, info = MODEL_GROUPS[self.cfg.model_group], self.info
-        period = len(group.architectures) * len(group.heads)  # client p holds member p mod period
-        total = 0
-        for member in range(min(period, num_clients) if count else 0):
-            with torch.device("meta"):
-                model = group.build(member, info.num_classes, info.channels, info.image_size, 0, self.cfg.feature_dim)
-            dims = self.recording_dims(model)
-            state = model.state_dict().values()
-            schemas = [s for pair in self.schemas.values() for s in pair if s.arrays]
-            data = sum(s.nbytes(dims) for s in schemas) + sum(t.numel() * t.element_size() for t in state)
-            # a file per schema (an upload's metrics file beside it) and the model's copy
-            files = len(schemas) + sum(1 for _, up in self.schemas.values() if up.arrays) + 1
-            arrays = sum(len(s.arrays) for s in schemas) + len(state)
-            overhead = files * RECORD_FILE_OVERHEAD + arrays * RECORD_ARRAY_OVERHEAD
-            total += len(range(member, num_clients, period)) * (data + overhead)
-        return total * count
-
-    def check_recording(self, num_clients: int) -> str:
-        """The line that tells what run config ``record-payloads`` will take on disk for ``num_clients``
-        clients (:meth:`recording_estimate`; empty when nothing is recorded).
-
-        Raises:
-            ConfigError: naming ``record-payloads`` and ``record-payloads-max-gib``, when the estimate
-                is above ``record-payloads-max-gib`` GiB.
-        """
-        estimate = self.recording_estimate(num_clients)
-        if not estimate:
-            return ""
-        rounds = self.cfg.recorded_rounds
-        count = self.cfg.num_server_rounds if rounds is None else len(rounds)
-        what = (
-            f"run config key 'record-payloads' = {self.cfg.record_payloads!r} writes up to {estimate / 2**30:.3g} GiB "
-            f"({estimate / (count * num_clients) / 2**20:.3g} MiB per client and round x {count} rounds x "
-            f"{num_clients} clients: payloads and personal models)"
-        )
-        limit = self.cfg.record_payloads_max_gib
-        if estimate > limit * 2**30:
-            raise ConfigError(
-                f"{what}, above 'record-payloads-max-gib' = {limit:g}: allowed are fewer recorded rounds "
-                "(e.g. '1,10') or fewer clients, or a larger 'record-payloads-max-gib' where the disk has room"
-            )
-        return f"{what}; at most 'record-payloads-max-gib' = {limit:g}"
-
-    def log_settings(self) -> None:
-        """Log the method and the main settings."""
-        c = self.cfg
-        log.info(
-            "%s | %s, %s partitioner, %d clients, model group %s, %d rounds, fraction-train %.2f",
-            type(self).__name__,
-            c.dataset,
-            c.partitioner,
-            self.roster.size,
-            c.model_group,
-            c.num_server_rounds,
-            c.fraction_train,
-        )
-        if c.auto_chosen:
-            chosen = [
-                f"{key} = '{value}'" + (" (auto)" if key in c.auto_chosen else "")
-                for key, value in (("handshake", c.handshake), ("eval-clients", c.eval_clients))
-            ]
-            log.info(
-                "%s for num-clients = %d: 'auto' chooses 'sampled' / 'trained' above %d clients when nothing needs "
-                "every client asked up front; set a key to choose",
-                ", ".join(chosen),
-                c.num_clients,
-                AUTO_SAMPLED_CLIENTS,
-            )
-
-    def is_eval_round(self, server_round: int) -> bool:
-        """Every ``eval-every`` rounds, and the last round."""
-        return server_round % self.cfg.eval_every == 0 or server_round == self.cfg.num_server_rounds
+    def train_config(self, server_round: int) -> ConfigRecord:
+        """The training settings sent with every train instruction (:func:`common.protocol.train_config`);
+        ``evaluate`` asks the client to evaluate after training in an evaluation round (see
+        ``eval_after_training``)."""
+        evaluate = self.eval_after_training and self.cfg.is_eval_round(server_round)
+        return ConfigRecord(train_config(self.cfg, server_round, evaluate))
 
     def generalization_config(self, step: int) -> ConfigRecord:
         """The training settings of a held-out client's personalisation round ``step``: as
@@ -650,12 +281,49 @@ class MethodServer:
         config["evaluate"], config["record"] = self.eval_after_training, False
         return config
 
-    def train_config(self, server_round: int) -> ConfigRecord:
-        """The training settings sent with every train instruction (:func:`train_config`); ``evaluate``
-        asks the client to evaluate after training (see ``eval_after_training``)."""
-        return ConfigRecord(
-            train_config(self.cfg, server_round, self.eval_after_training and self.is_eval_round(server_round))
-        )
+
+@runtime_checkable
+class OwnRound(Protocol):
+    """A method whose round is not one train exchange and one :meth:`MethodServer.aggregate_train`
+    (FedRE's head trainer sent another message type, MH-pFedHN's hypernetwork stepped per reply): the
+    runner calls its ``train_round`` instead, which samples and exchanges through ``self.federation``."""
+
+    def train_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
+        """The round's train metrics (:func:`engine.round_rows.round_metrics` and the method's own) and
+        its valid train replies."""
+
+
+@runtime_checkable
+class PerClientServer(Protocol):
+    """A method that keeps state per client on the server (MH-pFedHN's embeddings and heads): it learns
+    each client at the handshake, checks and sizes each reply by its sender, and serves held-out clients
+    from a copy it sets up and drops. All of these are asked of a method only when it defines every one
+    (``Method`` refuses a partial set)."""
+
+    def joined(self) -> None:
+        """Once the handshake knows every client, before a resume restores the server state."""
+
+    def admitted(self, nodes: list[int]) -> None:
+        """At a round boundary, with the nodes of partitions that joined after the handshake
+        (``engine.roster.Roster.refresh``), before they are served."""
+
+    def reply_dims(self, node_id: int) -> dict[str, int]:
+        """Symbol values a reply from ``node_id`` is validated with: ``C``, ``d`` and that client's sizes
+        (MH-pFedHN's K_i)."""
+
+    def check_reply(self, message_type: str, metrics: Mapping[str, Any]) -> None:
+        """The method's own checks of a reply's metrics before anything is used (a claimed model size);
+        raises ``common.payload.PayloadError`` to drop the reply."""
+
+    def begin_generalization(self, nodes: list[int], server_round: int) -> None:
+        """Before a generalisation phase serves the held-out ``nodes`` after round ``server_round``."""
+
+    def end_generalization(self) -> None:
+        """After a generalisation phase, also when it failed."""
+
+
+#: the members of :class:`PerClientServer`, all or none of which a method defines
+PER_CLIENT_HOOKS = ("joined", "admitted", "reply_dims", "check_reply", "begin_generalization", "end_generalization")
 
 
 class ClientProcedure:
@@ -714,18 +382,13 @@ class ClientProcedure:
         return {}, metrics
 
 
-#: the hooks that read what a client answered in the handshake (its partition or sizes): a method that
-#: overrides one must know a node before its train message (:func:`needs_query_first`)
-ROSTER_HOOKS = ("train_round", "reply_dims", "joined", "admitted")
-
-
 def needs_query_first(server: type[MethodServer]) -> bool:
     """Whether a method's server half must know a client's handshake answer before its train message: it
-    overrides one of :data:`ROSTER_HOOKS` (FedRE's head trainer, MH-pFedHN's generated weights). With run
-    config ``handshake = "sampled"`` such a method asks a drawn node it does not know yet a query first; any
-    other sends the node its train message at once and the node answers the query in its train reply, one
-    message instead of two (``engine.roster.Roster.answered``): what a Flower simulation engine costs grows
-    with the messages sent (docs/running.md). Recording payloads and differential privacy keep the query
-    first too: a download is recorded under its partition, a spent budget is known before the client is
-    drawn again."""
-    return any(getattr(server, hook) is not getattr(MethodServer, hook) for hook in ROSTER_HOOKS)
+    has a round of its own (:class:`OwnRound`: FedRE's head trainer is partition 0) or per-client state
+    (:class:`PerClientServer`: MH-pFedHN's generated weights). With run config ``handshake = "sampled"`` such
+    a method asks a drawn node it does not know yet a query first; any other sends the node its train
+    message at once and the node answers the query in its train reply, one message instead of two
+    (``engine.roster.Roster.answered``): what a Flower simulation engine costs grows with the messages sent
+    (docs/running.md). Recording payloads and differential privacy keep the query first too: a download is
+    recorded under its partition, a spent budget is known before the client is drawn again."""
+    return issubclass(server, OwnRound) or issubclass(server, PerClientServer)

@@ -6,48 +6,24 @@ to evaluate right after training: the train message's config carries ``evaluate`
 (``common.protocol.train_config``), the client runs its evaluation in the same message
 (``client_app.handlers``) and replies with its evaluate metrics under ``eval-`` names, which the transport
 then expects in train replies (``common.metrics.declared_metrics``). Every other client to evaluate
-gets an evaluate message. :func:`evaluate_clients` takes the evaluations carried by train replies
-(:func:`evaluations_in`), asks the rest, and aggregates both (:func:`aggregate_evaluation`),
-naming the clients asked that gave no valid evaluation. The round's evaluation
-(``MethodServer.evaluate_round``) and a generalisation phase (``engine.heldout_phase``) both
-use it.
+gets an evaluate message. ``engine.federation.Federation.evaluate`` takes the evaluations carried by
+train replies (:func:`evaluations_in`) and asks the rest; the method's ``aggregate_evaluate`` (by
+default :func:`aggregate_evaluation`) aggregates both, naming the clients asked that gave no valid
+evaluation. The round's evaluation (``engine.runner.Runner.evaluate_round``) and a generalisation
+phase (``engine.heldout_phase``) both go this way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from flwr.app import ConfigRecord, MetricRecord
+from flwr.app import MetricRecord
 
 from common.metrics import REQUIRED_METRICS
 from common.payload import ClientReply
 from common.protocol import EVAL_PREFIX
-from engine.transport import Transport
-
-
-def evaluate_clients(
-    transport: Transport,
-    nodes: Sequence[int],
-    evaluated: list[ClientReply],
-    payload: Callable[[int], dict[str, Any]],
-    config: ConfigRecord,
-    server_round: int,
-    scope: str = "",
-) -> MetricRecord | None:
-    """The evaluation of ``nodes``: the evaluations carried by their train replies (``evaluated``)
-    and one evaluate message (arrays ``payload(node)``, ``config``) to each of the others, over
-    ``transport`` (``scope``: a state of its own, e.g. a generalisation phase's), aggregated by
-    :func:`aggregate_evaluation` with the partitions of ``nodes`` as the ones asked."""
-    done = {r.node_id for r in evaluated}
-    messages = [
-        transport.message("evaluate", node, payload(node), config, server_round, scope)
-        for node in nodes
-        if node not in done
-    ]
-    replies = transport.validate("evaluate", transport.exchange(messages)) + evaluated
-    return aggregate_evaluation(replies, [transport.clients[node]["partition-id"] for node in nodes])
 
 
 def evaluations_in(replies: list[ClientReply]) -> list[ClientReply]:

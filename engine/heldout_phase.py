@@ -3,11 +3,12 @@
 Run config table ``[generalization]`` (``common.heldout``) holds partitions out of training.
 Every ``generalization.every`` rounds and after the last round (or the round ``stop-patience`` ends
 the run on), :func:`run_phase` serves each connected held-out client for ``generalization.rounds``
-personalisation rounds through the strategy's hooks ``begin_generalization``, ``personalize`` and
-``end_generalization`` (``engine.contract.MethodServer``), and evaluates it on its own test split
-before the first and after each. Each phase runs under a state scope of its own (message config ``state-scope``), so a
-held-out client starts every phase from nothing and the run's state is never touched; the server's
-state is left as it was (the method's hooks must not change it). The phase's bytes are reported
+personalisation rounds through the method's ``personalize`` (``engine.contract.MethodServer``; a
+method with per-client state also sets the phase up and drops it: ``engine.contract.PerClientServer``),
+and evaluates it on its own test split before the first and after each. Each phase runs under a state
+scope of its own (message config ``state-scope``), so a held-out client starts every phase from nothing
+and the run's state is never touched; the server's state is left as it was (the method's hooks must
+not change it). The phase's bytes are reported
 apart from the training's (row keys ``heldout_bytes_*``), so a run's training traffic is the same
 with and without held-out clients.
 
@@ -20,42 +21,32 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-import numpy as np
 from flwr.app import ConfigRecord
 
-from common.payload import ClientReply
 from common.protocol import SERVER_ROUND
-from engine.evaluation import evaluate_clients, evaluations_in
-from engine.roster import Roster
+from engine.contract import MethodServer, PerClientServer
+from engine.evaluation import evaluations_in
+from engine.federation import Federation
 from engine.round_rows import RoundCounters
-from engine.transport import Transport
 
 
 class HeldOutHost(Protocol):
-    """What a phase needs of its strategy (``engine.contract.MethodServer`` is one)."""
+    """What a phase needs of its run (``engine.runner.Runner`` is one)."""
 
-    roster: Roster
-    transport: Transport
+    method: MethodServer
+    federation: Federation
     counters: RoundCounters
     phases: int
 
-    def begin_generalization(self, nodes: list[int], server_round: int) -> None: ...
 
-    def personalize(self, nodes: list[int], step: int, scope: str, server_round: int) -> list[ClientReply]: ...
-
-    def configure_evaluate(self, node_id: int, server_round: int) -> dict[str, np.ndarray]: ...
-
-    def end_generalization(self) -> None: ...
-
-
-def phase_due(strategy: HeldOutHost, server_round: int, last: bool) -> bool:
+def phase_due(run: HeldOutHost, server_round: int, last: bool) -> bool:
     """True when a generalisation phase follows round ``server_round``: held-out clients are set and it
     is a multiple of ``generalization.every`` (> 0) or the run's ``last`` round."""
-    opts = strategy.roster.generalization
+    opts = run.federation.roster.generalization
     return opts.enabled and (last or (opts.every > 0 and server_round % opts.every == 0))
 
 
-def run_phase(strategy: HeldOutHost, server_round: int) -> dict[str, Any]:
+def run_phase(run: HeldOutHost, server_round: int) -> dict[str, Any]:
     """One generalisation phase after round ``server_round``: the row keys it adds.
 
     Returns:
@@ -67,35 +58,40 @@ def run_phase(strategy: HeldOutHost, server_round: int) -> dict[str, Any]:
         (partition id -> fraction, last round), ``heldout_bytes_up`` / ``_down`` (payload bytes of
         the phase, every message category), ``heldout_seconds``.
     """
-    roster, transport, counters = strategy.roster, strategy.transport, strategy.counters
+    method, federation, counters = run.method, run.federation, run.counters
+    roster = federation.roster
     held = roster.held_out
     nodes = [n for n in roster.nodes if n in held and n in roster.connected]
-    strategy.phases += 1  # a phase repeated for the same round (a test, a resumed run) starts afresh too
-    scope = f"heldout-{strategy.phases}-round-{server_round}"
+    partitions = [federation.partition_of(n) for n in nodes]
+    per_client = isinstance(method, PerClientServer)
+    run.phases += 1  # a phase repeated for the same round (a test, a resumed run) starts afresh too
+    scope = f"heldout-{run.phases}-round-{server_round}"
     before = counters.traffic.copy()
     start = time.perf_counter()
     curve_mean: list[float | None] = []
     curve_weighted: list[float | None] = []
     evaluation: dict[str, Any] = {}
-    strategy.begin_generalization(nodes, server_round)
+    if per_client:
+        method.begin_generalization(nodes, server_round)
     try:
         for step in range(roster.generalization.rounds + 1):  # step 0: what a new client gets, untouched
-            replies = strategy.personalize(nodes, step, scope, server_round) if nodes and step else []
+            replies = method.personalize(nodes, step, scope, server_round) if nodes and step else []
             config = ConfigRecord({SERVER_ROUND: step})
-            record = evaluate_clients(
-                transport,
+            evaluations = federation.evaluate(
                 nodes,
                 evaluations_in(replies),
-                lambda n: strategy.configure_evaluate(n, server_round),
+                lambda n: method.configure_evaluate(n, server_round),
                 config,
                 step,
                 scope,
             )
+            record = method.aggregate_evaluate(step, evaluations, partitions)
             evaluation = dict(record) if record is not None else {}
             curve_mean.append(evaluation.get("accuracy-mean"))
             curve_weighted.append(evaluation.get("accuracy-weighted"))
     finally:
-        strategy.end_generalization()
+        if per_client:
+            method.end_generalization()
     traffic = counters.traffic - before
     counters.traffic = before  # the run's training traffic stays what it is without held-out clients
     return {

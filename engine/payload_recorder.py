@@ -48,7 +48,7 @@ class PayloadRecorder:
 
     Args:
         cfg: the run config (``record-payloads``: :meth:`common.config.RunConfig.records_round`).
-        run_dir: the run folder; None (a strategy without results) records nothing.
+        run_dir: the run folder; None (a run without results) records nothing.
     """
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path | None) -> None:

@@ -7,9 +7,9 @@ asked before round 1: each round samples K of the connected nodes in node-id ord
 sampled ones it does not know yet, so neither start-up nor a round grows with N (Flower's simulation
 engine looks at every waiting message for every node, so asking all N nodes costs O(N^2) there), at
 the price that which partitions a seed samples follows the nodes' ids. A :class:`Roster` is built by
-``engine.contract.MethodServer`` from explicit inputs (the run config, the round counters it
-records dropped clients in, the strategy's seeded ``rng``); the handshake and the refresh send
-their queries through the transport they are given.
+``engine.federation.Federation`` from explicit inputs (the run config, the round counters it
+records dropped clients in, the run's seeded ``rng``); the handshake and the refresh send
+their queries through the :class:`Handshakes` port it is given.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Message
+from flwr.app import Message
 
 from common.config import ConfigError, RunConfig, sample_size
 from common.dp import secret_generator
@@ -33,7 +33,6 @@ from common.metrics import MAX_ERROR_CHARS
 from common.payload import ClientReply, short
 from common.protocol import CONFIG_ERROR_KEY, CONFIG_ERROR_RECORD, PARTITION_ID
 from engine.round_rows import RoundCounters
-from engine.transport import Transport
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
 
@@ -68,6 +67,26 @@ class _Answers:
     asked: set[int] = field(default_factory=set)
 
 
+class Handshakes(Protocol):
+    """What the roster needs of the network to learn who is there (``engine.federation.Federation`` gives
+    it): the roster never sees the transport, nor the transport the roster."""
+
+    @property
+    def simulated(self) -> bool:
+        """True in a simulation (every node shares one run config and one data folder)."""
+
+    def listed(self) -> set[int]:
+        """The node ids the grid lists now (``Grid.get_node_ids``)."""
+
+    def ask(self, nodes: list[int], timeout: float, key: str = "round-timeout") -> list[Message]:
+        """One ``query`` message to each of ``nodes`` (at most ``timeout`` s; ``key``: the run config key
+        that set it), their raw replies."""
+
+    def answers(self, replies: list[Message], in_train: bool = False) -> list[ClientReply]:
+        """The valid handshake answers among ``replies``: query replies, or with ``in_train`` the answers
+        inside train replies of nodes not known yet."""
+
+
 class Roster:
     """Handshake, node refresh and sampling.
 
@@ -75,14 +94,21 @@ class Roster:
         cfg: the run config (``num-clients``, ``fraction-train``, the timeouts).
         counters: where dropped queries and this round's dropped partitions are recorded.
         rng: the seeded generator that samples each round's clients.
+        network: how the handshake and the refresh ask nodes (:class:`Handshakes`).
         query_in_train: handshake "sampled": a drawn node not known yet answers the handshake's query in
             its train reply (one message instead of a query first; ``engine.contract.needs_query_first``).
     """
 
     def __init__(
-        self, cfg: RunConfig, counters: RoundCounters, rng: np.random.Generator, query_in_train: bool = False
+        self,
+        cfg: RunConfig,
+        counters: RoundCounters,
+        rng: np.random.Generator,
+        network: Handshakes,
+        query_in_train: bool = False,
     ) -> None:
         self.cfg, self.counters, self.rng, self.query_in_train = cfg, counters, rng, query_in_train
+        self.network = network
         self.clients: dict[int, dict[str, Any]] = {}  # node id -> handshake metrics
         self.nodes: list[int] = []  # node ids ordered by partition id
         self.sampled: list[int] = []  # the nodes of the last sample() call
@@ -113,9 +139,9 @@ class Roster:
                 "clients are served by partition id, which needs every node asked up front)"
             )
 
-    def handshake(self, transport: Transport) -> None:
+    def handshake(self) -> None:
         """Learn the clients of the run: their node, partition id and data sizes, and the run's size N,
-        asking through ``transport`` on its grid.
+        asking through :attr:`network`.
 
         The run starts once every training partition has answered (the held-out ones of run config
         ``generalization.held-out-clients`` need not), or once ``min-clients`` of them have when that
@@ -137,7 +163,7 @@ class Roster:
         (:func:`config_error`: a bad run or node config, a faulty data file, a partitioner that
         cannot split the pool). Whether that ends the run depends on who shares the error:
 
-        - in a simulation (``transport.window`` is set, see ``server_app.app.run``) every node
+        - in a simulation (``Handshakes.simulated``, see ``server_app.app.run``) every node
           shares one run config and one data folder, so one node's error is the run's: the run
           fails at once with it;
         - in a deployment a node's data and node config are its own, and a hostile node must not
@@ -158,7 +184,7 @@ class Roster:
         dropped query): the first claim stands and the run goes on.
         """
         if self.cfg.handshake == "sampled":
-            self._await_nodes(transport)
+            self._await_nodes()
             return
         timeout = self.cfg.connect_timeout
         began = time.monotonic()
@@ -176,7 +202,7 @@ class Roster:
                     f"only {len(heard.by_partition)} of {size} clients answered the handshake within "
                     f"{timeout:.0f} s (run config key 'connect-timeout')" + _errors_text(heard.errors, "; ")
                 )
-            new = sorted(set(transport.grid.get_node_ids()) - heard.asked)
+            new = sorted(self.network.listed() - heard.asked)
             if not new:  # settled: every node the grid lists has answered (or missed its time)
                 wanted = self._federation_size(heard.claims, settled=True)
                 if heard.errors and not heard.claims and len(heard.errors) >= max(self.cfg.num_clients, 1):
@@ -184,7 +210,7 @@ class Roster:
                         f"no node that answered the handshake can serve the run{_errors_text(heard.errors)}"
                     )
             else:
-                self._ask(transport, new, max(deadline - time.monotonic(), 1.0), heard)
+                self._ask(new, max(deadline - time.monotonic(), 1.0), heard)
                 wanted = self._federation_size(heard.claims, settled=False)
                 log.info(
                     "Handshake: %d of %s clients answered, %.1f s after the handshake began (slowest "
@@ -204,7 +230,7 @@ class Roster:
         if self.held_out_partitions:
             log.info("Held out (run config generalization.held-out-clients): partitions %s", self.held_out_partitions)
 
-    def _await_nodes(self, transport: Transport) -> None:
+    def _await_nodes(self) -> None:
         """Handshake ``sampled``: N is ``num-clients``; wait until the grid lists the K nodes a round
         samples, asking none of them.
 
@@ -214,7 +240,7 @@ class Roster:
         self.num_partitions = self.cfg.num_clients
         k = sample_size(self.cfg.fraction_train, self.num_partitions)
         deadline = time.monotonic() + self.cfg.connect_timeout
-        while (listed := len(set(transport.grid.get_node_ids()))) < k:
+        while (listed := len(self.network.listed())) < k:
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"only {listed} nodes connected within {self.cfg.connect_timeout:.0f} s (run config key "
@@ -223,7 +249,7 @@ class Roster:
             time.sleep(NODE_POLL_SECONDS)
         log.info("Handshake sampled: %d nodes listed; each round asks only the nodes it samples", listed)
 
-    def _ask(self, transport: Transport, new: list[int], timeout: float, heard: _Answers) -> None:
+    def _ask(self, new: list[int], timeout: float, heard: _Answers) -> None:
         """Query the ``new`` nodes once (within ``timeout`` seconds) and record their answers in
         ``heard``: a node's configuration or data error (:meth:`_valid_answers`), else its claim, its
         partition unless another node holds it (the first claim stands) and its metrics in
@@ -233,8 +259,7 @@ class Roster:
             ConfigError: a node of a simulation reported a configuration or data error.
         """
         heard.asked.update(new)
-        replies = transport.exchange([transport.message("query", n, {}, ConfigRecord(), 0) for n in new], timeout)
-        valid, errors = self._valid_answers(transport, replies)
+        valid, errors = self._valid_answers(self.network.ask(new, timeout))
         heard.errors.update(errors)
         for r in valid:
             heard.claims[r.node_id] = _claim(r)
@@ -318,9 +343,9 @@ class Roster:
             "every node must have the same 'num-partitions'"
         )
 
-    def refresh(self, transport: Transport) -> list[int]:
+    def refresh(self) -> list[int]:
         """Track nodes leaving and (re)joining between rounds (deployment: a SuperNode restarts),
-        asking new nodes through ``transport``; returns the nodes admitted as new clients.
+        asking new nodes through :attr:`network`; returns the nodes admitted as new clients.
 
         A node holding a partition of the run that no node has held yet (it connected after the
         handshake, or it is a held-out partition) is admitted as a new client, after the
@@ -338,22 +363,19 @@ class Roster:
         stall every round; a node holding a partition outside this run is not asked again. A
         rejoining client restores its state from its node's ``state-dir``.
         """
-        self.connected = set(transport.grid.get_node_ids())
+        self.connected = self.network.listed()
         self.refreshes += 1
         if self.cfg.handshake == "sampled":
-            return self._draw(transport)
+            return self._draw()
         self.claims = {n: c for n, c in self.claims.items() if n in self.connected}
         new = sorted(
             n
             for n in self.connected - set(self.clients) - set(self.claims) - self.outsiders
             if self.silent_nodes.get(n, (0, 0))[1] <= self.refreshes
         )
-        replies = transport.exchange(
-            [transport.message("query", n, {}, ConfigRecord(), 0) for n in new],
-            min(QUERY_SECONDS, self.cfg.round_timeout),
-        )
+        replies = self.network.ask(new, min(QUERY_SECONDS, self.cfg.round_timeout))
         # a node's configuration or data error is its own problem: it is asked again later, as a silent node
-        valid, _ = self._valid_answers(transport, replies)
+        valid, _ = self._valid_answers(replies)
         answered = {r.node_id for r in valid}
         for node in set(new) - answered:  # no reply, or none we can use
             misses = self.silent_nodes.get(node, (0, 0))[0] + 1
@@ -394,10 +416,10 @@ class Roster:
         return admitted
 
     def _valid_answers(
-        self, transport: Transport, replies: list[Message], in_train: bool = False
+        self, replies: list[Message], in_train: bool = False
     ) -> tuple[list[ClientReply], dict[int, tuple[int | None, str]]]:
-        """The valid query ``replies`` (:meth:`Transport.validate`; with ``in_train``, the handshake's
-        answers inside train replies: :meth:`Transport.handshakes`) and the configuration or data errors
+        """The valid query ``replies`` (:meth:`Handshakes.answers`; with ``in_train``, the handshake's
+        answers inside train replies) and the configuration or data errors
         (:func:`config_error`, node id -> (partition id or None, text)) the others report. Each error
         is logged and its reply left out; with handshake ``sampled`` (the node was drawn to train) it
         is also the round's client error, which the error of a run that trains nothing quotes.
@@ -408,16 +430,16 @@ class Roster:
         """
         errors = {r.metadata.src_node_id: config_error(r) for r in replies}
         errors = {node: error for node, error in errors.items() if error is not None}
-        if errors and transport.window is not None:
+        if errors and self.network.simulated:
             raise ConfigError(f"the run's configuration or data fail on a simulated node{_errors_text(errors)}")
         for node, (pid, text) in errors.items():
             log.warning("Node %s (partition-id %s) cannot serve the run: %s", node, pid, text)
             if self.cfg.handshake == "sampled":
                 self.counters.train_error(f"node {node} (partition-id {pid}) cannot serve the run: {text}")
         rest = [r for r in replies if r.metadata.src_node_id not in errors]
-        return (transport.handshakes(rest) if in_train else transport.validate("query", rest)), errors
+        return self.network.answers(rest, in_train), errors
 
-    def _draw(self, transport: Transport) -> list[int]:
+    def _draw(self) -> list[int]:
         """Handshake ``sampled``: draw this round's K clients from the connected nodes (seeded, in node-id
         order), ask those not asked before for their partition (one query exchange of at most K
         messages) and admit the valid ones; returns the admitted nodes. :meth:`sample` then hands out
@@ -443,8 +465,7 @@ class Roster:
             self.pending, self.drawn = new, self._known(chosen)
             return []
         timeout, key = self.exchange_timeout(QUERY_SECONDS)
-        replies = transport.exchange([transport.message("query", n, {}, ConfigRecord(), 0) for n in new], timeout, key)
-        admitted = self._admit_drawn(transport, new, replies, in_train=False)
+        admitted = self._admit_drawn(new, self.network.ask(new, timeout, key), in_train=False)
         self.drawn = self._known(chosen)
         if new:
             log.info("Round sample: %d nodes, %d asked for their partition, %d admitted", k, len(new), len(admitted))
@@ -462,12 +483,13 @@ class Roster:
             return self.cfg.connect_timeout, "connect-timeout"
         return min(most, self.cfg.round_timeout), "round-timeout"
 
-    def answered(self, transport: Transport, replies: list[Message]) -> list[Message]:
+    def answered(self, replies: list[Message]) -> list[Message]:
         """Handshake ``sampled`` with :attr:`query_in_train`: admit the :attr:`pending` nodes whose train
         ``replies`` answer the handshake validly (as :meth:`_draw` admits query replies; a configuration
         or data error as in :meth:`_valid_answers`), and return the train replies of the round's known
         nodes, the just admitted ones included (their query metrics removed:
-        :meth:`Transport.read_handshake`), in partition order, the order of a round of known nodes.
+        ``engine.transport.Transport.read_handshake``), in partition order, the order of a round of known
+        nodes.
         :attr:`sampled` becomes those nodes.
 
         Raises:
@@ -477,7 +499,7 @@ class Roster:
         if not new:
             return replies
         k, asked = len(self.drawn) + len(new), set(new)
-        admitted = self._admit_drawn(transport, new, [r for r in replies if r.metadata.src_node_id in asked], True)
+        admitted = self._admit_drawn(new, [r for r in replies if r.metadata.src_node_id in asked], True)
         self.drawn = self._known([*self.drawn, *admitted])
         self.sampled = list(self.drawn)
         log.info("Round sample: %d nodes, %d asked in their train message, %d admitted", k, len(new), len(admitted))
@@ -492,12 +514,12 @@ class Roster:
             key=lambda n: self.clients[n][PARTITION_ID],
         )
 
-    def _admit_drawn(self, transport: Transport, new: list[int], replies: list[Message], in_train: bool) -> list[int]:
+    def _admit_drawn(self, new: list[int], replies: list[Message], in_train: bool) -> list[int]:
         """Admit the ``new`` drawn nodes whose ``replies`` answer the handshake validly
         (:meth:`_valid_answers`), unless they hold a partition outside the run or one whose node is still
         connected (not asked again); back off from the others (:meth:`_draw`); returns the admitted nodes.
         """
-        valid, _ = self._valid_answers(transport, replies, in_train)
+        valid, _ = self._valid_answers(replies, in_train)
         holders = {self.clients[n][PARTITION_ID]: n for n in self.nodes}
         admitted = []
         for reply in valid:

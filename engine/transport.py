@@ -1,10 +1,10 @@
-"""Transport, the part of every strategy that talks to clients: one message per client with only its
+"""Transport, the part of every run that talks to clients: one message per client with only its
 payload, the exchange (push, then pull at a short interval until every reply is in or the round
 times out), payload bytes counted per message category, and every reply checked before use.
 
-A :class:`Transport` is built by ``engine.contract.MethodServer`` from explicit inputs: the run
-config, the method's :class:`ReplyRules` (its schemas, declared metrics and reply checks), the node
-registry's ``clients`` (read only) and the :class:`engine.round_rows.RoundCounters` it counts into.
+A :class:`Transport` is built by ``engine.federation.Federation`` from explicit inputs: the run
+config, the method's :class:`ReplyRules` (its schemas, declared metrics and reply checks), the
+roster's ``clients`` (read only) and the :class:`engine.round_rows.RoundCounters` it counts into.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class DuplicateReply(PayloadError):
 @dataclass(frozen=True)
 class ReplyRules:
     """What the transport needs of a method to build messages and check replies, settled from the
-    method's binding before the transport is built (``engine.contract.MethodServer``).
+    method before the transport is built (``engine.runner.Runner``).
 
     Attributes:
         schemas: message type -> (server->client, client->server) payload schema.
@@ -107,7 +107,7 @@ class Transport:
         #: the run that started it, kept by a resumed run so clients find their state again
         self.state_key = "in-memory"
         #: sent as message config ``client-state-dir``: where clients without any ``state-dir`` keep
-        #: their state (a simulation's run folder, see ``MethodServer.start``); empty: context.state
+        #: their state (a simulation's run folder, see ``engine.runner.Runner.start``); empty: context.state
         self.client_state_dir = ""
         self.timeout = cfg.round_timeout
         #: in a simulation, the most messages of one exchange that wait for replies at once (asked

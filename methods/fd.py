@@ -39,7 +39,7 @@ from common.payload import BASE_SCHEMAS, RECEIVED_ROW_FACTOR, ClientReply
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model, trained_class_means
-from engine.contract import ClientProcedure, Method, MethodBinding, MethodServer
+from engine.contract import ClientProcedure, Method, MethodContext, MethodServer
 from engine.robust import require_aggregation
 from methods.blocks.prototypes import (
     CLASS_AGGREGATIONS,
@@ -104,7 +104,7 @@ def fd_loss(
     return ce + lam * kd_loss(logits[known], targets[labels[known]]) * known.sum() / len(labels)
 
 
-class FDStrategy(MethodServer):
+class FDServer(MethodServer):
     """FD server: averages the uploaded per-class logits per class."""
 
     checkpointed = ("global_logits",)
@@ -113,8 +113,8 @@ class FDStrategy(MethodServer):
         """Yes: the evaluated model is the post-training personal model, and evaluation needs no payload."""
         return True
 
-    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
-        super().__init__(cfg, binding, results)
+    def __init__(self, ctx: MethodContext) -> None:
+        super().__init__(ctx)
         self.global_logits: dict = {}
 
     def global_arrays(self):
@@ -154,4 +154,4 @@ class FDClient(ClientProcedure):
         return {"logits": means.numpy(), "logit_labels": labels.numpy()}, stats
 
 
-METHOD = Method("fd", FDStrategy, FDClient, SCHEMAS, FDOptions)
+METHOD = Method("fd", FDServer, FDClient, SCHEMAS, FDOptions)

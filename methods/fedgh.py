@@ -37,7 +37,7 @@ from common.payload import BASE_SCHEMAS, NO_PAYLOAD, ROW_NORM_FACTOR, ArraySpec,
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import train_personal_model, trained_class_means
-from engine.contract import ClientProcedure, Method, MethodBinding, MethodServer
+from engine.contract import ClientProcedure, Method, MethodContext, MethodServer
 from engine.robust import BOUNDED, require_aggregation
 from methods.blocks.heads import (
     GLOBAL_HEAD_METRICS,
@@ -146,7 +146,7 @@ def train_header(
     return {"server-num-lars": len(labels), "server-ce-before": before, "server-ce-after": after}
 
 
-class FedGHStrategy(MethodServer):
+class FedGHServer(MethodServer):
     """FedGH server: holds the global header θ = Linear(d, C) and trains it each round.
 
     θ⁰ is PyTorch's default Linear init drawn from ``seed`` (section 5).
@@ -154,10 +154,10 @@ class FedGHStrategy(MethodServer):
 
     checkpointed = ("header", "header_generator")
 
-    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
-        super().__init__(cfg, binding, results)
-        self.header = initial_header(self.dims["d"], self.dims["C"], cfg.seed)
-        self.header_generator = torch.Generator().manual_seed(cfg.seed)
+    def __init__(self, ctx: MethodContext) -> None:
+        super().__init__(ctx)
+        self.header = initial_header(self.dims["d"], self.dims["C"], self.cfg.seed)
+        self.header_generator = torch.Generator().manual_seed(self.cfg.seed)
 
     def evaluates_after_training(self) -> bool:
         """The primary metric is the post-training model (section 6); not with ``eval-global-head``: the
@@ -200,7 +200,7 @@ class FedGHClient(ClientProcedure):
 
 METHOD = Method(
     "fedgh",
-    FedGHStrategy,
+    FedGHServer,
     FedGHClient,
     schemas,
     FedGHOptions,

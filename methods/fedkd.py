@@ -42,11 +42,11 @@ from common.payload import BASE_SCHEMAS, MAX_ABS, ArraySpec, ClientReply, Payloa
 from common.protocol import SERVER_ROUND, Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model
-from engine.contract import Method, MethodBinding
+from engine.contract import Method, MethodBinding, MethodContext
 from methods.blocks.shared_model import (
     SHARED_LAYOUTS,
     SharedModelClient,
-    SharedModelStrategy,
+    SharedModelServer,
     WithCompanions,
     load_arrays,
     shared_module,
@@ -173,13 +173,13 @@ def schemas(cfg: RunConfig, options: FedKDOptions) -> dict:
     return {**BASE_SCHEMAS, "train": (schema, schema)}
 
 
-class FedKDStrategy(SharedModelStrategy):
+class FedKDServer(SharedModelServer):
     """FedKD server: reconstructs the clients' mentees, averages them, broadcasts the compressed average."""
 
     build_shared = staticmethod(mentee_model)
 
-    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
-        super().__init__(cfg, binding, results)
+    def __init__(self, ctx: MethodContext) -> None:
+        super().__init__(ctx)
         self._broadcast: tuple[int, dict[str, np.ndarray]] = (0, {})
 
     def recording_dims(self, model: nn.Module) -> dict[str, int]:
@@ -257,4 +257,4 @@ class FedKDClient(SharedModelClient):
         ), stats
 
 
-METHOD = Method("fedkd", FedKDStrategy, FedKDClient, schemas, FedKDOptions)
+METHOD = Method("fedkd", FedKDServer, FedKDClient, schemas, FedKDOptions)

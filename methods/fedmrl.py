@@ -43,7 +43,7 @@ from methods.blocks.shared_model import (
     GROUP_FIRST,
     SHARED_LAYOUTS,
     SharedModelClient,
-    SharedModelStrategy,
+    SharedModelServer,
     module_arrays,
     shared_module,
     shared_schemas,
@@ -157,7 +157,7 @@ def projector(cfg: RunConfig, d1: int) -> nn.Linear:
         return nn.Linear(d1 + d2, d2)
 
 
-class FedMRLStrategy(SharedModelStrategy):
+class FedMRLServer(SharedModelServer):
     """FedMRL server: holds θ (the small model) and averages the clients' θ_k (section 4)."""
 
     build_shared = staticmethod(small_model)
@@ -215,7 +215,7 @@ class FedMRLClient(SharedModelClient):
 # evaluate instructions carry θ^t: clients evaluated outside their train reply use it (protocol B)
 METHOD = Method(
     "fedmrl",
-    FedMRLStrategy,
+    FedMRLServer,
     FedMRLClient,
     shared_schemas(small_model, evaluate_payload=True),
     FedMRLOptions,

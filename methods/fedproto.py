@@ -33,7 +33,7 @@ from common.payload import BASE_SCHEMAS, NO_PAYLOAD, ClientReply
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import evaluation_metrics, train_personal_model, trained_class_means
-from engine.contract import ClientProcedure, Method, MethodBinding, MethodServer
+from engine.contract import ClientProcedure, Method, MethodContext, MethodServer
 from engine.robust import require_aggregation
 from methods.blocks.prototypes import (
     CLASS_AGGREGATIONS,
@@ -61,13 +61,13 @@ class FedProtoOptions(RegularizerOptions):
         self.require_per_example(cfg)
 
 
-class FedProtoStrategy(MethodServer):
+class FedProtoServer(MethodServer):
     """FedProto server: per-class unweighted mean of this round's uploads (no learned state)."""
 
     checkpointed = ("global_set",)
 
-    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
-        super().__init__(cfg, binding, results)
+    def __init__(self, ctx: MethodContext) -> None:
+        super().__init__(ctx)
         self.global_set: dict[str, np.ndarray] = {}
 
     def global_arrays(self) -> dict[str, np.ndarray]:
@@ -129,4 +129,4 @@ class FedProtoClient(ClientProcedure):
         return {}, evaluation_metrics(*nearest_prototype_correct(client, protos, mask))
 
 
-METHOD = Method("fedproto", FedProtoStrategy, FedProtoClient, SCHEMAS, FedProtoOptions)
+METHOD = Method("fedproto", FedProtoServer, FedProtoClient, SCHEMAS, FedProtoOptions)

@@ -77,10 +77,10 @@ from common.metrics import count
 from common.optim import SGD
 from common.options import option
 from common.payload import BASE_SCHEMAS, ROW_NORM_FACTOR, ArraySpec, ClientReply, PayloadError, PayloadSchema
-from common.protocol import PARTITION_ID, SERVER_ROUND, TRAIN_HEAD, Arrays, Reply
+from common.protocol import SERVER_ROUND, TRAIN_HEAD, Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import EVAL_BATCH, train_personal_model, trained_class_means
-from engine.contract import ClientProcedure, Method, MethodBinding, MethodServer
+from engine.contract import ClientProcedure, Method, MethodContext, MethodServer
 from engine.robust import BOUNDED, bound_by_median, require_aggregation
 from engine.round_rows import round_metrics
 from methods.blocks.heads import HEADER, header_arrays, initial_header, load_header, require_linear_heads
@@ -317,7 +317,7 @@ def bound_entangled(replies: list[ClientReply]) -> tuple[list[ClientReply], int]
     return out, scaled
 
 
-class FedREStrategy(MethodServer):
+class FedREServer(MethodServer):
     """FedRE server: holds the global head φ = Linear(d, C), trains it on (z, y), sends it to all.
 
     φ⁰ is PyTorch's default Linear init drawn from ``seed`` (section 5). The evaluated
@@ -327,10 +327,10 @@ class FedREStrategy(MethodServer):
 
     checkpointed = ("head", "head_generator")
 
-    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
-        super().__init__(cfg, binding, results)
-        self.head = initial_header(self.dims["d"], self.dims["C"], cfg.seed)
-        self.head_generator = torch.Generator().manual_seed(cfg.seed)
+    def __init__(self, ctx: MethodContext) -> None:
+        super().__init__(ctx)
+        self.head = initial_header(self.dims["d"], self.dims["C"], self.cfg.seed)
+        self.head_generator = torch.Generator().manual_seed(self.cfg.seed)
 
     def global_arrays(self) -> dict[str, np.ndarray]:
         """The global head (:func:`methods.blocks.heads.header_arrays`)."""
@@ -341,27 +341,17 @@ class FedREStrategy(MethodServer):
         return self.global_arrays()
 
     def train_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
-        """One train exchange and :meth:`aggregate_train`; under ``head-source = "client-0"`` partition 0
-        is sent :data:`TRAIN_HEAD` (its reply adds its trained head) in the same exchange, and its
-        reply is checked against that message type's schema."""
-        if self.options.head_source == "server":
-            return super().train_round(server_round)
+        """Its own round (``engine.contract.OwnRound``): one train exchange and :meth:`aggregate_train`;
+        under ``head-source = "client-0"`` partition 0 is sent :data:`TRAIN_HEAD` (its reply adds its
+        trained head) in the same exchange, and its reply is checked against that message type's schema."""
         config = self.train_config(server_round)
-        nodes = self.roster.sample()
-        kinds = {n: TRAIN_HEAD if self.roster.clients[n][PARTITION_ID] == 0 else "train" for n in nodes}
-        messages = [
-            self.transport.message(kinds[n], n, self.configure_train(n, server_round), config, server_round)
-            for n in nodes
-        ]
-        replies = self.transport.exchange(messages)
-        # a reply from a node not sent to (none expected) is checked as a plain train reply, as by default
-        kind_of = {id(r): kinds.get(r.metadata.src_node_id, "train") for r in replies}
-        valid = [
-            reply
-            for kind in ("train", TRAIN_HEAD)
-            for reply in self.transport.validate(kind, [r for r in replies if kind_of[id(r)] == kind])
-        ]
-        valid.sort(key=lambda r: r.partition_id)
+        nodes = self.federation.sample()
+        payloads = {n: self.configure_train(n, server_round) for n in nodes}
+        if self.options.head_source == "server":
+            valid = self.federation.send("train", payloads, config, server_round)
+        else:
+            kinds = {n: TRAIN_HEAD if self.federation.partition_of(n) == 0 else "train" for n in nodes}
+            valid = self.federation.send_each(kinds, payloads, config, server_round)
         start = time.perf_counter()
         server = self.aggregate_train(server_round, valid)
         return round_metrics(valid, server, time.perf_counter() - start), valid
@@ -427,7 +417,7 @@ class FedREClient(ClientProcedure):
 
 METHOD = Method(
     "fedre",
-    FedREStrategy,
+    FedREServer,
     FedREClient,
     SCHEMAS,
     FedREOptions,

@@ -51,7 +51,7 @@ from common.payload import BASE_SCHEMAS, NO_PAYLOAD, ArraySpec, ClientReply, Pay
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import evaluation_metrics, train_personal_model, trained_class_means
-from engine.contract import ClientProcedure, Method, MethodBinding, MethodServer
+from engine.contract import ClientProcedure, Method, MethodContext, MethodServer
 from engine.robust import BOUNDED, require_aggregation
 from methods.blocks.prototypes import (
     ROW_AGGREGATIONS,
@@ -250,17 +250,17 @@ def prototype_diagnostics(new: np.ndarray, old: np.ndarray | None) -> dict[str, 
     return out
 
 
-class FedTGPStrategy(MethodServer):
+class FedTGPServer(MethodServer):
     """FedTGP server: the generator persists across rounds; P̂ is regenerated after every update."""
 
     checkpointed = ("generator", "batch_rng", "global_set", "margin_hold")
 
-    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
-        super().__init__(cfg, binding, results)
+    def __init__(self, ctx: MethodContext) -> None:
+        super().__init__(ctx)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
+            torch.manual_seed(self.cfg.seed)
             self.generator = PrototypeGenerator(self.dims["C"], self.dims["d"], self.options.hidden_dim)
-        self.batch_rng = torch.Generator().manual_seed(cfg.seed)  # server mini-batch shuffling
+        self.batch_rng = torch.Generator().manual_seed(self.cfg.seed)  # server mini-batch shuffling
         self.global_set: dict[str, np.ndarray] = {}  # "global_protos" [C, K] once the first update ran
         # whether the margin is frozen at fedtgp.margin-freeze (a checkpoint without it: not frozen)
         self.margin_hold: dict[str, bool] = {"frozen": False}
@@ -321,4 +321,4 @@ class FedTGPClient(ClientProcedure):
         )
 
 
-METHOD = Method("fedtgp", FedTGPStrategy, FedTGPClient, SCHEMAS, FedTGPOptions)
+METHOD = Method("fedtgp", FedTGPServer, FedTGPClient, SCHEMAS, FedTGPOptions)

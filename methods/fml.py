@@ -37,7 +37,7 @@ from engine.contract import Method
 from methods.blocks.shared_model import (
     SHARED_LAYOUTS,
     SharedModelClient,
-    SharedModelStrategy,
+    SharedModelServer,
     WithCompanions,
     module_arrays,
     shared_module,
@@ -93,7 +93,7 @@ def meme_model(cfg: RunConfig, options: FMLOptions):
     return shared_module(cfg, options.shared_model, "fml.shared-model")
 
 
-class FMLStrategy(SharedModelStrategy):
+class FMLServer(SharedModelServer):
     """FML server: FedAvg of the meme model."""
 
     build_shared = staticmethod(meme_model)
@@ -130,4 +130,4 @@ class FMLClient(SharedModelClient):
         return module_arrays(meme), stats
 
 
-METHOD = Method("fml", FMLStrategy, FMLClient, shared_schemas(meme_model), FMLOptions)
+METHOD = Method("fml", FMLServer, FMLClient, shared_schemas(meme_model), FMLOptions)

@@ -30,7 +30,7 @@ from engine.contract import Method
 from methods.blocks.heads import GLOBAL_HEAD_METRICS, add_global_head_accuracy, require_linear_heads
 from methods.blocks.shared_model import (
     SharedModelClient,
-    SharedModelStrategy,
+    SharedModelServer,
     load_arrays,
     module_arrays,
     shared_schemas,
@@ -60,7 +60,7 @@ def schemas(cfg: RunConfig, options: LGFedAvgOptions) -> dict:
     return shared_schemas(global_head, evaluate_payload=options.eval_global_head)(cfg, options)
 
 
-class LGFedAvgStrategy(SharedModelStrategy):
+class LGFedAvgServer(SharedModelServer):
     """LG-FedAvg server: FedAvg of the heads."""
 
     build_shared = staticmethod(global_head)
@@ -89,7 +89,7 @@ class LGFedAvgClient(SharedModelClient):
 
 METHOD = Method(
     "lg-fedavg",
-    LGFedAvgStrategy,
+    LGFedAvgServer,
     LGFedAvgClient,
     schemas,
     LGFedAvgOptions,

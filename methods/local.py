@@ -16,7 +16,7 @@ from common.training import train_personal_model
 from engine.contract import ClientProcedure, Method, MethodServer
 
 
-class LocalStrategy(MethodServer):
+class LocalServer(MethodServer):
     """Server of the Local baseline: no server state, no server step."""
 
     checkpointed = ()
@@ -34,4 +34,4 @@ class LocalClient(ClientProcedure):
         return {}, train_personal_model(client, config)
 
 
-METHOD = Method("local", LocalStrategy, LocalClient, NO_PAYLOAD_SCHEMAS)
+METHOD = Method("local", LocalServer, LocalClient, NO_PAYLOAD_SCHEMAS)

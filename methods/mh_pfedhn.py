@@ -57,7 +57,7 @@ from common.protocol import SERVER_ROUND, TRAIN_GLOBAL, Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import kd_loss, train_personal_model, train_supervised
 from engine import client_dp
-from engine.contract import ClientProcedure, Method, MethodBinding, MethodServer
+from engine.contract import ClientProcedure, Method, MethodContext, MethodServer
 from engine.robust import RobustAggregator
 from engine.round_rows import round_metrics
 from methods.blocks.hypernetwork import HyperNetwork, flat_delta, hn_step, load_flat, num_params
@@ -124,7 +124,7 @@ class HNGDOptions(HNOptions):
             require_private_module(model, "mh-pfedhngd.global-model", self.global_model, self.global_model)
 
 
-class MHpFedHNStrategy(MethodServer):
+class MHpFedHNServer(MethodServer):
     """MH-pFedHN server: hypernetwork, Adam over all its parameters, sequential or parallel steps.
 
     Built after the handshake (section 5): one embedding per partition id, heads per tau.
@@ -136,10 +136,10 @@ class MHpFedHNStrategy(MethodServer):
     client_dp_releases = 1
     client_dp_amplified = False
 
-    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
-        super().__init__(cfg, binding, results)
+    def __init__(self, ctx: MethodContext) -> None:
+        super().__init__(ctx)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
+            torch.manual_seed(self.cfg.seed)
             self.hn = HyperNetwork(self.options)
         # fused: one kernel over all tensors, ~4x faster than the per-tensor loop on CPU (same maths)
         self.optimizer = Adam(self.hn.trunk.parameters(), lr=self.options.server_lr, fused=True)
@@ -156,7 +156,7 @@ class MHpFedHNStrategy(MethodServer):
     # ----------------------------------------------------------- registry
     def key(self, node_id: int) -> str:
         """The hypernetwork key of a node: its partition id."""
-        return f"p{self.roster.clients[node_id]['partition-id']}"
+        return f"p{self.federation.partition_of(node_id)}"
 
     def joined(self) -> None:
         """Every training client's K_i registered after the handshake (embedding, head if tau is new);
@@ -180,18 +180,18 @@ class MHpFedHNStrategy(MethodServer):
         """Register every training client's K_i, embeddings drawn from the run's seed."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed + 1)
-            for node in self.roster.training_nodes:
+            for node in self.federation.training_nodes:
                 self.register(self.key(node), self._reported(node, "num-params"))
 
     def admitted(self, nodes: list[int]) -> None:
         """A training client that joined after the handshake is registered as at the handshake, its
         embedding drawn from the run's seed and its partition id."""
-        held = self.roster.held_out
+        held = self.federation.held_out
         for node in nodes:
             if node in held:
                 continue
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.cfg.seed + 1 + 7919 * (1 + self.roster.clients[node]["partition-id"]))
+                torch.manual_seed(self.cfg.seed + 1 + 7919 * (1 + self.federation.partition_of(node)))
                 self.register(self.key(node), self._reported(node, "num-params"))
 
     def begin_generalization(self, nodes: list[int], server_round: int) -> None:
@@ -200,7 +200,7 @@ class MHpFedHNStrategy(MethodServer):
         K_i no training client has (a new architecture) also gets a new head of its own. Only these are
         optimised (Adam, ``server-lr``) by :meth:`personalize`."""
         copy_ = copy.deepcopy(self.hn).requires_grad_(False)
-        trained = {self.hn.sizes[self.key(n)] for n in self.roster.training_nodes if self.key(n) in self.hn.sizes}
+        trained = {self.hn.sizes[self.key(n)] for n in self.federation.training_nodes if self.key(n) in self.hn.sizes}
         params: list[nn.Parameter] = []
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed + 3 + server_round)
@@ -219,8 +219,8 @@ class MHpFedHNStrategy(MethodServer):
         config = self.personal_config(step)
         config["record"] = False
         hn, optimizer = self.phase
-        messages = [self.transport.message("train", n, self.weights_for(n), config, step, scope) for n in nodes]
-        replies = {r.node_id: r for r in self.transport.validate("train", self.transport.exchange(messages))}
+        payloads = {n: self.weights_for(n) for n in nodes}
+        replies = {r.node_id: r for r in self.federation.send("train", payloads, config, step, scope)}
         order = np.random.default_rng([self.cfg.seed, server_round, step]).permutation(len(nodes))
         for node in [nodes[i] for i in order]:
             if node in replies:
@@ -283,7 +283,7 @@ class MHpFedHNStrategy(MethodServer):
             self.optimizer.add_param_group({"params": new})
 
     def _reported(self, node: int, name: str) -> int:
-        value = self.roster.clients[node].get(name)
+        value = self.federation.clients[node].get(name)
         if not isinstance(value, int) or value <= 0:
             raise RuntimeError(
                 f"node {node} reported {name}={value!r} at the handshake; expected a positive "
@@ -299,7 +299,7 @@ class MHpFedHNStrategy(MethodServer):
         """``K`` = the node's registered parameter count (and ``G`` = K_g for GD), once registered."""
         dims = dict(self.dims)
         hn = self.serving
-        if node_id in self.roster.clients and self.key(node_id) in hn.sizes:
+        if node_id in self.federation.clients and self.key(node_id) in hn.sizes:
             dims["K"] = hn.sizes[self.key(node_id)]
         if GLOBAL_KEY in self.hn.sizes:
             dims["G"] = self.hn.sizes[GLOBAL_KEY]
@@ -320,8 +320,9 @@ class MHpFedHNStrategy(MethodServer):
 
     # --------------------------------------------------------------- round
     def train_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
-        """The personal phase: |S| hypernetwork steps, one per valid reply (section 4)."""
-        nodes = self.roster.sample()
+        """Its own round (``engine.contract.OwnRound``), the personal phase: |S| hypernetwork steps, one per
+        valid reply (section 4)."""
+        nodes = self.federation.sample()
         replies, server, seconds = self.personal_phase(server_round, nodes, self.personal_config(server_round))
         return round_metrics(replies, server, seconds), replies
 
@@ -340,9 +341,9 @@ class MHpFedHNStrategy(MethodServer):
         def send(batch: list[int]) -> list[ClientReply]:
             nonlocal server_seconds
             start = time.perf_counter()
-            messages = [self.transport.message("train", n, self.weights_for(n), config, server_round) for n in batch]
+            payloads = {n: self.weights_for(n) for n in batch}
             server_seconds += time.perf_counter() - start
-            return self.transport.validate("train", self.transport.exchange(messages))
+            return self.federation.send("train", payloads, config, server_round)
 
         def step(node: int, reply: ClientReply | None) -> None:
             nonlocal server_seconds
@@ -375,7 +376,7 @@ class MHpFedHNStrategy(MethodServer):
         return valid, metrics, server_seconds
 
 
-class MHpFedHNGDStrategy(MHpFedHNStrategy):
+class MHpFedHNGDServer(MHpFedHNServer):
     """MH-pFedHNGD server: a global model from a global embedding, one extra data-weighted step per round.
 
     The global step follows the clients' mean ``delta_w_g`` under run config ``aggregation``
@@ -390,9 +391,9 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
     #: client-level DP: each sampled client's ``delta_w_g`` in the global sum and its own ``delta_theta``
     client_dp_releases = 2
 
-    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
-        super().__init__(cfg, binding, results)
-        self.aggregator = RobustAggregator(cfg)
+    def __init__(self, ctx: MethodContext) -> None:
+        super().__init__(ctx)
+        self.aggregator = RobustAggregator(self.cfg)
 
     def client_models(self) -> list[nn.Module]:
         """The model group's models and the public global model."""
@@ -416,8 +417,8 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
             RuntimeError: clients disagree on ``global-num-params``.
         """
         super().register_clients()
-        sizes = {self._reported(node, "global-num-params") for node in self.roster.nodes}
-        if not self.roster.nodes:
+        sizes = {self._reported(node, "global-num-params") for node in self.federation.nodes}
+        if not self.federation.nodes:
             sizes = {num_params(self.global_model())}
         if len(sizes) != 1:
             raise RuntimeError(
@@ -442,20 +443,18 @@ class MHpFedHNGDStrategy(MHpFedHNStrategy):
         config["record"] = False
         with torch.no_grad():
             w_g = self.serving.generate(GLOBAL_KEY).numpy().copy()
-        messages = [self.transport.message(TRAIN_GLOBAL, n, {"w_g": w_g}, config, step, scope) for n in nodes]
-        self.transport.validate(TRAIN_GLOBAL, self.transport.exchange(messages))
+        self.federation.send(TRAIN_GLOBAL, {n: {"w_g": w_g} for n in nodes}, config, step, scope)
         return super().personalize(nodes, step, scope, server_round)
 
     def train_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
         """Global phase (one HN step from the data-weighted mean delta), then the personal phase."""
-        nodes = self.roster.sample()
+        nodes = self.federation.sample()
         config = self.train_config(server_round)
         start = time.perf_counter()
         with torch.no_grad():
             w_g = self.hn.generate(GLOBAL_KEY).numpy().copy()
         seconds = time.perf_counter() - start
-        messages = [self.transport.message(TRAIN_GLOBAL, n, {"w_g": w_g}, config, server_round) for n in nodes]
-        replies = self.transport.validate(TRAIN_GLOBAL, self.transport.exchange(messages))
+        replies = self.federation.send(TRAIN_GLOBAL, {n: {"w_g": w_g} for n in nodes}, config, server_round)
         start = time.perf_counter()
         server: dict[str, Any] = {"server-global-replies": len(replies)}
         zero = {"delta_w_g": np.zeros_like(w_g)}  # the deltas are changes already: their reference is zero
@@ -582,10 +581,10 @@ class MHpFedHNGDClient(MHpFedHNClient):
 
 #: K_i, the one fact a client discloses (bounded by the model group in ``check_reply``)
 NUM_PARAMS = {"num-params": count("parameters of the client's personal model, K_i")}
-METHOD = Method("mh-pfedhn", MHpFedHNStrategy, MHpFedHNClient, SCHEMAS, HNOptions, metrics={"query": NUM_PARAMS})
+METHOD = Method("mh-pfedhn", MHpFedHNServer, MHpFedHNClient, SCHEMAS, HNOptions, metrics={"query": NUM_PARAMS})
 METHOD_GD = Method(
     "mh-pfedhngd",
-    MHpFedHNGDStrategy,
+    MHpFedHNGDServer,
     MHpFedHNGDClient,
     SCHEMAS_GD,
     HNGDOptions,

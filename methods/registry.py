@@ -13,7 +13,8 @@ from common.config import ConfigError, RunConfig
 from common.options import declared_defaults, option_rows, option_table
 from common.protocol import MESSAGE_TYPES
 from common.run_folder import ResultsWriter
-from engine.contract import SHARED_OPTION_TABLES, ClientProcedure, Method, MethodServer
+from engine import runner
+from engine.contract import SHARED_OPTION_TABLES, ClientProcedure, Method
 from methods import fd, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml, lg_fedavg, local, mh_pfedhn
 
 METHODS: dict[str, Method] = {
@@ -70,13 +71,15 @@ def method_of(cfg: RunConfig) -> Method:
     return METHODS[cfg.method]
 
 
-def build_strategy(cfg: RunConfig, results: ResultsWriter | None = None) -> MethodServer:
-    """The method's Strategy for ``cfg`` (validates the method name and its options).
+def build_run(cfg: RunConfig, results: ResultsWriter | None = None) -> runner.Runner:
+    """The run of ``cfg.method`` for ``cfg`` (``engine.runner.build_run``; validates the method name and
+    its options).
 
     Raises:
-        ConfigError: unknown method, an unknown key or an invalid method option.
+        ConfigError: unknown method, an unknown key or an invalid method option, and as
+            ``engine.runner.build_run``.
     """
-    return method_of(cfg).build_strategy(cfg, results)
+    return runner.build_run(cfg, method_of(cfg), results)
 
 
 @lru_cache(maxsize=8)
@@ -84,7 +87,7 @@ def client_procedure(cfg: RunConfig) -> ClientProcedure:
     """The method's client procedure for ``cfg`` (one per config and process).
 
     Raises:
-        ConfigError: as :func:`build_strategy`.
+        ConfigError: as :func:`method_of` and ``engine.contract.Method.bind``.
     """
     return method_of(cfg).build_client(cfg)
 

@@ -1,4 +1,4 @@
-"""The ServerApp: read the run config, build the method's strategy, run it, record results."""
+"""The ServerApp: read the run config, build the method's run, run it, record results."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from flwr.superlink.grid import InMemoryGrid  # the grid flwr-simulation gives t
 from common.config import RunConfig
 from common.errors import ConfigError
 from common.run_folder import ResultsWriter
-from methods.registry import build_strategy
+from methods.registry import build_run
 
 app = ServerApp()
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
@@ -49,18 +49,18 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str) -> ResultsWriter:
     config ``max-untrained-rounds`` rounds: ``common.errors.RunFailed``, with the clients' errors)
     marks ``summary.json`` as ``failed`` and re-raises, so Flower records the run as failed. In a simulation
     (an ``InMemoryGrid``) clients without a ``state-dir`` keep their state in
-    ``<run folder>/client-state`` (``MethodServer.start``'s ``state_in_run_folder``), and at most
+    ``<run folder>/client-state`` (``engine.runner.Runner.start``'s ``state_in_run_folder``), and at most
     :func:`simulation_window` messages of an exchange wait at once (``Transport.window``).
     """
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     results = ResultsWriter(cfg.output_dir, f"{stamp}-{cfg.method}-{cfg.dataset}-{run_id}", cfg.as_dict(), cfg.logger)
     simulation = isinstance(grid, InMemoryGrid)
     try:
-        strategy = build_strategy(cfg, results)
+        run = build_run(cfg, results)
         # a simulation's clients share this file system: without state-dir their state goes to the run
         # folder, not into context.state, which the simulation keeps in this one process for every
         # client; its engine scans every waiting message for every node, so few wait at once
-        result = strategy.start(grid, window=simulation_window if simulation else None, state_in_run_folder=simulation)
+        result = run.start(grid, window=simulation_window if simulation else None, state_in_run_folder=simulation)
         results.write_global_arrays(result.arrays.to_torch_state_dict())
     except BaseException as exc:
         results.finish("failed", f"{type(exc).__name__}: {exc}", getattr(exc, "client_errors", None))

@@ -82,10 +82,10 @@ def federation(rc: dict, tamper=None):
     from client_app.app import app as client_app
     from common.config import RunConfig
     from fakegrid import FakeGrid
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     cfg = RunConfig.from_dict(rc)
-    return build_strategy(cfg), FakeGrid(client_app, rc, cfg.num_clients, tamper)
+    return build_run(cfg), FakeGrid(client_app, rc, cfg.num_clients, tamper)
 
 
 def client_runtime(rc: dict, partition_id: int = 0):

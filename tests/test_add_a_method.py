@@ -63,7 +63,7 @@ def run_toy(tmp_path, tamper=None, grid=None, name="toy", in_run_folder=False, *
     from client_app.app import app as client_app
     from common.run_folder import ResultsWriter
     from fakegrid import FakeGrid
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     rc = make_run_config(method="toy", **{"output-dir": str(tmp_path), **SMALL, **overrides})
     cfg = RunConfig.from_dict(rc)
@@ -74,7 +74,7 @@ def run_toy(tmp_path, tamper=None, grid=None, name="toy", in_run_folder=False, *
         replies.append(reply)
         return reply
 
-    server = build_strategy(cfg, ResultsWriter(cfg.output_dir, name, cfg.as_dict()))
+    server = build_run(cfg, ResultsWriter(cfg.output_dir, name, cfg.as_dict()))
     grid = grid or FakeGrid(client_app, rc, cfg.num_clients, seen)
     server.start(grid, state_in_run_folder=in_run_folder)
     return server, grid, replies
@@ -83,8 +83,8 @@ def run_toy(tmp_path, tamper=None, grid=None, name="toy", in_run_folder=False, *
 def test_step_module(toy):
     from engine.contract import ClientProcedure, MethodServer
 
-    assert issubclass(toy.strategy, MethodServer) and issubclass(toy.client, ClientProcedure)
-    assert toy.strategy.__module__ == toy.client.__module__ == "toy_method"
+    assert issubclass(toy.server, MethodServer) and issubclass(toy.client, ClientProcedure)
+    assert toy.server.__module__ == toy.client.__module__ == "toy_method"
 
 
 def test_step_message_types(toy):
@@ -186,5 +186,5 @@ def test_step_tests():
     """[tests]: every registered method has its own test module (MH-pFedHNGD shares MH-pFedHN's)."""
     from methods.registry import METHODS
 
-    modules = {m.strategy.__module__.rsplit(".", 1)[-1] for m in METHODS.values()}
+    modules = {m.server.__module__.rsplit(".", 1)[-1] for m in METHODS.values()}
     assert [m for m in sorted(modules) if not (ROOT / "tests" / f"test_{m}.py").is_file()] == []

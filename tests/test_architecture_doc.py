@@ -1,4 +1,4 @@
-"""docs/architecture.md walks one round through the code, and engine/contract.py opens with its short
+"""docs/architecture.md walks one round through the code, and engine/runner.py opens with its short
 version: every ``file::name`` either cites must exist."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import re
 from conftest import ROOT
 
 DOC = ROOT / "docs" / "architecture.md"
-#: the strategy's module docstring: the life of a round, hop by hop
-BASE = ROOT / "engine" / "contract.py"
+#: the runner's module docstring: the life of a round, hop by hop
+BASE = ROOT / "engine" / "runner.py"
 REFERENCE = re.compile(r"`([\w/]+\.py)::([\w.]+)`")
 
 
@@ -44,7 +44,7 @@ def test_every_cited_function_exists():
     assert missing == []
 
 
-def test_every_hop_of_the_strategys_life_of_a_round_exists():
+def test_every_hop_of_the_runners_life_of_a_round_exists():
     cited = REFERENCE.findall(ast.get_docstring(ast.parse(BASE.read_text())))
     assert len(cited) >= 10
     assert [f"{p}::{n}" for p, n in cited if n not in defined_names(ROOT / p)] == []

@@ -62,30 +62,32 @@ def stored_tensors(folder):
 
 
 def record_steps(strategy) -> list[tuple[float, float]]:
-    """Wraps ``strategy.aggregate_train`` of a shared-module method: per round (L2 norm of the server's
+    """Wraps ``strategy.method.aggregate_train`` of a shared-module method: per round (L2 norm of the server's
     step, the longest honest upload's change), both from what the server sent (FedKD: the
     broadcast as the clients rebuilt it)."""
     from methods.blocks.shared_model import module_arrays
     from methods.fedkd import svd_decompress
 
-    original, steps = strategy.aggregate_train, []
-    shapes = {k: tuple(v.shape) for k, v in strategy.shared.state_dict().items()}
-    rebuilt = type(strategy).__name__ == "FedKDStrategy"
+    original, steps = strategy.method.aggregate_train, []
+    shapes = {k: tuple(v.shape) for k, v in strategy.method.shared.state_dict().items()}
+    rebuilt = type(strategy.method).__name__ == "FedKDServer"
 
     def norm(arrays, sent) -> float:
         return float(np.sqrt(sum(np.sum((arrays[k].astype(np.float64) - sent[k]) ** 2) for k in sent)))
 
     def aggregate_train(server_round, replies):
         sent = (
-            svd_decompress(strategy.configure_train(0, server_round), shapes) if rebuilt else strategy.global_arrays()
+            svd_decompress(strategy.method.configure_train(0, server_round), shapes)
+            if rebuilt
+            else strategy.method.global_arrays()
         )
         uploads = {r.partition_id: svd_decompress(r.arrays, shapes) if rebuilt else r.arrays for r in replies}
         metrics = original(server_round, replies)
         honest = max((norm(uploads[p], sent) for p in HONEST if p in uploads), default=0.0)
-        steps.append((norm(module_arrays(strategy.shared), sent), honest))
+        steps.append((norm(module_arrays(strategy.method.shared), sent), honest))
         return metrics
 
-    strategy.aggregate_train = aggregate_train
+    strategy.method.aggregate_train = aggregate_train
     return steps
 
 
@@ -191,10 +193,10 @@ def test_flower_rules_ignore_one_outlier(rule):
 def test_selecting_rules_need_enough_clients_and_fall_back_when_too_few_answer():
     """Krum needs n > 2f + 2 and Bulyan n > 4f + 2 sampled clients, refused before the run naming
     the keys; a round with fewer valid uploads runs norm-bound and says so."""
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     with pytest.raises(ConfigError, match="'aggregation' = 'krum' with 'byzantine-clients' = 1"):
-        build_strategy(cfg_of(method="fml", aggregation="krum", **{"num-clients": 4}))
+        build_run(cfg_of(method="fml", aggregation="krum", **{"num-clients": 4}))
     with pytest.raises(ConfigError, match="'aggregation' = 'bulyan'"):
         check_aggregation(cfg_of(aggregation="bulyan", **{"num-clients": 6}))
     with pytest.raises(ConfigError, match="'aggregation' = 'multi-krum'"):
@@ -214,17 +216,17 @@ def test_an_exploding_server_state_is_rolled_back(tmp_path):
     so, and the next round sends the last sound head; ordinary steps never trip the bound."""
     rc = mnist(tmp_path, "lg-fedavg", {}, aggregation="mean", **{"num-server-rounds": 3})
     strategy, grid = federation(rc)
-    original = strategy.aggregate_train
+    original = strategy.method.aggregate_train
     heads = []
 
     def aggregate_train(server_round, replies):
         metrics = original(server_round, replies)
         if server_round == 2:
-            strategy.shared.head.weight.data *= 1e4
-        heads.append(strategy.global_arrays()["head.weight"].copy())
+            strategy.method.shared.head.weight.data *= 1e4
+        heads.append(strategy.method.global_arrays()["head.weight"].copy())
         return metrics
 
-    strategy.aggregate_train = aggregate_train
+    strategy.method.aggregate_train = aggregate_train
     strategy.start(grid)
     assert [r.get("server_rolled_back", 0) for r in strategy.rows] == [0, 1, 0]
     round3 = [m for m in grid.sent if m.metadata.message_type == "train"][8:12]

@@ -27,7 +27,7 @@ from methods.blocks.prototypes import _INITIAL_SCALES, bound_class_rows, initial
 from methods.fedgh import train_header
 from methods.fedre import train_head
 from methods.fedtgp import train_generator
-from methods.registry import build_strategy
+from methods.registry import build_run
 
 #: honest clients may lose at most this much accuracy to the attacker (fraction) by the last round
 TOLERANCE = 0.05
@@ -164,10 +164,10 @@ def test_mean_is_the_papers_server_step_bit_for_bit(method):
         replies.append(ClientReply(1000 + p, p, arrays, {"num-examples": 10}))
     overrides = {"fedtgp.server-epochs": 3} if method == "fedtgp" else {}
 
-    def strategy(rule: str):
-        return build_strategy(RunConfig.from_dict(make_run_config(method=method, aggregation=rule, **overrides)))
+    def server(rule: str):
+        return build_run(RunConfig.from_dict(make_run_config(method=method, aggregation=rule, **overrides))).method
 
-    plain, bounded, direct = strategy("mean"), strategy("norm-bound"), strategy("mean")
+    plain, bounded, direct = server("mean"), server("norm-bound"), server("mean")
     metrics = plain.aggregate_train(1, replies)
     bounded_metrics = bounded.aggregate_train(1, replies)
     if method in ("fedproto", "fd"):
@@ -202,7 +202,7 @@ def test_mean_is_the_papers_server_step_bit_for_bit(method):
 )
 def test_an_aggregation_the_method_cannot_do_is_refused_before_the_run(method, rule, allowed):
     with pytest.raises(ConfigError, match=f"'aggregation' = '{rule}'.*allowed for it: {allowed}"):
-        build_strategy(RunConfig.from_dict(make_run_config(method=method, aggregation=rule)))
+        build_run(RunConfig.from_dict(make_run_config(method=method, aggregation=rule)))
 
 
 @pytest.mark.parametrize("rule", ["median", "trimmed-mean"])
@@ -219,9 +219,9 @@ def test_per_class_median_and_trimmed_mean(rule):
         reply(3, [(0, 4.0)], 500),
     ]
     cfg = RunConfig.from_dict(make_run_config(method="fedproto", aggregation=rule, **{"trim-fraction": 0.25}))
-    strategy = build_strategy(cfg)
-    metrics = strategy.aggregate_train(1, replies)
-    protos = strategy.global_arrays()["protos"]
+    strategy = build_run(cfg)
+    metrics = strategy.method.aggregate_train(1, replies)
+    protos = strategy.method.global_arrays()["protos"]
     assert np.linalg.norm(protos, axis=1) == pytest.approx([3.0, 2.0], rel=1e-5)
     assert metrics["server-num-classes"] == 2 and metrics[BOUNDED] == 2
 

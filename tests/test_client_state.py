@@ -11,7 +11,7 @@ import pytest
 from common.config import RunConfig
 from common.run_folder import ResultsWriter
 from common.runtime import MODEL_STATE
-from methods.registry import build_strategy
+from methods.registry import build_run
 
 
 def run(rc: dict, name: str, in_run_folder: bool = True):
@@ -20,7 +20,7 @@ def run(rc: dict, name: str, in_run_folder: bool = True):
     from fakegrid import FakeGrid
 
     cfg = RunConfig.from_dict(rc)
-    strategy = build_strategy(cfg, ResultsWriter(cfg.output_dir, name, cfg.as_dict()))
+    strategy = build_run(cfg, ResultsWriter(cfg.output_dir, name, cfg.as_dict()))
     grid = FakeGrid(client_app, rc, cfg.num_clients)
     strategy.start(grid, state_in_run_folder=in_run_folder)  # what the ServerApp passes on Flower's InMemoryGrid
     return strategy, grid
@@ -55,7 +55,9 @@ def test_state_dir_still_wins(run_config, tmp_path):
     )
     strategy, _ = run(rc, "run")
     assert not (strategy.results.path / "client-state").exists()
-    assert (tmp_path / "state" / strategy.transport.state_key / "partition-0" / f"{MODEL_STATE}.pt").is_file()
+    assert (
+        tmp_path / "state" / strategy.federation.transport.state_key / "partition-0" / f"{MODEL_STATE}.pt"
+    ).is_file()
 
 
 def test_all_finite_is_exact_also_where_the_sum_overflows():

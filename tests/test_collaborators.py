@@ -1,5 +1,5 @@
-"""The strategy's collaborators alone, each built from its explicit inputs without a MethodServer:
-the roster and the transport on the fake grid, the round counters, the checkpoint store."""
+"""The run's collaborators alone, each built from its explicit inputs without a method or a runner:
+the federation (roster and transport) on the fake grid, the round counters, the checkpoint store."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from common.config import ConfigError, RunConfig
 from common.payload import NO_PAYLOAD_SCHEMAS
 from common.run_folder import ResultsWriter
 from engine.checkpoint import Checkpoints
+from engine.federation import Federation
 from engine.roster import Roster
 from engine.round_rows import RoundCounters
-from engine.transport import ReplyRules, Transport
+from engine.transport import ReplyRules
 
 #: the least a transport needs of a method: schemas without payload, no metrics or checks of its own
 RULES = ReplyRules(
@@ -27,21 +28,22 @@ def collaborators(rc: dict):
 
     cfg = RunConfig.from_dict(rc)
     counters = RoundCounters()
-    roster = Roster(cfg, counters, np.random.default_rng(cfg.seed))
-    transport = Transport(cfg, RULES, roster.clients, counters)
+    federation = Federation(cfg, counters, np.random.default_rng(cfg.seed), None, query_in_train=False)
+    federation.bind(RULES)
     grid = FakeGrid(client_app, rc, cfg.num_clients)
-    transport.open(grid, "alone")
-    return roster, transport, counters, grid
+    federation.open(grid, "alone")
+    return federation, counters, grid
 
 
 def test_registry_and_transport_alone_handshake_sample_and_count(run_config):
-    roster, transport, counters, grid = collaborators(run_config(method="local", **{"fraction-train": 0.5}))
-    roster.handshake(transport)
+    federation, counters, grid = collaborators(run_config(method="local", **{"fraction-train": 0.5}))
+    roster, transport = federation.roster, federation.transport
+    federation.handshake()
     assert roster.nodes == [1000, 1001, 1002, 1003]  # ordered by partition id
     assert [roster.clients[n]["partition-id"] for n in roster.nodes] == [0, 1, 2, 3]
     assert counters.traffic == {"query_bytes_down": 0, "query_bytes_up": 0}  # queries carry no arrays
     sampled = roster.sample()
-    again = Roster(roster.cfg, RoundCounters(), np.random.default_rng(roster.cfg.seed))
+    again = Roster(roster.cfg, RoundCounters(), np.random.default_rng(roster.cfg.seed), federation)
     again.nodes, again.connected = list(roster.nodes), set(roster.connected)
     again.clients.update(roster.clients)
     again.num_partitions = roster.num_partitions

@@ -6,13 +6,13 @@ import pytest
 
 from common.config import ConfigError, RunConfig
 from conftest import make_run_config
-from methods.registry import build_strategy
+from methods.registry import build_run
 
 
 def test_defaults_are_valid():
     cfg = RunConfig.from_dict(make_run_config())
     assert cfg.method == "fedgh" and cfg.num_clients == 4
-    assert build_strategy(cfg).options.server_mode == "per-lar"
+    assert build_run(cfg).method.options.server_mode == "per-lar"
 
 
 @pytest.mark.parametrize(
@@ -38,9 +38,9 @@ def test_bad_value_names_key_and_allowed_values(key, value, fragment):
 
 def test_unknown_method_and_method_option():
     with pytest.raises(ConfigError, match="'method'.*'fedgh', 'local'"):
-        build_strategy(RunConfig.from_dict(make_run_config(method="fedx")))
+        build_run(RunConfig.from_dict(make_run_config(method="fedx")))
     with pytest.raises(ConfigError, match="'fedgh.server-mode'.*'per-lar'"):
-        build_strategy(RunConfig.from_dict(make_run_config(**{"fedgh.server-mode": "fast"})))
+        build_run(RunConfig.from_dict(make_run_config(**{"fedgh.server-mode": "fast"})))
 
 
 def test_missing_key():
@@ -108,7 +108,7 @@ def test_every_numeric_key_refuses_nan_infinity_and_integers_beyond_64_bits(key,
     bad = [math.nan, math.inf, -math.inf, 10**400] + ([2**63, -(2**63) - 1, 10**30, 1.0] if kind is int else [])
     for value in bad:
         with pytest.raises(ConfigError) as err:
-            build_strategy(RunConfig.from_dict(make_run_config(method=method, **{key: value})))
+            build_run(RunConfig.from_dict(make_run_config(method=method, **{key: value})))
         assert f"'{key}'" in str(err.value) and "allowed values are" in str(err.value), (key, value, err.value)
 
 

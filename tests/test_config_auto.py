@@ -58,9 +58,9 @@ def test_the_recorded_config_holds_the_choice_not_auto():
 
 
 def test_the_server_logs_what_auto_chose(caplog):
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
-    strategy = build_strategy(resolved(**{"num-clients": 5000, "fraction-train": 0.002, "method": "fedproto"}))
+    strategy = build_run(resolved(**{"num-clients": 5000, "fraction-train": 0.002, "method": "fedproto"}))
     with caplog.at_level(logging.INFO):
         strategy.log_settings()
     assert "handshake = 'sampled' (auto), eval-clients = 'trained' (auto) for num-clients = 5000" in caplog.text

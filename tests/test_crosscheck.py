@@ -589,7 +589,7 @@ def our_server_batches(method: str, config: dict, seed: int, monkeypatch) -> lis
     step are those FedTGP's ACL loss (patched to record them) or FedGH's header is called on."""
     options = our_side.method_options(config, method)
     epochs, size = options["server-epochs"], options["server-batch-size"]
-    generator = torch.Generator().manual_seed(seed)  # FedTGPStrategy.batch_rng, FedGHStrategy.header_generator
+    generator = torch.Generator().manual_seed(seed)  # FedTGPServer.batch_rng, FedGHServer.header_generator
     seen, batches = [], []
     loss = fedtgp.acl_loss
     monkeypatch.setattr(fedtgp, "acl_loss", lambda protos, *args: seen.append(protos.clone()) or loss(protos, *args))

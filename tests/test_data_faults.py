@@ -272,7 +272,7 @@ def test_one_node_claiming_an_error_is_excluded_in_a_deployment_and_fails_a_simu
     assert "only 2 of num-clients=3" in text and "error: dataset file /x is corrupt dataset file" in text
     assert text.endswith(f"... [node {HOSTILE}]")
     assert "\n" not in text and len(text) < 1500  # the claim is cut and made printable
-    assert HOSTILE not in strategy.roster.clients and len(strategy.roster.clients) == 2
+    assert HOSTILE not in strategy.federation.roster.clients and len(strategy.federation.roster.clients) == 2
     # a simulation shares one config and data folder: one node's error is the run's, at once
     strategy, grid = federation(rc, tamper=claims_an_error)
     with pytest.raises(
@@ -286,7 +286,7 @@ def test_a_node_claiming_an_error_beside_a_full_federation_changes_nothing(run_c
     strategy, grid = federation(rc, tamper=claims_an_error)
     grid.add_node(HOSTILE, 0)  # a third node, claiming partition 0 is broken
     strategy.start(grid)
-    assert [r["num_clients"] for r in strategy.rows] == [2] and HOSTILE not in strategy.roster.clients
+    assert [r["num_clients"] for r in strategy.rows] == [2] and HOSTILE not in strategy.federation.roster.clients
 
 
 def grid_with_sizes(rc: dict, sizes: list[int]):

@@ -98,7 +98,7 @@ def test_the_budget_is_planned_over_the_rounds_a_client_is_expected_to_train():
 
 
 def test_a_target_that_cannot_be_met_is_refused_naming_the_key_before_any_data():
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     rc = make_run_config(**{"dp.epsilon": 1e-4, "num-server-rounds": 50})
     cfg = RunConfig.from_dict(rc)
@@ -110,7 +110,7 @@ def test_a_target_that_cannot_be_met_is_refused_naming_the_key_before_any_data()
     with pytest.raises(ConfigError, match=message):
         check_reachable(cfg, 1, 1)
     with pytest.raises(ConfigError, match=message):
-        build_strategy(cfg)
+        build_run(cfg)
     # num-clients = 0: the rounds are unknown until the handshake, which checks it
     check_reachable(RunConfig.from_dict({**rc, "num-clients": 0}), 1, 1)
     loose = RunConfig.from_dict(make_run_config(**{"dp.epsilon": 1.0, "dp.delta": 0.01}))
@@ -128,10 +128,10 @@ def test_a_target_that_cannot_be_met_is_refused_naming_the_key_before_any_data()
     ],
 )
 def test_a_run_that_cannot_be_private_fails_before_it_starts(overrides, key):
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     with pytest.raises(ConfigError, match=key):
-        build_strategy(RunConfig.from_dict(make_run_config(**{"dp.epsilon": 8.0, **overrides})))
+        build_run(RunConfig.from_dict(make_run_config(**{"dp.epsilon": 8.0, **overrides})))
 
 
 def test_one_example_moves_the_released_sums_and_counts_by_at_most_the_bound():
@@ -410,12 +410,12 @@ def test_a_vector_and_a_weight_payload_method_learn_at_a_loose_epsilon(run_confi
 def test_a_run_whose_target_cannot_be_met_fails_at_the_handshake_before_any_training(run_config):
     from client_app.app import app as client_app
     from fakegrid import FakeGrid
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     # the server's pre-flight passes (its config is looser: the clients' sizes are unknown to it), the clients,
     # who know their n, refuse at the handshake with the pre-flight's one line
     rc = run_config(method="fedgh", dataset="mnist", **{"dp.epsilon": 1e-4, "num-server-rounds": 50})
-    strategy = build_strategy(RunConfig.from_dict({**rc, "dp.epsilon": 8.0}))
+    strategy = build_run(RunConfig.from_dict({**rc, "dp.epsilon": 8.0}))
     replies = []
     grid = FakeGrid(client_app, rc, 4, lambda node, reply: replies.append(reply) or reply)
     with pytest.raises(ConfigError, match="'dp.epsilon' = 0.0001 cannot be met by a client of"):

@@ -353,20 +353,20 @@ def test_each_client_keeps_its_clip_between_rounds_and_the_rows_record_it(run_co
     ],
 )
 def test_a_bad_adaptive_clip_value_is_refused_before_the_run_naming_the_key_and_its_range(key, value, allowed):
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     rc = make_run_config(**{**ADAPTIVE, "dp.epsilon": 8.0, key: value})
     with pytest.raises(ConfigError, match=f"'{key}' = .* is invalid: allowed values are {allowed}"):
-        build_strategy(RunConfig.from_dict(rc))
+        build_run(RunConfig.from_dict(rc))
 
 
 def test_a_count_noise_too_small_for_the_calibrated_sigma_is_refused_before_the_run():
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     # σ_b = 0.1 leaves no room: σ must stay below 2·σ_b (Theorem 1), and ε = 8 here needs σ near 1
     rc = make_run_config(**ADAPTIVE, **{"dp.epsilon": 8.0, "dp.count-noise": 0.1})
     with pytest.raises(
         ConfigError, match=r"'dp.count-noise' = 0.1 with 'dp.adaptive-clip' = true: .* below 2·σ_b = 0.2"
     ):
-        build_strategy(RunConfig.from_dict(rc))
-    build_strategy(RunConfig.from_dict({**rc, "dp.count-noise": 0.0}))  # the paper's B/20 = 1.6 leaves room
+        build_run(RunConfig.from_dict(rc))
+    build_run(RunConfig.from_dict({**rc, "dp.count-noise": 0.0}))  # the paper's B/20 = 1.6 leaves room

@@ -20,7 +20,7 @@ from engine.client_dp import (
     clip_update,
 )
 from engine.roster import poisson_sample
-from methods.registry import build_strategy
+from methods.registry import build_run
 
 #: every key a round row of a client-level DP run carries (``ClientDPPlan.row``)
 ROW_KEYS = {
@@ -161,16 +161,16 @@ def test_the_recorded_epsilon_is_dp_accountings_for_the_same_rate_sigma_and_roun
 def test_a_run_that_cannot_give_client_level_dp_is_refused_before_it_starts(run_config, overrides, key):
     rc = run_config(**{"method": "lg-fedavg", "client-dp.epsilon": 8.0, **overrides})
     with pytest.raises(ConfigError, match=f"'{key}'"):
-        build_strategy(RunConfig.from_dict(rc))
+        build_run(RunConfig.from_dict(rc))
 
 
 def test_model_upload_methods_accept_it_and_the_default_aggregation_is_replaced(run_config):
     for method in ("lg-fedavg", "fml", "fedkd", "fedmrl", "mh-pfedhn", "mh-pfedhngd"):
         extra = {"model-group": "mh-lenet"} if method.startswith("mh-") else {}
-        strategy = build_strategy(RunConfig.from_dict(run_config(method=method, **{"client-dp.epsilon": 8.0}, **extra)))
-        assert strategy.client_dp is not None, method
-        assert strategy.client_dp.plan.releases == (2 if method == "mh-pfedhngd" else 1)
-        assert strategy.client_dp.plan.amplified == (not method.startswith("mh-"))
+        strategy = build_run(RunConfig.from_dict(run_config(method=method, **{"client-dp.epsilon": 8.0}, **extra)))
+        assert strategy.method.client_dp is not None, method
+        assert strategy.method.client_dp.plan.releases == (2 if method == "mh-pfedhngd" else 1)
+        assert strategy.method.client_dp.plan.amplified == (not method.startswith("mh-"))
 
 
 @pytest.mark.parametrize("method", ["fml", "fedkd", "fedmrl", "mh-pfedhn", "mh-pfedhngd"])
@@ -181,15 +181,17 @@ def test_every_model_upload_method_runs_with_it_and_records_it(run_config, metho
         method=method, dataset="mnist", **small, **extra, **{"client-dp.epsilon": 50.0, "client-dp.delta": 1e-3}
     )
     strategy, grid = federation(rc)
-    before = {k: v.detach().clone() for k, v in strategy.hn.state_dict().items()} if hasattr(strategy, "hn") else None
+    before = (
+        {k: v.detach().clone() for k, v in strategy.method.hn.state_dict().items()} if hasattr(strategy, "hn") else None
+    )
     strategy.start(grid)
-    row, p = strategy.rows[-1], strategy.client_dp.plan
+    row, p = strategy.rows[-1], strategy.method.client_dp.plan
     assert set(row) >= ROW_KEYS and row["num_clients"] == 2
     assert row["client_dp_accounted_rate"] == (1.0 if method.startswith("mh-") else p.sample_rate)
     assert row["client_dp_epsilon"] == pytest.approx(p.epsilon(1), rel=1e-12)
     assert 0.97 * 50.0 <= row["client_dp_epsilon"] <= 50.0  # the one planned round spends the whole target
     if before is not None:  # the hypernetwork took its steps from the noisy deltas
-        assert any(not torch.equal(before[k], v) for k, v in strategy.hn.state_dict().items())
+        assert any(not torch.equal(before[k], v) for k, v in strategy.method.hn.state_dict().items())
 
 
 def drop(grid, reply):
@@ -217,7 +219,7 @@ def test_a_sampled_client_without_a_reply_is_stepped_on_noise_alone(run_config, 
     strategy, grid = federation(rc, tamper=lambda node, reply: drop(grid, reply))
     with pytest.raises(RunFailed):  # no client trained: the run fails after its round, having stepped on noise
         strategy.start(grid)
-    std = strategy.client_dp.plan.noise_multiplier * strategy.client_dp.plan.clip_norm
+    std = strategy.method.client_dp.plan.noise_multiplier * strategy.method.client_dp.plan.clip_norm
     assert len(steps) == 2
     for delta in steps:
         assert delta.double().std().item() == pytest.approx(std, rel=0.05)
@@ -247,7 +249,7 @@ def test_a_run_at_a_large_epsilon_still_learns_and_its_rows_say_how_private_it_w
     last = strategy.rows[-1]
     assert last["accuracy_mean"] > prior + 0.25, (last["accuracy_mean"], prior)
     assert last["accuracy_mean_global_head"] > prior + 0.25, (last["accuracy_mean_global_head"], prior)
-    p = strategy.client_dp.plan
+    p = strategy.method.client_dp.plan
     for server_round, row in enumerate(strategy.rows, 1):
         assert set(row) >= ROW_KEYS
         assert row["client_dp_noise_multiplier"] == p.noise_multiplier > 0
@@ -270,4 +272,4 @@ def test_a_run_at_a_large_epsilon_still_learns_and_its_rows_say_how_private_it_w
 def test_at_a_small_epsilon_the_noise_reaches_the_released_head(run_config):
     rc, strategy = lg_fedavg_run(run_config, 0.1)
     assert strategy.rows[-1]["accuracy_mean_global_head"] < chance(rc, 2) + 0.1
-    assert strategy.client_dp.plan.noise_std > 1.0  # σ·C/K per coordinate of a head whose weights are ~0.05
+    assert strategy.method.client_dp.plan.noise_std > 1.0  # σ·C/K per coordinate of a head whose weights are ~0.05

@@ -6,14 +6,14 @@ from common.config import RunConfig
 from common.runtime import MODEL_STATE, ClientRuntime
 from common.state_store import STAMPS
 from fakegrid import FakeGrid
-from methods.registry import build_strategy
+from methods.registry import build_run
 
 
 def deployed(rc, state_dir):
     from client_app.app import app as client_app
 
     cfg = RunConfig.from_dict(rc)
-    return build_strategy(cfg), FakeGrid(client_app, rc, cfg.num_clients, node_config={"state-dir": str(state_dir)})
+    return build_run(cfg), FakeGrid(client_app, rc, cfg.num_clients, node_config={"state-dir": str(state_dir)})
 
 
 def saved_model(state_dir, key, partition):
@@ -25,7 +25,7 @@ def test_state_is_written_to_the_node_dir_and_restored_after_a_restart(run_confi
     rc = run_config(**{"num-clients": 3, "num-server-rounds": 1})
     strategy, grid = deployed(rc, tmp_path / "state")
     strategy.start(grid)
-    key = strategy.transport.state_key
+    key = strategy.federation.transport.state_key
     for ctx in grid.contexts.values():
         on_disk = saved_model(tmp_path / "state", key, ctx.node_config["partition-id"])
         # the state lives on disk only: the context keeps the round of the file, no model
@@ -58,8 +58,8 @@ def test_a_killed_node_is_dropped_and_rejoins_with_its_state(run_config, tmp_pat
             grid.gone.add(1002)
         if server_round == 4:  # restarted under a new node id with an empty context
             grid.add_node(2002, 2)
-            events.append(saved_model(tmp_path / "state", strategy.transport.state_key, 2))
-        strategy.roster.refresh(strategy.transport)
+            events.append(saved_model(tmp_path / "state", strategy.federation.transport.state_key, 2))
+        strategy.federation.refresh()
         return original_round(server_round)
 
     strategy.train_round = train_round
@@ -72,10 +72,10 @@ def test_a_killed_node_is_dropped_and_rejoins_with_its_state(run_config, tmp_pat
     assert strategy.results is None or strategy.results.summary()["incomplete_evaluations"] == [2]
     assert rows[-1]["client_state_restores"] == 1  # the restarted node found its model on disk
     assert set(rows[1]["accuracy_per_client"]) == {"0", "1"} and set(rows[3]["accuracy_per_client"]) == {"0", "1", "2"}
-    assert strategy.roster.nodes[2] == 2002
+    assert strategy.federation.roster.nodes[2] == 2002
     # what it restored is what it had saved at the end of round 1 (it missed rounds 2 and 3)
     first = events[0]
-    now = saved_model(tmp_path / "state", strategy.transport.state_key, 2)
+    now = saved_model(tmp_path / "state", strategy.federation.transport.state_key, 2)
     assert any(not torch.equal(first[k], now[k]) for k in first)  # and it trained on from there in round 4
     assert strategy.counters.dropped["train"] >= 1
 
@@ -86,7 +86,9 @@ def test_a_state_file_gone_under_a_running_node_is_logged_and_the_client_starts_
     strategy.start(grid)
     ctx = next(iter(grid.contexts.values()))
     partition = ctx.node_config["partition-id"]
-    (tmp_path / "state" / strategy.transport.state_key / f"partition-{partition}" / f"{MODEL_STATE}.pt").unlink()
-    runtime = ClientRuntime(ctx, strategy.transport.state_key)
+    (
+        tmp_path / "state" / strategy.federation.transport.state_key / f"partition-{partition}" / f"{MODEL_STATE}.pt"
+    ).unlink()
+    runtime = ClientRuntime(ctx, strategy.federation.transport.state_key)
     assert not runtime.restore(MODEL_STATE, torch.nn.Linear(1, 1))
     assert f"'{MODEL_STATE}' of round 1 is gone" in caplog.text and runtime.state_restores == 0

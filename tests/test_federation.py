@@ -161,13 +161,16 @@ def _handshaken(run_config):
     from flwr.app import ConfigRecord
 
     strategy, grid = federation(run_config(**{"num-clients": 3}))
-    strategy.transport.open(grid, "in-memory")
-    strategy.roster.handshake(strategy.transport)
+    strategy.federation.transport.open(grid, "in-memory")
+    strategy.federation.handshake()
     grid.pulls = 0
     return (
         strategy,
         grid,
-        [strategy.transport.message("query", n, {}, ConfigRecord(), 0) for n in strategy.roster.nodes],
+        [
+            strategy.federation.transport.message("query", n, {}, ConfigRecord(), 0)
+            for n in strategy.federation.roster.nodes
+        ],
     )
 
 
@@ -175,7 +178,7 @@ def test_pull_loop_returns_as_soon_as_all_replies_are_in(run_config):
     strategy, grid, messages = _handshaken(run_config)
     grid.delay[1001] = 0.2
     start = time.monotonic()
-    replies = strategy.transport.exchange(messages, timeout=30.0)
+    replies = strategy.federation.transport.exchange(messages, timeout=30.0)
     elapsed = time.monotonic() - start
     assert 0.2 <= elapsed < 1.0, elapsed  # waited for the late reply, not for the timeout
     assert [r.metadata.src_node_id for r in replies] == [1000, 1001, 1002]  # in the order sent
@@ -184,21 +187,24 @@ def test_pull_loop_returns_as_soon_as_all_replies_are_in(run_config):
     grid.delay.clear()
     grid.pulls = 0
     start = time.monotonic()
-    strategy.transport.exchange(messages_again(strategy), timeout=30.0)
+    strategy.federation.transport.exchange(messages_again(strategy), timeout=30.0)
     assert grid.pulls == 1 and time.monotonic() - start < 0.5  # all in at the first look: no sleep at all
 
 
 def messages_again(strategy):
     from flwr.app import ConfigRecord
 
-    return [strategy.transport.message("query", n, {}, ConfigRecord(), 0) for n in strategy.roster.nodes]
+    return [
+        strategy.federation.transport.message("query", n, {}, ConfigRecord(), 0)
+        for n in strategy.federation.roster.nodes
+    ]
 
 
 def test_pull_loop_honours_the_timeout_and_records_late_clients_as_dropped(run_config):
     strategy, grid, messages = _handshaken(run_config)
     grid.delay[1002] = 60.0  # answers far too late
     start = time.monotonic()
-    replies = strategy.transport.exchange(messages, timeout=0.3)
+    replies = strategy.federation.transport.exchange(messages, timeout=0.3)
     assert 0.3 <= time.monotonic() - start < 1.0
     assert [r.metadata.src_node_id for r in replies] == [1000, 1001]
     assert strategy.counters.round_dropped == {2} and strategy.counters.dropped["query"] == 1
@@ -210,26 +216,34 @@ def test_largest_expected_work_is_pushed_first_and_replies_keep_the_sent_order(r
     from models.groups import MODEL_GROUPS
 
     strategy, grid, _ = _handshaken(run_config)
-    for i, n in enumerate(strategy.roster.nodes):  # the later the partition, the more test examples
-        strategy.roster.clients[n]["num-test"] = 10 * (i + 1)
-    messages = [strategy.transport.message("evaluate", n, {}, ConfigRecord(), 1) for n in strategy.roster.nodes]
+    for i, n in enumerate(strategy.federation.roster.nodes):  # the later the partition, the more test examples
+        strategy.federation.roster.clients[n]["num-test"] = 10 * (i + 1)
+    messages = [
+        strategy.federation.transport.message("evaluate", n, {}, ConfigRecord(), 1)
+        for n in strategy.federation.roster.nodes
+    ]
     grid.sent.clear()
-    replies = strategy.transport.exchange(messages, timeout=30.0)
+    replies = strategy.federation.transport.exchange(messages, timeout=30.0)
     # evaluate work ~ test examples (no speed measured yet: every architecture counts alike)
-    assert [m.metadata.dst_node_id for m in grid.sent] == strategy.roster.nodes[::-1]
-    assert [r.metadata.src_node_id for r in replies] == strategy.roster.nodes  # in the order of ``messages``
+    assert [m.metadata.dst_node_id for m in grid.sent] == strategy.federation.roster.nodes[::-1]
+    assert [r.metadata.src_node_id for r in replies] == strategy.federation.roster.nodes  # in the order of ``messages``
     # a measured training speed weighs the examples: the client of a slow architecture goes first
     group = MODEL_GROUPS[strategy.cfg.model_group]
-    slow = min(strategy.roster.nodes, key=lambda n: strategy.roster.clients[n]["num-train"])
+    slow = min(strategy.federation.roster.nodes, key=lambda n: strategy.federation.roster.clients[n]["num-train"])
     strategy.counters.seconds_per_image = {
-        group.architecture_for(strategy.roster.clients[slow]["partition-id"]): 1000.0
+        group.architecture_for(strategy.federation.roster.clients[slow]["partition-id"]): 1000.0
     }
     train = [
-        strategy.transport.message("train", n, strategy.configure_train(n, 1), ConfigRecord(), 1)
-        for n in strategy.roster.nodes
+        strategy.federation.transport.message("train", n, strategy.method.configure_train(n, 1), ConfigRecord(), 1)
+        for n in strategy.federation.roster.nodes
     ]
-    assert max(train, key=strategy.transport.expected_seconds).metadata.dst_node_id == slow
-    assert strategy.transport.expected_seconds(strategy.transport.message("query", slow, {}, ConfigRecord(), 0)) == 0.0
+    assert max(train, key=strategy.federation.transport.expected_seconds).metadata.dst_node_id == slow
+    assert (
+        strategy.federation.transport.expected_seconds(
+            strategy.federation.transport.message("query", slow, {}, ConfigRecord(), 0)
+        )
+        == 0.0
+    )
 
 
 def test_a_window_keeps_at_most_that_many_messages_waiting_and_changes_no_result(run_config):
@@ -312,19 +326,33 @@ def test_sampled_handshake_asks_only_the_sampled_nodes_and_trains_what_the_full_
 
 
 def test_a_method_that_needs_its_clients_before_training_asks_them_first():
-    # a method whose round, reply checks or client registration read the roster must know a node before
-    # its train message (engine.contract.needs_query_first, derived from which hooks it overrides); the
-    # others let a new node answer in its train reply
-    from engine.contract import MethodServer, needs_query_first
+    # a method with a round of its own or state per client must know a node before its train message
+    # (engine.contract.needs_query_first, derived from the protocols it implements); the others let a new
+    # node answer in its train reply
+    from engine.contract import MethodServer, PerClientServer, needs_query_first
     from methods.registry import METHODS
 
-    assert {n for n, m in METHODS.items() if needs_query_first(m.strategy)} == {"fedre", "mh-pfedhn", "mh-pfedhngd"}
+    assert {n for n, m in METHODS.items() if needs_query_first(m.server)} == {"fedre", "mh-pfedhn", "mh-pfedhngd"}
+    assert {n for n, m in METHODS.items() if issubclass(m.server, PerClientServer)} == {"mh-pfedhn", "mh-pfedhngd"}
 
-    class ReadsTheRoster(MethodServer):
-        def reply_dims(self, reply):
+    class HasItsOwnRound(MethodServer):
+        def train_round(self, server_round):
+            return {}, []
+
+    assert needs_query_first(HasItsOwnRound) and not needs_query_first(MethodServer)
+
+
+def test_a_server_with_part_of_the_per_client_protocol_is_refused():
+    # the runner calls PerClientServer's members only on a server that has all of them: half a set would be
+    # silently skipped
+    from engine.contract import ClientProcedure, Method, MethodServer
+
+    class SizesRepliesOnly(MethodServer):
+        def reply_dims(self, node_id):
             return {}
 
-    assert needs_query_first(ReadsTheRoster) and not needs_query_first(MethodServer)
+    with pytest.raises(TypeError, match=r"'half'.*\['reply_dims'\].*'admitted'"):
+        Method("half", SizesRepliesOnly, ClientProcedure, {})
 
 
 @pytest.mark.parametrize(
@@ -335,7 +363,7 @@ def test_recording_and_differential_privacy_keep_the_query_first(run_config, ove
     # a recorded download needs its partition; a spent DP budget must be known before the node is drawn again
     rc = run_config(**{"handshake": "sampled", "eval-clients": "trained", **overrides})
     strategy, _ = federation(rc)
-    assert strategy.roster.query_in_train is not first
+    assert strategy.federation.roster.query_in_train is not first
 
 
 @pytest.mark.parametrize(

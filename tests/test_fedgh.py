@@ -17,6 +17,7 @@ from conftest import client_runtime, federation, make_run_config, train_config
 from engine.evaluation import aggregate_evaluation
 from methods.fedgh import METHOD as FEDGH_METHOD
 from methods.fedgh import FedGHOptions, load_header, train_header
+from methods.registry import build_run
 
 C, D = 10, 500
 
@@ -148,15 +149,15 @@ def test_matches_hand_written_sgd_and_ignores_arrival_order():
 
 # 11: no stale knowledge: an earlier round's replies do not affect this round's update
 def test_update_uses_only_this_rounds_lars():
-    strategy = FEDGH_METHOD.build_strategy(RunConfig.from_dict(make_run_config(aggregation="mean")))
-    start = copy.deepcopy(strategy.header.state_dict())
-    strategy.aggregate_train(1, synthetic_replies(seed=9))
-    mid = copy.deepcopy(strategy.header.state_dict())
-    strategy.aggregate_train(2, synthetic_replies(seed=1))
+    strategy = build_run(RunConfig.from_dict(make_run_config(aggregation="mean")))
+    start = copy.deepcopy(strategy.method.header.state_dict())
+    strategy.method.aggregate_train(1, synthetic_replies(seed=9))
+    mid = copy.deepcopy(strategy.method.header.state_dict())
+    strategy.method.aggregate_train(2, synthetic_replies(seed=1))
     reference = fresh_header()
     reference.load_state_dict(mid)
-    train_header(reference, synthetic_replies(seed=1), strategy.options, torch.Generator())
-    assert torch.equal(reference.weight, strategy.header.weight)
+    train_header(reference, synthetic_replies(seed=1), strategy.method.options, torch.Generator())
+    assert torch.equal(reference.weight, strategy.method.header.weight)
     assert not torch.equal(start["weight"], mid["weight"])
 
 
@@ -204,11 +205,11 @@ def test_unweighted_and_weighted_accuracy(run_config):
     strategy, grid = federation(run_config())
     replies = []
     for node, (acc, n, acc_global) in zip(grid.contexts, [(1.0, 10, 1.0), (0.0, 1000, 0.5)]):
-        msg = strategy.transport.message("evaluate", node, {}, strategy.train_config(1), 1)
+        msg = strategy.federation.transport.message("evaluate", node, {}, strategy.method.train_config(1), 1)
         metrics = {"partition-id": node - 1000, "test-correct": int(acc * n), "num-examples": n}
         content = RecordDict({"metrics": MetricRecord({**metrics, "test-acc-global-head": acc_global})})
         replies.append(Message(content, reply_to=msg))
-    out = aggregate_evaluation(strategy.transport.validate("evaluate", replies))
+    out = aggregate_evaluation(strategy.federation.transport.validate("evaluate", replies))
     assert out["accuracy-mean"] == pytest.approx(0.5)
     assert out["accuracy-weighted"] == pytest.approx(10 / 1010)
     assert out["accuracy-mean-global-head"] == pytest.approx(0.75)  # a secondary metric: both averages too
@@ -222,7 +223,7 @@ def test_same_seed_same_header_and_global_head_metric(run_config):
     for _ in range(2):
         strategy, grid = federation(rc)
         strategy.start(grid)
-        results.append((strategy.header.weight.detach().clone(), strategy.rows[-1]))
+        results.append((strategy.method.header.weight.detach().clone(), strategy.rows[-1]))
     assert torch.equal(results[0][0], results[1][0])
     row = results[0][1]
     assert 0.0 <= row["accuracy_mean_global_head"] <= 1.0
@@ -251,7 +252,7 @@ def test_wrong_representation_size_is_rejected(run_config):
 def test_header_learns_on_real_rounds(run_config):
     rc = run_config(**{"num-clients": 4, "num-server-rounds": 2})
     strategy, grid = federation(rc)
-    theta0 = strategy.header.weight.detach().clone()
+    theta0 = strategy.method.header.weight.detach().clone()
     strategy.start(grid)
-    assert (strategy.header.weight.detach() - theta0).norm() > 0
+    assert (strategy.method.header.weight.detach() - theta0).norm() > 0
     assert all(r["server_ce_after"] < r["server_ce_before"] for r in strategy.rows)

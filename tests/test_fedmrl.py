@@ -15,6 +15,7 @@ from engine.aggregation import fedavg
 from methods.blocks.shared_model import module_arrays
 from methods.fedmrl import METHOD, PROJECTOR_STATE, projector, small_model
 from methods.fedmrl import METHOD as FEDMRL_METHOD
+from methods.registry import build_run
 
 SMALL_KEYS = [
     "conv1.weight",
@@ -83,7 +84,7 @@ def test_schema_does_not_depend_on_the_private_model(run_config):
         for g in ("hetero-cnn5", "cnn1")
     ]
     assert schemas[0] == schemas[1]
-    assert FEDMRL_METHOD.build_strategy(RunConfig.from_dict(mrl_config(run_config))).schemas["train"] == schemas[0]
+    assert build_run(RunConfig.from_dict(mrl_config(run_config))).method.schemas["train"] == schemas[0]
 
 
 def fused_model(rc, partition_id=0, seed=0):
@@ -185,7 +186,7 @@ def test_state_persists_theta_is_replaced_and_idle_clients_untouched(run_config)
     rc = mrl_config(run_config, **{"num-clients": 4, "fraction-train": 0.5, "num-server-rounds": 1})
     strategy, grid = federation(rc)
     strategy.start(grid)
-    sampled = {strategy.roster.clients[n]["partition-id"] for n in strategy.roster.sampled}
+    sampled = {strategy.federation.roster.clients[n]["partition-id"] for n in strategy.federation.roster.sampled}
     cfg = RunConfig.from_dict(rc)
     procedure = FEDMRL_METHOD.build_client(cfg)
     for ctx in grid.contexts.values():
@@ -204,7 +205,7 @@ def test_state_persists_theta_is_replaced_and_idle_clients_untouched(run_config)
             assert not torch.equal(value, initial.extractor.projector.state_dict()[key])
         private = ctx.state.array_records[MODEL_STATE].to_torch_state_dict()
         assert all(torch.equal(v, private[k]) for k, v in client.model.state_dict().items())
-    payload = {k: v + 1 for k, v in module_arrays(strategy.shared).items()}
+    payload = {k: v + 1 for k, v in module_arrays(strategy.method.shared).items()}
     received = procedure.received(client_runtime(rc, 0), payload)
     assert all(np.array_equal(v, payload[k]) for k, v in module_arrays(received).items())
 
@@ -267,7 +268,7 @@ def test_protocol_b_evaluates_everyone_with_the_aggregated_model(run_config):
     strategy.start(grid)
     evaluates = [m for m in grid.sent if m.metadata.message_type == "evaluate"]
     assert len(evaluates) == 4 and len(strategy.rows[0]["accuracy_per_client"]) == 4
-    theta = module_arrays(strategy.shared)
+    theta = module_arrays(strategy.method.shared)
     for m in evaluates:
         assert all(np.array_equal(v.numpy(), theta[k]) for k, v in m.content.array_records[PAYLOAD].items())
 
@@ -291,7 +292,7 @@ def test_single_class_client_sends_the_full_model_and_empty_test_is_safe(run_con
 def test_bad_options_fail_fast(run_config):
     for key, value in (("fedmrl.d1", 501), ("fedmrl.eval-protocol", "both"), ("fedmrl.small-model", "vgg")):
         with pytest.raises(ConfigError, match=key):
-            FEDMRL_METHOD.build_strategy(RunConfig.from_dict(mrl_config(run_config, **{key: value})))
+            build_run(RunConfig.from_dict(mrl_config(run_config, **{key: value})))
     with pytest.raises(ConfigError, match="eval-clients"):
         RunConfig.from_dict(mrl_config(run_config, **{"eval-clients": "some"}))
 
@@ -315,4 +316,4 @@ def test_group_first_small_model_is_client_zeros_architecture_pooled_to_d1(run_c
     assert len(trains) == 8 and all(shapes_of(m) == expected for m in trains)
     assert not strategy.counters.dropped
     with pytest.raises(ConfigError, match="fedmrl.small-model"):
-        FEDMRL_METHOD.build_strategy(RunConfig.from_dict({**rc, "model-group": "cnn1"}))
+        build_run(RunConfig.from_dict({**rc, "model-group": "cnn1"}))

@@ -23,6 +23,7 @@ from methods.fedre import (
     soft_label_ce,
     train_head,
 )
+from methods.registry import build_run
 from models.groups import MODEL_GROUPS
 from models.zoo import FixedPool
 
@@ -242,7 +243,7 @@ def test_rounds_payloads_bytes_and_head_replacement(run_config):
     rc = fedre_config(run_config, **{"num-clients": 3, "num-server-rounds": 2})
     strategy, grid = federation(rc)
     result = strategy.start(grid)
-    head = strategy.global_arrays()
+    head = strategy.method.global_arrays()
     for ctx in grid.contexts.values():  # after the last evaluation: the global head, bit for bit
         state = ctx.state.array_records[MODEL_STATE]
         assert np.array_equal(state["head.weight"].numpy(), head["head.weight"])
@@ -294,7 +295,7 @@ def test_same_seed_same_round(run_config):
         uploads = []
         strategy, grid = federation(rc, lambda node, reply, uploads=uploads: uploads.append(reply) or reply)
         strategy.start(grid)
-        heads.append(strategy.global_arrays()["head.weight"])
+        heads.append(strategy.method.global_arrays()["head.weight"])
         pairs.append(
             [
                 {k: v.numpy() for k, v in r.content.array_records[PAYLOAD].items()}
@@ -361,9 +362,9 @@ def test_learning_beats_chance_and_server_loss_falls(run_config):
 
 def test_bad_options_fail_fast(run_config):
     with pytest.raises(ConfigError, match="fedre.re-mode"):
-        FEDRE_METHOD.build_strategy(RunConfig.from_dict(fedre_config(run_config, **{"fedre.re-mode": "gaussian"})))
+        build_run(RunConfig.from_dict(fedre_config(run_config, **{"fedre.re-mode": "gaussian"})))
     with pytest.raises(ConfigError, match="non-linear heads"):
-        FEDRE_METHOD.build_strategy(RunConfig.from_dict(run_config(method="fedre", model_group="htfe8-htc4")))
+        build_run(RunConfig.from_dict(run_config(method="fedre", model_group="htfe8-htc4")))
 
 
 # P13: head-source = client-0 (the PFLlib tree): partition 0's trained head is the head of the server step
@@ -386,7 +387,7 @@ def payload_of(message):
 
 
 def assert_head(strategy, weight, bias):
-    head = strategy.global_arrays()
+    head = strategy.method.global_arrays()
     assert np.allclose(head["head.weight"], weight, atol=1e-6) and np.allclose(head["head.bias"], bias, atol=1e-6)
 
 
@@ -394,7 +395,7 @@ def test_client0_head_is_partition_0s_trained_head_after_the_server_step(run_con
     rc = client0_config(run_config, **{"num-clients": 3, "num-server-rounds": 1})
     replies = []
     strategy, grid = federation(rc, lambda node, reply: replies.append(reply) or reply)
-    initial = strategy.global_arrays()
+    initial = strategy.method.global_arrays()
     strategy.start(grid)
     train = {r.metadata.src_node_id: r for r in replies if r.metadata.message_type.startswith("train")}
     assert {n: r.metadata.message_type for n, r in train.items()} == {1000: "train.head", 1001: "train", 1002: "train"}
@@ -418,7 +419,7 @@ def test_client0_absent_partition_0_leaves_the_step_on_the_servers_head(run_conf
     def train_round(server_round):
         if server_round == 2:  # partition 0 stops answering after round 1
             grid.silent.add(1000)
-            heads.append(strategy.global_arrays())
+            heads.append(strategy.method.global_arrays())
             replies.clear()
         return original_round(server_round)
 
@@ -452,7 +453,7 @@ def test_client0_malformed_head_is_dropped_and_the_round_goes_on(run_config, cap
 
     rc = client0_config(run_config, **{"num-clients": 3, "num-server-rounds": 1})
     strategy, grid = federation(rc, tamper)
-    initial = strategy.global_arrays()
+    initial = strategy.method.global_arrays()
     strategy.start(grid)
     assert "Dropped train.head reply from node 1000" in caplog.text and reason in caplog.text
     row = strategy.rows[0]

@@ -25,6 +25,7 @@ from methods.fedtgp import (
     held_margin,
     train_generator,
 )
+from methods.registry import build_run
 
 K = 512
 MNIST = {"dataset": "mnist", "model-group": "htcnn8", "partitioner": "dirichlet", "dirichlet-alpha": 0.1}
@@ -75,7 +76,7 @@ def freeze_strategy(level, **kw):
         **{"model-group": "htfe2", "fedtgp.margin-freeze": level, "fedtgp.server-epochs": 1, "fedtgp.hidden-dim": 16},
         **kw,
     )
-    return FEDTGP_METHOD.build_strategy(RunConfig.from_dict(rc))
+    return build_run(RunConfig.from_dict(rc))
 
 
 #: four rounds of uploads whose rule margins rise past 10 and fall again
@@ -101,10 +102,10 @@ def test_margin_freeze_server_step_holds_the_level_when_the_rule_rises_and_falls
     rules = [rule_of(u) for u in FREEZE_ROUNDS]
     assert rules[0] < LEVEL < rules[1] < rules[2] and rules[3] < LEVEL
     strategy = freeze_strategy(LEVEL)
-    metrics = [strategy.aggregate_train(t + 1, u) for t, u in enumerate(FREEZE_ROUNDS)]
+    metrics = [strategy.method.aggregate_train(t + 1, u) for t, u in enumerate(FREEZE_ROUNDS)]
     assert [m["server-margin"] for m in metrics] == [rules[0], LEVEL, LEVEL, LEVEL]
     assert [m["server-margin-frozen"] for m in metrics] == [0, 1, 1, 1]
-    assert strategy.margin_hold == {"frozen": True}
+    assert strategy.method.margin_hold == {"frozen": True}
     with pytest.raises(ConfigError, match="'fedtgp.margin-freeze'"):  # above tau: never reached
         freeze_strategy(60.0, **{"fedtgp.tau": 50.0})
 
@@ -113,29 +114,34 @@ def test_margin_freeze_off_is_the_rule_unchanged():
     # off, and on at a level no round reaches: the same margins, metrics and global prototypes' bytes
     off, unreached = freeze_strategy(0.0), freeze_strategy(100.0)
     for t, u in enumerate(FREEZE_ROUNDS):
-        a, b = off.aggregate_train(t + 1, u), unreached.aggregate_train(t + 1, u)
+        a, b = off.method.aggregate_train(t + 1, u), unreached.method.aggregate_train(t + 1, u)
         assert a["server-margin"] == rule_of(u) and "server-margin-frozen" not in a
         assert b["server-margin-frozen"] == 0 and a == {k: v for k, v in b.items() if k != "server-margin-frozen"}
-        assert off.global_arrays()["global_protos"].tobytes() == unreached.global_arrays()["global_protos"].tobytes()
-    assert off.margin_hold == {"frozen": False}
+        assert (
+            off.method.global_arrays()["global_protos"].tobytes()
+            == unreached.method.global_arrays()["global_protos"].tobytes()
+        )
+    assert off.method.margin_hold == {"frozen": False}
 
 
 def test_margin_freeze_survives_a_checkpoint_round_trip(tmp_path):
     strategy = freeze_strategy(LEVEL)
     for t, u in enumerate(FREEZE_ROUNDS[:2]):
-        strategy.aggregate_train(t + 1, u)
+        strategy.method.aggregate_train(t + 1, u)
     writer = ResultsWriter(tmp_path, "run", strategy.cfg.as_dict())
     writer.write_checkpoint(
-        strategy.checkpoints.build(2, "key", strategy.rng, strategy.counters, [], strategy.server_state())
+        strategy.checkpoints.build(2, "key", strategy.rng, strategy.counters, [], strategy.method.server_state())
     )
     assert (writer.path / CHECKPOINT).is_file()
     resumed, fresh = freeze_strategy(LEVEL), freeze_strategy(LEVEL)
-    load_server_state(resumed, load_checkpoint(writer.path)["server"])
-    assert resumed.margin_hold == {"frozen": True}
+    load_server_state(resumed.method, load_checkpoint(writer.path)["server"])
+    assert resumed.method.margin_hold == {"frozen": True}
     # the rule falls below the level in round 4: the resumed server holds it, as the one that went on does
-    after = [s.aggregate_train(3 + t, u) for s in (strategy, resumed) for t, u in enumerate(FREEZE_ROUNDS[2:])]
+    after = [
+        s.aggregate_train(3 + t, u) for s in (strategy.method, resumed.method) for t, u in enumerate(FREEZE_ROUNDS[2:])
+    ]
     assert after[:2] == after[2:] and [m["server-margin"] for m in after] == [LEVEL] * 4
-    assert fresh.aggregate_train(4, FREEZE_ROUNDS[3])["server-margin"] == rule_of(FREEZE_ROUNDS[3]) < LEVEL
+    assert fresh.method.aggregate_train(4, FREEZE_ROUNDS[3])["server-margin"] == rule_of(FREEZE_ROUNDS[3]) < LEVEL
 
 
 # 5: the implemented ACL is Eq. 10
@@ -172,20 +178,18 @@ def test_generator_learns_and_persists():
     with torch.no_grad():
         dist = torch.cdist(gen(), torch.from_numpy(centres).float())
     assert dist.argmin(1).tolist() == list(range(5))
-    strategy = FEDTGP_METHOD.build_strategy(
-        RunConfig.from_dict(make_run_config(method="fedtgp", **{"model-group": "htfe2"}))
-    )
-    strategy.dims = {"C": 10, "d": K}
-    strategy.aggregate_train(
+    strategy = build_run(RunConfig.from_dict(make_run_config(method="fedtgp", **{"model-group": "htfe2"})))
+    strategy.method.dims = {"C": 10, "d": K}
+    strategy.method.aggregate_train(
         1,
         [
             ClientReply(0, 0, {"protos": r.arrays["protos"], "proto_labels": r.arrays["proto_labels"]}, {})
             for r in replies
         ],
     )
-    after_round1 = copy.deepcopy(strategy.generator.state_dict())
+    after_round1 = copy.deepcopy(strategy.method.generator.state_dict())
     assert any(not torch.equal(after_round1[k], v) for k, v in fresh.items())
-    start_round2 = copy.deepcopy(strategy.generator.state_dict())
+    start_round2 = copy.deepcopy(strategy.method.generator.state_dict())
     assert all(torch.equal(after_round1[k], start_round2[k]) for k in after_round1)
 
 
@@ -262,15 +266,12 @@ def test_degenerate_uploads():
 
 def test_fedtgp_options_and_fedgh_head_check():
     with pytest.raises(ConfigError, match="'fedtgp.margin'.*'nearest', 'max-pairwise'"):
-        FEDTGP_METHOD.build_strategy(
-            RunConfig.from_dict(make_run_config(method="fedtgp", **{"fedtgp.margin": "widest"}))
-        )
+        build_run(RunConfig.from_dict(make_run_config(method="fedtgp", **{"fedtgp.margin": "widest"})))
     with pytest.raises(ConfigError, match="'fedtgp.reg-form'"):
-        FEDTGP_METHOD.build_strategy(RunConfig.from_dict(make_run_config(method="fedtgp", **{"fedtgp.reg-form": "l1"})))
-    from methods.registry import build_strategy
+        build_run(RunConfig.from_dict(make_run_config(method="fedtgp", **{"fedtgp.reg-form": "l1"})))
 
     with pytest.raises(ConfigError, match="fedgh.*linear header"):
-        build_strategy(RunConfig.from_dict(make_run_config(**{"model-group": "htfe8-htc4"})))
+        build_run(RunConfig.from_dict(make_run_config(**{"model-group": "htfe8-htc4"})))
     assert isinstance(
         FEDPROTO_METHOD.build_client(RunConfig.from_dict(make_run_config(method="fedproto"))).options,
         RegularizerOptions,
@@ -285,20 +286,20 @@ def test_fedtgp_rows_carry_prototype_diagnostics(run_config):
     )
     strategy, grid = federation(rc)
     olds, rules = [], []
-    original = strategy.aggregate_train
+    original = strategy.method.aggregate_train
 
     def spy(server_round, replies):
-        olds.append(strategy.global_set.get("global_protos"))
+        olds.append(strategy.method.global_set.get("global_protos"))
         rules.append(rule_of(replies))
         return original(server_round, replies)
 
-    strategy.aggregate_train = spy
+    strategy.method.aggregate_train = spy
     strategy.start(grid)
     rows = strategy.rows
     assert all(r["server_margin"] > 0 for r in rows) and "server_proto_shift" not in rows[0]
     # margin-freeze off (default): the adaptive rule's margin every round, no frozen key
     assert [r["server_margin"] for r in rows] == rules and all("server_margin_frozen" not in r for r in rows)
-    final = strategy.global_set["global_protos"].astype(np.float64)
+    final = strategy.method.global_set["global_protos"].astype(np.float64)
     dist = np.linalg.norm(final[:, None] - final[None], axis=2) + np.diag(np.full(10, np.inf))
     assert rows[-1]["server_proto_min_distance"] == pytest.approx(dist.min(), rel=1e-6)
     shift = np.linalg.norm(final - olds[-1].astype(np.float64), axis=1).mean()

@@ -50,11 +50,11 @@ def test_htflib_kl_is_per_element_and_undetached_when_asked():
 def test_group_first_over_a_batchnorm_client_zero_is_refused_naming_the_key(run_config, key):
     """htfe3's client 0 is a ResNet-10 with BatchNorm: its int64 counters cannot be averaged."""
     from common.config import ConfigError, RunConfig
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     rc = run_config(method=key.split(".")[0], model_group="htfe3", **{key: "group-first"})
     with pytest.raises(ConfigError, match=rf"{key}='group-first'.*'htfe3'.*num_batches_tracked"):
-        build_strategy(RunConfig.from_dict(rc))
+        build_run(RunConfig.from_dict(rc))
 
 
 @pytest.mark.parametrize("method", ["fml", "fedkd"])
@@ -65,7 +65,6 @@ def test_group_first_shares_client_zeros_model_of_the_group(run_config, method):
     import torch
 
     from common.config import RunConfig
-    from methods.registry import METHODS
     from models.groups import MODEL_GROUPS
 
     rc = run_config(
@@ -74,7 +73,9 @@ def test_group_first_shares_client_zeros_model_of_the_group(run_config, method):
     strategy, grid, replies = captured_federation(rc)
     strategy.start(grid)
     client0 = MODEL_GROUPS["htcnn8"].build(0, 10, 3, 32, rc["seed"], k=rc["feature-dim"], identical=True)
-    built = METHODS[method].build_strategy(RunConfig.from_dict(rc)).shared
+    from methods.registry import build_run
+
+    built = build_run(RunConfig.from_dict(rc)).method.shared
     assert list(built.state_dict()) == list(client0.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(built.state_dict().values(), client0.state_dict().values()))
     assert built.extractor(torch.zeros(2, 3, 32, 32)).shape == (2, rc["feature-dim"])

@@ -21,11 +21,11 @@ def captured(rc, results=False):
     from client_app.app import app as client_app
     from common.run_folder import ResultsWriter
     from fakegrid import FakeGrid
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     cfg = RunConfig.from_dict(rc)
     writer = ResultsWriter(cfg.output_dir, "run", cfg.as_dict()) if results else None
-    strategy, grid = build_strategy(cfg, writer), FakeGrid(client_app, rc, cfg.num_clients)
+    strategy, grid = build_run(cfg, writer), FakeGrid(client_app, rc, cfg.num_clients)
     strategy.start(grid)
     return strategy, grid
 
@@ -78,18 +78,18 @@ def test_mh_pfedhn_generalisation_moves_only_new_embeddings_and_learns(run_confi
         **{"generalization.held-out-clients": 1.0, "generalization.rounds": 6},
     )
     strategy, grid = captured(rc)
-    before = {k: v.clone() for k, v in strategy.hn.state_dict().items()}
-    assert "p2" not in strategy.hn.embeddings  # the held-out client is no part of the trained hypernetwork
+    before = {k: v.clone() for k, v in strategy.method.hn.state_dict().items()}
+    assert "p2" not in strategy.method.hn.embeddings  # the held-out client is no part of the trained hypernetwork
     seen = {}
-    end = strategy.end_generalization
+    end = strategy.method.end_generalization
 
     def keep_phase():
-        seen["phase"] = strategy.phase[0]
+        seen["phase"] = strategy.method.phase[0]
         end()
 
-    strategy.end_generalization = keep_phase
+    strategy.method.end_generalization = keep_phase
     phase = run_phase(strategy, 3)
-    after = strategy.hn.state_dict()
+    after = strategy.method.hn.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     moved = {k for k, v in seen["phase"].state_dict().items() if k not in before or not torch.equal(v, before[k])}
     assert moved == {"embeddings.p2"}
@@ -109,13 +109,13 @@ def test_a_new_architecture_is_held_out_and_gets_a_new_head(run_config):
     assert [architecture_for(cfg, p, 5) for p in range(5)] == ["cnn1", "cnn2", "cnn3", "cnn5", "cnn5"]
     strategy, grid = captured(rc)
     assert strategy.rows[-1]["heldout_clients"] == 2
-    nodes = strategy.roster.nodes[3:]
-    strategy.begin_generalization(nodes, 1)
-    hn = strategy.phase[0]
+    nodes = strategy.federation.roster.nodes[3:]
+    strategy.method.begin_generalization(nodes, 1)
+    hn = strategy.method.phase[0]
     assert hn.head_names["p3"] == "new-p3" and hn.head_names["p0"] == str(hn.tau(hn.sizes["p0"]))
     trainable = {n for n, p in hn.named_parameters() if p.requires_grad}
     assert trainable == {"embeddings.p3", "embeddings.p4"} | {n for n in trainable if n.startswith("heads.new-")}
-    strategy.end_generalization()
+    strategy.method.end_generalization()
 
 
 @pytest.mark.parametrize(
@@ -129,10 +129,10 @@ def test_a_new_architecture_is_held_out_and_gets_a_new_head(run_config):
     ],
 )
 def test_an_impossible_held_out_setting_fails_before_the_run_starts(run_config, overrides, key):
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     with pytest.raises(ConfigError, match=key):
-        build_strategy(RunConfig.from_dict(run_config(**overrides)))
+        build_run(RunConfig.from_dict(run_config(**overrides)))
 
 
 def test_a_held_out_share_rounds_and_keeps_a_trainer(run_config):
@@ -179,4 +179,4 @@ def test_a_partition_that_connects_after_the_handshake_joins_at_a_round_boundary
     assert rows[1]["num_clients"] == 3 and set(rows[-1]["accuracy_per_client"]) == {"0", "1", "2"}
     assert np.isfinite(rows[-1]["accuracy_mean"])
     if method == "mh-pfedhn":
-        assert set(strategy.hn.embeddings) == {"p0", "p1", "p2"}
+        assert set(strategy.method.hn.embeddings) == {"p0", "p1", "p2"}

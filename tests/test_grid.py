@@ -15,8 +15,8 @@ from common.config import RunConfig
 from common.files import CHECKPOINT, read_rows, read_summary
 from common.run_folder import ResultsWriter
 from conftest import DATA_DIR, ROOT
-from engine.contract import MethodServer
-from methods.registry import build_strategy
+from engine.runner import Runner
+from methods.registry import build_run
 from tools.grid import newest_run, plan, run_grid
 from tools.grid_rows import paper_info
 from tools.runconfig import app_defaults
@@ -53,7 +53,7 @@ def test_every_preset_parses_and_a_paper_preset_has_paper_numbers():
         config = parse_config_args([str(preset)])
         assert set(config) <= set(defaults), preset.name  # flwr run --run-config accepts only known keys
         cfg = RunConfig.from_dict({**defaults, **config})
-        build_strategy(cfg)  # method options valid
+        build_run(cfg)  # method options valid
         if preset not in papers:
             continue
         paper = paper_info(preset.name)  # refuses unknown keys
@@ -134,17 +134,17 @@ def test_grid_interrupted_after_round_one_resumes_to_the_same_rows(tmp_path, mon
 
     # stopped again as the resumed run begins, before its first round: its folder holds round 1's rows and
     # checkpoint, and the next launch resumes from it
-    resume = MethodServer.resume
+    resume = Runner.resume
 
     def stop_after_resume(self):
         resume(self)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(MethodServer, "resume", stop_after_resume)
+    monkeypatch.setattr(Runner, "resume", stop_after_resume)
     assert set(run_grid(preset, ["fedtgp", "local"], [0], split, launcher=in_process).values()) == {
         "stopped (exit 130)"
     }
-    monkeypatch.setattr(MethodServer, "resume", resume)
+    monkeypatch.setattr(Runner, "resume", resume)
     begun, summary = newest_run(split / "fedtgp-seed0")
     assert begun != stopped and summary["rounds_completed"] == 1
     assert (begun / CHECKPOINT).read_bytes() == (stopped / CHECKPOINT).read_bytes()

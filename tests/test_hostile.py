@@ -73,7 +73,7 @@ def run(run_config, attack, rounds: int = 2, **options):
     rc = run_config(**{"num-clients": 3, "num-server-rounds": rounds, **options})
     strategy, grid = federation(rc, attacker("train", attack))
     strategy.start(grid)
-    return strategy.rows, state_arrays(strategy.server_state())
+    return strategy.rows, state_arrays(strategy.method.server_state())
 
 
 @pytest.fixture(scope="module")
@@ -210,14 +210,14 @@ def test_hostile_empty_round_keeps_the_global_state(run_config, method, state, e
 
     strategy, grid = federation(rc, tamper)
     kept = []
-    original = strategy.aggregate_train
+    original = strategy.method.aggregate_train
 
     def aggregate_train(server_round, replies):
         metrics = original(server_round, replies)
-        kept.append({k: v.copy() for k, v in getattr(strategy, state).items()})
+        kept.append({k: v.copy() for k, v in getattr(strategy.method, state).items()})
         return metrics
 
-    strategy.aggregate_train = aggregate_train
+    strategy.method.aggregate_train = aggregate_train
     strategy.start(grid)
     assert [r["num_clients"] for r in strategy.rows] == [3, 0 if empty == "no valid reply" else 1, 3]
     assert kept[0] and kept[1].keys() == kept[0].keys()
@@ -285,13 +285,13 @@ def test_hostile_torn_state_file_is_ignored_and_rewritten(run_config, tmp_path):
     from common.config import RunConfig
     from common.runtime import MODEL_STATE
     from fakegrid import FakeGrid
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     rc = run_config(**{"num-clients": 3, "num-server-rounds": 1})
     cfg = RunConfig.from_dict(rc)
-    strategy = build_strategy(cfg)
+    strategy = build_run(cfg)
     grid = FakeGrid(client_app, rc, 3, node_config={"state-dir": str(tmp_path / "state")})
-    torn = tmp_path / "state" / strategy.transport.state_key / "partition-1" / f"{MODEL_STATE}.pt"
+    torn = tmp_path / "state" / strategy.federation.transport.state_key / "partition-1" / f"{MODEL_STATE}.pt"
     torn.parent.mkdir(parents=True)
     buffer = io.BytesIO()
     torch.save({"w": torch.zeros(1000)}, buffer)
@@ -321,10 +321,10 @@ def _fedgh(run_config, rounds, **grid_options):
     from client_app.app import app as client_app
     from common.config import RunConfig
     from fakegrid import FakeGrid
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     rc = run_config(**{"num-clients": 3, "num-server-rounds": rounds})
-    return build_strategy(RunConfig.from_dict(rc)), FakeGrid(client_app, rc, 3, **grid_options)
+    return build_run(RunConfig.from_dict(rc)), FakeGrid(client_app, rc, 3, **grid_options)
 
 
 def test_hostile_impostor_cannot_take_a_connected_partition(run_config):
@@ -340,7 +340,7 @@ def test_hostile_impostor_cannot_take_a_connected_partition(run_config):
 
     strategy.train_round = train_round
     strategy.start(grid)
-    assert strategy.roster.nodes == [1000, 1001, 1002] and strategy.counters.dropped["query"] == 1
+    assert strategy.federation.roster.nodes == [1000, 1001, 1002] and strategy.counters.dropped["query"] == 1
     assert [r["num_clients"] for r in strategy.rows] == [3, 3, 3]
     to_impostor = [m.metadata.message_type for m in grid.sent if m.metadata.dst_node_id == 6666]
     assert to_impostor == ["query"]
@@ -350,7 +350,7 @@ def test_hostile_duplicate_claim_at_the_handshake_drops_the_later_node(run_confi
     strategy, grid = _fedgh(run_config, 1)
     grid.add_node(6666, 0)  # a fourth node claiming partition 0, listed after node 1000
     strategy.start(grid)
-    assert strategy.roster.nodes == [1000, 1001, 1002] and strategy.counters.dropped["query"] == 1
+    assert strategy.federation.roster.nodes == [1000, 1001, 1002] and strategy.counters.dropped["query"] == 1
     assert strategy.rows[0]["num_clients"] == 3
 
 
@@ -358,14 +358,14 @@ def test_hostile_silent_new_node_is_asked_with_backoff(run_config):
     """A node that connects but never answers is asked in rounds 1, 2 and 4 of 6, not every
     round (each ask costs up to QUERY_SECONDS of waiting in a deployment)."""
     strategy, grid = _fedgh(run_config, 6)
-    original = strategy.roster.handshake
+    original = strategy.federation.roster.handshake
 
-    def handshake(transport):
-        original(transport)
+    def handshake():
+        original()
         grid.add_node(6666, 2)
         grid.silent.add(6666)
 
-    strategy.roster.handshake = handshake
+    strategy.federation.roster.handshake = handshake
     strategy.start(grid)
     assert sum(m.metadata.dst_node_id == 6666 for m in grid.sent) == 3
     assert [r["num_clients"] for r in strategy.rows] == [3] * 6
@@ -389,7 +389,7 @@ def test_hostile_restarted_node_takes_its_partition_once_the_old_one_is_gone(run
 
     strategy.train_round = train_round
     strategy.start(grid)
-    assert strategy.roster.nodes == [1000, 1001, 2002]
+    assert strategy.federation.roster.nodes == [1000, 1001, 2002]
     assert [r["num_clients"] for r in strategy.rows] == [2, 2, 3, 3]
     assert sum(m.metadata.dst_node_id == 2002 and m.metadata.message_type == "query" for m in grid.sent) == 1
     assert sum(m.metadata.dst_node_id == 7777 for m in grid.sent) == 1
@@ -413,12 +413,14 @@ def test_hostile_num_params_claim_is_bounded_by_the_model_group(run_config):
     strategy, grid = federation(rc, attacker("query", lambda reply: with_metrics(reply, **{"num-params": 10**8})))
     with pytest.raises(RuntimeError, match="only 2 of num-clients=3"):
         strategy.start(grid)
-    assert strategy.counters.dropped["query"] >= 1 and "p1" not in strategy.hn.sizes  # no head was made for the claim
+    assert (
+        strategy.counters.dropped["query"] >= 1 and "p1" not in strategy.method.hn.sizes
+    )  # no head was made for the claim
     # the bound is the group's largest model: an honest client's K is within it
     from models.groups import MODEL_GROUPS
 
     cfg = RunConfig.from_dict(rc)
-    assert num_params(MODEL_GROUPS["mh-lenet"].build(0, 10, 3, 32, cfg.seed)) <= strategy.max_params < 10**8
+    assert num_params(MODEL_GROUPS["mh-lenet"].build(0, 10, 3, 32, cfg.seed)) <= strategy.method.max_params < 10**8
 
 
 def test_hostile_handshake_size_claim_beyond_the_dataset_is_dropped(run_config):
@@ -427,7 +429,7 @@ def test_hostile_handshake_size_claim_beyond_the_dataset_is_dropped(run_config):
     strategy, grid = federation(rc, attacker("query", lambda reply: with_metrics(reply, **{"num-train": 10**9})))
     with pytest.raises(RuntimeError, match="only 2 of num-clients=3"):
         strategy.start(grid)
-    assert strategy.counters.dropped["query"] == 1 and ATTACKER not in strategy.roster.clients
+    assert strategy.counters.dropped["query"] == 1 and ATTACKER not in strategy.federation.roster.clients
 
 
 def scaled(key: str, value: float):
@@ -504,19 +506,19 @@ def test_hostile_outlying_representation_is_scaled_to_the_round_bound(run_config
     seen = []
     rc = run_config(**{"method": "fedre", "num-clients": 3, "num-server-rounds": 2})
     strategy, grid = federation(rc, attacker("train", attack))
-    original = strategy.aggregate_train
+    original = strategy.method.aggregate_train
 
     def aggregate_train(server_round, replies):
         seen.append({r.partition_id: float(np.linalg.norm(r.arrays["z"])) for r in replies})
         return original(server_round, replies)
 
-    strategy.aggregate_train = aggregate_train
+    strategy.method.aggregate_train = aggregate_train
     strategy.start(grid)
     assert [r["clipped_rows"] for r in strategy.rows] == [1, 1]
     for norms in seen:
         honest = max(norms[0], norms[2])
         assert norms[1] == pytest.approx(ROW_NORM_FACTOR * honest, rel=1e-5)
-    weights = state_arrays(strategy.server_state())["head.weight."]
+    weights = state_arrays(strategy.method.server_state())["head.weight."]
     assert np.isfinite(weights).all() and np.abs(weights).max() < 1  # 0.06 here; unclipped 333 after two rounds
     honest_rows, _ = run(run_config, lambda reply: reply, 2, method="fedre")
     assert [r["clipped_rows"] for r in honest_rows] == [0, 0]
@@ -527,17 +529,17 @@ def test_hostile_update_that_breaks_the_server_state_is_rolled_back(run_config):
     round is recorded as rolled back, and the next round sends the last finite state."""
     rc = run_config(**{"num-clients": 3, "num-server-rounds": 3})
     strategy, grid = federation(rc)
-    original = strategy.aggregate_train
+    original = strategy.method.aggregate_train
     headers = []
 
     def aggregate_train(server_round, replies):
         metrics = original(server_round, replies)
         if server_round == 2:
-            strategy.header.weight.data[0, 0] = float("nan")
-        headers.append({k: v.copy() for k, v in strategy.global_arrays().items()})
+            strategy.method.header.weight.data[0, 0] = float("nan")
+        headers.append({k: v.copy() for k, v in strategy.method.global_arrays().items()})
         return metrics
 
-    strategy.aggregate_train = aggregate_train
+    strategy.method.aggregate_train = aggregate_train
     strategy.start(grid)
     assert [r.get("server_rolled_back", 0) for r in strategy.rows] == [0, 1, 0]
     round3 = [m for m in grid.sent if m.metadata.message_type == "train"][6:9]
@@ -609,15 +611,15 @@ def test_hostile_second_reply_of_a_partition_is_dropped(run_config):
     clean.start(grid)
 
     strategy, grid = federation(rc)
-    exchange = strategy.transport.exchange
+    exchange = strategy.federation.transport.exchange
 
-    def replayed(messages, timeout=None):
-        replies = exchange(messages, timeout)
+    def replayed(messages, timeout=None, key="round-timeout"):
+        replies = exchange(messages, timeout, key)
         return replies + [
             r for r in replies if r.metadata.src_node_id == ATTACKER and r.metadata.message_type == "train"
         ]
 
-    strategy.transport.exchange = replayed
+    strategy.federation.transport.exchange = replayed
     strategy.start(grid)
     assert strategy.counters.dropped["train"] == 2  # one replay per round
     for row, clean_row in zip(strategy.rows, clean.rows):
@@ -626,7 +628,7 @@ def test_hostile_second_reply_of_a_partition_is_dropped(run_config):
             and row["dropped_clients"] == []
             and row["accuracy_mean"] == clean_row["accuracy_mean"]
         )
-    mine, theirs = state_arrays(strategy.server_state()), state_arrays(clean.server_state())
+    mine, theirs = state_arrays(strategy.method.server_state()), state_arrays(clean.method.server_state())
     assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
 
 
@@ -663,13 +665,13 @@ def test_hostile_handshake_answered_in_a_train_reply_is_checked_like_a_query(run
     strategy.start(grid)
     lost_rows, lost_arrays = run(run_config, lost, 2, **SAMPLED)
     assert not [m for m in grid.sent if m.metadata.message_type == "query"]  # FedGH: no query of its own
-    assert (ATTACKER in strategy.roster.clients) == (counted == "train")
-    assert (ATTACKER in strategy.roster.outsiders) == (counted == "outsider")
+    assert (ATTACKER in strategy.federation.roster.clients) == (counted == "train")
+    assert (ATTACKER in strategy.federation.roster.outsiders) == (counted == "outsider")
     if counted != "outsider":
         assert strategy.counters.dropped[counted] >= 1
     for row, lost_row in zip(strategy.rows, lost_rows, strict=True):
         assert row["num_clients"] == lost_row["num_clients"] == 2
         # an admitted client whose train reply was dropped is still evaluated, as after a full handshake
         assert counted == "train" or row["accuracy_per_client"] == lost_row["accuracy_per_client"]
-    arrays = state_arrays(strategy.server_state())
+    arrays = state_arrays(strategy.method.server_state())
     assert arrays.keys() == lost_arrays.keys() and all(np.array_equal(arrays[k], lost_arrays[k]) for k in arrays)

@@ -113,10 +113,23 @@ def test_no_import_circles():
     assert cycles(graph) == []
 
 
+def test_the_roster_and_the_transport_meet_only_in_the_federation():
+    """``engine.federation.Federation`` wires them: neither imports the other, and a method's server half
+    reaches its clients through the federation it is handed, never through the roster, the transport or the
+    runner."""
+    graph = import_graph()
+    assert "engine.transport" not in graph["engine.roster"] and "engine.roster" not in graph["engine.transport"]
+    assert {"engine.roster", "engine.transport"} <= graph["engine.federation"]
+    method_modules = [m for m in graph if m.startswith("methods.") and m != "methods.registry"]
+    assert len(method_modules) > 11
+    reached = {b for a in method_modules for b in graph[a]}
+    assert not reached & {"engine.roster", "engine.transport", "engine.runner", "engine.federation"}
+
+
 def test_no_method_imports_another_method():
     from methods.registry import METHODS
 
-    method_modules = {m.strategy.__module__ for m in METHODS.values()} | {m.client.__module__ for m in METHODS.values()}
+    method_modules = {m.server.__module__ for m in METHODS.values()} | {m.client.__module__ for m in METHODS.values()}
     assert len(method_modules) == 11  # mh-pfedhn and mh-pfedhngd share one module
     graph = import_graph()
     borrowed = {(a, b) for a in method_modules for b in graph[a] if b in method_modules}

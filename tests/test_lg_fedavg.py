@@ -21,7 +21,7 @@ def test_lg_fedavg_shares_only_the_head_and_learns(run_config):
     mean = (
         sum(w * r.content.array_records[PAYLOAD]["head.weight"].numpy() for w, r in zip(weights, last)) / weights.sum()
     )
-    assert np.allclose(module_arrays(strategy.shared)["head.weight"], mean, atol=1e-6)
+    assert np.allclose(module_arrays(strategy.method.shared)["head.weight"], mean, atol=1e-6)
     assert_learns(rc, strategy)
     with pytest.raises(ConfigError, match="non-linear heads"):
         federation(run_config(method="lg-fedavg", model_group="htfe8-htc4"))
@@ -33,7 +33,7 @@ def test_eval_global_head_reports_the_averaged_head_after_the_round(run_config):
     once per evaluated client as evaluation traffic."""
     rc = run_config(**{"method": "lg-fedavg", "num-server-rounds": 1, "lg-fedavg.eval-global-head": True})
     strategy, grid = federation(rc)
-    assert not strategy.eval_after_training
+    assert not strategy.method.eval_after_training
     strategy.start(grid)
     row = strategy.rows[-1]
     assert row["eval_bytes_down"] == rc["num-clients"] * 20_040
@@ -42,7 +42,8 @@ def test_eval_global_head_reports_the_averaged_head_after_the_round(run_config):
     sent = [m for m in grid.sent if m.metadata.message_type == "evaluate"]
     assert sent and all(
         np.array_equal(
-            m.content.array_records[PAYLOAD]["head.weight"].numpy(), module_arrays(strategy.shared)["head.weight"]
+            m.content.array_records[PAYLOAD]["head.weight"].numpy(),
+            module_arrays(strategy.method.shared)["head.weight"],
         )
         for m in sent
     )

@@ -223,7 +223,7 @@ def recorded_run(tmp_path_factory, method: str, **extra):
     from common.run_folder import ResultsWriter
     from conftest import make_run_config
     from fakegrid import FakeGrid
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     out = tmp_path_factory.mktemp(method)
     rc = make_run_config(
@@ -232,7 +232,7 @@ def recorded_run(tmp_path_factory, method: str, **extra):
         **extra,
     )
     cfg = RunConfig.from_dict(rc)
-    strategy = build_strategy(cfg, ResultsWriter(cfg.output_dir, method, cfg.as_dict()))
+    strategy = build_run(cfg, ResultsWriter(cfg.output_dir, method, cfg.as_dict()))
     strategy.start(FakeGrid(client_app, rc, cfg.num_clients), state_in_run_folder=True)
     return strategy.results.path
 

@@ -179,8 +179,8 @@ def test_rounds_payloads_steps_and_evaluation(run_config, method, schedule):
         assert row["bytes_up"] + row["bytes_down"] == 3 * per_client
         assert row["eval_bytes_down"] == 3 * 4 * k and row["eval_bytes_up"] == 0
         assert row["server_hn_steps"] == 3 + gd
-    trunk_param = next(strategy.hn.trunk.parameters())
-    assert int(strategy.optimizer.state[trunk_param]["step"]) == 2 * (3 + gd)
+    trunk_param = next(strategy.method.hn.trunk.parameters())
+    assert int(strategy.method.optimizer.state[trunk_param]["step"]) == 2 * (3 + gd)
     for m in grid.sent:
         arrays = {n: a for n, a in m.content.array_records[PAYLOAD].items()} if PAYLOAD in m.content else {}
         expected = {"query": {}, "train": {"theta": (k,)}, "evaluate": {"theta": (k,)}, "train.global": {"w_g": (k,)}}[
@@ -192,8 +192,10 @@ def test_rounds_payloads_steps_and_evaluation(run_config, method, schedule):
         assert sorted(order[:3]) == sorted(grid.contexts)
     last_eval = {m.metadata.dst_node_id: m for m in grid.sent if m.metadata.message_type == "evaluate"}
     for node, m in last_eval.items():
-        assert np.array_equal(m.content.array_records[PAYLOAD]["theta"].numpy(), strategy.weights_for(node)["theta"])
-    for metrics in strategy.roster.clients.values():  # the handshake disclosed sizes only
+        assert np.array_equal(
+            m.content.array_records[PAYLOAD]["theta"].numpy(), strategy.method.weights_for(node)["theta"]
+        )
+    for metrics in strategy.federation.roster.clients.values():  # the handshake disclosed sizes only
         assert metrics["num-params"] == k and all(isinstance(v, (int, float)) for v in metrics.values())
 
 
@@ -285,10 +287,10 @@ def test_gd_global_step_is_data_weighted_and_local(run_config):
         **{"num-clients": 3, "num-server-rounds": 1},
     )
     strategy, grid = federation(rc)
-    strategy.transport.open(grid, "in-memory")
-    strategy.roster.handshake(strategy.transport)
-    strategy.joined()
-    pre_step = copy.deepcopy(strategy.hn)
+    strategy.federation.transport.open(grid, "in-memory")
+    strategy.federation.handshake()
+    strategy.method.joined()
+    pre_step = copy.deepcopy(strategy.method.hn)
     deltas = {}
 
     def capture(node, reply):
@@ -300,11 +302,11 @@ def test_gd_global_step_is_data_weighted_and_local(run_config):
         return reply
 
     grid.tamper = capture
-    strategy.personal_phase = lambda r, n, c: ([], {"server-hn-steps": 0}, 0.0)  # the global phase only
+    strategy.method.personal_phase = lambda r, n, c: ([], {"server-hn-steps": 0}, 0.0)  # the global phase only
     strategy.train_round(1)
-    before, after = snapshot(pre_step), snapshot(strategy.hn)
+    before, after = snapshot(pre_step), snapshot(strategy.method.hn)
     changed = {k for k in before if not torch.equal(before[k], after[k])}
-    tau_g = strategy.hn.tau(strategy.hn.sizes["global"])
+    tau_g = strategy.method.hn.tau(strategy.method.hn.sizes["global"])
     assert changed == {
         k for k in before if k.startswith("trunk.") or k.startswith(f"heads.{tau_g}.") or k == "embeddings.global"
     }

@@ -102,5 +102,5 @@ def test_both_halves_read_the_same_options_and_schemas():
     rc = make_run_config(**{"fedgh.eval-global-head": True, "fedgh.server-lr": 0.5})
     strategy, _ = federation(rc)
     client = client_procedure(RunConfig.from_dict(rc))
-    assert strategy.options == client.options and strategy.options.server_lr == 0.5
-    assert strategy.schemas is client.schemas and "head.weight" in strategy.schemas["evaluate"][0].arrays
+    assert strategy.method.options == client.options and strategy.method.options.server_lr == 0.5
+    assert strategy.method.schemas is client.schemas and "head.weight" in strategy.method.schemas["evaluate"][0].arrays

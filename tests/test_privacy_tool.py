@@ -14,7 +14,7 @@ import pytest
 from common.config import RunConfig
 from common.data import DataSpec, load_client_data
 from common.run_folder import ResultsWriter
-from methods.registry import build_strategy
+from methods.registry import build_run
 from tools import privacy
 from tools.privacy_view import RunView
 
@@ -35,7 +35,7 @@ def fedgh_run(tmp_path_factory):
         **{"output-dir": str(out), "num-clients": 3, "max-examples-per-client": 60, "record-payloads": "1,2"},
     )
     cfg = RunConfig.from_dict(rc)
-    strategy = build_strategy(cfg, ResultsWriter(cfg.output_dir, "fedgh", cfg.as_dict()))
+    strategy = build_run(cfg, ResultsWriter(cfg.output_dir, "fedgh", cfg.as_dict()))
     strategy.start(FakeGrid(client_app, rc, cfg.num_clients), state_in_run_folder=True)
     return strategy.results.path, cfg
 

@@ -94,7 +94,7 @@ def test_rounds_payloads_and_bytes(run_config, method):
     again.start(grid2)
     assert [r["accuracy_per_client"] for r in again.rows] == [r["accuracy_per_client"] for r in strategy.rows]
     if method == "fedtgp":
-        assert np.array_equal(again.global_set["global_protos"], strategy.global_set["global_protos"])
+        assert np.array_equal(again.method.global_set["global_protos"], strategy.method.global_set["global_protos"])
 
 
 @pytest.mark.parametrize("method", ["fedtgp", "fedproto"])

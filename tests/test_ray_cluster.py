@@ -33,7 +33,7 @@ def test_rows_count_the_replies_of_each_ray_node(run_config, monkeypatch):
     )
     strategy, grid = federation(run_config(**{"num-clients": 3, "num-server-rounds": 2, "max-examples-per-client": 60}))
     strategy.start(grid)
-    replies_per_round = 3 if strategy.eval_after_training else 6  # train (+ evaluate) replies of 3 clients
+    replies_per_round = 3 if strategy.method.eval_after_training else 6  # train (+ evaluate) replies of 3 clients
     assert [r["replies_per_ray_node"] for r in strategy.rows] == [{node: replies_per_round}] * 2
 
 

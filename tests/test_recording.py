@@ -11,7 +11,7 @@ from common.protocol import PAYLOAD, snapshot_name
 from common.run_folder import ResultsWriter
 from common.runtime import MODEL_STATE
 from engine.payload_recorder import read_arrays, round_folder
-from methods.registry import build_strategy
+from methods.registry import build_run
 
 
 def recorded_run(rc: dict):
@@ -21,7 +21,7 @@ def recorded_run(rc: dict):
     from fakegrid import FakeGrid
 
     cfg = RunConfig.from_dict(rc)
-    strategy = build_strategy(cfg, ResultsWriter(cfg.output_dir, "run", cfg.as_dict()))
+    strategy = build_run(cfg, ResultsWriter(cfg.output_dir, "run", cfg.as_dict()))
     replies = []
     grid = FakeGrid(client_app, rc, cfg.num_clients, lambda node, reply: replies.append(reply) or reply)
     strategy.start(grid, state_in_run_folder=True)
@@ -104,14 +104,14 @@ def test_the_disk_estimate_bounds_what_a_recorded_run_writes(run_config, method,
     assert written <= estimate <= 1.5 * written, (written, estimate)
     members = {"fedgh": 5, "mh-pfedhn": 1}[method]  # of the model group, cycled over the clients
     assert strategy.recording_estimate(2 * members) == 2 * strategy.recording_estimate(members)
-    one_round = build_strategy(RunConfig.from_dict({**rc, "record-payloads": "2"}))
+    one_round = build_run(RunConfig.from_dict({**rc, "record-payloads": "2"}))
     assert one_round.recording_estimate(2) * 2 == estimate
-    assert build_strategy(RunConfig.from_dict({**rc, "record-payloads": ""})).recording_estimate(2) == 0
+    assert build_run(RunConfig.from_dict({**rc, "record-payloads": ""})).recording_estimate(2) == 0
 
 
 def test_a_recording_above_its_cap_is_refused_naming_both_keys(run_config):
     rc = run_config(method="fedgh", **{"record-payloads": "all", "record-payloads-max-gib": 0.05})
-    strategy = build_strategy(RunConfig.from_dict(rc))
+    strategy = build_run(RunConfig.from_dict(rc))
     with pytest.raises(ConfigError, match=r"'record-payloads' = 'all' writes up to .* above 'record-payloads-max-gib'"):
         strategy.check_recording(100)
     line = strategy.check_recording(2)
@@ -124,5 +124,5 @@ def test_every_method_has_a_disk_estimate(run_config):
 
     for method in METHODS:
         cfg = RunConfig.from_dict(run_config(method=method, **{"record-payloads": "1"}))
-        line = build_strategy(cfg).check_recording(2)
+        line = build_run(cfg).check_recording(2)
         assert "x 1 rounds x 2 clients" in line, method

@@ -8,7 +8,8 @@ from common.config import ConfigError, RunConfig
 from common.run_folder import CHECKPOINT, ResultsWriter
 from conftest import federation
 from engine.contract import NO_METHOD, MethodServer
-from methods.registry import build_strategy
+from engine.runner import Runner
+from methods.registry import build_run
 
 FAST = {"mh-pfedhn.hidden-dim": 16}
 
@@ -18,7 +19,7 @@ def run_with_results(rc, grid=None, name="run"):
     from fakegrid import FakeGrid
 
     cfg = RunConfig.from_dict(rc)
-    strategy = build_strategy(cfg, ResultsWriter(cfg.output_dir, name, cfg.as_dict()))
+    strategy = build_run(cfg, ResultsWriter(cfg.output_dir, name, cfg.as_dict()))
     grid = grid or FakeGrid(client_app, rc, cfg.num_clients)
     strategy.start(grid)
     return strategy, grid
@@ -50,13 +51,13 @@ def test_resume_continues_exactly(run_config, method, extra):
     for a, b in zip(whole.rows, second.rows):
         assert a["accuracy_per_client"] == b["accuracy_per_client"] and a["bytes_up"] == b["bytes_up"]
     assert second.results.summary()["rounds_completed"] == 2
-    for key, value in whole.server_state().items():
+    for key, value in whole.method.server_state().items():
         if isinstance(value, torch.Tensor):
-            assert torch.equal(value, second.server_state()[key])
+            assert torch.equal(value, second.method.server_state()[key])
         elif key in ("hn", "head", "header", "shared", "generator"):
-            assert all(torch.equal(v, second.server_state()[key][k]) for k, v in value.items())
+            assert all(torch.equal(v, second.method.server_state()[key][k]) for k, v in value.items())
         elif key == "global_set":
-            assert all(np.array_equal(v, second.server_state()[key][k]) for k, v in value.items())
+            assert all(np.array_equal(v, second.method.server_state()[key][k]) for k, v in value.items())
     assert [r["accuracy_mean"] for r in whole.rows] == [r["accuracy_mean"] for r in second.rows]
 
 
@@ -69,8 +70,10 @@ def test_resume_refuses_other_method_and_unsupported(run_config):
     strategy, _ = federation({**rc, "resume-from": str(first.results.path / "missing")})
     with pytest.raises(FileNotFoundError, match="resume-from"):
         strategy.resume()
-    bare = MethodServer(RunConfig.from_dict(rc), NO_METHOD)  # a method that declares no server state cannot resume
-    assert bare.server_state() is None
+    bare = Runner(
+        RunConfig.from_dict(rc), MethodServer, NO_METHOD
+    )  # a method that declares no server state cannot resume
+    assert bare.method.server_state() is None
     assert np.isfinite(first.rows[0]["accuracy_mean"])
 
 
@@ -112,7 +115,7 @@ def crash_after_training(strategy):
     def crash(server_round, replies):
         raise RuntimeError("server killed after the clients trained")
 
-    strategy.aggregate_train = crash
+    strategy.method.aggregate_train = crash
 
 
 def crash_after_evaluation(strategy):
@@ -144,7 +147,7 @@ def test_resume_after_a_crash_mid_round_repeats_it_exactly(run_config, tmp_path,
     resumed = {**base, "num-server-rounds": 2, "resume-from": str(first.results.path)}
 
     cfg = RunConfig.from_dict(resumed)
-    crashing = build_strategy(cfg, ResultsWriter(cfg.output_dir, "crashed", cfg.as_dict()))
+    crashing = build_run(cfg, ResultsWriter(cfg.output_dir, "crashed", cfg.as_dict()))
     crash(crashing)
     with pytest.raises(RuntimeError, match="server killed"):
         crashing.start(grid)
@@ -175,5 +178,7 @@ def test_resume_with_the_sampled_handshake_continues_exactly(run_config, method)
     # the rounds draw different clients: the resumed run restores round 1's from the checkpoint, admits round 2's
     assert len({tuple(sorted(r["accuracy_per_client"])) for r in whole.rows}) == 2
     assert [r["accuracy_per_client"] for r in whole.rows] == [r["accuracy_per_client"] for r in second.rows]
-    assert list(whole.server_state()["registered"]) == list(second.server_state()["registered"])
-    assert all(torch.equal(v, second.server_state()["hn"][k]) for k, v in whole.server_state()["hn"].items())
+    assert list(whole.method.server_state()["registered"]) == list(second.method.server_state()["registered"])
+    assert all(
+        torch.equal(v, second.method.server_state()["hn"][k]) for k, v in whole.method.server_state()["hn"].items()
+    )

@@ -132,7 +132,7 @@ def test_evaluation_in_train_reply_equals_separate_evaluation(run_config):
     rows = []
     for in_train in (True, False):
         strategy, grid = federation(rc)
-        strategy.eval_after_training = in_train
+        strategy.method.eval_after_training = in_train
         strategy.start(grid)
         rows.append(strategy.rows)
         kinds = [m.metadata.message_type for m in grid.sent]

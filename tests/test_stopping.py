@@ -56,8 +56,8 @@ def scripted(strategy):
 def test_a_run_stops_after_patience_rounds_and_a_resumed_run_keeps_counting(run_config, monkeypatch):
     import methods.registry as registry
 
-    build = registry.build_strategy
-    monkeypatch.setattr("test_resume.build_strategy", lambda cfg, results=None: scripted(build(cfg, results)))
+    build = registry.build_run
+    monkeypatch.setattr("test_resume.build_run", lambda cfg, results=None: scripted(build(cfg, results)))
     base = run_config(method="local", **{"num-clients": 2, "max-examples-per-client": 60, "stop-patience": 2})
     whole, _ = run_with_results({**base, "num-server-rounds": 8}, name="whole")
     assert [r["round"] for r in whole.rows] == [1, 2, 3, 4]

@@ -9,6 +9,7 @@ Payload: up (train) ``protos`` [k, d] float32 and ``proto_labels`` [k] int64; do
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +21,9 @@ from common.payload import BASE_SCHEMAS, ClientReply
 from common.protocol import TRAIN, Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import train_personal_model, trained_class_means
-from engine.contract import ClientProcedure, Method, MethodBinding, MethodServer
+from engine.contract import ClientProcedure, Method, MethodContext, MethodServer
 from engine.robust import require_aggregation
+from engine.round_rows import round_metrics
 from methods.blocks.prototypes import CLASS_AGGREGATIONS, aggregate_class_sets, class_set_schemas
 
 UPLOAD, GLOBAL_SET = class_set_schemas("protos", "proto_labels", "d")
@@ -43,8 +45,8 @@ class ToyServer(MethodServer):
 
     checkpointed = ("global_set",)  # [checkpoint]
 
-    def __init__(self, cfg: RunConfig, binding: MethodBinding, results: Any = None) -> None:
-        super().__init__(cfg, binding, results)
+    def __init__(self, ctx: MethodContext) -> None:
+        super().__init__(ctx)
         self.global_set: dict[str, np.ndarray] = {}
 
     def evaluates_after_training(self) -> bool:
@@ -65,11 +67,16 @@ class ToyServer(MethodServer):
 
 
 class ToyWithOwnRound(ToyServer):
-    """[own-round]: a round of its own (here the standard one, twice as long to write): reads the roster."""
+    """[own-round]: a round of its own (``engine.contract.OwnRound``; here the standard one written out)."""
 
     def train_round(self, server_round: int) -> tuple[dict[str, Any], list[ClientReply]]:
-        """The default round (one exchange, then :meth:`aggregate_train`)."""
-        return super().train_round(server_round)
+        """Sample, one train exchange through the federation, then :meth:`aggregate_train`."""
+        nodes = self.federation.sample()
+        payloads = {n: self.configure_train(n, server_round) for n in nodes}
+        valid = self.federation.send("train", payloads, self.train_config(server_round), server_round)
+        start = time.perf_counter()
+        server = self.aggregate_train(server_round, valid)
+        return round_metrics(valid, server, time.perf_counter() - start), valid
 
 
 class ToyClient(ClientProcedure):

@@ -499,9 +499,9 @@ class Attacker:
         return model, gradients.parameter_update(model, {k: np.asarray(up[k]) - np.asarray(down[k]) for k in up})
 
     def shared_module(self) -> torch.nn.Module:
-        """The module a shared-model method's clients train a copy of (its strategy's ``build_shared``)."""
-        strategy = self.view.method.strategy
-        return strategy.build_shared(self.view.cfg, self.view.method.read_options(self.view.cfg))
+        """The module a shared-model method's clients train a copy of (its server half's ``build_shared``)."""
+        server = self.view.method.server
+        return server.build_shared(self.view.cfg, self.view.method.read_options(self.view.cfg))
 
     def update(self, r: int, p: int) -> list[Inverted]:
         """iDLG on ``p``'s round-``r`` weight change read as one gradient (-change / lr), and inverting

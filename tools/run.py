@@ -198,7 +198,7 @@ def check_before_start(config: dict, num_clients: int, *, num_supernodes: int | 
     """The checks of the checked ``config`` that need the federation's size (``num_clients``, or
     ``--num-supernodes`` ``num_supernodes``: :func:`tools.runconfig.federation_size`), in the process
     that checked it (:func:`tools.runconfig.validate_configs`' ``then``): prints what run config
-    ``record-payloads`` writes at most (``engine.contract.MethodServer.check_recording``), then checks
+    ``record-payloads`` writes at most (``engine.runner.Runner.check_recording``), then checks
     every partition as the handshake would, filling the partition cache on the way when the run has a Ray
     instance of its own (``local``; :func:`tools.partition_cache.cache_before_ray`).
 
@@ -208,13 +208,13 @@ def check_before_start(config: dict, num_clients: int, *, num_supernodes: int | 
     """
     from common.config import RunConfig
     from common.errors import ConfigError
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     try:
         size = federation_size(num_supernodes, num_clients)
     except ConfigError:
         return  # the launcher raises the same error when it sizes the federation
-    if line := build_strategy(RunConfig.from_dict(config)).check_recording(size):
+    if line := build_run(RunConfig.from_dict(config)).check_recording(size):
         print(line, flush=True)
     cache_before_ray(config, num_clients, num_supernodes=num_supernodes, cache=local)
 

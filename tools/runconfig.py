@@ -283,12 +283,12 @@ def check_config(config: dict) -> tuple[str | None, int, bool]:
     memory for the whole run."""
     from common.config import RunConfig
     from common.run_folder import tensorboard_class
-    from methods.registry import build_strategy
+    from methods.registry import build_run
 
     try:
         cfg = RunConfig.from_dict(config)
-        strategy = build_strategy(cfg)  # fail fast on any bad value, method options too
-        strategy.checkpoints.check_summary()  # a resume of a run with another config
+        run = build_run(cfg)  # fail fast on any bad value, method options too
+        run.checkpoints.check_summary()  # a resume of a run with another config
         tensorboard_class(cfg.logger)
     except ValueError as exc:
         return str(exc), 0, False

@@ -3,7 +3,7 @@ rule: run config ``aggregation``, :mod:`engine.robust`).
 
 The machinery of the methods whose payload is a whole homogeneous module: FedMRL's small
 global model, FML's meme model, FedKD's mentee, LG-FedAvg's head. Each method module
-subclasses :class:`SharedModelStrategy` with the module to share and keeps its own client
+subclasses :class:`SharedModelServer` with the module to share and keeps its own client
 step; the server step, the payload schema, the byte accounting and the checkpoint are here.
 
 Payload: the module's ``state_dict`` tensors by name, float32, in ``state_dict`` order, the
@@ -23,7 +23,7 @@ from common.config import ConfigError, RunConfig
 from common.datasets import DATASETS
 from common.payload import BASE_SCHEMAS, ArraySpec, ClientReply, PayloadSchema, Schemas
 from engine import client_dp
-from engine.contract import ClientProcedure, MethodBinding, MethodServer
+from engine.contract import ClientProcedure, MethodContext, MethodServer
 from engine.robust import RobustAggregator
 from models.base import SplitModel
 from models.cnn import CNN_SHAPES, REPRESENTATION_DIM, SmallCNN
@@ -101,7 +101,7 @@ def shared_module(cfg: RunConfig, layout: str, key: str, d: int | None = None) -
     return SmallCNN(layout, d or REPRESENTATION_DIM, info.num_classes, info.channels, info.image_size)
 
 
-class SharedModelStrategy(MethodServer):
+class SharedModelServer(MethodServer):
     """Server of a method that shares one module: the run's ``aggregation`` of the clients' trained
     copies (:class:`engine.robust.RobustAggregator`; ``mean`` is the papers' FedAvg).
 
@@ -134,13 +134,13 @@ class SharedModelStrategy(MethodServer):
         """The module every client trains a copy of."""
         raise NotImplementedError
 
-    def __init__(self, cfg: RunConfig, binding: MethodBinding, results=None) -> None:
-        super().__init__(cfg, binding, results)
-        self.aggregator = RobustAggregator(cfg)
+    def __init__(self, ctx: MethodContext) -> None:
+        super().__init__(ctx)
+        self.aggregator = RobustAggregator(self.cfg)
         self.client_dp = client_dp.attach(self)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            self.shared = self.build_shared(cfg, self.options)
+            torch.manual_seed(self.cfg.seed)
+            self.shared = self.build_shared(self.cfg, self.options)
 
     def global_arrays(self) -> dict[str, np.ndarray]:
         """The shared module's tensors (:func:`module_arrays`)."""
