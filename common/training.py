@@ -357,11 +357,13 @@ def train_personal_model(
     supervised_loss: SupervisedLoss | None = None,
     model: SplitModel | None = None,
     clip_groups: list[list[nn.Parameter]] | None = None,
+    data: ClientData | None = None,
 ) -> dict[str, float]:
     """Train the client's personal model (:func:`train_supervised`) with this round's RNG and persist it.
 
     ``model`` replaces the personal model in training when it is a wrapper around it (e.g.
-    FedMRL's fused model); the personal model is what gets persisted either way.
+    FedMRL's fused model); the personal model is what gets persisted either way. ``data`` replaces the
+    client's data when the method trains on part of its train split (FedL2G keeps a quiz set out).
 
     Args:
         client: the :class:`common.runtime.ClientRuntime` of this message.
@@ -372,9 +374,10 @@ def train_personal_model(
     """
     client.spend_privacy(trainings=1)  # with DP on: counted, durably, before the training runs
     clip = client.dp_clip_norm()  # dp.adaptive-clip: where the last round's training left the clip
+    data = data or client.data
     stats = train_supervised(
         model or client.model,
-        client.data,
+        data,
         config,
         client.device,
         client.generator(int(config[SERVER_ROUND])),
@@ -387,7 +390,7 @@ def train_personal_model(
     if clip is not None:
         client.keep_dp_clip_norm(stats["dp-clip-norm"])
     client.save_model()
-    return {**stats, "num-examples": len(client.data.train_y)}
+    return {**stats, "num-examples": len(data.train_y)}
 
 
 def trained_class_means(

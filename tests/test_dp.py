@@ -24,7 +24,7 @@ from common.dp import (
 )
 from common.dp import _calibrate as dp_calibrate
 from conftest import ROOT, captured_federation, client_runtime, federation, make_run_config, shapes_of
-from methods.registry import METHODS
+from methods.registry import METHODS, build_run
 
 
 def flower_epsilon(sigma, n, batch, steps, releases, delta):
@@ -339,9 +339,19 @@ def test_the_rows_and_the_summary_carry_every_parameter_of_the_guarantee(run_con
     assert privacy_spent(strategy.rows)["dp_per_client"]["1"] == last  # the summary: each client's last entry
 
 
+#: methods whose upload no DP mechanism here releases: their options refuse ``dp.epsilon`` > 0 (FedL2G's quiz
+#: gradient through a step on study examples)
+REFUSE_DP = {"fedl2g-feat", "fedl2g-logit"}
+
+
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_method_trains_privately_with_the_payload_it_sends_without(run_config, method):
     from common.protocol import PAYLOAD
+
+    if method in REFUSE_DP:
+        with pytest.raises(ConfigError, match="'dp.epsilon'"):
+            build_run(RunConfig.from_dict(run_config(method=method, **{"dp.epsilon": 1e3})))
+        return
 
     group = {"model-group": "mh-lenet"} if method.startswith("mh-") else {}
     small = {"num-clients": 2, "num-server-rounds": 1, "max-examples-per-client": 60}
