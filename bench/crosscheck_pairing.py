@@ -103,7 +103,7 @@ def states_digest(states: list[Mapping[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
-#: method -> the attribute of its strategy that holds a trainable server module whose weights its
+#: method -> the attribute of its server half that holds a trainable server module whose weights its
 #: ``global_arrays`` do not show before round 1 (FedTGP's shows only the prototypes it generates)
 SERVER_MODULES = {"fedtgp": "generator"}
 

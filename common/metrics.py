@@ -3,7 +3,7 @@
 A reply's ``metrics`` MetricRecord may hold only keys its message category declares: those every
 client reports (:data:`ANY_MESSAGE`, added by the client runtime), those of the category
 (:data:`CATEGORY_METRICS`), the evaluate keys with the ``eval-`` prefix in a train reply of a
-strategy that evaluates in its train replies, and the method's own (``Method.metrics``, e.g.
+method that evaluates in its train replies, and the method's own (``Method.metrics``, e.g.
 FedGH's ``test-acc-global-head``). Each key has a :class:`MetricSpec`: integer or number, and the
 range it must lie in. An undeclared key or a value outside its spec makes the reply malformed: the
 server drops it like a payload that fails its schema, so no client can put an unbounded number
@@ -145,7 +145,7 @@ def declared_metrics(
     Args:
         category: ``query``, ``train`` or ``evaluate`` (a message type's part before the dot).
         method_metrics: the method's own keys by category (``Method.metrics``).
-        eval_after_training: the strategy asks sampled clients to evaluate in their train reply,
+        eval_after_training: the method asks sampled clients to evaluate in their train reply,
             so train replies may also carry the evaluate keys prefixed with :data:`EVAL_PREFIX`.
     """
     declared = {**ANY_MESSAGE, **CATEGORY_METRICS.get(category, {}), **method_metrics.get(category, {})}

@@ -3,7 +3,7 @@
 Layout: ``<output-dir>/<UTC time>-<method>-<dataset>-<run id>/``. A row is appended and
 flushed after every round and the summary rewritten atomically, so a crash loses at most the
 round in progress. ``summary.json`` has ``status`` ``running`` until the run ends
-(``completed``) or fails (``failed``). ``checkpoint.pt`` holds the strategy's state after the
+(``completed``) or fails (``failed``). ``checkpoint.pt`` holds the run's state after the
 last completed round (server arrays, optimiser, RNG, byte counters, rows): run config key
 ``resume-from`` = that folder continues the run in a new folder that starts with the old rows and
 the old checkpoint.
@@ -29,7 +29,7 @@ import torch
 from common.config import ConfigError
 from common.files import CHECKPOINT, ROWS_FILE, SUMMARY_FILE, atomic_write
 
-#: the run's final global arrays (the strategy's ``Result.arrays``), a torch state dict
+#: the run's final global arrays (the runner's ``Result.arrays``), a torch state dict
 GLOBAL_ARRAYS = "global_arrays.pt"
 
 log = logging.getLogger("flwr." + __name__)  # streamed with Flower's own log
@@ -117,7 +117,7 @@ class ResultsWriter:
         self._write_summary()
 
     def write_checkpoint(self, state: dict[str, Any]) -> None:
-        """Save the strategy's state atomically and durably as ``checkpoint.pt`` (replaces the
+        """Save the run's state atomically and durably as ``checkpoint.pt`` (replaces the
         previous one), numpy arrays stored as tensors so that it loads with ``weights_only=True``."""
         atomic_write(self.path / CHECKPOINT, lambda f: torch.save(_to_tensors(state), f))
 
@@ -133,7 +133,7 @@ class ResultsWriter:
 
     def write_global_arrays(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Save the run's final global arrays (name -> tensor, e.g. FedGH's header ``head.weight``
-        float32 [C, d]; Flower's ``ArrayRecord.to_torch_state_dict()`` of the strategy's ``Result``) as
+        float32 [C, d]; Flower's ``ArrayRecord.to_torch_state_dict()`` of the runner's ``Result``) as
         ``global_arrays.pt``, which loads with ``torch.load(weights_only=True)``. A method without global
         arrays (Local, MH-pFedHN: its hypernetwork is in ``checkpoint.pt``) writes nothing."""
         if state_dict:

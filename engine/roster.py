@@ -1,4 +1,4 @@
-"""The roster every strategy keeps: which node serves which partition, learnt by a handshake
+"""The roster every run keeps: which node serves which partition, learnt by a handshake
 as nodes connect, kept current as nodes leave and rejoin between rounds, and sampled each round.
 
 Node ids are random, so everything is ordered by partition id: sampling and reply order, hence

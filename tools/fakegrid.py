@@ -58,7 +58,7 @@ class FakeGrid(Grid):
         )
         return self.contexts[node_id]
 
-    def set_run(self, run) -> None:  # pragma: no cover - unused by the strategies
+    def set_run(self, run) -> None:  # pragma: no cover - unused by the runner
         raise NotImplementedError
 
     @property
@@ -100,4 +100,4 @@ class FakeGrid(Grid):
         return ready
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        raise AssertionError("the strategies exchange through push_messages/pull_messages")
+        raise AssertionError("the runner exchanges through push_messages/pull_messages")

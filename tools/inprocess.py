@@ -4,7 +4,7 @@ Usage: ``uv run --frozen python -m tools.inprocess [--preset presets/<name>.toml
 
 The run config (``num-clients`` > 0 required: the grid has exactly that many nodes, partitions
 0..N-1) runs through the ServerApp's own :func:`server_app.app.run` over :class:`tools.fakegrid.FakeGrid`,
-which hands each message straight to the real ClientApp: the same strategy, client procedures, rows,
+which hands each message straight to the real ClientApp: the same runner, client procedures, rows,
 ``summary.json``, checkpoints, ``resume-from`` and ``state-dir`` as under ``tools.run``, but the clients
 train one after another on this process's torch threads and nothing is started besides. For many small
 runs (``python -m tools.grid --in-process``) this saves the simulation's start-up (Ray and Flower's

@@ -175,12 +175,12 @@ class SharedModelServer(MethodServer):
 
 class SharedModelClient(ClientProcedure):
     """Client half of a shared-module method: the received module. Subclasses set ``build_shared``
-    to the builder their strategy uses and implement ``train``.
+    to the builder their server half uses and implement ``train``.
     """
 
     @staticmethod
     def build_shared(cfg: RunConfig, options: Any) -> nn.Module:
-        """The module the method's strategy shares."""
+        """The module the method's server half shares."""
         raise NotImplementedError
 
     def received(self, client, payload: Mapping[str, np.ndarray]) -> nn.Module:
