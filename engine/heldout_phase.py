@@ -21,9 +21,9 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from flwr.app import ConfigRecord
+from flwr.app import MetricRecord
 
-from common.protocol import SERVER_ROUND
+from common.payload import ClientReply
 from engine.contract import MethodServer, PerClientServer
 from engine.evaluation import evaluations_in
 from engine.federation import Federation
@@ -37,6 +37,10 @@ class HeldOutHost(Protocol):
     federation: Federation
     counters: RoundCounters
     phases: int
+
+    def evaluate_nodes(
+        self, nodes: list[int], evaluated: list[ClientReply], step: int, server_round: int, scope: str = ""
+    ) -> MetricRecord | None: ...
 
 
 def phase_due(run: HeldOutHost, server_round: int, last: bool) -> bool:
@@ -62,7 +66,6 @@ def run_phase(run: HeldOutHost, server_round: int) -> dict[str, Any]:
     roster = federation.roster
     held = roster.held_out
     nodes = [n for n in roster.nodes if n in held and n in roster.connected]
-    partitions = [federation.partition_of(n) for n in nodes]
     per_client = isinstance(method, PerClientServer)
     run.phases += 1  # a phase repeated for the same round (a test, a resumed run) starts afresh too
     scope = f"heldout-{run.phases}-round-{server_round}"
@@ -76,16 +79,7 @@ def run_phase(run: HeldOutHost, server_round: int) -> dict[str, Any]:
     try:
         for step in range(roster.generalization.rounds + 1):  # step 0: what a new client gets, untouched
             replies = method.personalize(nodes, step, scope, server_round) if nodes and step else []
-            config = ConfigRecord({SERVER_ROUND: step})
-            evaluations = federation.evaluate(
-                nodes,
-                evaluations_in(replies),
-                lambda n: method.configure_evaluate(n, server_round),
-                config,
-                step,
-                scope,
-            )
-            record = method.aggregate_evaluate(step, evaluations, partitions)
+            record = run.evaluate_nodes(nodes, evaluations_in(replies), step, server_round, scope)
             evaluation = dict(record) if record is not None else {}
             curve_mean.append(evaluation.get("accuracy-mean"))
             curve_weighted.append(evaluation.get("accuracy-weighted"))

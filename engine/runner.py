@@ -287,11 +287,26 @@ class Runner:
         roster = self.federation.roster
         targets = roster.training_nodes if self.cfg.eval_clients == "all" else roster.sampled
         asked = [node for node in targets if node in roster.connected]
-        config = ConfigRecord({SERVER_ROUND: server_round})
+        return self.evaluate_nodes(asked, evaluated, server_round, server_round)
+
+    def evaluate_nodes(
+        self, nodes: list[int], evaluated: list[ClientReply], step: int, server_round: int, scope: str = ""
+    ) -> MetricRecord | None:
+        """The evaluation of ``nodes`` (a round's, or a generalisation phase's personalisation ``step``):
+        the evaluations ``evaluated`` carried by train replies and one evaluate message to each other node
+        (:meth:`engine.federation.Federation.evaluate`, the method's ``configure_evaluate`` of
+        ``server_round``), aggregated by the method's ``aggregate_evaluate`` over the partitions of
+        ``nodes``. ``step``: the messages' round (``server_round`` itself outside a phase); ``scope``:
+        the client state they use (a phase's)."""
         replies = self.federation.evaluate(
-            asked, evaluated, lambda node: self.method.configure_evaluate(node, server_round), config, server_round
+            nodes,
+            evaluated,
+            lambda node: self.method.configure_evaluate(node, server_round),
+            ConfigRecord({SERVER_ROUND: step}),
+            step,
+            scope,
         )
-        return self.method.aggregate_evaluate(server_round, replies, [self.federation.partition_of(n) for n in asked])
+        return self.method.aggregate_evaluate(step, replies, [self.federation.partition_of(n) for n in nodes])
 
     def resume(self) -> int:
         """Restore the ``resume-from`` checkpoint (RNG, counters, rows, server state; the rows and the
