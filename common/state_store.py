@@ -85,8 +85,9 @@ class StateStore:
         or later is ahead of the server: the server crashed after this client trained (or also
         evaluated) round t and a new run resumed from the checkpoint of round t-1 (a new Flower
         run starts with an empty ``context.state``, so only the disk can be ahead). In another
-        message of round t (evaluate: it follows round t's training), a record stamped later
-        than t is ahead. The version it replaced (``<name>.prev.pt``, from before
+        message of round t (evaluate: it follows round t's training; a query: the server has
+        completed t rounds, ``engine.federation.Federation.ask``), a record stamped later than t
+        is ahead. The version it replaced (``<name>.prev.pt``, from before
         round t: see :meth:`store`) is used instead, or none when that is not older, so the
         client repeats round t from where the server's checkpoint left it (:attr:`rollbacks`
         counts this). The ahead file is dropped (``.prev`` takes its place), so a second crash

@@ -81,6 +81,11 @@ class Checkpoints:
             return None
         return load_checkpoint(self.cfg.resume_from)
 
+    def completed_round(self) -> int:
+        """The rounds the ``resume-from`` checkpoint completed (0 without one): the round the clients'
+        state must not be ahead of when the resumed run first asks them (``engine.federation.Federation.ask``)."""
+        return int(self._saved["round"]) if self._saved is not None else 0
+
     def state_key(self) -> str:
         """The clients' state key: the resumed run's, else this run's results folder name."""
         if self._saved is not None and self._saved.get("state-key"):

@@ -21,7 +21,7 @@ from flwr.serverapp import Grid
 
 from common.config import RunConfig
 from common.payload import ClientReply
-from common.protocol import HANDSHAKE, PARTITION_ID, Arrays
+from common.protocol import HANDSHAKE, PARTITION_ID, SERVER_ROUND, Arrays
 from engine.payload_recorder import PayloadRecorder
 from engine.roster import Roster
 from engine.round_rows import RoundCounters
@@ -56,6 +56,10 @@ class Federation:
         self.cfg, self.counters, self.recorder = cfg, counters, recorder
         self.roster = Roster(cfg, counters, rng, self, query_in_train)
         self.transport: Transport | None = None
+        #: the rounds the run has completed (the resumed checkpoint's, then each finished round; the runner
+        #: sets it): a query carries it, so a client whose state on disk is ahead of it rolls back
+        #: (``common.state_store.StateStore.restore``) before it answers
+        self.completed_round = 0
 
     def bind(self, rules: ReplyRules) -> None:
         """Build the transport with the method's reply rules (schemas, metrics, checks)."""
@@ -78,10 +82,10 @@ class Federation:
         return set(self.transport.grid.get_node_ids())
 
     def ask(self, nodes: list[int], timeout: float, key: str = "round-timeout") -> list[Message]:
-        """One ``query`` message to each of ``nodes``; their raw replies (``Transport.exchange``)."""
-        return self.transport.exchange(
-            [self.transport.message("query", n, {}, ConfigRecord(), 0) for n in nodes], timeout, key
-        )
+        """One ``query`` message to each of ``nodes``, with :attr:`completed_round` as its server round;
+        their raw replies (``Transport.exchange``)."""
+        config = ConfigRecord({SERVER_ROUND: self.completed_round})
+        return self.transport.exchange([self.transport.message("query", n, {}, config, 0) for n in nodes], timeout, key)
 
     def answers(self, replies: list[Message], in_train: bool = False) -> list[ClientReply]:
         """The valid query replies, or with ``in_train`` the handshake's answers inside train replies."""

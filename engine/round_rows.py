@@ -39,6 +39,9 @@ class RoundCounters:
         round_errors: why this round's train replies were dropped or missing, distinct reasons in
             the order first seen, at most :data:`MAX_ERRORS` of them (rows of rounds that trained
             nothing, and the error of a run that fails for it, quote them).
+        query_state: ``state-restores`` and ``state-rollbacks`` of the valid query replies not yet in a
+            row: the handshake's land in the run's first row, a refresh's in its round's (:func:`round_row`
+            takes them).
     """
 
     def __init__(self) -> None:
@@ -51,6 +54,7 @@ class RoundCounters:
         self.round_gpu: dict[str, dict[str, object]] = {}
         self.round_ray_nodes: Counter[str] = Counter()
         self.round_errors: list[str] = []
+        self.query_state: Counter[str] = Counter()
 
     def train_error(self, reason: str) -> None:
         """Note why a train reply of this round was dropped or missing (distinct reasons, at most
@@ -126,8 +130,10 @@ def round_row(
             method's own); evaluation: the aggregated evaluation, None when not evaluated;
         traffic: payload bytes by ``<category>_bytes_<up|down>`` this round;
         counters: the round's dropped partitions, clipped rows, training work per architecture,
-            GPU peaks (row key ``gpu_per_client``, left out when no client ran on a GPU) and
-            replies per Ray node (``replies_per_ray_node``, left out outside a Ray simulation);
+            GPU peaks (row key ``gpu_per_client``, left out when no client ran on a GPU),
+            replies per Ray node (``replies_per_ray_node``, left out outside a Ray simulation) and
+            the query replies' state restores and rollbacks since the last row (added to the train
+            replies' ``client_state_restores`` / ``client_state_rollbacks``; taken, so they count once);
         train_s, eval_s, elapsed: the train and evaluation phases and the run so far, seconds.
     """
     dropped, clipped, work = counters.round_dropped, counters.round_clipped, counters.round_work
@@ -166,6 +172,8 @@ def round_row(
             {k.replace("-", "_"): v for k, v in ev.items() if k.startswith(("accuracy-mean-", "accuracy-weighted-"))}
         )
     row.update({k.replace("-", "_"): v for k, v in train.items() if k != "num-clients"})
+    for key in ("restores", "rollbacks"):  # a resumed run's handshake met the clients' state first
+        row[f"client_state_{key}"] = row.get(f"client_state_{key}", 0) + counters.query_state.pop(f"state-{key}", 0)
     # a round in which no sampled client trained: said so, with why (run config max-untrained-rounds)
     row["untrained"] = row["num_clients"] == 0
     if row["untrained"]:

@@ -174,6 +174,7 @@ class Runner:
             # the folder of the run that started the clients' state: a resumed run finds it again
             client_state_dir = str(Path(self.results.path).parent / state_key / CLIENT_STATE)
         self.federation.open(grid, state_key, client_state_dir, window=window)
+        self.federation.completed_round = self.checkpoints.completed_round()
         self.federation.handshake()
         roster = self.federation.roster
         if line := self.check_recording(roster.size):  # tools.run checked it before the launch
@@ -245,6 +246,7 @@ class Runner:
         if phase_due(self, server_round, last or bool(stop)):
             row.update(run_phase(self, server_round))
         self.rows.append(row)
+        self.federation.completed_round = server_round
         if self.results is not None:
             self.results.write_round(row)
             state = self.checkpoints.build(

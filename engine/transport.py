@@ -393,10 +393,14 @@ class Transport:
         return category == "train" or (category == "query" and self.cfg.handshake == "sampled")
 
     def count_valid(self, category: str, valid: list[ClientReply]) -> None:
-        """The round's work (train replies), the Ray nodes that served ``valid`` and the peak GPU memory of
-        each client's messages this round, on the device it names."""
+        """The round's work (train replies), the state restores and rollbacks of query replies, the Ray nodes
+        that served ``valid`` and the peak GPU memory of each client's messages this round, on the device it
+        names."""
         if category == "train":
             self._count_work(valid)
+        elif category == "query":
+            for key in ("state-restores", "state-rollbacks"):
+                self.counters.query_state[key] += int(sum(r.metrics.get(key, 0) for r in valid))
         self.counters.round_ray_nodes.update(r.ray_node for r in valid if r.ray_node is not None)
         for r in valid:
             if GPU_PEAK in r.metrics:

@@ -128,12 +128,24 @@ def crash_after_evaluation(strategy):
     strategy.evaluate_round = crash
 
 
+def crash_before_the_checkpoint(strategy):
+    # any method, its own round (MH-pFedHN's) included: the round ran to its end but was never checkpointed
+    def crash(*args, **kwargs):
+        raise RuntimeError("server killed before its checkpoint")
+
+    strategy.checkpoints.build = crash
+
+
 @pytest.mark.parametrize(
     "method,extra,crash,rollbacks",
     [
         ("fedmrl", {}, crash_after_training, 3 * 2),  # model and projector of each client
         # FedRE's client stores its model in evaluate too (the received global head, P11)
         ("fedre", {"model-group": "fedavgcnn"}, crash_after_evaluation, 3),
+        # a method the server asks before training (a query message of its own, as any run with DP or
+        # record-payloads) whose client reads its state to answer: the resumed run's query meets the ahead
+        # state first and must roll it back too
+        ("mh-pfedhn", {"model-group": "mh-lenet", **FAST}, crash_before_the_checkpoint, 3),
     ],
 )
 def test_resume_after_a_crash_mid_round_repeats_it_exactly(run_config, tmp_path, method, extra, crash, rollbacks):
