@@ -106,6 +106,10 @@ def states_digest(states: list[Mapping[str, torch.Tensor]]) -> str:
 #: method -> the attribute of its server half that holds a trainable server module whose weights its
 #: ``global_arrays`` do not show before round 1 (FedTGP's shows only the prototypes it generates)
 SERVER_MODULES = {"fedtgp": "generator"}
+#: shared arrays of our servers that are one tensor of a module on HtFLlib's side, under the name its state dict
+#: gives that tensor (whose last part :func:`paired_state` matches): FedL2G's guiding vectors G [C, D], an
+#: ``nn.Embedding``'s weight there
+AS_MODULE_TENSOR = {"guiding": "guiding.weight"}
 
 
 def server_initial_state(config: dict) -> dict[str, torch.Tensor]:
@@ -113,7 +117,8 @@ def server_initial_state(config: dict) -> dict[str, torch.Tensor]:
     state dict of its module of :data:`SERVER_MODULES` (FedTGP's generator: ``embedding.weight`` [C, K],
     ``mlp.0.weight`` [H, K], ``mlp.0.bias`` [H], ``mlp.2.weight`` [K, H], ``mlp.2.bias`` [K]), else its
     shared arrays before round 1 (``global_arrays`` of the method's server half, e.g. FedGH's header
-    ``head.weight`` [C, d] and ``head.bias`` [C], or a shared model's state dict), as float32 CPU
+    ``head.weight`` [C, d] and ``head.bias`` [C], FedL2G's ``guiding.weight`` [C, D] (:data:`AS_MODULE_TENSOR`),
+    or a shared model's state dict), as float32 CPU
     tensors in that order; empty when the server holds none (Local, FedProto).
 
     Raises:
@@ -125,7 +130,7 @@ def server_initial_state(config: dict) -> dict[str, torch.Tensor]:
     server = build_run(RunConfig.from_dict(config)).method
     if (module := SERVER_MODULES.get(config["method"])) is not None:
         return {name: t.detach().clone() for name, t in getattr(server, module).state_dict().items()}
-    return {name: torch.from_numpy(array.copy()) for name, array in server.global_arrays().items()}
+    return {AS_MODULE_TENSOR.get(n, n): torch.from_numpy(array.copy()) for n, array in server.global_arrays().items()}
 
 
 class ServerOrder:

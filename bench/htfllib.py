@@ -92,8 +92,9 @@ class ReferenceMethod:
     HtFLlib's model under that row key, and the cross-check compares it (:func:`compared_metric`).
 
     ``recipe``: run config values HtFLlib's client for this method hard-codes beyond
-    :data:`REFERENCE_RECIPE` (FML and FedKD clip every model's gradient norm at 10); ours is run
-    with them, and the report lists them.
+    :data:`REFERENCE_RECIPE` (FML and FedKD clip every model's gradient norm at 10, FedL2G at 100), or
+    an option value only it can be compared at (FedL2G without warm-up rounds, which HtFLlib does not
+    evaluate); ours is run with them, and the report lists them.
 
     ``server_item``: the name under which HtFLlib's server stores the module our server starts from
     (``save_item(module, "Server", name, ...)``: ``head``, ``global_model``, FedTGP's ``TGP``); the
@@ -228,6 +229,25 @@ REFERENCE_METHODS = {
         server_item="global_model",
         unpaired="each client's projector (each side draws it from its seed)",
     ),
+    # clientl2g_feat.py / clientl2g_logit.py: clip_grad_norm_(model.parameters(), 100) in local training, the
+    # study and quiz loaders shuffled by torch's global generator; serverl2g_*.py: the per-class mean of the
+    # uploaded rows (zero for a class nobody sent), clip_grad_norm_ 100, SGD; G an nn.Embedding(C, D) stored as
+    # 'guiding_vec'. Its loop evaluates no warm-up round and a cross-check compares every round: no warm-up
+    # (its loop index also decides the warm-up, so a resumed run would redo it: not resumable)
+    **{
+        method: ReferenceMethod(
+            algorithm,
+            {"clip-norm": 100.0, f"{method}.warm-up-rounds": 0},
+            {"-slr": "server-lr", "-wu": "warm-up-rounds", "-mdb": "study-batches", "-mqb": "quiz-batches"},
+            unexpressed=("guide-weight", "server-clip-norm"),
+            as_code={"guide-weight": 1.0, "server-clip-norm": 100.0},
+            server_item="guiding_vec",
+            unpaired="the study and quiz batches (each side shuffles its own: HtFLlib with torch's global "
+            "generator, ours with the client's generator of `seed`)",
+            resumable=False,
+        )
+        for method, algorithm in (("fedl2g-feat", "FedL2G-feat"), ("fedl2g-logit", "FedL2G-logit"))
+    },
 }
 
 #: run config values HtFLlib's recipe has built in (plain SGD, no augmentation, its training loader's
@@ -311,7 +331,8 @@ SERVER_ORDER_LINE = re.compile(r"^crosscheck: server batch order paired", re.M)
 #: which varies the initial weights as our ``seed`` does (HtFLlib's clients read their data in a
 #: fixed order), and numpy and ``random`` are seeded with it, so a rerun repeats its curve.
 #: A server module of an algorithm other than the one run whose imports fail here (FedKTL needs
-#: StyleGAN, FedL2G ``higher``) is replaced by a placeholder that raises that import error if used.
+#: StyleGAN; FedL2G ``higher`` without the crosscheck extra) is replaced by a placeholder that raises that
+#: import error if used.
 #: A removed family (``$CROSSCHECK_FAMILY``) becomes one more branch of ``main.py``'s family chain,
 #: just before its final ``raise NotImplementedError``.
 #: Paired (:mod:`bench.crosscheck_pairing`): PyTorch runs ``$CROSSCHECK_THREADS`` threads, and every

@@ -223,6 +223,20 @@ def test_what_htflib_hard_codes_is_a_value_our_option_allows(method):
         assert check_value(key, value, *fields[key]) == value
 
 
+@pytest.mark.parametrize("method,width", [("fedl2g-feat", "feature-dim"), ("fedl2g-logit", None)])
+def test_fedl2gs_guiding_vectors_load_into_htflibs_embedding(method, width):
+    # serverl2g_*.py stores G as an nn.Embedding(C, D) ('guiding_vec'): ours goes in as its weight, unchanged
+    config = {**small_config(), "method": method, "seed": 3}
+    num_classes = DATASETS[config["dataset"]].num_classes
+    ours = pairing.server_initial_state(config)
+    embedding = nn.Embedding(num_classes, config[width] if width else num_classes)
+    embedding.load_state_dict(pairing.paired_state(ours, embedding.state_dict(), "the server's guiding_vec"))
+    assert list(ours) == ["guiding.weight"] and torch.equal(embedding.weight.detach(), ours["guiding.weight"])
+    assert not torch.equal(
+        ours["guiding.weight"], pairing.server_initial_state({**config, "seed": 4})["guiding.weight"]
+    )
+
+
 def test_partitions_are_our_clients_data_in_pflib_layout(tmp_path):
     config = small_config()
     written = pfllib.write_partitions(config, tmp_path)
