@@ -3,6 +3,8 @@ hand, the warm-up and the quiz set, learning on CIFAR-10, hostile uploads and re
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -171,3 +173,34 @@ def test_resume_continues_exactly(run_config, method):
     )
     assert [r["accuracy_per_client"] for r in whole.rows] == [r["accuracy_per_client"] for r in second.rows]
     assert np.array_equal(whole.method.global_arrays()["guiding"], second.method.global_arrays()["guiding"])
+
+
+def test_the_privacy_evaluation_reads_the_uploads_class_ids(tmp_path):
+    """The quiz gradients' rows are in no space the attacks invert: ``tools.privacy`` reads their class ids
+    for label leakage only, and those are classes the client holds (precision 1)."""
+    from client_app.app import app as client_app
+    from common.data import DataSpec, load_client_data
+    from common.run_folder import ResultsWriter
+    from fakegrid import FakeGrid
+    from tools import privacy
+    from tools.privacy_attacks import applicable
+    from tools.privacy_view import RunView
+
+    rc = make_run_config(
+        method="fedl2g-feat",
+        **{"output-dir": str(tmp_path / "runs"), "num-clients": 3, "num-server-rounds": 2, "record-payloads": "2"},
+        **{"fedl2g-feat.warm-up-rounds": 1},
+    )
+    cfg = RunConfig.from_dict(rc)
+    run = build_run(cfg, ResultsWriter(cfg.output_dir, "fedl2g", cfg.as_dict()))
+    run.start(FakeGrid(client_app, rc, cfg.num_clients), state_in_run_folder=True)
+    assert applicable(RunView(run.results.path)) == ["labels"]
+    out = tmp_path / "privacy"
+    assert privacy.main([str(run.results.path), "--rounds", "2", "--out", str(out)]) == 0
+    rows = json.loads((out / "privacy.json").read_text())
+    assert {(r["attack"], r["payload"]) for r in rows} == {("labels", "grads class ids")}
+    spec = DataSpec.from_config(cfg, 3)
+    for r in rows:
+        held = set(load_client_data(spec, r["partition"]).train_y.tolist())
+        assert r["label_precision"] == 1.0 and 0 < r["label_recall"] <= 1.0 and len(held) == cfg.classes_per_client
+    assert {r["partition"] for r in rows} == {0, 1, 2}

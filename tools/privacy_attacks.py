@@ -51,7 +51,7 @@ from common.protocol import TRAIN, TRAIN_GLOBAL
 from models.mh import build_mh_model
 from privacy import gradients, inversion, labels, scores
 from tools import privacy_membership as membership
-from tools.privacy_view import RunView, class_rows, expanded, global_rows
+from tools.privacy_view import RunView, class_ids, class_rows, expanded, global_rows
 
 ATTACKS = ("inversion", "decoder", "labels", "update", "membership")
 #: the message types whose replies may carry a weight change (MH-pFedHNGD's global model: ``train.global``)
@@ -460,7 +460,7 @@ class Attacker:
         on the victim's recorded extractor held fixed (white-box: the extractor never leaves the client)."""
         view = self.view
         up, down = view.payload(r, p, "up", message_type), view.payload(r, p, "down", message_type)
-        if not up or class_rows(up) is not None or "z" in up:
+        if not up or class_rows(up) is not None or class_ids(up) is not None or "z" in up:
             return None
         name = next((k for k in FLAT_WEIGHTS if k in up), None)
         if name is not None:
@@ -607,14 +607,16 @@ class Attacker:
 
     def inferred_labels(self, r: int, p: int) -> list[tuple[str, labels.LabelInference]]:
         """(payload, the labels it reveals) of each part of ``p``'s round-``r`` upload that reveals some:
-        per-class vectors' class ids, FedRE's entangled label ``y``, a weight change's last layer (also of
-        MH-pFedHNGD's global model)."""
+        per-class vectors' class ids (also of rows read for nothing else, :func:`tools.privacy_view.class_ids`),
+        FedRE's entangled label ``y``, a weight change's last layer (also of MH-pFedHNGD's global model)."""
         up = self.view.payload(r, p, "up")
         C = self.view.info.num_classes
         inferred = []
         found = class_rows(up)
         if found is not None and found[0] != "z":
             inferred.append((found[0] + " class ids", labels.from_class_ids(np.asarray(found[2]), C)))
+        if (ids := class_ids(up)) is not None:
+            inferred.append((ids[0] + " class ids", labels.from_class_ids(np.asarray(ids[1]), C)))
         if "y" in up:
             inferred.append(("entangled label y", labels.from_soft_label(up["y"][0])))
         for message_type in WEIGHT_MESSAGES:
@@ -886,5 +888,7 @@ def applicable(view: RunView) -> list[str]:
     up = view.payload(r, view.partitions(r)[0], "up")
     if not up:
         return []
+    if class_ids(up) is not None:  # rows no attack here inverts or tests: their class ids only
+        return ["labels"]
     vectors = class_rows(up) is not None
     return ["inversion", "decoder", "labels", "membership"] if vectors else ["labels", "update", "membership"]

@@ -4,8 +4,9 @@
 ``engine.payload_recorder``): the recorded rounds and partitions, each message's arrays, each client's
 personal model as kept after a recorded round, the clients' data and the public auxiliary images. The
 payload readers name what an attack inverts in a message's arrays: an upload's per-class (or
-per-sample) vectors (:func:`class_rows`), a download's per-class vectors (:func:`global_rows`), and a
-shared module's weights with FedKD's SVD factors multiplied out (:func:`expanded`).
+per-sample) vectors (:func:`class_rows`), the class ids of an upload whose rows nothing here inverts
+(:func:`class_ids`), a download's per-class vectors (:func:`global_rows`), and a shared module's weights
+with FedKD's SVD factors multiplied out (:func:`expanded`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from tools.runconfig import app_defaults
 #: upload array pairs (vectors, their class ids) of the per-class payloads, and the space they live in
 CLASS_VECTORS = {"lar": ("lar_labels", "representation"), "protos": ("proto_labels", "representation")}
 CLASS_LOGITS = {"logits": ("logit_labels", "logits")}
+#: uploads of per-class rows in no space the attacks invert or test (FedL2G's quiz gradients with respect to the
+#: guiding vectors): only their class ids are read, for label leakage
+CLASS_IDS_ONLY = {"grads": "grad_labels"}
 #: downloads of per-class vectors: (vectors, mask of the classes they stand for)
 GLOBAL_VECTORS = {"protos": "representation", "logits": "logits", "global_protos": "representation"}
 
@@ -155,6 +159,14 @@ def class_rows(arrays: dict) -> tuple[str, torch.Tensor, list[int | None], str] 
             return name, torch.from_numpy(arrays[name]), [int(c) for c in arrays[ids]], space
     if "z" in arrays:
         return "z", torch.from_numpy(arrays["z"]), [None], "representation"
+    return None
+
+
+def class_ids(arrays: dict) -> tuple[str, list[int]] | None:
+    """(payload name, the class of each row) of an upload of :data:`CLASS_IDS_ONLY`, or None."""
+    for name, ids in CLASS_IDS_ONLY.items():
+        if name in arrays:
+            return name, [int(c) for c in arrays[ids]]
     return None
 
 
