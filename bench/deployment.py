@@ -16,7 +16,12 @@ CIFAR-10, 200 examples per client, batch 32), stops everything it started, and p
 - per message, the slowest client's ``app_start_s`` (its process start to the handler: the
   fork from :mod:`tools.superexec`'s warm fork server and the app's load from the FAB; a fresh
   ``flwr-clientapp`` process would add the interpreter and every import), ``data_s`` (loading
-  and decoding the partition) and ``handler_s``.
+  and decoding the partition) and ``handler_s``;
+- the server's steps of the round (``engine.runner.Runner.run_round``): ``refresh_s`` (nodes that
+  left or joined), ``configure_s`` (sampling and building the payloads), ``exchange_s`` (sending them
+  and waiting for every reply: the clients' compute, their process start and Flower's transport),
+  ``aggregate_s`` (the method's server update) and ``evaluate_s`` (the evaluation exchange); their sum
+  is ``round_s`` but for the replies' checks and the rows' bookkeeping.
 
 It also times the import floor, ``python -c "import torch, flwr"`` (best of 3, before and after
 the job), on the same machine in the same run: what a fresh ClientApp process per message cannot
@@ -109,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         f"run {status}; {run_config['method']}"
     )
     header = ("round", "round_s", "compute_s", "overhead_s", "app_start_s", "data_s", "handler_s", "clients")
-    print(" ".join(f"{h:>11}" for h in header))
+    steps = ("refresh_s", "configure_s", "exchange_s", "aggregate_s", "evaluate_s")
+    print(" ".join(f"{h:>11}" for h in header + steps))
     overheads = []
     for r in rows:
         compute = r.get("client_train_max_seconds", 0.0)
@@ -124,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
             r.get("client_data_max_seconds", 0.0),
             r.get("client_handler_max_seconds", 0.0),
             r["num_clients"],
+            # the server's steps of the round (engine.runner.Runner.run_round); a method's own round has no
+            # configure or exchange step of the runner's (MH-pFedHN, FedRE): "-"
+            *(r.get(key, "-") for key in ("refresh_seconds", "configure_seconds", "exchange_seconds")),
+            r.get("server_update_seconds", "-"),
+            r["eval_phase_seconds"],
         )
         print(" ".join(f"{v:>11.2f}" if isinstance(v, float) else f"{v:>11}" for v in values))
     later = overheads[1:] or overheads

@@ -214,8 +214,10 @@ class Runner:
         admitted = self.federation.refresh()
         if admitted and isinstance(self.method, PerClientServer):
             self.method.admitted(admitted)
+        refreshed = time.perf_counter()
         before_state = copy.deepcopy(self.method.server_state())
         train_metrics, replies = self.train_round(server_round)
+        train_metrics["refresh-seconds"] = refreshed - t0
         if self.dp.enabled:
             train_metrics["dp-exhausted"] = self.federation.exhaust(replies)
         broken = None if before_state is None else broken_state(before_state, self.method.server_state())
@@ -432,18 +434,24 @@ class Runner:
 
         Returns:
             the round's train metrics (:func:`engine.round_rows.round_metrics` and the method's
-            own) and its valid train replies (whose ``eval-`` metrics, if any, are evaluations).
+            own; in a standard round also ``configure-seconds``, the sampling and the payloads, and
+            ``exchange-seconds``, sending them and waiting for the replies) and its valid train replies
+            (whose ``eval-`` metrics, if any, are evaluations).
         """
         if isinstance(self.method, OwnRound):
             return self.method.train_round(server_round)
+        start = time.perf_counter()
         config = self.method.train_config(server_round)
         nodes = self.federation.sample()
-        valid = self.federation.train(
-            {n: self.method.configure_train(n, server_round) for n in nodes}, config, server_round
-        )
-        start = time.perf_counter()
+        payloads = {n: self.method.configure_train(n, server_round) for n in nodes}
+        configured = time.perf_counter()
+        valid = self.federation.train(payloads, config, server_round)
+        exchanged = time.perf_counter()
         server = self.method.aggregate_train(server_round, valid)
-        return round_metrics(valid, server, time.perf_counter() - start), valid
+        metrics = round_metrics(valid, server, time.perf_counter() - exchanged)
+        # where a round's wall time goes beside the clients' own (bench.deployment's breakdown)
+        metrics.update({"configure-seconds": configured - start, "exchange-seconds": exchanged - configured})
+        return metrics, valid
 
 
 def build_run(cfg: RunConfig, method: Method, results: ResultsWriter | None = None) -> Runner:
