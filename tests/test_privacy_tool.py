@@ -217,3 +217,47 @@ def test_a_resume_from_loop_is_refused_naming_its_folders(fedgh_run, tmp_path):
         "each run resumes an older one"
     )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def lg_fedavg_run(tmp_path_factory):
+    """A 2-round LG-FedAvg run of 3 clients on the fake grid that recorded round 2: a weight upload (the head)."""
+    from client_app.app import app as client_app
+    from conftest import make_run_config
+    from fakegrid import FakeGrid
+
+    out = tmp_path_factory.mktemp("privacy-update")
+    rc = make_run_config(
+        method="lg-fedavg",
+        **{"output-dir": str(out), "num-clients": 3, "max-examples-per-client": 40, "record-payloads": "2"},
+    )
+    cfg = RunConfig.from_dict(rc)
+    run = build_run(cfg, ResultsWriter(cfg.output_dir, "lg-fedavg", cfg.as_dict()))
+    run.start(FakeGrid(client_app, rc, cfg.num_clients), state_in_run_folder=True)
+    return run.results.path, cfg
+
+
+@pytest.mark.parametrize("images", [3, 0])
+def test_inverting_gradients_fits_the_attackers_guess_or_the_real_local_update(lg_fedavg_run, tmp_path, images):
+    """``--update-images N`` fits N images in one batch; 0 the real local update: as many images as the victim
+    trained on, in its batches, labelled in the proportions the head's change gives away."""
+    run, cfg = lg_fedavg_run
+    out = tmp_path / "update"
+    budget = [*BUDGET, "--update-steps", "2", "--idlg-steps", "1", "--update-images", str(images)]
+    args = [str(run), "--rounds", "2", "--clients", "0", "--attacks", "update", "--out", str(out)]
+    assert privacy.main(args + budget) == 0
+    rows = json.loads((out / "privacy.json").read_text())
+    inverted = [r for r in rows if r["payload"].endswith("(inverting gradients)")]
+    trained = len(load_client_data(DataSpec.from_config(cfg, 3), 0).train_y)
+    assert len(inverted) == 1 and inverted[0]["n"] == (images or trained)
+
+
+def test_labels_in_proportion_match_the_distribution_and_the_count():
+    import torch
+
+    from tools.privacy_attacks import labels_in_proportion
+
+    got = labels_in_proportion(np.array([0.5, 0.0, 0.3, 0.2]), 7, torch.Generator().manual_seed(0))
+    # 3.5, 0, 2.1 and 1.4 of 7: the floors 3, 0, 2, 1 and the one left over to the largest remainder (class 0)
+    assert sorted(got.tolist()) == [0, 0, 0, 0, 2, 2, 3]
+    assert got.tolist() != sorted(got.tolist())  # mixed, as a client's batches are

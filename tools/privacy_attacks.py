@@ -76,9 +76,11 @@ class Settings:
     best on CIFAR-10 CNN representations (``privacy.inversion.invert_representation``). ``images``:
     reference images per class for the scores; ``samples``: per-sample inputs of the Q2 ladder;
     ``epochs``: of the surrogate and each decoder; ``update_images``, ``update_steps``,
-    ``update_tv_weight``, ``update_restarts``: inverting gradients' images, iterations, L1 TV weight and
-    restarts (Geiping et al. 2020 on CIFAR-10: 24,000 iterations, TV 0.2; ``--update-steps 24000`` runs
-    the paper's budget); ``idlg_steps``: iDLG's L-BFGS iterations (its authors' 300);
+    ``update_tv_weight``, ``update_restarts``: inverting gradients' images (0: the real local update, as
+    many as the client trained on in its batches, :meth:`Attacker.inverting_gradients`; hours of CPU per
+    cell at hundreds of images, a GPU's job), iterations, L1 TV weight and restarts (Geiping et al. 2020 on
+    CIFAR-10: 24,000 iterations, TV 0.2; ``--update-steps 24000`` runs the paper's budget);
+    ``idlg_steps``: iDLG's L-BFGS iterations (its authors' 300);
     ``membership_examples``: membership inference's candidates per side (members, non-members) and per
     class of a per-class payload, and its public reference images per class (drawn without replacement)."""
 
@@ -496,6 +498,11 @@ class Attacker:
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         up, down = expanded(up, shapes), expanded(down, shapes)
         model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in down.items()}, strict=False)
+        # the buffers the victim's training left, sent up with the weights (BatchNorm's running statistics of
+        # this round), as the victim's model ran with them; the weights start from what the server sent
+        trained = dict(model.named_parameters())
+        buffers = {k: torch.from_numpy(np.asarray(v)) for k, v in up.items() if k not in trained and k in shapes}
+        model.load_state_dict(buffers, strict=False)
         return model, gradients.parameter_update(model, {k: np.asarray(up[k]) - np.asarray(down[k]) for k in up})
 
     def shared_module(self) -> torch.nn.Module:
@@ -557,21 +564,31 @@ class Attacker:
         """``update_images`` images inverted from ``change`` over the client's real number of local SGD
         steps (its lr, momentum, weight decay), labelled by the change's label leakage (iDLG's ``label``
         without any), each scored against the images of its label, beside that class's exact pixel mean (what
-        a reconstruction that shows the class and no one example scores) and recognised as that class or not."""
+        a reconstruction that shows the class and no one example scores) and recognised as that class or not.
+
+        ``update_images`` 0 simulates the real local update: as many images as the client trained on (the
+        reply's ``num-examples`` tells the server), in batches of its ``batch-size``, their labels in the
+        proportions the change's label leakage estimates (:func:`labels_in_proportion`). Not simulated even
+        then: the client's batch order, its augmentation and BatchNorm's batch statistics (eval mode)."""
         view, s, cfg = self.view, self.settings, self.view.cfg
         steps = cfg.local_epochs * -(-len(data.train_x) // cfg.batch_size)
         leaked = self.update_labels(change)
         chosen = [int(c) for c in leaked.classes] if leaked is not None and len(leaked.classes) else [label]
-        batch_labels = torch.tensor([chosen[i % len(chosen)] for i in range(s.update_images)])
+        real = s.update_images == 0  # the real local update: as many images as the client trained on, its batches
+        count = len(data.train_x) if real else s.update_images
+        if real and leaked is not None and leaked.distribution is not None:
+            batch_labels = labels_in_proportion(leaked.distribution, count, g)
+        else:
+            batch_labels = torch.tensor([chosen[i % len(chosen)] for i in range(count)])
         images = gradients.invert_update(
             model,
             start,
             change,
-            num_images=s.update_images,
+            num_images=count,
             labels=batch_labels,
             local_steps=steps,
             lr=cfg.lr,
-            batch_size=s.update_images,
+            batch_size=cfg.batch_size if real else count,
             image_shape=self.shape,
             mean=view.info.mean,
             std=view.info.std,
@@ -880,6 +897,16 @@ def run_cell(attacker: Attacker, r: int, p: int, attack: str, out: Path) -> dict
 def to_uint8(image: torch.Tensor) -> np.ndarray:
     """An image ``[C, H, W]`` (uint8, or float in [0, 1]) as uint8."""
     return image.numpy() if image.dtype == torch.uint8 else (image.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+
+
+def labels_in_proportion(distribution: np.ndarray, count: int, g: torch.Generator) -> torch.Tensor:
+    """int64 ``[count]``: class c ``round(count · distribution[c])`` times (largest remainders, so the counts
+    sum to ``count``), in an order drawn from ``g`` (a client's batches mix its classes)."""
+    exact = np.asarray(distribution, dtype=np.float64) * count
+    counts = np.floor(exact).astype(np.int64)
+    counts[np.argsort(counts - exact, kind="stable")[: count - int(counts.sum())]] += 1
+    labels_ = torch.from_numpy(np.repeat(np.arange(len(counts)), counts))
+    return labels_[torch.randperm(count, generator=g)]
 
 
 def applicable(view: RunView) -> list[str]:
