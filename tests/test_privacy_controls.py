@@ -69,8 +69,8 @@ def gradient(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str
 def test_inverting_gradients_recovers_one_image_from_a_one_step_update(cifar):
     # CNN-1 at init, one image, one SGD step (lr 0.01), inverting gradients at its default L1 TV 0.2 and
     # 60 iterations (the tool's default: 4,000). Measured margins over the floor, images 0-3: 1.6, 2.5, 2.9,
-    # 2.8 dB at 60 iterations (PSNR 13.8, 12.5, 17.3, 17.0 dB); 3.0, 3.8, 4.1, 4.2 dB at 100; at 50 image 0
-    # is 1.0 dB above the floor. About 5 s of CPU per image
+    # 2.9 dB at 60 iterations (PSNR 13.9, 12.5, 17.3, 17.1 dB); 3.4, 3.8, 4.2, 4.3 dB at 100; at 50 image 0
+    # is 1.2 dB above the floor. About 2 s of CPU per image
     images, labels, mean_image = cifar
     for i in (0, 1):
         net = model("cnn1")
