@@ -178,25 +178,18 @@ def test_resume_continues_exactly(run_config, method):
 def test_the_privacy_evaluation_reads_the_uploads_class_ids(tmp_path):
     """The quiz gradients' rows are in no space the attacks invert: ``tools.privacy`` reads their class ids
     for label leakage only, and those are classes the client holds (precision 1)."""
-    from client_app.app import app as client_app
+    from test_privacy_tool import recorded_run
+
     from common.data import DataSpec, load_client_data
-    from common.run_folder import ResultsWriter
-    from fakegrid import FakeGrid
     from tools import privacy
     from tools.privacy_attacks import applicable
     from tools.privacy_view import RunView
 
-    rc = make_run_config(
-        method="fedl2g-feat",
-        **{"output-dir": str(tmp_path / "runs"), "num-clients": 3, "num-server-rounds": 2, "record-payloads": "2"},
-        **{"fedl2g-feat.warm-up-rounds": 1},
-    )
-    cfg = RunConfig.from_dict(rc)
-    run = build_run(cfg, ResultsWriter(cfg.output_dir, "fedl2g", cfg.as_dict()))
-    run.start(FakeGrid(client_app, rc, cfg.num_clients), state_in_run_folder=True)
-    assert applicable(RunView(run.results.path)) == ["labels"]
+    extra = {"record-payloads": "2", "fedl2g-feat.warm-up-rounds": 1}
+    path, cfg = recorded_run(tmp_path / "runs", "fedl2g-feat", **{"num-server-rounds": 2, **extra})
+    assert applicable(RunView(path)) == ["labels"]
     out = tmp_path / "privacy"
-    assert privacy.main([str(run.results.path), "--rounds", "2", "--out", str(out)]) == 0
+    assert privacy.main([str(path), "--rounds", "2", "--out", str(out)]) == 0
     rows = json.loads((out / "privacy.json").read_text())
     assert {(r["attack"], r["payload"]) for r in rows} == {("labels", "grads class ids")}
     spec = DataSpec.from_config(cfg, 3)

@@ -21,23 +21,25 @@ from tools.privacy_view import RunView
 BUDGET = ["--steps", "5", "--images", "4", "--samples", "2", "--epochs", "1"]
 
 
-@pytest.fixture(scope="module")
-def fedgh_run(tmp_path_factory):
-    """A 2-round FedGH run of 3 clients on the fake grid that recorded both rounds (as a simulation: the
-    clients' state in the run folder)."""
+def recorded_run(folder, method: str, **extra):
+    """(run folder, run config) of a 2-round run of ``method``, 3 clients, on the fake grid that recorded
+    the rounds ``extra``'s ``record-payloads`` names (as a simulation: the clients' state in the run folder)."""
     from client_app.app import app as client_app
     from conftest import make_run_config
     from fakegrid import FakeGrid
 
-    out = tmp_path_factory.mktemp("privacy")
-    rc = make_run_config(
-        method="fedgh",
-        **{"output-dir": str(out), "num-clients": 3, "max-examples-per-client": 60, "record-payloads": "1,2"},
-    )
+    rc = make_run_config(method=method, **{"output-dir": str(folder), "num-clients": 3, **extra})
     cfg = RunConfig.from_dict(rc)
-    strategy = build_run(cfg, ResultsWriter(cfg.output_dir, "fedgh", cfg.as_dict()))
-    strategy.start(FakeGrid(client_app, rc, cfg.num_clients), state_in_run_folder=True)
-    return strategy.results.path, cfg
+    run = build_run(cfg, ResultsWriter(cfg.output_dir, method, cfg.as_dict()))
+    run.start(FakeGrid(client_app, rc, cfg.num_clients), state_in_run_folder=True)
+    return run.results.path, cfg
+
+
+@pytest.fixture(scope="module")
+def fedgh_run(tmp_path_factory):
+    """FedGH, both rounds recorded (:func:`recorded_run`)."""
+    extra = {"max-examples-per-client": 60, "record-payloads": "1,2"}
+    return recorded_run(tmp_path_factory.mktemp("privacy"), "fedgh", **extra)
 
 
 def test_it_writes_table_rows_and_figure_and_resumes(fedgh_run, tmp_path, capsys):
@@ -221,20 +223,9 @@ def test_a_resume_from_loop_is_refused_naming_its_folders(fedgh_run, tmp_path):
 
 @pytest.fixture(scope="module")
 def lg_fedavg_run(tmp_path_factory):
-    """A 2-round LG-FedAvg run of 3 clients on the fake grid that recorded round 2: a weight upload (the head)."""
-    from client_app.app import app as client_app
-    from conftest import make_run_config
-    from fakegrid import FakeGrid
-
-    out = tmp_path_factory.mktemp("privacy-update")
-    rc = make_run_config(
-        method="lg-fedavg",
-        **{"output-dir": str(out), "num-clients": 3, "max-examples-per-client": 40, "record-payloads": "2"},
-    )
-    cfg = RunConfig.from_dict(rc)
-    run = build_run(cfg, ResultsWriter(cfg.output_dir, "lg-fedavg", cfg.as_dict()))
-    run.start(FakeGrid(client_app, rc, cfg.num_clients), state_in_run_folder=True)
-    return run.results.path, cfg
+    """LG-FedAvg, round 2 recorded: a weight upload, the head (:func:`recorded_run`)."""
+    extra = {"max-examples-per-client": 40, "record-payloads": "2"}
+    return recorded_run(tmp_path_factory.mktemp("privacy-update"), "lg-fedavg", **extra)
 
 
 @pytest.mark.parametrize("images", [3, 0])
