@@ -62,6 +62,7 @@ from pathlib import Path
 from bench.crosscheck_pairing import CLIENT_THREADS
 from bench.crosscheck_report import compare, plot, save_result, saved_results, verdict, write_report
 from bench.htfllib import (
+    AUTHORS_REFERENCES,
     FAMILIES,
     FAMILY_DEVIATIONS,
     REFERENCE_METHODS,
@@ -173,7 +174,9 @@ def checked_plan(args: argparse.Namespace) -> Plan:
         fixed["num-server-rounds"] = args.rounds
     if unknown := [m for m in methods if m not in REFERENCE_METHODS]:
         allowed = ", ".join(REFERENCE_METHODS)
-        raise ConfigError(f"--methods: {', '.join(unknown)} have no HtFLlib counterpart; allowed: {allowed}")
+        elsewhere = sorted({AUTHORS_REFERENCES[m] for m in unknown if m in AUTHORS_REFERENCES})
+        hint = f" (against their authors' code: python -m {', '.join(elsewhere)})" if elsewhere else ""
+        raise ConfigError(f"--methods: {', '.join(unknown)} have no HtFLlib counterpart{hint}; allowed: {allowed}")
     configs = {m: {**base, **fixed, **REFERENCE_METHODS[m].recipe, "method": m, "seed": seeds[0]} for m in methods}
     for m, config in configs.items():
         check_expressible(config, m)

@@ -250,6 +250,15 @@ REFERENCE_METHODS = {
     },
 }
 
+#: our methods HtFLlib does not have, cross-checked against their authors' code by a tool of their own (a
+#: method in neither this nor :data:`REFERENCE_METHODS` has no reference: the "add a method" checklist's
+#: [crosscheck] step, docs/architecture.md)
+AUTHORS_REFERENCES = {
+    "fedre": "bench.fedre_authors",
+    "mh-pfedhn": "bench.mhpfedhn_authors",
+    "mh-pfedhngd": "bench.mhpfedhn_authors",
+}
+
 #: run config values HtFLlib's recipe has built in (plain SGD, no augmentation, its training loader's
 #: fixed batch order without the last partial batch, every client evaluated every round): a
 #: cross-check refuses other values, since the reference cannot follow them
@@ -536,7 +545,11 @@ def check_expressible(config: dict, method: str) -> None:
             run config key HtFLlib uses for it; the message lists every such key.
     """
     if method not in REFERENCE_METHODS:
-        raise ConfigError(f"method {method!r} has no HtFLlib counterpart; allowed: {', '.join(REFERENCE_METHODS)}")
+        tool = AUTHORS_REFERENCES.get(method)
+        elsewhere = f" (its authors' code: python -m {tool})" if tool else ""
+        raise ConfigError(
+            f"method {method!r} has no HtFLlib counterpart{elsewhere}; allowed: {', '.join(REFERENCE_METHODS)}"
+        )
     if config["model-group"] not in FAMILIES:
         raise ConfigError(
             f"run config key 'model-group' = {config['model-group']!r} has no HtFLlib model family; "

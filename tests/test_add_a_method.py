@@ -25,6 +25,7 @@ STEPS = {
     "privacy-view",
     "docs",
     "tests",
+    "crosscheck",
 }
 SMALL = {"num-clients": 3, "num-server-rounds": 2, "max-examples-per-client": 60, "dataset": "mnist"}
 
@@ -188,3 +189,20 @@ def test_step_tests():
 
     modules = {m.server.__module__.rsplit(".", 1)[-1] for m in METHODS.values()}
     assert [m for m in sorted(modules) if not (ROOT / "tests" / f"test_{m}.py").is_file()] == []
+
+
+def test_step_crosscheck():
+    """[crosscheck]: every registered method has a reference (HtFLlib's or its authors' code); the check fires
+    for a method registered without one."""
+    from bench.htfllib import AUTHORS_REFERENCES, REFERENCE_METHODS
+    from methods import registry
+
+    def without_reference() -> list[str]:
+        return [m for m in registry.METHODS if m not in REFERENCE_METHODS and m not in AUTHORS_REFERENCES]
+
+    assert without_reference() == []
+    registry.METHODS["toy"] = toy_method.METHOD
+    try:
+        assert without_reference() == ["toy"]
+    finally:
+        del registry.METHODS["toy"]
