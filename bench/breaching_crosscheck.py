@@ -40,11 +40,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from common.data import load_split
 from common.datasets import DATASETS
 from models.cnn import build_cnn
 from privacy import gradients
 from privacy.scores import own_image_scores
+from tools.privacy_calibration import test_split
 
 INFO = DATASETS["cifar10"]
 SHAPE = (3, 32, 32)
@@ -55,23 +55,10 @@ LOCAL_LR = 0.01
 def test_images(data_dir: str, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(float images in [0, 1] ``[count, 3, 32, 32]``, int64 labels ``[count]``, the test split's mean
     image ``[3, 32, 32]``): image k is the (k // 10)-th test image of class k mod 10."""
-    from torchvision.io import ImageReadMode, decode_image
-
-    ds = load_split("cifar10", data_dir, "test")
-    labels = torch.tensor(ds[INFO.label_column])
+    images, labels = test_split("cifar10", Path(data_dir))
     by_class = [torch.nonzero(labels == c).flatten().tolist() for c in range(INFO.num_classes)]
     rows = [by_class[k % INFO.num_classes][k // INFO.num_classes] for k in range(count)]
-
-    def decode(indices: list[int]) -> torch.Tensor:
-        raw = ds.select(indices)[INFO.image_column]
-        return torch.stack(
-            [decode_image(torch.frombuffer(bytearray(d["bytes"]), dtype=torch.uint8), ImageReadMode.RGB) for d in raw]
-        )
-
-    mean_image = torch.zeros(SHAPE, dtype=torch.float64)
-    for start in range(0, len(ds), 2000):
-        mean_image += decode(list(range(start, min(start + 2000, len(ds))))).double().sum(0)
-    return decode(rows).float() / 255, labels[rows], (mean_image / len(ds) / 255).float()
+    return images[rows].float() / 255, labels[rows], (images.double().mean(0) / 255).float()
 
 
 def model() -> torch.nn.Module:
