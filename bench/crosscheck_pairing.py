@@ -103,9 +103,10 @@ def states_digest(states: list[Mapping[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
-#: method -> the attribute of its server half that holds a trainable server module whose weights its
-#: ``global_arrays`` do not show before round 1 (FedTGP's shows only the prototypes it generates)
-SERVER_MODULES = {"fedtgp": "generator"}
+#: method -> the attribute of its server half that holds the server module HtFLlib stores as its ``server_item``
+#: where its ``global_arrays`` do not show exactly that before round 1 (FedTGP's show only the prototypes it
+#: generates; FedGen's the generator and label counts beside the head, HtFLlib's ``head`` item)
+SERVER_MODULES = {"fedtgp": "generator", "fedgen": "shared"}
 #: shared arrays of our servers that are one tensor of a module on HtFLlib's side, under the name its state dict
 #: gives that tensor (whose last part :func:`paired_state` matches): FedL2G's guiding vectors G [C, D], an
 #: ``nn.Embedding``'s weight there

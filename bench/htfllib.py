@@ -229,6 +229,20 @@ REFERENCE_METHODS = {
         server_item="global_model",
         unpaired="each client's projector (each side draws it from its seed)",
     ),
+    # servergen.py: the server's first head is client 0's (paired with ours); its trained generator is never
+    # stored, so every client uses the initial one (ours: generator = "initial"); HtFLlib evaluates every client's
+    # extractor with the head just broadcast
+    "fedgen": ReferenceMethod(
+        "FedGen",
+        flags={"-nd": "noise-dim", "-hd": "hidden-dim", "-glr": "generator-lr", "-se": "server-epochs"},
+        unexpressed=("generator", "eval-global-head"),
+        as_code={"generator": "initial", "eval-global-head": True},
+        reported=("eval-global-head", True, "accuracy_weighted_global_head"),
+        server_item="head",
+        unpaired="the generator (each side draws its initial weights: HtFLlib from torch's global generator after "
+        "building the clients, ours from `seed` + 1) and the labels and noise generated for every batch (HtFLlib from "
+        "numpy's and torch's global generators, ours from the client's generator of `seed`)",
+    ),
     # clientl2g_feat.py / clientl2g_logit.py: clip_grad_norm_(model.parameters(), 100) in local training, the
     # study and quiz loaders shuffled by torch's global generator; serverl2g_*.py: the per-class mean of the
     # uploaded rows (zero for a class nobody sent), clip_grad_norm_ 100, SGD; G an nn.Embedding(C, D) stored as

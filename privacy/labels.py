@@ -100,6 +100,17 @@ def from_class_ids(ids, num_classes: int) -> LabelInference:
     return LabelInference(classes, None)
 
 
+def from_class_counts(counts) -> LabelInference:
+    """Uploaded per-class training counts (FedGen ``class_counts`` int64 [C]): the classes with a positive
+    count, and the counts normalised as the distribution (exact, when the client reports its own).
+
+    Raises:
+        ValueError: bad counts (negative, not finite, or all zero).
+    """
+    values = _counts(counts)
+    return LabelInference(np.flatnonzero(values).astype(np.int64), values / values.sum())
+
+
 def from_soft_label(y) -> LabelInference:
     """FedRE's soft label(s): the classes with a positive entry, and the mean soft label as distribution.
 

@@ -237,6 +237,16 @@ def test_fedl2gs_guiding_vectors_load_into_htflibs_embedding(method, width):
     )
 
 
+def test_fedgens_head_alone_loads_into_htflibs_head():
+    # servergen.py stores the head (client 0's, a Linear(K, C)) as 'head': ours goes in, the generator and the
+    # label counts of our global arrays stay out of it
+    config = {**small_config(), "method": "fedgen", "seed": 3}
+    ours = pairing.server_initial_state(config)
+    head = nn.Linear(RunConfig.from_dict(config).representation_dim, DATASETS[config["dataset"]].num_classes)
+    head.load_state_dict(pairing.paired_state(ours, head.state_dict(), "the server's head"))
+    assert list(ours) == ["head.weight", "head.bias"] and torch.equal(head.weight.detach(), ours["head.weight"])
+
+
 def test_partitions_are_our_clients_data_in_pflib_layout(tmp_path):
     config = small_config()
     written = pfllib.write_partitions(config, tmp_path)

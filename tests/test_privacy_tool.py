@@ -252,3 +252,22 @@ def test_labels_in_proportion_match_the_distribution_and_the_count():
     # 3.5, 0, 2.1 and 1.4 of 7: the floors 3, 0, 2, 1 and the one left over to the largest remainder (class 0)
     assert sorted(got.tolist()) == [0, 0, 0, 0, 2, 2, 3]
     assert got.tolist() != sorted(got.tolist())  # mixed, as a client's batches are
+
+
+def test_fedgens_counts_give_the_label_distribution_exactly_and_its_head_is_attacked_alone(tmp_path):
+    """FedGen uploads its head beside its exact per-class counts: the counts read as the whole label distribution
+    (no error), the head as LG-FedAvg's weight change (the counts and the downloaded generator left out)."""
+    extra = {"max-examples-per-client": 40, "record-payloads": "2", "fedgen.server-epochs": 1}
+    run, cfg = recorded_run(tmp_path / "fedgen", "fedgen", **extra)
+    out = tmp_path / "report"
+    budget = [*BUDGET, "--update-steps", "2", "--idlg-steps", "1", "--update-images", "3"]
+    args = [str(run), "--rounds", "2", "--clients", "0", "--attacks", "labels,update", "--out", str(out)]
+    assert privacy.main(args + budget) == 0
+    rows = json.loads((out / "privacy.json").read_text())
+    counts = next(r for r in rows if r["attack"] == "labels" and r["payload"] == "class_counts")
+    assert counts["label_precision"] == counts["label_recall"] == 1.0
+    assert counts["distribution_l1"] == 0.0 and counts["counts_exact"] == 1.0
+    # the head's change also carries the generated representations' classes, so some of the 3 images may be
+    # labelled with a class the victim lacks (nothing to score them against)
+    inverted = [r for r in rows if r["attack"] == "update" and r["payload"].endswith("(inverting gradients)")]
+    assert len(inverted) == 1 and 1 <= inverted[0]["n"] <= 3

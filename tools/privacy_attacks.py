@@ -51,7 +51,7 @@ from common.protocol import TRAIN, TRAIN_GLOBAL
 from models.mh import build_mh_model
 from privacy import gradients, inversion, labels, scores
 from tools import privacy_membership as membership
-from tools.privacy_view import RunView, class_ids, class_rows, expanded, global_rows
+from tools.privacy_view import CLASS_COUNTS, RunView, class_ids, class_rows, expanded, global_rows
 
 ATTACKS = ("inversion", "decoder", "labels", "update", "membership")
 #: the message types whose replies may carry a weight change (MH-pFedHNGD's global model: ``train.global``)
@@ -464,6 +464,9 @@ class Attacker:
         up, down = view.payload(r, p, "up", message_type), view.payload(r, p, "down", message_type)
         if not up or class_rows(up) is not None or class_ids(up) is not None or "z" in up:
             return None
+        if CLASS_COUNTS & set(up):  # FedGen: its head beside the counts, and beside the generator in the download
+            up = {k: v for k, v in up.items() if k not in CLASS_COUNTS}
+            down = {k: down[k] for k in up}
         name = next((k for k in FLAT_WEIGHTS if k in up), None)
         if name is not None:
             model, change = self.flat_update(p, name, up, down)
@@ -625,7 +628,8 @@ class Attacker:
     def inferred_labels(self, r: int, p: int) -> list[tuple[str, labels.LabelInference]]:
         """(payload, the labels it reveals) of each part of ``p``'s round-``r`` upload that reveals some:
         per-class vectors' class ids (also of rows read for nothing else, :func:`tools.privacy_view.class_ids`),
-        FedRE's entangled label ``y``, a weight change's last layer (also of MH-pFedHNGD's global model)."""
+        FedRE's entangled label ``y``, FedGen's per-class counts, a weight change's last layer (also of
+        MH-pFedHNGD's global model)."""
         up = self.view.payload(r, p, "up")
         C = self.view.info.num_classes
         inferred = []
@@ -636,6 +640,8 @@ class Attacker:
             inferred.append((ids[0] + " class ids", labels.from_class_ids(np.asarray(ids[1]), C)))
         if "y" in up:
             inferred.append(("entangled label y", labels.from_soft_label(up["y"][0])))
+        for name in CLASS_COUNTS & set(up):
+            inferred.append((name, labels.from_class_counts(up[name])))
         for message_type in WEIGHT_MESSAGES:
             weight = self.weight_update(r, p, message_type)
             leaked = None if weight is None else self.update_labels(weight[2])

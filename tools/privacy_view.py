@@ -37,6 +37,9 @@ CLASS_LOGITS = {"logits": ("logit_labels", "logits")}
 #: uploads of per-class rows in no space the attacks invert or test (FedL2G's quiz gradients with respect to the
 #: guiding vectors): only their class ids are read, for label leakage
 CLASS_IDS_ONLY = {"grads": "grad_labels"}
+#: uploads of the client's per-class training counts (FedGen): the label distribution itself, read for label
+#: leakage; the weights uploaded beside them are read without them
+CLASS_COUNTS = frozenset({"class_counts"})
 #: downloads of per-class vectors: (vectors, mask of the classes they stand for)
 GLOBAL_VECTORS = {"protos": "representation", "logits": "logits", "global_protos": "representation"}
 
