@@ -262,7 +262,19 @@ REFERENCE_METHODS = {
         )
         for method, algorithm in (("fedl2g-feat", "FedL2G-feat"), ("fedl2g-logit", "FedL2G-logit"))
     },
+    # FedSA is not in HtFLlib: its authors' code (lokinko/FedSA 75bf106) is an HtFLlib fork with main.py's
+    # interface, run through the same bootstrap with its checkout as --reference (its mmcv import stubbed:
+    # BOOTSTRAP). clientsa.py: -lam (FedProto's flag, default 1; the scripts pass 10), -mcl, -cc; serversa.py
+    # hard-codes the EMA's 0.0001. Its anchors need no loading: the server draws them from torch's generator just
+    # reseeded by the last client's constructor (the seed, under the bootstrap), in our order (initial_anchors)
+    "fedsa": ReferenceMethod(
+        "FedSA",
+        flags={"-lam": "lambda", "-mcl": "mcl", "-cc": "cc"},
+        unexpressed=("ema",),
+        as_code={"ema": 0.0001},
+    ),
 }
+
 
 #: our methods HtFLlib does not have, cross-checked against their authors' code by a tool of their own (a
 #: method in neither this nor :data:`REFERENCE_METHODS` has no reference: the "add a method" checklist's
@@ -500,6 +512,16 @@ if checkpoint:
         self.train = resumed_train
     serverbase.Server.select_clients = checkpointed_select
     serverbase.Server.__init__ = resumable_init
+import importlib.util
+if importlib.util.find_spec("mmcv") is None:
+    # lokinko/FedSA's serversa.py imports mmcv for build_norm_layer alone (its anchor MLP's "SyncBN": torch's
+    # SyncBatchNorm, a plain batch norm without a process group); mmcv does not install here
+    mmcv, mmcv_cnn = types.ModuleType("mmcv"), types.ModuleType("mmcv.cnn")
+    norms = {"SyncBN": torch.nn.SyncBatchNorm, "BN1d": torch.nn.BatchNorm1d}
+    mmcv_cnn.build_norm_layer = lambda cfg, features: ("bn", norms[cfg["type"]](features))
+    mmcv_cnn.ConvModule = None
+    mmcv.cnn = mmcv_cnn
+    sys.modules.update({"mmcv": mmcv, "mmcv.cnn": mmcv_cnn})
 """
     + PLACEHOLDER_SERVERS
     + r"""source = open("main.py").read()

@@ -15,7 +15,22 @@ from common.protocol import MESSAGE_TYPES
 from common.run_folder import ResultsWriter
 from engine import runner
 from engine.contract import SHARED_OPTION_TABLES, ClientProcedure, Method
-from methods import fd, fedgen, fedgh, fedkd, fedl2g, fedmrl, fedproto, fedre, fedtgp, fml, lg_fedavg, local, mh_pfedhn
+from methods import (
+    fd,
+    fedgen,
+    fedgh,
+    fedkd,
+    fedl2g,
+    fedmrl,
+    fedproto,
+    fedre,
+    fedsa,
+    fedtgp,
+    fml,
+    lg_fedavg,
+    local,
+    mh_pfedhn,
+)
 
 METHODS: dict[str, Method] = {
     m.name: m
@@ -35,6 +50,7 @@ METHODS: dict[str, Method] = {
         fedl2g.METHOD,
         fedl2g.METHOD_LOGIT,
         fedgen.METHOD,
+        fedsa.METHOD,
     )
 }
 #: every option table of the run config: each method's, and the keys every method shares (differential

@@ -340,8 +340,8 @@ def test_the_rows_and_the_summary_carry_every_parameter_of_the_guarantee(run_con
 
 
 #: methods whose upload no DP mechanism here releases: their options refuse ``dp.epsilon`` > 0 (FedL2G's quiz
-#: gradient through a step on study examples; FedGen's exact per-class counts)
-REFUSE_DP = {"fedl2g-feat", "fedl2g-logit", "fedgen"}
+#: gradient through a step on study examples; FedGen's exact per-class counts; FedSA's head run on the anchors)
+REFUSE_DP = {"fedl2g-feat", "fedl2g-logit", "fedgen", "fedsa"}
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
