@@ -303,7 +303,8 @@ REFERENCE_RECIPE = {
 FEDKD_MENTEE_LR = "-mlr"
 
 ROUND_LINE = re.compile(r"Round number: (\d+)")
-ACCURACY_LINE = re.compile(r"Averaged Test Accuracy: ([0-9.]+)")
+#: (lokinko/FedSA's fork of it prints "Accurancy")
+ACCURACY_LINE = re.compile(r"Averaged Test Accuran?cy: ([0-9.]+)")
 REPETITION_LINE = re.compile(r"Running time: (\d+)th")
 #: the dataset flag of a reference command (its name is the output folder's)
 DATA_FLAG = re.compile(r"-data \S+")
@@ -525,6 +526,10 @@ if importlib.util.find_spec("mmcv") is None:
 """
     + PLACEHOLDER_SERVERS
     + r"""source = open("main.py").read()
+def declares(flag):
+    return re.search(r"add_argument\(\s*['\"]" + flag + r"['\"]", source) is not None
+if declares("-nb") and not declares("-ncl"):  # an older HtFLlib (lokinko/FedSA's fork) names the classes -nb
+    sys.argv = ["-nb" if arg == "-ncl" else arg for arg in sys.argv]
 if os.environ.get("CROSSCHECK_FAMILY"):
     name, models = json.loads(os.environ["CROSSCHECK_FAMILY"])
     anchor = "\n        else:\n            raise NotImplementedError"

@@ -15,13 +15,14 @@ from common.files import atomic_write
 
 #: bootstrap code shared by the reference runners (run in a PFLlib-layout ``system/`` folder, with
 #: ``re``, ``sys`` and ``types`` imported): every server module ``main.py`` imports whose own imports
-#: fail here (HtFLlib's FedKTL needs StyleGAN, FedL2G ``higher``; PFLlib's FedPAC ``cvxpy``) is replaced
-#: by a placeholder that raises that import error if used; a module already in ``sys.modules`` is kept
+#: fail here (HtFLlib's FedKTL needs StyleGAN, FedL2G ``higher``; PFLlib's FedPAC ``cvxpy``; lokinko/FedSA's
+#: ``serverdistill`` imports a client with a syntax error) is replaced by a placeholder that raises that error
+#: if used; a module already in ``sys.modules`` is kept
 PLACEHOLDER_SERVERS = r"""
 for module, name in re.findall(r"^from (flcore\.servers\.\w+) import (\w+)", open("main.py").read(), re.M):
     try:
         __import__(module)
-    except ImportError as exc:
+    except (ImportError, SyntaxError) as exc:
         def unavailable(*args, _exc=exc, **kwargs):
             raise _exc
         stub = types.ModuleType(module)
