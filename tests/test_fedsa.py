@@ -13,7 +13,15 @@ from test_resume import run_with_results
 from common.config import ConfigError, RunConfig
 from common.payload import ClientReply
 from common.protocol import PAYLOAD
-from conftest import assert_learns, captured_federation, client_runtime, federation, make_run_config, train_config
+from conftest import (
+    assert_learns,
+    captured_federation,
+    client_runtime,
+    federation,
+    make_run_config,
+    run_method,
+    train_config,
+)
 from methods.fedsa import LOCAL_GAP_STATE, FedSAOptions, LocalGap, anchor_loss, initial_anchors, mean_nearest_distance
 from methods.registry import build_run, client_procedure
 
@@ -111,9 +119,7 @@ def test_record_level_dp_is_refused_naming_the_key():
 
 def test_learns_on_cifar10(run_config):
     # 5 rounds of 2 epochs on 400 CIFAR-10 examples a client (conftest.run_method's budget)
-    rc = run_config(method="fedsa", **{"num-server-rounds": 5, "local-epochs": 2, "max-examples-per-client": 400})
-    run, grid = federation(rc)
-    run.start(grid)
+    rc, run, _, _ = run_method(run_config, "fedsa")
     assert_learns(rc, run)
 
 
