@@ -146,3 +146,15 @@ def test_resume_continues_exactly(run_config):
     )
     assert [r["accuracy_per_client"] for r in whole.rows] == [r["accuracy_per_client"] for r in second.rows]
     assert np.array_equal(whole.method.global_arrays()["anchors"], second.method.global_arrays()["anchors"])
+
+
+def test_a_held_out_client_is_served_the_anchors_and_evaluated_on_the_global_prototypes(run_config):
+    rc = run_config(method="fedsa", **{"generalization.held-out-clients": 1.0, "generalization.rounds": 2})
+    run, grid = federation(rc)
+    run.start(grid)
+    row = run.rows[-1]
+    assert row["heldout_partitions"] == [3] and len(row["heldout_curve_mean"]) == 3
+    assert row["heldout_curve_mean"][-1] > 0  # nearest global prototype: the held-out client's classes have one
+    anchors = run.method.global_arrays()["anchors"]
+    sent = [m for m in grid.sent if m.metadata.message_type == "train"][-1].content.array_records[PAYLOAD]
+    assert np.array_equal(sent["anchors"].numpy(), anchors)  # the phase left the server's anchors alone
