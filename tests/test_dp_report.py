@@ -155,3 +155,21 @@ def test_client_level_dp_is_read_from_its_own_row_keys(tmp_path, small_config):
     assert main([str(out), "--grid", f"inf={tmp_path / 'plain'}", "--grid", f"4={tmp_path / 'private'}"]) == 0
     text = (out / "report.md").read_text()
     assert f"| client | {0.4 * last:.3g} | {0.5 * last:.3g} | 1.2 | - | 0.5 | - | 0.15 | - |" in text
+
+
+def test_a_method_that_refuses_dp_keeps_its_no_dp_row_and_one_that_was_not_run_does_not(
+    tmp_path, small_config, monkeypatch
+):
+    # FedSA's options refuse dp.epsilon > 0; Local's do not, so Local at one ε only is a grid not finished
+    import test_report
+
+    monkeypatch.setitem(test_report.ACC, "fedsa", test_report.ACC["local"])
+    monkeypatch.setitem(test_report.BYTES, "fedsa", (4_016, 20_000))
+    write_grid(tmp_path / "plain", small_config, methods=("fedre", "local", "fedsa"))
+    write_grid(tmp_path / "private", small_config, methods=("fedre",), overrides={"dp.epsilon": 8.0})
+    out = tmp_path / "results"
+    assert main([str(out), "--grid", f"inf={tmp_path / 'plain'}", "--grid", f"8={tmp_path / 'private'}"]) == 0
+    text = (out / "report.md").read_text()
+    assert "| fedsa | inf | 0,1 |" in text and "| refused |" in text
+    assert "| local |" not in text
+    assert "their options refusing `dp.epsilon` > 0 (level `refused`; docs/privacy.md): fedsa." in text

@@ -179,8 +179,27 @@ def collect(folder: Path, data_dir: str | None = None) -> tuple[dict, dict[str, 
         base = by_eps.get(NO_DP, {}).get("above_prior")
         for s in by_eps.values():  # the share of the no-DP gain over the prior this ε keeps (means over seeds)
             s["kept"] = s["above_prior"][0] / base[0] if base and s["above_prior"] and base[0] > 0 else None
-    # a method run at one ε only (the no-DP grid may hold every method) has no curve
-    return info, {m: by_eps for m, by_eps in out.items() if len(by_eps) > 1}
+    # a method run at one ε only (the no-DP grid may hold every method) has no curve, unless DP is what it
+    # refuses: then its no-DP row is all there is, and the report says why
+    info["refused"] = sorted(m for m, by_eps in out.items() if set(by_eps) == {NO_DP} and refuses_dp(m, info))
+    return info, {m: by_eps for m, by_eps in out.items() if len(by_eps) > 1 or m in info["refused"]}
+
+
+def refuses_dp(method: str, info: dict) -> bool:
+    """Whether ``method``'s options refuse record-level DP (``dp.epsilon`` > 0) on the grid's preset (its
+    ``check`` raises: FedL2G, FedGen, FedSA; docs/privacy.md)."""
+    from common.config import RunConfig
+    from methods.registry import METHODS
+    from tools.runconfig import app_defaults
+
+    if method not in METHODS:
+        return False
+    try:
+        cfg = RunConfig.from_dict({**app_defaults(), **info["preset_config"], "method": method, "dp.epsilon": 1.0})
+        METHODS[method].read_options(cfg)
+    except ConfigError:
+        return True
+    return False
 
 
 def guarantee(cells: list) -> dict[str, Any]:
@@ -284,6 +303,8 @@ def render(info: dict, stats: dict[str, dict[str, dict[str, Any]]]) -> str:
     ]
     for method, by_eps in stats.items():
         for label, s in by_eps.items():
+            if method in info.get("refused", ()):
+                s = {**s, "level": "refused"}
             kept = "-" if s["kept"] is None else f"{s['kept']:.2f}"
             guarantee = " | ".join(
                 number(s[k]) for k in ("spent", "spent_rdp", "sigma", "release_sigma", "q", "steps", "clip")
@@ -295,6 +316,12 @@ def render(info: dict, stats: dict[str, dict[str, dict[str, Any]]]) -> str:
                 f"| {counted(s['gain'], s['gain_n'], 1)} "
                 f"| {score_cell(s['ceiling'])} | {score_cell(s['labels'], 2)} |"
             )
+    if info.get("refused"):
+        lines += [
+            "",
+            f"Run without DP only, their options refusing `dp.epsilon` > 0 (level `refused`; docs/privacy.md): "
+            f"{', '.join(info['refused'])}.",
+        ]
     return "\n".join(lines) + "\n"
 
 
