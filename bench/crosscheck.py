@@ -279,7 +279,13 @@ def cross_check(plan: Plan, method: str, info: dict) -> bool:
         return False
     result = method_result(plan.configs[method], method, refs, ours, info)
     save_result(plan.out, method, result)
-    plot(method, [o["curve"] for o in ours], [r["curve"] for r in refs], plan.out / f"{method}.png")
+    plot(
+        method,
+        [o["curve"] for o in ours],
+        [r["curve"] for r in refs],
+        plan.out / f"{method}.png",
+        REFERENCE_METHODS[method].repository,
+    )
     write_report(plan.out, info, saved_results(plan.out, list(REFERENCE_METHODS)))
     print(f"{method}: {result['verdict']['verdict']}; {json.dumps(result['comparison'])}", flush=True)
     return True

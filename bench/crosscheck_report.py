@@ -157,38 +157,38 @@ def _total(runs: list[dict], key: str) -> float:
     return sum(run[key] for run in runs)
 
 
-def _header(info: dict) -> list[str]:
+def _header(info: dict, name: str = "HtFLlib") -> list[str]:
     """The report's lines up to its table's header: the call's command, commits, settings, models,
-    threads, test set and how to read the verdicts."""
+    threads, test set and how to read the verdicts; ``name``: the reference's (``ReferenceMethod.repository``)."""
     n = info["test_examples"]
     return [
-        f"# Cross-check against HtFLlib: {info['preset'] or 'run config'}",
+        f"# Cross-check against {name}: {info['preset'] or 'run config'}",
         "",
         f"Command: `{info['command']}`",
-        f"Ours: commit {info['commit']}; HtFLlib: {info['reference']} at {info['reference_commit']}.",
+        f"Ours: commit {info['commit']}; {name}: {info['reference']} at {info['reference_commit']}.",
         f"Seeds {info['seeds']} on one partition. Settings as run: {settings_line(info['settings'])};"
         f" `-c` given: `{info['overrides'] or 'none'}`.",
         f"Models: {info['family']}.",
         f"Torch threads per client: {info['threads']} on both sides (ours: each ClientApp's Ray actor has"
-        f" {info['threads']} CPU, `OMP_NUM_THREADS={info['threads']}`; HtFLlib: `torch.set_num_threads` in the"
+        f" {info['threads']} CPU, `OMP_NUM_THREADS={info['threads']}`; {name}: `torch.set_num_threads` in the"
         " bootstrap, which runs its clients and server in one process; numpy's BLAS as"
         " well where a run's command sets `OMP_NUM_THREADS`).",
         f"Test set: {n} examples pooled over every client's test split; one test image is {100 / n:.4g} % of"
-        " the accuracy. Accuracy: pooled, % (mean ± population std over seeds, ddof 0 as HtFLlib's `get_mean_std`).",
+        f" the accuracy. Accuracy: pooled, % (mean ± population std over seeds, ddof 0 as {name}'s `get_mean_std`).",
         *([f"Wall and CPU seconds: the runs alone, {info['untimed']}."] if info.get("untimed") else []),
         "",
         "Paired: both sides start from the same weights (every client's initial model as ours builds it,"
-        " loaded into HtFLlib's client models right after it builds them, and the module a server starts"
+        f" loaded into {name}'s client models right after it builds them, and the module a server starts"
         " from where the architectures agree; what a method cannot pair is in its section) and train with"
         " the same thread count. Verdict: `identical` when every round of every"
-        f" seed agrees within HtFLlib's printed precision (4 decimals: {100 * PRINTED_HALF_STEP:.3f} points"
+        f" seed agrees within {name}'s printed precision (4 decimals: {100 * PRINTED_HALF_STEP:.3f} points"
         ", the same number of correct test images while one image is more than that); `within seed spread`"
         " when not identical but in every round the two mean curves are no further apart than the larger"
         " of the two sides' std over seeds (with one seed: never); otherwise `apart`. After the verdict:"
-        " the largest gap of one seed's paired curves, ours − HtFLlib, points (seed, round).",
+        f" the largest gap of one seed's paired curves, ours − {name}, points (seed, round).",
         "",
-        "| method | verdict | ours final | HtFLlib final | ours best | HtFLlib best | largest gap of the means"
-        " (round) | wall s ours / HtFLlib | CPU s ours / HtFLlib |",
+        f"| method | verdict | ours final | {name} final | ours best | {name} best | largest gap of the means"
+        f" (round) | wall s ours / {name} | CPU s ours / {name} |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
 
@@ -212,7 +212,7 @@ def _method_section(method: str, r: dict, info: dict) -> list[str]:
     (``info``) and its settings that differ, both sides' commands, what is compared, paired and not,
     where HtFLlib diverged, its recipe, our options it has no flag for that were run as its code does
     (:attr:`bench.htfllib.ReferenceMethod.as_code`) and those it cannot express."""
-    seeds = r["info"]["seeds"]
+    seeds, name = r["info"]["seeds"], REFERENCE_METHODS[method].repository
     initial = ", ".join(f"{100 * x['initial']:.2f}" for x in r["reference"])
     diverged = [
         f"seed {s}: round {x['diverged_round']}" for s, x in zip(seeds, r["reference"]) if x.get("diverged_round")
@@ -233,15 +233,15 @@ def _method_section(method: str, r: dict, info: dict) -> list[str]:
             else []
         ),
         *([f"- its settings that differ from the above: {settings_line(differs)}"] if differs else []),
-        f"- HtFLlib, seed {seeds[0]} (cwd `system/`): `{r['reference'][0]['command']}`; round 0 (the "
+        f"- {name}, seed {seeds[0]} (cwd `system/`): `{r['reference'][0]['command']}`; round 0 (the "
         f"initial models) by seed: {initial} %",
         f"- ours, seed {seeds[0]}: `{r['ours'][0]['command']}`; compared: our row key "
-        f"`{r['ours'][0]['metric']}` with HtFLlib's printed accuracy",
+        f"`{r['ours'][0]['metric']}` with {name}'s printed accuracy",
         *(
             []
             if r["same_model"]
             else [
-                "- HtFLlib evaluates another model than this metric's: ours evaluates it with "
+                f"- {name} evaluates another model than this metric's: ours evaluates it with "
                 f"`{method}.{r['reported_option'][0]} = {r['reported_option'][1]!r}`"
             ]
         ),
@@ -250,15 +250,15 @@ def _method_section(method: str, r: dict, info: dict) -> list[str]:
         "- the other seeds differ only in the seed (and the output folder)",
         *(
             [
-                "- HtFLlib diverged (NaN or infinite outputs or losses; curve left out from there) at "
+                f"- {name} diverged (NaN or infinite outputs or losses; curve left out from there) at "
                 + ", ".join(diverged)
             ]
             if diverged
             else []
         ),
-        "- HtFLlib's built-in recipe for this method, ours run with it: " + _options(r["recipe"]),
-        "- set as HtFLlib's code does, which has no flag for them: " + _options(as_code),
-        "- not expressible in HtFLlib (ours as run; see docs/methods): " + _options(unexpressed),
+        f"- {name}'s built-in recipe for this method, ours run with it: " + _options(r["recipe"]),
+        f"- set as {name}'s code does, which has no flag for them: " + _options(as_code),
+        f"- not expressible in {name} (ours as run; see docs/methods): " + _options(unexpressed),
         "",
     ]
 
@@ -279,7 +279,8 @@ def write_report(out: Path, info: dict, results: dict[str, dict]) -> None:
     ``unexpressed``, ``recipe``, ``reported_option``, ``paired``, ``unpaired``, and the ``info`` of the
     call that ran it (a method run with other settings says which).
     """
-    lines = _header(info)
+    names = sorted({REFERENCE_METHODS[method].repository for method in results}) or ["HtFLlib"]
+    lines = _header(info, " and ".join(names))
     lines += [_summary_row(method, r, info) for method, r in results.items()]
     lines += ["", "Figures: `<method>.png` (mean line, min-max band over seeds).", ""]
     for method, r in results.items():

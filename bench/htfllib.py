@@ -110,6 +110,9 @@ class ReferenceMethod:
     personal model (and the server's module of ``server_item``) is paired
     (:mod:`bench.crosscheck_pairing`): models and state HtFLlib builds beside them; "" when nothing.
 
+    ``repository``: the reference's name in the report: ``HtFLlib``, or an HtFLlib fork that holds the method
+    (FedSA's authors' ``lokinko/FedSA``), whose checkout is then the ``--reference``.
+
     ``resumable``: whether its server's round loop reads the iteration index only to print and
     evaluate it, so that a stopped run can go on from a checkpoint (:data:`BOOTSTRAP`); FedKD's
     (``serverkd.py``) also sets its energy schedule from it.
@@ -126,6 +129,7 @@ class ReferenceMethod:
     server_order: str = ""
     unpaired: str = ""
     resumable: bool = True
+    repository: str = "HtFLlib"
 
 
 #: what a paired cross-check pairs for every method
@@ -272,6 +276,7 @@ REFERENCE_METHODS = {
         flags={"-lam": "lambda", "-mcl": "mcl", "-cc": "cc"},
         unexpressed=("ema",),
         as_code={"ema": 0.0001},
+        repository="lokinko/FedSA",
     ),
 }
 
