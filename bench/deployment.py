@@ -2,7 +2,7 @@
 
 Usage (from the repository root):
 
-    uv run --frozen python -m bench.deployment [--nodes 3] [--rounds 4] [--preset FILE] [-c "method='fedproto' lr=0.05"]
+    uv run --frozen python -m bench.deployment [--nodes 3] [--rounds 4] [--late 0] [--preset FILE] [-c "..."]
 
 ``-c`` and ``--preset`` work as in ``tools.run``; the whole config is checked before anything starts.
 
@@ -22,6 +22,12 @@ CIFAR-10, 200 examples per client, batch 32), stops everything it started, and p
   and waiting for every reply: the clients' compute, their process start and Flower's transport),
   ``aggregate_s`` (the method's server update) and ``evaluate_s`` (the evaluation exchange); their sum
   is ``round_s`` but for the replies' checks and the rows' bookkeeping.
+
+``--late N`` starts the last N partitions' SuperNodes only once round 1's row is written (give the run
+``min-clients`` = nodes - N, or hold those partitions out with ``generalization.held-out-clients``): the
+late-join path of docs/generalization.md. For each it prints the round it was first served in (trained,
+evaluated or, held out, personalised) and the seconds from its SuperNode's start to the end of that
+round, and what a held-out one downloaded in its phase (``heldout_bytes_down``).
 
 It also times the import floor, ``python -c "import torch, flwr"`` (best of 3, before and after
 the job), on the same machine in the same run: what a fresh ClientApp process per message cannot
@@ -44,7 +50,7 @@ from pathlib import Path
 from common.errors import ConfigError
 from tools.loopback import LoopbackDeployment, rows_of
 from tools.outcome import print_outcome, run_folder
-from tools.processes import stop_on_signals
+from tools.processes import stop_on_signals, wait_for
 from tools.runconfig import add_config_arguments, read_config, validate_configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,10 +67,45 @@ def import_floor(modules: str = "torch, flwr", repeats: int = 3) -> float:
     return min(times)
 
 
+def start_late(deployment: LoopbackDeployment, partitions: list[int], out: Path) -> dict[int, float]:
+    """Start ``partitions``' SuperNodes once the run's round 1 row is written; returns partition -> its start,
+    seconds into the run (round 1's ``elapsed_seconds`` plus the wait since that row was seen)."""
+    wait_for(lambda: rows_of(out), 60 * 60, "round 1's row")
+    seen, first = time.perf_counter(), rows_of(out)[0]
+    started = {}
+    for p in partitions:
+        deployment.supernode(p)
+        started[p] = first["elapsed_seconds"] + time.perf_counter() - seen
+    return started
+
+
+def late_lines(rows: list[dict], started: dict[int, float]) -> list[str]:
+    """One line per late partition: the round whose row first shows it (in ``accuracy_per_client`` or
+    ``heldout_partitions``), the seconds from its SuperNode's start to that round's end, and a held-out
+    one's phase downloads (``heldout_bytes_down``: every held-out client's, bytes)."""
+    lines = []
+    for p, at in started.items():
+        served = next(
+            (r for r in rows if str(p) in r.get("accuracy_per_client", {}) or p in r.get("heldout_partitions", [])),
+            None,
+        )
+        if served is None:
+            lines.append(f"late partition {p}: started {at:.1f} s into the run, never served")
+            continue
+        held_out = p in served.get("heldout_partitions", [])
+        what = f"held out, phase downloads {served['heldout_bytes_down']} B" if held_out else "training"
+        lines.append(
+            f"late partition {p}: started {at:.1f} s into the run, first served in round {served['round']} "
+            f"({what}), {served['elapsed_seconds'] - at:.1f} s after its start"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--late", type=int, default=0, help="start the last N SuperNodes once round 1 is written")
     parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
     add_config_arguments(parser)
     args = parser.parse_args(argv)
@@ -82,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             "round-timeout": 300.0,
         }
         try:
+            if not 0 <= args.late < args.nodes:
+                raise ConfigError(f"--late {args.late}: allowed 0 to --nodes - 1 = {args.nodes - 1}")
             config, run_config = read_config(args.preset, args.run_config, base)
             validate_configs([config])  # before any SuperLink or SuperNode starts
         except ConfigError as exc:
@@ -90,10 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             floor = [import_floor()]
             start = time.perf_counter()
+            late = list(range(args.nodes - args.late, args.nodes))
             with LoopbackDeployment(folder, args.nodes, args.data_dir) as deployment:
-                deployment.start()
+                deployment.start(started=args.nodes - args.late)
                 started = time.perf_counter() - start
                 run_id = deployment.submit(run_config)
+                late_started = start_late(deployment, late, out) if late else {}
                 status = deployment.finished(run_id, 60 * 60)
         except KeyboardInterrupt:  # the deployment's processes were stopped on the way out
             print("interrupted: stopped the SuperLink and the SuperNodes")
@@ -137,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             r["eval_phase_seconds"],
         )
         print(" ".join(f"{v:>11.2f}" if isinstance(v, float) else f"{v:>11}" for v in values))
+    for line in late_lines(rows, late_started):
+        print(line)
     later = overheads[1:] or overheads
     print(
         f"import floor (python -c 'import torch, flwr', best of 3): before {floor[0]:.2f} s, after {floor[1]:.2f} s; "
