@@ -390,3 +390,12 @@ def test_a_single_seed_shows_its_value_without_a_spread():
     assert pct((0.9212, 0.0123)) == "92.12 ± 1.23"
     assert pct((0.9212, 0.0), seeds=1) == "92.12"
     assert pct(None, seeds=1) == "-"
+
+
+def test_every_registered_method_has_a_colour_of_its_own():
+    from methods.registry import METHODS
+    from tools.figures import method_colors
+
+    colours = method_colors(list(METHODS))
+    assert len(set(colours.values())) == len(METHODS)
+    assert method_colors(["fedgh", "not-a-method"])["fedgh"] == colours["fedgh"]

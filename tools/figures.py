@@ -17,13 +17,15 @@ FIGURES = ("accuracy_vs_round.png", "accuracy_vs_bytes.png", "label_distribution
 
 def method_colors(methods: list[str]) -> dict[str, tuple]:
     """One fixed colour per method, the same in every figure and report (registry order): the ten
-    colours of tab10, then black and dark goldenrod; grey for an unknown name."""
+    colours of tab10, then black, dark goldenrod, magenta, navy, lime and maroon (one each for the sixteen
+    registered methods); grey for an unknown name."""
     import matplotlib
     from matplotlib.colors import to_rgba
 
     from methods.registry import METHODS
 
-    palette = [*matplotlib.colormaps["tab10"].colors, to_rgba("black"), to_rgba("darkgoldenrod")]
+    extra = ("black", "darkgoldenrod", "magenta", "navy", "lime", "maroon")
+    palette = [*matplotlib.colormaps["tab10"].colors, *map(to_rgba, extra)]
     order = list(METHODS)
     base = {m: base_method(m) for m in methods}  # an ablation takes its method's colour
     return {m: palette[order.index(base[m]) % len(palette)] if base[m] in order else to_rgba("grey") for m in methods}
