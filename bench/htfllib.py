@@ -535,6 +535,13 @@ def declares(flag):
     return re.search(r"add_argument\(\s*['\"]" + flag + r"['\"]", source) is not None
 if declares("-nb") and not declares("-ncl"):  # an older HtFLlib (lokinko/FedSA's fork) names the classes -nb
     sys.argv = ["-nb" if arg == "-ncl" else arg for arg in sys.argv]
+def has_family(name):
+    return re.search(r"model_family == ['\"]" + re.escape(name) + r"['\"]", source) is not None
+if "-m" in sys.argv[:-1]:  # an older HtFLlib names the image families without "-img-" ("HtFE2" for "HtFE-img-2")
+    at = sys.argv.index("-m") + 1
+    older = sys.argv[at].replace("-img-", "")
+    if not has_family(sys.argv[at]) and has_family(older):
+        sys.argv[at] = older
 if os.environ.get("CROSSCHECK_FAMILY"):
     name, models = json.loads(os.environ["CROSSCHECK_FAMILY"])
     anchor = "\n        else:\n            raise NotImplementedError"

@@ -1206,16 +1206,22 @@ def test_reference_only_runs_htflib_alone_and_compares_nothing(tmp_path, monkeyp
     assert not (tmp_path / "cc" / "report.md").exists()
 
 
-#: a stand-in for an older HtFLlib fork (lokinko/FedSA's): the classes as ``-nb`` (no ``-ncl``), a server
-#: module whose client has a syntax error, ``mmcv``'s ``build_norm_layer`` for a "SyncBN", and the fork's
-#: "Accurancy" in its log lines; each round prints the class count / 100 plus the batch norm's output's
-#: absolute sum / 1000
+#: a stand-in for an older HtFLlib fork (lokinko/FedSA's): the classes as ``-nb`` (no ``-ncl``), its image families
+#: named without "-img-" ("HtFE2"), a server module whose client has a syntax error, ``mmcv``'s
+#: ``build_norm_layer`` for a "SyncBN", and the fork's "Accurancy" in its log lines; each round prints the class
+#: count / 100, plus 0.1 for the family it was given, plus the batch norm's output's absolute sum / 1000
 FORK_MAIN = """
 import argparse, torch
 from flcore.servers.serversyntax import Broken
 from mmcv.cnn import build_norm_layer
+def family(args):
+    for _ in range(1):
+        if args.model_family == "HtFE2":
+            return 0.1
+        else:
+            raise NotImplementedError
 p = argparse.ArgumentParser()
-p.add_argument("-nb", type=int); p.add_argument("-gr", type=int)
+p.add_argument("-nb", type=int); p.add_argument("-gr", type=int); p.add_argument("-m", dest="model_family")
 args, rest = p.parse_known_args()
 assert "-ncl" not in rest, rest
 name, norm = build_norm_layer({"type": "SyncBN", "requires_grad": True}, 4)
@@ -1223,14 +1229,15 @@ out = norm.train()(torch.arange(8.0).reshape(2, 4))
 print("Running time: 0th")
 for r in range(args.gr + 1):
     print(f"Round number: {r}")
-    print(f"Averaged Test Accurancy: {args.nb / 100 + float(out.abs().sum()) / 1000:.4f}")
+    print(f"Averaged Test Accurancy: {args.nb / 100 + family(args) + float(out.abs().sum()) / 1000:.4f}")
 """
 
 
 def test_an_older_fork_runs_through_the_bootstrap(stand_in_partitions, tmp_path):
     system = tmp_path / "ref" / "system"
-    (system / "flcore" / "servers").mkdir(parents=True)
+    write_stand_in(system, FORK_MAIN)
     (system / "flcore" / "servers" / "serversyntax.py").write_text("x = len(a _list)\n")
-    run = run_stand_in_reference(tmp_path, stand_in_partitions, FORK_MAIN, 0, "fd")
-    # 10 classes; a batch of 2 normalised per feature: every entry ±1, 8 of them
-    assert run["curve"] == pytest.approx([0.108] * 3, abs=1e-4)
+    config = stand_in_config(**{"model-group": "htfe2"})  # HtFLlib's HtFE-img-2
+    run = htfllib.run_reference(tmp_path / "ref", config, "fd", 0, stand_in_partitions, tmp_path / "cc" / "fd")
+    # 10 classes, the family's 0.1, a batch of 2 normalised per feature: every entry ±1, 8 of them
+    assert run["curve"] == pytest.approx([0.208] * 3, abs=1e-4)

@@ -132,7 +132,7 @@ def test_a_failed_run_ends_with_its_status_and_reason(tmp_path, monkeypatch, cap
         def __exit__(self, *exc):
             return False
 
-        def start(self):
+        def start(self, started=None):
             pass
 
         def submit(self, run_config):
@@ -285,7 +285,7 @@ def test_bench_deployment_that_cannot_start_ends_with_the_reason(tmp_path, monke
         def __exit__(self, *exc):
             stopped.append(True)
 
-        def start(self):
+        def start(self, started=None):
             raise TimeoutError("timed out after 60 s waiting for the SuperLink (TLS) to become healthy")
 
     monkeypatch.setattr(deployment, "LoopbackDeployment", NoSuperLink)
@@ -1034,3 +1034,25 @@ def test_a_config_error_ends_the_serverapp_with_one_line_and_a_failed_summary(ru
         assert "too few for a train and a test set" in message
         (summary,) = [json.loads(s.read_text()) for s in summaries]
         assert summary["status"] == "failed" and "too few for a train and a test set" in summary["error"]
+
+
+def test_bench_deployment_reports_each_late_partition_where_it_was_first_served():
+    from bench.deployment import late_lines
+
+    rows = [
+        {"round": 1, "elapsed_seconds": 10.0, "accuracy_per_client": {"0": 0.5, "1": 0.5}},
+        {"round": 2, "elapsed_seconds": 30.0, "accuracy_per_client": {"0": 0.6, "1": 0.6, "2": 0.4}},
+        {
+            "round": 3,
+            "elapsed_seconds": 50.0,
+            "accuracy_per_client": {"0": 0.7, "1": 0.7, "2": 0.5},
+            "heldout_partitions": [3],
+            "heldout_bytes_down": 1234,
+        },
+    ]
+    assert late_lines(rows, {2: 12.0, 3: 12.5, 4: 13.0}) == [
+        "late partition 2: started 12.0 s into the run, first served in round 2 (training), 18.0 s after its start",
+        "late partition 3: started 12.5 s into the run, first served in round 3 (held out, phase downloads 1234 B), "
+        "37.5 s after its start",
+        "late partition 4: started 13.0 s into the run, never served",
+    ]
