@@ -267,10 +267,10 @@ class FedGenClient(SharedModelClient):
             with torch.device("meta"):
                 generator = build_generator(self.cfg, self.options)
             generator = generator.to_empty(device=client.device)
-            generator.load_state_dict(
-                {k[len(GENERATOR) :]: torch.from_numpy(v) for k, v in payload.items() if k.startswith(GENERATOR)},
-                strict=False,
-            )
+            received = {k[len(GENERATOR) :]: torch.from_numpy(v) for k, v in payload.items() if k.startswith(GENERATOR)}
+            # every parameter comes from the payload (its schema names them all); only BatchNorm's buffers stay
+            missing = set(generator.load_state_dict(received, strict=False).missing_keys)
+            assert not missing & {n for n, _ in generator.named_parameters()}, missing
             for bn in generator.modules():
                 if isinstance(bn, nn.BatchNorm1d):
                     bn.reset_running_stats()
