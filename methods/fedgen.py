@@ -49,7 +49,7 @@ from common.protocol import SERVER_ROUND, Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import train_personal_model
 from engine.contract import Method, MethodContext
-from methods.blocks.heads import GLOBAL_HEAD_METRICS, add_global_head_accuracy, require_linear_heads
+from methods.blocks.heads import GLOBAL_HEAD_METRICS, add_global_head_accuracy, require_linear_heads, shared_head
 from methods.blocks.shared_model import (
     SharedModelClient,
     SharedModelServer,
@@ -129,11 +129,6 @@ def build_generator(cfg: RunConfig, options: FedGenOptions) -> RepresentationGen
     return RepresentationGenerator(num_classes, options.noise_dim, options.hidden_dim, cfg.representation_dim)
 
 
-def global_head(cfg: RunConfig, options: FedGenOptions) -> nn.ModuleDict:
-    """The shared head, keyed so its payload names are ``head.weight`` / ``head.bias``."""
-    return nn.ModuleDict({"head": nn.Linear(cfg.representation_dim, DATASETS[cfg.dataset].num_classes)})
-
-
 def generator_arrays(generator: nn.Module) -> dict[str, np.ndarray]:
     """G's parameters as payload arrays ``generator.<name>`` (float32 copies; no BatchNorm buffer)."""
     return {GENERATOR + n: p.detach().cpu().numpy().copy() for n, p in generator.named_parameters()}
@@ -148,7 +143,7 @@ def _counts_are_counts(arrays: Mapping[str, np.ndarray], dims: Mapping[str, int]
 
 def schemas(cfg: RunConfig, options: FedGenOptions) -> Schemas:
     """Train: head, generator parameters and ``label_counts`` down; head and ``class_counts`` up (§2)."""
-    base = shared_schemas(global_head, evaluate_payload=options.eval_global_head)(cfg, options)
+    base = shared_schemas(shared_head, evaluate_payload=options.eval_global_head)(cfg, options)
     head = base["train"][0].arrays
     with torch.device("meta"):
         generator = build_generator(cfg, options)
@@ -201,7 +196,7 @@ class FedGenServer(SharedModelServer):
     #: the upload carries per-class counts beside the head: client-level DP (which clips models) does not cover it
     client_dp_releases = 0
 
-    build_shared = staticmethod(global_head)
+    build_shared = staticmethod(shared_head)
 
     def __init__(self, ctx: MethodContext) -> None:
         super().__init__(ctx)
@@ -255,7 +250,7 @@ class FedGenServer(SharedModelServer):
 class FedGenClient(SharedModelClient):
     """FedGen client: global head in, whole model trained with the generated term, head and counts out."""
 
-    build_shared = staticmethod(global_head)
+    build_shared = staticmethod(shared_head)
 
     def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Returns the trained head's tensors, ``class_counts`` int64 [C] and the training metrics."""

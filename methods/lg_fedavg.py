@@ -21,13 +21,12 @@ from typing import Any
 from torch import nn
 
 from common.config import RunConfig
-from common.datasets import DATASETS
 from common.options import option
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
 from common.training import train_personal_model
 from engine.contract import Method
-from methods.blocks.heads import GLOBAL_HEAD_METRICS, add_global_head_accuracy, require_linear_heads
+from methods.blocks.heads import GLOBAL_HEAD_METRICS, add_global_head_accuracy, require_linear_heads, shared_head
 from methods.blocks.shared_model import (
     SharedModelClient,
     SharedModelServer,
@@ -50,20 +49,15 @@ class LGFedAvgOptions:
         require_linear_heads(cfg, "head")
 
 
-def global_head(cfg: RunConfig, options: LGFedAvgOptions) -> nn.ModuleDict:
-    """The shared head, keyed so its payload names are ``head.weight`` / ``head.bias``."""
-    return nn.ModuleDict({"head": nn.Linear(cfg.representation_dim, DATASETS[cfg.dataset].num_classes)})
-
-
 def schemas(cfg: RunConfig, options: LGFedAvgOptions) -> dict:
     """The head both ways in ``train``; with ``eval-global-head`` the evaluate instruction carries it too."""
-    return shared_schemas(global_head, evaluate_payload=options.eval_global_head)(cfg, options)
+    return shared_schemas(shared_head, evaluate_payload=options.eval_global_head)(cfg, options)
 
 
 class LGFedAvgServer(SharedModelServer):
     """LG-FedAvg server: FedAvg of the heads."""
 
-    build_shared = staticmethod(global_head)
+    build_shared = staticmethod(shared_head)
 
     def evaluates_after_training(self) -> bool:
         """Not with ``eval-global-head``: the secondary metric needs the head *after* this round's average."""
@@ -73,7 +67,7 @@ class LGFedAvgServer(SharedModelServer):
 class LGFedAvgClient(SharedModelClient):
     """LG-FedAvg client: global head in, whole model trained, head out."""
 
-    build_shared = staticmethod(global_head)
+    build_shared = staticmethod(shared_head)
 
     def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
         """Returns the trained head's tensors and the training metrics."""

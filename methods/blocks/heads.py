@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from common.config import ConfigError, RunConfig
+from common.datasets import DATASETS
 from common.metrics import fraction
 from common.payload import ArraySpec, PayloadSchema
 from common.training import evaluate_model
@@ -33,6 +34,13 @@ def require_linear_heads(cfg: RunConfig, payload: str) -> None:
             f"method '{cfg.method}' exchanges a linear {payload}, but model-group '{cfg.model_group}' has "
             "non-linear heads; allowed: groups without HtC4 heads"
         )
+
+
+def shared_head(cfg: RunConfig, options=None) -> nn.ModuleDict:
+    """The linear head ``Linear(d, C)`` a shared-model method exchanges (LG-FedAvg's, FedGen's; a
+    ``build_shared`` of :mod:`methods.blocks.shared_model`), keyed so its payload names are ``head.weight``
+    [C, d] and ``head.bias`` [C]; PyTorch's default init."""
+    return nn.ModuleDict({"head": nn.Linear(cfg.representation_dim, DATASETS[cfg.dataset].num_classes)})
 
 
 def initial_header(d: int, num_classes: int, seed: int) -> nn.Linear:
