@@ -13,7 +13,8 @@ both sides run :data:`CLIENT_THREADS` threads. A method whose server starts from
 (LG-FedAvg's and FedGH's head, the shared model of FML, FedKD and FedMRL) has it paired the same way
 where the architectures agree: :func:`server_initial_state` is what our server starts from, loaded
 into HtFLlib's server's module the first time HtFLlib stores it (FedTGP's trainable prototypes too:
-their generator's weights, which our server's global arrays show only after round 1). FedTGP's and
+their generator's weights, which our server's global arrays show only after round 1; FedGen's head and
+its generator, two modules). FedTGP's and
 FedGH's servers also train on the round's uploads in shuffled mini-batches: :class:`ServerOrder` gives
 HtFLlib's server ours, the rows in our order and the batches of our generator and seed.
 
@@ -103,24 +104,25 @@ def states_digest(states: list[Mapping[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
-#: method -> the attribute of its server half that holds the server module HtFLlib stores as its ``server_item``
-#: where its ``global_arrays`` do not show exactly that before round 1 (FedTGP's show only the prototypes it
-#: generates; FedGen's the generator and label counts beside the head, HtFLlib's ``head`` item)
-SERVER_MODULES = {"fedtgp": "generator", "fedgen": "shared"}
+#: method -> {item: the attribute of its server half that holds the server module HtFLlib stores as that
+#: ``server_items`` item}, where its ``global_arrays`` do not show exactly that module before round 1
+#: (FedTGP's show only the prototypes it generates; FedGen's the generator and label counts beside the head)
+SERVER_MODULES = {"fedtgp": {"TGP": "generator"}, "fedgen": {"head": "shared", "generative_model": "generator"}}
 #: shared arrays of our servers that are one tensor of a module on HtFLlib's side, under the name its state dict
 #: gives that tensor (whose last part :func:`paired_state` matches): FedL2G's guiding vectors G [C, D], an
 #: ``nn.Embedding``'s weight there
 AS_MODULE_TENSOR = {"guiding": "guiding.weight"}
 
 
-def server_initial_state(config: dict) -> dict[str, torch.Tensor]:
-    """What our server of the flat run config ``config`` (its ``method`` and ``seed``) starts from: the
-    state dict of its module of :data:`SERVER_MODULES` (FedTGP's generator: ``embedding.weight`` [C, K],
-    ``mlp.0.weight`` [H, K], ``mlp.0.bias`` [H], ``mlp.2.weight`` [K, H], ``mlp.2.bias`` [K]), else its
-    shared arrays before round 1 (``global_arrays`` of the method's server half, e.g. FedGH's header
-    ``head.weight`` [C, d] and ``head.bias`` [C], FedL2G's ``guiding.weight`` [C, D] (:data:`AS_MODULE_TENSOR`),
-    or a shared model's state dict), as float32 CPU
-    tensors in that order; empty when the server holds none (Local, FedProto).
+def server_initial_state(config: dict, item: str) -> dict[str, torch.Tensor]:
+    """What our server of the flat run config ``config`` (its ``method`` and ``seed``) starts from in the
+    module HtFLlib's server stores as ``item``: the state dict of its module of :data:`SERVER_MODULES`
+    (FedTGP's ``TGP``, our generator: ``embedding.weight`` [C, K], ``mlp.0.weight`` [H, K], ``mlp.0.bias``
+    [H], ``mlp.2.weight`` [K, H], ``mlp.2.bias`` [K]; FedGen's ``head`` and ``generative_model``, its
+    representation generator with its BatchNorm buffers), else its shared arrays before round 1
+    (``global_arrays`` of the method's server half, e.g. FedGH's header ``head.weight`` [C, d] and
+    ``head.bias`` [C], FedL2G's ``guiding.weight`` [C, D] (:data:`AS_MODULE_TENSOR`), or a shared
+    model's state dict), as CPU tensors in that order; empty when the server holds none (Local, FedProto).
 
     Raises:
         ConfigError: as :func:`methods.registry.build_run`.
@@ -129,7 +131,7 @@ def server_initial_state(config: dict) -> dict[str, torch.Tensor]:
     from methods.registry import build_run
 
     server = build_run(RunConfig.from_dict(config)).method
-    if (module := SERVER_MODULES.get(config["method"])) is not None:
+    if (module := SERVER_MODULES.get(config["method"], {}).get(item)) is not None:
         return {name: t.detach().clone() for name, t in getattr(server, module).state_dict().items()}
     return {AS_MODULE_TENSOR.get(n, n): torch.from_numpy(array.copy()) for n, array in server.global_arrays().items()}
 
@@ -226,11 +228,11 @@ class OrderedBatches:
         return -(-len(self.rows) // self.batch_size)
 
 
-def save_initial_states(config: dict, path: Path, server: Path | None = None) -> str:
+def save_initial_states(config: dict, path: Path, server: Path | None = None, items: tuple[str, ...] = ()) -> str:
     """Write :func:`initial_states` of ``config`` to ``path`` (``torch.save`` of a list of state
     dicts, one per client, loadable with ``weights_only=True``) and, with ``server``, our server's
-    :func:`server_initial_state` to that file; returns the :func:`states_digest` of the clients' states
-    (then the server's).
+    :func:`server_initial_state` for each of ``items`` to that file (``{item: state dict}``); returns the
+    :func:`states_digest` of the clients' states (then the server's, in ``items`` order).
 
     Clients with equal initial models (run config ``init = "identical"``: every client of one
     architecture) share one state dict object, which ``torch.save`` stores once: the file holds one
@@ -242,6 +244,6 @@ def save_initial_states(config: dict, path: Path, server: Path | None = None) ->
     torch.save(shared, path)
     if server is None:
         return states_digest(shared)
-    state = server_initial_state(config)
-    torch.save(state, server)
-    return states_digest([*shared, state])
+    server_states = {item: server_initial_state(config, item) for item in items}
+    torch.save(server_states, server)
+    return states_digest([*shared, *server_states.values()])

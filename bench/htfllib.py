@@ -96,18 +96,18 @@ class ReferenceMethod:
     an option value only it can be compared at (FedL2G without warm-up rounds, which HtFLlib does not
     evaluate); ours is run with them, and the report lists them.
 
-    ``server_item``: the name under which HtFLlib's server stores the module our server starts from
-    (``save_item(module, "Server", name, ...)``: ``head``, ``global_model``, FedTGP's ``TGP``); the
-    first time it stores it, :data:`BOOTSTRAP` loads ours into it
-    (:func:`bench.crosscheck_pairing.server_initial_state`), or, where the architectures differ, leaves
-    HtFLlib's own draw and says so; "" when our server starts from nothing.
+    ``server_items``: the names under which HtFLlib's server stores the modules our server starts from
+    (``save_item(module, "Server", name, ...)``: ``head``, ``global_model``, FedTGP's ``TGP``, FedGen's
+    ``head`` and ``generative_model``); the first time it stores each, :data:`BOOTSTRAP` loads ours into
+    it (:func:`bench.crosscheck_pairing.server_initial_state`), or, where the architectures differ,
+    leaves HtFLlib's own draw and says so; empty when our server starts from nothing.
 
     ``server_order``: the HtFLlib server module (``flcore.servers.<name>``) whose ``DataLoader`` over
     the round's uploads :data:`BOOTSTRAP` replaces with our server's mini-batch order
     (:class:`bench.crosscheck_pairing.ServerOrder`); "" when the server trains on no uploads.
 
     ``unpaired``: what starts from other random draws on the two sides although every client's
-    personal model (and the server's module of ``server_item``) is paired
+    personal model (and the server's modules of ``server_items``) is paired
     (:mod:`bench.crosscheck_pairing`): models and state HtFLlib builds beside them; "" when nothing.
 
     ``repository``: the reference's name in the report: ``HtFLlib``, or an HtFLlib fork that holds the method
@@ -125,7 +125,7 @@ class ReferenceMethod:
     unexpressed: tuple[str, ...] = ()
     as_code: dict[str, Any] = field(default_factory=dict)
     reported: tuple[str, Any, str] | None = None
-    server_item: str = ""
+    server_items: tuple[str, ...] = ()
     server_order: str = ""
     unpaired: str = ""
     resumable: bool = True
@@ -137,7 +137,7 @@ PAIRED = (
     "every client's initial personal model (ours, built by our client for the run config and seed, "
     "loaded into HtFLlib's client model right after HtFLlib builds it, tensor by tensor in order and shape)"
 )
-#: what a paired cross-check pairs for a method with a ``server_item`` (:class:`ReferenceMethod`)
+#: what a paired cross-check pairs for each of a method's ``server_items`` (:class:`ReferenceMethod`)
 PAIRED_SERVER = (
     "the server's initial `{item}` (ours, built by our server for the run config and seed, loaded into "
     "the module HtFLlib's server stores as `Server_{item}` the first time it stores it)"
@@ -173,7 +173,7 @@ REFERENCE_METHODS = {
             "prototype-pass": "before-training",
             "margin-freeze": 0.0,
         },
-        server_item="TGP",
+        server_items=("TGP",),
         server_order="servertgp",
     ),
     # HtFLlib's FedGH and LG-FedAvg servers start from client 0's initial head (servergh.py, serverlg.py);
@@ -187,7 +187,7 @@ REFERENCE_METHODS = {
         as_code={"server-mode": "minibatch", "server-clip-norm": 0.0, "eval-global-head": True},
         # HtFLlib evaluates every client's extractor with the global head it has just been sent
         reported=("eval-global-head", True, "accuracy_weighted_global_head"),
-        server_item="head",
+        server_items=("head",),
         server_order="servergh",
     ),
     "lg-fedavg": ReferenceMethod(
@@ -195,7 +195,7 @@ REFERENCE_METHODS = {
         unexpressed=("eval-global-head",),
         as_code={"eval-global-head": True},
         reported=("eval-global-head", True, "accuracy_weighted_global_head"),
-        server_item="head",
+        server_items=("head",),
     ),
     # clientfd.py: the raw per-class mean logits as the target
     "fd": ReferenceMethod("FD", flags={"-lam": "lambda"}, unexpressed=("target",), as_code={"target": "logits"}),
@@ -210,7 +210,7 @@ REFERENCE_METHODS = {
         {"-al": "alpha", "-bt": "beta"},
         unexpressed=("shared-model", "kl-reduction", "detach-targets"),
         as_code={"shared-model": "group-first", "kl-reduction": "mean", "detach-targets": False},
-        server_item="global_model",
+        server_items=("global_model",),
     ),
     "fedkd": ReferenceMethod(
         "FedKD",
@@ -218,7 +218,7 @@ REFERENCE_METHODS = {
         {"-Ts": "energy-start", "-Te": "energy-end"},
         unexpressed=("shared-model",),
         as_code={"shared-model": "group-first"},
-        server_item="global_model",
+        server_items=("global_model",),
         unpaired="each client's alignment map `W_h` (each side draws it from its seed)",
         resumable=False,
     ),
@@ -230,22 +230,23 @@ REFERENCE_METHODS = {
         as_code={"small-model": "group-first", "eval-protocol": "deployment", "keep-projector": False},
         # HtFLlib evaluates every client with the server's aggregated small model (our protocol B)
         reported=("eval-protocol", "deployment", "accuracy_weighted"),
-        server_item="global_model",
+        server_items=("global_model",),
         unpaired="each client's projector (each side draws it from its seed)",
     ),
-    # servergen.py: the server's first head is client 0's (paired with ours); its trained generator is never
-    # stored, so every client uses the initial one (ours: generator = "initial"); HtFLlib evaluates every client's
-    # extractor with the head just broadcast
+    # servergen.py: the server's first head is client 0's, its generator a draw of its own (both paired with
+    # ours); its trained generator is never stored, so every client uses the initial one (ours: generator =
+    # "initial"); HtFLlib evaluates every client's extractor with the head just broadcast
     "fedgen": ReferenceMethod(
         "FedGen",
         flags={"-nd": "noise-dim", "-hd": "hidden-dim", "-glr": "generator-lr", "-se": "server-epochs"},
         unexpressed=("generator", "eval-global-head"),
         as_code={"generator": "initial", "eval-global-head": True},
         reported=("eval-global-head", True, "accuracy_weighted_global_head"),
-        server_item="head",
-        unpaired="the generator (each side draws its initial weights: HtFLlib from torch's global generator after "
-        "building the clients, ours from `seed` + 1) and the labels and noise generated for every batch (HtFLlib from "
-        "numpy's and torch's global generators, ours from the client's generator of `seed`)",
+        server_items=("head", "generative_model"),
+        unpaired="the labels and noise generated for every batch (HtFLlib from numpy's and torch's global "
+        "generators, ours from the client's generator of `seed`); round 1's generated term (HtFLlib's clients train "
+        "with it from round 1, its server having read every client's counts at start; ours from round 2, after the "
+        "first counts are reported)",
     ),
     # clientl2g_feat.py / clientl2g_logit.py: clip_grad_norm_(model.parameters(), 100) in local training, the
     # study and quiz loaders shuffled by torch's global generator; serverl2g_*.py: the per-class mean of the
@@ -259,7 +260,7 @@ REFERENCE_METHODS = {
             {"-slr": "server-lr", "-wu": "warm-up-rounds", "-mdb": "study-batches", "-mqb": "quiz-batches"},
             unexpressed=("guide-weight", "server-clip-norm"),
             as_code={"guide-weight": 1.0, "server-clip-norm": 100.0},
-            server_item="guiding_vec",
+            server_items=("guiding_vec",),
             unpaired="the study and quiz batches (each side shuffles its own: HtFLlib with torch's global "
             "generator, ours with the client's generator of `seed`)",
             resumable=False,
@@ -350,10 +351,11 @@ CHECKPOINT_SECONDS = 60.0
 RESUMED_LINE = re.compile(r"^crosscheck: resumed at iteration (\d+)")
 #: what :data:`BOOTSTRAP` prints for each client model it loaded ours into
 PAIRED_LINE = re.compile(r"^crosscheck: client (\d+) paired", re.M)
-#: what :data:`BOOTSTRAP` prints for the server's module of ``server_item``: paired, or why not
+#: what :data:`BOOTSTRAP` prints for each of the server's modules of ``server_items``: paired, or why not
 SERVER_PAIRED_LINE = re.compile(r"^crosscheck: server (\S+) (paired|not paired: (.*))$", re.M)
-#: the environment variables that give :data:`BOOTSTRAP` the server's item and our server's initial state
-SERVER_ITEM_VARIABLE = "CROSSCHECK_SERVER_ITEM"
+#: the environment variables that give :data:`BOOTSTRAP` the server's items (comma-separated) and the file
+#: of our server's initial state for each (``{item: state dict}``)
+SERVER_ITEMS_VARIABLE = "CROSSCHECK_SERVER_ITEMS"
 SERVER_INITIAL_VARIABLE = "CROSSCHECK_SERVER_INITIAL"
 #: the environment variable that gives :data:`BOOTSTRAP` a method's ``server_order`` (in the command as
 #: recorded: a kept run of HtFLlib's own order is not reused for a paired one)
@@ -380,10 +382,10 @@ SERVER_ORDER_LINE = re.compile(r"^crosscheck: server batch order paired", re.M)
 #: client's model, right after HtFLlib's ``Client.__init__`` has built and stored it, is loaded with
 #: our initial model of that client (``$CROSSCHECK_INITIAL``) and stored again; a client model whose
 #: tensors do not match ours in order and shape stops the run with the first mismatch. With
-#: ``$CROSSCHECK_SERVER_ITEM`` (a method's ``server_item``), the first module the server stores under
-#: that name (``clientbase.save_item``, which HtFLlib's servers import after this patch) is loaded
-#: with our server's (``$CROSSCHECK_SERVER_INITIAL``) before it is stored; where the two differ in
-#: order or shape it stays HtFLlib's draw, and the log says why (:data:`SERVER_PAIRED_LINE`). With
+#: ``$CROSSCHECK_SERVER_ITEMS`` (a method's ``server_items``), the first module the server stores under
+#: each of those names (``clientbase.save_item``, which HtFLlib's servers import after this patch) is
+#: loaded with our server's (``$CROSSCHECK_SERVER_INITIAL``, by name) before it is stored; where the two
+#: differ in order or shape it stays HtFLlib's draw, and the log says why (:data:`SERVER_PAIRED_LINE`). With
 #: ``$CROSSCHECK_SERVER_ORDER`` (a method's ``server_order``), that server module's ``DataLoader``
 #: becomes :meth:`bench.crosscheck_pairing.ServerOrder.loader` (our rows' order and our generator of the
 #: training seed), which learns each row's client from the ``protos`` item the server loads of it
@@ -428,14 +430,14 @@ def paired_init(self, *args, **kwargs):
     clientbase.save_item(model, self.role, "model", self.save_folder_name)
     print(f"crosscheck: client {self.id} paired ({len(states[self.id])} tensors of ours)", flush=True)
 clientbase.Client.__init__ = paired_init
-server_item = os.environ.get("CROSSCHECK_SERVER_ITEM")
-if server_item:
-    server_state = [torch.load(os.environ["CROSSCHECK_SERVER_INITIAL"], weights_only=True)]
+if os.environ.get("CROSSCHECK_SERVER_ITEMS"):
+    server_states = torch.load(os.environ["CROSSCHECK_SERVER_INITIAL"], weights_only=True)
     stored = clientbase.save_item
     def paired_save(item, role, item_name, *args, **kwargs):
-        if server_state and role == "Server" and item_name == server_item:
+        if role == "Server" and item_name in server_states:
             try:
-                item.load_state_dict(paired_state(server_state.pop(), item.state_dict(), f"the server's {item_name}"))
+                state = server_states.pop(item_name)
+                item.load_state_dict(paired_state(state, item.state_dict(), f"the server's {item_name}"))
                 print(f"crosscheck: server {item_name} paired", flush=True)
             except ValueError as exc:
                 print(f"crosscheck: server {item_name} not paired: {exc}", flush=True)
@@ -556,18 +558,18 @@ exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__file__": "m
 
 def pairing(method: str, refs: list[dict]) -> tuple[str, str]:
     """What the paired cross-check of ``method`` paired and what it did not, as the report says them,
-    from its reference runs ``refs`` (:func:`run_reference`): :data:`PAIRED`, and the server's module
-    of ``server_item`` (:data:`PAIRED_SERVER`) when every run took ours, else, among the unpaired, why
-    the first run that did not (e.g. a shared model of another architecture than HtFLlib's); then,
-    with a ``server_order``, :data:`PAIRED_ORDER` (a run that did not pair it is refused)."""
+    from its reference runs ``refs`` (:func:`run_reference`): :data:`PAIRED`, and each of the server's
+    modules of ``server_items`` (:data:`PAIRED_SERVER`) that every run took ours of, else, among the
+    unpaired, why the first run did not (e.g. a shared model of another architecture than HtFLlib's);
+    then, with a ``server_order``, :data:`PAIRED_ORDER` (a run that did not pair it is refused)."""
     ref = REFERENCE_METHODS[method]
     paired, unpaired = [PAIRED], [ref.unpaired] if ref.unpaired else []
-    if ref.server_item:
-        refused = next((r["server_pairing"] for r in refs if r["server_pairing"] != "paired"), None)
+    for item in reversed(ref.server_items):
+        refused = next((r["server_pairing"][item] for r in refs if r["server_pairing"][item] != "paired"), None)
         if refused is None:
-            paired.append(PAIRED_SERVER.format(item=ref.server_item))
+            paired.insert(1, PAIRED_SERVER.format(item=item))
         else:
-            unpaired.insert(0, f"the server's initial `{ref.server_item}`, each side's own draw ({refused})")
+            unpaired.insert(0, f"the server's initial `{item}`, each side's own draw ({refused})")
     if ref.server_order:
         paired.append(PAIRED_ORDER)
     return "; ".join(paired), "; ".join(unpaired)
@@ -761,7 +763,7 @@ def reference_launch(
 ) -> tuple[list[str], dict, str]:
     """How :func:`run_reference` starts HtFLlib: ``main.py`` and its flags (:func:`reference_command`),
     the environment :data:`BOOTSTRAP` reads (the training seed, ``threads``, ``initial``: the file of our
-    clients' initial models, ``server``: our server's initial state for the method's ``server_item``,
+    clients' initial models, ``server``: our server's initial state for each of the method's ``server_items``,
     the method's ``server_order``, this repository, and a family HtFLlib removed,
     :func:`restored_family`), and the command as recorded (those variables, then ``python main.py ...``)."""
     args = reference_command(config, method, dataset_name)
@@ -783,9 +785,9 @@ def reference_launch(
         f"{SEED_VARIABLE}={seed} python " + " ".join(args)
     )
     if server is not None:
-        item = REFERENCE_METHODS[method].server_item
-        env |= {SERVER_ITEM_VARIABLE: item, SERVER_INITIAL_VARIABLE: str(server)}
-        command = f"{SERVER_ITEM_VARIABLE}={item} {SERVER_INITIAL_VARIABLE}={server} {command}"
+        items = ",".join(REFERENCE_METHODS[method].server_items)
+        env |= {SERVER_ITEMS_VARIABLE: items, SERVER_INITIAL_VARIABLE: str(server)}
+        command = f"{SERVER_ITEMS_VARIABLE}={items} {SERVER_INITIAL_VARIABLE}={server} {command}"
     if order := REFERENCE_METHODS[method].server_order:
         env[SERVER_ORDER_VARIABLE] = order
         command = f"{SERVER_ORDER_VARIABLE}={order} {command}"
@@ -828,17 +830,24 @@ def link_dataset(reference: Path, name: str, partitions: Path) -> None:
 
 
 def read_reference_run(
-    text: str, code: int, seed: int, rounds: int, clients: int, log: Path, server_item: str = "", server_order: str = ""
+    text: str,
+    code: int,
+    seed: int,
+    rounds: int,
+    clients: int,
+    log: Path,
+    server_items: tuple[str, ...] = (),
+    server_order: str = "",
 ) -> dict:
     """The accuracy a reference run of ``rounds`` rounds and ``clients`` clients printed (its log
     ``text``, exit code ``code``): ``{"curve", "initial", "diverged_round", "server_pairing"}`` as
     :func:`run_reference` returns them; a run whose models diverged is a result (see there).
-    ``server_pairing``: with a ``server_item``, ``"paired"`` or why the server's module was not
-    (the bootstrap's :data:`SERVER_PAIRED_LINE`), else None.
+    ``server_pairing``: with ``server_items``, for each item ``"paired"`` or why the server's module
+    was not (the bootstrap's :data:`SERVER_PAIRED_LINE`), else None.
 
     Raises:
         RuntimeError: the run printed fewer rounds than asked for another reason, did not pair every
-            client, never stored its ``server_item``, or, with a ``server_order``, never built its
+            client, never stored one of its ``server_items``, or, with a ``server_order``, never built its
             server's loader over the uploads through the bootstrap's (:data:`SERVER_ORDER_LINE`) (its
             log's tail, or ``log``, in the message).
     """
@@ -859,15 +868,15 @@ def read_reference_run(
             f"{clients}: its clients are not built by flcore.clients.clientbase.Client "
             f"(log {log})"
         )
-    server_pairing = None
-    if server_item:
-        lines = [m for m in SERVER_PAIRED_LINE.finditer(text) if m.group(1) == server_item]
+    server_pairing = {} if server_items else None
+    for item in server_items:
+        lines = [m for m in SERVER_PAIRED_LINE.finditer(text) if m.group(1) == item]
         if not lines:
             raise RuntimeError(
-                f"the reference run (seed {seed}) never stored its server's `{server_item}` through "
+                f"the reference run (seed {seed}) never stored its server's `{item}` through "
                 f"flcore.clients.clientbase.save_item, so it was not paired with ours (log {log})"
             )
-        server_pairing = lines[-1].group(3) or "paired"
+        server_pairing[item] = lines[-1].group(3) or "paired"
     if server_order and not SERVER_ORDER_LINE.search(text):
         raise RuntimeError(
             f"the reference run (seed {seed}) never built a DataLoader of flcore.servers.{server_order} "
@@ -894,9 +903,9 @@ def run_reference(
     (:func:`bench.crosscheck_pairing.save_initial_states`, written to
     ``out/initial-seed-<seed>.pt`` for the run and removed after it: ours rebuilds it from the
     config), and PyTorch runs ``threads`` threads, as each of our clients does. A run whose log does
-    not show every client model paired is refused. With the method's ``server_item`` our server's
-    initial module goes to ``out/initial-server-seed-<seed>.pt`` the same way, and is part of the
-    ``initial_digest``; the result's ``server_pairing`` says whether HtFLlib's server took it. With its
+    not show every client model paired is refused. With the method's ``server_items`` our server's
+    initial modules go to ``out/initial-server-seed-<seed>.pt`` the same way, and are part of the
+    ``initial_digest``; the result's ``server_pairing`` says whether HtFLlib's server took each. With its
     ``server_order`` the server's mini-batches over the uploads are ours (:data:`BOOTSTRAP`); a run
     whose log does not show it is refused.
 
@@ -925,17 +934,17 @@ def run_reference(
 
     Raises:
         RuntimeError: the reference printed fewer rounds than asked for another reason, did not
-            pair every client, never stored its ``server_item`` or did not pair its ``server_order``
+            pair every client, never stored one of its ``server_items`` or did not pair its ``server_order``
             (its log's tail in the message).
     """
     done = out / f"reference-seed-{seed}.json"
     rounds = config["num-server-rounds"]
     name = f"mheterofl-crosscheck-{partitions.resolve().parent.name}"
     initial = (out / f"initial-seed-{seed}.pt").resolve()
-    server_item = REFERENCE_METHODS[method].server_item
-    server = (out / f"initial-server-seed-{seed}.pt").resolve() if server_item else None
+    server_items = REFERENCE_METHODS[method].server_items
+    server = (out / f"initial-server-seed-{seed}.pt").resolve() if server_items else None
     args, env, command = reference_launch(config, method, seed, name, initial, threads, server)
-    initial_digest = save_initial_states({**config, "method": method, "seed": seed}, initial, server)
+    initial_digest = save_initial_states({**config, "method": method, "seed": seed}, initial, server, server_items)
     key = json.loads((partitions / "config.json").read_text())["content_digest"]
     checkpoint = out / f"reference-seed-{seed}.checkpoint"
     progress = None
@@ -967,7 +976,7 @@ def run_reference(
     prior = progress or {}
     result = {
         **read_reference_run(
-            text, code, seed, rounds, config["num-clients"], log, server_item, REFERENCE_METHODS[method].server_order
+            text, code, seed, rounds, config["num-clients"], log, server_items, REFERENCE_METHODS[method].server_order
         ),
         **({"max_gap": parse_max_gap(text, rounds)} if method == "fedtgp" else {}),
         "command": command,

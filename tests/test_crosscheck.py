@@ -228,23 +228,37 @@ def test_fedl2gs_guiding_vectors_load_into_htflibs_embedding(method, width):
     # serverl2g_*.py stores G as an nn.Embedding(C, D) ('guiding_vec'): ours goes in as its weight, unchanged
     config = {**small_config(), "method": method, "seed": 3}
     num_classes = DATASETS[config["dataset"]].num_classes
-    ours = pairing.server_initial_state(config)
+    ours = pairing.server_initial_state(config, "guiding_vec")
     embedding = nn.Embedding(num_classes, config[width] if width else num_classes)
     embedding.load_state_dict(pairing.paired_state(ours, embedding.state_dict(), "the server's guiding_vec"))
     assert list(ours) == ["guiding.weight"] and torch.equal(embedding.weight.detach(), ours["guiding.weight"])
     assert not torch.equal(
-        ours["guiding.weight"], pairing.server_initial_state({**config, "seed": 4})["guiding.weight"]
+        ours["guiding.weight"], pairing.server_initial_state({**config, "seed": 4}, "guiding_vec")["guiding.weight"]
     )
 
 
-def test_fedgens_head_alone_loads_into_htflibs_head():
-    # servergen.py stores the head (client 0's, a Linear(K, C)) as 'head': ours goes in, the generator and the
-    # label counts of our global arrays stay out of it
-    config = {**small_config(), "method": "fedgen", "seed": 3}
-    ours = pairing.server_initial_state(config)
-    head = nn.Linear(RunConfig.from_dict(config).representation_dim, DATASETS[config["dataset"]].num_classes)
-    head.load_state_dict(pairing.paired_state(ours, head.state_dict(), "the server's head"))
-    assert list(ours) == ["head.weight", "head.bias"] and torch.equal(head.weight.detach(), ours["head.weight"])
+def test_fedgens_head_and_generator_each_load_into_htflibs_module():
+    # servergen.py stores the head (client 0's, a Linear(K, C)) as 'head' and its Generator as 'generative_model'
+    # (fc1 = Linear(d_eps + C, H), BatchNorm1d(H), ReLU; fc = Linear(H, K)): ours goes into each, and the label
+    # counts of our global arrays into neither
+    config = {**small_config(), "method": "fedgen", "seed": 3, "fedgen.noise-dim": 4, "fedgen.hidden-dim": 6}
+    k, c = RunConfig.from_dict(config).representation_dim, DATASETS[config["dataset"]].num_classes
+    head = pairing.server_initial_state(config, "head")
+    theirs = nn.Linear(k, c)
+    theirs.load_state_dict(pairing.paired_state(head, theirs.state_dict(), "the server's head"))
+    assert list(head) == ["head.weight", "head.bias"] and torch.equal(theirs.weight.detach(), head["head.weight"])
+    generator = pairing.server_initial_state(config, "generative_model")
+    htflib_generator = nn.Module()
+    htflib_generator.fc1 = nn.Sequential(nn.Linear(4 + c, 6), nn.BatchNorm1d(6), nn.ReLU())
+    htflib_generator.fc = nn.Linear(6, k)
+    htflib_generator.load_state_dict(pairing.paired_state(generator, htflib_generator.state_dict(), "generator"))
+    loaded = list(htflib_generator.state_dict().values())
+    assert len(loaded) == len(generator) == 9
+    assert all(torch.equal(a, b) for a, b in zip(loaded, generator.values(), strict=True))
+    assert not torch.equal(
+        htflib_generator.fc.weight.detach(),
+        pairing.server_initial_state({**config, "seed": 4}, "generative_model")[list(generator)[-2]],
+    )
 
 
 def test_partitions_are_our_clients_data_in_pflib_layout(tmp_path):
@@ -523,17 +537,17 @@ def test_the_bootstrap_pairs_every_client_with_our_initial_models_and_threads(
         assert [(int(i), d) for i, d, _, _ in lines] == [(i, pairing.states_digest([s])) for i, s in enumerate(ours)]
         # torch's threads and those of numpy's BLAS (OMP_NUM_THREADS, read as numpy loads it)
         assert {(t, b) for _, _, t, b in lines} == {(str(pairing.CLIENT_THREADS),) * 2}
-        server = pairing.server_initial_state({**bootstrapped.config, "method": "fedgh", "seed": seed})
+        server = pairing.server_initial_state({**bootstrapped.config, "method": "fedgh", "seed": seed}, "head")
         assert list(server) == ["head.weight", "head.bias"]
         assert re.findall(r"stand-in: server head (\w+)", log) == [pairing.states_digest([server])]
         client_head = {k: v for k, v in ours[0].items() if k.startswith("head.")}
         assert pairing.states_digest([server]) != pairing.states_digest([client_head])  # not what it stored
-        assert run["server_pairing"] == "paired"
+        assert run["server_pairing"] == {"head": "paired"}
         assert run["initial_digest"] == pairing.states_digest([*ours, server])
         assert run["threads"] == pairing.CLIENT_THREADS
         assert (
             "OMP_NUM_THREADS=1 CROSSCHECK_THREADS=1 " in run["command"]
-            and "CROSSCHECK_SERVER_ITEM=head " in run["command"]
+            and "CROSSCHECK_SERVER_ITEMS=head " in run["command"]
         )
     assert htfllib.PAIRED_SERVER.format(item="head") in htfllib.pairing("fedgh", bootstrapped.runs)[0]
     assert not bootstrapped.left
@@ -553,14 +567,15 @@ def test_the_bootstrap_pairs_every_client_with_our_initial_models_and_threads(
 def test_a_server_module_not_paired_is_reported_and_one_never_stored_is_refused(tmp_path):
     """The bootstrap's line for the server's module is read: paired, or not with its reason, which the
     report's unpaired list carries (the paired list then leaves the server out); a run that never
-    stored its ``server_item`` is refused."""
+    stored one of its ``server_items`` is refused; each item is read on its own."""
     text = "crosscheck: client 0 paired (8 tensors of ours)\nRunning time: 0th\nRound number: 0\n"
     text += "Averaged Test Accuracy: 0.1\nRound number: 1\nAveraged Test Accuracy: 0.2\n"
     reason = "the server's global_model: tensor 0 differs: ours conv1.weight (16, 1, 5, 5) torch.float32, ..."
     refused = text + f"crosscheck: server global_model not paired: {reason}\n"
     took = text.replace("Running", "crosscheck: server global_model paired\nRunning")
-    runs = [htfllib.read_reference_run(t, 0, 0, 1, 1, tmp_path, "global_model") for t in (refused, took)]
-    assert [r["server_pairing"] for r in runs] == [reason, "paired"] and runs[0]["curve"] == [0.2]
+    runs = [htfllib.read_reference_run(t, 0, 0, 1, 1, tmp_path, ("global_model",)) for t in (refused, took)]
+    assert [r["server_pairing"] for r in runs] == [{"global_model": reason}, {"global_model": "paired"}]
+    assert runs[0]["curve"] == [0.2]
     paired, unpaired = htfllib.pairing("fml", runs)
     assert paired == htfllib.PAIRED
     assert unpaired == f"the server's initial `global_model`, each side's own draw ({reason})"
@@ -569,7 +584,16 @@ def test_a_server_module_not_paired_is_reported_and_one_never_stored_is_refused(
     assert unpaired.startswith("each client's alignment map")
     assert htfllib.read_reference_run(text, 0, 0, 1, 1, tmp_path)["server_pairing"] is None
     with pytest.raises(RuntimeError, match=r"never stored its server's `head`"):
-        htfllib.read_reference_run(refused, 0, 0, 1, 1, tmp_path, "head")
+        htfllib.read_reference_run(refused, 0, 0, 1, 1, tmp_path, ("global_model", "head"))
+    # FedGen's two modules: the generator paired, the head not (its reason in the unpaired list, first)
+    lines = f"crosscheck: server generative_model paired\ncrosscheck: server head not paired: {reason}\n"
+    two = htfllib.read_reference_run(
+        text.replace("Running", lines + "Running"), 0, 0, 1, 1, tmp_path, ("head", "generative_model")
+    )
+    assert two["server_pairing"] == {"head": reason, "generative_model": "paired"}
+    paired, unpaired = htfllib.pairing("fedgen", [two])
+    assert paired == f"{htfllib.PAIRED}; {htfllib.PAIRED_SERVER.format(item='generative_model')}"
+    assert unpaired.startswith(f"the server's initial `head`, each side's own draw ({reason}); the labels and noise")
 
 
 #: a stand-in ``main.py`` whose server stores its module of the method (:data:`STAND_IN_UPLOAD_SERVER`)
@@ -663,7 +687,7 @@ def test_the_bootstrap_pairs_the_servers_module_and_batch_order_over_the_uploads
         **{"batch-size": 3, f"{method}.server-batch-size": 3, f"{method}.server-epochs": 2, "method": method}
     )
     seed = 2
-    item = htfllib.REFERENCE_METHODS[method].server_item
+    (item,) = htfllib.REFERENCE_METHODS[method].server_items
     ours = our_server_batches(method, config, seed, monkeypatch)
     write_stand_in(tmp_path / "ref" / "system", UPLOADS_MAIN, build=False)
 
@@ -674,9 +698,9 @@ def test_the_bootstrap_pairs_the_servers_module_and_batch_order_over_the_uploads
         return result, log, rounds
 
     paired, log, rounds = run(tmp_path / "paired")
-    server = pairing.server_initial_state({**config, "seed": seed})
+    server = pairing.server_initial_state({**config, "seed": seed}, item)
     own, stored = re.search(rf"^stand-in: server {item} (\w+) (\w+)$", log, re.M).groups()
-    assert stored == pairing.states_digest([server]) != own and paired["server_pairing"] == "paired"
+    assert stored == pairing.states_digest([server]) != own and paired["server_pairing"] == {item: "paired"}
     assert [batch for _, batches in rounds for batch in batches] == ours
     assert any(uploads != sorted(uploads) for uploads, _ in rounds)  # HtFLlib's own row order, not ours
     assert f"CROSSCHECK_SERVER_ORDER=server{method[3:]} " in paired["command"]
@@ -689,7 +713,62 @@ def test_the_bootstrap_pairs_the_servers_module_and_batch_order_over_the_uploads
     _, log, rounds = run(tmp_path / "unpaired")
     assert [batch for _, batches in rounds for batch in batches] != ours
     with pytest.raises(RuntimeError, match=rf"never built a DataLoader of flcore.servers.{ref.server_order}"):
-        htfllib.read_reference_run(log, 0, seed, 3, 3, tmp_path, item, ref.server_order)
+        htfllib.read_reference_run(log, 0, seed, 3, 3, tmp_path, (item,), ref.server_order)
+
+
+#: a stand-in ``main.py`` whose server stores FedGen's two modules as HtFLlib's ``servergen.py`` does: a
+#: ``Generator`` of its own draw (``fc1`` = Linear, BatchNorm1d, ReLU; ``fc`` = Linear) as ``generative_model``,
+#: then client 0's head as ``head``; it prints the digest of each as stored
+FEDGEN_MAIN = """
+import argparse, torch
+from torch import nn
+from bench.crosscheck_pairing import states_digest
+from flcore.clients.clientbase import Client, load_item, save_item
+from flcore.servers.serverbase import Server
+p = argparse.ArgumentParser()
+for flag in ("-nc", "-gr", "-ncl", "-fd", "-nd", "-hd"):
+    p.add_argument(flag, type=int)
+args, _ = p.parse_known_args()
+args.global_rounds = args.gr
+
+class StandIn(Server):
+    def train(self):
+        for r in range(self.global_rounds + 1):
+            self.selected_clients = self.select_clients()
+            print(f"Round number: {r}")
+            print("Averaged Test Accuracy: 0.5")
+
+server = StandIn(args, 0)
+server.clients = [Client(args, id=i) for i in range(args.nc)]
+generator = nn.Module()
+generator.fc1 = nn.Sequential(nn.Linear(args.nd + args.ncl, args.hd), nn.BatchNorm1d(args.hd), nn.ReLU())
+generator.fc = nn.Linear(args.hd, args.fd)
+save_item(generator, "Server", "generative_model", server.save_folder_name)
+save_item(load_item("Client_0", "model", server.save_folder_name).head, "Server", "head", server.save_folder_name)
+for name in ("generative_model", "head"):
+    stored = states_digest([load_item("Server", name, server.save_folder_name).state_dict()])
+    print("stand-in: server", name, stored, flush=True)
+print("Running time: 0th")
+server.train()
+"""
+
+
+def test_fedgens_server_head_and_generator_are_both_ours_through_the_bootstrap(tmp_path, stand_in_partitions):
+    """Through the bootstrap, HtFLlib's FedGen server (a stand-in) stores our server's initial head and
+    our initial generator, each under its own name, and the report's paired list names both."""
+    config = stand_in_config(**{"method": "fedgen", "fedgen.noise-dim": 4, "fedgen.hidden-dim": 6})
+    write_stand_in(tmp_path / "ref" / "system", FEDGEN_MAIN, build=False)
+    seed = 1
+    run = htfllib.run_reference(tmp_path / "ref", config, "fedgen", seed, stand_in_partitions, tmp_path / "cc")
+    log = (tmp_path / "cc" / f"reference-seed-{seed}.log").read_text()
+    for item in ("generative_model", "head"):
+        ours = pairing.server_initial_state({**config, "seed": seed}, item)
+        assert re.findall(rf"^stand-in: server {item} (\w+)$", log, re.M) == [pairing.states_digest([ours])]
+    assert run["server_pairing"] == {"head": "paired", "generative_model": "paired"}
+    assert "CROSSCHECK_SERVER_ITEMS=head,generative_model " in run["command"]
+    assert htfllib.pairing("fedgen", [run])[0] == "; ".join(
+        [htfllib.PAIRED, *(htfllib.PAIRED_SERVER.format(item=i) for i in ("head", "generative_model"))]
+    )
 
 
 #: a stand-in ``main.py`` whose server runs HtFLlib's round loop: each iteration selects the clients
@@ -817,8 +896,8 @@ import os, sys
 sys.argv = sys.argv[1:]
 for i in range(int(sys.argv[sys.argv.index("-nc") + 1])):
     print(f"crosscheck: client {i} paired (stand-in)", flush=True)
-if os.environ.get("CROSSCHECK_SERVER_ITEM"):
-    print(f"crosscheck: server {os.environ['CROSSCHECK_SERVER_ITEM']} paired", flush=True)
+for item in filter(None, os.environ.get("CROSSCHECK_SERVER_ITEMS", "").split(",")):
+    print(f"crosscheck: server {item} paired", flush=True)
 if os.environ.get("CROSSCHECK_SERVER_ORDER"):
     print("crosscheck: server batch order paired (stand-in)", flush=True)
 exec(compile(open("main.py").read(), "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py"})
@@ -1103,7 +1182,7 @@ def test_the_report_keeps_earlier_methods_and_says_the_settings_as_run(tmp_path,
 
     def reference(ref, config, method, seed, partitions, out, threads=1):
         curve = [0.1 * r for r in range(1, config["num-server-rounds"] + 1)]
-        took = "paired" if htfllib.REFERENCE_METHODS[method].server_item else None
+        took = {item: "paired" for item in htfllib.REFERENCE_METHODS[method].server_items} or None
         return {"curve": curve, "initial": 0.1, "diverged_round": None, "server_pairing": took, "command": "main.py",
                 "wall_seconds": 1, "cpu_seconds": 1}  # fmt: skip
 
