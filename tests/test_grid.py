@@ -174,6 +174,21 @@ def test_grid_interrupted_after_round_one_resumes_to_the_same_rows(tmp_path, mon
     with pytest.raises(ValueError, match=r"'fedtgp.prototype-pass': None, now 'before-training'.*another --out"):
         run_grid(preset, ["fedtgp", "local"], [0], split, launcher=in_process)
     assert len(json.loads((split / "grid.json").read_text())["invocations"]) == 4
+    # a section of a method the grid holds no cell of yet reads into new cells only: taken and recorded
+    # (fedl2g-feat's warm-up, for fedl2g-feat's first cells), but not for a method that has cells already
+    preset.write_text(
+        preset.read_text().replace("prototype-pass = 'before-training'\n", "") + "\n[fedl2g-feat]\nwarm-up-rounds = 0\n"
+    )
+    assert run_grid(preset, ["fedtgp", "fedl2g-feat"], [0], split, launcher=in_process) == {
+        "fedtgp-seed0": "done",
+        "fedl2g-feat-seed0": "completed",
+    }
+    info = json.loads((split / "grid.json").read_text())
+    assert len(info["invocations"]) == 5 and info["preset_config"]["fedl2g-feat.warm-up-rounds"] == 0
+    assert read_summary(newest_run(split / "fedl2g-feat-seed0")[0])["config"]["fedl2g-feat.warm-up-rounds"] == 0
+    preset.write_text(preset.read_text().replace("warm-up-rounds = 0", "warm-up-rounds = 1"))
+    with pytest.raises(ValueError, match=r"'fedl2g-feat.warm-up-rounds': 0, now 1.*another --out"):
+        run_grid(preset, ["fedl2g-feat"], [0], split, launcher=in_process)
 
 
 def test_the_grid_refuses_an_unknown_method_without_importing_the_methods(tmp_path):

@@ -235,6 +235,13 @@ def git_commit() -> str:
     return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
+def read_by_new_cells_only(key: str, grid: Path, methods: list[str]) -> bool:
+    """Whether only cells ``grid`` does not hold yet read preset key ``key``: an option ``<method>.<option>``
+    of one of ``methods`` (this invocation's) of which the grid has no cell."""
+    section, _, option = key.partition(".")
+    return bool(option) and section in methods and not any(grid.glob(f"{section}-seed*"))
+
+
 def record_invocation(
     grid: Path,
     preset: Path,
@@ -247,9 +254,13 @@ def record_invocation(
 ) -> None:
     """Add this invocation to ``grid.json`` (created with the preset's config on the first one).
 
+    A preset key added or changed since is taken (and recorded) when only cells the grid does not hold yet
+    read it: an option ``<method>.<key>`` of one of ``methods`` that has no cell in the grid (e.g. the
+    section of a method a later invocation adds).
+
     Raises:
         ValueError: ``overrides`` differ from those the grid was started with, or the preset's
-            config has changed since (its cells would mix two configs); the keys are named.
+            config has changed since in a key its cells read (they would mix two configs); the keys are named.
     """
     path = grid / GRID_FILE
     config = {**read_preset(preset), **overrides}
@@ -263,13 +274,14 @@ def record_invocation(
             f"this grid was started with overrides {info.get('overrides')}, not {overrides}: use another --out folder"
         )
     started = info["preset_config"]
-    if changed := sorted(k for k in set(started) | set(config) if started.get(k) != config.get(k)):
+    changed = sorted(k for k in set(started) | set(config) if started.get(k) != config.get(k))
+    if changed := [k for k in changed if not read_by_new_cells_only(k, grid, methods)]:
         raise ValueError(
             f"{preset} has changed since this grid started ("
             + ", ".join(f"{k!r}: {started.get(k)!r}, now {config.get(k)!r}" for k in changed)
             + "): use another --out folder"
         )
-    info.update(methods=methods, seeds=seeds, rounds=rounds)
+    info.update(preset_config=config, methods=methods, seeds=seeds, rounds=rounds)
     info["invocations"].append(
         {
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
