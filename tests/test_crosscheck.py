@@ -113,8 +113,9 @@ def build_clients():
 
 
 #: a stand-in for HtFLlib's ``flcore/servers/serverbase.py``: ``Server`` keeps its store in a folder of
-#: its own (``temp/<time>/``, which the clients' models go to) and ``select_clients`` draws their
-#: order from numpy's generator, as HtFLlib's do
+#: its own (``temp/<time>/``, which the clients' models go to), ``select_clients`` draws their
+#: order from numpy's generator, as HtFLlib's do, and ``train`` runs HtFLlib's round loop, printing each
+#: round's number and an accuracy, then a stand-in's ``after_round`` step
 STAND_IN_SERVERBASE = """
 import time
 import numpy as np
@@ -127,6 +128,16 @@ class Server:
 
     def select_clients(self):
         return [self.clients[i] for i in np.random.permutation(len(self.clients))]
+
+    def train(self):
+        for r in range(self.global_rounds + 1):
+            self.selected_clients = self.select_clients()
+            print(f"Round number: {r}")
+            print("Averaged Test Accuracy: 0.5")
+            self.after_round(r)
+
+    def after_round(self, r):
+        pass
 """
 
 
@@ -613,13 +624,9 @@ args.global_rounds = args.gr
 module = importlib.import_module("flcore.servers." + ("servertgp" if args.algo == "FedTGP" else "servergh"))
 
 class StandIn(Server):
-    def train(self):
-        for r in range(self.global_rounds + 1):
-            self.selected_clients = self.select_clients()
-            print(f"Round number: {r}")
-            print("Averaged Test Accuracy: 0.5")
-            module.upload(self.clients, lambda i: [k for k in range(4) if (k + i + r) % 3])
-            print("stand-in: round", json.dumps(module.train_on_uploads(self, args.se, args.lbs)), flush=True)
+    def after_round(self, r):
+        module.upload(self.clients, lambda i: [k for k in range(4) if (k + i + r) % 3])
+        print("stand-in: round", json.dumps(module.train_on_uploads(self, args.se, args.lbs)), flush=True)
 
 server = StandIn(args, 0)
 server.clients = [Client(args, id=i) for i in range(args.nc)]
@@ -730,15 +737,7 @@ for flag in ("-nc", "-gr", "-ncl", "-fd", "-nd", "-hd"):
     p.add_argument(flag, type=int)
 args, _ = p.parse_known_args()
 args.global_rounds = args.gr
-
-class StandIn(Server):
-    def train(self):
-        for r in range(self.global_rounds + 1):
-            self.selected_clients = self.select_clients()
-            print(f"Round number: {r}")
-            print("Averaged Test Accuracy: 0.5")
-
-server = StandIn(args, 0)
+server = Server(args, 0)
 server.clients = [Client(args, id=i) for i in range(args.nc)]
 generator = nn.Module()
 generator.fc1 = nn.Sequential(nn.Linear(args.nd + args.ncl, args.hd), nn.BatchNorm1d(args.hd), nn.ReLU())
