@@ -5,7 +5,7 @@ Usage (from the repository root):
     uv run --frozen python -m bench.engine_scan [--nodes 100,1000,10000] [--messages 1,16,64]
         [--out results/scale/engine-scan.json]
 
-Flower 1.41's simulation engine (``flwr.server.superlink.fleet.vce.vce_api.add_messages_to_queue``)
+Flower 1.42's simulation engine (``flwr.server.superlink.fleet.vce.vce_api.add_messages_to_queue``)
 calls ``LinkState.get_message_ins(node_id, limit=1)`` for every registered node every 0.1 s, and the
 in-memory LinkState answers each call by walking every stored instruction message
 (``in_memory_linkstate.InMemoryLinkState.get_message_ins``, with ``_check_stored_messages`` per

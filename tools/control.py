@@ -1,5 +1,5 @@
 """Ask a SuperLink's Control API from this process, as ``flwr run``, ``flwr log --stream``, ``flwr list``
-and ``flwr stop`` ask it (Flower 1.41's ``ControlHttpClient``, built by ``flwr.cli.utils``), and build
+and ``flwr stop`` ask it (Flower 1.42's ``ControlHttpClient``, built by ``flwr.cli.utils``), and build
 the app's FAB as ``flwr run`` builds it, without walking the folders no FAB file can come from.
 
 Why not the CLI: each ``flwr`` process imports the CLI (2-3 s of CPU here), and ``flwr run`` collects

@@ -220,7 +220,7 @@ def superexec_command(port: int, parent_pid: int) -> list[str]:
     ]
 
 
-#: path prefixes of Flower 1.41's SuperLink HTTP APIs, which all share one port
+#: path prefixes of Flower 1.42's SuperLink HTTP APIs, which all share one port
 #: (flwr/superlink/routers/fleet, flwr/superlink/routers/control, flwr/supercore/routers/runtime)
 FLEET_PATH, CONTROL_PATH, RUNTIME_PATH = "/v1/fleet/", "/v1/control/", "/v1/runtime/"
 
@@ -231,7 +231,7 @@ def proxy_config(folder: Path, certs: Path, listen: str, superlink: str, operato
     only from the ``operators`` addresses or networks, everything else (the Runtime API of
     ServerApps, which reach the SuperLink on loopback directly) from nowhere.
 
-    In Flower 1.41 the three APIs share one port and Flower has no per-API access control, so
+    In Flower 1.42 the three APIs share one port and Flower has no per-API access control, so
     without this anyone holding ``ca.crt`` could submit a run (whose ClientApp then runs on every
     SuperNode) or stop the real one. The proxy terminates TLS with the SuperLink's certificate
     and key (so clients keep trusting ``ca.crt``) and forwards over TLS to ``superlink``

@@ -2,7 +2,7 @@
 
 Usage: ``uv run python -m tools.run [--preset presets/<name>.toml] [--run-config "method='local' num-server-rounds=5"]``
 
-What plain ``flwr run . --stream`` (Flower 1.41, ``flwr.cli.run``) does not do and this does:
+What plain ``flwr run . --stream`` (Flower 1.42, ``flwr.cli.run``) does not do and this does:
 
 - validates the run config before anything starts (a bad key fails in a second);
 - starts its *own* SuperLink (simulation mode, free ports, a Flower home of this launch's own

@@ -47,7 +47,7 @@ def toml_value(value) -> str:
 def run_config_file(config: dict[str, Any]):
     """``config`` (flat keys) as a TOML file for ``flwr run --run-config FILE``, removed on exit.
 
-    Why a file: Flower 1.41's ``parse_config_args`` parses each ``--run-config KEY=VALUE`` item to a
+    Why a file: Flower 1.42's ``parse_config_args`` parses each ``--run-config KEY=VALUE`` item to a
     nested dict and merges the items with a shallow ``dict.update``, so of several items of one table
     (``--run-config fedgh.server-mode=... --run-config fedgh.server-lr=...``) only the last survives
     and the others silently take their defaults. A TOML file is read in one piece; its quoted dotted

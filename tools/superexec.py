@@ -1,7 +1,7 @@
 """A SuperExec whose ClientApp processes start warm: forked from a process that has already
 imported Flower's ClientApp runtime and the app's heavy libraries.
 
-Flower 1.41 runs every message in a fresh ``flwr-clientapp`` process (the ClientApp is
+Flower 1.42 runs every message in a fresh ``flwr-clientapp`` process (the ClientApp is
 short-lived by design), and each one pays the interpreter start, Flower's own imports (~2 s of
 CPU here: ``flwr.supernode`` pulls in sqlalchemy, fastapi, alembic), ``import torch`` (~2.3 s)
 and, for model groups with torchvision models, ``import torchvision`` (~4 s, it imports
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         del sys.path[0]
     executor = ForkserverExecutor()
     executor.warm_up()
-    # Flower 1.41 picks its executor from a closed set (subprocess, kubernetes) inside
+    # Flower 1.42 picks its executor from a closed set (subprocess, kubernetes) inside
     # run_superexec; this is the one place to hand it another implementation of its Executor protocol
     flower_superexec.get_executor = lambda *_, **__: executor
     flower_superexec.run_superexec(
