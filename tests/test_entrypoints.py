@@ -424,6 +424,17 @@ def test_the_committed_scale_table_and_its_quoted_seconds_are_what_the_rows_give
     assert scale_table(auto) in readme  # one quoted -c "k=v ..." argument, parsed word by word
     launch = [sum(run["startup_seconds"].values()) for run in auto]
     assert f"{launch[1] / launch[0]:.2f}x the launch at 100 ({launch[1]:.1f} s against {launch[0]:.1f} s)" in readme
+    for version in ("1.41", "1.42"):  # the Flower move's two tables
+        assert scale_table(json.loads((ROOT / "results" / "scale" / f"simulation-flower-{version}.json").read_text())) in readme
+    for version, runs_of_version in (("1.41", ("141-8a", "141-8b")), ("1.42", ("142-8a", "142-8b"))):
+        overheads = [  # bench.deployment's printed table: round, round_s, compute_s, overhead_s, ...
+            float(cells[3])
+            for name in runs_of_version
+            for cells in map(str.split, (ROOT / "results" / "scale" / "deployment-flower-ab" / f"{name}.txt").open())
+            if len(cells) > 4 and cells[0].isdigit() and int(cells[0]) >= 2
+        ]
+        quoted = f"{statistics.median(overheads):.2f} s\nunder {version} ({min(overheads):.2f}-{max(overheads):.2f} s"
+        assert " ".join(quoted.split()) in " ".join(readme.split()), quoted
     trial = json.loads((ROOT / "results" / "scale" / "simulation-sampled-window4.json").read_text())[0]
     assert f"{min(trial['round_seconds'][1:]):.2f}-{max(trial['round_seconds'][1:]):.2f} s per later round" in readme
     for run, handler, beyond in zip(runs[::2], ("4.9-6.0 s at 100", "10.5-11.4 s at 10,000"), ("30-40", "72-77")):
