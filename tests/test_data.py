@@ -185,3 +185,28 @@ def test_partition_seed_holds_the_partition_while_seed_varies_training(run_confi
 def test_stratified_split_of_no_labels_is_two_empty_parts():
     first, second = stratified_split(torch.zeros(0, dtype=torch.int64), 0.2, torch.Generator().manual_seed(0))
     assert first.dtype == second.dtype == torch.int64 and len(first) == len(second) == 0
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"partitioner": "pathological"},
+        {"partitioner": "dirichlet", "dirichlet_alpha": 0.3, "num_partitions": 20},
+        {"partitioner": "iid", "max_examples_per_client": 500},
+    ],
+    ids=["pathological", "dirichlet", "iid"],
+)
+def test_the_labels_only_pool_gives_every_partition_the_same_labels_and_split(kw):
+    """What the pre-flight check, the class prior and the label figures read (``labels_only``) is what
+    the client's own partition gives: the same labels, in the same order, and the same train/test
+    indices, for every partitioner; the labels-only partition holds the label column alone."""
+    from common.data import partition_split
+
+    part_spec = spec(**kw)
+    label = DATASETS[part_spec.dataset].label_column
+    for pid in range(part_spec.num_partitions):
+        full, labels, train_idx, test_idx = partition_split(part_spec, pid)
+        only, labels_o, train_o, test_o = partition_split(part_spec, pid, labels_only=True)
+        assert len(labels) > 0 and torch.equal(labels, labels_o)
+        assert torch.equal(train_idx, train_o) and torch.equal(test_idx, test_o)
+        assert only.column_names == [label] and label in full.column_names and len(full.column_names) > 1

@@ -86,7 +86,7 @@ def fedgh_payload_bytes(run_config: dict, data_dir: str) -> tuple[int, int]:
     down = cfg.num_clients * 4 * c * (d + 1)
     up = 0
     for partition in range(cfg.num_clients):
-        _, labels, train_idx, _ = partition_split(spec, partition)
+        _, labels, train_idx, _ = partition_split(spec, partition, labels_only=True)
         up += 4 * len(labels[train_idx].unique()) * (d + 1)
     return down, up
 

@@ -96,7 +96,7 @@ def plot_partitions(config: dict, out: Path, data_dir: str | None = None) -> Non
     from common.datasets import DATASETS
 
     cfg = RunConfig.from_dict({**app_defaults(), **config, **({"data-dir": data_dir} if data_dir else {})})
-    partitioner = partitioner_for(DataSpec.from_config(cfg, cfg.num_clients))
+    partitioner = partitioner_for(DataSpec.from_config(cfg, cfg.num_clients), labels_only=True)
     fig, ax, counts = plot_label_distributions(
         partitioner,
         label_name=DATASETS[cfg.dataset].label_column,

@@ -160,7 +160,7 @@ def training_flops(config: dict, data_dir: str | None = None) -> float:
             with FlopCounterMode(display=False) as counter:
                 model(x).sum().backward()
             per_sample[key] = counter.get_total_flops() / 2
-        total += per_sample[key] * len(partition_split(spec, pid)[2]) * cfg.local_epochs
+        total += per_sample[key] * len(partition_split(spec, pid, labels_only=True)[2]) * cfg.local_epochs
     return total / cfg.num_clients
 
 
@@ -174,22 +174,23 @@ def prior_accuracy(config: dict, partitions: list[int], data_dir: str | None = N
     ``data_dir`` overrides its ``data-dir``.
 
     Raises:
-        ConfigError: the dataset is not readable there (``common.data.load_client_data``), or
+        ConfigError: the dataset is not readable there (``common.data.partition_split``), or
             ``partitions`` is empty.
     """
     from common.config import RunConfig
-    from common.data import DataSpec, class_counts, load_client_data
+    from common.data import DataSpec, class_counts, partition_split
+    from common.datasets import DATASETS
 
     if not partitions:
         raise ConfigError("no partitions to score the class prior on")
     cfg = RunConfig.from_dict({**app_defaults(), **config, **({"data-dir": data_dir} if data_dir else {})})
     spec = DataSpec.from_config(cfg, cfg.num_clients)
     hits, totals = [], []
-    for pid in partitions:
-        data = load_client_data(spec, pid)
-        majority = int(class_counts(data.train_y, data.info.num_classes).argmax())
-        hits.append(int((data.test_y == majority).sum()))
-        totals.append(len(data.test_y))
+    for pid in partitions:  # the labels alone: the same split as the client's data, no image decoded
+        _, labels, train_idx, test_idx = partition_split(spec, pid, labels_only=True)
+        majority = int(class_counts(labels[train_idx], DATASETS[cfg.dataset].num_classes).argmax())
+        hits.append(int((labels[test_idx] == majority).sum()))
+        totals.append(len(test_idx))
     per_client = [h / t for h, t in zip(hits, totals, strict=True) if t]
     return float(np.mean(per_client)), sum(hits) / max(1, sum(totals))
 
