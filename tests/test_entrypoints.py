@@ -424,6 +424,8 @@ def test_the_committed_scale_table_and_its_quoted_seconds_are_what_the_rows_give
     assert scale_table(auto) in readme  # one quoted -c "k=v ..." argument, parsed word by word
     launch = [sum(run["startup_seconds"].values()) for run in auto]
     assert f"{launch[1] / launch[0]:.2f}x the launch at 100 ({launch[1]:.1f} s against {launch[0]:.1f} s)" in readme
+    for name in ("auto-labels-only-before", "auto-labels-only-after"):
+        assert scale_table(json.loads((ROOT / "results" / "scale" / f"simulation-{name}.json").read_text())) in readme
     for version in ("1.41", "1.42"):  # the Flower move's two tables
         assert scale_table(json.loads((ROOT / "results" / "scale" / f"simulation-flower-{version}.json").read_text())) in readme
     for version, runs_of_version in (("1.41", ("141-8a", "141-8b")), ("1.42", ("142-8a", "142-8b"))):
