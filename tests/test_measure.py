@@ -35,3 +35,17 @@ def test_run_measured_counts_a_reaped_child_once(tmp_path):
     measured = run_measured([sys.executable, "-c", parent], tmp_path, tmp_path / "log")
     assert measured.code == 0
     assert 1.49 <= measured.cpu < 2.2
+
+
+def test_import_memory_counts_what_an_import_adds_to_a_fresh_process():
+    """bench.import_memory: a module that maps a large extension (numpy) adds megabytes of USS to a fresh
+    interpreter, one already imported by the interpreter's start (sys) adds none, and the table names
+    every step and the total."""
+    from bench.import_memory import measure, table
+
+    result = measure(["sys", "numpy"], repeats=1)
+    assert result["modules"] == ["sys", "numpy"] and len(result["step_mib"]) == 2
+    assert abs(result["step_mib"][0]) < 0.5 and result["step_mib"][1] > 2.0
+    assert result["total_mib"] >= result["start_mib"] + result["step_mib"][1] - 0.5
+    text = table(result)
+    assert "| `numpy` |" in text and text.count("\n") == 5 and "all of them, one process" in text
