@@ -424,10 +424,9 @@ def test_the_committed_scale_table_and_its_quoted_seconds_are_what_the_rows_give
     assert scale_table(auto) in readme  # one quoted -c "k=v ..." argument, parsed word by word
     launch = [sum(run["startup_seconds"].values()) for run in auto]
     assert f"{launch[1] / launch[0]:.2f}x the launch at 100 ({launch[1]:.1f} s against {launch[0]:.1f} s)" in readme
-    for name in ("auto-labels-only-before", "auto-labels-only-after"):
+    # the Flower move's two tables, the labels-only pool's before and after
+    for name in ("flower-1.41", "flower-1.42", "auto-labels-only-before", "auto-labels-only-after"):
         assert scale_table(json.loads((ROOT / "results" / "scale" / f"simulation-{name}.json").read_text())) in readme
-    for version in ("1.41", "1.42"):  # the Flower move's two tables
-        assert scale_table(json.loads((ROOT / "results" / "scale" / f"simulation-flower-{version}.json").read_text())) in readme
     for version, runs_of_version in (("1.41", ("141-8a", "141-8b")), ("1.42", ("142-8a", "142-8b"))):
         overheads = [  # bench.deployment's printed table: round, round_s, compute_s, overhead_s, ...
             float(cells[3])
@@ -1069,3 +1068,22 @@ def test_bench_deployment_reports_each_late_partition_where_it_was_first_served(
         "37.5 s after its start",
         "late partition 4: started 13.0 s into the run, never served",
     ]
+
+
+def test_the_committed_import_memory_table_and_its_sums_are_what_the_file_gives():
+    """results/scale/README.md's table of what each import adds to a ClientApp actor, and the sums its
+    text quotes (Ray's and Flower's side, the htfe2 actor's imports, the app, datasets), from the file."""
+    from bench.import_memory import table
+
+    run = json.loads((ROOT / "results" / "scale" / "memory" / "import-uss.json").read_text())
+    readme = (ROOT / "results" / "scale" / "README.md").read_text()
+    assert table(run) in readme
+    step = dict(zip(run["modules"], run["step_mib"], strict=True))
+    ray_flower = step["ray"] + step["flwr.clientapp"] + step["flwr.server.superlink.fleet.vce.backend.raybackend"]
+    htfe2 = run["start_mib"] + sum(run["step_mib"][: run["modules"].index("torchvision") + 1])
+    text = " ".join(readme.split())
+    quoted = f"the imports alone hold {htfe2:.0f} MiB before any client is served: Ray's and Flower's side"
+    assert f"{quoted} {ray_flower:.0f} MiB" in text
+    assert f"`torch` {step['torch']:.0f} MiB and `torch._dynamo` {step['torch._dynamo']:.0f} MiB" in text
+    assert f"all methods, adds {step['client_app.handlers'] + step['methods.registry']:.1f} MiB" in text
+    assert f"adds {step['datasets'] + step['flwr_datasets']:.0f} MiB of `datasets`" in text
