@@ -98,10 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the result (with the command and commit) as JSON")
     parser.add_argument("--table", type=Path, help="print the table of a written result and exit")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: allowed values are integers >= 1")
     if args.table:
         print(table(json.loads(args.table.read_text())))
         return 0
-    result = measure([m for m in args.modules.split(",") if m], max(1, args.repeats))
+    result = measure([m for m in args.modules.split(",") if m], args.repeats)
     print(table(result))
     if args.out:
         command = "python -m bench.import_memory " + " ".join(argv or sys.argv[1:])
