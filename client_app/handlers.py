@@ -134,22 +134,6 @@ def config_error_reply(msg: Message, context: Context, error: ConfigError) -> Me
     return Message(RecordDict({CONFIG_ERROR_RECORD: ConfigRecord(record)}), reply_to=msg)
 
 
-def keep_snapshot(client: ClientRuntime) -> None:
-    """Keep the just-trained personal model as state record ``model-round-<r>`` for the privacy
-    evaluation's white-box attacker (run config ``record-payloads``). Only a client with a state folder
-    keeps it (a simulation's run folder, a node's ``state-dir``): in ``context.state`` every copy would
-    ride along with every later message."""
-    if client.state_dir is None:
-        log.warning(
-            "partition %d: no state folder (node config 'state-dir'), so the model of round %s is not kept for "
-            "run config key 'record-payloads'",
-            client.partition_id,
-            client.server_round,
-        )
-        return
-    client.store(snapshot_name(client.server_round or 0), client.model)
-
-
 def handle_message(msg: Message, context: Context) -> Message:
     """Run the method's handler for ``msg`` and build the reply.
 
@@ -200,7 +184,7 @@ def handle_message(msg: Message, context: Context) -> Message:
             metrics = {k: v for k, v in metrics.items() if k not in ("train-loss", "train-acc")}
             metrics.update(client.privacy_metrics())
         if config.get(RECORD) and trains:
-            keep_snapshot(client)
+            client.keep_snapshot(snapshot_name(client.server_round or 0), client.model)
         if config.get(EVALUATE):  # evaluate the just-trained personal model in the same reply
             metrics.update({EVAL_PREFIX + k: v for k, v in procedure.evaluate(client, {}, config)[1].items()})
     except torch.cuda.OutOfMemoryError as exc:

@@ -102,3 +102,10 @@ def metric_values(values: Mapping[str, Any]) -> dict[str, Any]:
 def snapshot_name(server_round: int) -> str:
     """The client state record holding the personal model as it was after training round ``server_round``."""
     return f"model-round-{server_round}"
+
+
+def start_snapshot_name(server_round: int) -> str:
+    """The client state record holding the whole module local training optimises in round ``server_round``
+    (the personal model with its companions: FML's meme model, FedKD's mentee and alignment map, FedMRL's
+    fused model), as it was before that training."""
+    return f"training-module-round-{server_round}-start"

@@ -255,6 +255,25 @@ class ClientRuntime:
         """
         self.state.store(name, module)
 
+    def keep_snapshot(self, name: str, module: nn.Module) -> None:
+        """Keep ``module`` as state record ``name`` for the privacy evaluation's white-box attacker (run
+        config ``record-payloads``; :func:`common.protocol.snapshot_name`). Only a client with a state folder
+        keeps it (a simulation's run folder, a node's ``state-dir``): in ``context.state`` every copy would
+        ride along with every later message; without one a warning says what is not kept.
+
+        Raises:
+            RuntimeError: as :meth:`store`.
+        """
+        if self.state_dir is None:
+            log.warning(
+                "partition %d: no state folder (node config 'state-dir'), so '%s' is not kept for run config key "
+                "'record-payloads'",
+                self.partition_id,
+                name,
+            )
+            return
+        self.store(name, module)
+
     @property
     def state_restores(self) -> int:
         """State records read back from ``state-dir`` in this message."""

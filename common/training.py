@@ -19,7 +19,7 @@ from common.data import ClientData, augment, batches, normalize
 from common.datasets import DatasetInfo
 from common.dp import DPPlan, noisy_class_means, secret_generator
 from common.optim import SGD
-from common.protocol import SERVER_ROUND
+from common.protocol import RECORD, SERVER_ROUND, start_snapshot_name
 from models.base import SplitModel
 
 EVAL_BATCH = 512
@@ -362,8 +362,11 @@ def train_personal_model(
     """Train the client's personal model (:func:`train_supervised`) with this round's RNG and persist it.
 
     ``model`` replaces the personal model in training when it is a wrapper around it (e.g.
-    FedMRL's fused model); the personal model is what gets persisted either way. ``data`` replaces the
-    client's data when the method trains on part of its train split (FedL2G keeps a quiz set out).
+    FedMRL's fused model); the personal model is what gets persisted either way. In a round whose
+    payloads are recorded (config ``record``) such a wrapper is kept as it was before training
+    (:func:`common.protocol.start_snapshot_name`): the white-box attacker's start of the companions.
+    ``data`` replaces the client's data when the method trains on part of its train split (FedL2G keeps a
+    quiz set out).
 
     Args:
         client: the :class:`common.runtime.ClientRuntime` of this message.
@@ -372,6 +375,9 @@ def train_personal_model(
     Returns:
         The training metrics plus ``num-examples`` (local training samples).
     """
+    if model is not None and config.get(RECORD):
+        # the companions' start is not in the payload: the attack on the shared module's update needs it
+        client.keep_snapshot(start_snapshot_name(int(config[SERVER_ROUND])), model)
     client.spend_privacy(trainings=1)  # with DP on: counted, durably, before the training runs
     clip = client.dp_clip_norm()  # dp.adaptive-clip: where the last round's training left the clip
     data = data or client.data

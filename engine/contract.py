@@ -259,6 +259,14 @@ class MethodServer:
         ``C``. A method whose payload grows with the client's model adds its symbols (MH-pFedHN's ``K``)."""
         return {**self.dims, "k": self.info.num_classes, "a": self.info.num_classes}
 
+    def training_companions(self, model: Any) -> list[Any]:
+        """The modules (on the meta device) a client holding ``model`` (its personal model, on the meta
+        device) trains together with it, for ``record-payloads``' disk estimate: a client keeps them and its
+        personal model as they were at the start of a recorded round (``common.protocol.start_snapshot_name``).
+        Empty (the default) for a method whose client trains its personal model alone; FML's meme model,
+        FedKD's mentee and alignment map, FedMRL's small model and projector."""
+        return []
+
     def server_state(self) -> dict[str, Any] | None:
         """The state of the attributes in ``checkpointed`` (:func:`engine.checkpoint.server_state`)."""
         return server_state(self, self.checkpointed)

@@ -348,10 +348,11 @@ class Runner:
         """Bytes run config ``record-payloads`` writes at most in a run of ``num_clients`` clients: per
         client and recorded round, the download and the upload of every message type at their largest
         (the payload schemas under :meth:`recording_dims`: ``.npz`` files hold their tensor bytes) and
-        the client's copy of its personal model (its state dict), plus :data:`RECORD_FILE_OVERHEAD`
-        per file and :data:`RECORD_ARRAY_OVERHEAD` per array, times the recorded rounds (0 when none
-        is). Each architecture of the model group is built once, on the meta device (nothing is
-        allocated)."""
+        the client's copy of its personal model (its state dict) and, for a method that trains it with
+        companions, their copy with it at the start of training (``MethodServer.training_companions``),
+        plus :data:`RECORD_FILE_OVERHEAD` per file and :data:`RECORD_ARRAY_OVERHEAD` per array, times the
+        recorded rounds (0 when none is). Each architecture of the model group is built once, on the meta
+        device (nothing is allocated)."""
         import torch
 
         from models.groups import MODEL_GROUPS
@@ -364,12 +365,15 @@ class Runner:
         for member in range(min(period, num_clients) if count else 0):
             with torch.device("meta"):
                 model = group.build(member, info.num_classes, info.channels, info.image_size, 0, self.cfg.feature_dim)
+                companions = self.method.training_companions(model)
             dims = self.method.recording_dims(model)
-            state = model.state_dict().values()
+            state = list(model.state_dict().values())
             schemas = [s for pair in self.method.schemas.values() for s in pair if s.arrays]
+            if companions:  # the copy of the personal model with them at the start of training
+                state = [*state, *state, *(t for m in companions for t in m.state_dict().values())]
             data = sum(s.nbytes(dims) for s in schemas) + sum(t.numel() * t.element_size() for t in state)
-            # a file per schema (an upload's metrics file beside it) and the model's copy
-            files = len(schemas) + sum(1 for _, up in self.method.schemas.values() if up.arrays) + 1
+            # a file per schema (an upload's metrics file beside it), the model's copy and its start copy
+            files = len(schemas) + sum(1 for _, up in self.method.schemas.values() if up.arrays) + 1 + bool(companions)
             arrays = sum(len(s.arrays) for s in schemas) + len(state)
             overhead = files * RECORD_FILE_OVERHEAD + arrays * RECORD_ARRAY_OVERHEAD
             total += len(range(member, num_clients, period)) * (data + overhead)

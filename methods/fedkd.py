@@ -41,7 +41,7 @@ from common.options import option
 from common.payload import BASE_SCHEMAS, MAX_ABS, ArraySpec, ClientReply, PayloadError, PayloadSchema
 from common.protocol import SERVER_ROUND, Arrays, Reply
 from common.runtime import ClientRuntime
-from common.training import kd_loss, train_personal_model
+from common.training import SupervisedLoss, kd_loss, train_personal_model
 from engine.contract import Method, MethodBinding, MethodContext
 from methods.blocks.shared_model import (
     SHARED_LAYOUTS,
@@ -186,6 +186,11 @@ class FedKDServer(SharedModelServer):
         """Every rank symbol at its largest (:func:`rank_limits`: nothing cut)."""
         return {**super().recording_dims(model), **rank_limits(self.shared)}
 
+    def training_companions(self, model: nn.Module) -> list[nn.Module]:
+        """The mentee and the alignment map W_h (d_s -> d_t), trained with the mentor ``model``
+        (:meth:`FedKDClient.local_training`)."""
+        return [self.shared, nn.Linear(self.shared.feature_dim, model.feature_dim, bias=False)]
+
     def configure_train(self, node_id: int, server_round: int) -> dict[str, np.ndarray]:
         """The mentee compressed at T_t (computed once per round)."""
         if self._broadcast[0] != server_round:
@@ -228,15 +233,16 @@ class FedKDClient(SharedModelClient):
         """The mentee reconstructed from the compressed payload, on the client's device."""
         return super().received(client, svd_decompress(payload, self.shapes))
 
-    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
-        """Returns the trained mentee compressed at T_t and the mentor's training metrics."""
-        mentee = self.received(client, payload)
+    def local_training(self, client: ClientRuntime, mentee: nn.Module) -> tuple[WithCompanions, SupervisedLoss]:
+        """(the mentor with ``mentee`` and the alignment map W_h as companions, the adaptive mutual
+        distillation loss of both) that local training optimises; W_h restored from this client's state
+        (its seed's initialisation the first time). The privacy evaluation's attack on the mentee's update
+        simulates the same."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed)
             align = nn.Linear(mentee.feature_dim, client.model.feature_dim, bias=False)
         client.restore(ALIGN_STATE, align)
         align = align.to(client.device)
-        model = WithCompanions(client.model, mentee=mentee, align=align)
 
         def adaptive_loss(x, features, logits, labels):
             h_s = mentee.extractor(x)
@@ -248,10 +254,16 @@ class FedKDClient(SharedModelClient):
             student = ce_s + scale * (kd_loss(mentee_logits, logits.detach()) + F.mse_loss(mapped, features.detach()))
             return mentor + student
 
+        return WithCompanions(client.model, mentee=mentee, align=align), adaptive_loss
+
+    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
+        """Returns the trained mentee compressed at T_t and the mentor's training metrics."""
+        mentee = self.received(client, payload)
+        model, adaptive_loss = self.local_training(client, mentee)
         stats = train_personal_model(
             client, config, supervised_loss=adaptive_loss, model=model, clip_groups=model.groups
         )
-        client.store(ALIGN_STATE, align)
+        client.store(ALIGN_STATE, model.align)
         return svd_compress(
             mentee.state_dict(), energy_threshold(self.options, self.cfg.num_server_rounds, int(config[SERVER_ROUND]))
         ), stats

@@ -37,7 +37,7 @@ from common.metrics import fraction
 from common.options import number, option
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
-from common.training import evaluate_model, evaluation_metrics, train_personal_model
+from common.training import SupervisedLoss, evaluate_model, evaluation_metrics, train_personal_model
 from engine.contract import Method
 from methods.blocks.shared_model import (
     GROUP_FIRST,
@@ -166,6 +166,11 @@ class FedMRLServer(SharedModelServer):
         """Only with ``eval-protocol = "official"`` (the post-training models, as the authors' code)."""
         return self.options.eval_protocol == "official"
 
+    def training_companions(self, model: nn.Module) -> list[nn.Module]:
+        """The small model and the projector P_k, trained with the private ``model`` in the fused one
+        (:meth:`FedMRLClient.local_training`)."""
+        return [self.shared, projector(self.cfg, self.options.d1)]
+
 
 class FedMRLClient(SharedModelClient):
     """FedMRL client: trains G, its private model and its projector together (section 3)."""
@@ -178,9 +183,13 @@ class FedMRLClient(SharedModelClient):
         client.restore(PROJECTOR_STATE, proj)
         return MatryoshkaModel(small, client.model, proj.to(client.device))
 
-    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
-        """Section 3 steps 1-7; returns θ_k^t (the 10 tensors of G) and the training metrics."""
-        small = self.received(client, payload)
+    def local_training(
+        self, client: ClientRuntime, small: SmallCNN | SplitModel
+    ) -> tuple[MatryoshkaModel, SupervisedLoss]:
+        """(the fused model of ``small``, the private model and the projector, its loss: m_g times the
+        cross-entropy of the small model's head on the first d1 fused dimensions plus m_f times that of the
+        fused head) that local training optimises (section 3, steps 2-6). The privacy evaluation's attack on
+        the small model's update simulates the same."""
         model = self.fused(client, small)
         m_g, m_f = self.options.weight_global, self.options.weight_private
 
@@ -189,6 +198,12 @@ class FedMRLClient(SharedModelClient):
                 logits, labels
             )
 
+        return model, matryoshka_loss
+
+    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
+        """Section 3 steps 1-7; returns θ_k^t (the 10 tensors of G) and the training metrics."""
+        small = self.received(client, payload)
+        model, matryoshka_loss = self.local_training(client, small)
         stats = train_personal_model(
             client, config, supervised_loss=matryoshka_loss, model=model, clip_groups=model.groups
         )

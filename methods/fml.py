@@ -27,12 +27,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from common.config import RunConfig
 from common.options import option
 from common.protocol import Arrays, Reply
 from common.runtime import ClientRuntime
-from common.training import kd_loss, train_personal_model
+from common.training import SupervisedLoss, kd_loss, train_personal_model
 from engine.contract import Method
 from methods.blocks.shared_model import (
     SHARED_LAYOUTS,
@@ -98,17 +99,20 @@ class FMLServer(SharedModelServer):
 
     build_shared = staticmethod(meme_model)
 
+    def training_companions(self, model: nn.Module) -> list[nn.Module]:
+        """The meme model, trained with every client's private model (:meth:`FMLClient.local_training`)."""
+        return [self.shared]
+
 
 class FMLClient(SharedModelClient):
     """FML client: the private model and the received meme model learn from each other."""
 
     build_shared = staticmethod(meme_model)
 
-    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
-        """Returns the trained meme model's tensors and the private model's training metrics."""
+    def local_training(self, client: ClientRuntime, meme: nn.Module) -> tuple[WithCompanions, SupervisedLoss]:
+        """(the private model with ``meme`` as a companion, the mutual-learning loss of both) that local
+        training optimises; the privacy evaluation's attack on the meme model's update simulates the same."""
         alpha, beta = self.options.alpha, self.options.beta
-        meme = self.received(client, payload)
-        model = WithCompanions(client.model, meme=meme)
 
         def mutual_terms(x, features, logits, labels, per_example=False):
             meme_logits = meme(x)
@@ -126,6 +130,12 @@ class FMLClient(SharedModelClient):
 
         # DP-SGD clips it by ghost clipping over these (common.training.private_training)
         mutual_loss.per_example = functools.partial(mutual_terms, per_example=True)
+        return WithCompanions(client.model, meme=meme), mutual_loss
+
+    def train(self, client: ClientRuntime, payload: Arrays, config: dict[str, Any]) -> Reply:
+        """Returns the trained meme model's tensors and the private model's training metrics."""
+        meme = self.received(client, payload)
+        model, mutual_loss = self.local_training(client, meme)
         stats = train_personal_model(client, config, supervised_loss=mutual_loss, model=model, clip_groups=model.groups)
         return module_arrays(meme), stats
 

@@ -13,7 +13,8 @@ Two attacks:
 - :func:`invert_update`: a multi-step local update. Geiping, Bauermeister, Dröge & Moeller,
   "Inverting Gradients - How easy is it to break privacy in federated learning?", NeurIPS 2020,
   Section 5 (the "FedAvg" setting): unroll the local SGD steps on dummy images and match the
-  simulated update to the observed one in cosine distance.
+  simulated update to the observed one in cosine distance, under the local training's own loss where
+  the caller gives it (FML's and FedKD's distillation, FedMRL's two heads: ``loss`` and ``matched``).
 
 Both run the model in eval mode (BatchNorm with running statistics, no Dropout): the attacker
 cannot reproduce the client's dropout masks, and neither the client's data augmentation nor its
@@ -24,7 +25,7 @@ model's parameters and returns CPU tensors; deterministic given the ``torch.Gene
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -192,6 +193,41 @@ def idlg(
     return label, best[1].clamp(0, 1)[0].float().cpu()
 
 
+#: the loss a client's local training minimises: ``(model, normalised images [B, C, H, W], labels [B]) -> scalar``,
+#: called inside :func:`torch.func.functional_call` of ``model``, so every submodule it reaches (a companion
+#: model, a projector) runs with the unrolled parameters
+TrainingLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The plain local training's loss: the mean cross-entropy of ``model(x)`` (float [B, C]) with ``y``."""
+    return F.cross_entropy(model(x), y)
+
+
+def training_loss(supervised: Callable[..., torch.Tensor]) -> TrainingLoss:
+    """``supervised`` (``common.training.SupervisedLoss``: ``(images, representations, logits, labels) ->
+    scalar``, a method's own loss, e.g. a client procedure's ``local_training``) as the training loop calls
+    it, as a :data:`TrainingLoss`: representations ``model.extractor(x)``, logits ``model.head`` of them."""
+
+    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        features = model.extractor(x)
+        return supervised(x, features, model.head(features), y)
+
+    return loss
+
+
+class _Objective(nn.Module):
+    """``model`` with ``loss`` as its forward pass, so one :func:`functional_call` swaps the parameters
+    of every submodule the loss reaches (parameter names gain the prefix ``model.``)."""
+
+    def __init__(self, model: nn.Module, loss: TrainingLoss) -> None:
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.model, x, y)
+
+
 def _sgd_unroll(
     model: nn.Module,
     start: dict[str, torch.Tensor],
@@ -203,35 +239,41 @@ def _sgd_unroll(
     batch_size: int,
     momentum: float,
     weight_decay: float,
+    loss: TrainingLoss,
+    matched: Sequence[str],
 ) -> dict[str, torch.Tensor]:
-    """The update (parameters after minus before) of ``local_steps`` differentiable SGD steps from ``start``
-    on (x, y), summed step by step (not the end minus the start, which costs a subtraction of every
-    parameter and rounds the small update against the large weights).
+    """The update (parameters after minus before) of the parameters ``matched`` after ``local_steps``
+    differentiable SGD steps of every parameter in ``start`` on ``loss`` over (x, y), summed step by step
+    (not the end minus the start, which costs a subtraction of every parameter and rounds the small update
+    against the large weights).
 
     PyTorch's SGD (dampening 0, no Nesterov): ``d = g + weight_decay * w``; ``b = d`` on the first
     step, then ``b = momentum * b + d``; ``w -= lr * b``. Batches of ``batch_size`` in the images'
     own order, cycling through them (step t takes batch t mod ceil(n / batch_size)).
     """
-    params = dict(start)
-    buffers = {name: b.detach() for name, b in model.named_buffers()}
+    objective = _Objective(model, loss)
+    params = {f"model.{name}": w for name, w in start.items()}
+    buffers = {f"model.{name}": b.detach() for name, b in model.named_buffers()}
+    keep = {f"model.{name}" for name in matched}
     velocity: dict[str, torch.Tensor] = {}
     update: dict[str, torch.Tensor] = {}
     n = len(x)
     starts = list(range(0, n, batch_size))
     for t in range(local_steps):
         lo = starts[t % len(starts)]
-        loss = F.cross_entropy(
-            functional_call(model, {**params, **buffers}, (x[lo : lo + batch_size],)), y[lo : lo + batch_size]
-        )
-        grads = torch.autograd.grad(loss, list(params.values()), create_graph=True)
+        value = functional_call(objective, {**params, **buffers}, (x[lo : lo + batch_size], y[lo : lo + batch_size]))
+        # allow_unused: a parameter the loss does not reach (a companion's unused layer) takes no gradient
+        grads = torch.autograd.grad(value, list(params.values()), create_graph=True, allow_unused=True)
         for (name, w), g in zip(list(params.items()), grads, strict=True):
+            g = torch.zeros_like(w) if g is None else g
             d = g + weight_decay * w if weight_decay else g
             velocity[name] = momentum * velocity[name] + d if name in velocity and momentum else d
             step = -lr * velocity[name]
-            update[name] = update[name] + step if name in update else step
+            if name in keep:
+                update[name] = update[name] + step if name in update else step
             if t + 1 < local_steps:  # the last step's weights are never read
                 params[name] = w + step
-    return update
+    return {name: update[f"model.{name}"] for name in matched}
 
 
 def invert_update(
@@ -254,21 +296,31 @@ def invert_update(
     restarts: int = 1,
     momentum: float = 0.0,
     weight_decay: float = 0.0,
+    loss: TrainingLoss = cross_entropy_loss,
+    matched: Sequence[str] | None = None,
 ) -> torch.Tensor:
     """Inverting Gradients, multi-step ("FedAvg") variant: images whose simulated local update
     matches an observed weight update.
 
     Geiping et al., NeurIPS 2020, Eq. 4 and Section 5: minimise over x in [0, 1]
     ``1 - <dW(x), dW> / (||dW(x)|| ||dW||) + tv_weight * TV(normalize(x))``, where dW is ``update``
-    flattened over every parameter, dW(x) = (parameters after ``local_steps`` SGD steps from
-    ``start_state`` on (normalize(x), labels)) - (start parameters), differentiated through the
-    unrolled steps, and TV is the paper's anisotropic L1 total variation of the normalised image
-    (:func:`privacy.inversion.total_variation` with beta 1; the paper's CIFAR-10 weight 0.2). The
-    optimiser is the paper's: Adam (lr ``attack_lr``) on the sign of the gradient, the step size divided
-    by 10 at 3/8, 5/8 and 7/8 of ``steps``, pixels clamped to [0, 1] after every step (the box
-    constraint), ``restarts`` trials from independent uniform-noise starts of which the one with the
-    lowest final objective is returned. The paper's budget is 24,000 iterations (the default 4,000 is a
-    sixth of it, for CPU time; the control tests measure what smaller budgets recover).
+    flattened over every parameter of ``matched``, dW(x) = (those parameters after ``local_steps`` SGD
+    steps of every parameter of ``model`` from ``start_state`` on ``loss`` over (normalize(x), labels)) -
+    (their start values), differentiated through the unrolled steps, and TV is the paper's anisotropic
+    L1 total variation of the normalised image (:func:`privacy.inversion.total_variation` with beta 1;
+    the paper's CIFAR-10 weight 0.2). The optimiser is the paper's: Adam (lr ``attack_lr``) on the sign
+    of the gradient, the step size divided by 10 at 3/8, 5/8 and 7/8 of ``steps``, pixels clamped to
+    [0, 1] after every step (the box constraint), ``restarts`` trials from independent uniform-noise
+    starts of which the one with the lowest final objective is returned. The paper's budget is 24,000
+    iterations (the default 4,000 is a sixth of it, for CPU time; the control tests measure what
+    smaller budgets recover).
+
+    A method whose client trains the shared module together with private ones (FML's meme model beside
+    the private model, FedKD's mentee with the mentor and the alignment map, FedMRL's small model in the
+    fused one) is simulated as it trains: ``model`` is the whole module its local training optimises,
+    ``loss`` the method's own loss, ``matched`` the shared module's parameters (the only ones uploaded);
+    the private parameters train in the simulation from their ``start_state`` values and are not matched.
+    Knowing them is the white-box attacker's assumption (the victim's models at the start of the round).
 
     What the attacker assumes: the start parameters (what the server sent), the client's
     learning rate, number of SGD steps and batch size, and the labels (from the payload's label
@@ -282,28 +334,35 @@ def invert_update(
     Args:
         model: the architecture (its own parameters are not used or changed; its buffers, e.g.
             BatchNorm running statistics, are).
-        start_state: parameter name -> value at the start of local training (extra keys such as
-            buffers are ignored).
-        update: parameter name -> end minus start (:func:`parameter_update`).
+        start_state: parameter name -> value at the start of local training, for every parameter of
+            ``model`` (extra keys such as buffers are ignored).
+        update: parameter name -> end minus start (:func:`parameter_update`), for every name of
+            ``matched``.
         num_images: images to reconstruct; labels: int64 ``[num_images]``.
         local_steps: SGD steps of the client; lr, batch_size, momentum, weight_decay: its SGD.
         image_shape: ``(C, H, W)``; mean, std: per-channel normalisation.
         generator: draws the start images of every trial.
         steps: attack iterations per trial; attack_lr: Adam step size; tv_weight: L1 TV weight
             (>= 0); restarts: trials (>= 1).
+        loss: the local training's loss (:data:`TrainingLoss`; default :func:`cross_entropy_loss`).
+        matched: the parameters ``update`` covers (default every parameter of ``model``).
 
     Returns:
         float32 ``[num_images, C, H, W]`` in [0, 1] on the CPU.
 
     Raises:
-        ValueError: labels not ``[num_images]``, a parameter missing from ``start_state`` or
-            ``update`` or of another shape (named), mean/std of the wrong length, ``steps`` or
-            ``restarts`` < 1.
+        ValueError: labels not ``[num_images]``, a parameter missing from ``start_state`` or a
+            ``matched`` one from ``update``, or of another shape (named), a ``matched`` name that is
+            no parameter of ``model``, mean/std of the wrong length, ``steps`` or ``restarts`` < 1.
     """
     names = [name for name, _ in model.named_parameters()]
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    for source, label in ((start_state, "start_state"), (update, "update")):
-        for name in names:
+    matched = names if matched is None else list(matched)
+    unknown = [name for name in matched if name not in shapes]
+    if unknown:
+        raise ValueError(f"matched names {unknown} are no parameters of the model; it has {names}")
+    for source, label, needed in ((start_state, "start_state", names), (update, "update", matched)):
+        for name in needed:
             if name not in source or tuple(source[name].shape) != shapes[name]:
                 got = tuple(source[name].shape) if name in source else "missing"
                 raise ValueError(f"{label}[{name!r}] must have shape {shapes[name]}, got {got}")
@@ -313,18 +372,26 @@ def invert_update(
         raise ValueError(f"steps and restarts must be >= 1, got steps={steps}, restarts={restarts}")
     device = next(model.parameters()).device
     start = {name: torch.as_tensor(start_state[name]).detach().to(device, torch.float32) for name in names}
-    observed = {name: torch.as_tensor(update[name]).to(device, torch.float32) for name in names}
+    observed = {name: torch.as_tensor(update[name]).to(device, torch.float32) for name in matched}
     observed_norm = torch.sqrt(sum(o.square().sum() for o in observed.values()))
     m, s = _stats(mean, std, image_shape[0], device)
     y = labels.to(device, torch.int64)
     leaves = {name: w.clone().requires_grad_(True) for name, w in start.items()}
-    sgd = dict(local_steps=local_steps, lr=lr, batch_size=batch_size, momentum=momentum, weight_decay=weight_decay)
+    sgd = dict(
+        local_steps=local_steps,
+        lr=lr,
+        batch_size=batch_size,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        loss=loss,
+        matched=matched,
+    )
 
     def objective(x: torch.Tensor) -> torch.Tensor:
         simulated = list(_sgd_unroll(model, leaves, (x - m) / s, y, **sgd).values())
         # the cosine of the two updates flattened, summed parameter by parameter: one vector of every
         # parameter (torch.cat) and F.cosine_similarity over it cost 2x the whole iteration on CNN-1
-        dot = sum((d * observed[name]).sum() for name, d in zip(names, simulated, strict=True))
+        dot = sum((d * observed[name]).sum() for name, d in zip(matched, simulated, strict=True))
         norm = torch.sqrt(sum(d.square().sum() for d in simulated))
         tv = total_variation((x - m) / s, beta=1).mean()
         return 1 - dot / (norm * observed_norm).clamp_min(1e-12) + tv_weight * tv

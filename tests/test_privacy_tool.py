@@ -271,3 +271,26 @@ def test_fedgens_counts_give_the_label_distribution_exactly_and_its_head_is_atta
     # labelled with a class the victim lacks (nothing to score them against)
     inverted = [r for r in rows if r["attack"] == "update" and r["payload"].endswith("(inverting gradients)")]
     assert len(inverted) == 1 and 1 <= inverted[0]["n"] <= 3
+
+
+def test_fmls_meme_model_is_attacked_as_trained_with_the_private_model_under_its_own_loss(tmp_path, capsys):
+    """FML's meme model trains beside the private model under mutual distillation; the attack simulated it
+    alone under cross-entropy. The client now keeps its training module at the start of a recorded round and
+    the attack unrolls it whole under FML's loss (knowledge: the private models too); without that record the
+    tool stops naming the file."""
+    extra = {"max-examples-per-client": 40, "record-payloads": "2"}
+    run, _ = recorded_run(tmp_path / "fml", "fml", **extra)
+    out = tmp_path / "report"
+    budget = [*BUDGET, "--update-steps", "2", "--idlg-steps", "1", "--update-images", "3"]
+    args = [str(run), "--rounds", "2", "--clients", "0", "--attacks", "update", "--out", str(out)]
+    assert privacy.main(args + budget) == 0
+    rows = json.loads((out / "privacy.json").read_text())
+    inverted = [r for r in rows if r["payload"].endswith("(inverting gradients)")]
+    assert [r["knowledge"] for r in inverted] == ["white-box + private models"]
+    idlg = [r for r in rows if r["payload"].endswith("(iDLG)")]
+    assert [r["knowledge"] for r in idlg] == ["white-box"]
+    kept = run / "client-state" / "partition-0" / "training-module-round-2-start.pt"
+    kept.unlink()
+    capsys.readouterr()
+    assert privacy.main([*args[:-1], str(tmp_path / "again")] + budget) == 2
+    assert f"{kept} is missing" in capsys.readouterr().err

@@ -84,25 +84,35 @@ def test_a_round_after_the_last_is_refused_naming_the_rounds_allowed(run_config,
 
 def recorded_bytes(run) -> int:
     """Bytes a run's recording took on disk: its payload files and the clients' copies of their models."""
-    files = [*(run / "payloads").rglob("*.npz"), *(run / "client-state").glob("*/model-round-*")]
+    kept = ("*/model-round-*", "*/training-module-round-*")
+    files = [*(run / "payloads").rglob("*.npz"), *(f for k in kept for f in (run / "client-state").glob(k))]
     return sum(f.stat().st_size for f in files)
 
 
 @pytest.mark.parametrize(
     "method, extra",
-    [("fedgh", {}), ("mh-pfedhn", {"model-group": "mh-lenet", "mh-pfedhn.hidden-dim": 16})],
+    [
+        ("fedgh", {}),
+        ("mh-pfedhn", {"model-group": "mh-lenet", "mh-pfedhn.hidden-dim": 16}),
+        ("fml", {}),
+        ("fedkd", {}),
+        ("fedmrl", {}),
+    ],
 )
 def test_the_disk_estimate_bounds_what_a_recorded_run_writes(run_config, method, extra):
     """``record-payloads = "all"`` had no disk guard (MH-pFedHN, 2 clients: 7 MB a round, linear in
-    rounds x clients): the estimate is at least what the run writes and not far above it."""
+    rounds x clients): the estimate is at least what the run writes and not far above it, also where the
+    clients keep the module they train with companions at the start of the round (FML, FedKD, FedMRL)."""
     rc = run_config(
         method=method, **{"num-clients": 2, "max-examples-per-client": 40, "record-payloads": "all", **extra}
     )
     strategy, _ = recorded_run(rc)
     written = recorded_bytes(strategy.results.path)
+    starts = list((strategy.results.path / "client-state").glob("*/training-module-round-*"))
+    assert len(starts) == (4 if method in ("fml", "fedkd", "fedmrl") else 0)  # 2 clients x 2 rounds
     estimate = strategy.recording_estimate(2)
     assert written <= estimate <= 1.5 * written, (written, estimate)
-    members = {"fedgh": 5, "mh-pfedhn": 1}[method]  # of the model group, cycled over the clients
+    members = {"mh-pfedhn": 1}.get(method, 5)  # of the model group (hetero-cnn5 or mh-lenet), cycled
     assert strategy.recording_estimate(2 * members) == 2 * strategy.recording_estimate(members)
     one_round = build_run(RunConfig.from_dict({**rc, "record-payloads": "2"}))
     assert one_round.recording_estimate(2) * 2 == estimate

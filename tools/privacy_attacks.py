@@ -34,10 +34,12 @@ counts revealed; membership AUC and TPR at 1 % FPR. Each row carries its cell's 
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +49,12 @@ from torch.nn.utils import vector_to_parameters
 
 from common.data import class_counts, normalize
 from common.files import atomic_write
-from common.protocol import TRAIN, TRAIN_GLOBAL
+from common.protocol import TRAIN, TRAIN_GLOBAL, start_snapshot_name
+from methods.registry import client_procedure
 from models.mh import build_mh_model
 from privacy import gradients, inversion, labels, scores
 from tools import privacy_membership as membership
-from tools.privacy_view import CLASS_COUNTS, RunView, class_ids, class_rows, expanded, global_rows
+from tools.privacy_view import CLASS_COUNTS, RunView, class_ids, class_rows, expanded, global_rows, load_kept
 
 ATTACKS = ("inversion", "decoder", "labels", "update", "membership")
 #: the message types whose replies may carry a weight change (MH-pFedHNGD's global model: ``train.global``)
@@ -535,7 +538,7 @@ class Attacker:
         start_time = time.process_time()
         label, one_step = self.idlg(model, change, data, g)
         one_step.cpu_seconds, start_time = time.process_time() - start_time, time.process_time()
-        inverted = self.inverting_gradients(model, start, change, data, label, g)
+        inverted = self.inverting_gradients(r, p, model, start, change, data, label, g)
         inverted.cpu_seconds = time.process_time() - start_time
         return [one_step, inverted]
 
@@ -562,12 +565,21 @@ class Attacker:
         )
 
     def inverting_gradients(
-        self, model: torch.nn.Module, start: dict, change: dict[str, torch.Tensor], data, label: int, g: torch.Generator
+        self,
+        r: int,
+        p: int,
+        model: torch.nn.Module,
+        start: dict,
+        change: dict[str, torch.Tensor],
+        data,
+        label: int,
+        g: torch.Generator,
     ) -> Inverted:
         """``update_images`` images inverted from ``change`` over the client's real number of local SGD
-        steps (its lr, momentum, weight decay), labelled by the change's label leakage (iDLG's ``label``
-        without any), each scored against the images of its label, beside that class's exact pixel mean (what
-        a reconstruction that shows the class and no one example scores) and recognised as that class or not.
+        steps (its lr, momentum, weight decay) of its own loss (:meth:`local_training`), labelled by the
+        change's label leakage (iDLG's ``label`` without any), each scored against the images of its label,
+        beside that class's exact pixel mean (what a reconstruction that shows the class and no one example
+        scores) and recognised as that class or not.
 
         ``update_images`` 0 simulates the real local update: as many images as the client trained on (the
         reply's ``num-examples`` tells the server), in batches of its ``batch-size``, their labels in the
@@ -583,8 +595,9 @@ class Attacker:
             batch_labels = labels_in_proportion(leaked.distribution, count, g)
         else:
             batch_labels = torch.tensor([chosen[i % len(chosen)] for i in range(count)])
+        trained, start, change, loss, knowledge = self.local_training(r, p, model, start, change)
         images = gradients.invert_update(
-            model,
+            trained,
             start,
             change,
             num_images=count,
@@ -602,12 +615,52 @@ class Attacker:
             generator=g,
             momentum=cfg.momentum,
             weight_decay=cfg.weight_decay,
+            loss=loss,
+            matched=list(change),
         )
         rows = [int(c) for c in batch_labels]
         refs = class_images(data, rows, s.images, g)
         ceilings = class_means(data.train_x, data.train_y, rows)
         name = f"update over {steps} steps (inverting gradients)"
-        return Inverted(name, "server", "white-box", images, refs, ceilings=ceilings, classes=rows)
+        return Inverted(name, "server", knowledge, images, refs, ceilings=ceilings, classes=rows)
+
+    def local_training(
+        self, r: int, p: int, model: torch.nn.Module, start: dict, change: dict[str, torch.Tensor]
+    ) -> tuple[torch.nn.Module, dict, dict[str, torch.Tensor], gradients.TrainingLoss, str]:
+        """(the module ``p``'s local training optimised in round ``r``, its parameters at the start, ``change``
+        named in it, the loss, what the attacker knows) that :func:`privacy.gradients.invert_update` simulates.
+
+        A shared module that the method's client trains together with its private models (a client with
+        ``local_training``: FML's meme model, FedKD's mentee with the alignment map, FedMRL's small model in
+        the fused one) is simulated in that whole module under the method's own loss, from the private
+        models as the victim kept them at the start of the round (:func:`common.protocol.start_snapshot_name`;
+        knowledge ``white-box + private models``); the shared module holds what the server sent and the
+        buffers of the victim's upload, as ``model``. Any other weight change (a shared module trained alone,
+        LG-FedAvg's head, MH-pFedHN's generated weights): ``model`` itself under cross-entropy.
+
+        Raises:
+            ConfigError: the victim's start of the round was not kept (a run recorded before this version).
+        """
+        procedure = self.procedure
+        own = getattr(procedure, "local_training", None)
+        shared_names = {name for name, _ in model.named_parameters()}
+        if own is None or isinstance(model, FixedExtractor) or set(change) != shared_names:
+            return model, start, change, gradients.cross_entropy_loss, "white-box"
+        private = self.view.model(p)  # the architecture; the start of the round is loaded below
+        shared = copy.deepcopy(model)
+        trained, supervised = own(StartOfTraining(private), shared)
+        load_kept(trained, self.view.kept_state(p, start_snapshot_name(r)), p)
+        shared.load_state_dict(model.state_dict())  # what the server sent, with the upload's buffers
+        trained.eval()
+        names = {id(w): name for name, w in trained.named_parameters()}
+        change = {names[id(w)]: change[name] for name, w in shared.named_parameters()}
+        start = {name: w.detach().clone() for name, w in trained.named_parameters()}
+        return trained, start, change, gradients.training_loss(supervised), "white-box + private models"
+
+    @cached_property
+    def procedure(self):
+        """The method's client procedure for the run's config (``methods.registry.client_procedure``)."""
+        return client_procedure(self.view.cfg)
 
     # ------------------------------------------------------------------ labels
     def update_labels(self, change: dict[str, torch.Tensor]) -> labels.LabelInference | None:
@@ -775,6 +828,21 @@ def label_row(payload: str, result: labels.LabelInference, truth: np.ndarray) ->
     if result.distribution is not None:
         row["distribution_l1"] = labels.distribution_l1(result.distribution, truth)
     return row | membership.count_leakage(result.distribution, int(truth.sum()), truth)
+
+
+class StartOfTraining:
+    """What a client procedure's ``local_training`` reads of a client, for the attacker's simulation: the
+    victim's personal model (``model``), the CPU, and no state record (``restore`` finds none: the victim's
+    kept start of the round is loaded over the whole module afterwards, :meth:`Attacker.local_training`)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def restore(self, name: str, module: torch.nn.Module) -> bool:
+        """Finds nothing (False): the module keeps its initialisation until the kept start is loaded."""
+        return False
 
 
 class FixedExtractor(torch.nn.Module):

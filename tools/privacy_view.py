@@ -119,19 +119,31 @@ class RunView:
             identical=cfg.init == "identical",
         )
         if server_round is not None:
-            path = self.state_dir / f"partition-{partition_id}" / f"{snapshot_name(server_round)}.pt"
-            if not path.is_file():
-                raise ConfigError(
-                    f"{path} is missing: the clients keep their model of a recorded round (run config key "
-                    "'record-payloads') only with a state folder (a simulation's run folder or 'state-dir')"
-                )
-            data = read_bounded(path)
-            try:  # weights_only: a file placed there cannot run code
-                model.load_state_dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)["state"])
-            except (RuntimeError, pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError) as exc:
-                said = " ".join(str(exc).split())[:300]  # torch's errors span lines: one line, cut short
-                raise ConfigError(f"{path} is not client {partition_id}'s model as it kept it: {said}") from None
+            load_kept(model, self.kept_state(partition_id, snapshot_name(server_round)), partition_id)
         return model.eval()
+
+    def kept_state(self, partition_id: int, name: str) -> tuple[Path, dict[str, torch.Tensor]]:
+        """(file, state dict) of client ``partition_id``'s state record ``name`` (run config
+        ``record-payloads`` keeps :func:`common.protocol.snapshot_name` and
+        :func:`common.protocol.start_snapshot_name` of the recorded rounds).
+
+        Raises:
+            ConfigError: naming the file when it is absent or cannot be read (``common.files.read_bounded``,
+                ``torch.load`` with ``weights_only``: a file placed there cannot run code).
+        """
+        path = self.state_dir / f"partition-{partition_id}" / f"{name}.pt"
+        if not path.is_file():
+            raise ConfigError(
+                f"{path} is missing: the clients keep their models of a recorded round (run config key "
+                "'record-payloads') only with a state folder (a simulation's run folder or 'state-dir'), and the "
+                "start of a training module with companions only from this version on"
+            )
+        data = read_bounded(path)
+        try:
+            return path, torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)["state"]
+        except (RuntimeError, pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError) as exc:
+            said = " ".join(str(exc).split())[:300]  # torch's errors span lines: one line, cut short
+            raise ConfigError(f"{path} is not client {partition_id}'s model as it kept it: {said}") from None
 
     def data(self, partition_id: int):
         """Client ``partition_id``'s decoded partition (``common.data.ClientData``)."""
@@ -193,3 +205,17 @@ def expanded(arrays: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
 def global_name(name: str) -> str:
     """A downloaded per-class payload's table name: ``global_protos`` as it is, ``protos`` -> ``global protos``."""
     return name if name.startswith("global") else f"global {name}"
+
+
+def load_kept(module: torch.nn.Module, kept: tuple[Path, dict[str, torch.Tensor]], partition_id: int) -> None:
+    """Load a :meth:`RunView.kept_state` into ``module`` (strict).
+
+    Raises:
+        ConfigError: naming the file when its state is not ``module``'s (other keys or shapes).
+    """
+    path, state = kept
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as exc:
+        said = " ".join(str(exc).split())[:300]
+        raise ConfigError(f"{path} is not client {partition_id}'s model as it kept it: {said}") from None
