@@ -70,7 +70,13 @@ def chain_uss(modules: list[str]) -> list[int]:
 
 def measure(modules: list[str], repeats: int) -> dict:
     """``{"modules", "repeats", "start_mib", "step_mib", "total_mib"}``: the medians over ``repeats``
-    fresh processes of the start USS, each import's USS increase and the final USS, in MiB."""
+    fresh processes of the start USS (the interpreter with psutil, which measures, imported), each
+    import's USS increase and the final USS, in MiB.
+
+    Raises:
+        subprocess.CalledProcessError: as :func:`chain_uss`.
+        statistics.StatisticsError: ``repeats`` < 1 (no process to take a median over).
+    """
     runs = [chain_uss(modules) for _ in range(repeats)]
     mib = 2**20
     steps = [statistics.median((r[i + 1] - r[i]) / mib for r in runs) for i in range(len(modules))]
@@ -85,7 +91,11 @@ def measure(modules: list[str], repeats: int) -> dict:
 
 def table(result: dict) -> str:
     """The Markdown table of :func:`measure`'s result: each import and the USS it added, then the total."""
-    lines = ["| import | USS added |", "|---|---|", f"| (the interpreter) | {result['start_mib']:.1f} MiB |"]
+    lines = [
+        "| import | USS added |",
+        "|---|---|",
+        f"| (the interpreter, with psutil) | {result['start_mib']:.1f} MiB |",
+    ]
     lines += [f"| `{m}` | {s:.1f} MiB |" for m, s in zip(result["modules"], result["step_mib"], strict=True)]
     lines.append(f"| all of them, one process | {result['total_mib']:.1f} MiB |")
     return "\n".join(lines)

@@ -4,7 +4,7 @@
 
 This module imports neither torch nor the methods: Flower's simulation loads the ClientApp in the
 ``flwr-simulation`` process, to test that it loads, before it starts Ray (``start_vce`` in
-``flwr/server/superlink/fleet/vce/vce_api.py``, Flower 1.41), so what this module imports delays Ray's
+``flwr/server/superlink/fleet/vce/vce_api.py``, Flower 1.42), so what this module imports delays Ray's
 start. The handlers come in at a process's first message, in the ClientApp actors and SuperNodes
 that serve the messages; there they cost what they cost before (``app-start-seconds``).
 """

@@ -255,14 +255,18 @@ PARTITIONER_KEYS = {
 
 
 @lru_cache(maxsize=4)
-def partitioner_for(spec: DataSpec, labels_only: bool = False):
+def partitioner_for(spec: DataSpec, *, labels_only: bool = False):
     """The flwr-datasets partitioner for ``spec``, with its (shuffled) pool attached.
 
-    ``labels_only``: the pool keeps only the label column, its shuffle written out in memory
-    (``flatten_indices``), so the partitions are the same rows (the three partitioners read only the
-    labels and the row order) and each ``load_partition`` costs about a third (the ``Dataset.select``
-    behind it rebuilds its table's metadata over every column and chunk: 1.9 against 5.3 ms a partition
-    of a 70,000-row pool here), for the callers that need a partition's labels and split, not its images.
+    ``labels_only`` (keyword only, so that the cache holds one entry per spec and mode): the pool keeps
+    only the label column, its shuffle written out in memory (``flatten_indices``), so the partitions are
+    the same rows (the three partitioners read only the labels and the row order) and each
+    ``load_partition`` costs about a third (the ``Dataset.select`` behind it rebuilds its table's metadata
+    over every column and chunk; measured in results/scale/README.md, "The launcher's check at 10,000
+    clients, cut"), for the callers that need a partition's labels and split, not its images.
+
+    Raises:
+        ConfigError: the data set is not readable (:func:`load_pool`).
     """
     import datasets
     from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
@@ -430,7 +434,7 @@ def partition_split(spec: DataSpec, partition_id: int, labels_only: bool = False
     if not 0 <= partition_id < spec.num_partitions:
         raise ConfigError(f"partition-id {partition_id} is outside [0, {spec.num_partitions})")
     info = DATASETS[spec.dataset]
-    partitioner = partitioner_for(spec, labels_only)
+    partitioner = partitioner_for(spec, labels_only=labels_only)
     pool = len(partitioner.dataset)
     if 2 * spec.num_partitions > pool:  # flwr-datasets' iid partitioner would fail with an IndexError
         raise ConfigError(

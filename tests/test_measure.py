@@ -2,6 +2,8 @@
 
 import sys
 
+import pytest
+
 from bench.measure import run_measured
 
 
@@ -49,3 +51,12 @@ def test_import_memory_counts_what_an_import_adds_to_a_fresh_process():
     assert result["total_mib"] >= result["start_mib"] + result["step_mib"][1] - 0.5
     text = table(result)
     assert "| `numpy` |" in text and text.count("\n") == 5 and "all of them, one process" in text
+
+
+def test_import_memory_refuses_fewer_than_one_repeat_naming_the_flag(capsys):
+    from bench.import_memory import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--repeats", "0", "--modules", "sys"])
+    assert exit_.value.code == 2
+    assert "--repeats 0: allowed values are integers >= 1" in capsys.readouterr().err
