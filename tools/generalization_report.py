@@ -16,8 +16,9 @@ solid, as MH-pFedHN's Figures 3-5) and ``personalization_<setting>.png`` (the la
 accuracy against its personalisation rounds).
 
 Per method and setting, over its seeds (mean ± sample std, percent, unweighted over clients): the
-training clients' final accuracy (last evaluated round), the held-out clients' accuracy after the
-last phase's personalisation and before it (what a new client gets), the personalisation rounds
+training clients' final accuracy (last evaluated round) and, per seed, how far it is above that seed's
+class prior (the training clients' :func:`tools.grid_stats.prior_accuracy`), the held-out clients'
+accuracy after the last phase's personalisation and before it (what a new client gets), the personalisation rounds
 the held-out clients took to reach the training clients' final accuracy (per seed; ``-``: not
 within the phase), and the bytes of the last phase. Then the verdicts on MH-pFedHN's claims (§4.4):
 MH-pFedHNGD generalises better than MH-pFedHN, and both beat the baselines on held-out clients.
@@ -40,7 +41,7 @@ from common.errors import ConfigError  # noqa: E402
 from common.files import new_folder_or_none  # noqa: E402
 from tools.figures import method_colors  # noqa: E402
 from tools.grid_rows import Cell, copy_files, load_grid, run_copies  # noqa: E402
-from tools.grid_stats import mean_std, prior_over_seeds, seed_curves  # noqa: E402
+from tools.grid_stats import mean_std, prior_by_seed, prior_stats, seed_curves  # noqa: E402
 from tools.report import pct  # noqa: E402
 
 #: MH-pFedHN's methods and the claims of its §4.4 the verdicts test
@@ -73,6 +74,7 @@ def method_numbers(cells: list[Cell]) -> dict[str, Any]:
     return {
         "seeds": sorted(c.seed for c in cells),
         "training": mean_std([c.curve("accuracy_mean")[1][-1] for c in cells]),
+        "training_by_seed": {c.seed: c.curve("accuracy_mean")[1][-1] for c in cells},
         "heldout": mean_std([p["heldout_accuracy_mean"] for _, p in phased]) if phased else None,
         "untouched": mean_std([p["heldout_curve_mean"][0] for _, p in phased]) if phased else None,
         "to_level": [rounds_to_level(c) for c, _ in phased],
@@ -86,7 +88,8 @@ def method_numbers(cells: list[Cell]) -> dict[str, Any]:
 def collect(folder: Path, data_dir: str | None = None) -> dict[str, tuple[dict, dict[str, dict[str, Any]], list[Cell]]]:
     """setting -> (its ``grid.json``, method -> :func:`method_numbers`, its cells) over ``<folder>/*/grid.json``.
     The grid info also gets ``prior``: the class prior's accuracy of its training and held-out clients
-    (``tools.grid_stats.prior_over_seeds``), or ``prior_error`` when the data are not readable.
+    (``tools.grid_stats.prior_stats``) and ``prior_by_seed`` (``tools.grid_stats.prior_by_seed``), or
+    ``prior_error`` when the data are not readable.
 
     Raises:
         ConfigError: no grid copy in ``folder``.
@@ -99,7 +102,8 @@ def collect(folder: Path, data_dir: str | None = None) -> dict[str, tuple[dict, 
         info, cells = load_grid(grid)
         by_method = {m: method_numbers([c for c in cells if c.method == m]) for m in sorted({c.method for c in cells})}
         try:
-            info["prior"] = prior_over_seeds(info["preset_config"], cells, data_dir)
+            info["prior_by_seed"] = prior_by_seed(info["preset_config"], cells, data_dir)
+            info["prior"] = {label: prior_stats(scores) for label, scores in info["prior_by_seed"].items()}
         except ConfigError as exc:  # regenerating without the dataset: the rest of the report stands
             info["prior_error"] = str(exc)
         out[grid.name] = (info, by_method, cells)
@@ -148,6 +152,8 @@ def render(settings: dict[str, tuple[dict, dict[str, dict[str, Any]], list[Cell]
         "Accuracy in percent, unweighted over clients, mean ± sample std over seeds (docs/generalization.md).",
         "*training*: the training clients' final accuracy; *held-out, new*: the held-out clients before any",
         "personalisation (what a new client gets); *held-out*: after the last phase's personalisation rounds;",
+        "*above the prior*: per seed, the training clients' final accuracy minus their class prior's (points;",
+        "the learning budget asks for at least 15);",
         "*rounds to level*: per seed, the personalisation rounds until the held-out mean reached the training",
         "mean (`-`: not within the phase); *phase bytes*: payload bytes of the last phase, both ways.",
         "*class prior alone*: every client predicts its most frequent training class "
@@ -160,21 +166,27 @@ def render(settings: dict[str, tuple[dict, dict[str, dict[str, Any]], list[Cell]
             "",
             f"## {setting}: {info['preset']} (overrides: {overrides})",
             "",
-            "| method | seeds | training | held-out, new | held-out | rounds to level | phase bytes |",
-            "|---|---|---|---|---|---|---|",
+            "| method | seeds | training | above the prior | held-out, new | held-out | rounds to level "
+            "| phase bytes |",
+            "|---|---|---|---|---|---|---|---|",
         ]
+        by_seed = info.get("prior_by_seed", {}).get("training")
         for method, s in stats.items():
             level = ", ".join("-" if r is None else str(r) for r in s["to_level"]) or "-"
             phase_bytes = "-" if s["phase_bytes"] is None else f"{s['phase_bytes'][0]:,.0f}"
+            above = "-"
+            if by_seed is not None:
+                gaps = (100 * (a - by_seed[seed][0]) for seed, a in sorted(s["training_by_seed"].items()))
+                above = ", ".join(f"{gap:.2f}" for gap in gaps)
             lines.append(
-                f"| {method} | {','.join(map(str, s['seeds']))} | {pct(s['training'])} | {pct(s['untouched'])} "
-                f"| {pct(s['heldout'])} | {level} | {phase_bytes} |"
+                f"| {method} | {','.join(map(str, s['seeds']))} | {pct(s['training'])} | {above} "
+                f"| {pct(s['untouched'])} | {pct(s['heldout'])} | {level} | {phase_bytes} |"
             )
         if "prior" in info:
             prior = info["prior"]
             lines.append(
                 f"| class prior alone | {','.join(map(str, sorted({c.seed for c in cells})))} "
-                f"| {pct(prior['training']['mean'])} | {pct(prior.get('held-out', {}).get('mean'))} "
+                f"| {pct(prior['training']['mean'])} | - | {pct(prior.get('held-out', {}).get('mean'))} "
                 f"| {pct(prior.get('held-out', {}).get('mean'))} | - | - |"
             )
         else:

@@ -219,14 +219,3 @@ def prior_by_seed(
 def prior_stats(by_seed: dict[int, tuple[float, float]]) -> dict[str, tuple[float, float]]:
     """One group of :func:`prior_by_seed`, mean ± sample std over the seeds: ``{"mean": ..., "weighted": ...}``."""
     return {"mean": mean_std([m for m, _ in by_seed.values()]), "weighted": mean_std([w for _, w in by_seed.values()])}
-
-
-def prior_over_seeds(
-    preset_config: dict, cells: list[Cell], data_dir: str | None = None
-) -> dict[str, dict[str, tuple[float, float]]]:
-    """:func:`prior_stats` of every group of :func:`prior_by_seed`.
-
-    Raises:
-        ConfigError: see :func:`prior_accuracy` and :func:`with_federation_size`.
-    """
-    return {label: prior_stats(scores) for label, scores in prior_by_seed(preset_config, cells, data_dir).items()}
