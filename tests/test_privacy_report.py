@@ -142,3 +142,18 @@ def test_without_a_grid_copy_or_with_a_bad_privacy_json_it_is_one_line_with_exit
     assert main([str(tmp_path / "out"), "--grid", str(grid)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds a JSON dict, not a list of rows" in err[0]
+
+
+def test_a_shared_module_attacked_with_the_private_models_is_a_server_upload_named_with_that_knowledge():
+    """FML's, FedKD's and FedMRL's update attack knows the victim's private models too: its rows were left
+    out of the server's table (knowledge not exactly ``white-box``); they are in it, named with what the
+    attacker knew, and a black-box decoder's rows stay out."""
+    from tools.privacy_report import server_table
+
+    update = "update over 7 steps (inverting gradients)"
+    rows = cells(update, [3.0, 3.5, 4.0, 4.5], attack="update")
+    rows = [{**r, "knowledge": "white-box + private models"} for r in rows]
+    rows += [row("prototype", knowledge="black-box (decoder)", best_psnr=30.0, gray_psnr=10.0)]
+    table = "\n".join(server_table({"fml": rows}, 0.1))
+    assert f"| fml | {update} [white-box + private models] | 2 | 4 | 3.8 [" in table
+    assert "prototype" not in table

@@ -258,15 +258,23 @@ def setting_table(info: dict, cells: list[Cell], data_dir: str | None) -> list[s
 
 
 def server_uploads(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The server's white-box reconstructions of an upload (no reference input, no black-box decoder)."""
+    """The server's white-box reconstructions of an upload (no reference input, no black-box decoder); also
+    those of an attacker who holds the victim's private models too (knowledge ``white-box + private
+    models``: a shared module simulated in its training with them, ``tools.privacy_attacks``)."""
     return [
         r
         for r in rows
         if r["threat"] == "server"
-        and r["knowledge"] == "white-box"
+        and r["knowledge"].startswith("white-box")
         and r["attack"] in ("inversion", "update")
         and not r["payload"].startswith(REFERENCE_INPUTS)
     ]
+
+
+def upload_name(row: dict[str, Any]) -> str:
+    """A server upload row's payload, with what the attacker knew beyond the white-box model when it did."""
+    extra = row["knowledge"].removeprefix("white-box")
+    return row["payload"] + (f" [white-box{extra}]" if extra else "")
 
 
 def server_table(methods: dict[str, list[dict[str, Any]]], chance: float) -> list[str]:
@@ -279,9 +287,9 @@ def server_table(methods: dict[str, list[dict[str, Any]]], chance: float) -> lis
     ]
     for method, rows in methods.items():
         uploads = server_uploads(rows)
-        for payload in dict.fromkeys(r["payload"] for r in uploads):
-            for rnd in sorted({r["round"] for r in uploads if r["payload"] == payload}):
-                group = [r for r in uploads if r["payload"] == payload and r["round"] == rnd]
+        for payload in dict.fromkeys(upload_name(r) for r in uploads):
+            for rnd in sorted({r["round"] for r in uploads if upload_name(r) == payload}):
+                group = [r for r in uploads if upload_name(r) == payload and r["round"] == rnd]
                 control = [r for r in rows if r["payload"].startswith("non-member") and r["round"] == rnd]
                 paired = pair(group, control)
                 lines.append(
