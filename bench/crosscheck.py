@@ -24,9 +24,10 @@ For each method it
    what a method cannot pair, e.g. a shared model of another architecture, is ``unpaired`` and in the
    report); it parses its
    per-round pooled test accuracy (:func:`~bench.htfllib.parse_reference_log`);
-3. runs ours (``tools.run``) on the same partitions (``partition-seed`` fixed) and recipe, one run per
-   training seed; a run with a round that trained or evaluated without every client (a crashed Ray
-   node ends ``completed`` so) is refused, not compared (:func:`bench.our_side.run_faults`);
+3. runs ours (``tools.run``; with ``--in-process`` ``tools.inprocess``, one process as HtFLlib's) on
+   the same partitions (``partition-seed`` fixed) and recipe, one run per training seed; a run with a
+   round that trained or evaluated without every client (a crashed Ray node ends ``completed`` so) is
+   refused, not compared (:func:`bench.our_side.run_faults`);
 4. keeps the method's result (``<method>/result.json``) and writes ``report.md`` from every method's
    kept result in the output folder, earlier calls' included (:mod:`bench.crosscheck_report`: a
    verdict per method, final and best accuracy with the spread over seeds, the largest per-round
@@ -112,7 +113,7 @@ class Plan:
     """One call's cross-check as checked (:func:`checked_plan`): the reference checkout, our preset and
     ``-c`` items as given (``run_config``), the training seeds, the run config values pinned for every
     method (``fixed``), each method's whole run config (``configs``, in ``--methods`` order; seed: the
-    first) and the output folder."""
+    first), the output folder and the launcher of our runs (``runner``, :data:`bench.our_side.RUNNERS`)."""
 
     reference: Path
     preset: str | None
@@ -121,6 +122,7 @@ class Plan:
     fixed: dict
     configs: dict[str, dict]
     out: Path
+    runner: str = "tools.run"
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -139,6 +141,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="run HtFLlib's side alone (kept for a later call with both sides; no comparison), e.g. its long"
         " runs beside our committed ones",
+    )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run ours through tools.inprocess (one process, the clients one after another, no Ray or Flower"
+        " engine: HtFLlib's shape) instead of Flower's simulation (tools.run)",
     )
     return parser.parse_args(argv)
 
@@ -182,7 +190,8 @@ def checked_plan(args: argparse.Namespace) -> Plan:
         check_expressible(config, m)
     validate_configs(list(configs.values()))
     out = args.out or ROOT / "outputs" / "crosscheck" / (Path(args.preset).stem if args.preset else "config")
-    return Plan(reference, args.preset, args.run_config, seeds, fixed, configs, out.resolve())
+    runner = "tools.inprocess" if args.in_process else "tools.run"
+    return Plan(reference, args.preset, args.run_config, seeds, fixed, configs, out.resolve(), runner)
 
 
 #: what both sides' timed runs leave out (``info["untimed"]``, quoted by the report)
@@ -196,8 +205,8 @@ def call_info(plan: Plan, command: str, written: dict) -> dict:
     """This call's ``info`` for the report and every result (``crosscheck.json``; the keys
     :func:`bench.crosscheck_report.write_report` reads): ``command`` as given, the settings as run (the
     first method's run config), both commits, the threads, the model family and the pooled test set's
-    size (``written``: the partitions' ``config.json``, :func:`bench.pfllib.write_partitions`), and what
-    the timed runs leave out (``untimed``)."""
+    size (``written``: the partitions' ``config.json``, :func:`bench.pfllib.write_partitions`), what
+    the timed runs leave out (``untimed``) and our runs' launcher (``runner``)."""
     first = next(iter(plan.configs.values()))
     group = first["model-group"]
     return {
@@ -211,6 +220,7 @@ def call_info(plan: Plan, command: str, written: dict) -> dict:
         # the -c items as given (read_config's overrides hold the preset's keys too, e.g. its 1000 rounds)
         "overrides": " ".join(plan.run_config),
         "threads": CLIENT_THREADS,
+        "runner": plan.runner,
         "family": f"ours `{group}` as HtFLlib's `{FAMILIES[group]}`"
         + (f"; {FAMILY_DEVIATIONS[group]}" if group in FAMILY_DEVIATIONS else ""),
         "test_examples": sum(written["test_examples"]),
@@ -237,7 +247,7 @@ def run_both_sides(plan: Plan, method: str) -> tuple[list[dict], list[dict]]:
         refs.append(run_reference(plan.reference, config, method, seed, partitions, plan.out / method))
         print(f"{method}, seed {seed}: ours", flush=True)
         metric = compared_metric(config, method)
-        ours.append(run_ours(items, plan.preset, seed, plan.out / method / f"seed-{seed}", metric))
+        ours.append(run_ours(items, plan.preset, seed, plan.out / method / f"seed-{seed}", metric, runner=plan.runner))
     return refs, ours
 
 

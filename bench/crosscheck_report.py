@@ -157,6 +157,14 @@ def _total(runs: list[dict], key: str) -> float:
     return sum(run[key] for run in runs)
 
 
+def _our_launch(info: dict) -> str:
+    """How our runs of the call ``info`` were launched (``info["runner"]``; calls before it was recorded
+    ran Flower's simulation)."""
+    if info.get("runner", "tools.run") == "tools.inprocess":
+        return "`tools.inprocess`, one process running the clients one after another, no Ray or Flower engine"
+    return f"Flower's simulation (`tools.run`), each ClientApp's Ray actor has {info['threads']} CPU"
+
+
 def _header(info: dict, name: str = "HtFLlib") -> list[str]:
     """The report's lines up to its table's header: the call's command, commits, settings, models,
     threads, test set and how to read the verdicts; ``name``: the reference's (``ReferenceMethod.repository``)."""
@@ -169,8 +177,8 @@ def _header(info: dict, name: str = "HtFLlib") -> list[str]:
         f"Seeds {info['seeds']} on one partition. Settings as run: {settings_line(info['settings'])};"
         f" `-c` given: `{info['overrides'] or 'none'}`.",
         f"Models: {info['family']}.",
-        f"Torch threads per client: {info['threads']} on both sides (ours: each ClientApp's Ray actor has"
-        f" {info['threads']} CPU, `OMP_NUM_THREADS={info['threads']}`; {name}: `torch.set_num_threads` in the"
+        f"Torch threads per client: {info['threads']} on both sides (ours: {_our_launch(info)},"
+        f" `OMP_NUM_THREADS={info['threads']}`; {name}: `torch.set_num_threads` in the"
         " bootstrap, which runs its clients and server in one process; numpy's BLAS as"
         " well where a run's command sets `OMP_NUM_THREADS`).",
         f"Test set: {n} examples pooled over every client's test split; one test image is {100 / n:.4g} % of"

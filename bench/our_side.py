@@ -1,7 +1,7 @@
 """Our side of a cross-check against another implementation: our method's options as a run will have
-them (:func:`method_options`), and one run of ours (``tools.run``) for a training seed, measured,
-reused when it ran the same run config, refused when a round ran without every client
-(:func:`run_ours`)."""
+them (:func:`method_options`), and one run of ours (``tools.run``, or ``tools.inprocess``) for a
+training seed, measured, reused when it ran the same run config, refused when a round ran without every
+client (:func:`run_ours`)."""
 
 from __future__ import annotations
 
@@ -70,15 +70,22 @@ def failure_cause(log: Path) -> str:
     return " | ".join(lines) or f"{log} is empty"
 
 
-def kept_run(done: Path, config: dict, threads: int, metric: str) -> dict | None:
+#: the launchers a run of ours can go through: Flower's simulation (SuperLink, Ray, a ClientApp actor a
+#: CPU) and the in-process grid (one process, the clients one after another; ``tools.inprocess``)
+RUNNERS = ("tools.run", "tools.inprocess")
+
+
+def kept_run(done: Path, config: dict, threads: int, metric: str, runner: str = "tools.run") -> dict | None:
     """The run of ours kept in ``done`` (``ours.json``), its curve the row key ``metric``, when it ran
-    ``config`` with ``threads`` threads and its rows, in its folder beside ``done``, show no fault
-    (:func:`run_faults`); else None."""
+    ``config`` with ``threads`` threads through ``runner`` and its rows, in its folder beside ``done``,
+    show no fault (:func:`run_faults`); else None."""
     if not done.exists():
         return None
     saved = json.loads(done.read_text())
     folder = done.parent / Path(saved["folder"]).name
-    if saved.get("config") != config or saved.get("threads") != threads or not (folder / "metrics.jsonl").is_file():
+    same = saved.get("config") == config and saved.get("threads") == threads
+    # a run kept before the runner was recorded went through tools.run
+    if not same or saved.get("runner", "tools.run") != runner or not (folder / "metrics.jsonl").is_file():
         return None
     rows = read_rows(folder)
     if run_faults(rows, read_summary(folder), config, metric):
@@ -118,18 +125,22 @@ def run_ours(
     metric: str = "accuracy_weighted",
     threads: int = CLIENT_THREADS,
     env: dict[str, str] | None = None,
+    runner: str = "tools.run",
 ) -> dict:
     """Run ours (``tools.run``, ``threads`` CPUs per client and ``OMP_NUM_THREADS`` = ``threads``) for
     one training seed into ``out``, or reuse its completed run when that ran the same whole run config
-    (the preset's content and every override; any other is run again) with the same threads and has
-    no fault (:func:`run_faults`). ``env``: environment variables set for the launch besides
-    (``bench.bytecode``: where Python looks for bytecode).
+    (the preset's content and every override; any other is run again) with the same threads and runner
+    and has no fault (:func:`run_faults`). ``env``: environment variables set for the launch besides
+    (``bench.bytecode``: where Python looks for bytecode). ``runner`` ``tools.inprocess`` runs the same
+    ServerApp and ClientApp handlers in one process, the clients one after another on ``threads``
+    torch threads, with no Ray and no Flower engine (one of :data:`RUNNERS`).
 
     Returns:
-        ``{"curve": [row key metric by round], "metric", "command", "config", "threads",
+        ``{"curve": [row key metric by round], "metric", "command", "config", "threads", "runner",
         "wall_seconds", "cpu_seconds", "peak_pss_gib", "folder"}``.
 
     Raises:
+        ValueError: ``runner`` is not one of :data:`RUNNERS`.
         RuntimeError: the run did not complete (its status and why: the summary's error, or when it
             left no run folder what its log says, :func:`failure_cause`), or completed with faults
             (:func:`run_faults`); nothing is kept for reuse.
@@ -137,16 +148,13 @@ def run_ours(
     done = out / "ours.json"
     items = [*config_items, f"seed={seed} output-dir={json.dumps(str(out.resolve()))}"]
     config, _ = read_config(preset, items)
-    if (saved := kept_run(done, config, threads, metric)) is not None:
+    if runner not in RUNNERS:
+        raise ValueError(f"runner {runner!r}: allowed {', '.join(RUNNERS)}")
+    if (saved := kept_run(done, config, threads, metric, runner)) is not None:
         return saved
-    cmd = [
-        sys.executable,
-        "-m",
-        "tools.run",
-        "--cpus-per-client",
-        str(threads),
-        *(["--preset", preset] if preset else []),
-    ]
+    # tools.inprocess has no actors to give CPUs to: its one process runs OMP_NUM_THREADS torch threads
+    cpus = ["--cpus-per-client", str(threads)] if runner == "tools.run" else []
+    cmd = [sys.executable, "-m", runner, *cpus, *(["--preset", preset] if preset else [])]
     for item in items:
         cmd += ["-c", item]
     out.mkdir(parents=True, exist_ok=True)
@@ -164,6 +172,7 @@ def run_ours(
         "command": " ".join(cmd[1:]),
         "config": config,
         "threads": threads,
+        "runner": runner,
         "wall_seconds": wall,
         "cpu_seconds": cpu,
         "peak_pss_gib": peak_pss / 2**30,

@@ -981,7 +981,7 @@ def test_fedgh_is_compared_on_the_model_htflib_evaluates_when_ours_reports_it():
 
 def test_a_finished_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch):
     """Ours: a completed seed is reused when the whole run config is the same, and run again when the
-    preset's content or an override changed (a stale curve must not stand for another config)."""
+    preset's content, an override or the runner changed (a stale curve must not stand for another config)."""
     calls = []
 
     def fake_run(cmd, cwd, log, env=None):
@@ -1011,6 +1011,14 @@ def test_a_finished_run_is_reused_only_for_the_same_config(tmp_path, monkeypatch
     assert our_side.run_ours(["num-server-rounds=1"], str(preset), 0, out)["config"]["batch-order"] == "shuffle"
     our_side.run_ours(["num-server-rounds=2"], str(preset), 0, out)  # an override changed
     assert len(calls) == 3
+    # the same config through the in-process grid is another run: run, with no CPUs per client to give
+    inprocess = our_side.run_ours(["num-server-rounds=2"], str(preset), 0, out, runner="tools.inprocess")
+    assert len(calls) == 4 and inprocess["runner"] == "tools.inprocess"
+    assert calls[-1][1:3] == ["-m", "tools.inprocess"] and "--cpus-per-client" not in calls[-1]
+    assert our_side.run_ours(["num-server-rounds=2"], str(preset), 0, out, runner="tools.inprocess") == inprocess
+    assert len(calls) == 4
+    with pytest.raises(ValueError, match="runner 'flwr': allowed tools.run, tools.inprocess"):
+        our_side.run_ours(["num-server-rounds=2"], str(preset), 0, out, runner="flwr")
 
 
 class FedAvgCNNShaped(nn.Module):
@@ -1177,7 +1185,8 @@ def test_the_report_keeps_earlier_methods_and_says_the_settings_as_run(tmp_path,
     """``--methods local`` then ``--methods fedgh`` into one folder: one report with both, the rounds and
     stop-patience run (not the preset's 1000 and 100), the pooled test set and one image in %, the
     threads, what the timing leaves out (our partition cache, filled first), a verdict per method and what
-    is not paired."""
+    is not paired; ``--in-process`` runs ours through ``tools.inprocess`` and the header says so."""
+    runners = {}
 
     def reference(ref, config, method, seed, partitions, out, threads=1):
         curve = [0.1 * r for r in range(1, config["num-server-rounds"] + 1)]
@@ -1185,8 +1194,9 @@ def test_the_report_keeps_earlier_methods_and_says_the_settings_as_run(tmp_path,
         return {"curve": curve, "initial": 0.1, "diverged_round": None, "server_pairing": took, "command": "main.py",
                 "wall_seconds": 1, "cpu_seconds": 1}  # fmt: skip
 
-    def ours(items, preset, seed, out, metric):
+    def ours(items, preset, seed, out, metric, runner):
         config, _ = read_config(preset, items)
+        runners[config["method"]] = runner
         # our clients' partitions were decoded before ours is timed, as HtFLlib's files were written
         assert len([f for f in cache.rglob("*") if f.is_file()]) >= config["num-clients"]
         shift = 0.01 if config["method"] == "fedgh" else 0.0  # 1 and 2 points in rounds 2 and 3
@@ -1215,8 +1225,11 @@ def test_the_report_keeps_earlier_methods_and_says_the_settings_as_run(tmp_path,
     common += ["-c", f"num-clients=3 max-examples-per-client=40 data-dir={json.dumps(str(DATA_DIR))}"]
     common += ["-c", "fedgh.eval-global-head=true"]
     assert crosscheck.main([*common, "--methods", "local"]) == 0
-    assert crosscheck.main([*common, "--methods", "fedgh"]) == 0
+    assert "each ClientApp's Ray actor has 1 CPU" in (tmp_path / "cc" / "report.md").read_text()
+    assert crosscheck.main([*common, "--methods", "fedgh", "--in-process"]) == 0
+    assert runners == {"local": "tools.run", "fedgh": "tools.inprocess"}
     report = (tmp_path / "cc" / "report.md").read_text()
+    assert "(ours: `tools.inprocess`, one process running the clients one after another" in report
     assert "| local | identical |" in report and "| fedgh | apart: +2.00 (seed 0, round 3) |" in report
     assert "`num-server-rounds = 3`" in report and "`stop-patience = 0`" in report and "1000" not in report
     tests = sum(json.loads((tmp_path / "cc" / "partitions" / "config.json").read_text())["test_examples"])
