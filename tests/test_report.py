@@ -11,7 +11,7 @@ import pytest
 from common.errors import ConfigError
 from conftest import DATA_DIR
 from tools.figures import FIGURES
-from tools.report import report
+from tools.report import report, setup_section
 
 ACC = {  # method -> seed -> accuracy_weighted per round (accuracy_mean = that minus 0.1)
     "fedre": {0: [0.5, 0.7, 0.85, 0.9], 1: [0.6, 0.82, 0.8, 0.86]},
@@ -177,6 +177,16 @@ def test_an_ablation_grid_is_reported_beside_its_method(tmp_path, small_config):
     with pytest.raises(ConfigError, match=r"same/grid.json: adds no override"):
         report(grid, tmp_path / "again", figures=False, ablations=[same])
     assert not (tmp_path / "again").exists()  # refused before anything is copied
+
+
+def test_the_grid_line_names_the_rounds_its_runs_have():
+    """A grid whose cells were run with other ``--rounds`` than the grid's first invocation says so
+    instead of the grid's own count."""
+    info = {"preset": "presets/p.toml", "rounds": 10, "seeds": [0, 1], "invocations": [{"commit": "abc"}]}
+    same = "\n".join(setup_section(info, {}, "final_accuracy_mean", [10]))
+    mixed = "\n".join(setup_section(info, {}, "final_accuracy_mean", [10, 30]))
+    assert "Grid: 10 rounds per run, seeds [0, 1], the preset as it is. Commits: abc." in same
+    assert "Grid: 10 or 30 rounds per run (the table's rounds column), seeds [0, 1]," in mixed
 
 
 def test_a_folder_that_is_no_grid_or_run_is_one_line_naming_the_file_with_exit_2_and_no_output(

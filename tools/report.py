@@ -235,7 +235,8 @@ def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None)
     """The report as Markdown: the setup, the results table, where each method is above Local, the
     ablations, the verdicts against the paper, the figures, the compute time and the commands."""
     key = paper.get("ours", "final_accuracy_mean")
-    lines = setup_section(info, paper, key)
+    lengths = sorted({r for s in stats.values() for r in s["rounds"]})
+    lines = setup_section(info, paper, key, lengths)
     lines += results_table(stats, paper.get("reported", {}), paper.get("target"), flops)
     lines += above_local_section(key, stats)
     lines += ablation_comparison(key, stats) + paper_comparison(paper, stats) + [""]
@@ -244,9 +245,11 @@ def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None)
     return "\n".join(lines) + "\n"
 
 
-def setup_section(info: dict, paper: dict, key: str) -> list[str]:
+def setup_section(info: dict, paper: dict, key: str, lengths: list[int] | None = None) -> list[str]:
     """Markdown lines: the title, the paper and its setting (with the paper file's ``notes``), the grid
-    (rounds, seeds, overrides, commits) and each ablation grid; ``key`` is the row metric beside the paper's."""
+    (rounds, seeds, overrides, commits) and each ablation grid; ``key`` is the row metric beside the paper's.
+    ``lengths``: the rounds the grid's runs have (sorted); where they are not all ``info['rounds']`` the
+    grid line names them (a grid whose cells were run with another ``--rounds``), not the grid's own."""
     lines = [f"# {Path(info['preset']).stem}", ""]
     if paper:
         lines += [
@@ -257,8 +260,12 @@ def setup_section(info: dict, paper: dict, key: str) -> list[str]:
         if paper.get("notes"):
             lines += [paper["notes"], ""]
     changed = ", ".join(f"`{k}={v}`" for k, v in info.get("overrides", {}).items())
+    if lengths and lengths != [info["rounds"]]:
+        rounds_text = " or ".join(str(r) for r in lengths) + " rounds per run (the table's rounds column)"
+    else:
+        rounds_text = f"{info['rounds']} rounds per run"
     lines += [
-        f"Grid: {info['rounds']} rounds per run, seeds {info['seeds']}"
+        f"Grid: {rounds_text}, seeds {info['seeds']}"
         + (f", preset changed by {changed}" if changed else ", the preset as it is")
         + ". Commits: "
         + ", ".join(sorted({i["commit"] for i in info.get("invocations", [])}))
