@@ -9,6 +9,7 @@ with data range 255); SSIM with torchmetrics' defaults (Gaussian window 11, sigm
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from torchmetrics.functional.image import peak_signal_noise_ratio, structural_si
 #: pixels one scoring call holds at once (pairs x C x H x W), so a client's whole training split
 #: fits in memory as references
 _CHUNK_PIXELS = 1 << 22
+#: characters of a caption line under a column of the reconstruction figure (2 inches at 6 pt)
+_CAPTION_CHARS = 30
 
 
 def _unit(images: torch.Tensor, name: str) -> torch.Tensor:
@@ -174,8 +177,9 @@ def reconstruction_figure(pairs: Sequence[tuple], path: str | Path, title: str) 
             ax.imshow(_hwc(image), cmap="gray", vmin=0.0, vmax=1.0, interpolation="nearest")
             ax.set_xticks([])
             ax.set_yticks([])
-        if caption:
-            axes[1, j].set_xlabel(str(caption[0]), fontsize=6)
+        if caption:  # wrapped to the column's width, so that neighbouring captions do not overlap
+            lines = str(caption[0]).split("\n")
+            axes[1, j].set_xlabel("\n".join(textwrap.fill(line, _CAPTION_CHARS) for line in lines), fontsize=6)
     axes[0, 0].set_ylabel("original", fontsize=8)
     axes[1, 0].set_ylabel("reconstruction", fontsize=8)
     fig.suptitle(title, fontsize=9)
