@@ -245,7 +245,7 @@ def render(info: dict, paper: dict, stats: dict[str, dict], flops: float | None)
     return "\n".join(lines) + "\n"
 
 
-def setup_section(info: dict, paper: dict, key: str, lengths: list[int] | None = None) -> list[str]:
+def setup_section(info: dict, paper: dict, key: str, lengths: list[int]) -> list[str]:
     """Markdown lines: the title, the paper and its setting (with the paper file's ``notes``), the grid
     (rounds, seeds, overrides, commits) and each ablation grid; ``key`` is the row metric beside the paper's.
     ``lengths``: the rounds the grid's runs have (sorted); where they are not all ``info['rounds']`` the
