@@ -7,7 +7,7 @@ import pytest
 from test_report import write_grid
 
 from conftest import DATA_DIR, ROOT
-from tools.generalization_report import collect, main, render
+from tools.generalization_report import collect, main, render, verdict_baselines
 from tools.grid_stats import prior_accuracy
 
 COMMITTED = ROOT / "results" / "generalization"
@@ -42,6 +42,7 @@ def test_held_out_numbers_and_figures_regenerate_from_the_copies(tmp_path, small
     above = ", ".join(f"{100 * (a - prior[seed]):.2f}" for seed, a in ((0, 0.65), (1, 0.68)))
     assert f"| local | 0,1 | 66.50 ± 2.12 | {above} | 10.00 ± 0.00 | 35.00 ± 7.07 | -, - | 40 |" in text
     assert "not run" in text  # no hypernetwork method in this grid
+    assert "(§4.4): no hypernetwork method run." in text  # a baseline alone is no verdict on the claim
     assert "| class prior alone | 0,1 |" in text  # the grid names no held-out partitions: training only
     for name in ("generalization_homogeneous.png", "personalization_homogeneous.png"):
         assert (out / name).stat().st_size > 10_000
@@ -87,3 +88,23 @@ def test_the_committed_report_is_what_its_rows_give(folder):
     if not (folder / "report.md").is_file():
         pytest.skip(f"no committed generalisation report in {folder}")
     assert (folder / "report.md").read_text() == render(collect(folder, str(DATA_DIR)))
+
+
+def test_the_baselines_verdict_weighs_the_gap_against_the_seed_spread():
+    """Held-out (mean, std) as fractions: a gap over the larger seed std holds, one within it does not, one
+    seed is undecided."""
+
+    def stats(hn, gd, fedgh, seeds=(0, 1, 2)):
+        return {
+            m: {"heldout": h, "seeds": list(seeds)}
+            for m, h in (("mh-pfedhn", hn), ("mh-pfedhngd", gd), ("fedgh", fedgh))
+        }
+
+    text = verdict_baselines(stats((0.84, 0.02), (0.85, 0.025), (0.76, 0.013)))
+    assert text.endswith("mh-pfedhn +8.00 points, mh-pfedhngd +9.00 points (the larger seed std 2.50): holds")
+    text = verdict_baselines(stats((0.84, 0.02), (0.78, 0.03), (0.76, 0.013)))
+    assert text.endswith("mh-pfedhngd +2.00 points (the larger seed std 3.00): does not hold")
+    assert verdict_baselines(stats((0.84, 0.0), (0.85, 0.0), (0.76, 0.0), seeds=(0,))).endswith(
+        "on one seed, no spread to judge it against: undecided"
+    )
+    assert verdict_baselines({"fedgh": {"heldout": (0.7, 0.0), "seeds": [0]}}) == "no hypernetwork method run"
