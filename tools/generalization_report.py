@@ -145,8 +145,8 @@ def verdict_baselines(stats: dict[str, dict[str, Any]]) -> str:
     if min(len(stats[m]["seeds"]) for m in (*mine, best)) < 2:
         return f"{head} on one seed, no spread to judge it against: undecided"
     spread = 100 * max(held[1] for held in (*mine.values(), baselines[best]))
-    held = all(d > spread for d in diffs.values())
-    return f"{head} (the larger seed std {spread:.2f}): " + ("holds" if held else "does not hold")
+    holds = all(d > spread for d in diffs.values())
+    return f"{head} (the larger seed std {spread:.2f}): " + ("holds" if holds else "does not hold")
 
 
 def render(settings: dict[str, tuple[dict, dict[str, dict[str, Any]], list[Cell]]]) -> str:
