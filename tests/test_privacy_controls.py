@@ -11,6 +11,8 @@ does not beat the floor is a measurement, not an artefact of the scoring.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -198,3 +200,32 @@ def test_rows_carry_the_own_image_floor_and_the_class_mean_ceiling(cifar):
     assert "psnr_own" not in row and row["gray_mean_psnr"] == pytest.approx(row["mean_psnr"])
     # the exact class mean is the best a reconstruction of a mean can do: above gray, by little
     assert row["mean_psnr"] < row["ceiling_mean_psnr"] < row["mean_psnr"] + 3
+
+
+def test_a_reconstruction_of_a_class_the_victim_lacks_is_scored_and_counts_as_not_recognised(cifar):
+    """A label leakage can name a class the victim holds no image of: the update attack's reconstruction of
+    it is scored against all of the victim's images (beside their pixel mean) and counted as a miss in
+    ``recognised``, not dropped, so a row's ``n`` is every reconstruction the attack made."""
+    from tools.privacy_attacks import Inverted, class_means, scored
+
+    images, labels, _ = cifar
+    victim = labels != 5  # a victim without class 5
+    x, y = images[victim], labels[victim]
+    rows, held = [3, 5], [True, False]
+    against = [3, None]
+    refs = [x[y == 3][:8], x[:8]]
+    recon = torch.stack([images[labels == 3][0], images[labels == 5][0]]).float() / 255
+    inverted = Inverted(
+        "update", "server", "white-box", recon, refs, ceilings=class_means(x, y, against), classes=rows, held=held
+    )
+
+    def says_the_row(batch: torch.Tensor) -> torch.Tensor:  # a classifier that always names the row's class
+        return torch.tensor(rows[: len(batch)])
+
+    row, pairs = scored(inverted, says_the_row)
+    assert row["n"] == len(pairs) == 2 and row["recognised"] == 0.5  # the class-5 image counts as a miss
+    assert row["ceiling_recognised"] == 1.0 and row["ceiling_recognised_n"] == 1  # over the held row only
+    assert "recognised_n" not in row and math.isfinite(row["ceiling_psnr"])
+    # every row of a class the victim holds: the same reconstructions all recognised
+    row, _ = scored(Inverted("update", "server", "white-box", recon, refs, classes=rows), says_the_row)
+    assert row["recognised"] == 1.0 and row["n"] == 2

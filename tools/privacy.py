@@ -180,8 +180,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def pooled(group: list[dict[str, Any]], key: str) -> tuple[float, float] | None:
     """Mean and std of ``key`` over every reconstruction of ``group``'s rows (each row holds its mean,
-    std and count ``n``), or None when no row has it."""
-    parts = [(g["n"], g[key], g.get(key + "_std", 0.0)) for g in group if g.get(key) is not None]
+    std and count: ``<key>_n`` where the row has one, else ``n``), or None when no row has it."""
+    parts = [(g.get(key + "_n", g["n"]), g[key], g.get(key + "_std", 0.0)) for g in group if g.get(key) is not None]
     if not parts:
         return None
     n = np.array([p[0] for p in parts], dtype=np.float64)

@@ -114,8 +114,10 @@ class Inverted:
     ``ceilings``: per row of a class-mean payload the exact pixel mean of the images the row averages
     (the best any inversion of a mean can reach), empty for other payloads; ``classes``: per row the class
     its images are of (None: several), empty where the attack has no such class (weight updates);
-    ``cpu_seconds``: the attack's own CPU time where a cell runs several (iDLG and inverting gradients),
-    else None (the cell's)."""
+    ``held``: per row whether the victim holds the row's class, empty where it does for every row (a
+    label leakage that names a class the victim lacks: the row is scored against all of the victim's
+    images and counts as not recognised); ``cpu_seconds``: the attack's own CPU time where a cell runs
+    several (iDLG and inverting gradients), else None (the cell's)."""
 
     payload: str
     threat: str
@@ -127,6 +129,7 @@ class Inverted:
     ceilings: list[torch.Tensor] = field(default_factory=list)
     cpu_seconds: float | None = None
     classes: list[int | None] = field(default_factory=list)
+    held: list[bool] = field(default_factory=list)
 
 
 def sample(images: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -579,7 +582,9 @@ class Attacker:
         steps (its lr, momentum, weight decay) of its own loss (:meth:`local_training`), labelled by the
         change's label leakage (iDLG's ``label`` without any), each scored against the images of its label,
         beside that class's exact pixel mean (what a reconstruction that shows the class and no one example
-        scores) and recognised as that class or not.
+        scores) and recognised as that class or not. A label the leakage names wrongly, a class the victim
+        holds no image of, still counts: its reconstructions are scored against all of the victim's images
+        (beside their pixel mean) and count as not recognised (``Inverted.held``).
 
         ``update_images`` 0 simulates the real local update: as many images as the client trained on (the
         reply's ``num-examples`` tells the server), in batches of its ``batch-size``, their labels in the
@@ -619,10 +624,12 @@ class Attacker:
             matched=list(change),
         )
         rows = [int(c) for c in batch_labels]
-        refs = class_images(data, rows, s.images, g)
-        ceilings = class_means(data.train_x, data.train_y, rows)
+        held = [bool((data.train_y == c).any()) for c in rows]
+        scored_against = [c if h else None for c, h in zip(rows, held, strict=True)]
+        refs = class_images(data, scored_against, s.images, g)
+        ceilings = class_means(data.train_x, data.train_y, scored_against)
         name = f"update over {steps} steps (inverting gradients)"
-        return Inverted(name, "server", knowledge, images, refs, ceilings=ceilings, classes=rows)
+        return Inverted(name, "server", knowledge, images, refs, ceilings=ceilings, classes=rows, held=held)
 
     def local_training(
         self, r: int, p: int, model: torch.nn.Module, start: dict, change: dict[str, torch.Tensor]
@@ -883,11 +890,14 @@ def scored(
     Recognisability, which needs no pixel match, where the rows have classes (``Inverted.classes``) and a
     classifier ``recognise`` (float images ``[n, C, H, W]`` in [0, 1] -> class ids ``[n]``;
     :meth:`Attacker.recognise`) is given: ``recognised``, the fraction of reconstructions it assigns their
-    row's class (chance: one over the number of classes), and ``ceiling_recognised``, the same of the exact
-    class means.
+    row's class (chance: one over the number of classes; a row whose class the victim lacks,
+    ``Inverted.held``, counts as not recognised), and ``ceiling_recognised``, the same of the exact class
+    means (over the rows of a class the victim holds).
 
-    The row holds mean, std and count over reconstructions (all in dB but SSIM, MSE and the fractions),
-    and ``attack_cpu_seconds`` where the attack was timed on its own (``Inverted.cpu_seconds``)."""
+    The row holds mean and std over reconstructions (all in dB but SSIM, MSE and the fractions), ``n``
+    the reconstructions scored and ``<key>_n`` where a key counts fewer (``ceiling_recognised`` over the
+    rows of a class the victim holds), and ``attack_cpu_seconds`` where the attack was timed on its own
+    (``Inverted.cpu_seconds``)."""
     per: dict[str, list] = {}
     pairs = []
     for i, (image, refs) in enumerate(zip(inverted.images, inverted.references, strict=True)):
@@ -912,16 +922,21 @@ def scored(
     known = [i for i, c in enumerate(inverted.classes) if c is not None and len(inverted.references[i])]
     if recognise is not None and known:
         truth = torch.tensor([inverted.classes[i] for i in known])
-        per["recognised"] = (recognise(inverted.images[known]) == truth).float().tolist()
-        if inverted.ceilings:
-            ceilings = torch.stack([inverted.ceilings[i] for i in known])
-            per["ceiling_recognised"] = (recognise(ceilings) == truth).float().tolist()
+        held = torch.tensor([inverted.held[i] if inverted.held else True for i in known])
+        per["recognised"] = ((recognise(inverted.images[known]) == truth) & held).float().tolist()
+        if inverted.ceilings and held.any():
+            ceilings = torch.stack([inverted.ceilings[i] for i, h in zip(known, held, strict=True) if h])
+            per["ceiling_recognised"] = (recognise(ceilings) == truth[held]).float().tolist()
     row: dict[str, Any] = {"payload": inverted.payload, "threat": inverted.threat, "knowledge": inverted.knowledge}
     if inverted.cpu_seconds is not None:
         row["attack_cpu_seconds"] = inverted.cpu_seconds
     for k, values in per.items():
         summary = scores.summarize(values)
-        row[k], row[k + "_std"], row["n"] = summary["mean"], summary["std"], int(summary["n"])
+        row[k], row[k + "_std"] = summary["mean"], summary["std"]
+        if len(values) != len(pairs):
+            row[k + "_n"] = len(values)
+    if pairs:
+        row["n"] = len(pairs)
     return row, pairs
 
 

@@ -163,8 +163,9 @@ def interval(values: list[float], digits: int = 1) -> str:
 
 def counted(group: list[dict[str, Any]], key: str) -> tuple[int, int]:
     """(reconstructions the recogniser assigned their class, reconstructions) over the rows' fraction ``key``
-    (``recognised`` or ``ceiling_recognised``, each row's mean over its ``n`` reconstructions)."""
-    found = [(r[key], r["n"]) for r in group if r.get(key) is not None]
+    (``recognised`` or ``ceiling_recognised``, each row's mean over its ``<key>_n`` reconstructions where
+    it has that count, else its ``n``)."""
+    found = [(r[key], r.get(key + "_n", r["n"])) for r in group if r.get(key) is not None]
     return sum(round(f * n) for f, n in found), sum(n for _, n in found)
 
 
