@@ -113,7 +113,7 @@ class Inverted:
     mean of the victim's images (the floor a per-sample reconstruction is read against beside gray);
     ``ceilings``: per row of a class-mean payload the exact pixel mean of the images the row averages
     (the best any inversion of a mean can reach), empty for other payloads; ``classes``: per row the class
-    its images are of (None: several), empty where the attack has no such class (weight updates);
+    its images are of (None: several), empty where the attack names none (iDLG's one image of all classes);
     ``held``: per row whether the victim holds the row's class, empty where it does for every row (a
     label leakage that names a class the victim lacks: the row is scored against all of the victim's
     images and counts as not recognised); ``cpu_seconds``: the attack's own CPU time where a cell runs
