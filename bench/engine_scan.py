@@ -28,6 +28,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
@@ -72,17 +73,11 @@ def one_look(num_nodes: int, num_messages: int) -> dict[str, float]:
     if len(list(grid.push_messages(messages))) != num_messages:
         raise RuntimeError("Flower's grid did not store every message")
     # count the state's checks of one stored message: the work a look does, whatever the machine's load
-    checks = [0]
-    check_stored = state._check_stored_messages
-
-    def counted_check(*args, **kwargs):
-        checks[0] += 1
-        return check_stored(*args, **kwargs)
-
-    state._check_stored_messages = counted_check
+    checks = mock.Mock(wraps=state._check_stored_messages)
+    state._check_stored_messages = checks
     looks = []
     for _ in range(2):
-        checks[0] = 0
+        checks.reset_mock()
         start = time.perf_counter()
         for node in nodes:
             state.get_message_ins(node_id=node, limit=1)
@@ -92,7 +87,7 @@ def one_look(num_nodes: int, num_messages: int) -> dict[str, float]:
         "messages": num_messages,
         "first_look_s": looks[0],
         "next_look_s": looks[1],
-        "next_look_checks": checks[0],
+        "next_look_checks": checks.call_count,
         "per_node_message_us": looks[1] / num_nodes / num_messages * 1e6,
     }
 
