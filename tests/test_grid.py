@@ -17,7 +17,7 @@ from common.run_folder import ResultsWriter
 from conftest import DATA_DIR, ROOT
 from engine.runner import Runner
 from methods.registry import build_run
-from tools.grid import newest_run, plan, run_grid
+from tools.grid import newest_run, plan, read_grid_info, record_invocation, run_grid
 from tools.grid_rows import paper_info
 from tools.runconfig import app_defaults
 
@@ -189,6 +189,21 @@ def test_grid_interrupted_after_round_one_resumes_to_the_same_rows(tmp_path, mon
     preset.write_text(preset.read_text().replace("warm-up-rounds = 0", "warm-up-rounds = 1"))
     with pytest.raises(ValueError, match=r"'fedl2g-feat.warm-up-rounds': 0, now 1.*another --out"):
         run_grid(preset, ["fedl2g-feat"], [0], split, launcher=in_process)
+
+
+def test_grid_json_holds_every_invocations_methods_and_seeds(tmp_path):
+    """A grid run a seed or a method at a time (then continued): ``grid.json`` names every method in the
+    order first asked and every seed, not only the last invocation's; ``rounds`` is the last one's."""
+    preset, grid = small_preset(tmp_path), tmp_path / "grid"
+    grid.mkdir()
+    record_invocation(grid, preset, ["local", "fedtgp"], [1], 3, 0.0, ["--seeds", "1"], {})
+    record_invocation(grid, preset, ["fedgh", "local"], [2, 0], 5, 0.0, ["--seeds", "2,0"], {})
+    info = read_grid_info(grid)
+    assert info["methods"] == ["local", "fedtgp", "fedgh"] and info["seeds"] == [0, 1, 2] and info["rounds"] == 5
+    assert [i["command"] for i in info["invocations"]] == [
+        "python -m tools.grid --seeds 1",
+        "python -m tools.grid --seeds 2,0",
+    ]
 
 
 def test_the_grid_refuses_an_unknown_method_without_importing_the_methods(tmp_path):

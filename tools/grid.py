@@ -252,7 +252,9 @@ def record_invocation(
     argv: list[str],
     overrides: dict,
 ) -> None:
-    """Add this invocation to ``grid.json`` (created with the preset's config on the first one).
+    """Add this invocation to ``grid.json`` (created with the preset's config on the first one): its command,
+    commit and machine under ``invocations``, its methods and seeds added to the grid's (``methods`` in the
+    order first asked, ``seeds`` sorted), its ``rounds``.
 
     A preset key added or changed since is taken (and recorded) when only cells the grid does not hold yet
     read it: an option ``<method>.<key>`` of one of ``methods`` that has no cell in the grid (e.g. the
@@ -281,7 +283,15 @@ def record_invocation(
             + ", ".join(f"{k!r}: {started.get(k)!r}, now {config.get(k)!r}" for k in changed)
             + "): use another --out folder"
         )
-    info.update(preset_config=config, methods=methods, seeds=seeds, rounds=rounds)
+    # the grid's methods and seeds are those of every invocation (a grid is often run a seed or a method at a
+    # time), in the order they were first asked; ``rounds`` is this invocation's, which every cell continues to
+    held_methods = info.get("methods", [])
+    info.update(
+        preset_config=config,
+        methods=held_methods + [m for m in methods if m not in held_methods],
+        seeds=sorted({*info.get("seeds", []), *seeds}),
+        rounds=rounds,
+    )
     info["invocations"].append(
         {
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
